@@ -1,0 +1,292 @@
+"""Load and validate a telemetry bundle (schema: :mod:`xroute.schema.telemetry`).
+
+Validation is hand-written rather than pandera: every failure must become *one* line naming the
+file, the row and the column, and several checks span tables (unknown offering ids, unknown
+locations, per-offering time order) which column-schema libraries do not express directly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from xroute.errors import BundleError
+from xroute.schema.offering import Offering
+from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, Column, Table, location_id
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BUNDLE = REPO_ROOT / "data" / "bundles" / "default"
+
+
+def _find_table_file(root: Path, name: str) -> Path | None:
+    found = [root / f"{name}{s}" for s in TABLE_SUFFIXES if (root / f"{name}{s}").is_file()]
+    if len(found) > 1:
+        raise BundleError(str(root), f"table '{name}' is given twice ({', '.join(p.name for p in found)}); keep one")
+    return found[0] if found else None
+
+
+def _read_table(path: Path, table: Table) -> pd.DataFrame:
+    try:
+        if path.name.endswith(".parquet"):
+            df = pd.read_parquet(path)
+        else:
+            df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except Exception as e:  # pandas/pyarrow raise many types for unreadable files
+        raise BundleError(path.name, f"cannot be read as a table ({type(e).__name__}: {e})") from e
+    df.columns = [str(c).strip() for c in df.columns]
+    return df
+
+
+def _blank(s: pd.Series) -> np.ndarray:
+    if s.dtype == object or pd.api.types.is_string_dtype(s):
+        return np.asarray(s.isna() | (s.astype(str).str.strip() == ""), dtype=bool)
+    return np.asarray(s.isna(), dtype=bool)
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _coerce_column(df: pd.DataFrame, col: Column, fname: str) -> pd.Series:
+    s = df[col.name]
+    blank = _blank(s)
+    if col.required and blank.any():
+        raise BundleError(fname, "is empty (a value is required)", _first(blank) + 1, col.name)
+    if col.kind == "str":
+        out = s.astype(str).str.strip().where(~blank, "")
+        if col.choices is not None:
+            bad = ~blank & ~out.isin(col.choices).to_numpy()
+            if bad.any():
+                i = _first(bad)
+                raise BundleError(fname, f"'{out.iloc[i]}' is not one of {', '.join(col.choices)}", i + 1, col.name)
+        return out
+    if col.kind == "ts":
+        text = s.astype(str).str.strip()
+        ts = pd.to_datetime(text, utc=True, errors="coerce", format="ISO8601")
+        bad = np.asarray(ts.isna(), dtype=bool) & ~blank
+        if bad.any():
+            i = _first(bad)
+            raise BundleError(fname, f"'{text.iloc[i]}' is not an ISO-8601 timestamp", i + 1, col.name)
+        return ts
+    num = pd.to_numeric(s.where(~blank, None), errors="coerce")
+    vals = num.to_numpy(dtype=float)
+    notnum = np.isnan(vals) & ~blank
+    if notnum.any():
+        i = _first(notnum)
+        raise BundleError(fname, f"'{s.iloc[i]}' is not a number", i + 1, col.name)
+    inf = ~np.isfinite(vals) & ~np.isnan(vals)
+    if inf.any():
+        i = _first(inf)
+        raise BundleError(fname, "is not finite", i + 1, col.name)
+    if col.kind in ("int", "flag"):
+        frac = ~blank & (vals != np.round(vals))
+        if frac.any():
+            i = _first(frac)
+            raise BundleError(fname, f"'{s.iloc[i]}' is not a whole number", i + 1, col.name)
+    if col.kind == "flag":
+        bad = ~blank & ~np.isin(vals, (0.0, 1.0))
+        if bad.any():
+            i = _first(bad)
+            raise BundleError(fname, f"'{s.iloc[i]}' must be 0 or 1", i + 1, col.name)
+    if col.minimum is not None:
+        bad = ~blank & (vals < col.minimum)
+        if bad.any():
+            i = _first(bad)
+            raise BundleError(fname, f"{vals[i]:g} is below the minimum {col.minimum:g}", i + 1, col.name)
+    if col.maximum is not None:
+        bad = ~blank & (vals > col.maximum)
+        if bad.any():
+            i = _first(bad)
+            raise BundleError(fname, f"{vals[i]:g} is above the maximum {col.maximum:g}", i + 1, col.name)
+    return pd.Series(vals, index=s.index)
+
+
+def validate_table(df: pd.DataFrame, table: Table, fname: str) -> pd.DataFrame:
+    """Check one table against its spec and return it with typed columns (extra columns kept)."""
+    missing = [c for c in table.required_columns if c not in df.columns]
+    if missing:
+        raise BundleError(fname, f"missing column(s) {', '.join(missing)} (has: {', '.join(map(str, df.columns))})")
+    df = df.reset_index(drop=True).copy()
+    for col in table.columns:
+        if col.name not in df.columns:
+            continue
+        df[col.name] = _coerce_column(df, col, fname)
+    for key in table.unique[:1] if len(table.unique) == 1 else ():
+        dup = df[key].duplicated().to_numpy()
+        if dup.any():
+            i = _first(dup)
+            raise BundleError(fname, f"duplicate value '{df[key].iloc[i]}' (must be unique)", i + 1, key)
+    if len(table.unique) > 1:
+        dup = df.duplicated(list(table.unique)).to_numpy()
+        if dup.any():
+            i = _first(dup)
+            raise BundleError(fname, f"duplicate row for {', '.join(table.unique)}", i + 1, table.unique[0])
+    if table.time_column:
+        _check_order(df, table, fname)
+    return df
+
+
+def _check_order(df: pd.DataFrame, table: Table, fname: str) -> None:
+    tcol = table.time_column
+    assert tcol is not None
+    t = df[tcol].astype("int64").to_numpy()
+    if not table.order_within:
+        back = np.flatnonzero(np.diff(t) < 0)
+        if back.size:
+            i = int(back[0]) + 1
+            raise BundleError(fname, f"timestamps out of order ({df[tcol].iloc[i]} comes after {df[tcol].iloc[i - 1]})", i + 1, tcol)
+        return
+    keys = df[list(table.order_within)].astype(str).agg("\x1f".join, axis=1) if len(table.order_within) > 1 else df[table.order_within[0]]
+    codes, _ = pd.factorize(keys)
+    order = np.lexsort((np.arange(len(df)), codes))
+    c_sorted, t_sorted = codes[order], t[order]
+    back = (np.diff(c_sorted) == 0) & (np.diff(t_sorted) < 0)
+    if back.any():
+        i = int(order[int(np.flatnonzero(back)[0]) + 1])
+        raise BundleError(fname, f"timestamps out of order for {table.order_within[0]} '{keys.iloc[i]}'", i + 1, tcol)
+
+
+@dataclass
+class Bundle:
+    """A validated bundle. Tables are pandas frames with typed columns; absent optional tables are
+    ``None``. ``offerings`` order defines offering indices everywhere downstream."""
+
+    path: Path
+    offerings: pd.DataFrame
+    prices: pd.DataFrame
+    rtt: pd.DataFrame
+    workload: pd.DataFrame
+    availability: pd.DataFrame | None = None
+    utilization: pd.DataFrame | None = None
+    quotas: pd.DataFrame | None = None
+    content_hash: str = ""
+    extra: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+    @property
+    def offering_ids(self) -> list[str]:
+        return list(self.offerings["offering_id"])
+
+    def catalog(self) -> list[Offering]:
+        """The offerings as :class:`Offering` objects, in bundle order."""
+        out = []
+        has_cap = "capacity_replicas" in self.offerings.columns
+        has_zone = "zone" in self.offerings.columns
+        for r in self.offerings.itertuples(index=False):
+            cap = getattr(r, "capacity_replicas", 0) if has_cap else 0
+            out.append(Offering(
+                offering_id=r.offering_id, provider=r.provider, region=r.region,
+                instance_type=r.instance_type, pricing_mode=r.pricing_mode,
+                accelerator=(getattr(r, "accelerator", "") or "") if "accelerator" in self.offerings.columns else "",
+                accelerator_count=int(r.accelerator_count), vcpus=float(r.vcpus), memory_gib=float(r.memory_gib),
+                zone=(r.zone or "") if has_zone else "",
+                capacity_replicas=0 if cap is None or (isinstance(cap, float) and np.isnan(cap)) else int(cap),
+            ))
+        return out
+
+    def locations(self) -> list[str]:
+        return sorted(set(location_id(p, r) for p, r in zip(self.offerings["provider"], self.offerings["region"])))
+
+    def rtt_lookup(self) -> dict[tuple[str, str], float]:
+        """RTT in ms by (src, dst); symmetric where only one direction is given."""
+        d: dict[tuple[str, str], float] = {}
+        for s, t, v in zip(self.rtt["src"], self.rtt["dst"], self.rtt["rtt_ms"]):
+            d[(s, t)] = float(v)
+        for (s, t), v in list(d.items()):
+            d.setdefault((t, s), v)
+        return d
+
+    def window(self, start: pd.Timestamp | str | None = None, end: pd.Timestamp | str | None = None) -> Bundle:
+        """The same telemetry with the workload cut to ``[start, end)``."""
+        w = self.workload
+        if start is not None:
+            w = w[w["ts"] >= to_utc(start)]
+        if end is not None:
+            w = w[w["ts"] < to_utc(end)]
+        if len(w) == 0:
+            raise BundleError("workload", f"no requests between {start} and {end}")
+        return replace(self, workload=w.reset_index(drop=True))
+
+    def time_span(self) -> tuple[pd.Timestamp, pd.Timestamp]:
+        return self.workload["ts"].iloc[0], self.workload["ts"].iloc[-1]
+
+
+def to_utc(ts: pd.Timestamp | str) -> pd.Timestamp:
+    """A timestamp in UTC; naive input is taken as UTC."""
+    t = pd.Timestamp(ts)
+    return t.tz_localize("UTC") if t.tzinfo is None else t.tz_convert("UTC")
+
+
+def _suggest(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def load_bundle(path: str | Path | None = None) -> Bundle:
+    """Read and validate the bundle at ``path`` (default: the shipped bundle).
+
+    Raises :class:`BundleError` with file, row and column on the first problem found.
+    """
+    root = Path(path) if path is not None else DEFAULT_BUNDLE
+    if not root.is_dir():
+        raise BundleError(str(root), "is not a directory holding a telemetry bundle")
+    frames: dict[str, pd.DataFrame | None] = {}
+    digest = hashlib.sha256()
+    for name, table in TABLES.items():
+        f = _find_table_file(root, name)
+        if f is None:
+            if table.required:
+                raise BundleError(str(root), f"missing table '{name}' (expected {name}.csv or {name}.parquet)")
+            frames[name] = None
+            continue
+        digest.update(name.encode())
+        digest.update(f.read_bytes())
+        frames[name] = validate_table(_read_table(f, table), table, f.name)
+
+    offerings, prices, rtt, workload = (frames[n] for n in ("offerings", "prices", "rtt", "workload"))
+    assert offerings is not None and prices is not None and rtt is not None and workload is not None
+    fname = {n: (_find_table_file(root, n).name if frames[n] is not None else n) for n in frames}  # type: ignore[union-attr]
+    if len(offerings) == 0:
+        raise BundleError(fname["offerings"], "has no offerings")
+    if len(workload) == 0:
+        raise BundleError(fname["workload"], "has no requests (the workload is empty)")
+
+    known = set(offerings["offering_id"])
+    for name in ("prices", "availability", "utilization"):
+        df = frames[name]
+        if df is None:
+            continue
+        bad = ~df["offering_id"].isin(known).to_numpy()
+        if bad.any():
+            i = _first(bad)
+            oid = df["offering_id"].iloc[i]
+            raise BundleError(fname[name], f"unknown offering_id '{oid}'{_suggest(oid, known)}", i + 1, "offering_id")
+    unpriced = sorted(known - set(prices["offering_id"]))
+    if unpriced:
+        raise BundleError(fname["prices"], f"no price for offering(s) {', '.join(unpriced[:5])}")
+
+    locs = set(rtt["src"]) | set(rtt["dst"])
+    off_locs = (offerings["provider"] + ":" + offerings["region"]).to_numpy()
+    bad = ~np.isin(off_locs, list(locs))
+    if bad.any():
+        i = _first(bad)
+        raise BundleError(fname["offerings"], f"location '{off_locs[i]}' has no RTT rows{_suggest(off_locs[i], locs)}", i + 1, "region")
+    bad = ~workload["origin"].isin(locs).to_numpy()
+    if bad.any():
+        i = _first(bad)
+        o = workload["origin"].iloc[i]
+        raise BundleError(fname["workload"], f"unknown location '{o}'{_suggest(o, locs)}", i + 1, "origin")
+    pairs = set(zip(rtt["src"], rtt["dst"]))
+    for o in sorted(set(workload["origin"])):
+        for loc in sorted(set(off_locs)):
+            if (o, loc) not in pairs and (loc, o) not in pairs:
+                raise BundleError(fname["rtt"], f"no RTT between origin '{o}' and offering location '{loc}'")
+
+    return Bundle(path=root, offerings=offerings, prices=prices, rtt=rtt, workload=workload,
+                  availability=frames["availability"], utilization=frames["utilization"],
+                  quotas=frames["quotas"], content_hash=digest.hexdigest()[:16])

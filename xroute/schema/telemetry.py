@@ -1,0 +1,176 @@
+"""The telemetry bundle schema — the one place that defines it.
+
+A *bundle* is a directory of tables (CSV, gzipped CSV or Parquet), one file per table, named
+``<table>.csv``, ``<table>.csv.gz`` or ``<table>.parquet``. Every other module (the loader, the
+environment, the adapters' writers, the router's cache) imports the table specs from here.
+
+See ``docs/telemetry.md`` for the prose version of this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ColumnKind = Literal["str", "float", "int", "ts", "flag"]
+
+PROVIDERS: tuple[str, ...] = ("aws", "azure", "gcp")
+PRICING_MODES: tuple[str, ...] = ("on_demand", "spot")
+TABLE_SUFFIXES: tuple[str, ...] = (".csv", ".csv.gz", ".parquet")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table.
+
+    ``kind``: ``str`` (non-empty text), ``float``/``int`` (finite numbers), ``ts`` (ISO-8601 UTC
+    timestamp), ``flag`` (0 or 1). ``minimum``/``maximum`` bound numbers inclusively;
+    ``choices`` restricts text. An optional column may be absent or hold empty cells.
+    """
+
+    name: str
+    kind: ColumnKind
+    required: bool = True
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] | None = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of a bundle: its columns, and whether the bundle may omit it."""
+
+    name: str
+    columns: tuple[Column, ...]
+    required: bool = True
+    time_column: str | None = None
+    #: rows must be ordered by ``time_column`` within each group of these columns
+    order_within: tuple[str, ...] = ()
+    doc: str = ""
+    unique: tuple[str, ...] = field(default=())
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns if c.required)
+
+
+OFFERINGS = Table(
+    name="offerings",
+    doc="The catalog: one row per offering (provider x region x instance type x pricing mode).",
+    unique=("offering_id",),
+    columns=(
+        Column("offering_id", "str", doc="unique id, e.g. aws:us-east-1:g5.xlarge:spot"),
+        Column("provider", "str", choices=PROVIDERS),
+        Column("region", "str", doc="provider region; provider:region is the location id"),
+        Column("zone", "str", required=False),
+        Column("instance_type", "str"),
+        Column("accelerator", "str", required=False, doc="shared accelerator name (T4, A10G, ...)"),
+        Column("accelerator_count", "int", minimum=0),
+        Column("vcpus", "float", minimum=0),
+        Column("memory_gib", "float", minimum=0),
+        Column("pricing_mode", "str", choices=PRICING_MODES),
+        Column("capacity_replicas", "int", required=False, minimum=0,
+               doc="model replicas we hold in that pool"),
+    ),
+)
+
+PRICES = Table(
+    name="prices",
+    doc="Step function per offering: each row holds until the next row of the same offering.",
+    time_column="ts",
+    order_within=("offering_id",),
+    columns=(
+        Column("ts", "ts"),
+        Column("offering_id", "str"),
+        Column("usd_per_hour", "float", minimum=0.0),
+    ),
+)
+
+AVAILABILITY = Table(
+    name="availability",
+    doc="Spot availability per offering: 1 = obtainable/running, a flip to 0 preempts the pool. "
+    "Offerings with no rows are always available.",
+    required=False,
+    time_column="ts",
+    order_within=("offering_id",),
+    columns=(
+        Column("ts", "ts"),
+        Column("offering_id", "str"),
+        Column("available", "flag"),
+    ),
+)
+
+RTT = Table(
+    name="rtt",
+    doc="Round-trip time between location ids (provider:region).",
+    unique=("src", "dst"),
+    columns=(
+        Column("src", "str"),
+        Column("dst", "str"),
+        Column("rtt_ms", "float", minimum=0.0),
+    ),
+)
+
+WORKLOAD = Table(
+    name="workload",
+    doc="The request stream, in arrival order.",
+    time_column="ts",
+    unique=("request_id",),
+    columns=(
+        Column("ts", "ts"),
+        Column("request_id", "str"),
+        Column("origin", "str", doc="location id the request comes from"),
+        Column("input_tokens", "int", minimum=0),
+        Column("output_tokens", "int", minimum=0),
+        Column("sla_ms", "float", minimum=0.0),
+        Column("session_id", "str", required=False),
+        Column("tenant", "str", required=False),
+    ),
+)
+
+UTILIZATION = Table(
+    name="utilization",
+    doc="Load on each pool from outside xroute (0-1); feeds the pool-load features.",
+    required=False,
+    time_column="ts",
+    order_within=("offering_id",),
+    columns=(
+        Column("ts", "ts"),
+        Column("offering_id", "str"),
+        Column("gpu_util", "float", minimum=0.0, maximum=1.0),
+        Column("cpu_util", "float", required=False, minimum=0.0, maximum=1.0),
+    ),
+)
+
+QUOTAS = Table(
+    name="quotas",
+    doc="Capacity quotas per provider, region and family, as collected (snapshots).",
+    required=False,
+    time_column="ts",
+    order_within=("provider", "region", "quota_name"),
+    columns=(
+        Column("ts", "ts"),
+        Column("provider", "str", choices=PROVIDERS),
+        Column("region", "str"),
+        Column("quota_name", "str", doc="e.g. a GPU family or vCPU quota name, as the provider calls it"),
+        Column("unit", "str", doc="vcpus | gpus | instances"),
+        Column("limit", "float", minimum=0.0),
+        Column("usage", "float", required=False, minimum=0.0),
+    ),
+)
+
+TABLES: dict[str, Table] = {
+    t.name: t for t in (OFFERINGS, PRICES, AVAILABILITY, RTT, WORKLOAD, UTILIZATION, QUOTAS)
+}
+
+
+def location_id(provider: str, region: str) -> str:
+    """The location id of a provider region: ``provider:region``."""
+    return f"{provider}:{region}"
