@@ -216,6 +216,11 @@ class Bundle:
         return self.workload["ts"].iloc[0], self.workload["ts"].iloc[-1]
 
 
+def to_seconds(ts: pd.Series) -> np.ndarray:
+    """Timestamps as float seconds since the Unix epoch (whatever resolution pandas picked)."""
+    return np.asarray(pd.to_datetime(ts, utc=True).dt.as_unit("ns").astype("int64"), dtype=np.int64) / 1e9
+
+
 def to_utc(ts: pd.Timestamp | str) -> pd.Timestamp:
     """A timestamp in UTC; naive input is taken as UTC."""
     t = pd.Timestamp(ts)

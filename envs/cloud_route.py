@@ -1,0 +1,394 @@
+"""``xroute/CloudRoute-v0``: route each request of a replayed request stream to an offering.
+
+Description
+-----------
+A telemetry bundle (see ``docs/telemetry.md``) is replayed in time. Each step is one request of its
+workload (in arrival order, arrivals optionally compressed by ``rate_scale``); the action picks the
+offering (provider x region x instance type x pricing mode) that serves it.
+
+Each offering is a pool of ``capacity_replicas`` model replicas (default: one instance's worth), each
+replica with ``max_concurrency`` request slots (``configs/serving.yaml``). A request waits for the
+first free slot, then is served in ``input/prefill_tok_s + output * tpot(k)`` seconds, where
+``tpot(k) = tpot_ms * (1 + tpot_growth*(k-1))`` grows with the ``k`` requests batched on the replica
+(plus the pool's external utilization), times a per-request lognormal factor (``noise_sigma``).
+
+Latency = RTT(origin, offering location) + queueing + service time. Cost = price per replica-second
+x service time / slots per replica (the slot-time the request occupies). If the replayed
+availability of a spot pool flips to 0 while a request is queued or in flight there, the request is
+preempted: it pays for the time it ran, and is retried on the on-demand offering with the lowest
+expected latency from its origin, after ``retry_overhead_ms``. An SLA violation is latency > sla_ms.
+
+Observation (``Dict``)
+----------------------
+==============  ===============================  ==============================================
+key             shape                            meaning
+==============  ===============================  ==============================================
+``offerings``   (max_offerings * F,) float32     per-offering feature rows, flattened row-major
+                                                 (``envs.features.offering_matrix`` reshapes);
+                                                 rows past the catalog are zero
+``request``     (R,) float32                     request features, see ``envs.features``
+``mask``        (max_offerings,) float32         1 = valid action (same as ``info["action_mask"]``)
+==============  ===============================  ==============================================
+
+Action
+------
+``Discrete(max_offerings)``: the index of an offering in the bundle's ``offerings`` table. An
+invalid action (padding, spot pool unavailable, zero capacity, or a pool whose next free slot is
+more than ``queue_timeout_s`` away) is defined: the request fails (counted in ``failed``), costs
+nothing, and is charged ``failure_latency_norm`` plus the SLA penalty.
+
+Reward
+------
+``-(cost_weight*cost_norm + latency_weight*latency_norm) - sla_penalty*violation`` with
+``cost_norm = min(cost / reference_cost, cost_norm_cap)`` where ``reference_cost`` is the request's
+cost on one replica of the reference accelerator priced ``reference_usd_per_replica_hour``, and
+``latency_norm = min(latency / sla, latency_norm_cap)``. Defaults 0.6 / 0.4 / 2.0.
+
+Episode
+-------
+``reset`` picks ``episode_requests`` consecutive requests starting at a random index (the whole
+stream from its start when ``episode_requests`` is None) and empties every pool. The episode is
+truncated (never terminated) after its last request. Everything random comes from
+``self.np_random``, so the same seed gives the same trajectory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from envs import features as fz
+from envs.replay import TelemetryReplay
+from xroute.bundle import Bundle, load_bundle, to_seconds
+from xroute.config import EnvConfig, ServingConfig, config_path, parse_config, read_yaml
+from xroute.errors import ConfigError
+
+
+def load_serving(name: str) -> ServingConfig:
+    path = config_path(name)
+    return parse_config(ServingConfig, read_yaml(path), str(path))
+
+
+class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
+    metadata = {"render_modes": []}  # noqa: RUF012
+
+    def __init__(self, bundle: Bundle | str | None = None, config: EnvConfig | dict[str, Any] | None = None,
+                 **overrides: Any):
+        super().__init__()
+        if isinstance(config, EnvConfig):
+            cfg = config.model_copy(update=overrides) if overrides else config
+        else:
+            cfg = parse_config(EnvConfig, {**(config or {}), **overrides}, "env config")
+        self.cfg = cfg
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.catalog = self.bundle.catalog()
+        n = len(self.catalog)
+        if n > cfg.max_offerings:
+            raise ConfigError(f"env config: field 'max_offerings': the bundle has {n} offerings, more than {cfg.max_offerings}")
+        self.n = n
+        self.N = cfg.max_offerings
+        self._init_static()
+        self.observation_space = spaces.Dict({
+            "offerings": spaces.Box(np.tile(fz.OFFERING_LOW, self.N), np.tile(fz.OFFERING_HIGH, self.N),
+                                    dtype=np.float32),
+            "request": spaces.Box(fz.REQUEST_LOW, fz.REQUEST_HIGH, dtype=np.float32),
+            "mask": spaces.Box(0.0, 1.0, (self.N,), dtype=np.float32),
+        })
+        self.action_space = spaces.Discrete(self.N)
+        self._pos = 0
+        self._end = 0
+
+    # ------------------------------------------------------------------ setup
+    def _init_static(self) -> None:
+        serving = load_serving(self.cfg.serving_config)
+        self.serving = serving
+        ref = serving.accelerators.get(serving.reference_accelerator)
+        if ref is None:
+            raise ConfigError(f"{self.cfg.serving_config}: field 'reference_accelerator': "
+                              f"'{serving.reference_accelerator}' has no entry under accelerators")
+        speeds = []
+        for o in self.catalog:
+            s = serving.accelerators.get(o.accelerator)
+            if s is None:
+                raise ConfigError(f"{self.cfg.serving_config}: field 'accelerators': no entry for accelerator "
+                                  f"'{o.accelerator or '(none)'}' used by offering {o.offering_id}")
+            speeds.append(s)
+        self.prefill = np.array([s.prefill_tok_s for s in speeds])
+        self.tpot_s = np.array([s.tpot_ms for s in speeds]) / 1000.0
+        self.growth = np.array([s.tpot_growth for s in speeds])
+        self.conc = np.array([s.max_concurrency for s in speeds], dtype=float)
+        self.sigma = np.array([s.noise_sigma for s in speeds])
+        self.ref = ref
+        self.rpi = np.array([o.replicas_per_instance for o in self.catalog], dtype=float)
+        caps = self.bundle.offerings.get("capacity_replicas")
+        replicas = []
+        for o, c in zip(self.catalog, caps if caps is not None else [np.nan] * self.n):
+            replicas.append(o.replicas_per_instance if c is None or (isinstance(c, float) and np.isnan(c)) else int(c))
+        self.replicas = np.array(replicas, dtype=float)
+        self.slots = (self.replicas * self.conc).astype(np.int64)
+        self.smax = max(1, int(self.slots.max()))
+        self.pad = self.smax - self.slots
+        self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
+        self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
+        self.speed_feat = np.clip(np.log(ref.tpot_ms / 1000.0 / self.tpot_s), -3, 3)
+        self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
+        self.replay = TelemetryReplay(self.bundle, self.rpi)
+
+        w = self.bundle.workload
+        self.origins = sorted(set(w["origin"]))
+        oi = {o: i for i, o in enumerate(self.origins)}
+        rtt = self.bundle.rtt_lookup()
+        self.rtt_ms = np.array([[rtt[(org, off.location)] for off in self.catalog] for org in self.origins])
+        t = to_seconds(w["ts"])
+        self.t0 = float(t[0])
+        self.arrival_raw = t
+        self.req_origin = w["origin"].map(oi).to_numpy()
+        self.req_in = w["input_tokens"].to_numpy(dtype=float)
+        self.req_out = w["output_tokens"].to_numpy(dtype=float)
+        self.req_sla_ms = w["sla_ms"].to_numpy(dtype=float)
+        self.req_ids = w["request_id"].to_numpy()
+        self.n_requests = len(w)
+        self.set_rate_scale(self.cfg.rate_scale)
+        # reference cost of each request: served alone on one reference replica at the reference price
+        ref_service = self.req_in / ref.prefill_tok_s + self.req_out * ref.tpot_ms / 1000.0
+        self.ref_cost = np.maximum(
+            self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service / ref.max_concurrency, 1e-12)
+
+    def set_rate_scale(self, rate_scale: float) -> None:
+        """Compress arrivals by ``rate_scale`` (4 = four times the load)."""
+        if rate_scale <= 0:
+            raise ConfigError(f"env config: field 'rate_scale': must be > 0, got {rate_scale}")
+        self.rate_scale = rate_scale
+        self.arrival = self.t0 + (self.arrival_raw - self.t0) / rate_scale
+
+    # ------------------------------------------------------------------ gym API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        super().reset(seed=seed)
+        L = self.cfg.episode_requests
+        if options and "start" in options:
+            start = int(options["start"])
+        elif L is None or L >= self.n_requests:
+            start = 0
+        else:
+            start = int(self.np_random.integers(0, self.n_requests - L + 1))
+        end = self.n_requests if L is None else min(self.n_requests, start + L)
+        if options and "end" in options:
+            end = min(self.n_requests, int(options["end"]))
+        self._pos, self._end = start, end
+        self.z = self.np_random.standard_normal(end - start)
+        self.free_at = np.full((self.n, self.smax), -np.inf)
+        for i in range(self.n):
+            self.free_at[i, self.slots[i]:] = np.inf
+        self._refresh_at = -np.inf
+        self._next_event = -np.inf
+        self._recent: list[float] = []
+        self.stats = {"preempted": 0, "failed": 0}
+        self._prepare()
+        return self._obs(), self._info()
+
+    def step(self, action: int) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
+        a = int(action)
+        out = self._resolve(a)
+        self._pos += 1
+        truncated = self._pos >= self._end
+        if not truncated:
+            self._prepare()
+            obs, info = self._obs(), self._info()
+        else:
+            obs, info = self._last_obs, {"action_mask": np.zeros(self.N, dtype=bool)}
+        info.update(out)
+        return obs, float(out["reward"]), False, truncated, info
+
+    # ------------------------------------------------------------------ dynamics
+    def _refresh(self, t: float) -> None:
+        snap = self.replay.snapshot(t, self.cfg.risk_lookback_h * 3600.0)
+        p, p24 = snap["price"], snap["price_24h"]
+        self.price_s = p / 3600.0
+        self.available = snap["available"] > 0.5
+        self.ext_util = snap["util"]
+        self.next_down = self.replay.next_down(t)
+        ref_price = self.cfg.reward.reference_usd_per_replica_hour
+        lookback_h = self.cfg.risk_lookback_h
+        # preemption hazard per second: (count + prior) / (lookback + prior time); prior = 1 per 24 h
+        self.hazard = np.where(self.is_spot > 0.5, (snap["preempt_count"] + 0.25) / ((lookback_h + 6.0) * 3600.0), 0.0)
+        st = np.zeros((self.n, fz.N_OFFERING_FEATURES))
+        st[:, fz.F["log_price"]] = np.clip(np.log(np.maximum(p, 1e-6) / ref_price), -3, 3)
+        st[:, fz.F["price_trend"]] = np.clip(np.nan_to_num((p - p24) / np.maximum(p, 1e-9)), -1, 1)
+        st[:, fz.F["price_volatility"]] = np.clip(snap["volatility"] / 10.0, 0, 1)
+        st[:, fz.F["is_spot"]] = self.is_spot
+        st[:, fz.F["ext_util"]] = np.clip(self.ext_util, 0, 1)
+        st[:, fz.F["available"]] = self.available
+        st[:, fz.F["preemptions"]] = np.clip(snap["preempt_count"] / 5.0, 0, 2)
+        st[:, fz.F["preempt_recency"]] = snap["preempt_recency"]
+        st[:, fz.F["speed"]] = self.speed_feat
+        st[:, fz.F["capacity"]] = self.cap_feat
+        self.static_feats = st
+        self._refresh_at = t + self.cfg.feature_refresh_s
+        self._next_event = self.replay.next_event_after(t)
+
+    def _prepare(self) -> None:
+        """Compute the current request's candidate outcomes on every offering (expected values)."""
+        i = self._pos
+        t = float(self.arrival[i])
+        if t >= self._refresh_at or t >= self._next_event:
+            self._refresh(t)
+        self.t = t
+        fa = self.free_at
+        nxt = fa.min(axis=1)
+        wait = np.maximum(nxt - t, 0.0)
+        busy = (fa > t).sum(axis=1) - self.pad
+        k = np.minimum(busy / self.replicas, self.conc - 1.0) + 1.0 + self.ext_util * self.conc
+        service = self.req_in[i] / self.prefill + self.req_out[i] * self.tpot_s * (1.0 + self.growth * (k - 1.0))
+        rtt = self.rtt_ms[self.req_origin[i]]
+        sla = self.req_sla_ms[i]
+        lat = rtt + 1000.0 * (wait + service)
+        cost = self.price_s * service / self.conc
+        mask = self.available & (self.slots > 0) & (wait <= self.cfg.queue_timeout_s) & np.isfinite(self.price_s)
+        risk = 1.0 - np.exp(-self.hazard * (wait + service))
+        self.c_wait, self.c_busy, self.c_service, self.c_rtt = wait, busy, service, rtt
+        self.c_lat, self.c_cost, self.c_mask, self.c_risk = lat, cost, mask, risk
+        self._recent.append(t)
+        while self._recent and self._recent[0] < t - 10.0:
+            self._recent.pop(0)
+
+    def _obs(self) -> dict[str, np.ndarray]:
+        i, n = self._pos, self.n
+        sla = self.req_sla_ms[i]
+        m = self.static_feats.copy()
+        m[:, fz.F["valid"]] = self.c_mask
+        m[:, fz.F["rtt"]] = np.minimum(self.c_rtt / 300.0, 3.0)
+        m[:, fz.F["busy"]] = np.clip(self.c_busy / np.maximum(self.slots, 1), 0, 1)
+        m[:, fz.F["wait"]] = np.minimum(1000.0 * self.c_wait / sla, 3.0)
+        m[:, fz.F["preempt_risk"]] = self.c_risk
+        m[:, fz.F["exp_latency"]] = np.minimum(self.c_lat / sla, 3.0)
+        m[:, fz.F["exp_cost"]] = np.minimum(np.nan_to_num(self.c_cost / self.ref_cost[i], nan=5.0), 5.0)
+        m[:, fz.F["exp_violation"]] = self.c_lat > sla
+        offerings = np.zeros(self.N * fz.N_OFFERING_FEATURES, dtype=np.float32)
+        offerings[: n * fz.N_OFFERING_FEATURES] = m.ravel()
+        valid_slots = np.maximum(self.slots[self.c_mask].sum(), 1)
+        req = np.array([
+            min(np.log1p(self.req_in[i]) / 10.0, 2.0),
+            min(np.log1p(self.req_out[i]) / 8.0, 2.0),
+            min(np.log1p(sla) / 12.0, 2.0),
+            min(len(self._recent) / 100.0, 3.0),
+            min(float(self.c_busy[self.c_mask].sum()) / valid_slots, 1.0),
+        ], dtype=np.float32)
+        mask = np.zeros(self.N, dtype=np.float32)
+        mask[:n] = self.c_mask
+        self._last_obs = {"offerings": offerings, "request": req, "mask": mask}
+        return self._last_obs
+
+    def _info(self) -> dict[str, Any]:
+        mask = np.zeros(self.N, dtype=bool)
+        mask[: self.n] = self.c_mask
+        return {"action_mask": mask, "request_id": self.req_ids[self._pos], "t": self.t}
+
+    def action_mask(self) -> np.ndarray:
+        """Valid actions for the current request (for ``sb3_contrib``-style masking)."""
+        return self._info()["action_mask"]
+
+    # ------------------------------------------------------------------ outcomes
+    def _served(self, a: int, i: int, start_t: float, service: float) -> tuple[float, float, bool, float]:
+        """Serve request i on offering a from ``start_t`` (>= its slot's free time). Returns
+        (end time, cost, preempted, preemption time). Updates the pool's slots."""
+        j = int(np.argmin(self.free_at[a]))
+        start = max(start_t, self.free_at[a, j])
+        down = self.next_down[a] if self.is_spot[a] > 0.5 else np.inf
+        if down < start + service and down >= self.t:
+            ran = max(0.0, down - start)
+            if down > start:
+                self.free_at[a, j] = down
+            return down, self.price_s[a] * ran / self.conc[a], True, down
+        self.free_at[a, j] = start + service
+        return start + service, self.price_s[a] * service / self.conc[a], False, np.inf
+
+    def _actual_service(self, i: int, a: int | np.ndarray) -> Any:
+        return self.c_service[a] * np.exp(self.sigma[a] * self.z[i - self._ep_start] - 0.5 * self.sigma[a] ** 2)
+
+    @property
+    def _ep_start(self) -> int:
+        return self._end - len(self.z)
+
+    def _fallback(self, exclude: int) -> int | None:
+        cand = self.on_demand_idx[self.c_mask[self.on_demand_idx]]
+        cand = cand[cand != exclude]
+        if cand.size == 0:
+            return None
+        return int(cand[np.argmin(self.c_lat[cand])])
+
+    def _resolve(self, a: int) -> dict[str, Any]:
+        i = self._pos
+        t, sla = self.t, self.req_sla_ms[i]
+        rw = self.cfg.reward
+        if a < 0 or a >= self.n or not self.c_mask[a]:
+            self.stats["failed"] += 1
+            reward = -(rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty
+            return {"reward": reward, "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "sla_violation": True,
+                    "failed": True, "preempted": False, "migrated_to": None}
+        service = float(self._actual_service(i, a))
+        end, cost, preempted, tp = self._served(a, i, t, service)
+        latency = self.c_rtt[a] + 1000.0 * (end - t)
+        failed, migrated_to = False, None
+        if preempted:
+            self.stats["preempted"] += 1
+            f = self._fallback(a)
+            if f is None:
+                failed = True
+                latency = np.nan
+            else:
+                migrated_to = f
+                restart = tp + self.cfg.retry_overhead_ms / 1000.0
+                s2 = float(self._actual_service(i, f))
+                end2, cost2, _, _ = self._served(f, i, restart, s2)
+                cost += cost2
+                latency = self.c_rtt[f] + 1000.0 * (end2 - t)
+        if failed:
+            self.stats["failed"] += 1
+            reward = -(rw.cost_weight * min(cost / self.ref_cost[i], rw.cost_norm_cap)
+                       + rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty
+            viol = True
+        else:
+            viol = bool(latency > sla)
+            reward = -(rw.cost_weight * min(cost / self.ref_cost[i], rw.cost_norm_cap)
+                       + rw.latency_weight * min(latency / sla, rw.latency_norm_cap)) - rw.sla_penalty * viol
+        return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
+                "sla_violation": viol, "failed": failed, "preempted": preempted, "migrated_to": migrated_to}
+
+    # ------------------------------------------------------------------ for baselines and the oracle
+    def expected_rewards(self) -> np.ndarray:
+        """One-step expected reward of each offering from what the observation shows (no future):
+        expected cost/latency, with the spot-preemption risk estimated from availability history."""
+        i = self._pos
+        rw = self.cfg.reward
+        sla = self.req_sla_ms[i]
+        cost_n = np.minimum(self.c_cost / self.ref_cost[i], rw.cost_norm_cap)
+        lat_n = np.minimum(self.c_lat / sla, rw.latency_norm_cap)
+        ok = -(rw.cost_weight * cost_n + rw.latency_weight * lat_n) - rw.sla_penalty * (self.c_lat > sla)
+        # preempted: pays about half the run, then a retry that most likely misses the SLA
+        bad_lat = np.minimum((self.c_lat + self.cfg.retry_overhead_ms + 500.0 * self.c_service) / sla,
+                             rw.latency_norm_cap)
+        bad = -(rw.cost_weight * 1.5 * cost_n + rw.latency_weight * bad_lat) - rw.sla_penalty
+        r = (1.0 - self.c_risk) * ok + self.c_risk * bad
+        return np.where(self.c_mask, np.nan_to_num(r, nan=-1e9), -np.inf)
+
+    def exact_rewards(self) -> np.ndarray:
+        """The reward each offering would really get for the current request (hindsight: knows the
+        noise draw and future preemptions). Leaves the environment unchanged."""
+        saved = self.free_at.copy()
+        stats = dict(self.stats)
+        out = np.full(self.n, -np.inf)
+        for a in np.flatnonzero(self.c_mask):
+            out[a] = self._resolve(int(a))["reward"]
+            self.free_at[:] = saved
+        self.stats = stats
+        return out
+
+    def offering_index(self, offering_id: str) -> int:
+        for k, o in enumerate(self.catalog):
+            if o.offering_id == offering_id:
+                return k
+        raise KeyError(offering_id)

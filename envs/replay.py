@@ -1,0 +1,128 @@
+"""Replay of a bundle's step-function telemetry (prices, availability, utilization) over time.
+
+Everything is turned into float seconds since the epoch and per-offering sorted arrays once, so the
+environment only does ``searchsorted`` on small arrays when its history features are refreshed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from xroute.bundle import Bundle, to_seconds
+
+DAY = 86_400.0
+WEEK = 7 * DAY
+
+
+@dataclass
+class Series:
+    """Per-offering step functions, concatenated: rows ``off[i]:off[i+1]`` belong to offering i."""
+
+    t: np.ndarray
+    v: np.ndarray
+    off: np.ndarray
+
+    @classmethod
+    def from_table(cls, df: pd.DataFrame | None, ids: list[str], column: str) -> Series:
+        n = len(ids)
+        if df is None or len(df) == 0:
+            return cls(np.zeros(0), np.zeros(0), np.zeros(n + 1, dtype=np.int64))
+        idx = pd.Index(ids).get_indexer(df["offering_id"])
+        t = to_seconds(df["ts"])
+        v = df[column].to_numpy(dtype=float)
+        keep = ~np.isnan(v)
+        idx, t, v = idx[keep], t[keep], v[keep]
+        order = np.lexsort((t, idx))
+        idx, t, v = idx[order], t[order], v[order]
+        counts = np.bincount(idx, minlength=n)
+        off = np.concatenate([[0], np.cumsum(counts)])
+        return cls(t, v, off)
+
+    def has(self, i: int) -> bool:
+        return bool(self.off[i + 1] > self.off[i])
+
+    def value_at(self, i: int, t: float, default: float) -> float:
+        """Value of offering i at time t: the last row at or before t, else the first row."""
+        a, b = self.off[i], self.off[i + 1]
+        if a == b:
+            return default
+        k = int(np.searchsorted(self.t[a:b], t, side="right")) - 1
+        return float(self.v[a + max(k, 0)])
+
+    def values_at(self, t: float, default: float) -> np.ndarray:
+        n = len(self.off) - 1
+        return np.array([self.value_at(i, t, default) for i in range(n)])
+
+    def changes_between(self, i: int, t0: float, t1: float) -> int:
+        a, b = self.off[i], self.off[i + 1]
+        if b - a < 2:
+            return 0
+        ts = self.t[a + 1:b]  # the first row is a start, not a change
+        return int(np.searchsorted(ts, t1, side="right") - np.searchsorted(ts, t0, side="right"))
+
+    def all_times(self) -> np.ndarray:
+        return np.unique(self.t)
+
+
+class TelemetryReplay:
+    """Prices, availability and external utilization of each offering at any time.
+
+    ``down_times[i]`` lists the instants where offering i flips from available to not available
+    (preemptions); the environment uses the past ones for features and — for outcomes only — the
+    next one after a request starts, since a preemption in the replayed telemetry really happens.
+    """
+
+    def __init__(self, bundle: Bundle, replicas_per_instance: np.ndarray):
+        ids = bundle.offering_ids
+        self.n = len(ids)
+        self.prices = Series.from_table(bundle.prices, ids, "usd_per_hour")
+        self.avail = Series.from_table(bundle.availability, ids, "available")
+        self.util = Series.from_table(bundle.utilization, ids, "gpu_util")
+        self.replicas_per_instance = replicas_per_instance.astype(float)
+        self.down_times: list[np.ndarray] = []
+        self.up_times: list[np.ndarray] = []
+        for i in range(self.n):
+            a, b = self.avail.off[i], self.avail.off[i + 1]
+            v, t = self.avail.v[a:b], self.avail.t[a:b]
+            prev = np.concatenate([[1.0], v[:-1]])
+            self.down_times.append(t[(prev > 0.5) & (v < 0.5)])
+            self.up_times.append(t[(prev < 0.5) & (v > 0.5)])
+        self.event_times = np.unique(np.concatenate(
+            [self.prices.all_times(), self.avail.all_times(), self.util.all_times()]))
+
+    def next_event_after(self, t: float) -> float:
+        k = int(np.searchsorted(self.event_times, t, side="right"))
+        return float(self.event_times[k]) if k < len(self.event_times) else np.inf
+
+    def snapshot(self, t: float, lookback_s: float) -> dict[str, np.ndarray]:
+        """State of every offering at time t, using only telemetry at or before t."""
+        n = self.n
+        price = self.prices.values_at(t, default=np.nan) / self.replicas_per_instance
+        price_24h = self.prices.values_at(t - DAY, default=np.nan) / self.replicas_per_instance
+        vol = np.array([self.prices.changes_between(i, t - WEEK, t) for i in range(n)], dtype=float)
+        available = self.avail.values_at(t, default=1.0)
+        util = self.util.values_at(t, default=0.0)
+        count = np.zeros(n)
+        recency = np.zeros(n)
+        for i, d in enumerate(self.down_times):
+            if d.size == 0:
+                continue
+            k = int(np.searchsorted(d, t, side="right"))
+            count[i] = k - int(np.searchsorted(d, t - lookback_s, side="right"))
+            if k > 0:
+                recency[i] = np.exp(-(t - d[k - 1]) / lookback_s)
+        return {"price": price, "price_24h": price_24h, "volatility": vol, "available": available,
+                "util": util, "preempt_count": count, "preempt_recency": recency}
+
+    def next_down(self, t: float) -> np.ndarray:
+        """For each offering, the first preemption strictly after t (inf if none)."""
+        out = np.full(self.n, np.inf)
+        for i, d in enumerate(self.down_times):
+            if d.size:
+                k = int(np.searchsorted(d, t, side="right"))
+                if k < d.size:
+                    out[i] = d[k]
+        return out

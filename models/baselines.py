@@ -1,0 +1,221 @@
+"""Non-learned routing policies a user would otherwise pick, and a hindsight oracle.
+
+Every policy sees the environment's observation and ``info["action_mask"]``; ``greedy`` and the
+oracle also use the environment's candidate outcomes (``expected_rewards`` is computed from the same
+information the observation carries; ``exact_rewards`` knows the future and exists only for the
+oracle). Policies never pick a masked offering when a valid one exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from envs.cloud_route import CloudRouteEnv
+from envs.features import F, offering_matrix
+from xroute.config import EvaluateConfig
+from xroute.errors import ConfigError
+
+Obs = dict[str, np.ndarray]
+
+
+class Policy(Protocol):
+    name: str
+
+    def reset(self, env: CloudRouteEnv, seed: int) -> None: ...
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int: ...
+
+
+def _masked_argmin(values: np.ndarray, mask: np.ndarray, tiebreak: np.ndarray | None = None) -> int:
+    n = len(values)
+    m = mask[:n]
+    if not m.any():
+        return 0
+    v = np.where(m, values, np.inf)
+    if tiebreak is None:
+        return int(np.argmin(v))
+    return int(np.lexsort((np.where(m, tiebreak[:n], np.inf), v))[0])
+
+
+class _Base:
+    name = "base"
+
+    def reset(self, env: CloudRouteEnv, seed: int) -> None:
+        self.env = env
+        self.n = env.n
+
+
+class Static(_Base):
+    """Everything to one offering (a team's single deployment)."""
+
+    def __init__(self, offering_id: str | None = None, location: str = "", accelerator: str = ""):
+        self.offering_id, self.location, self.accelerator = offering_id, location, accelerator
+        self.name = f"static:{offering_id}" if offering_id else "static"
+
+    def reset(self, env: CloudRouteEnv, seed: int) -> None:
+        super().reset(env, seed)
+        if self.offering_id:
+            try:
+                self.idx = env.offering_index(self.offering_id)
+            except KeyError:
+                raise ConfigError(f"policy 'static:{self.offering_id}': no such offering_id in the bundle") from None
+            return
+        found = [k for k, o in enumerate(env.catalog)
+                 if o.location == self.location and o.accelerator == self.accelerator and not o.is_spot]
+        if not found:
+            raise ConfigError(
+                f"policy 'static': the bundle has no on-demand {self.accelerator} offering in {self.location}; "
+                "name one with static:OFFERING_ID")
+        # the cheapest such instance (the smallest one, typically)
+        self.idx = min(found, key=lambda k: float(env.price_s[k]))
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        return self.idx
+
+
+class Cheapest(_Base):
+    """Cheapest offering expected to meet the SLA (SkyPilot-optimizer style); cheapest valid if none."""
+
+    name = "cheapest"
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        m = info["action_mask"]
+        x = offering_matrix(obs)
+        feasible = m[: self.n] & (x[: self.n, F["exp_violation"]] < 0.5)
+        use = feasible if feasible.any() else m[: self.n]
+        return _masked_argmin(x[: self.n, F["exp_cost"]], use, x[: self.n, F["exp_latency"]])
+
+
+class LowestLatency(_Base):
+    """Lowest expected latency (LiteLLM latency-based routing style), cheaper on ties."""
+
+    name = "lowest-latency"
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        x = offering_matrix(obs)
+        return _masked_argmin(x[: self.n, F["exp_latency"]], info["action_mask"], x[: self.n, F["exp_cost"]])
+
+
+class LeastLoaded(_Base):
+    """Lowest busy-slot fraction; lower expected latency on ties."""
+
+    name = "least-loaded"
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        x = offering_matrix(obs)
+        return _masked_argmin(x[: self.n, F["busy"]], info["action_mask"], x[: self.n, F["exp_latency"]])
+
+
+class Greedy(_Base):
+    """One-step best expected reward, with the spot-preemption risk estimated from history."""
+
+    name = "greedy"
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        r = self.env.expected_rewards()
+        return int(np.argmax(r))
+
+
+class RoundRobin(_Base):
+    name = "round-robin"
+
+    def reset(self, env: CloudRouteEnv, seed: int) -> None:
+        super().reset(env, seed)
+        self.k = -1
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        m = info["action_mask"][: self.n]
+        for step in range(1, self.n + 1):
+            c = (self.k + step) % self.n
+            if m[c]:
+                self.k = c
+                return c
+        return 0
+
+
+class Random(_Base):
+    name = "random"
+
+    def reset(self, env: CloudRouteEnv, seed: int) -> None:
+        super().reset(env, seed)
+        self.rng = np.random.default_rng(seed)
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        valid = np.flatnonzero(info["action_mask"][: self.n])
+        return int(self.rng.choice(valid)) if valid.size else 0
+
+
+class HindsightGreedy(_Base):
+    """For each request, the offering with the best *realized* reward: it knows the service-time
+    draw, the queues and every future preemption of the replayed telemetry — but only one step."""
+
+    name = "hindsight-greedy"
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        return int(np.argmax(self.env.exact_rewards()))
+
+
+class Oracle(_Base):
+    """The hindsight oracle: it knows the whole episode in advance, so it plays it out under every
+    plan it knows — hindsight-greedy and every baseline — and follows the one with the best total
+    reward. Hence it never scores below any baseline on the same stream (an upper reference, not a
+    proof of optimality: the true optimum over all routings is intractable)."""
+
+    name = "oracle"
+
+    def __init__(self, cfg: EvaluateConfig):
+        self.cfg = cfg
+
+    def reset(self, env: CloudRouteEnv, seed: int) -> None:
+        import copy
+
+        super().reset(env, seed)
+        plans = [HindsightGreedy()] + [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
+        best: tuple[float, list[int], str] | None = None
+        for plan in plans:
+            sim = copy.deepcopy(env)
+            plan.reset(sim, seed)
+            obs, info = sim._last_obs, sim._info()
+            actions, total, done = [], 0.0, sim._pos >= sim._end
+            while not done:
+                a = plan.act(obs, info)
+                actions.append(a)
+                obs, r, _, done, info = sim.step(a)
+                total += r
+            if best is None or total > best[0]:
+                best = (total, actions, plan.name)
+        assert best is not None
+        self.plan, self.k, self.chosen = best[1], 0, best[2]
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        a = self.plan[self.k]
+        self.k += 1
+        return a
+
+
+BASELINES: dict[str, Callable[[EvaluateConfig], Policy]] = {
+    "static": lambda c: Static(location=c.static_location, accelerator=c.static_accelerator),
+    "cheapest": lambda c: Cheapest(),
+    "lowest-latency": lambda c: LowestLatency(),
+    "least-loaded": lambda c: LeastLoaded(),
+    "greedy": lambda c: Greedy(),
+    "round-robin": lambda c: RoundRobin(),
+    "random": lambda c: Random(),
+    "oracle": lambda c: Oracle(c),
+}
+
+
+def make_baseline(name: str, cfg: EvaluateConfig) -> Policy:
+    """A baseline by name; ``static:OFFERING_ID`` pins the static baseline to one offering."""
+    if name.startswith("static:"):
+        return Static(offering_id=name.split(":", 1)[1])
+    if name not in BASELINES:
+        import difflib
+
+        close = difflib.get_close_matches(name, BASELINES, n=2)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"--policy: unknown policy '{name}'{hint}; known: {', '.join(BASELINES)}, static:OFFERING_ID")
+    return BASELINES[name](cfg)
