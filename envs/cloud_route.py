@@ -54,6 +54,7 @@ truncated (never terminated) after its last request. Everything random comes fro
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import gymnasium as gym
@@ -138,9 +139,12 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.replay = TelemetryReplay(self.bundle, self.rpi)
 
         w = self.bundle.workload
-        self.origins = sorted(set(w["origin"]))
-        oi = {o: i for i, o in enumerate(self.origins)}
         rtt = self.bundle.rtt_lookup()
+        locs = {o.location for o in self.catalog}
+        srcs = {s for s, _ in rtt} | set(w["origin"])
+        self.origins = sorted(o for o in srcs if all((o, loc) in rtt for loc in locs))
+        oi = {o: i for i, o in enumerate(self.origins)}
+        self.origin_index = oi
         self.rtt_ms = np.array([[rtt[(org, off.location)] for off in self.catalog] for org in self.origins])
         t = to_seconds(w["ts"])
         self.t0 = float(t[0])
@@ -154,8 +158,12 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.set_rate_scale(self.cfg.rate_scale)
         # reference cost of each request: served alone on one reference replica at the reference price
         ref_service = self.req_in / ref.prefill_tok_s + self.req_out * ref.tpot_ms / 1000.0
-        self.ref_cost = np.maximum(
-            self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service / ref.max_concurrency, 1e-12)
+        self.ref_cost = self._reference_cost(ref_service)
+
+    def _reference_cost(self, ref_service_s: Any) -> Any:
+        ref = self.ref
+        return np.maximum(self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service_s
+                          / ref.max_concurrency, 1e-12)
 
     def set_rate_scale(self, rate_scale: float) -> None:
         """Compress arrivals by ``rate_scale`` (4 = four times the load)."""
@@ -185,7 +193,7 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
             self.free_at[i, self.slots[i]:] = np.inf
         self._refresh_at = -np.inf
         self._next_event = -np.inf
-        self._recent: list[float] = []
+        self._recent: deque[float] = deque()
         self.stats = {"preempted": 0, "failed": 0}
         self._prepare()
         return self._obs(), self._info()
@@ -231,20 +239,25 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self._next_event = self.replay.next_event_after(t)
 
     def _prepare(self) -> None:
-        """Compute the current request's candidate outcomes on every offering (expected values)."""
+        """Make the stream's next request the current one and compute its candidate outcomes."""
         i = self._pos
-        t = float(self.arrival[i])
+        self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_out[i],
+                          self.req_sla_ms[i], self.ref_cost[i], self.req_ids[i], float(self.z[i - self._ep_start]))
+
+    def _set_request(self, t: float, origin: int, n_in: float, n_out: float, sla_ms: float, ref_cost: float,
+                     request_id: Any, z: float) -> None:
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
         self.t = t
+        self.r_origin, self.r_in, self.r_out, self.r_sla, self.r_ref_cost, self.r_id, self.r_z = (
+            origin, float(n_in), float(n_out), float(sla_ms), float(ref_cost), request_id, z)
         fa = self.free_at
         nxt = fa.min(axis=1)
         wait = np.maximum(nxt - t, 0.0)
         busy = (fa > t).sum(axis=1) - self.pad
         k = np.minimum(busy / self.replicas, self.conc - 1.0) + 1.0 + self.ext_util * self.conc
-        service = self.req_in[i] / self.prefill + self.req_out[i] * self.tpot_s * (1.0 + self.growth * (k - 1.0))
-        rtt = self.rtt_ms[self.req_origin[i]]
-        sla = self.req_sla_ms[i]
+        service = self.r_in / self.prefill + self.r_out * self.tpot_s * (1.0 + self.growth * (k - 1.0))
+        rtt = self.rtt_ms[self.r_origin]
         lat = rtt + 1000.0 * (wait + service)
         cost = self.price_s * service / self.conc
         mask = self.available & (self.slots > 0) & (wait <= self.cfg.queue_timeout_s) & np.isfinite(self.price_s)
@@ -253,11 +266,11 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.c_lat, self.c_cost, self.c_mask, self.c_risk = lat, cost, mask, risk
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
-            self._recent.pop(0)
+            self._recent.popleft()
 
     def _obs(self) -> dict[str, np.ndarray]:
-        i, n = self._pos, self.n
-        sla = self.req_sla_ms[i]
+        n = self.n
+        sla = self.r_sla
         m = self.static_feats.copy()
         m[:, fz.F["valid"]] = self.c_mask
         m[:, fz.F["rtt"]] = np.minimum(self.c_rtt / 300.0, 3.0)
@@ -265,14 +278,14 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         m[:, fz.F["wait"]] = np.minimum(1000.0 * self.c_wait / sla, 3.0)
         m[:, fz.F["preempt_risk"]] = self.c_risk
         m[:, fz.F["exp_latency"]] = np.minimum(self.c_lat / sla, 3.0)
-        m[:, fz.F["exp_cost"]] = np.minimum(np.nan_to_num(self.c_cost / self.ref_cost[i], nan=5.0), 5.0)
+        m[:, fz.F["exp_cost"]] = np.minimum(np.nan_to_num(self.c_cost / self.r_ref_cost, nan=5.0), 5.0)
         m[:, fz.F["exp_violation"]] = self.c_lat > sla
         offerings = np.zeros(self.N * fz.N_OFFERING_FEATURES, dtype=np.float32)
         offerings[: n * fz.N_OFFERING_FEATURES] = m.ravel()
         valid_slots = np.maximum(self.slots[self.c_mask].sum(), 1)
         req = np.array([
-            min(np.log1p(self.req_in[i]) / 10.0, 2.0),
-            min(np.log1p(self.req_out[i]) / 8.0, 2.0),
+            min(np.log1p(self.r_in) / 10.0, 2.0),
+            min(np.log1p(self.r_out) / 8.0, 2.0),
             min(np.log1p(sla) / 12.0, 2.0),
             min(len(self._recent) / 100.0, 3.0),
             min(float(self.c_busy[self.c_mask].sum()) / valid_slots, 1.0),
@@ -285,15 +298,15 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
     def _info(self) -> dict[str, Any]:
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = self.c_mask
-        return {"action_mask": mask, "request_id": self.req_ids[self._pos], "t": self.t}
+        return {"action_mask": mask, "request_id": self.r_id, "t": self.t}
 
     def action_mask(self) -> np.ndarray:
         """Valid actions for the current request (for ``sb3_contrib``-style masking)."""
         return self._info()["action_mask"]
 
     # ------------------------------------------------------------------ outcomes
-    def _served(self, a: int, i: int, start_t: float, service: float) -> tuple[float, float, bool, float]:
-        """Serve request i on offering a from ``start_t`` (>= its slot's free time). Returns
+    def _served(self, a: int, start_t: float, service: float) -> tuple[float, float, bool, float]:
+        """Serve the current request on offering a from ``start_t`` (>= its slot's free time). Returns
         (end time, cost, preempted, preemption time). Updates the pool's slots."""
         j = int(np.argmin(self.free_at[a]))
         start = max(start_t, self.free_at[a, j])
@@ -306,8 +319,8 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.free_at[a, j] = start + service
         return start + service, self.price_s[a] * service / self.conc[a], False, np.inf
 
-    def _actual_service(self, i: int, a: int | np.ndarray) -> Any:
-        return self.c_service[a] * np.exp(self.sigma[a] * self.z[i - self._ep_start] - 0.5 * self.sigma[a] ** 2)
+    def _actual_service(self, a: int) -> float:
+        return float(self.c_service[a] * np.exp(self.sigma[a] * self.r_z - 0.5 * self.sigma[a] ** 2))
 
     @property
     def _ep_start(self) -> int:
@@ -321,16 +334,15 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         return int(cand[np.argmin(self.c_lat[cand])])
 
     def _resolve(self, a: int) -> dict[str, Any]:
-        i = self._pos
-        t, sla = self.t, self.req_sla_ms[i]
+        t, sla, ref_cost = self.t, self.r_sla, self.r_ref_cost
         rw = self.cfg.reward
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += 1
             reward = -(rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty
             return {"reward": reward, "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "sla_violation": True,
                     "failed": True, "preempted": False, "migrated_to": None}
-        service = float(self._actual_service(i, a))
-        end, cost, preempted, tp = self._served(a, i, t, service)
+        service = self._actual_service(a)
+        end, cost, preempted, tp = self._served(a, t, service)
         latency = self.c_rtt[a] + 1000.0 * (end - t)
         failed, migrated_to = False, None
         if preempted:
@@ -342,30 +354,54 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
             else:
                 migrated_to = f
                 restart = tp + self.cfg.retry_overhead_ms / 1000.0
-                s2 = float(self._actual_service(i, f))
-                end2, cost2, _, _ = self._served(f, i, restart, s2)
+                s2 = self._actual_service(f)
+                end2, cost2, _, _ = self._served(f, restart, s2)
                 cost += cost2
                 latency = self.c_rtt[f] + 1000.0 * (end2 - t)
         if failed:
             self.stats["failed"] += 1
-            reward = -(rw.cost_weight * min(cost / self.ref_cost[i], rw.cost_norm_cap)
+            reward = -(rw.cost_weight * min(cost / ref_cost, rw.cost_norm_cap)
                        + rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty
             viol = True
         else:
             viol = bool(latency > sla)
-            reward = -(rw.cost_weight * min(cost / self.ref_cost[i], rw.cost_norm_cap)
+            reward = -(rw.cost_weight * min(cost / ref_cost, rw.cost_norm_cap)
                        + rw.latency_weight * min(latency / sla, rw.latency_norm_cap)) - rw.sla_penalty * viol
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "sla_violation": viol, "failed": failed, "preempted": preempted, "migrated_to": migrated_to}
+
+    # ------------------------------------------------------------------ live routing (the router)
+    def observe_live(self, t: float, origin: str, input_tokens: int, output_tokens: int, sla_ms: float,
+                     request_id: Any = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Make a live request (not from the stream) the current one, at telemetry time ``t``
+        (seconds since the epoch), and return its observation — the same features the agent was
+        trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
+        if origin not in self.origin_index:
+            raise KeyError(origin)
+        if not hasattr(self, "free_at"):
+            self.reset(seed=0)
+        ref_service = input_tokens / self.ref.prefill_tok_s + output_tokens * self.ref.tpot_ms / 1000.0
+        self._set_request(t, self.origin_index[origin], input_tokens, output_tokens, sla_ms,
+                          float(self._reference_cost(ref_service)), request_id, 0.0)
+        return self._obs(), self._info()
+
+    def commit_live(self, a: int) -> dict[str, float]:
+        """Record that the current live request was sent to offering ``a``: it occupies a slot there
+        for its expected service time, so later decisions see the load. Returns the expectations."""
+        if not self.c_mask[a]:
+            raise ValueError(f"offering {a} is not valid now")
+        j = int(np.argmin(self.free_at[a]))
+        start = max(self.t, self.free_at[a, j])
+        self.free_at[a, j] = start + self.c_service[a]
+        return {"expected_latency_ms": float(self.c_lat[a]), "expected_cost_usd": float(self.c_cost[a])}
 
     # ------------------------------------------------------------------ for baselines and the oracle
     def expected_rewards(self) -> np.ndarray:
         """One-step expected reward of each offering from what the observation shows (no future):
         expected cost/latency, with the spot-preemption risk estimated from availability history."""
-        i = self._pos
         rw = self.cfg.reward
-        sla = self.req_sla_ms[i]
-        cost_n = np.minimum(self.c_cost / self.ref_cost[i], rw.cost_norm_cap)
+        sla = self.r_sla
+        cost_n = np.minimum(self.c_cost / self.r_ref_cost, rw.cost_norm_cap)
         lat_n = np.minimum(self.c_lat / sla, rw.latency_norm_cap)
         ok = -(rw.cost_weight * cost_n + rw.latency_weight * lat_n) - rw.sla_penalty * (self.c_lat > sla)
         # preempted: pays about half the run, then a retry that most likely misses the SLA
