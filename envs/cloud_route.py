@@ -73,6 +73,10 @@ def load_serving(name: str) -> ServingConfig:
     return parse_config(ServingConfig, read_yaml(path), str(path))
 
 
+_VALID, _RTT, _BUSY, _WAIT = fz.F["valid"], fz.F["rtt"], fz.F["busy"], fz.F["wait"]
+_RISK, _LAT, _COST, _VIOL = fz.F["preempt_risk"], fz.F["exp_latency"], fz.F["exp_cost"], fz.F["exp_violation"]
+
+
 class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
     metadata = {"render_modes": []}  # noqa: RUF012
 
@@ -132,6 +136,11 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.slots = (self.replicas * self.conc).astype(np.int64)
         self.smax = max(1, int(self.slots.max()))
         self.pad = self.smax - self.slots
+        self.inv_replicas = 1.0 / np.maximum(self.replicas, 1e-9)
+        self.inv_prefill = 1.0 / self.prefill
+        self.conc_m1 = self.conc - 1.0
+        self.tpot_growth_s = self.tpot_s * self.growth
+        self.inv_slots = 1.0 / np.maximum(self.slots, 1)
         self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
         self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
         self.speed_feat = np.clip(np.log(ref.tpot_ms / 1000.0 / self.tpot_s), -3, 3)
@@ -218,6 +227,7 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.price_s = p / 3600.0
         self.available = snap["available"] > 0.5
         self.ext_util = snap["util"]
+        self.ext_util_conc = self.ext_util * self.conc
         self.next_down = self.replay.next_down(t)
         ref_price = self.cfg.reward.reference_usd_per_replica_hour
         lookback_h = self.cfg.risk_lookback_h
@@ -235,6 +245,9 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         st[:, fz.F["speed"]] = self.speed_feat
         st[:, fz.F["capacity"]] = self.cap_feat
         self.static_feats = st
+        # the parts of the mask and of the expectations that only change with telemetry
+        self.static_ok = self.available & (self.slots > 0) & np.isfinite(self.price_s)
+        self.cost_rate = np.where(np.isfinite(self.price_s), self.price_s, 0.0) / self.conc
         self._refresh_at = t + self.cfg.feature_refresh_s
         self._next_event = self.replay.next_event_after(t)
 
@@ -252,16 +265,22 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.r_origin, self.r_in, self.r_out, self.r_sla, self.r_ref_cost, self.r_id, self.r_z = (
             origin, float(n_in), float(n_out), float(sla_ms), float(ref_cost), request_id, z)
         fa = self.free_at
-        nxt = fa.min(axis=1)
-        wait = np.maximum(nxt - t, 0.0)
-        busy = (fa > t).sum(axis=1) - self.pad
-        k = np.minimum(busy / self.replicas, self.conc - 1.0) + 1.0 + self.ext_util * self.conc
-        service = self.r_in / self.prefill + self.r_out * self.tpot_s * (1.0 + self.growth * (k - 1.0))
+        wait = fa.min(axis=1)
+        wait -= t
+        np.maximum(wait, 0.0, out=wait)
+        busy = np.count_nonzero(fa > t, axis=1) - self.pad
+        k = np.minimum(busy * self.inv_replicas, self.conc_m1)
+        k += self.ext_util_conc
+        service = self.r_in * self.inv_prefill + self.r_out * (self.tpot_s + self.tpot_growth_s * k)
         rtt = self.rtt_ms[self.r_origin]
-        lat = rtt + 1000.0 * (wait + service)
-        cost = self.price_s * service / self.conc
-        mask = self.available & (self.slots > 0) & (wait <= self.cfg.queue_timeout_s) & np.isfinite(self.price_s)
-        risk = 1.0 - np.exp(-self.hazard * (wait + service))
+        lat = wait + service
+        lat *= 1000.0
+        lat += rtt
+        cost = self.cost_rate * service
+        mask = self.static_ok & (wait <= self.cfg.queue_timeout_s)
+        risk = -self.hazard * (wait + service)
+        np.expm1(risk, out=risk)
+        risk *= -1.0
         self.c_wait, self.c_busy, self.c_service, self.c_rtt = wait, busy, service, rtt
         self.c_lat, self.c_cost, self.c_mask, self.c_risk = lat, cost, mask, risk
         self._recent.append(t)
@@ -271,24 +290,27 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
     def _obs(self) -> dict[str, np.ndarray]:
         n = self.n
         sla = self.r_sla
-        m = self.static_feats.copy()
-        m[:, fz.F["valid"]] = self.c_mask
-        m[:, fz.F["rtt"]] = np.minimum(self.c_rtt / 300.0, 3.0)
-        m[:, fz.F["busy"]] = np.clip(self.c_busy / np.maximum(self.slots, 1), 0, 1)
-        m[:, fz.F["wait"]] = np.minimum(1000.0 * self.c_wait / sla, 3.0)
-        m[:, fz.F["preempt_risk"]] = self.c_risk
-        m[:, fz.F["exp_latency"]] = np.minimum(self.c_lat / sla, 3.0)
-        m[:, fz.F["exp_cost"]] = np.minimum(np.nan_to_num(self.c_cost / self.r_ref_cost, nan=5.0), 5.0)
-        m[:, fz.F["exp_violation"]] = self.c_lat > sla
-        offerings = np.zeros(self.N * fz.N_OFFERING_FEATURES, dtype=np.float32)
-        offerings[: n * fz.N_OFFERING_FEATURES] = m.ravel()
-        valid_slots = np.maximum(self.slots[self.c_mask].sum(), 1)
+        nf = fz.N_OFFERING_FEATURES
+        offerings = np.zeros(self.N * nf, dtype=np.float32)
+        m = offerings[: n * nf].reshape(n, nf)
+        m[:] = self.static_feats
+        inv_sla = 1.0 / sla
+        m[:, _VALID] = self.c_mask
+        m[:, _RTT] = np.minimum(self.c_rtt * (1.0 / 300.0), 3.0)
+        m[:, _BUSY] = self.c_busy * self.inv_slots
+        m[:, _WAIT] = np.minimum(self.c_wait * (1000.0 * inv_sla), 3.0)
+        m[:, _RISK] = self.c_risk
+        m[:, _LAT] = np.minimum(self.c_lat * inv_sla, 3.0)
+        m[:, _COST] = np.minimum(self.c_cost * (1.0 / self.r_ref_cost), 5.0)
+        m[:, _VIOL] = self.c_lat > sla
+        mask_f = self.c_mask.astype(np.float64)
+        valid_slots = max(float(self.slots @ mask_f), 1.0)
         req = np.array([
             min(np.log1p(self.r_in) / 10.0, 2.0),
             min(np.log1p(self.r_out) / 8.0, 2.0),
             min(np.log1p(sla) / 12.0, 2.0),
             min(len(self._recent) / 100.0, 3.0),
-            min(float(self.c_busy[self.c_mask].sum()) / valid_slots, 1.0),
+            min(float(self.c_busy @ mask_f) / valid_slots, 1.0),
         ], dtype=np.float32)
         mask = np.zeros(self.N, dtype=np.float32)
         mask[:n] = self.c_mask

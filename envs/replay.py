@@ -53,8 +53,23 @@ class Series:
         return float(self.v[a + max(k, 0)])
 
     def values_at(self, t: float, default: float) -> np.ndarray:
+        """Every offering's value at time t (vectorized ``value_at``)."""
         n = len(self.off) - 1
-        return np.array([self.value_at(i, t, default) for i in range(n)])
+        if self.t.size == 0:
+            return np.full(n, default)
+        if not hasattr(self, "_key"):
+            self._t0 = float(self.t.min())
+            self._span = float(self.t.max() - self._t0) + 4 * WEEK + 1.0
+            owner = np.repeat(np.arange(n), np.diff(self.off))
+            self._key = owner * self._span + (self.t - self._t0)
+        lo, hi = self.off[:-1], self.off[1:]
+        q = np.arange(n) * self._span + np.clip(t - self._t0, -1.0, self._span - 1.0)
+        k = np.searchsorted(self._key, q, side="right") - 1
+        k = np.clip(k, lo, np.maximum(hi - 1, lo))
+        out = np.full(n, default, dtype=float)
+        has = hi > lo
+        out[has] = self.v[k[has]]
+        return out
 
     def changes_between(self, i: int, t0: float, t1: float) -> int:
         a, b = self.off[i], self.off[i + 1]
