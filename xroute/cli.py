@@ -14,6 +14,11 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_comp
                   help="xroute: reinforcement-learning cross-cloud router.")
 
 
+@app.callback()
+def _root() -> None:
+    """xroute: reinforcement-learning cross-cloud router."""
+
+
 def _ts(value: str | None, option: str) -> str | None:
     if value is None:
         return None

@@ -1,0 +1,25 @@
+# Developer shortcuts. The README's two commands are the source of truth for users and CI.
+PY ?= .venv/bin/python
+
+.PHONY: setup test test-fast lint bundle bench
+
+setup:
+	python3 -m venv .venv
+	.venv/bin/pip install -q --upgrade pip
+	.venv/bin/pip install -q -c constraints.txt -e '.[dev]'
+
+test:
+	$(PY) -m pytest -q
+
+test-fast:  ## skips the slow tier (CI runs everything)
+	$(PY) -m pytest -q -m "not slow"
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/mypy
+
+bundle:  ## rebuild the shipped bundle from ../shared/data (deterministic)
+	$(PY) tools/build_default_bundle.py --shared ../shared/data --out data/bundles/default
+
+bench:
+	$(PY) benchmarks/bench_env.py

@@ -1,0 +1,145 @@
+"""The environment: both checkers, determinism, dynamics (queueing, preemption, invalid actions)."""
+
+from __future__ import annotations
+
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import envs
+from envs.cloud_route import CloudRouteEnv
+from envs.features import F, offering_matrix
+
+
+def _rollout(env: gym.Env, seed: int, steps: int, action_seed: int = 1):
+    rng = np.random.default_rng(action_seed)
+    obs, info = env.reset(seed=seed)
+    traj = []
+    for _ in range(steps):
+        valid = np.flatnonzero(info["action_mask"])
+        a = int(rng.choice(valid)) if valid.size else 0
+        obs, r, term, trunc, info = env.step(a)
+        traj.append((a, r, obs["offerings"].copy(), info["latency_ms"], info["cost_usd"]))
+        if term or trunc:
+            break
+    return traj
+
+
+def test_registered_and_builds_on_the_shipped_bundle_by_default():
+    env = gym.make(envs.ENV_ID, episode_requests=64)
+    obs, info = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    assert info["action_mask"].dtype == bool and info["action_mask"].any()
+    assert env.unwrapped.n == len(env.unwrapped.bundle.offerings)
+
+
+def test_gymnasium_and_sb3_checkers_pass_without_warnings(shipped_bundle):
+    from gymnasium.utils.env_checker import check_env as gym_check
+    from stable_baselines3.common.env_checker import check_env as sb3_check
+
+    env = CloudRouteEnv(shipped_bundle, episode_requests=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gym_check(env, skip_render_check=True)
+        sb3_check(env, warn=True)
+
+
+def test_same_seed_same_trajectory_and_other_seed_differs(shipped_bundle):
+    a = _rollout(CloudRouteEnv(shipped_bundle, episode_requests=300), seed=5, steps=300)
+    b = _rollout(CloudRouteEnv(shipped_bundle, episode_requests=300), seed=5, steps=300)
+    c = _rollout(CloudRouteEnv(shipped_bundle, episode_requests=300), seed=6, steps=300)
+    assert len(a) == len(b) == 300
+    for x, y in zip(a, b):
+        assert x[0] == y[0] and x[1] == y[1] and np.array_equal(x[2], y[2])
+    assert any(x[1] != y[1] for x, y in zip(a, c))
+
+
+def test_observations_stay_inside_the_space_on_a_whole_stream(tiny_bundle_dir):
+    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None, rate_scale=4.0)
+    rng = np.random.default_rng(0)
+    obs, info = env.reset(seed=0)
+    done = False
+    while not done:
+        assert env.observation_space.contains(obs)
+        valid = np.flatnonzero(info["action_mask"])
+        obs, _, _, done, info = env.step(int(rng.choice(valid)) if valid.size else 0)
+
+
+def test_invalid_action_fails_the_request_with_the_penalty(tiny_bundle_dir):
+    env = CloudRouteEnv(str(tiny_bundle_dir), max_offerings=16, episode_requests=10)
+    env.reset(seed=0)
+    obs, r, term, trunc, info = env.step(15)  # padding: no such offering
+    rw = env.cfg.reward
+    assert info["failed"] and info["sla_violation"] and info["cost_usd"] == 0.0
+    assert r == pytest.approx(-(rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty)
+    assert not term
+
+
+def test_queueing_raises_wait_and_busy_features(tiny_bundle_dir):
+    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None, rate_scale=50.0)
+    obs, info = env.reset(seed=0)
+    a = env.offering_index("aws:us-east-1:g5.xlarge:on_demand")
+    first_wait = offering_matrix(obs)[a, F["wait"]]
+    busy_seen = []
+    for _ in range(40):
+        if not info["action_mask"][a]:
+            break
+        obs, _, _, _, info = env.step(a)
+        busy_seen.append(offering_matrix(obs)[a, F["busy"]])
+    assert first_wait == 0.0
+    assert max(busy_seen) == pytest.approx(1.0)  # every slot taken under 50x load
+    assert offering_matrix(obs)[a, F["wait"]] > 0.0 or not info["action_mask"][a]
+
+
+def test_spot_preemption_retries_on_demand_and_costs_latency(tiny_bundle_dir):
+    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    obs, info = env.reset(seed=0)
+    spot = env.offering_index("aws:us-east-1:g5.xlarge:spot")
+    down = env.replay.down_times[spot][0]
+    preempted = []
+    done = False
+    while not done and env.t < down:
+        a = spot if info["action_mask"][spot] else int(np.flatnonzero(info["action_mask"])[0])
+        obs, r, _, done, info = env.step(a)
+        if info["preempted"]:
+            preempted.append(info)
+    assert preempted, "a request in flight across the replayed preemption must be preempted"
+    p = preempted[0]
+    assert p["migrated_to"] is not None and not env.catalog[p["migrated_to"]].is_spot
+    assert p["latency_ms"] >= env.cfg.retry_overhead_ms
+    # while the pool is down it is masked
+    while not done and env.t < down + 1.0:
+        obs, r, _, done, info = env.step(int(np.flatnonzero(info["action_mask"])[0]))
+    assert not info["action_mask"][spot]
+
+
+def test_rate_scale_compresses_arrivals(tiny_bundle_dir):
+    e1 = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    e4 = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None, rate_scale=4.0)
+    span1 = e1.arrival[-1] - e1.arrival[0]
+    span4 = e4.arrival[-1] - e4.arrival[0]
+    assert span4 == pytest.approx(span1 / 4.0)
+
+
+def test_live_requests_see_the_load_of_earlier_decisions(tiny_bundle_dir):
+    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    t = env.arrival[0]
+    obs, info = env.observe_live(t, "gcp:europe-west4", 500, 100, 8000.0)
+    a = env.offering_index("gcp:europe-west4:g2-standard-4:on_demand")
+    before = offering_matrix(obs)[a, F["busy"]]
+    env.commit_live(a)
+    obs, _ = env.observe_live(t + 0.01, "gcp:europe-west4", 500, 100, 8000.0)
+    assert offering_matrix(obs)[a, F["busy"]] > before
+    with pytest.raises(KeyError):
+        env.observe_live(t, "nowhere:moon-1", 1, 1, 1000.0)
+
+
+def test_too_many_offerings_for_max_offerings_is_a_config_error(tiny_bundle_dir):
+    from xroute.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_offerings"):
+        CloudRouteEnv(str(tiny_bundle_dir), max_offerings=3)
+    with pytest.raises(ConfigError, match="unknown key"):
+        CloudRouteEnv(str(tiny_bundle_dir), no_such_knob=1)
