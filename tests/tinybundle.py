@@ -56,7 +56,7 @@ def write_tiny_bundle(root: Path, n_requests: int = 400, preempt: bool = True, s
         av = []
         for k, oid in enumerate(spot_ids):
             av.append({"ts": (t0 - pd.Timedelta("1h")).isoformat(), "offering_id": oid, "available": 1})
-            for j, (down, up) in enumerate([(20 + 15 * k, 35 + 15 * k), (70, 80)]):
+            for down, up in [(20 + 15 * k, 35 + 15 * k), (70, 80)]:
                 av.append({"ts": (t0 + pd.Timedelta(seconds=down)).isoformat(), "offering_id": oid, "available": 0})
                 av.append({"ts": (t0 + pd.Timedelta(seconds=up)).isoformat(), "offering_id": oid, "available": 1})
         pd.DataFrame(av).sort_values(["offering_id", "ts"]).to_csv(root / "availability.csv", index=False)

@@ -51,7 +51,7 @@ def perturb_catalog(bundle: Bundle, drop_frac: float = 0.2, add: int | None = No
     sees offerings, indices and a catalog size it was not trained on."""
     rng = np.random.default_rng(seed)
     ids = bundle.offering_ids
-    n_drop = int(round(drop_frac * len(ids)))
+    n_drop = round(drop_frac * len(ids))
     keep = sorted(rng.choice(len(ids), len(ids) - n_drop, replace=False).tolist())
     kept = [ids[k] for k in keep]
     n_add = n_drop if add is None else add
