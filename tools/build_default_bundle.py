@@ -1,0 +1,655 @@
+#!/usr/bin/env python
+"""Build the shipped default telemetry bundle (``data/bundles/default``) from the real public data.
+
+    .venv/bin/python tools/build_default_bundle.py --shared ../shared/data --out data/bundles/default
+
+Deterministic: the same inputs give byte-identical output (no clock, no unseeded randomness; every
+"random" choice is a SHA-256 hash of a stable id; every table is sorted). Only this builder reads the
+shared data; the product reads the bundle it writes. The schema lives in
+:mod:`xroute.schema.telemetry`; the decisions and numbers are documented in ``docs/telemetry.md`` and
+in the README.md the builder writes next to the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from xroute.bundle import load_bundle  # noqa: E402
+from xroute.schema.telemetry import AVAILABILITY, OFFERINGS, PRICES, RTT, WORKLOAD, location_id  # noqa: E402
+
+# ----------------------------------------------------------------------------------------- decisions
+WORKLOAD_DAY = pd.Timestamp("2023-11-16")
+
+#: tenant -> (file under workload/, TTFT budget ms, ms per output token): sla = a + b * output_tokens
+TENANTS: dict[str, tuple[str, float, float]] = {
+    "code": ("workload/azure_llm_inference_2023_code.csv", 1500.0, 40.0),
+    "conv": ("workload/azure_llm_inference_2023_conv.csv", 2500.0, 100.0),
+}
+
+#: client locations (a cloud region stands in for the clients near it) and their share of requests
+ORIGINS: tuple[tuple[str, float, str], ...] = (
+    ("aws:us-east-2", 0.25, "North America (Ohio)"),
+    ("gcp:us-west4", 0.20, "North America (Las Vegas)"),
+    ("azure:uksouth", 0.20, "Europe (London)"),
+    ("aws:eu-central-1", 0.15, "Europe (Frankfurt)"),
+    ("azure:koreacentral", 0.10, "Asia (Seoul)"),
+    ("gcp:asia-southeast1", 0.10, "Asia (Singapore)"),
+)
+
+#: offering regions per cloud: North America, Europe, Asia
+REGIONS: dict[str, tuple[str, ...]] = {
+    "aws": ("us-east-1", "us-west-2", "eu-west-1", "ap-northeast-1"),
+    "azure": ("eastus", "westeurope", "japaneast"),
+    "gcp": ("us-central1", "europe-west4", "asia-northeast1"),
+}
+
+#: instance types per cloud: the smallest one-accelerator type of each GPU the cloud sells, or its
+#: only (8-GPU) type where no smaller one exists (the env splits it into per-GPU replicas)
+INSTANCE_TYPES: dict[str, tuple[str, ...]] = {
+    "aws": ("g4dn.xlarge", "g5.xlarge", "p3.2xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge"),
+    "azure": ("Standard_NC4as_T4_v3", "Standard_NV36ads_A10_v5", "Standard_NC6s_v3", "Standard_NC24ads_A100_v4",
+              "Standard_ND96asr_v4", "Standard_ND96isr_H100_v5"),
+    "gcp": ("g2-standard-4", "a2-highgpu-1g", "a2-ultragpu-1g", "a3-highgpu-8g"),
+}
+
+#: the price file each cloud's rows come from; the row nearest WORKLOAD_DAY is taken
+PRICE_FILES: dict[str, str] = {
+    "aws": "prices/multicloud_daily_coroot_2023-2024.csv",
+    "azure": "prices/multicloud_daily_coroot_2023-2024.csv",
+    "gcp": "prices/gcp_weekly_cyclenerd_2022-2026.csv",
+}
+
+CAPACITY_HEADROOM = 1.5
+SPOT_CAPACITY_DIVISOR = 4
+DEFAULT_SPOT_COMPRESSION = 12.0
+DEFAULT_SELF_RTT_MS = 1.0  # for a region whose matrix has no self-entry (Azure)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def stable_u64(*parts: str) -> int:
+    return int.from_bytes(hashlib.sha256("\x1f".join(parts).encode()).digest()[:8], "big")
+
+
+def stable_uniform(*parts: str) -> float:
+    return stable_u64(*parts) / 2.0**64
+
+
+def iso(ts: pd.Timestamp) -> str:
+    ts = ts.tz_convert("UTC") if ts.tzinfo else ts.tz_localize("UTC")
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def fmt(x: float, digits: int = 6) -> str:
+    """A float as short, stable text (rounded, no trailing zeros, no exponent for our ranges)."""
+    s = f"{round(float(x), digits):.{digits}f}".rstrip("0").rstrip(".")
+    return "0" if s in ("-0", "") else s
+
+
+def write_table(df: pd.DataFrame, path: Path) -> None:
+    text = df.to_csv(index=False, lineterminator="\n")
+    data = text.encode()
+    if path.name.endswith(".gz"):
+        buf = io.BytesIO()
+        with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
+            gz.write(data)
+        data = buf.getvalue()
+    path.write_bytes(data)
+
+
+def md_table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- workload
+def build_workload(shared: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Both Azure traces merged by timestamp. Returns (table to write, typed frame for stats)."""
+    parts = []
+    for tenant, (rel, _, _) in TENANTS.items():
+        src = pd.read_csv(shared / rel)
+        ts = pd.to_datetime(src["timestamp"], format="%Y-%m-%d %H:%M:%S.%f").dt.tz_localize("UTC")
+        parts.append(pd.DataFrame({
+            "ts": ts, "request_id": [f"{tenant}-{i:06d}" for i in range(len(src))], "tenant": tenant,
+            "input_tokens": src["context_tokens"].astype(int), "output_tokens": src["generated_tokens"].astype(int),
+        }))
+    w = pd.concat(parts, ignore_index=True).sort_values(["ts", "request_id"], kind="mergesort").reset_index(drop=True)
+    cum = np.cumsum([wt for _, wt, _ in ORIGINS])
+    if not math.isclose(cum[-1], 1.0):
+        raise SystemExit(f"origin weights sum to {cum[-1]}, not 1")
+    names = [o for o, _, _ in ORIGINS]
+    w["origin"] = [names[int(np.searchsorted(cum, stable_uniform("origin", rid), side="right"))]
+                   for rid in w["request_id"]]
+    a = w["tenant"].map({t: v[1] for t, v in TENANTS.items()})
+    b = w["tenant"].map({t: v[2] for t, v in TENANTS.items()})
+    w["sla_ms"] = a + b * w["output_tokens"]
+    out = pd.DataFrame({
+        "ts": [iso(t) for t in w["ts"]], "request_id": w["request_id"], "origin": w["origin"],
+        "input_tokens": w["input_tokens"], "output_tokens": w["output_tokens"],
+        "sla_ms": [fmt(v, 1) for v in w["sla_ms"]], "tenant": w["tenant"],
+    })
+    return out, w
+
+
+# ------------------------------------------------------------------------------- catalog and prices
+@dataclass(frozen=True)
+class PricedType:
+    provider: str
+    region: str
+    instance_type: str
+    accelerator: str
+    accelerator_count: int
+    vcpus: float
+    memory_gib: float
+    on_demand: float
+    spot: float | None
+    source: str
+    snapshot: str
+
+
+def pick_prices(shared: Path) -> list[PricedType]:
+    out: list[PricedType] = []
+    frames = {rel: pd.read_csv(shared / rel) for rel in sorted(set(PRICE_FILES.values()))}
+    specs = pd.read_csv(shared / "prices/instance_specs.csv")
+    for provider in sorted(REGIONS):
+        rel = PRICE_FILES[provider]
+        df = frames[rel]
+        df = df[df["provider"] == provider]
+        for region in REGIONS[provider]:
+            for itype in INSTANCE_TYPES[provider]:
+                rows = df[(df["region"] == region) & (df["instance_type"] == itype)
+                          & df["price_on_demand_usd_per_hour"].notna()]
+                if rows.empty:
+                    continue  # the cloud does not sell this type in this region (in the price file)
+                days = (pd.to_datetime(rows["snapshot_date"]) - WORKLOAD_DAY).dt.days
+                # nearest snapshot; on a tie the earlier one (the price already in effect)
+                key = days.abs() * 2 + (days > 0)
+                r = rows.loc[key.sort_values(kind="mergesort").index[0]]
+                acc, cnt, vcpu, mem = r["accelerator"], r["accelerator_count"], r["vcpus"], r["memory_gib"]
+                sp = specs[(specs["provider"] == provider) & (specs["instance_type"] == itype)]
+                if not sp.empty:  # fill any gap in the price row from the spec file
+                    s = sp.iloc[0]
+                    acc = acc if isinstance(acc, str) else s["accelerator"]
+                    cnt = cnt if pd.notna(cnt) else s["accelerator_count"]
+                    vcpu = vcpu if pd.notna(vcpu) else s["vcpus"]
+                    mem = mem if pd.notna(mem) else s["memory_gib"]
+                spot = r["price_spot_usd_per_hour"]
+                out.append(PricedType(
+                    provider, region, itype, str(acc), int(cnt), float(vcpu), float(mem),
+                    float(r["price_on_demand_usd_per_hour"]), float(spot) if pd.notna(spot) else None,
+                    rel.split("/")[-1], str(r["snapshot_date"])))
+    return out
+
+
+# -------------------------------------------------------------------------------------- capacity
+def capacity_rule(w: pd.DataFrame, serving: dict) -> dict[str, float]:
+    ref = serving["accelerators"][serving["reference_accelerator"]]
+    service = w["input_tokens"] / ref["prefill_tok_s"] + w["output_tokens"] * ref["tpot_ms"] / 1000.0
+    span = (w["ts"].iloc[-1] - w["ts"].iloc[0]).total_seconds()
+    mean_conc = float(service.sum() / span)
+    od = max(1, math.ceil(CAPACITY_HEADROOM * mean_conc / ref["max_concurrency"]))
+    return {"mean_concurrency": mean_conc, "span_s": span, "on_demand": od,
+            "spot": max(1, od // SPOT_CAPACITY_DIVISOR), "ref_slots": ref["max_concurrency"],
+            "total_service_s": float(service.sum())}
+
+
+# ------------------------------------------------------------------------------------- spot traces
+@dataclass
+class Trace:
+    key: str          # file:column
+    file: str
+    column: str
+    provider: str
+    region: str       # cloud region of the zone
+    family: str       # instance family traced (p3, r5, a2, k80, v100)
+    t: np.ndarray     # seconds since the trace's start
+    v: np.ndarray     # 1.0 available, 0.0 not, nan not measured
+    uses: int = 0
+
+
+def _gcp_zone_region(zone: str) -> str:
+    """us-central1-a -> us-central1"""
+    return zone.rsplit("-", 1)[0]
+
+
+def load_traces(shared: Path) -> list[Trace]:
+    traces: list[Trace] = []
+    wide = [
+        ("spot/cbl_aws_p3.2xlarge_availability_2023-02-15_9zones.csv", "aws", "p3"),
+        ("spot/cbl_aws_p3.2xlarge_16node_availability_2023-08-27.csv", "aws", "p3"),
+        ("spot/cbl_aws_p3.2xlarge_4node_preemption_2023-08-03.csv", "aws", "p3"),
+        ("spot/cbl_aws_r5.16xlarge_preemption_2023-04-19.csv", "aws", "r5"),
+        ("spot/spothedge_gcp_a2-a100x8_availability_6zones.csv", "gcp", "a2"),
+    ]
+    for rel, provider, family in wide:
+        df = pd.read_csv(shared / rel)
+        for col in df.columns:
+            if col in ("tick", "t_offset_s") or col.startswith("spot_price"):
+                continue
+            raw = df[col].to_numpy(dtype=float)
+            v = np.where(np.isnan(raw), np.nan, (raw >= 1).astype(float))  # available = N >= 1
+            if np.isnan(v).all():
+                continue
+            region = col[:-1] if provider == "aws" else col.rsplit("-", 1)[0]
+            traces.append(Trace(f"{rel.split('/')[-1]}:{col}", rel, col, provider, region, family,
+                                df["t_offset_s"].to_numpy(dtype=float), v))
+    rel = "spot/aws_use1_gpu_spot_running_state_2020-03.csv"
+    df = pd.read_csv(shared / rel)
+    df["t"] = pd.to_datetime(df["tick_start_utc"])
+    for (zone, acc, gpus), g in sorted(df.groupby(["zone", "accelerator", "gpus_per_instance"]), key=lambda kv: kv[0]):
+        g = g.sort_values("t")
+        t = (g["t"] - g["t"].iloc[0]).dt.total_seconds().to_numpy()
+        v = 1.0 - g["not_running"].to_numpy(dtype=float)  # this file's polarity: 1 = preempted
+        traces.append(Trace(f"{rel.split('/')[-1]}:{zone}/{acc}x{gpus}", rel, f"{zone}/{acc}x{gpus}", "aws",
+                            zone[:-1], acc, t, v))
+    traces.sort(key=lambda tr: tr.key)
+    return traces
+
+
+def valid_starts(tr: Trace, window_s: float) -> np.ndarray:
+    """Sample indices where a window of ``window_s`` fits inside the trace with no unmeasured sample."""
+    n = len(tr.t)
+    end = np.searchsorted(tr.t, tr.t + window_s, side="right")  # first sample after each window
+    fits = tr.t + window_s <= tr.t[-1]
+    bad = np.concatenate([[0], np.cumsum(np.isnan(tr.v))])
+    clean = (bad[end] - bad[np.arange(n)]) == 0
+    return np.flatnonzero(fits & clean)
+
+
+def _changes(tr: Trace) -> int:
+    v = tr.v[~np.isnan(tr.v)]
+    return int(np.count_nonzero(v[1:] != v[:-1]))
+
+
+def assign_traces(spot_offerings: list[dict], traces: list[Trace], window_s: float) -> dict[str, Trace]:
+    """Each spot offering gets one trace column; the preference order is documented in the README.
+
+    Pass 1, same cloud and region: the traced instance family matching the accelerator first (p3 for
+    V100, a2 for GCP A100-class), then the 2023 traces before the 2020 one, then by name; GCP
+    A100/A100-80GB/H100 without a same-region zone take any SpotHedge zone. Pass 2, every other
+    offering: the least-used column that changes at least once in its trace, same cloud first, then
+    by name (round-robin over the remaining columns). A column that never changes (always up or
+    always down) serves only its own region.
+    """
+    usable = [tr for tr in traces if len(valid_starts(tr, window_s))]
+    if not usable:
+        raise SystemExit(f"no spot trace is long enough for a {window_s / 3600:.1f} h window; "
+                         "lower --spot-compression")
+    out: dict[str, Trace] = {}
+    family = {"V100": ("p3", "v100"), "A100": ("a2",), "A100-80GB": ("a2",), "H100": ("a2",)}
+    later = []
+    for o in spot_offerings:
+        same = [tr for tr in usable if tr.provider == o["provider"] and tr.region == o["region"]]
+        if o["provider"] == "gcp" and not same and o["accelerator"] in ("A100", "A100-80GB", "H100"):
+            same = [tr for tr in usable if tr.provider == "gcp"]
+        if not same:
+            later.append(o)
+            continue
+        fam = family.get(o["accelerator"], ())
+        rank = {tr.key: i for i, tr in enumerate(sorted(
+            same, key=lambda tr: (tr.family not in fam, "2020" in tr.file, tr.key)))}
+        best = min(same, key=lambda tr: (tr.uses, rank[tr.key]))
+        best.uses += 1
+        out[o["offering_id"]] = best
+    varying = [tr for tr in usable if _changes(tr) > 0]
+    for o in later:
+        best = min(varying, key=lambda tr: (tr.uses, tr.provider != o["provider"], tr.key))
+        best.uses += 1
+        out[o["offering_id"]] = best
+    return out
+
+
+def build_availability(spot_offerings: list[dict], traces: list[Trace], t0: pd.Timestamp, t1: pd.Timestamp,
+                       compression: float) -> tuple[pd.DataFrame, list[dict]]:
+    span = (t1 - t0).total_seconds()
+    window = span * compression
+    mapping = assign_traces(spot_offerings, traces, window)
+    rows, info = [], []
+    for o in spot_offerings:
+        oid = o["offering_id"]
+        tr = mapping[oid]
+        starts = valid_starts(tr, window)
+        i0 = int(starts[stable_u64("spot-offset", oid) % len(starts)])
+        sel = np.flatnonzero((tr.t >= tr.t[i0]) & (tr.t <= tr.t[i0] + window))
+        t_rel, v = tr.t[sel] - tr.t[i0], tr.v[sel]
+        change = np.concatenate([[True], v[1:] != v[:-1]])
+        for tt, vv in zip(t_rel[change], v[change]):
+            ts = t0 + pd.Timedelta(microseconds=round(tt / compression * 1e6))
+            rows.append((ts, oid, int(vv), f"{tr.file.split('/')[-1]}:{tr.column}@{tr.t[i0] + tt:.0f}s"))
+        info.append({"offering_id": oid, "trace": f"{tr.file.split('/')[-1]}:{tr.column}",
+                     "offset_h": tr.t[i0] / 3600, "flips": int(change.sum() - 1),
+                     "avail_frac": float(np.mean(v)), "start": int(v[0])})
+    df = pd.DataFrame(rows, columns=["ts", "offering_id", "available", "source"])
+    df = df.sort_values(["ts", "offering_id"], kind="mergesort").reset_index(drop=True)
+    df["ts"] = [iso(t) for t in df["ts"]]
+    return df, info
+
+
+# --------------------------------------------------------------------------------------------- RTT
+def load_intra(shared: Path) -> dict[str, dict[tuple[str, str], float]]:
+    a = pd.read_csv(shared / "rtt/aws_interregion_rtt_p50_1y_cloudping_ms.csv")
+    z = pd.read_csv(shared / "rtt/azure_interregion_rtt_p50_ms.csv")
+    g = pd.read_csv(shared / "rtt/gcp_interregion_rtt_median_ms_2023-11-27.csv")
+    return {
+        "aws": {(s, d): float(v) for s, d, v in zip(a["src_region"], a["dst_region"], a["rtt_p50_ms"]) if pd.notna(v)},
+        "azure": {(s, d): float(v) for s, d, v in zip(z["src_region"], z["dst_region"], z["rtt_p50_ms"]) if pd.notna(v)},
+        "gcp": {(s, d): float(v) for s, d, v in zip(g["src_region"], g["dst_region"], g["rtt_median_ms"]) if pd.notna(v)},
+    }
+
+
+INTRA_SOURCE = {"aws": "aws-cloudping-p50", "azure": "azure-p50", "gcp": "gcp-median"}
+
+
+def load_skyplane(shared: Path) -> dict[tuple[str, str], float]:
+    s = pd.read_csv(shared / "rtt/skyplane_crosscloud_ping_rtt_2022-04.csv")
+    s = s[(s["src_tier"] == "PREMIUM") & (s["dst_tier"] == "PREMIUM") & s["avg_rtt_ms"].notna()]
+
+    def loc(cloud: str, where: str) -> str:
+        return location_id(cloud, _gcp_zone_region(where) if cloud == "gcp" else where)
+
+    src = [loc(c, r) for c, r in zip(s["src_cloud"], s["src_region_or_zone"])]
+    dst = [loc(c, r) for c, r in zip(s["dst_cloud"], s["dst_region_or_zone"])]
+    df = pd.DataFrame({"src": src, "dst": dst, "v": s["avg_rtt_ms"].to_numpy()})
+    df = df[df["src"].str.split(":").str[0] != df["dst"].str.split(":").str[0]]
+    return {(a, b): float(v) for (a, b), v in df.groupby(["src", "dst"])["v"].median().items()}
+
+
+def build_rtt(locations: list[str], shared: Path) -> pd.DataFrame:
+    intra = load_intra(shared)
+    sky = load_skyplane(shared)
+
+    def intra_ms(p: str, r1: str, r2: str) -> float | None:
+        if r1 == r2:
+            v = intra[p].get((r1, r2))
+            return v if v is not None and v > 0 else None
+        v = intra[p].get((r1, r2))
+        return v if v is not None else intra[p].get((r2, r1))
+
+    def proximity(p: str, r1: str, r2: str) -> float:
+        if r1 == r2:
+            return 0.0
+        v = intra_ms(p, r1, r2)
+        return v if v is not None else math.inf
+
+    rows = []
+    for a in locations:
+        pa, ra = a.split(":", 1)
+        for b in locations:
+            pb, rb = b.split(":", 1)
+            if pa == pb:
+                v = intra_ms(pa, ra, rb)
+                if v is not None:
+                    src = INTRA_SOURCE[pa] + ("" if (ra, rb) in intra[pa] else ":reverse")
+                elif ra == rb:
+                    v, src = DEFAULT_SELF_RTT_MS, "default:intra-region (no self-entry in the matrix)"
+                else:
+                    raise SystemExit(f"no intra-cloud RTT for {a} -> {b}")
+            elif (a, b) in sky:
+                v, src = sky[(a, b)], "skyplane-ping-avg"
+            elif (b, a) in sky:
+                v, src = sky[(b, a)], "skyplane-ping-avg:reverse"
+            else:  # nearest measured proxy pair: same clouds, closest regions by intra-cloud RTT
+                cands = []
+                for (x, y), val in sky.items():
+                    for (p, q) in ((x, y), (y, x)):
+                        if p.split(":")[0] == pa and q.split(":")[0] == pb:
+                            d = proximity(pa, ra, p.split(":", 1)[1]) + proximity(pb, rb, q.split(":", 1)[1])
+                            cands.append((d, p, q, val))
+                if not cands:
+                    raise SystemExit(f"no skyplane measurement between {pa} and {pb}")
+                d, p, q, v = min(cands)
+                src = f"estimated:skyplane {p}->{q} (proxy distance {d:.0f} ms)"
+            rows.append({"src": a, "dst": b, "rtt_ms": fmt(v, 2), "source": src})
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------------------- the build
+def sla_feasibility(w: pd.DataFrame, serving: dict) -> list[list[object]]:
+    rows = []
+    for acc, s in serving["accelerators"].items():
+        cells: list[object] = [acc]
+        for k in (1, s["max_concurrency"]):
+            svc = (w["input_tokens"] / s["prefill_tok_s"]
+                   + w["output_tokens"] * s["tpot_ms"] * (1 + s["tpot_growth"] * (k - 1)) / 1000.0) * 1000.0
+            ok = svc <= w["sla_ms"]
+            for tenant in TENANTS:
+                m = w["tenant"] == tenant
+                cells.append(f"{100 * ok[m].mean():.1f}%")
+        rows.append(cells)
+    return rows
+
+
+def build(shared: Path, out: Path, serving_path: Path, compression: float) -> dict:
+    if compression <= 0:
+        raise SystemExit("--spot-compression must be > 0")
+    serving = yaml.safe_load(serving_path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.iterdir():  # leave no stale table of another format behind
+        if f.is_file() and (f.suffix in (".csv", ".parquet") or f.name.endswith(".csv.gz")):
+            f.unlink()
+
+    workload, w = build_workload(shared)
+    t0, t1 = w["ts"].iloc[0], w["ts"].iloc[-1]
+    cap = capacity_rule(w, serving)
+
+    priced = pick_prices(shared)
+    offerings, prices = [], []
+    price_ts = iso(t0.normalize() - pd.Timedelta(days=1))
+    for p in priced:
+        for mode, usd in (("on_demand", p.on_demand), ("spot", p.spot)):
+            if usd is None:
+                continue
+            oid = f"{p.provider}:{p.region}:{p.instance_type}:{mode}"
+            offerings.append({
+                "offering_id": oid, "provider": p.provider, "region": p.region, "instance_type": p.instance_type,
+                "accelerator": p.accelerator, "accelerator_count": p.accelerator_count, "vcpus": fmt(p.vcpus),
+                "memory_gib": fmt(p.memory_gib), "pricing_mode": mode,
+                "capacity_replicas": cap["on_demand"] if mode == "on_demand" else cap["spot"],
+            })
+            prices.append({"ts": price_ts, "offering_id": oid, "usd_per_hour": fmt(usd),
+                           "source": f"{p.source}:{p.snapshot}"})
+    off = pd.DataFrame(offerings).sort_values("offering_id", kind="mergesort").reset_index(drop=True)
+    pr = pd.DataFrame(prices).sort_values("offering_id", kind="mergesort").reset_index(drop=True)
+    missing = sorted(set(off["accelerator"]) - set(serving["accelerators"]))
+    if missing:
+        raise SystemExit(f"{serving_path}: no serving entry for accelerator(s) {', '.join(missing)}")
+
+    spot = off[off["pricing_mode"] == "spot"].to_dict("records")
+    avail, avail_info = build_availability(spot, load_traces(shared), t0, t1, compression)
+
+    locs = sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"])) | {o for o, _, _ in ORIGINS})
+    rtt = build_rtt(locs, shared)
+
+    # column order exactly as the schema declares, then our extra provenance columns
+    off = off[[c.name for c in OFFERINGS.columns if c.name in off.columns]]
+    pr = pr[[c.name for c in PRICES.columns] + ["source"]]
+    avail = avail[[c.name for c in AVAILABILITY.columns] + ["source"]]
+    rtt = rtt[[c.name for c in RTT.columns] + ["source"]]
+    workload = workload[[c.name for c in WORKLOAD.columns if c.name in workload.columns]]
+
+    write_table(off, out / "offerings.csv")
+    write_table(pr, out / "prices.csv")
+    write_table(avail, out / "availability.csv")
+    write_table(rtt, out / "rtt.csv")
+    write_table(workload, out / "workload.csv.gz")
+
+    stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "w": w, "cap": cap,
+             "t0": t0, "t1": t1, "compression": compression, "priced": priced, "serving": serving,
+             "locations": locs}
+    (out / "README.md").write_text(render_readme(stats))
+    bundle = load_bundle(out)  # the builder's output must pass the product's own validation
+    stats["bundle"] = bundle
+    return stats
+
+
+# ------------------------------------------------------------------------------------------ README
+def render_readme(s: dict) -> str:
+    off, pr, w, cap, info, rtt = s["offerings"], s["prices"], s["w"], s["cap"], s["avail_info"], s["rtt"]
+    by = off.groupby(["provider", "accelerator", "pricing_mode"]).size().unstack(fill_value=0)
+    by_rows = [[p, a, int(r.get("on_demand", 0)), int(r.get("spot", 0))] for (p, a), r in by.iterrows()]
+    price_rows = []
+    for p in s["priced"]:
+        price_rows.append([p.provider, p.region, p.instance_type, p.accelerator, p.accelerator_count, fmt(p.on_demand),
+                           fmt(p.spot) if p.spot is not None else "—", f"{p.source} {p.snapshot}"])
+    origin_counts = w["origin"].value_counts()
+    origin_rows = [[o, f"{wt:.0%}", desc, int(origin_counts.get(o, 0))] for o, wt, desc in ORIGINS]
+    tenants = [[t, int((w["tenant"] == t).sum()), f"{a:g} + {b:g} × output_tokens",
+                int(w.loc[w["tenant"] == t, "input_tokens"].mean()), int(w.loc[w["tenant"] == t, "output_tokens"].mean())]
+               for t, (_, a, b) in TENANTS.items()]
+    av_rows = [[i["offering_id"], i["trace"], f"{i['offset_h']:.2f}", i["start"], i["flips"], f"{i['avail_frac']:.2f}"]
+               for i in info]
+    kinds = rtt["source"].str.split(r"[: ]", regex=True).str[0].value_counts()
+    n_est = int(rtt["source"].str.startswith("estimated").sum())
+    est_rows = [[r.src, r.dst, r.rtt_ms, r.source] for r in rtt.itertuples() if r.source.startswith("estimated")]
+    total_flips = sum(i["flips"] for i in info)
+    selfs = rtt[rtt["src"] == rtt["dst"]].assign(p=lambda d: d["src"].str.split(":").str[0], v=lambda d: d["rtt_ms"].astype(float))
+    self_rng = "; ".join(f"{p} {g.v.min():g}–{g.v.max():g} ms" for p, g in selfs.groupby("p") if p != "azure")
+    span_min = cap["span_s"] / 60
+    comp = s["compression"]
+    return f"""# Default telemetry bundle — provenance
+
+Written by `tools/build_default_bundle.py` (do not edit by hand; rebuild with
+`.venv/bin/python tools/build_default_bundle.py --shared ../shared/data --out data/bundles/default
+--spot-compression {comp:g}`). Same inputs ⇒ byte-identical files. Format: `docs/telemetry.md`;
+schema: `xroute/schema/telemetry.py`. Everything below is real public data; the transformations are
+listed per table. Extra `source` columns (allowed by the schema) name the input of every row.
+
+Window: **{iso(s['t0'])} → {iso(s['t1'])}** ({span_min:.1f} min), the real hour of Azure's LLM
+inference trace. {len(off)} offerings ({int((off.pricing_mode == 'on_demand').sum())} on-demand,
+{int((off.pricing_mode == 'spot').sum())} spot) in {len(set(off.provider + ':' + off.region))} regions of 3 clouds;
+{len(w)} requests; {len(s['locations'])} locations in `rtt`.
+
+## Sources → tables
+
+| table | source file(s) under shared/data | licence as stated there |
+|---|---|---|
+| workload.csv.gz | workload/azure_llm_inference_2023_code.csv, workload/azure_llm_inference_2023_conv.csv | CC BY 4.0 (Azure/AzurePublicDataset, AzureLLMInferenceDataset2023) |
+| offerings.csv, prices.csv (AWS, Azure) | prices/multicloud_daily_coroot_2023-2024.csv (+ prices/instance_specs.csv for any missing spec) | Apache-2.0 (coroot/cloud-pricing); Infracost terms for values |
+| offerings.csv, prices.csv (GCP) | prices/gcp_weekly_cyclenerd_2022-2026.csv | Apache-2.0 (Cyclenerd/google-cloud-pricing-cost-calculator) |
+| availability.csv | spot/cbl_aws_p3.2xlarge_availability_2023-02-15_9zones.csv, spot/cbl_aws_p3.2xlarge_16node_availability_2023-08-27.csv, spot/cbl_aws_p3.2xlarge_4node_preemption_2023-08-03.csv, spot/cbl_aws_r5.16xlarge_preemption_2023-04-19.csv (skypilot-org/spot-traces, Can't Be Late), spot/spothedge_gcp_a2-a100x8_availability_6zones.csv (SpotHedge/SkyServe), spot/aws_use1_gpu_spot_running_state_2020-03.csv (Michaelvll/skypilot-spot-strategy) | no licence stated by the sources |
+| rtt.csv | rtt/aws_interregion_rtt_p50_1y_cloudping_ms.csv (cloudping), rtt/azure_interregion_rtt_p50_ms.csv (MicrosoftDocs, CC BY 4.0), rtt/gcp_interregion_rtt_median_ms_2023-11-27.csv (Google Cloud Performance Dashboard), rtt/skyplane_crosscloud_ping_rtt_2022-04.csv (skyplane, Apache-2.0) | as listed |
+| (capacity_replicas, SLA check) | configs/serving.yaml (itself from serving/accelerator_throughput.csv) | see that file |
+
+## workload.csv.gz
+
+- Both traces merged and sorted by timestamp (ties by request_id); timestamps are the trace's own
+  (UTC, microseconds). `request_id` = `<tenant>-<row index in its source file, 6 digits>`;
+  `tenant` = `code` (code completion) or `conv` (conversation) — two real services.
+- `input_tokens` = `context_tokens`, `output_tokens` = `generated_tokens`, unchanged.
+- `origin`: u = first 8 bytes of SHA-256("origin" ␟ request_id) / 2^64, mapped through the cumulative
+  weights below (a cloud region stands in for the clients near it; none is an offering region, so no
+  cloud gets a free same-region hop).
+- `sla_ms` = TTFT budget + minimum streaming speed × output tokens, stricter for code completion.
+
+{md_table(["tenant", "requests", "sla_ms", "mean input", "mean output"], tenants)}
+
+{md_table(["origin", "weight", "stands for", "requests"], origin_rows)}
+
+SLA feasibility from `configs/serving.yaml` alone (service time `input/prefill + output × tpot(k)`,
+no queueing, no network; RTT adds 1–250 ms), share of requests within `sla_ms`:
+
+{md_table(["accelerator", "code, k=1", "conv, k=1", "code, k=slots", "conv, k=slots"], sla_feasibility(w, s['serving']))}
+
+## offerings.csv and prices.csv
+
+- Regions: {'; '.join(f"{p}: {', '.join(r)}" for p, r in REGIONS.items())} (North America, Europe, Asia).
+- Instance types: the smallest single-GPU type of each GPU the cloud sells in the price file, or its
+  only 8-GPU type (p4d/p4de/p5, ND96asr_v4, ND96isr_H100_v5, a3-highgpu-8g; the env treats an n-GPU
+  instance as n one-GPU replicas at price/n). A type absent from a region's price rows is not offered
+  there. AWS has no L4 (g6 launched 2024) and GCP's T4/V100 are attachable GPUs priced only in a 2025
+  file, so they are left out.
+- `offering_id` = `provider:region:instance_type:pricing_mode`; a spot offering exists where the row
+  has a spot price (p4de has none). `accelerator_count`, `vcpus`, `memory_gib` from the same price row.
+- Price: per (provider, region, instance type) the row of the cloud's price file whose snapshot is
+  nearest {WORKLOAD_DAY.date()} (ties: the earlier). AWS/Azure: coroot 2023-11-21 (5 days after), except
+  Azure ND96isr_H100_v5, first listed 2024-01-09. GCP: Cyclenerd's 2023-10-26 row set, in effect on the
+  day (its next change is 2024-01-26), except a3-highgpu-8g, first listed 2024-05-17. On-demand rows use
+  the on-demand column, spot rows the spot column.
+- One price row per offering at {pr['ts'].iloc[0]} (00:00 UTC the day before the workload): a step
+  function that holds through the hour. No intraday variation is invented.
+- `capacity_replicas`: mean concurrency of the whole stream at A10G speed (Little's law: Σ(input/
+  {s['serving']['accelerators']['A10G']['prefill_tok_s']} + output × {s['serving']['accelerators']['A10G']['tpot_ms']} ms) / span =
+  {cap['total_service_s']:.0f} s / {cap['span_s']:.0f} s = **{cap['mean_concurrency']:.1f}**); on-demand pools:
+  ceil({CAPACITY_HEADROOM} × {cap['mean_concurrency']:.1f} / {cap['ref_slots']} slots) = **{cap['on_demand']}** replicas each; spot pools:
+  max(1, {cap['on_demand']} // {SPOT_CAPACITY_DIVISOR}) = **{cap['spot']}** (spot capacity is scarce).
+
+{md_table(["provider", "accelerator", "on-demand offerings", "spot offerings"], by_rows)}
+
+{md_table(["provider", "region", "instance type", "accelerator", "GPUs", "on-demand $/h", "spot $/h", "price row"], price_rows)}
+
+## availability.csv (spot offerings only)
+
+- Polarity: in the CBL/SpotHedge files a value N = instances obtained/running, so available = N ≥ 1
+  (an empty cell = zone not measured; windows containing one are never used). In the 2020 file
+  `not_running` = 1 means preempted, so available = 1 − not_running.
+- Trace per offering, in this order: (1) a column of the same cloud and region — GCP A100/A100-80GB/H100
+  from the SpotHedge a2 A100 zones, AWS from the CBL p3/r5 zone columns (V100 prefers the p3 columns)
+  — and for GCP A100-class offerings without a same-region zone any SpotHedge zone; (2) every other
+  offering (Azure, AWS regions without traces, GCP L4) round-robin over all columns, least-used first.
+  Ties go to the least-used column, then by name, so columns are shared only when they run out.
+- Time compression ×{comp:g}: the {span_min:.1f}-minute workload replays {span_min * comp / 60:.1f} h of real
+  spot behaviour (an hour of real spot holds few preemptions). Start sample = the hash
+  SHA-256("spot-offset" ␟ offering_id) modulo the number of valid start samples.
+- One row at the workload start, then a row only where the value changes; the `source` column gives
+  the trace column and the real trace time (seconds since the trace's start).
+- **{total_flips} availability changes** in the hour over {len(info)} spot offerings.
+
+{md_table(["offering", "trace column", "offset (h)", "start", "changes", "available share"], av_rows)}
+
+## rtt.csv
+
+- Every ordered pair (both directions, self included) of the {len(s['locations'])} locations
+  (offering regions ∪ origins): {len(rtt)} rows.
+- Same cloud: AWS cloudping P50 (1 year), Azure P50, GCP median matrices, as published (direction as
+  given). Self-RTT: the matrix's own intra-region value ({self_rng}); the Azure
+  matrix has none, so {DEFAULT_SELF_RTT_MS:g} ms.
+- Cross cloud: skyplane ping `avg_rtt_ms`, PREMIUM tier at both ends, GCP zones mapped to their region,
+  median over repeated measurements of the direction; the reverse direction when only that was measured.
+- Pairs skyplane never measured ({n_est}): the nearest measured proxy pair — same two clouds, the regions
+  closest by intra-cloud RTT to the two ends — and its value, marked `estimated:` in `source`.
+
+Row sources: {', '.join(f'{k} {v}' for k, v in kinds.items())}.
+
+{md_table(["src", "dst", "rtt_ms", "source"], est_rows) if est_rows else ""}
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shared", type=Path, default=REPO_ROOT.parent / "shared" / "data",
+                    help="the shared real-data directory (read-only)")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "bundles" / "default")
+    ap.add_argument("--serving", type=Path, default=REPO_ROOT / "configs" / "serving.yaml",
+                    help="service-time model (capacity rule and the SLA check)")
+    ap.add_argument("--spot-compression", type=float, default=DEFAULT_SPOT_COMPRESSION,
+                    help="real spot-trace seconds replayed per workload second (default 12)")
+    args = ap.parse_args(argv)
+    s = build(args.shared, args.out, args.serving, args.spot_compression)
+    off, b = s["offerings"], s["bundle"]
+    size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
+    print(f"wrote {args.out}: {len(off)} offerings, {len(b.workload)} requests, "
+          f"{len(b.availability) if b.availability is not None else 0} availability rows "
+          f"({sum(i['flips'] for i in s['avail_info'])} changes), {len(b.rtt)} rtt rows, "
+          f"{size / 1e6:.2f} MB; content hash {b.content_hash}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
