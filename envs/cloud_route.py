@@ -436,13 +436,22 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
     def exact_rewards(self) -> np.ndarray:
         """The reward each offering would really get for the current request (hindsight: knows the
         noise draw and future preemptions). Leaves the environment unchanged."""
-        saved = self.free_at.copy()
-        stats = dict(self.stats)
-        out = np.full(self.n, -np.inf)
-        for a in np.flatnonzero(self.c_mask):
-            out[a] = self._resolve(int(a))["reward"]
-            self.free_at[:] = saved
-        self.stats = stats
+        rw = self.cfg.reward
+        sla = self.r_sla
+        service = self.c_service * np.exp(self.sigma * self.r_z - 0.5 * self.sigma**2)
+        lat = self.c_rtt + 1000.0 * (self.c_wait + service)
+        cost = self.cost_rate * service
+        out = -(rw.cost_weight * np.minimum(cost / self.r_ref_cost, rw.cost_norm_cap)
+                + rw.latency_weight * np.minimum(lat / sla, rw.latency_norm_cap)) - rw.sla_penalty * (lat > sla)
+        out = np.where(self.c_mask, out, -np.inf)
+        # requests a replayed preemption would interrupt take the full path (retry elsewhere)
+        hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < self.t + self.c_wait + service)
+        if hit.any():
+            saved, stats = self.free_at.copy(), dict(self.stats)
+            for a in np.flatnonzero(hit):
+                out[a] = self._resolve(int(a))["reward"]
+                self.free_at[:] = saved
+            self.stats = stats
         return out
 
     def offering_index(self, offering_id: str) -> int:

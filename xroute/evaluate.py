@@ -128,7 +128,8 @@ def plot(runs: list[PolicyRun], path: str | Path, title: str = "") -> None:
         minutes = (r.t - r.t[0]) / 60.0
         ax2.plot(minutes, r.cum_cost, label=r.name)
     ax1.set_xlabel("p95 latency (ms)")
-    ax1.set_ylabel("cost per 1k requests (USD)")
+    ax1.set_ylabel("cost per 1k requests (USD, log scale)")
+    ax1.set_yscale("log")
     ax1.set_title("cost vs p95 latency (lower-left is better)")
     ax1.grid(alpha=0.3)
     ax2.set_xlabel("minutes into the stream")

@@ -1,0 +1,163 @@
+"""The routing decision — what the router is asked, what it answers, and the feedback on it.
+
+Defined here only: the HTTP API (``router/``), the decision log and ``xroute export-feedback``
+all use these models. Requests are strict (unknown fields are errors, numbers must be finite) so
+every bad field comes back as a 4xx naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from xroute.schema.policy_ir import Constraints
+
+Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class RouteRequest(_Strict):
+    """``POST /v1/route``: one LLM inference request to place."""
+
+    origin: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+        description="location id the request comes from (provider:region, see GET /v1/offerings)")
+    input_tokens: int = Field(ge=0, le=2_000_000, description="prompt length in tokens")
+    max_output_tokens: int = Field(ge=1, le=1_000_000, description="output token budget (used as the expected length)")
+    sla_ms: float = Field(gt=0, le=3_600_000, description="latency objective in milliseconds")
+    session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
+    constraints: Constraints | None = Field(
+        None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")
+
+
+class OfferingRef(BaseModel):
+    offering_id: str
+    provider: str
+    region: str
+    location: str
+    instance_type: str
+    pricing_mode: str
+    accelerator: str
+
+
+class Alternative(BaseModel):
+    offering: OfferingRef
+    score: float = Field(description="the deciding policy's score (higher is better); see score_kind")
+    expected_latency_ms: float
+    expected_cost_usd: float
+
+
+class PolicyInfo(BaseModel):
+    name: str = Field(description="policy name: the registered model, or the fallback baseline")
+    kind: Literal["model", "fallback"]
+    version: str | None = Field(None, description="model version (registry version or file fingerprint)")
+    uri: str | None = None
+    reason: str | None = Field(None, description="why the fallback decided (no model, stale telemetry)")
+
+
+class Exclusions(BaseModel):
+    total: int = Field(description="offerings not eligible for this request")
+    by_reason: dict[str, int] = Field(
+        description="count per reason: '<tenant|request>:not_allowed' / ':denied' (constraints), "
+                    "'not_preferred', 'unavailable' (spot pool down), 'queue_full', 'no_capacity', 'no_price'")
+
+
+class TelemetryInfo(BaseModel):
+    source: str = Field(description="where prices, availability and RTT come from, e.g. replay:<bundle>")
+    clock: str = Field(description="how wall-clock time maps onto telemetry time")
+    telemetry_time: str = Field(description="telemetry time the decision used (ISO-8601 UTC)")
+    age_s: float = Field(description="seconds since the telemetry cache last refreshed from its source")
+    stale: bool
+
+
+class RouteResponse(BaseModel):
+    """The answer to ``POST /v1/route`` (also what ``GET /v1/decisions/{id}`` returns, plus feedback)."""
+
+    decision_id: str
+    created_at: str = Field(description="wall-clock time of the decision (ISO-8601 UTC)")
+    tenant: str
+    session_id: str | None = None
+    offering: OfferingRef
+    expected_latency_ms: float
+    expected_cost_usd: float
+    score: float
+    score_kind: str = Field(description="'q_value' (model) or 'expected_reward' (one-step expectation)")
+    alternatives: list[Alternative]
+    policy: PolicyInfo
+    excluded: Exclusions
+    telemetry: TelemetryInfo
+
+
+class FeedbackRequest(_Strict):
+    """``POST /v1/feedback``: what actually happened to a routed request."""
+
+    decision_id: Id
+    latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency")
+    cost_usd: float | None = Field(None, ge=0, le=1_000_000, description="observed cost")
+    output_tokens: int | None = Field(None, ge=0, le=1_000_000, description="tokens actually generated")
+    failed: bool = Field(False, description="the request failed (error, timeout, preempted without retry)")
+    error: Annotated[str, StringConstraints(max_length=1000)] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> FeedbackRequest:
+        if self.latency_ms is None and self.cost_usd is None and self.output_tokens is None and not self.failed:
+            raise ValueError("give at least one of latency_ms, cost_usd, output_tokens, failed=true")
+        return self
+
+
+class FeedbackResponse(BaseModel):
+    feedback_id: int
+    decision_id: str
+    received_at: str
+
+
+class FeedbackRecord(BaseModel):
+    feedback_id: int
+    received_at: str
+    latency_ms: float | None = None
+    cost_usd: float | None = None
+    output_tokens: int | None = None
+    failed: bool = False
+    error: str | None = None
+
+
+class DecisionRecord(RouteResponse):
+    """``GET /v1/decisions/{id}``: the decision as answered, the request, and its feedback."""
+
+    request: dict[str, object]
+    feedback: list[FeedbackRecord]
+
+
+class OfferingState(BaseModel):
+    offering: OfferingRef
+    usd_per_hour: float | None
+    available: bool
+    valid: bool = Field(description="can take a request now (available, capacity, queue)")
+    slots: int
+    busy_slots: int
+    next_free_in_s: float
+    external_util: float
+
+
+class OfferingsResponse(BaseModel):
+    telemetry: TelemetryInfo
+    origins: list[str]
+    offerings: list[OfferingState]
+
+
+class ErrorItem(BaseModel):
+    field: str
+    message: str
+    suggestions: list[str] = []
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body: ``error`` (a code), ``message`` and, for bad input, the fields."""
+
+    error: str
+    message: str
+    fields: list[ErrorItem] = []
+    request_id: str | None = None
