@@ -1,0 +1,335 @@
+"""Bundle validation: the shipped bundle loads, and every kind of bad bundle fails with one
+:class:`BundleError` naming the file, row and column. Bad bundles are the small hand-made bundle of
+``tests/tinybundle.py`` with one cell or table corrupted."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from tests.tinybundle import write_tiny_bundle
+from xroute.bundle import DEFAULT_BUNDLE, REPO_ROOT, load_bundle
+from xroute.errors import BundleError
+from xroute.schema.telemetry import TABLES
+
+SHARED = REPO_ROOT.parent / "shared" / "data"
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _read(root: Path, table: str) -> pd.DataFrame:
+    return pd.read_csv(root / f"{table}.csv", dtype=str, keep_default_na=False)
+
+
+def _edit(root: Path, table: str, change: Callable[[pd.DataFrame], pd.DataFrame | None]) -> None:
+    df = _read(root, table)
+    out = change(df)
+    (df if out is None else out).to_csv(root / f"{table}.csv", index=False)
+
+
+def _fails(root: Path, file: str, row: int | None = None, column: str | None = None,
+           says: str = "") -> BundleError:
+    with pytest.raises(BundleError) as ei:
+        load_bundle(root)
+    e = ei.value
+    msg = str(e)
+    assert e.file == file, msg
+    assert file in msg
+    if row is not None:
+        assert e.row == row, msg
+        assert f"row {row}" in msg
+    if column is not None:
+        assert e.column == column, msg
+        assert f"'{column}'" in msg
+    assert says in msg, msg
+    return e
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    return write_tiny_bundle(tmp_path / "b")
+
+
+# ------------------------------------------------------------------------------ shipped bundle
+def test_shipped_bundle_loads_and_matches_its_design():
+    b = load_bundle()
+    assert b.path == DEFAULT_BUNDLE
+    off = b.offerings
+    assert 60 <= len(off) <= 120
+    assert set(off["provider"]) == {"aws", "azure", "gcp"}
+    assert "aws:us-east-1:g5.xlarge:on_demand" in set(off["offering_id"])  # the static baseline's default
+    assert list(off["offering_id"]) == sorted(off["offering_id"])
+    # every offering has exactly one price, timestamped before the workload starts
+    assert len(b.prices) == len(off) and b.prices["ts"].max() < b.workload["ts"].iloc[0]
+    # spot offerings are the only ones with availability rows, each starting at the workload start
+    spot = set(off.loc[off["pricing_mode"] == "spot", "offering_id"])
+    assert b.availability is not None and set(b.availability["offering_id"]) == spot
+    first = b.availability.groupby("offering_id")["ts"].min()
+    assert (first == b.workload["ts"].iloc[0]).all()
+    # the whole stream, both tenants
+    assert len(b.workload) == 8819 + 19366
+    assert set(b.workload["tenant"]) == {"code", "conv"}
+    # every offering location and every origin has RTT to every offering location, with no zero
+    rtt = b.rtt_lookup()
+    locs = b.locations()
+    for src in set(b.workload["origin"]) | set(locs):
+        for dst in locs:
+            assert rtt[(src, dst)] > 0
+    # every accelerator has a serving-speed entry
+    serving = yaml.safe_load((REPO_ROOT / "configs" / "serving.yaml").read_text())
+    assert set(off["accelerator"]) <= set(serving["accelerators"])
+    assert sum(p.stat().st_size for p in DEFAULT_BUNDLE.iterdir()) < 10_000_000
+
+
+def test_tiny_bundle_is_valid(tiny: Path):
+    b = load_bundle(tiny)
+    assert len(b.offerings) == 6 and len(b.workload) == 400
+
+
+# ------------------------------------------------------------------------------ bad bundles
+def test_missing_table(tiny: Path):
+    (tiny / "rtt.csv").unlink()
+    e = _fails(tiny, str(tiny), says="missing table 'rtt'")
+    assert e.row is None
+
+
+def test_missing_optional_table_is_fine(tiny: Path):
+    (tiny / "availability.csv").unlink()
+    assert load_bundle(tiny).availability is None
+
+
+def test_missing_column(tiny: Path):
+    _edit(tiny, "prices", lambda d: d.drop(columns="usd_per_hour"))
+    _fails(tiny, "prices.csv", says="missing column(s) usd_per_hour")
+
+
+def test_text_in_number_column(tiny: Path):
+    _edit(tiny, "prices", lambda d: d.assign(usd_per_hour=d["usd_per_hour"].where(d.index != 2, "cheap")))
+    _fails(tiny, "prices.csv", 3, "usd_per_hour", "'cheap' is not a number")
+
+
+def test_text_in_int_column(tiny: Path):
+    _edit(tiny, "workload", lambda d: d.assign(output_tokens=d["output_tokens"].where(d.index != 9, "12.5")))
+    _fails(tiny, "workload.csv", 10, "output_tokens", "not a whole number")
+
+
+@pytest.mark.parametrize("value", ["", "   ", "NaN", "nan"])
+def test_empty_or_nan_required_value(tiny: Path, value: str):
+    _edit(tiny, "workload", lambda d: d.assign(input_tokens=d["input_tokens"].where(d.index != 4, value)))
+    _fails(tiny, "workload.csv", 5, "input_tokens")
+
+
+def test_empty_required_text(tiny: Path):
+    _edit(tiny, "offerings", lambda d: d.assign(instance_type=d["instance_type"].where(d.index != 1, "")))
+    _fails(tiny, "offerings.csv", 2, "instance_type", "is empty")
+
+
+def test_negative_price(tiny: Path):
+    _edit(tiny, "prices", lambda d: d.assign(usd_per_hour=d["usd_per_hour"].where(d.index != 0, "-0.5")))
+    _fails(tiny, "prices.csv", 1, "usd_per_hour", "below the minimum 0")
+
+
+def test_infinite_value(tiny: Path):
+    _edit(tiny, "rtt", lambda d: d.assign(rtt_ms=d["rtt_ms"].where(d.index != 3, "inf")))
+    _fails(tiny, "rtt.csv", 4, "rtt_ms", "not finite")
+
+
+def test_bad_flag(tiny: Path):
+    _edit(tiny, "availability", lambda d: d.assign(available=d["available"].where(d.index != 1, "2")))
+    _fails(tiny, "availability.csv", 2, "available", "must be 0 or 1")
+
+
+def test_bad_timestamp(tiny: Path):
+    _edit(tiny, "workload", lambda d: d.assign(ts=d["ts"].where(d.index != 6, "yesterday")))
+    _fails(tiny, "workload.csv", 7, "ts", "not an ISO-8601 timestamp")
+
+
+def test_unknown_offering_id_in_prices(tiny: Path):
+    _edit(tiny, "prices", lambda d: d.assign(offering_id=d["offering_id"].where(d.index != 1, "aws:us-east-1:g5.xlarge:spotty")))
+    _fails(tiny, "prices.csv", 2, "offering_id", "unknown offering_id 'aws:us-east-1:g5.xlarge:spotty' (did you mean")
+
+
+def test_unknown_offering_id_in_availability(tiny: Path):
+    _edit(tiny, "availability", lambda d: d.assign(offering_id=d["offering_id"].where(d.index != 0, "nope:nowhere:x:spot")))
+    _fails(tiny, "availability.csv", 1, "offering_id", "unknown offering_id 'nope:nowhere:x:spot'")
+
+
+def test_offering_without_price(tiny: Path):
+    _edit(tiny, "prices", lambda d: d.iloc[1:])
+    _fails(tiny, "prices.csv", says="no price for offering(s)")
+
+
+def test_unknown_origin(tiny: Path):
+    _edit(tiny, "workload", lambda d: d.assign(origin=d["origin"].where(d.index != 11, "aws:mars-north-1")))
+    _fails(tiny, "workload.csv", 12, "origin", "unknown location 'aws:mars-north-1'")
+
+
+def test_offering_location_without_rtt(tiny: Path):
+    _edit(tiny, "rtt", lambda d: d[(d["src"] != "azure:japaneast") & (d["dst"] != "azure:japaneast")])
+    _edit(tiny, "workload", lambda d: d.assign(origin=d["origin"].replace("azure:japaneast", "aws:us-east-1")))
+    _fails(tiny, "offerings.csv", column="region", says="location 'azure:japaneast' has no RTT rows")
+
+
+def test_workload_out_of_order(tiny: Path):
+    def swap(d: pd.DataFrame) -> pd.DataFrame:
+        d = d.copy()
+        d.loc[[20, 21], "ts"] = d.loc[[21, 20], "ts"].to_numpy()
+        return d
+
+    _edit(tiny, "workload", swap)
+    _fails(tiny, "workload.csv", 22, "ts", "timestamps out of order")
+
+
+def test_prices_out_of_order_within_one_offering(tiny: Path):
+    def add_earlier(d: pd.DataFrame) -> pd.DataFrame:
+        later = d.iloc[[0]].assign(ts="2023-12-31T12:00:00+00:00", usd_per_hour="1.5")
+        earlier = d.iloc[[0]].assign(ts="2023-12-30T00:00:00+00:00", usd_per_hour="1.2")
+        return pd.concat([later, d.iloc[1:], earlier], ignore_index=True)
+
+    _edit(tiny, "prices", add_earlier)
+    oid = _read(tiny, "prices")["offering_id"].iloc[0]
+    _fails(tiny, "prices.csv", 7, "ts", f"timestamps out of order for offering_id '{oid}'")
+
+
+def test_prices_interleaved_offerings_in_order_are_fine(tiny: Path):
+    def add_later(d: pd.DataFrame) -> pd.DataFrame:
+        return pd.concat([d, d.assign(ts="2024-01-01T00:30:00+00:00")], ignore_index=True)
+
+    _edit(tiny, "prices", add_later)
+    assert len(load_bundle(tiny).prices) == 12
+
+
+def test_empty_workload(tiny: Path):
+    _edit(tiny, "workload", lambda d: d.iloc[0:0])
+    _fails(tiny, "workload.csv", says="has no requests")
+
+
+def test_duplicate_offering_id(tiny: Path):
+    _edit(tiny, "offerings", lambda d: pd.concat([d, d.iloc[[2]]], ignore_index=True))
+    oid = _read(tiny, "offerings")["offering_id"].iloc[2]
+    _fails(tiny, "offerings.csv", 7, "offering_id", f"duplicate value '{oid}'")
+
+
+def test_duplicate_rtt_pair(tiny: Path):
+    _edit(tiny, "rtt", lambda d: pd.concat([d, d.iloc[[4]]], ignore_index=True))
+    _fails(tiny, "rtt.csv", 10, "src", "duplicate row for src, dst")
+
+
+def test_bad_pricing_mode(tiny: Path):
+    _edit(tiny, "offerings", lambda d: d.assign(pricing_mode=d["pricing_mode"].where(d.index != 3, "reserved")))
+    _fails(tiny, "offerings.csv", 4, "pricing_mode", "'reserved' is not one of on_demand, spot")
+
+
+def test_bad_provider(tiny: Path):
+    _edit(tiny, "offerings", lambda d: d.assign(provider=d["provider"].where(d.index != 0, "oracle")))
+    _fails(tiny, "offerings.csv", 1, "provider", "'oracle' is not one of aws, azure, gcp")
+
+
+def test_table_given_twice(tiny: Path):
+    _read(tiny, "rtt").to_parquet(tiny / "rtt.parquet")
+    _fails(tiny, str(tiny), says="table 'rtt' is given twice")
+
+
+def test_unreadable_table(tiny: Path):
+    (tiny / "rtt.csv").unlink()
+    (tiny / "rtt.parquet").write_bytes(b"not a parquet file")
+    _fails(tiny, "rtt.parquet", says="cannot be read as a table")
+
+
+def test_not_a_directory(tmp_path: Path):
+    with pytest.raises(BundleError, match="is not a directory"):
+        load_bundle(tmp_path / "missing")
+
+
+# ------------------------------------------------------------------------------ file formats
+def _assert_same(a, b) -> None:
+    for name in TABLES:
+        fa, fb = getattr(a, name), getattr(b, name)
+        if fa is None or fb is None:
+            assert fa is None and fb is None, name
+            continue
+        pd.testing.assert_frame_equal(fa, fb, check_dtype=False, obj=name)
+    assert a.content_hash != "" and b.content_hash != ""
+
+
+def _convert(src: Path, dst: Path, fmt: str) -> Path:
+    dst.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        name = f.name.split(".")[0]
+        if name not in TABLES:
+            continue
+        if fmt == "csv.gz":
+            raw = pd.read_csv(f, dtype=str, keep_default_na=False)
+            raw.to_csv(dst / f"{name}.csv.gz", index=False, compression={"method": "gzip", "mtime": 0})
+        elif fmt == "csv":
+            raw = pd.read_csv(f, dtype=str, keep_default_na=False)
+            raw.to_csv(dst / f"{name}.csv", index=False)
+        else:  # parquet with native types: numbers as numbers, timestamps as UTC datetimes
+            typed = pd.read_csv(f)
+            for col in typed.columns:
+                if col == "ts":
+                    typed[col] = pd.to_datetime(typed[col], utc=True, format="ISO8601")
+            typed.to_parquet(dst / f"{name}.parquet", index=False)
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["csv.gz", "parquet"])
+def test_formats_load_the_same_tiny(tiny: Path, tmp_path: Path, fmt: str):
+    _assert_same(load_bundle(tiny), load_bundle(_convert(tiny, tmp_path / fmt, fmt)))
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_formats_load_the_same_shipped(tmp_path: Path, fmt: str):
+    _assert_same(load_bundle(), load_bundle(_convert(DEFAULT_BUNDLE, tmp_path / fmt, fmt)))
+
+
+def test_parquet_errors_name_file_row_column(tiny: Path, tmp_path: Path):
+    root = _convert(tiny, tmp_path / "pq", "parquet")
+    df = pd.read_parquet(root / "workload.parquet")
+    df.loc[3, "sla_ms"] = float("nan")
+    df.to_parquet(root / "workload.parquet", index=False)
+    _fails(root, "workload.parquet", 4, "sla_ms", "is empty")
+
+
+def test_copied_shipped_bundle_with_one_bad_cell(tmp_path: Path):
+    root = tmp_path / "copy"
+    shutil.copytree(DEFAULT_BUNDLE, root)
+    w = pd.read_csv(root / "workload.csv.gz", dtype=str, keep_default_na=False)
+    w.loc[1000, "output_tokens"] = "-3"
+    (root / "workload.csv.gz").unlink()
+    w.to_csv(root / "workload.csv.gz", index=False)
+    _fails(root, "workload.csv.gz", 1001, "output_tokens", "below the minimum 0")
+
+
+# ------------------------------------------------------------------------------ the builder
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the shared real data (../shared/data)")
+def test_builder_is_deterministic_and_the_shipped_bundle_is_current(tmp_path: Path):
+    from tools.build_default_bundle import main
+
+    for d in ("a", "b"):
+        assert main(["--shared", str(SHARED), "--out", str(tmp_path / d)]) == 0
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert names == sorted(p.name for p in DEFAULT_BUNDLE.iterdir())
+    for n in names:
+        a = (tmp_path / "a" / n).read_bytes()
+        assert a == (tmp_path / "b" / n).read_bytes(), f"{n} differs between two builds"
+        assert a == (DEFAULT_BUNDLE / n).read_bytes(), f"{n}: the shipped bundle is stale; rebuild it"
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the shared real data (../shared/data)")
+def test_builder_spot_compression_flag(tmp_path: Path):
+    from tools.build_default_bundle import main
+
+    assert main(["--shared", str(SHARED), "--out", str(tmp_path / "x1"), "--spot-compression", "1"]) == 0
+    slow = load_bundle(tmp_path / "x1").availability
+    fast = load_bundle().availability
+    assert slow is not None and fast is not None
+    # replaying 1 hour instead of 12 hours of real spot behaviour: fewer changes
+    assert len(slow) < len(fast)
+    with pytest.raises(SystemExit):
+        main(["--shared", str(SHARED), "--out", str(tmp_path / "x0"), "--spot-compression", "0"])
