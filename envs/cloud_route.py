@@ -54,6 +54,7 @@ truncated (never terminated) after its last request. Everything random comes fro
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from typing import Any
 
@@ -135,7 +136,6 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.replicas = np.array(replicas, dtype=float)
         self.slots = (self.replicas * self.conc).astype(np.int64)
         self.smax = max(1, int(self.slots.max()))
-        self.pad = self.smax - self.slots
         self.inv_replicas = 1.0 / np.maximum(self.replicas, 1e-9)
         self.inv_prefill = 1.0 / self.prefill
         self.conc_m1 = self.conc - 1.0
@@ -197,9 +197,7 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
             end = min(self.n_requests, int(options["end"]))
         self._pos, self._end = start, end
         self.z = self.np_random.standard_normal(end - start)
-        self.free_at = np.full((self.n, self.smax), -np.inf)
-        for i in range(self.n):
-            self.free_at[i, self.slots[i]:] = np.inf
+        self._reset_pools()
         self._refresh_at = -np.inf
         self._next_event = -np.inf
         self._recent: deque[float] = deque()
@@ -219,6 +217,44 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
             obs, info = self._last_obs, {"action_mask": np.zeros(self.N, dtype=bool)}
         info.update(out)
         return obs, float(out["reward"]), False, truncated, info
+
+    # ------------------------------------------------------------------ pools
+    # Each pool's slots hold the time they next free up (``free_at``, padded with +inf). Per-step
+    # cost must not scale with the number of slots, so the busy count per pool is kept by a heap of
+    # slot-release events (stale ones — a slot reassigned before it freed — are skipped), and the
+    # earliest release per pool (``row_min``) is recomputed only for the pool that changed.
+    def _reset_pools(self) -> None:
+        self.free_at = np.full((self.n, self.smax), -np.inf)
+        for i in range(self.n):
+            self.free_at[i, self.slots[i]:] = np.inf
+        self.row_min = np.where(self.slots > 0, -np.inf, np.inf)
+        self.busy = np.zeros(self.n, dtype=np.int64)
+        self._events: list[tuple[float, int, int]] = []
+
+    def _occupy(self, a: int, j: int, end: float) -> None:
+        if self.free_at[a, j] <= self.t:
+            self.busy[a] += 1
+        self.free_at[a, j] = end
+        heapq.heappush(self._events, (end, a, j))
+        self.row_min[a] = self.free_at[a].min()
+
+    def _release_until(self, t: float) -> None:
+        ev, fa = self._events, self.free_at
+        while ev and ev[0][0] <= t:
+            end, a, j = heapq.heappop(ev)
+            if fa[a, j] == end:
+                self.busy[a] -= 1
+
+    def _save_pools(self) -> tuple[Any, ...]:
+        return (self.free_at.copy(), self.row_min.copy(), self.busy.copy(), list(self._events), dict(self.stats))
+
+    def _restore_pools(self, saved: tuple[Any, ...]) -> None:
+        fa, rm, busy, ev, stats = saved
+        self.free_at[:] = fa
+        self.row_min[:] = rm
+        self.busy[:] = busy
+        self._events = list(ev)
+        self.stats = dict(stats)
 
     # ------------------------------------------------------------------ dynamics
     def _refresh(self, t: float) -> None:
@@ -264,11 +300,10 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         self.t = t
         self.r_origin, self.r_in, self.r_out, self.r_sla, self.r_ref_cost, self.r_id, self.r_z = (
             origin, float(n_in), float(n_out), float(sla_ms), float(ref_cost), request_id, z)
-        fa = self.free_at
-        wait = fa.min(axis=1)
-        wait -= t
+        self._release_until(t)
+        wait = self.row_min - t
         np.maximum(wait, 0.0, out=wait)
-        busy = np.count_nonzero(fa > t, axis=1) - self.pad
+        busy = self.busy.astype(np.float64)
         k = np.minimum(busy * self.inv_replicas, self.conc_m1)
         k += self.ext_util_conc
         service = self.r_in * self.inv_prefill + self.r_out * (self.tpot_s + self.tpot_growth_s * k)
@@ -336,9 +371,9 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         if down < start + service and down >= self.t:
             ran = max(0.0, down - start)
             if down > start:
-                self.free_at[a, j] = down
+                self._occupy(a, j, down)
             return down, self.price_s[a] * ran / self.conc[a], True, down
-        self.free_at[a, j] = start + service
+        self._occupy(a, j, start + service)
         return start + service, self.price_s[a] * service / self.conc[a], False, np.inf
 
     def _actual_service(self, a: int) -> float:
@@ -414,7 +449,7 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
             raise ValueError(f"offering {a} is not valid now")
         j = int(np.argmin(self.free_at[a]))
         start = max(self.t, self.free_at[a, j])
-        self.free_at[a, j] = start + self.c_service[a]
+        self._occupy(a, j, start + self.c_service[a])
         return {"expected_latency_ms": float(self.c_lat[a]), "expected_cost_usd": float(self.c_cost[a])}
 
     # ------------------------------------------------------------------ for baselines and the oracle
@@ -447,11 +482,10 @@ class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
         # requests a replayed preemption would interrupt take the full path (retry elsewhere)
         hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < self.t + self.c_wait + service)
         if hit.any():
-            saved, stats = self.free_at.copy(), dict(self.stats)
+            saved = self._save_pools()
             for a in np.flatnonzero(hit):
                 out[a] = self._resolve(int(a))["reward"]
-                self.free_at[:] = saved
-            self.stats = stats
+                self._restore_pools(saved)
         return out
 
     def offering_index(self, offering_id: str) -> int:
