@@ -1,0 +1,393 @@
+"""GCP through google-cloud-compute, plus the Cloud Billing Catalog's REST API (httpx).
+
+google-cloud-billing is not a dependency: the Catalog's one call we need
+(``GET /v1/services/6F81-5844-456A/skus``, Compute Engine's SKUs) is plain REST, read with httpx,
+authenticated with an API key (``XROUTE_GCP_BILLING_API_KEY``) or the same Application Default
+Credentials token as the Compute client.
+
+Credentials: Application Default Credentials (``gcloud auth application-default login``, a
+service account key in ``GOOGLE_APPLICATION_CREDENTIALS``, or the metadata server). Project:
+``project`` in the config, ``GOOGLE_CLOUD_PROJECT``, or the credentials' project. Endpoints:
+``XROUTE_GCP_ENDPOINT`` replaces ``compute.googleapis.com`` and, unless
+``XROUTE_GCP_BILLING_ENDPOINT`` is set, ``cloudbilling.googleapis.com``.
+
+The client library's own retries are switched off (``retry=None``); :meth:`CloudAdapter.call` retries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import defaultdict
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from cloud_adapters.base import (
+    AdapterConfig,
+    CloudAdapter,
+    Feature,
+    InstanceOffer,
+    PricePoint,
+    QuotaRecord,
+    Reader,
+    env_override,
+    host_port,
+    parse_ts,
+    require_sdk,
+    retry_after_seconds,
+    utcnow,
+)
+from cloud_adapters.errors import (
+    CloudAuthError,
+    CloudError,
+    CloudResponseError,
+    CloudThrottledError,
+    CloudUnavailableError,
+)
+from xroute.errors import ConfigError
+
+PROVIDER = "gcp"
+COMPUTE = "https://compute.googleapis.com"
+BILLING = "https://cloudbilling.googleapis.com"
+COMPUTE_ENGINE_SERVICE = "6F81-5844-456A"
+SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
+
+_CORE_RAM = re.compile(r"^(?:Spot Preemptible |Preemptible )?(?P<fam>[A-Z][A-Z0-9]*) (?:Predefined )?Instance "
+                       r"(?P<kind>Core|Ram) running in ")
+_GPU = re.compile(r"^Nvidia (?P<gpu>.+?) GPU (?:attached to Spot Preemptible VMs )?running in ", re.I)
+
+
+class GcpConfig(AdapterConfig):
+    """GCP settings. ``project`` defaults to ``GOOGLE_CLOUD_PROJECT`` or the credentials' project."""
+
+    project: str | None = None
+    endpoint: str | None = None
+    billing_endpoint: str | None = None
+    #: machine families with built-in accelerators (A2: A100, A3: H100, G2: L4)
+    machine_families: list[str] = Field(default_factory=lambda: ["a2", "a3", "g2"])
+
+
+def accelerator_name(name: str) -> str:
+    """Shared name of a GCP accelerator type or catalog GPU: nvidia-tesla-a100 / 'Tesla A100' -> A100."""
+    n = name.strip().lower().replace(" ", "-")
+    n = re.sub(r"^nvidia-", "", n)
+    n = re.sub(r"^tesla-", "", n)
+    n = n.upper()
+    return "H100" if n == "H100-80GB" else n
+
+
+class GcpAdapter(CloudAdapter):
+    """GCP machine and accelerator types per zone, region quotas, Catalog prices."""
+
+    name = PROVIDER
+    REGION_PATTERN = re.compile(r"^[a-z]+-[a-z]+\d+$")
+    config_class = GcpConfig
+    config: GcpConfig
+    UNSUPPORTED: ClassVar[dict[Feature, str]] = {
+        Feature.SPOT_PRICE_HISTORY: "the Cloud Billing Catalog gives current prices only; history builds up by polling",
+        Feature.SPOT_AVAILABILITY: "GCP has no API for spot obtainability (preemptions show only as instance events)",
+        Feature.UTILIZATION: "Cloud Monitoring time series are not collected yet; use a Prometheus pool (DCGM exporter)",
+    }
+
+    def __init__(self, config: GcpConfig | dict[str, Any] | None = None, **kw: Any):
+        super().__init__(config, **kw)
+        self._lock = threading.Lock()
+        self._clients: dict[str, Any] = {}
+        self._creds: Any = None
+        self._project: str | None = None
+        self._http: Any = None
+
+    @property
+    def compute_endpoint(self) -> str:
+        return (env_override("XROUTE_GCP_ENDPOINT") or self.config.endpoint or COMPUTE).rstrip("/")
+
+    @property
+    def billing_endpoint(self) -> str:
+        return (env_override("XROUTE_GCP_BILLING_ENDPOINT", "XROUTE_GCP_ENDPOINT") or self.config.billing_endpoint
+                or BILLING).rstrip("/")
+
+    def api_endpoint(self, region: str) -> tuple[str, int]:
+        if self.compute_endpoint != COMPUTE:
+            return host_port(self.compute_endpoint)
+        return f"{region}-compute.googleapis.com", 443
+
+    def _anonymous(self) -> bool:
+        mode = env_override("XROUTE_GCP_CREDENTIALS") or self.config.credentials
+        if mode == "anonymous" and self.compute_endpoint == COMPUTE:
+            raise ConfigError("gcp: credentials 'anonymous' is only for a local endpoint (XROUTE_GCP_ENDPOINT)")
+        return mode == "anonymous"
+
+    def _credentials(self) -> tuple[Any, str]:
+        with self._lock:
+            if self._creds is None:
+                project = self.config.project or env_override("GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT")
+                if self._anonymous():
+                    self._creds = require_sdk(PROVIDER, "google.auth.credentials").AnonymousCredentials()
+                else:
+                    auth = require_sdk(PROVIDER, "google.auth")
+                    try:
+                        self._creds, found = auth.default(scopes=SCOPES)
+                    except auth.exceptions.DefaultCredentialsError as e:
+                        raise CloudAuthError(PROVIDER, "no Application Default Credentials", hint=(
+                            "gcloud auth application-default login, or GOOGLE_APPLICATION_CREDENTIALS")) from e
+                    project = project or found
+                if not project:
+                    raise ConfigError("gcp: no project; set project in the config or GOOGLE_CLOUD_PROJECT")
+                self._project = project
+            assert self._project is not None
+            return self._creds, self._project
+
+    def _client(self, kind: str) -> Any:
+        creds, _ = self._credentials()
+        with self._lock:
+            if kind not in self._clients:
+                compute = require_sdk(PROVIDER, "google.cloud.compute_v1")
+                options = require_sdk(PROVIDER, "google.api_core.client_options")
+                opts = None if self.compute_endpoint == COMPUTE else options.ClientOptions(api_endpoint=self.compute_endpoint)
+                self._clients[kind] = getattr(compute, kind)(credentials=creds, transport="rest", client_options=opts)
+            return self._clients[kind]
+
+    def _list(self, operation: str, region: str, client: Any, request: dict[str, Any]) -> list[Any]:
+        """All items of a list call, paging by hand so each page is one retried request."""
+        out: list[Any] = []
+        token, seen = "", set()
+        while True:
+            pager = self.call(operation, region, client.list, request={**request, "page_token": token},
+                              retry=None, timeout=self.config.timeout_s)
+            page = next(iter(pager.pages))
+            out.extend(page.items)
+            token = page.next_page_token
+            if not token:
+                return out
+            if token in seen:
+                raise CloudResponseError(PROVIDER, "the same page token came back twice", region=region,
+                                         operation=operation, field="nextPageToken")
+            seen.add(token)
+
+    # -- offerings ---------------------------------------------------------------------------------
+
+    def _region(self, region: str) -> Any:
+        _, project = self._credentials()
+        key = ("region", region)
+        hit = self._cache.get(key, 60.0)
+        if hit is None:
+            hit = self.call("regions.get", region, self._client("RegionsClient").get, project=project, region=region,
+                            retry=None, timeout=self.config.timeout_s)
+            self._cache.put(key, hit)
+        return hit
+
+    def _fetch_offerings(self, region: str) -> list[InstanceOffer]:
+        _, project = self._credentials()
+        zones = sorted(z.rsplit("/", 1)[-1] for z in self._region(region).zones)
+        if not zones:
+            raise CloudResponseError(PROVIDER, "the region lists no zones", region=region, operation="regions.get",
+                                     field="zones")
+        fams = "|".join(self.config.machine_families)
+        by_type: dict[str, InstanceOffer] = {}
+        in_zones: dict[str, list[str]] = defaultdict(list)
+        for zone in zones:
+            accels = {a.name for a in self._list("acceleratorTypes.list", region, self._client("AcceleratorTypesClient"),
+                                                  {"project": project, "zone": zone})}
+            items = self._list("machineTypes.list", region, self._client("MachineTypesClient"),
+                               {"project": project, "zone": zone, "filter": f'name eq "({fams})-.*"'})
+            for i, mt in enumerate(items):
+                where = f"items[{i}]"
+                for f in ("name", "guest_cpus", "memory_mb"):
+                    if f not in mt:
+                        raise CloudResponseError(PROVIDER, "missing in the response", region=region,
+                                                 operation="machineTypes.list", field=f"{where}.{_camel(f)}")
+                if mt.name.split("-")[0] not in self.config.machine_families:
+                    continue
+                acc = [a for a in mt.accelerators if a.guest_accelerator_type]
+                if acc and acc[0].guest_accelerator_type not in accels:
+                    continue  # machine type listed, its GPU not offered in this zone
+                by_type.setdefault(mt.name, InstanceOffer(
+                    provider=PROVIDER, region=region, instance_type=mt.name,
+                    accelerator=accelerator_name(acc[0].guest_accelerator_type) if acc else "",
+                    accelerator_count=sum(int(a.guest_accelerator_count) for a in acc),
+                    vcpus=float(mt.guest_cpus), memory_gib=float(mt.memory_mb) / 1024.0,
+                ))
+                in_zones[mt.name].append(zone)
+        return [InstanceOffer(**{**o.__dict__, "zones": tuple(in_zones[n])}) for n, o in sorted(by_type.items())]
+
+    # -- prices (Cloud Billing Catalog) ------------------------------------------------------------
+
+    def _httpx(self) -> Any:
+        with self._lock:
+            if self._http is None:
+                self._http = require_sdk(PROVIDER, "httpx").Client(timeout=self.config.timeout_s,
+                                                                    headers={"User-Agent": "xroute-collector"})
+            return self._http
+
+    def _billing_auth(self) -> tuple[dict[str, str], dict[str, str]]:
+        key = env_override("XROUTE_GCP_BILLING_API_KEY")
+        if key:
+            return {}, {"key": key}
+        creds, _ = self._credentials()
+        if self._anonymous():
+            return {}, {}
+        if not creds.valid:
+            creds.refresh(require_sdk(PROVIDER, "google.auth.transport.requests").Request())
+        return {"Authorization": f"Bearer {creds.token}"}, {}
+
+    def _catalog(self) -> list[dict[str, Any]]:
+        """All Compute Engine SKUs of the Catalog (cached 6 h; a few pages of 5000)."""
+        hit = self._cache.get(("catalog",), self.CACHE_TTL_S[Feature.ON_DEMAND_PRICES])
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        headers, auth_params = self._billing_auth()
+        url = f"{self.billing_endpoint}/v1/services/{COMPUTE_ENGINE_SERVICE}/skus"
+        skus: list[dict[str, Any]] = []
+        token, seen = "", set()
+        while True:
+            params = {"currencyCode": "USD", "pageSize": "5000", **auth_params, **({"pageToken": token} if token else {})}
+            page = self.call("services.skus.list", None, self._get_json, url, params, headers)
+            r = Reader(PROVIDER, None, "services.skus.list")
+            for s in r.get(page, "skus"):
+                s["_field"] = f"skus[{len(skus)}]"
+                skus.append(s)
+            token = page.get("nextPageToken") or ""
+            if not token:
+                break
+            if token in seen:
+                raise r.error("the same page token came back twice", "nextPageToken")
+            seen.add(token)
+        self._cache.put(("catalog",), skus)
+        return skus
+
+    def _get_json(self, url: str, params: dict[str, str], headers: dict[str, str]) -> Any:
+        resp = self._httpx().get(url, params=params, headers=headers)
+        resp.raise_for_status()
+        return resp.json()
+
+    def _unit_prices(self, region: str, spot: bool) -> tuple[dict[tuple[str, str], tuple[float, datetime]], datetime]:
+        """``(family, 'core'|'ram')`` and ``('gpu', name)`` -> (USD per hour per unit, effective time)."""
+        out: dict[tuple[str, str], tuple[float, datetime]] = {}
+        latest = None
+        r = Reader(PROVIDER, region, "services.skus.list")
+        for s in self._catalog():
+            f = s["_field"]
+            usage = r.get(s, "category", "usageType", prefix=f, default="")
+            if usage not in ("OnDemand", "Preemptible") or (usage == "Preemptible") != spot:
+                continue
+            if region not in (s.get("serviceRegions") or []):
+                continue
+            desc = str(r.get(s, "description", prefix=f))
+            m, g = _CORE_RAM.match(desc), _GPU.match(desc)
+            if m:
+                key = (m.group("fam").lower(), m.group("kind").lower())
+            elif g and r.get(s, "category", "resourceGroup", prefix=f, default="") == "GPU":
+                key = ("gpu", accelerator_name(g.group("gpu")))
+            else:
+                continue
+            infos = r.get(s, "pricingInfo", prefix=f)
+            if not infos:
+                raise r.error("is empty", f"{f}.pricingInfo")
+            info = infos[-1]
+            rates = r.get(info, "pricingExpression", "tieredRates", prefix=f"{f}.pricingInfo[{len(infos) - 1}]")
+            if not rates:
+                continue
+            price = rates[-1].get("unitPrice", {})
+            usd = float(r.get(price, "units", cast=float, prefix=f"{f}.pricingInfo.tieredRates.unitPrice", default=0))
+            usd += float(r.get(price, "nanos", cast=float, prefix=f"{f}.pricingInfo.tieredRates.unitPrice", default=0)) / 1e9
+            ts = parse_ts(info.get("effectiveTime")) or utcnow()
+            latest = ts if latest is None or ts > latest else latest
+            out[key] = (usd, ts)
+        return out, latest or utcnow()
+
+    def _price(self, region: str, instance_types: tuple[str, ...], spot: bool) -> list[PricePoint]:
+        units, _ = self._unit_prices(region, spot)
+        offers = {o.instance_type: o for o in self._cached(
+            Feature.OFFERINGS, (region,), lambda: self._fetch_offerings(region))}
+        out = []
+        for t in instance_types:
+            o = offers.get(t)
+            if o is None:
+                continue
+            fam = t.split("-")[0]
+            parts = [(units.get((fam, "core")), o.vcpus), (units.get((fam, "ram")), o.memory_gib)]
+            if o.accelerator_count:
+                parts.append((units.get(("gpu", o.accelerator)), float(o.accelerator_count)))
+            if any(p is None for p, _ in parts):
+                continue  # a component is not in the catalog for this region: leave the type unpriced
+            usd = sum(p[0] * n for p, n in parts if p is not None)
+            ts = max(p[1] for p, _ in parts if p is not None)
+            out.append(PricePoint(ts, PROVIDER, region, t, "spot" if spot else "on_demand", round(usd, 6)))
+        return out
+
+    def _fetch_on_demand_prices(self, region: str, instance_types: tuple[str, ...]) -> list[PricePoint]:
+        return self._price(region, instance_types, spot=False)
+
+    def _fetch_spot_prices(self, region: str, instance_types: tuple[str, ...], since: datetime | None) -> list[PricePoint]:
+        return self._price(region, instance_types, spot=True)
+
+    # -- quotas ------------------------------------------------------------------------------------
+
+    def _fetch_quotas(self, region: str) -> list[QuotaRecord]:
+        reg = self._region(region)
+        now = utcnow()
+        cpu_metrics = {"CPUS", "PREEMPTIBLE_CPUS", *(f"{f.upper()}_CPUS" for f in self.config.machine_families)}
+        out = []
+        for i, q in enumerate(reg.quotas):
+            if "metric" not in q or "limit" not in q:
+                raise CloudResponseError(PROVIDER, "missing in the response", region=region, operation="regions.get",
+                                         field=f"quotas[{i}].{'metric' if 'metric' not in q else 'limit'}")
+            if q.metric.endswith("_GPUS") and "ALL_REGIONS" not in q.metric:
+                unit = "gpus"
+            elif q.metric in cpu_metrics:
+                unit = "vcpus"
+            else:
+                continue
+            out.append(QuotaRecord(now, PROVIDER, region, q.metric, unit, float(q.limit),
+                                   float(q.usage) if "usage" in q else None))
+        return out
+
+    # -- errors ------------------------------------------------------------------------------------
+
+    def _translate(self, exc: BaseException, operation: str, region: str | None) -> CloudError | None:
+        kw: dict[str, Any] = {"region": region, "operation": operation}
+        httpx = require_sdk(PROVIDER, "httpx")
+        if isinstance(exc, httpx.HTTPStatusError):
+            return _by_status(exc.response.status_code, f"HTTP {exc.response.status_code}",
+                              exc.response.headers.get("retry-after"), kw)
+        if isinstance(exc, httpx.TransportError):
+            return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
+        if isinstance(exc, json.JSONDecodeError):
+            return CloudResponseError(PROVIDER, f"the response body is not JSON ({exc.msg} at {exc.pos})", **kw)
+        gx = require_sdk(PROVIDER, "google.api_core.exceptions")
+        if isinstance(exc, gx.GoogleAPICallError):
+            resp = getattr(exc, "response", None)
+            headers = getattr(resp, "headers", None) or {}
+            status = int(exc.code) if isinstance(exc.code, int) else 0
+            return _by_status(status, f"{type(exc).__name__}: {str(exc.message)[:160]}", headers.get("Retry-After"), kw)
+        rx = require_sdk(PROVIDER, "requests.exceptions")
+        if isinstance(exc, rx.ConnectionError | rx.Timeout | rx.ChunkedEncodingError):
+            return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
+        if isinstance(exc, rx.JSONDecodeError):
+            return CloudResponseError(PROVIDER, "the response body is not JSON", **kw)
+        px = require_sdk(PROVIDER, "google.protobuf.json_format")
+        if isinstance(exc, px.ParseError):
+            return CloudResponseError(PROVIDER, f"the response could not be read ({str(exc)[:160]})", **kw)
+        ax = require_sdk(PROVIDER, "google.auth.exceptions")
+        if isinstance(exc, ax.GoogleAuthError):
+            return CloudAuthError(PROVIDER, str(exc)[:200], hint="refresh Application Default Credentials", **kw)
+        return None
+
+
+def _by_status(status: int, problem: str, retry_after: Any, kw: dict[str, Any]) -> CloudError:
+    if status == 429:
+        return CloudThrottledError(PROVIDER, problem, retry_after=retry_after_seconds(retry_after), **kw)
+    if status in (401, 403):
+        return CloudAuthError(PROVIDER, problem, hint="grant roles/compute.viewer and enable the Compute Engine "
+                              "and Cloud Billing APIs for the project", **kw)
+    if status >= 500 or status == 408:
+        return CloudUnavailableError(PROVIDER, problem, **kw)
+    return CloudError(PROVIDER, problem, **kw)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(w.title() for w in rest)
