@@ -78,7 +78,7 @@ _VALID, _RTT, _BUSY, _WAIT = fz.F["valid"], fz.F["rtt"], fz.F["busy"], fz.F["wai
 _RISK, _LAT, _COST, _VIOL = fz.F["preempt_risk"], fz.F["exp_latency"], fz.F["exp_cost"], fz.F["exp_violation"]
 
 
-class CloudRouteEnv(gym.Env[dict[str, np.ndarray], int]):
+class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     metadata = {"render_modes": []}  # noqa: RUF012
 
     def __init__(self, bundle: Bundle | str | None = None, config: EnvConfig | dict[str, Any] | None = None,

@@ -25,7 +25,7 @@ def _clone(bundle: Bundle, picks: list[tuple[str, str]]) -> Bundle:
     cols = list(bundle.offerings.columns)
     offerings = pd.DataFrame(rows)[[c for c in cols]]
     mapping = pd.DataFrame(picks, columns=["_src", "offering_id"])
-    tables = {}
+    tables: dict[str, pd.DataFrame | None] = {}
     for name in _PER_OFFERING:
         df = getattr(bundle, name)
         if df is None:
@@ -34,7 +34,7 @@ def _clone(bundle: Bundle, picks: list[tuple[str, str]]) -> Bundle:
         m = df.rename(columns={"offering_id": "_src"}).merge(mapping, on="_src").drop(columns="_src")
         tables[name] = m.sort_values(["offering_id", "ts"], kind="stable").reset_index(drop=True)
     return replace(bundle, offerings=offerings.reset_index(drop=True), content_hash=bundle.content_hash + "-derived",
-                   **tables)
+                   **tables)  # type: ignore[arg-type]
 
 
 def resize_catalog(bundle: Bundle, n: int) -> Bundle:

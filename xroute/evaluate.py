@@ -80,7 +80,10 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
         for label, pol in resolved:
             task = bar.add_task(label, total=env.n_requests if cfg.env.episode_requests is None else cfg.env.episode_requests)
             t0 = time.perf_counter()
-            run = run_policy(env, pol, cfg.seed, progress=lambda k, task=task: bar.advance(task, k))
+            def advance(k: int, task: Any = task) -> None:
+                bar.advance(task, k)
+
+            run = run_policy(env, pol, cfg.seed, progress=advance)
             run.name = label
             run.metrics["wall_s"] = round(time.perf_counter() - t0, 2)
             runs.append(run)
