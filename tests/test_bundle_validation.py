@@ -333,3 +333,11 @@ def test_builder_spot_compression_flag(tmp_path: Path):
     assert len(slow) < len(fast)
     with pytest.raises(SystemExit):
         main(["--shared", str(SHARED), "--out", str(tmp_path / "x0"), "--spot-compression", "0"])
+
+
+def test_docs_describe_every_table_and_column():
+    doc = (REPO_ROOT / "docs" / "telemetry.md").read_text()
+    for name, table in TABLES.items():
+        assert f"### `{name}` — {'required' if table.required else 'optional'}" in doc, name
+        for col in table.columns:
+            assert f"| `{col.name}` | {col.kind} | {'yes' if col.required else 'no'} |" in doc, f"{name}.{col.name}"
