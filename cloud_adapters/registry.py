@@ -14,6 +14,7 @@ _REGISTRY: dict[str, str] = {
     "azure": "cloud_adapters.azure:AzureAdapter",
     "gcp": "cloud_adapters.gcp:GcpAdapter",
     "replay": "cloud_adapters.replay:ReplayAdapter",
+    "prometheus": "cloud_adapters.prometheus:PrometheusSource",
 }
 
 
@@ -28,8 +29,8 @@ def names() -> list[str]:
 
 
 def cloud_names() -> list[str]:
-    """Registered adapters that talk to a cloud (everything but ``replay``)."""
-    return [n for n in names() if n != "replay"]
+    """Registered adapters that talk to a cloud (not ``replay`` nor the ``prometheus`` source)."""
+    return [n for n in names() if n not in ("replay", "prometheus")]
 
 
 def adapter_class(name: str) -> type[CloudAdapter]:
