@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from router.cli import export_feedback, serve
 from xroute.errors import ConfigError, XrouteError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
@@ -67,6 +68,10 @@ def evaluate(
     if plot is not None:
         ev.plot(runs, plot, title=f"{bundle.path.name}, rate x{rate_scale:g}")
         typer.echo(f"plot: {plot}")
+
+
+app.command()(serve)
+app.command(name="export-feedback")(export_feedback)
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ class RouteRequest(_Strict):
         description="location id the request comes from (provider:region, see GET /v1/offerings)")
     input_tokens: int = Field(ge=0, le=2_000_000, description="prompt length in tokens")
     max_output_tokens: int = Field(ge=1, le=1_000_000, description="output token budget (used as the expected length)")
-    sla_ms: float = Field(gt=0, le=3_600_000, description="latency objective in milliseconds")
+    sla_ms: float = Field(ge=1, le=3_600_000, description="latency objective in milliseconds")
     session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
     constraints: Constraints | None = Field(
         None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")

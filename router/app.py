@@ -1,0 +1,200 @@
+"""The router's FastAPI app: :func:`create_app` (factory) and its lifespan.
+
+At start the lifespan loads the telemetry and the live environment, opens the decision log, loads
+the model (within ``model_load_timeout_s``; otherwise it serves the fallback and keeps trying), then
+starts two background tasks: the telemetry refresher and the model watcher. At shutdown it stops
+them and lets the decision log commit what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI
+
+from router import errors
+from router.deps import Services
+from router.engine import RoutingEngine
+from router.keys import KeyStore
+from router.logs import LOG, configure_logging
+from router.metrics import Metrics
+from router.middleware import RequestContext
+from router.policies import ActivePolicy, import_loader, resolve
+from router.routes import admin, decisions, feedback, health, offerings, route
+from router.routes import metrics as metrics_routes
+from router.settings import RouterSettings, load_settings
+from router.store import DecisionStore
+
+API_VERSION = "1.0.0"
+
+
+class ModelManager:
+    """Loads the configured model, validates it, and swaps it in; never raises to its caller."""
+
+    def __init__(self, engine: RoutingEngine, settings: RouterSettings, metrics: Metrics):
+        self.engine, self.settings, self.metrics = engine, settings, metrics
+        self._lock = asyncio.Lock()
+
+    def _fail(self, stage: str, error: BaseException | str) -> str:
+        msg = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        msg = f"{stage}: {msg}"[:500]
+        self.engine.slot.failed(msg)
+        self.metrics.model_errors.labels(stage).inc()
+        LOG.warning("model not loaded; keeping the current policy", extra={"fields": {
+            "stage": stage, "error": msg, "serving": (self.engine.slot.model or self.engine.slot.fallback).name}})
+        self._publish()
+        return "error"
+
+    def _publish(self) -> None:
+        m = self.engine.slot.model or self.engine.slot.fallback
+        self.metrics.set_model(m.name, m.kind, m.version)
+
+    def _prepare(self, policy: Any, version: str, uri: str) -> ActivePolicy:
+        """Reset against the live env and answer one decision on a sampled observation."""
+        env = self.engine.env
+        policy.reset(env, 0)
+        name = str(getattr(policy, "name", "") or uri)
+        active = ActivePolicy.make(policy, name, "model", version, uri)
+        space = env.observation_space
+        space.seed(0)
+        obs = space.sample()
+        mask = np.zeros(env.N, dtype=bool)
+        mask[: env.n] = True
+        obs["mask"] = mask.astype(np.float32)
+        idx = np.flatnonzero(mask)
+        if active.scorer is not None:
+            _, s = active.scorer(obs, idx)
+            if s.shape != idx.shape or not np.isfinite(s).all():
+                raise ValueError(f"smoke decision: scores of shape {s.shape}, finite={np.isfinite(s).all()}")
+        else:
+            a = policy.act(obs, {"action_mask": mask})
+            if not (0 <= int(a) < env.n):
+                raise ValueError(f"smoke decision: action {a} outside 0..{env.n - 1}")
+        return active
+
+    async def check(self, force: bool = False) -> str:
+        """Resolve the model URI; load, validate and install a new version. Returns
+        ``"swapped"``, ``"unchanged"``, ``"disabled"`` or ``"error"``."""
+        uri = self.settings.model_uri
+        if not uri:
+            return "disabled"
+        async with self._lock:
+            try:
+                load_uri, version = await asyncio.to_thread(resolve, uri)
+            except Exception as e:
+                return self._fail("resolve", e)
+            slot = self.engine.slot
+            if version == slot.loaded_version and not force:
+                return "unchanged"
+            try:
+                loader = import_loader(self.settings.model_loader)
+                policy = await asyncio.to_thread(loader, load_uri)
+            except Exception as e:
+                return self._fail("load", e)
+            try:
+                active = self._prepare(policy, version, uri)
+            except Exception as e:
+                return self._fail("validate", e)
+            old = slot.model.version if slot.model else None
+            slot.install(active)
+            self.metrics.model_swaps.inc()
+            self._publish()
+            LOG.info("model installed", extra={"fields": {"uri": uri, "version": version, "previous": old}})
+            return "swapped"
+
+    async def initial(self) -> None:
+        self._publish()
+        if not self.settings.model_uri:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self.check()), self.settings.model_load_timeout_s)
+        except TimeoutError:
+            self._fail("load", f"timed out after {self.settings.model_load_timeout_s:g} s; serving the fallback "
+                               "and retrying in the background")
+
+    async def watch(self) -> None:
+        poll = self.settings.model_poll_s
+        if poll <= 0 or not self.settings.model_uri:
+            return
+        while True:
+            await asyncio.sleep(poll)
+            await self.check()
+
+
+async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: float) -> None:
+    fresh = engine.freshness
+    first = True
+    while True:
+        if not first:
+            await asyncio.sleep(every)
+        first = False
+        try:
+            await asyncio.to_thread(engine.source.poll)
+        except Exception as e:
+            if fresh.last_error is None:
+                LOG.warning("telemetry source unreachable; its data ages", extra={"fields": {"error": str(e)}})
+            fresh.last_error = f"{type(e).__name__}: {e}"
+        else:
+            fresh.last_ok_wall = time.time()
+            fresh.last_error = None
+        metrics.telemetry_age.set(fresh.age(time.time()))
+
+
+def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | None = None) -> FastAPI:
+    """The app. ``settings`` default to :func:`router.settings.load_settings` (file + environment);
+    ``engine`` (built from the same settings) lets a caller fail fast on bad telemetry before serving."""
+    settings = settings or load_settings()
+    prebuilt = [engine]
+    configure_logging(settings.log_level)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = (prebuilt.pop() if prebuilt else None) or await asyncio.to_thread(RoutingEngine, settings)
+        keys = KeyStore(settings.keys_file)
+        if keys.empty:
+            LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
+                        extra={"fields": {"keys_file": str(settings.keys_file)}})
+        store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
+                              on_commit=metrics.committed)
+        store.start()
+        models = ModelManager(engine, settings, metrics)
+        await models.initial()
+        app.state.services = Services(settings, engine, store, keys, metrics, models)
+        tasks = [asyncio.create_task(models.watch(), name="model-watch"),
+                 asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
+                                     name="telemetry-refresh")]
+        gc.collect()
+        gc.freeze()  # start-up objects never need collecting: shorter GC pauses while serving
+        LOG.info("router ready", extra={"fields": {
+            "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
+            "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
+            "decision_log": str(settings.db_path)}})
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            store.close()
+            app.state.services = None
+            LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
+
+    app = FastAPI(title="xroute router", version=API_VERSION, lifespan=lifespan,
+                  description="Routes LLM inference requests to cloud offerings (provider x region x instance "
+                              "type x pricing mode) with the champion RL policy. Every route except /healthz and "
+                              "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
+    app.state.services = None
+    for r in (route.router, decisions.router, decisions.admin_router, offerings.router, feedback.router,
+              health.router, admin.router, metrics_routes.router):
+        app.include_router(r)
+    errors.install(app)
+    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes, metrics=metrics,
+                       access_log=settings.access_log)
+    return app

@@ -1,0 +1,57 @@
+"""``xroute serve`` and ``xroute export-feedback`` (registered in ``xroute/cli.py``).
+
+Imports stay inside the functions: ``xroute --help`` must not pay for FastAPI, numpy or the env.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8080,
+    telemetry: Annotated[Path | None, typer.Option(help="telemetry bundle directory (default: the shipped one)")] = None,
+    config: Annotated[Path | None, typer.Option(help="router config YAML (default: configs/router.yaml if present)")] = None,
+    model: Annotated[str | None, typer.Option(help="model URI or path (default models:/xroute-router@champion); "
+                                                   "'' = fallback only")] = None,
+    fallback: Annotated[str | None, typer.Option(help="baseline used without a model (default greedy)")] = None,
+    db: Annotated[Path | None, typer.Option(help="SQLite decision log (default runs/router/decisions.db)")] = None,
+    keys_file: Annotated[Path | None, typer.Option(help="API keys file (default runs/router/keys.json)")] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
+) -> None:
+    """Serve the routing API over HTTP (one process, one worker; see docs/router.md)."""
+    import uvicorn
+
+    from router.app import create_app
+    from router.engine import RoutingEngine
+    from router.settings import load_settings
+
+    settings = load_settings(config, telemetry=telemetry, model_uri=model, fallback_policy=fallback, db_path=db,
+                             keys_file=keys_file, log_level=log_level)
+    engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
+    app = create_app(settings, engine)
+    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, workers=1,
+                timeout_graceful_shutdown=10, server_header=False)
+
+
+def export_feedback(
+    output: Annotated[Path, typer.Option(help="bundle directory to write")],
+    db: Annotated[Path | None, typer.Option(help="decision log (default: the router's db_path setting)")] = None,
+    telemetry: Annotated[Path | None, typer.Option(help="bundle the decisions were made on "
+                                                        "(default: the router's telemetry setting)")] = None,
+    config: Annotated[Path | None, typer.Option(help="router config YAML")] = None,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant's decisions")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace a non-empty output directory")] = False,
+) -> None:
+    """Write decisions and their observed outcomes as a telemetry bundle, for retraining."""
+    from router.export import export_bundle
+    from router.settings import load_settings
+
+    settings = load_settings(config)
+    out = export_bundle(db or settings.db_path, telemetry or settings.telemetry, output, tenant, overwrite)
+    typer.echo(f"exported {out['decisions']} decisions ({out['with_feedback']} with feedback) to {out['output']}"
+               + (f"; skipped {out['skipped_other_bundle']} made on another bundle" if out["skipped_other_bundle"] else ""))

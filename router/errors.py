@@ -1,0 +1,77 @@
+"""Every error leaves as JSON: ``{"error": code, "message": ..., "fields": [{"field", "message",
+"suggestions"}], "request_id"}`` (:class:`xroute.schema.decision.ErrorResponse`). Bad input is a 4xx
+naming the field; an unexpected exception is logged and answered 500 without internals."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from router.engine import RouteFailure
+from router.logs import LOG, request_id_var
+from router.store import StoreClosed
+
+CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+         406: "not_acceptable", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+         422: "invalid_request", 429: "too_many_requests", 503: "unavailable"}
+
+
+def error_body(error: str, message: str, fields: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"error": error, "message": message, "fields": fields or [], "request_id": request_id_var.get(), **extra}
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def _validation(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    fields = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            loc = ("body",)
+        msg = "unknown field" if err.get("type") == "extra_forbidden" else str(err.get("msg", "invalid"))
+        fields.append({"field": _field(loc), "message": msg, "suggestions": []})
+    summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields[:3])
+    return JSONResponse(error_body("invalid_request", f"invalid request ({summary})", fields), status_code=422)
+
+
+def _http(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    return JSONResponse(error_body(CODES.get(exc.status_code, "error"), detail), status_code=exc.status_code,
+                        headers=dict(exc.headers or {}))
+
+
+def _route_failure(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RouteFailure)
+    return JSONResponse(error_body(exc.error, exc.message, exc.fields, **exc.extra), status_code=exc.status,
+                        headers=exc.headers)
+
+
+def _store_closed(request: Request, exc: Exception) -> JSONResponse:
+    LOG.error("decision log unavailable", extra={"fields": {"error": str(exc)}})
+    return JSONResponse(error_body("unavailable", "the decision log cannot record decisions right now"),
+                        status_code=503, headers={"Retry-After": "5"})
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    LOG.log(logging.ERROR, "unhandled error", exc_info=exc, extra={"fields": {"path": request.url.path}})
+    return JSONResponse(error_body("internal_error", "internal error (logged with this request id)"), status_code=500)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation)
+    app.add_exception_handler(HTTPException, _http)
+    app.add_exception_handler(RouteFailure, _route_failure)
+    app.add_exception_handler(StoreClosed, _store_closed)
+    app.add_exception_handler(Exception, _unexpected)

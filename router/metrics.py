@@ -1,0 +1,82 @@
+"""Prometheus metrics of one router app (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decision_seconds = Histogram(
+            "xroute_router_decision_seconds", "In-process decision time: features, masks, policy (no log write)",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.route_seconds = Histogram(
+            "xroute_router_route_seconds", "POST /v1/route handler time including the durable log write",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("xroute_router_decisions_total", "Decisions by chosen offering and policy kind",
+                                 ["offering_id", "policy_kind"], registry=r)
+        self.fallbacks = Counter("xroute_router_fallback_decisions_total",
+                                 "Decisions made by the fallback policy, by reason", ["reason"], registry=r)
+        self.model_info = Gauge("xroute_router_model_info", "1 for the policy deciding now (model or fallback)",
+                                ["name", "kind", "version"], registry=r)
+        self.model_swaps = Counter("xroute_router_model_swaps_total", "Model versions installed", registry=r)
+        self.model_errors = Counter("xroute_router_model_errors_total", "Failed model loads, by stage",
+                                    ["stage"], registry=r)
+        self.errors = Counter("xroute_router_errors_total", "Error responses (4xx/5xx) by route and status",
+                              ["route", "status"], registry=r)
+        self.telemetry_age = Gauge("xroute_router_telemetry_age_seconds",
+                                   "Seconds since the telemetry cache last refreshed", registry=r)
+        self.log_batch = Histogram("xroute_router_log_batch_rows", "Rows per decision-log group commit",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.log_commit_seconds = Histogram("xroute_router_log_commit_seconds", "Group commit duration",
+                                            buckets=_LATENCY_BUCKETS, registry=r)
+        self._decisions: dict[tuple[str, str], Any] = {}
+        self._fallbacks: dict[str, Any] = {}
+        self._errors: dict[tuple[str, str], Any] = {}
+        self._model: tuple[str, str, str] | None = None
+
+    def decided(self, offering_id: str, kind: str, fallback_reason: str | None) -> None:
+        key = (offering_id, kind)
+        c = self._decisions.get(key)
+        if c is None:
+            c = self._decisions[key] = self.decisions.labels(offering_id, kind)
+        c.inc()
+        if fallback_reason is not None:
+            f = self._fallbacks.get(fallback_reason)
+            if f is None:
+                f = self._fallbacks[fallback_reason] = self.fallbacks.labels(_reason_code(fallback_reason))
+            f.inc()
+
+    def error(self, route: str, status: int) -> None:
+        key = (route, str(status))
+        c = self._errors.get(key)
+        if c is None:
+            c = self._errors[key] = self.errors.labels(*key)
+        c.inc()
+
+    def set_model(self, name: str, kind: str, version: str | None) -> None:
+        new = (name, kind, version or "")
+        if new == self._model:
+            return
+        if self._model is not None:
+            self.model_info.remove(*self._model)
+        self.model_info.labels(*new).set(1)
+        self._model = new
+
+    def committed(self, rows: int, seconds: float) -> None:
+        self.log_batch.observe(rows)
+        self.log_commit_seconds.observe(seconds)
+
+
+def _reason_code(reason: str) -> str:
+    """A bounded label for a fallback reason (the response carries the full text)."""
+    for prefix, code in (("telemetry stale", "stale_telemetry"), ("model error", "model_error"),
+                         ("no model", "no_model")):
+        if reason.startswith(prefix):
+            return code
+    return "other"

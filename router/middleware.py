@@ -1,0 +1,109 @@
+"""One pure-ASGI middleware for every request: request id, W3C ``traceparent``, body size limit,
+access log and error counting. (Pure ASGI rather than ``BaseHTTPMiddleware``: it adds a few
+microseconds, not a task per request.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.logs import ACCESS, request_id_var
+from router.metrics import Metrics
+
+_TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics | None = None, access_log: bool = True):
+        self.app = app
+        self.max_body = max_body_bytes
+        self.metrics = metrics
+        self.access_log = access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        rid = trace = length = None
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                rid = v if _REQUEST_ID.match(v) else None
+            elif k == b"traceparent":
+                trace = v.strip().lower()
+                if not _TRACEPARENT.match(trace) or trace.startswith(b"ff") or trace[3:35] == b"0" * 32:
+                    trace = None
+            elif k == b"content-length":
+                length = v
+        rid_s = rid.decode() if rid is not None else os.urandom(8).hex()
+        token = request_id_var.set(rid_s)
+        extra: list[tuple[bytes, bytes]] = [(b"x-request-id", rid_s.encode())]
+        if trace is not None:
+            extra.append((b"traceparent", trace))
+        status = 0
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), *extra]
+            await send(message)
+
+        try:
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                await _too_large(send_with_headers, self.max_body, rid_s)
+            else:
+                await self.app(scope, receive if length is not None else self._limited(receive), send_with_headers)
+        finally:
+            dt = time.perf_counter() - t0
+            route: Any = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            if status >= 400 and self.metrics is not None:
+                self.metrics.error(path, status)
+            if self.access_log:
+                state = scope.get("state") or {}
+                fields: dict[str, Any] = {"method": scope["method"], "route": path, "status": status,
+                                          "ms": round(dt * 1000.0, 3)}
+                tenant = state.get("tenant")
+                if tenant is not None:
+                    fields["tenant"] = tenant
+                did = state.get("decision_id")
+                if did is not None:
+                    fields["decision_id"] = did
+                if trace is not None:
+                    fields["trace_id"] = trace[3:35].decode()
+                ACCESS.info("request", extra={"fields": fields})
+            request_id_var.reset(token)
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = 0
+        limit = self.max_body
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, f"request body larger than {limit} bytes")
+            return message
+
+        return wrapped
+
+
+async def _too_large(send: Send, limit: int, rid: str) -> None:
+    body = json.dumps({"error": "payload_too_large", "message": f"request body larger than {limit} bytes "
+                       "(or a bad Content-Length)", "fields": [{"field": "body", "message": "too large",
+                                                               "suggestions": []}],
+                       "request_id": rid}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

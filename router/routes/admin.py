@@ -1,0 +1,38 @@
+"""Admin routes (admin key): router status and a forced model check."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+
+from router.deps import AdminDep, ServicesDep
+from xroute.schema.decision import ErrorResponse
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"],
+                   responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})  # type: ignore[dict-item]
+
+
+@router.get("/status", summary="Policy, model, telemetry and decision-log state")
+def status(who: AdminDep, svc: ServicesDep) -> dict[str, object]:
+    eng, st = svc.engine, svc.store
+    now = time.time()
+    _, info = eng.slot.current(eng.freshness.age(now) > eng.max_age)
+    return {
+        "policy": info,
+        "model_uri": svc.settings.model_uri,
+        "model_version": eng.slot.loaded_version,
+        "model_error": eng.slot.last_error,
+        "model_swaps": eng.slot.swaps,
+        "telemetry": {"source": eng.source_name, "clock": eng.clock, "age_s": round(eng.freshness.age(now), 3),
+                      "error": eng.freshness.last_error},
+        "decisions_since_start": eng.decisions,
+        "decision_log": {"path": str(st.path), "synchronous": st.synchronous, "commits": st.commits, "rows": st.rows},
+    }
+
+
+@router.post("/model/reload", summary="Check the model URI now; swap if it points to a new version")
+async def reload_model(who: AdminDep, svc: ServicesDep) -> dict[str, object]:
+    outcome = await svc.models.check()  # type: ignore[attr-defined]
+    return {"outcome": outcome, "model_version": svc.engine.slot.loaded_version,
+            "model_error": svc.engine.slot.last_error}

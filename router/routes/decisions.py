@@ -1,0 +1,39 @@
+"""``GET /v1/decisions/{id}``: a recorded decision, its request and feedback (own tenant only)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException
+from fastapi import Path as PathParam
+
+from router.deps import AdminDep, ServicesDep, TenantDep
+from xroute.schema.decision import DecisionRecord, ErrorResponse
+
+router = APIRouter(prefix="/v1", tags=["decisions"])
+
+DecisionId = Annotated[str, PathParam(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+_ERRORS = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "description": "no such decision "
+                                                                                      "(for this tenant)"}}
+
+
+@router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
+            summary="Read a decision of the caller's tenant")
+def get_decision(decision_id: DecisionId, who: TenantDep, svc: ServicesDep) -> dict[str, object]:
+    """Another tenant's decision is reported as not found, exactly like a missing one."""
+    rec = svc.store.get_decision(decision_id, who.tenant)
+    if rec is None:
+        raise HTTPException(404, f"no decision '{decision_id}' for tenant '{who.tenant}'")
+    return rec
+
+
+admin_router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+@admin_router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
+                  summary="Read any tenant's decision (admin)")
+def admin_get_decision(decision_id: DecisionId, who: AdminDep, svc: ServicesDep) -> dict[str, object]:
+    rec = svc.store.get_decision(decision_id, None)
+    if rec is None:
+        raise HTTPException(404, f"no decision '{decision_id}'")
+    return rec

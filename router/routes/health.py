@@ -1,0 +1,37 @@
+"""``/healthz`` (the process answers) and ``/readyz`` (it can decide and record); no key needed."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness: environment loaded and decision log writable",
+            responses={503: {"description": "not ready (starting, or the decision log is down)"}})
+async def readyz(request: Request) -> JSONResponse:
+    svc = getattr(request.app.state, "services", None)
+    if svc is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    eng = svc.engine
+    now = time.time()
+    writer_ok = svc.store.error is None and not svc.store.closed
+    active, info = eng.slot.current(eng.freshness.age(now) > eng.max_age)
+    body = {
+        "status": "ready" if writer_ok else "not_ready",
+        "decision_log": "ok" if writer_ok else "down",
+        "policy": info,
+        "model_error": eng.slot.last_error,
+        "telemetry_age_s": round(eng.freshness.age(now), 3),
+        "telemetry_error": eng.freshness.last_error,
+        "offerings": eng.n,
+    }
+    return JSONResponse(body, status_code=200 if writer_ok else 503)

@@ -1,0 +1,18 @@
+"""``GET /v1/offerings``: the catalog with current prices, availability and the router's pool load."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+
+from router.deps import ServicesDep, TenantDep
+from xroute.schema.decision import ErrorResponse, OfferingsResponse
+
+router = APIRouter(prefix="/v1", tags=["offerings"])
+
+
+@router.get("/offerings", response_model=OfferingsResponse, responses={401: {"model": ErrorResponse}},  # type: ignore[dict-item]
+            summary="Current state of every offering, and the known origins")
+def offerings(who: TenantDep, svc: ServicesDep) -> dict[str, object]:
+    return svc.engine.offerings_state(time.time())

@@ -1,0 +1,42 @@
+"""``POST /v1/route``: place one request."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from router.deps import ServicesDep, TenantDep
+from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
+
+router = APIRouter(prefix="/v1", tags=["route"])
+
+_ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API key"},
+           413: {"model": ErrorResponse, "description": "request body too large"},
+           422: {"model": ErrorResponse, "description": "a field is invalid (named in `fields`), an unknown "
+                 "origin (with close matches) or constraints that exclude every offering"},
+           429: {"model": ErrorResponse, "description": "no allowed offering can take the request now "
+                 "(spot pools down, queues full); see Retry-After"},
+           503: {"model": ErrorResponse, "description": "the decision log cannot record decisions"}}
+
+
+@router.post("/route", response_model=RouteResponse, responses=_ERRORS,  # type: ignore[arg-type]
+             summary="Choose the offering for one inference request")
+async def route(body: RouteRequest, who: TenantDep, svc: ServicesDep, request: Request) -> Response:
+    """Decide, record the decision durably (group commit), then answer.
+
+    The answer names the offering, its expected latency and cost, the next best alternatives with
+    their scores, the policy that decided (model version or fallback, with the reason), the
+    offerings excluded and why, and the telemetry time and age used."""
+    t0 = time.perf_counter()
+    decision_id = "d_" + uuid.uuid4().hex
+    request.state.decision_id = decision_id
+    payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time())
+    m = svc.metrics
+    m.decision_seconds.observe(time.perf_counter() - t0)
+    await svc.store.record_decision(row)
+    m.decided(offering_id, pinfo["kind"], pinfo["reason"])
+    m.route_seconds.observe(time.perf_counter() - t0)
+    return Response(payload, media_type="application/json")

@@ -1,0 +1,116 @@
+"""Router settings: defaults < config file < ``XROUTE_ROUTER_*`` environment < explicit overrides.
+
+The config file is YAML with the fields below at top level; it is ``--config``, else
+``$XROUTE_ROUTER_CONFIG``, else ``configs/router.yaml`` when present. Nested fields use ``__`` in
+environment variables (``XROUTE_ROUTER_ENV__SERVING_CONFIG=/abs/serving.yaml``). Unknown keys are
+errors, reported with the field's name.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from xroute.config import CONFIG_DIR, read_yaml
+from xroute.errors import ConfigError
+from xroute.schema.policy_ir import Constraints
+
+_FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("router_settings_file", default=None)
+
+
+class TenantConfig(BaseModel):
+    """Per-tenant settings; ``constraints`` apply to every request of the tenant."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    constraints: Constraints = Constraints()
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="XROUTE_ROUTER_", env_nested_delimiter="__", extra="forbid",
+                                      frozen=True)
+
+    # telemetry ------------------------------------------------------------------------------
+    telemetry: Path | None = Field(None, description="telemetry bundle directory (default: the shipped bundle)")
+    replay_speed: float = Field(1.0, gt=0, description="telemetry seconds per wall-clock second")
+    replay_offset_s: float = Field(0.0, ge=0, description="where in the recorded window the replay starts")
+    telemetry_refresh_s: float = Field(10.0, gt=0, description="how often the telemetry cache polls its source")
+    max_telemetry_age_s: float = Field(
+        120.0, gt=0, description="older telemetry is stale: the fallback policy decides, and says so")
+    env: dict[str, Any] = Field(default_factory=dict, description="CloudRoute-v0 env config overrides (EnvConfig)")
+
+    # policy ---------------------------------------------------------------------------------
+    model_uri: str = Field("models:/xroute-router@champion",
+                           description="MLflow model URI or local path; empty = always the fallback")
+    model_loader: str = Field("models.policy:load_policy", description="module:function(uri) -> policy")
+    model_poll_s: float = Field(30.0, ge=0, description="how often the alias (or file) is checked; 0 = never")
+    model_load_timeout_s: float = Field(30.0, gt=0, description="at start, serve the fallback after this long")
+    fallback_policy: str = Field("greedy", description="baseline used when no model is loaded or telemetry is stale")
+    alternatives: int = Field(3, ge=0, le=20, description="next-best offerings returned with each decision")
+
+    # storage and security -------------------------------------------------------------------
+    db_path: Path = Field(Path("runs/router/decisions.db"), description="SQLite decision log (WAL)")
+    db_synchronous: Literal["FULL", "NORMAL"] = Field(
+        "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
+    db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
+    keys_file: Path = Field(Path("runs/router/keys.json"), description="hashed API keys (python -m router.keys)")
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="tenant name -> defaults")
+    metrics_public: bool = Field(False, description="serve /metrics without a key (else an admin key)")
+
+    # HTTP -----------------------------------------------------------------------------------
+    max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
+    access_log: bool = Field(True, description="one JSON line per request")
+    log_level: str = "INFO"
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The YAML config file's values (read by :func:`load_settings`)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        data = _FILE_DATA.get() or {}
+        return data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_DATA.get() or {})
+
+
+def _config_file(config: Path | str | None) -> Path | None:
+    if config is not None:
+        return Path(config)
+    env = os.environ.get("XROUTE_ROUTER_CONFIG", "").strip()
+    if env:
+        return Path(env)
+    default = CONFIG_DIR / "router.yaml"
+    return default if default.is_file() else None
+
+
+def load_settings(config: Path | str | None = None, **overrides: Any) -> RouterSettings:
+    """Settings from the config file, the environment and ``overrides`` (``None`` values ignored)."""
+    path = _config_file(config)
+    data = read_yaml(path) if path is not None else {}
+    unknown = sorted(set(data) - set(RouterSettings.model_fields))
+    if unknown:
+        raise ConfigError(f"{path}: field '{unknown[0]}': unknown key")
+    token = _FILE_DATA.set(data)
+    try:
+        return RouterSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        where = str(path) if path is not None else "router settings"
+        raise ConfigError(f"{where} (or XROUTE_ROUTER_* / options): field '{loc}': {err['msg']}") from None
+    finally:
+        _FILE_DATA.reset(token)
