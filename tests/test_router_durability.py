@@ -1,0 +1,112 @@
+"""Durability and soak: a router killed with SIGKILL under load loses no acknowledged decision; and
+(opt-in, ``XROUTE_SOAK_S=seconds``) memory stays flat under sustained load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.testing import free_port, start_subprocess
+from tests.test_router_support import ROUTE, make_setup
+
+
+def _serve_args(setup_root: Path) -> tuple[list[str], dict[str, str]]:
+    args = ["--telemetry", str(setup_root / "bundle"), "--db", str(setup_root / "decisions.db"),
+            "--keys-file", str(setup_root / "keys.json"), "--model", "", "--log-level", "WARNING"]
+    env = {"XROUTE_ROUTER_ENV__SERVING_CONFIG": str(setup_root / "serving.yaml"),
+           "XROUTE_ROUTER_CONFIG": str(setup_root / "router.yaml")}
+    return args, env
+
+
+@pytest.mark.slow
+def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path) -> None:
+    setup = make_setup(tmp_path)
+    args, env = _serve_args(tmp_path)
+    port = free_port()
+    proc = start_subprocess(args, env, port, tmp_path / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    acked: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def fire(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post("/v1/route", json={**ROUTE, "max_output_tokens": 5, "session_id": f"w{k}"},
+                               headers=setup.auth("a" if k % 2 else "b"))
+                except httpx.HTTPError:
+                    return  # the server died mid-request: that one was never acknowledged
+                if r.status_code == 200:
+                    d = r.json()
+                    with lock:
+                        acked.append((d["decision_id"], d["offering"]["offering_id"]))
+
+    threads = [threading.Thread(target=fire, args=(k,)) for k in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
+    assert len(acked) > 50, "too little load reached the server before the kill"
+
+    proc = start_subprocess(args, env, port, tmp_path / "server2.log")
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            for did, offering_id in acked:
+                r = c.get(f"/v1/admin/decisions/{did}", headers=setup.auth("admin"))
+                assert r.status_code == 200, f"acknowledged decision {did} lost after SIGKILL"
+                assert r.json()["offering"]["offering_id"] == offering_id
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("XROUTE_SOAK_S"), reason="opt-in: XROUTE_SOAK_S=<seconds>")
+def test_memory_is_flat_under_sustained_load(tmp_path: Path) -> None:
+    seconds = float(os.environ["XROUTE_SOAK_S"])
+    setup = make_setup(tmp_path)
+    args, env = _serve_args(tmp_path)
+    port = free_port()
+    proc = start_subprocess(args, env, port, tmp_path / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=5) as c:
+            def burst(n: int) -> None:
+                for i in range(n):
+                    r = c.post("/v1/route", json={**ROUTE, "max_output_tokens": 5, "session_id": f"s{i % 97}"},
+                               headers=setup.auth("a"))
+                    assert r.status_code in (200, 429)
+
+            burst(2000)  # warm-up: caches, allocator pools, first SQLite pages
+            start = _rss_kib(proc.pid)
+            end_t = time.monotonic() + seconds
+            while time.monotonic() < end_t:
+                burst(500)
+            end = _rss_kib(proc.pid)
+        print(f"RSS after warm-up {start} KiB, after {seconds:g} s {end} KiB")
+        assert end - start < max(0.10 * start, 20_000), (start, end)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

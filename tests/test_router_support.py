@@ -1,0 +1,124 @@
+"""Shared helpers for the router tests (no tests here): a tiny-bundle router setup with three keys,
+and a fake model loader whose behaviour is read from a small JSON file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envs.features import F
+from router.keys import add_key
+from router.logs import JsonFormatter
+from router.settings import RouterSettings, load_settings
+from router.testing import write_serving_yaml
+from tests.tinybundle import write_tiny_bundle
+
+
+@dataclass
+class RouterSetup:
+    settings: RouterSettings
+    keys: dict[str, str]
+    root: Path
+
+    def auth(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[who]}"}
+
+
+def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
+    """Tiny bundle, own serving yaml, keys for tenants ``a`` and ``b`` and an admin; no model."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    bundle = tmp / "bundle"
+    if not bundle.exists():
+        write_tiny_bundle(bundle)
+    serving = write_serving_yaml(tmp / "serving.yaml")
+    keys_file = tmp / "keys.json"
+    if keys_file.exists():
+        keys_file.unlink()
+    keys = {"a": add_key(keys_file, "a"), "b": add_key(keys_file, "b"), "admin": add_key(keys_file, "ops", "admin")}
+    base: dict[str, Any] = {"telemetry": bundle, "env": {"serving_config": str(serving)}, "db_path": tmp / "decisions.db",
+                            "keys_file": keys_file, "model_uri": "", "model_poll_s": 0, "log_level": "WARNING"}
+    base.update(overrides)
+    cfg = tmp / "router.yaml"
+    cfg.write_text("{}\n")
+    return RouterSetup(load_settings(cfg, **base), keys, tmp)
+
+
+ROUTE = {"origin": "aws:us-east-1", "input_tokens": 400, "max_output_tokens": 80, "sla_ms": 8000}
+
+
+# ---------------------------------------------------------------------------------------- fake model
+class FakeWeights:
+    """Scores = +10 on spot (or on-demand) rows, minus expected latency; ``nan`` poisons them."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+
+    def scores(self, rows: np.ndarray, request: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        if self.spec.get("delay_s"):
+            time.sleep(float(self.spec["delay_s"]))
+        spot = rows[..., F["is_spot"]]
+        pref = spot if self.spec.get("prefer") == "spot" else 1.0 - spot
+        s = 10.0 * pref - rows[..., F["exp_latency"]]
+        if self.spec.get("nan"):
+            s = s * np.nan
+        return np.asarray(s, dtype=np.float32)
+
+
+class FakePolicy:
+    def __init__(self, spec: dict[str, Any]):
+        self.name = f"fake-{spec.get('prefer', 'on_demand')}"
+        self.weights = FakeWeights(spec)
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.n = env.n
+
+    def act(self, obs: dict[str, np.ndarray], info: dict[str, Any]) -> int:
+        raise AssertionError("the router scores FakePolicy through its weights")
+
+
+def fake_loader(uri: str) -> FakePolicy:
+    """The model loader the tests configure: ``uri`` is a JSON file (corrupt JSON raises)."""
+    spec = json.loads(Path(uri).read_text())
+    if spec.get("load_error"):
+        raise RuntimeError("simulated load failure")
+    return FakePolicy(spec)
+
+
+def write_model(path: Path, **spec: Any) -> Path:
+    path.write_text(json.dumps(spec))
+    return path
+
+
+# ---------------------------------------------------------------------------------------- logs
+class LogCapture(logging.Handler):
+    """Collects the router's formatted JSON log lines (they do not propagate to the root logger)."""
+
+    NAMES = ("xroute", "uvicorn", "uvicorn.error")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def attach(self) -> LogCapture:
+        for n in self.NAMES:
+            logging.getLogger(n).addHandler(self)
+            if logging.getLogger(n).level > logging.INFO or logging.getLogger(n).level == 0:
+                logging.getLogger(n).setLevel(logging.INFO)
+        return self
+
+    def detach(self) -> None:
+        for n in self.NAMES:
+            logging.getLogger(n).removeHandler(self)
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.lines]

@@ -1,0 +1,268 @@
+"""Router pieces without HTTP: policy IR, keys, settings, engine decisions, decision log, export."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from router.engine import RouteFailure, RoutingEngine
+from router.export import export_bundle
+from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
+from router.policies import ActivePolicy, resolve
+from router.settings import load_settings
+from router.store import DecisionStore, iter_decisions
+from router.telemetry import ReplaySource
+from tests.test_router_support import ROUTE, make_setup, write_model
+from xroute.bundle import load_bundle
+from xroute.errors import ConfigError
+from xroute.schema.decision import FeedbackRequest, RouteRequest
+from xroute.schema.offering import Offering
+from xroute.schema.policy_ir import CatalogIndex, ConstraintError, Constraints, Rule, compile_constraints
+
+A = Principal("a", "tenant", "k1")
+
+
+def _catalog() -> list[Offering]:
+    out = []
+    for prov, region, acc in [("p1", "r-east", "A10G"), ("p2", "r-west", "L4"), ("p3", "r-asia", "T4")]:
+        for mode in ("on_demand", "spot"):
+            out.append(Offering(f"{prov}:{region}:{acc}:{mode}", prov, region, f"{acc}-box", mode, acc, 1, 4, 16))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- policy IR
+def test_policy_ir_allow_deny_prefer_and_layers() -> None:
+    idx = CatalogIndex(_catalog())
+    c = compile_constraints([("tenant", Constraints(allow=[Rule(providers=["p1", "p2"])])),
+                             ("request", Constraints(deny=[Rule(pricing_modes=["spot"])],
+                                                     prefer=[Rule(regions=["p2:r-west"])]))], idx)
+    assert c.allowed.tolist() == [True, False, True, False, False, False]
+    assert c.preferred is not None and c.preferred.tolist() == [False, False, True, True, False, False]
+    assert c.excluded_counts() == {"request:denied": 2, "tenant:not_allowed": 2}
+    # a request cannot widen its tenant: allowing p3 on top of a p1/p2-only tenant leaves nothing
+    none = compile_constraints([("tenant", Constraints(allow=[Rule(providers=["p1"])])),
+                                ("request", Constraints(allow=[Rule(providers=["p3"])]))], idx)
+    assert not none.allowed.any()
+    # fields of one rule AND, rules of one list OR
+    both = compile_constraints([("r", Constraints(allow=[Rule(providers=["p1"], pricing_modes=["spot"]),
+                                                         Rule(accelerators=["T4"])]))], idx)
+    assert both.allowed.tolist() == [False, True, False, False, True, True]
+
+
+def test_policy_ir_unknown_values_name_the_field_with_close_matches() -> None:
+    idx = CatalogIndex(_catalog())
+    with pytest.raises(ConstraintError) as e:
+        compile_constraints([("constraints", Constraints(deny=[Rule(regions=["r-eats"])]))], idx)
+    assert e.value.field == "constraints.deny[0].regions[0]"
+    assert "r-east" in e.value.suggestions
+    with pytest.raises(ValueError, match="at least one"):
+        Rule()
+    with pytest.raises(ValueError):
+        Constraints.model_validate({"allow": [{"provider": ["p1"]}]})  # typo'd key is an error, not a no-op
+
+
+# ---------------------------------------------------------------------------------------- keys
+def test_keys_are_stored_hashed_verified_and_revocable(tmp_path: Path) -> None:
+    f = tmp_path / "keys.json"
+    key = add_key(f, "acme")
+    admin = add_key(f, "ops", "admin")
+    text = f.read_text()
+    assert key not in text and key.split("_", 2)[2] not in text
+    store = KeyStore(f, check_s=0)
+    who = store.verify(key)
+    assert who is not None and who.tenant == "acme" and not who.is_admin
+    assert store.verify(admin).is_admin  # type: ignore[union-attr]
+    assert store.verify(key[:-1] + ("A" if key[-1] != "A" else "B")) is None
+    for junk in ("", "xr_", "xr_1234_abc", "Bearer x", key + "\x00", "x" * 500):
+        assert store.verify(junk) is None
+    key_id = key.split("_")[1]
+    assert [r["key_id"] for r in list_keys(f)] == [key_id, admin.split("_")[1]]
+    assert revoke_key(f, key_id)
+    assert store.verify(key) is None  # reloaded on change
+    with pytest.raises(ConfigError):
+        add_key(f, "bad tenant!")
+
+
+def test_settings_layering_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("fallback_policy: cheapest\nalternatives: 2\ntenants:\n  a:\n    constraints:\n"
+                   "      deny: [{pricing_modes: [spot]}]\n")
+    s = load_settings(cfg)
+    assert (s.fallback_policy, s.alternatives) == ("cheapest", 2)
+    assert s.tenants["a"].constraints.deny[0].pricing_modes == ["spot"]
+    monkeypatch.setenv("XROUTE_ROUTER_ALTERNATIVES", "5")
+    monkeypatch.setenv("XROUTE_ROUTER_ENV__QUEUE_TIMEOUT_S", "7")
+    s = load_settings(cfg, fallback_policy="greedy")
+    assert (s.fallback_policy, s.alternatives, s.env) == ("greedy", 5, {"queue_timeout_s": "7"})
+    cfg.write_text("alternativs: 2\n")
+    with pytest.raises(ConfigError, match="alternativs"):
+        load_settings(cfg)
+    monkeypatch.delenv("XROUTE_ROUTER_ALTERNATIVES")
+    cfg.write_text("alternatives: -1\n")
+    with pytest.raises(ConfigError, match="'alternatives'"):
+        load_settings(cfg)
+
+
+# ---------------------------------------------------------------------------------------- engine
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> RoutingEngine:
+    setup = make_setup(tmp_path_factory.mktemp("engine"),
+                       tenants={"a": {"constraints": {"deny": [{"accelerators": ["T4"]}]}}})
+    return RoutingEngine(setup.settings)
+
+
+def _decide(engine: RoutingEngine, who: Principal = A, wall: float | None = None, **body: object) -> dict:
+    req = RouteRequest.model_validate({**ROUTE, **body})
+    payload, row, oid, info = engine.decide(req, who, "d_test", engine.source.start_wall if wall is None else wall)
+    out = json.loads(payload)
+    assert out["offering"]["offering_id"] == oid == row[9]
+    return out
+
+
+def test_decision_respects_tenant_and_request_constraints(engine: RoutingEngine) -> None:
+    for _ in range(5):
+        d = _decide(engine, constraints={"allow": [{"providers": ["gcp", "azure"]}]})
+        assert d["offering"]["provider"] == "gcp"  # azure only has T4, denied for tenant a
+        assert d["excluded"]["by_reason"]["tenant:denied"] == 2
+        assert d["excluded"]["by_reason"]["request:not_allowed"] == 2
+        assert d["policy"]["kind"] == "fallback" and d["policy"]["name"] == "greedy"
+        assert d["score_kind"] == "expected_reward"
+        assert all(a["offering"]["provider"] == "gcp" for a in d["alternatives"])
+        assert d["offering"] not in [a["offering"] for a in d["alternatives"]]
+        assert d["expected_latency_ms"] > 0 and d["expected_cost_usd"] > 0
+    d = _decide(engine, constraints={"prefer": [{"pricing_modes": ["spot"]}]})
+    assert d["offering"]["pricing_mode"] == "spot" and d["excluded"]["by_reason"].get("not_preferred", 0) >= 1
+    other = _decide(engine, Principal("b", "tenant", "k2"), constraints={"allow": [{"accelerators": ["T4"]}]})
+    assert other["offering"]["accelerator"] == "T4"  # tenant b has no default constraints
+
+
+def test_decision_errors_name_the_field(engine: RoutingEngine) -> None:
+    with pytest.raises(RouteFailure) as e:
+        _decide(engine, origin="aws:us-eats-1")
+    assert e.value.status == 422 and e.value.fields[0]["field"] == "body.origin"
+    assert "aws:us-east-1" in e.value.fields[0]["suggestions"]
+    with pytest.raises(RouteFailure) as e:
+        _decide(engine, constraints={"allow": [{"accelerators": ["T4"]}]})  # tenant a denies T4
+    assert (e.value.status, e.value.error) == (422, "no_offering")
+    with pytest.raises(RouteFailure) as e:
+        _decide(engine, constraints={"allow": [{"instance_types": ["g5.xlarg"]}]})
+    assert e.value.fields[0]["field"] == "body.constraints.allow[0].instance_types[0]"
+    assert e.value.fields[0]["suggestions"] == ["g5.xlarge"]
+
+
+def test_full_pools_answer_429_with_retry_after(tmp_path: Path) -> None:
+    eng = RoutingEngine(make_setup(tmp_path, env={"serving_config": str(tmp_path / "serving.yaml"),
+                                                  "queue_timeout_s": 0.5}).settings)
+    statuses = []
+    for _ in range(60):  # long requests from one instant fill every slot of the allowed pool
+        try:
+            _decide(eng, input_tokens=4000, max_output_tokens=2000, sla_ms=60000,
+                    constraints={"allow": [{"offering_ids": ["gcp:europe-west4:g2-standard-4:on_demand"]}]})
+            statuses.append(200)
+        except RouteFailure as e:
+            statuses.append(e.status)
+            assert int(e.headers["Retry-After"]) >= 1 and e.extra["excluded"]["queue_full"] == 1
+    assert statuses[:14] == [200] * 14 and statuses[-1] == 429  # 2 replicas x 7 slots
+
+
+def test_replay_clock_maps_and_wraps(tmp_path: Path) -> None:
+    setup = make_setup(tmp_path)
+    src = ReplaySource(setup.settings.telemetry, speed=10.0, offset_s=5.0, start_wall=1000.0)
+    t, gen = src.telemetry_time(1000.0)
+    assert t == pytest.approx(src.start + 5.0) and gen == 0
+    t, gen = src.telemetry_time(1000.0 + (src.span - 5.0 + 1.0) / 10.0)
+    assert t == pytest.approx(src.start + 1.0) and gen == 1
+    eng = RoutingEngine(setup.settings, source=src)
+
+    def busy() -> int:
+        fa = eng.env.free_at
+        return int(((fa > eng.env.t) & np.isfinite(fa)).sum())
+
+    for k in range(5):
+        _decide(eng, wall=1000.0 + k * 0.01)
+    assert busy() == 5
+    _decide(eng, wall=1000.0 + src.span / 10.0 + 0.5)  # wrapped: the load view starts empty again
+    assert eng.generation == 1 and busy() == 1
+
+
+def test_stale_telemetry_forces_the_fallback_and_says_so(tmp_path: Path) -> None:
+    eng = RoutingEngine(make_setup(tmp_path, max_telemetry_age_s=5.0).settings)
+    from tests.test_router_support import FakePolicy
+
+    eng.slot.install(ActivePolicy.make(FakePolicy({"prefer": "spot"}), "fake", "model", "v1", "x"))
+    wall = eng.freshness.last_ok_wall
+    d = _decide(eng, wall=wall + 1.0)
+    assert d["policy"]["kind"] == "model" and d["score_kind"] == "q_value" and not d["telemetry"]["stale"]
+    assert d["offering"]["pricing_mode"] == "spot"
+    d = _decide(eng, wall=wall + 6.0)
+    assert d["policy"]["kind"] == "fallback" and "stale" in d["policy"]["reason"]
+    assert d["telemetry"]["stale"] and d["telemetry"]["age_s"] == pytest.approx(6.0, abs=0.01)
+
+
+def test_model_error_at_decision_time_falls_back_for_that_request(engine: RoutingEngine) -> None:
+    from tests.test_router_support import FakePolicy
+
+    old = engine.slot.model
+    engine.slot.install(ActivePolicy.make(FakePolicy({"nan": True}), "bad", "model", "v9", "x"))
+    try:
+        d = _decide(engine)
+        assert d["policy"]["kind"] == "fallback" and d["policy"]["reason"].startswith("model error")
+    finally:
+        engine.slot.model = old
+
+
+def test_resolve_versions_local_models(tmp_path: Path) -> None:
+    m = write_model(tmp_path / "m.json", prefer="spot")
+    uri, v1 = resolve(str(m))
+    assert uri == str(m) and v1.startswith("local-")
+    write_model(m, prefer="on_demand", pad="changed size")
+    assert resolve(str(m))[1] != v1
+    assert resolve("models:/xroute-router/7") == ("models:/xroute-router/7", "7")
+    with pytest.raises(FileNotFoundError):
+        resolve(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------- log + export
+def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngine) -> None:
+    db = tmp_path / "d.db"
+
+    async def run() -> list[str]:
+        store = DecisionStore(db)
+        store.start()
+        ids = []
+        rows = []
+        for i in range(40):
+            req = RouteRequest.model_validate({**ROUTE, "session_id": f"s{i}"})
+            did = f"d_{i:04d}"
+            _, row, _, _ = engine.decide(req, A, did, engine.source.start_wall + i * 0.5)
+            rows.append(row)
+            ids.append(did)
+        await asyncio.gather(*(store.record_decision(r) for r in rows))
+        fb = FeedbackRequest(decision_id=ids[0], latency_ms=900.0, output_tokens=42)
+        await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None))
+        assert store.commits < 40  # grouped
+        assert store.get_decision(ids[0], "a")["feedback"][0]["latency_ms"] == 900.0  # type: ignore[index]
+        assert store.get_decision(ids[0], "b") is None
+        store.close()
+        return ids
+
+    ids = asyncio.run(run())
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT COUNT(*) FROM decisions").fetchone()[0] == 40
+    assert [d["decision_id"] for d in iter_decisions(db)] == ids
+    out = tmp_path / "export"
+    res = export_bundle(db, engine.source.path, out)
+    assert res["decisions"] == 40 and res["with_feedback"] == 1
+    b = load_bundle(out)
+    assert list(b.workload["request_id"]) == ids
+    assert int(b.workload["output_tokens"].iloc[0]) == 42 and int(b.workload["output_tokens"].iloc[1]) == 80
+    assert np.all(np.diff(b.workload["ts"].astype("int64")) >= 0)
+    assert (out / "outcomes.csv").read_text().count("\n") == 41
+    with pytest.raises(ConfigError, match="overwrite"):
+        export_bundle(db, engine.source.path, out)
