@@ -138,7 +138,7 @@ class AwsAdapter(CloudAdapter):
             if self._session is None:
                 self._session = boto3.session.Session(profile_name=self.config.profile)
             cfg = botocore_config.Config(
-                retries={"max_attempts": 1, "mode": "standard"},
+                retries={"total_max_attempts": 1, "mode": "standard"},
                 connect_timeout=self.config.timeout_s, read_timeout=self.config.timeout_s,
                 user_agent_extra="xroute-collector",
             )
@@ -150,10 +150,11 @@ class AwsAdapter(CloudAdapter):
         override = self._endpoint("ec2")
         return host_port(override) if override else (f"ec2.{region}.amazonaws.com", 443)
 
-    def _pages(self, service: str, region: str, operation: str, method: str, token_key: str = "NextToken",
-               **kwargs: Any) -> Iterator[dict[str, Any]]:
-        """Each page of a paged call, one retried request per page."""
-        client = self._client(service, region)
+    def _pages(self, service: str, region: str, operation: str, method: str, token_key: str = "NextToken", *,
+               client_region: str | None = None, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """Each page of a paged call, one retried request per page (``client_region``: where the
+        service answers, when not in ``region`` itself, as for the Price List API)."""
+        client = self._client(service, client_region or region)
         token: str | None = None
         seen: set[str] = set()
         while True:
@@ -215,7 +216,7 @@ class AwsAdapter(CloudAdapter):
             filters.append({"Type": "TERM_MATCH", "Field": "instanceType", "Value": next(iter(wanted))})
         best: dict[str, PricePoint] = {}
         n = 0
-        for page in self._pages("pricing", self.config.pricing_region, "GetProducts", "get_products",
+        for page in self._pages("pricing", region, "GetProducts", "get_products", client_region=self.config.pricing_region,
                                 ServiceCode="AmazonEC2", Filters=filters, FormatVersion="aws_v1", MaxResults=100):
             r = Reader(PROVIDER, region, "GetProducts")
             for raw in r.get(page, "PriceList"):
@@ -407,7 +408,7 @@ class AwsAdapter(CloudAdapter):
             return CloudError(PROVIDER, problem, **kw)
         if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError | bx.NoRegionError):
             return CloudAuthError(PROVIDER, str(exc), hint="configure credentials (env, ~/.aws, SSO or an instance role)", **kw)
-        if isinstance(exc, bx.ResponseParserError):
+        if isinstance(exc, require_sdk(PROVIDER, "botocore.parsers").ResponseParserError):
             return CloudResponseError(PROVIDER, f"the response body could not be parsed ({str(exc).splitlines()[0][:120]})", **kw)
         if isinstance(exc, bx.HTTPClientError | bx.ResponseStreamingError | bx.IncompleteReadError):
             return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)

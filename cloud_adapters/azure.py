@@ -301,6 +301,8 @@ class AzureAdapter(CloudAdapter):
         if isinstance(exc, ax.ClientAuthenticationError):
             return CloudAuthError(PROVIDER, str(exc.message or exc)[:200], hint="sign in (az login, a managed identity or "
                                   "AZURE_CLIENT_ID/SECRET/TENANT_ID) and grant Reader on the subscription", **kw)
+        if isinstance(exc, ax.IncompleteReadError):  # a DecodeError, but the connection broke: transient
+            return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
         if isinstance(exc, ax.DecodeError):
             return CloudResponseError(PROVIDER, "the response body could not be decoded", **kw)
         if isinstance(exc, ax.HttpResponseError) and exc.status_code:
@@ -308,7 +310,7 @@ class AzureAdapter(CloudAdapter):
             ra = resp.headers.get("Retry-After") if resp is not None else None
             code = getattr(getattr(exc, "error", None), "code", None) or f"HTTP {exc.status_code}"
             return _by_status(int(exc.status_code), str(code), ra, kw)
-        if isinstance(exc, ax.ServiceRequestError | ax.ServiceResponseError | ax.IncompleteReadError):
+        if isinstance(exc, ax.ServiceRequestError | ax.ServiceResponseError):
             return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
         if isinstance(exc, ax.DeserializationError):
             return CloudResponseError(PROVIDER, f"the response could not be read ({str(exc)[:120]})", **kw)

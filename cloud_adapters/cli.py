@@ -130,7 +130,6 @@ def capabilities(
 ) -> None:
     """What each provider's adapter can collect, and why not where it cannot (no network calls)."""
     from cloud_adapters import registry
-    from cloud_adapters.base import Feature
 
     console = Console()
     try:
