@@ -147,7 +147,8 @@ class PoolSelector(BaseModel):
     """A pool of the user's own instances, and how to find its metrics.
 
     ``tags`` select the instances (AWS tags, Azure tags, GCP labels); ``query``/``cpu_query`` are
-    PromQL for a Prometheus source, where ``{selector}`` is replaced by ``selector``.
+    PromQL for a Prometheus source, where the text ``{selector}`` is replaced by ``selector``
+    (so ``DCGM_FI_DEV_GPU_UTIL{{selector}}`` becomes ``DCGM_FI_DEV_GPU_UTIL{pool="a"}``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -158,7 +159,7 @@ class PoolSelector(BaseModel):
     tags: dict[str, str] = {}
     url: str | None = None
     selector: str = ""
-    query: str = "avg(DCGM_FI_DEV_GPU_UTIL{{{selector}}}) / 100"
+    query: str = "avg(DCGM_FI_DEV_GPU_UTIL{{selector}}) / 100"
     cpu_query: str | None = None
 
 

@@ -135,13 +135,13 @@ def test_malformed_retail_body_names_provider_region_and_operation(az):
 
 def test_malformed_arm_body_is_a_clear_error(az):
     az.inject("usages", Fault.malformed())
-    with pytest.raises(CloudResponseError, match="azure eastus Usage.List"):
+    with pytest.raises(CloudResponseError, match=r"azure eastus Usage.List"):
         adapter().quotas("eastus")
 
 
 def test_persistent_throttling_ends_in_a_clear_error(az):
     az.inject("usages", *[Fault.throttle(retry_after=0)] * 2)
-    with pytest.raises(CloudThrottledError, match="azure northeurope Usage.List"):
+    with pytest.raises(CloudThrottledError, match=r"azure northeurope Usage.List"):
         adapter(max_attempts=2).quotas("northeurope")
 
 
@@ -176,7 +176,7 @@ def test_unreachable_endpoint_is_unavailable(monkeypatch):
     monkeypatch.setenv("XROUTE_AZURE_ENDPOINT", "http://127.0.0.1:9")
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(CloudUnavailableError, match="azure eastus ResourceSkus.List"):
+    with pytest.raises(CloudUnavailableError, match=r"azure eastus ResourceSkus.List"):
         adapter(max_attempts=1).offerings("eastus")
 
 

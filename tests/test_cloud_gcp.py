@@ -112,25 +112,25 @@ def test_stalled_catalog_times_out_and_is_retried(gcp):
 
 def test_persistent_throttling_ends_in_a_clear_error(gcp):
     gcp.inject("regions.get", *[Fault.throttle(retry_after=0)] * 2)
-    with pytest.raises(CloudThrottledError, match="gcp europe-west4 regions.get"):
+    with pytest.raises(CloudThrottledError, match=r"gcp europe-west4 regions.get"):
         adapter(max_attempts=2).quotas("europe-west4")
 
 
 def test_persistent_5xx_ends_in_unavailable(gcp):
     gcp.inject("skus.list", *[Fault.error(503)] * 2)
-    with pytest.raises(CloudUnavailableError, match="gcp us-central1 services.skus.list|gcp services.skus.list"):
+    with pytest.raises(CloudUnavailableError, match=r"gcp us-central1 services.skus.list|gcp services.skus.list"):
         adapter(max_attempts=2).spot_prices("us-central1", ["g2-standard-4"])
 
 
 def test_forbidden_is_an_auth_error(gcp):
     gcp.inject("regions.get", Fault.error(403))
-    with pytest.raises(CloudAuthError, match="roles/compute.viewer"):
+    with pytest.raises(CloudAuthError, match=r"roles/compute.viewer"):
         adapter().quotas("us-central1")
 
 
 def test_malformed_bodies_are_clear_errors(gcp):
     gcp.inject("regions.get", Fault.malformed())
-    with pytest.raises(CloudResponseError, match="gcp us-central1 regions.get"):
+    with pytest.raises(CloudResponseError, match=r"gcp us-central1 regions.get"):
         adapter().quotas("us-central1")
     gcp.inject("skus.list", Fault.malformed())
     with pytest.raises(CloudResponseError, match="not JSON"):
