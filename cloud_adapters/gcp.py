@@ -99,6 +99,7 @@ class GcpAdapter(CloudAdapter):
         self._creds: Any = None
         self._project: str | None = None
         self._http: Any = None
+        self._catalog_lock = threading.Lock()
 
     @property
     def compute_endpoint(self) -> str:
@@ -234,10 +235,15 @@ class GcpAdapter(CloudAdapter):
         return {"Authorization": f"Bearer {creds.token}"}, {}
 
     def _catalog(self) -> list[dict[str, Any]]:
-        """All Compute Engine SKUs of the Catalog (cached 6 h; a few pages of 5000)."""
-        hit = self._cache.get(("catalog",), self.CACHE_TTL_S[Feature.ON_DEMAND_PRICES])
-        if hit is not None:
-            return hit  # type: ignore[no-any-return]
+        """All Compute Engine SKUs of the Catalog (cached 6 h; a few pages of 5000). Regions
+        collected at once wait for one read rather than each reading it."""
+        with self._catalog_lock:
+            hit = self._cache.get(("catalog",), self.CACHE_TTL_S[Feature.ON_DEMAND_PRICES])
+            if hit is not None:
+                return hit  # type: ignore[no-any-return]
+            return self._read_catalog()
+
+    def _read_catalog(self) -> list[dict[str, Any]]:
         headers, auth_params = self._billing_auth()
         url = f"{self.billing_endpoint}/v1/services/{COMPUTE_ENGINE_SERVICE}/skus"
         skus: list[dict[str, Any]] = []
