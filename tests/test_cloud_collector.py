@@ -301,3 +301,33 @@ def test_cli_exits_1_when_no_source_answers(env, tmp_path, monkeypatch):
 def test_cli_capabilities_lists_reasons():
     r = CliRunner().invoke(telemetry_app, ["capabilities", "--providers", "gcp"])
     assert r.exit_code == 0 and "spot_availability" in r.output and "no" in r.output
+
+
+def test_merge_upserts_offerings_in_place_and_keeps_user_columns(tiny_bundle_dir):
+    from datetime import UTC, datetime
+
+    from cloud_adapters.base import InstanceOffer, PricePoint
+    from cloud_adapters.collector import _RegionResult, merge
+
+    existing = read_tables(tiny_bundle_dir)
+    ids = list(existing["offerings"]["offering_id"])
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    rr = _RegionResult("aws", "us-east-1")
+    rr.offers = [InstanceOffer("aws", "us-east-1", "g5.xlarge", "A10G", 1, 8.0, 16.0),
+                 InstanceOffer("aws", "us-east-1", "g6.xlarge", "L4", 1, 4.0, 16.0)]
+    old_ts = datetime(2020, 1, 1, tzinfo=UTC)
+    rr.prices = [PricePoint(old_ts, "aws", "us-east-1", "g5.xlarge", "on_demand", 1.006),  # unchanged
+                 PricePoint(old_ts, "aws", "us-east-1", "g5.xlarge", "spot", 0.41),  # changed, stamped now
+                 PricePoint(old_ts, "aws", "us-east-1", "g6.xlarge", "on_demand", 0.80)]  # new offering
+    m = merge(existing, [rr], [], [], now)
+    off = m.tables["offerings"]
+    assert list(off["offering_id"])[: len(ids)] == ids and list(off["offering_id"])[len(ids):] == [
+        "aws:us-east-1:g6.xlarge:on_demand"]
+    g5 = off.set_index("offering_id").loc["aws:us-east-1:g5.xlarge:on_demand"]
+    assert g5["vcpus"] == 8.0 and g5["capacity_replicas"] == 2  # hardware updated, user column kept
+    p = m.tables["prices"]
+    spot = p[p["offering_id"] == "aws:us-east-1:g5.xlarge:spot"]
+    assert spot["usd_per_hour"].tolist() == [0.35, 0.41] and spot["ts"].iloc[-1] == now
+    assert len(p[p["offering_id"] == "aws:us-east-1:g5.xlarge:on_demand"]) == 1  # repeat dropped
+    assert p[p["offering_id"] == "aws:us-east-1:g6.xlarge:on_demand"]["ts"].iloc[0] == old_ts
+    assert m.added["offerings"] == 1 and m.held_back == []
