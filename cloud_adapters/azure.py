@@ -94,7 +94,8 @@ class AzureAdapter(CloudAdapter):
         Feature.SPOT_PRICE_HISTORY: "the Retail Prices API gives current prices only; history builds up by polling",
         Feature.SPOT_AVAILABILITY: "no live spot obtainability signal is read (the Spot Placement Score API is not "
         "used yet); sizes restricted for the subscription in a location are left out of the offerings instead",
-        Feature.UTILIZATION: "Azure Monitor metrics are not collected yet; use a Prometheus pool (DCGM exporter)",
+        Feature.UTILIZATION: "not implemented: Azure Monitor's VM host metrics have no GPU utilization (it needs a "
+        "guest agent with custom metrics); use a Prometheus pool (DCGM exporter)",
     }
 
     def __init__(self, config: AzureConfig | dict[str, Any] | None = None, **kw: Any):

@@ -9,7 +9,13 @@ Credentials: Application Default Credentials (``gcloud auth application-default 
 service account key in ``GOOGLE_APPLICATION_CREDENTIALS``, or the metadata server). Project:
 ``project`` in the config, ``GOOGLE_CLOUD_PROJECT``, or the credentials' project. Endpoints:
 ``XROUTE_GCP_ENDPOINT`` replaces ``compute.googleapis.com`` and, unless
-``XROUTE_GCP_BILLING_ENDPOINT`` is set, ``cloudbilling.googleapis.com``.
+``XROUTE_GCP_BILLING_ENDPOINT`` / ``XROUTE_GCP_MONITORING_ENDPOINT`` are set,
+``cloudbilling.googleapis.com`` and ``monitoring.googleapis.com``.
+
+Pool utilization comes from Cloud Monitoring's ``timeSeries.list`` (REST, httpx, the ADC token):
+the Ops Agent's ``agent.googleapis.com/gpu/utilization`` and Compute Engine's
+``compute.googleapis.com/instance/cpu/utilization``, averaged over the instances whose labels
+match the pool's ``tags``.
 
 The client library's own retries are switched off (``retry=None``); :meth:`CloudAdapter.call` retries.
 """
@@ -20,7 +26,7 @@ import json
 import re
 import threading
 from collections import defaultdict
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -30,9 +36,11 @@ from cloud_adapters.base import (
     CloudAdapter,
     Feature,
     InstanceOffer,
+    PoolSelector,
     PricePoint,
     QuotaRecord,
     Reader,
+    UtilizationSample,
     env_override,
     host_port,
     parse_ts,
@@ -52,6 +60,7 @@ from xroute.errors import ConfigError
 PROVIDER = "gcp"
 COMPUTE = "https://compute.googleapis.com"
 BILLING = "https://cloudbilling.googleapis.com"
+MONITORING = "https://monitoring.googleapis.com"
 COMPUTE_ENGINE_SERVICE = "6F81-5844-456A"
 SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 
@@ -66,8 +75,16 @@ class GcpConfig(AdapterConfig):
     project: str | None = None
     endpoint: str | None = None
     billing_endpoint: str | None = None
+    monitoring_endpoint: str | None = None
     #: machine families with built-in accelerators (A2: A100, A3: H100, G2: L4)
     machine_families: list[str] = Field(default_factory=lambda: ["a2", "a3", "g2"])
+    #: Cloud Monitoring metrics of a pool: the Ops Agent's GPU metric (percent) and Compute
+    #: Engine's CPU metric (a fraction); ``*_scale`` turns each into a fraction
+    gpu_metric: str = "agent.googleapis.com/gpu/utilization"
+    gpu_metric_scale: float = 100.0
+    cpu_metric: str = "compute.googleapis.com/instance/cpu/utilization"
+    cpu_metric_scale: float = 1.0
+    alignment_s: int = 300
 
 
 def accelerator_name(name: str) -> str:
@@ -80,7 +97,7 @@ def accelerator_name(name: str) -> str:
 
 
 class GcpAdapter(CloudAdapter):
-    """GCP machine and accelerator types per zone, region quotas, Catalog prices."""
+    """GCP machine and accelerator types per zone, region quotas, Catalog prices, Cloud Monitoring utilization."""
 
     name = PROVIDER
     REGION_PATTERN = re.compile(r"^[a-z]+-[a-z]+\d+$")
@@ -89,7 +106,6 @@ class GcpAdapter(CloudAdapter):
     UNSUPPORTED: ClassVar[dict[Feature, str]] = {
         Feature.SPOT_PRICE_HISTORY: "the Cloud Billing Catalog gives current prices only; history builds up by polling",
         Feature.SPOT_AVAILABILITY: "GCP has no API for spot obtainability (preemptions show only as instance events)",
-        Feature.UTILIZATION: "Cloud Monitoring time series are not collected yet; use a Prometheus pool (DCGM exporter)",
     }
 
     def __init__(self, config: GcpConfig | dict[str, Any] | None = None, **kw: Any):
@@ -109,6 +125,11 @@ class GcpAdapter(CloudAdapter):
     def billing_endpoint(self) -> str:
         return (env_override("XROUTE_GCP_BILLING_ENDPOINT", "XROUTE_GCP_ENDPOINT") or self.config.billing_endpoint
                 or BILLING).rstrip("/")
+
+    @property
+    def monitoring_endpoint(self) -> str:
+        return (env_override("XROUTE_GCP_MONITORING_ENDPOINT", "XROUTE_GCP_ENDPOINT") or self.config.monitoring_endpoint
+                or MONITORING).rstrip("/")
 
     def api_endpoint(self, region: str) -> tuple[str, int]:
         if self.compute_endpoint != COMPUTE:
@@ -227,12 +248,16 @@ class GcpAdapter(CloudAdapter):
         key = env_override("XROUTE_GCP_BILLING_API_KEY")
         if key:
             return {}, {"key": key}
+        return self._bearer(), {}
+
+    def _bearer(self) -> dict[str, str]:
+        """The ADC token as a header (none in anonymous mode)."""
         creds, _ = self._credentials()
         if self._anonymous():
-            return {}, {}
+            return {}
         if not creds.valid:
             creds.refresh(require_sdk(PROVIDER, "google.auth.transport.requests").Request())
-        return {"Authorization": f"Bearer {creds.token}"}, {}
+        return {"Authorization": f"Bearer {creds.token}"}
 
     def _catalog(self) -> list[dict[str, Any]]:
         """All Compute Engine SKUs of the Catalog (cached 6 h; a few pages of 5000). Regions
@@ -330,6 +355,52 @@ class GcpAdapter(CloudAdapter):
     def _fetch_spot_prices(self, region: str, instance_types: tuple[str, ...], since: datetime | None) -> list[PricePoint]:
         return self._price(region, instance_types, spot=True)
 
+    # -- utilization (Cloud Monitoring) ------------------------------------------------------------
+
+    def _series(self, pool: PoolSelector, metric: str, scale: float, start: datetime,
+                end: datetime) -> dict[datetime, float]:
+        """The pool's mean of ``metric`` per alignment period: one ``timeSeries.list`` with a
+        cross-series mean over the instances whose labels match ``pool.tags``."""
+        _, project = self._credentials()
+        flt = f'metric.type = "{metric}" AND resource.type = "gce_instance"'
+        flt += "".join(f' AND metadata.user_labels."{k}" = "{v}"' for k, v in sorted(pool.tags.items()))
+        if pool.region:
+            flt += f' AND resource.labels.zone = starts_with("{pool.region}")'
+        params = {"filter": flt, "interval.startTime": _rfc3339(start), "interval.endTime": _rfc3339(end),
+                  "aggregation.alignmentPeriod": f"{self.config.alignment_s}s",
+                  "aggregation.perSeriesAligner": "ALIGN_MEAN", "aggregation.crossSeriesReducer": "REDUCE_MEAN"}
+        url = f"{self.monitoring_endpoint}/v3/projects/{project}/timeSeries"
+        out: dict[datetime, list[float]] = defaultdict(list)
+        token, seen = "", set()
+        r = Reader(PROVIDER, pool.region, "timeSeries.list")
+        while True:
+            page = self.call("timeSeries.list", pool.region, self._get_json, url,
+                             {**params, **({"pageToken": token} if token else {})}, self._bearer())
+            for i, ts in enumerate(page.get("timeSeries") or []):
+                for j, pt in enumerate(r.get(ts, "points", prefix=f"timeSeries[{i}]")):
+                    f = f"timeSeries[{i}].points[{j}]"
+                    when = parse_ts(r.get(pt, "interval", "endTime", prefix=f))
+                    if when is None:
+                        raise r.error("is not a timestamp", f"{f}.interval.endTime")
+                    value = pt.get("value", {})
+                    v = value.get("doubleValue", value.get("int64Value"))
+                    if v is None:
+                        raise r.error("missing in the response", f"{f}.value.doubleValue")
+                    out[when].append(float(v) / scale)
+            token = page.get("nextPageToken") or ""
+            if not token:
+                break
+            if token in seen:
+                raise r.error("the same page token came back twice", "nextPageToken")
+            seen.add(token)
+        return {t: min(1.0, max(0.0, sum(v) / len(v))) for t, v in out.items()}
+
+    def _fetch_utilization(self, pool: PoolSelector, start: datetime, end: datetime) -> list[UtilizationSample]:
+        cfg = self.config
+        gpu = self._series(pool, cfg.gpu_metric, cfg.gpu_metric_scale, start, end)
+        cpu = self._series(pool, cfg.cpu_metric, cfg.cpu_metric_scale, start, end) if cfg.cpu_metric else {}
+        return [UtilizationSample(t, pool.offering_id, gpu[t], cpu.get(t)) for t in sorted(gpu)]
+
     # -- quotas ------------------------------------------------------------------------------------
 
     def _fetch_quotas(self, region: str) -> list[QuotaRecord]:
@@ -392,6 +463,10 @@ def _by_status(status: int, problem: str, retry_after: Any, kw: dict[str, Any]) 
     if status >= 500 or status == 408:
         return CloudUnavailableError(PROVIDER, problem, **kw)
     return CloudError(PROVIDER, problem, **kw)
+
+
+def _rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _camel(name: str) -> str:

@@ -363,8 +363,8 @@ def azure_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
 
 
 def gcp_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
-    """Compute Engine ``regions.get``, ``machineTypes.list``, ``acceleratorTypes.list`` and the
-    Cloud Billing Catalog ``services.skus.list``."""
+    """Compute Engine ``regions.get``, ``machineTypes.list``, ``acceleratorTypes.list``, the
+    Cloud Billing Catalog ``services.skus.list`` and Cloud Monitoring ``timeSeries.list``."""
     d = fixtures / "gcp"
 
     def region(req: Request, s: FakeCloudServer) -> Response:
@@ -384,11 +384,17 @@ def gcp_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
     def skus(req: Request, s: FakeCloudServer) -> Response:
         return _paged(pages(d, "billing_skus"), req.q("pageToken"), s)
 
+    def time_series(req: Request, s: FakeCloudServer) -> Response:
+        stem = "monitoring_gpu" if "gpu" in req.q("filter") else "monitoring_cpu"
+        return _paged(pages(d, stem), req.q("pageToken"), s)
+
     return FakeCloudServer("gcp", [
         Route("regions.get", lambda r: re.fullmatch(r"/compute/v1/projects/[^/]+/regions/[^/]+", r.path) is not None, region),
         Route("machineTypes.list", lambda r: r.path.endswith("/machineTypes"), zonal("machine_types")),
         Route("acceleratorTypes.list", lambda r: r.path.endswith("/acceleratorTypes"), zonal("accelerator_types")),
         Route("skus.list", lambda r: r.path.startswith("/v1/services/") and r.path.endswith("/skus"), skus),
+        Route("timeSeries.list", lambda r: r.path.startswith("/v3/projects/") and r.path.endswith("/timeSeries"),
+              time_series),
     ])
 
 

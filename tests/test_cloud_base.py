@@ -84,8 +84,9 @@ def test_capabilities_are_data_that_config_can_change():
     on = registry.get_adapter("aws", {"spot_placement_scores": True})
     assert "spot_placement_scores" in off.capabilities()[Feature.SPOT_AVAILABILITY]
     assert on.supports(Feature.SPOT_AVAILABILITY)
-    assert not registry.get_adapter("gcp").supports(Feature.UTILIZATION)
+    assert not registry.get_adapter("azure").supports(Feature.UTILIZATION)
     assert registry.get_adapter("aws").supports(Feature.UTILIZATION)
+    assert registry.get_adapter("gcp").supports(Feature.UTILIZATION)
 
 
 def test_importing_the_adapters_imports_no_sdk():

@@ -175,3 +175,37 @@ def test_a_project_is_required(gcp, monkeypatch):
 def test_api_endpoint_is_regional(monkeypatch):
     monkeypatch.delenv("XROUTE_GCP_ENDPOINT", raising=False)
     assert adapter().api_endpoint("us-central1") == ("us-central1-compute.googleapis.com", 443)
+
+
+def _pool(**kw):
+    from cloud_adapters.base import PoolSelector
+
+    return PoolSelector(offering_id="gcp:us-central1:g2-standard-4:on_demand", source="gcp", region="us-central1",
+                        tags={"xroute-pool": "g2"}, **kw)
+
+
+def test_utilization_from_cloud_monitoring(gcp):
+    from datetime import UTC, datetime
+
+    start, end = datetime(2024, 5, 1, 12, tzinfo=UTC), datetime(2024, 5, 1, 12, 30, tzinfo=UTC)
+    got = adapter().utilization(_pool(), start, end)
+    assert [s.ts.minute for s in got] == [0, 5, 10, 15, 20]  # both pages, in time order
+    assert got[0].gpu_util == pytest.approx(0.625) and got[0].cpu_util == pytest.approx(0.21)
+    assert got[4].gpu_util == pytest.approx(0.45) and got[4].cpu_util is None
+    assert gcp.hits["timeSeries.list"] == 3
+    q = next(path for name, _, path in gcp.log if name == "timeSeries.list")
+    assert "metadata.user_labels.%22xroute-pool%22+%3D+%22g2%22" in q and "REDUCE_MEAN" in q
+    assert "starts_with%28%22us-central1%22%29" in q
+
+
+def test_utilization_errors_are_retried_or_named(gcp):
+    from datetime import UTC, datetime
+
+    gcp.inject("timeSeries.list", Fault.error(503))
+    a = adapter()
+    t = datetime(2024, 5, 1, 12, tzinfo=UTC)
+    assert a.utilization(_pool(), t, t)
+    assert a.stats.retries["timeSeries.list"] == 1
+    gcp.inject("timeSeries.list", Fault.malformed())
+    with pytest.raises(CloudResponseError, match=r"gcp us-central1 timeSeries.list"):
+        adapter().utilization(_pool(), t, t)
