@@ -40,6 +40,7 @@ from cloud_adapters.errors import (
     CloudUnavailableError,
     SdkMissingError,
 )
+from xroute.errors import XrouteError
 
 T = TypeVar("T")
 
@@ -323,7 +324,8 @@ class CloudAdapter(abc.ABC):
         ``CACHE_TTL_S[OFFERINGS]`` (24 h: catalogs change rarely). Fails closed.
         """
         self._require(Feature.OFFERINGS, region)
-        found = self._cached(Feature.OFFERINGS, (region,), lambda: self._fetch_offerings(region))
+        found = self._guard(Feature.OFFERINGS, region, lambda: self._cached(
+            Feature.OFFERINGS, (region,), lambda: self._fetch_offerings(region)))
         return [o for o in found if self._wanted(o)]
 
     def on_demand_prices(self, region: str, instance_types: Iterable[str]) -> list[PricePoint]:
@@ -337,7 +339,8 @@ class CloudAdapter(abc.ABC):
         types = tuple(sorted(set(instance_types)))
         if not types:
             return []
-        return self._cached(Feature.ON_DEMAND_PRICES, (region, types), lambda: self._fetch_on_demand_prices(region, types))
+        return self._guard(Feature.ON_DEMAND_PRICES, region, lambda: self._cached(
+            Feature.ON_DEMAND_PRICES, (region, types), lambda: self._fetch_on_demand_prices(region, types)))
 
     def spot_prices(self, region: str, instance_types: Iterable[str], since: datetime | None = None) -> list[PricePoint]:
         """Spot prices of ``instance_types``: the history since ``since`` where the provider keeps
@@ -350,7 +353,7 @@ class CloudAdapter(abc.ABC):
         types = tuple(sorted(set(instance_types)))
         if not types:
             return []
-        return self._fetch_spot_prices(region, types, since)
+        return self._guard(Feature.SPOT_PRICES, region, lambda: self._fetch_spot_prices(region, types, since))
 
     def spot_availability(self, region: str, instance_types: Iterable[str]) -> list[AvailabilitySignal]:
         """Whether spot capacity of each type is obtainable now, where the provider gives a signal.
@@ -363,7 +366,8 @@ class CloudAdapter(abc.ABC):
         types = tuple(sorted(set(instance_types)))
         if not types:
             return []
-        return self._cached(Feature.SPOT_AVAILABILITY, (region, types), lambda: self._fetch_spot_availability(region, types))
+        return self._guard(Feature.SPOT_AVAILABILITY, region, lambda: self._cached(
+            Feature.SPOT_AVAILABILITY, (region, types), lambda: self._fetch_spot_availability(region, types)))
 
     def quotas(self, region: str) -> list[QuotaRecord]:
         """Accelerator and vCPU quotas in ``region`` (limit, and usage where the provider tells).
@@ -373,7 +377,8 @@ class CloudAdapter(abc.ABC):
         than failing the limits. Cached 5 min.
         """
         self._require(Feature.QUOTAS, region)
-        return self._cached(Feature.QUOTAS, (region,), lambda: self._fetch_quotas(region))
+        return self._guard(Feature.QUOTAS, region, lambda: self._cached(
+            Feature.QUOTAS, (region,), lambda: self._fetch_quotas(region)))
 
     def utilization(self, pool: PoolSelector, start: datetime, end: datetime) -> list[UtilizationSample]:
         """GPU (and CPU) utilization of the user's pool between ``start`` and ``end``, averaged over
@@ -382,7 +387,7 @@ class CloudAdapter(abc.ABC):
         Not cached. Fails open: a pool with no running instances or no metrics gives no samples.
         """
         self._require(Feature.UTILIZATION, pool.region)
-        return self._fetch_utilization(pool, start, end)
+        return self._guard(Feature.UTILIZATION, pool.region, lambda: self._fetch_utilization(pool, start, end))
 
     @abc.abstractmethod
     def api_endpoint(self, region: str) -> tuple[str, int]:
@@ -430,6 +435,19 @@ class CloudAdapter(abc.ABC):
             self._cache.put((feature, *key), value)
         return value
 
+    def _guard(self, feature: Feature, region: str | None, fn: Callable[[], T]) -> T:
+        """Run a fetch so that no SDK exception escapes, even one raised outside :meth:`call`
+        (building a client, reading a profile): each becomes a :class:`CloudError`."""
+        try:
+            return fn()
+        except XrouteError:
+            raise
+        except Exception as e:
+            err = self._translate(e, feature.value, region) or _sdk_error(self.name, e, feature.value, region)
+            if err is None:
+                raise
+            raise err from e
+
     def clear_cache(self) -> None:
         self._cache.clear()
 
@@ -454,7 +472,7 @@ class CloudAdapter(abc.ABC):
             except CloudError:
                 raise
             except Exception as e:
-                err = self._translate(e, operation, region)
+                err = self._translate(e, operation, region) or _sdk_error(self.name, e, operation, region)
                 if err is None:
                     raise
                 raise err from e
@@ -481,6 +499,18 @@ class CloudAdapter(abc.ABC):
             reraise=True,
         )
         return retrying(attempt)
+
+
+#: top-level packages whose exceptions must not leave cloud_adapters untranslated
+SDK_PACKAGES = frozenset({"boto3", "botocore", "azure", "msal", "google", "grpc", "requests", "urllib3", "httpx",
+                          "httpcore"})
+
+
+def _sdk_error(provider: str, exc: BaseException, operation: str, region: str | None) -> CloudError | None:
+    """A generic :class:`CloudError` for an SDK exception no provider module recognised."""
+    if type(exc).__module__.split(".")[0] not in SDK_PACKAGES:
+        return None
+    return CloudError(provider, f"{type(exc).__name__}: {str(exc)[:200]}", region=region, operation=operation)
 
 
 class Reader:

@@ -305,10 +305,10 @@ def commit(root: Path, tables: dict[str, tuple[pd.DataFrame, str]], files: dict[
     with _sigint_deferred():
         os.replace(jtmp, root / JOURNAL)
         _fsync_dir(root)
-        for i, (tmp, final) in enumerate(pending):
+        for i, (tmp_name, final) in enumerate(pending):
             if _crash_after is not None and i >= _crash_after:
                 return
-            os.replace(root / tmp, root / final)
+            os.replace(root / tmp_name, root / final)
         _fsync_dir(root)
         (root / JOURNAL).unlink()
         _fsync_dir(root)

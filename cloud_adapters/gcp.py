@@ -27,7 +27,7 @@ import re
 import threading
 from collections import defaultdict
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -412,6 +412,7 @@ class GcpAdapter(CloudAdapter):
             if "metric" not in q or "limit" not in q:
                 raise CloudResponseError(PROVIDER, "missing in the response", region=region, operation="regions.get",
                                          field=f"quotas[{i}].{'metric' if 'metric' not in q else 'limit'}")
+            unit: Literal["vcpus", "gpus"]
             if q.metric.endswith("_GPUS") and "ALL_REGIONS" not in q.metric:
                 unit = "gpus"
             elif q.metric in cpu_metrics:

@@ -241,7 +241,7 @@ class FakeCloudServer:
     def _proxy(self, handler: BaseHTTPRequestHandler, req: Request) -> Response:
         assert self.proxy_to is not None
         target = urlsplit(self.proxy_to)
-        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+        conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=30)
         try:
             headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection")}
             conn.request(req.method, handler.path, body=req.body, headers=headers)

@@ -237,3 +237,12 @@ def test_api_endpoint_is_the_regional_ec2_host_unless_overridden(monkeypatch):
     assert adapter().api_endpoint("eu-west-1") == ("ec2.eu-west-1.amazonaws.com", 443)
     monkeypatch.setenv("XROUTE_AWS_ENDPOINT_URL", "http://127.0.0.1:5000")
     assert adapter().api_endpoint("eu-west-1") == ("127.0.0.1", 5000)
+
+
+def test_sdk_errors_raised_outside_a_call_are_translated_too(aws):
+    from cloud_adapters.errors import CloudError
+
+    with pytest.raises(CloudError) as e:
+        adapter(profile="no-such-profile").offerings("us-east-1")
+    assert "ProfileNotFound" in str(e.value) and str(e.value).startswith("aws us-east-1 offerings:")
+    assert type(e.value).__module__ == "cloud_adapters.errors"
