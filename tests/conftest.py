@@ -23,3 +23,29 @@ def tiny_bundle_dir(tmp_path_factory) -> Path:
     from tests.tinybundle import write_tiny_bundle
 
     return write_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+# ---- learned router (models/): one MLflow store and one Ray instance for the whole session ----
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory) -> str:
+    """Tracking URI of a fresh SQLite MLflow store (artifacts beside it), created once."""
+    from mlflow import MlflowClient
+
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    MlflowClient(tracking_uri=uri).search_experiments()  # creates the schema now, not inside the first test
+    return uri
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance on 2 CPUs, started once (trainings see it initialized and reuse it)."""
+    import ray
+
+    from models.train import keep_ray_out_of_home
+
+    if not ray.is_initialized():
+        keep_ray_out_of_home()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,76 @@
+"""``xroute train`` and ``xroute promote`` (registered on the app in ``xroute/cli.py``).
+
+Plain functions with typer annotations; user errors raise ``XrouteError`` subclasses, which the
+``xroute`` entry point prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from xroute.errors import XrouteError
+
+
+class PromotionRefused(XrouteError):
+    """``xroute promote`` declined to move the champion alias (the message says why)."""
+
+
+def train(
+    config: Annotated[Path | None, typer.Option(help="train config YAML (default configs/train.yaml)")] = None,
+    telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the config's, else the "
+                                                        "shipped bundle)")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: a local Ray "
+                                                         "instance on this machine)")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="where Tune results, the MLflow store and exports go "
+                                                      "(default: the config's run_dir)")] = None,
+    timesteps: Annotated[int | None, typer.Option(help="DQN steps per trial (overrides the config)")] = None,
+) -> None:
+    """Train the DQN router: Ray Tune trials (seeds x gamma x learning rate) on the train window,
+    model selection on the validation window, the best registered in MLflow as alias 'challenger'."""
+    from models.config import load_train_config
+
+    overrides: dict[str, object] = {}
+    if run_dir is not None:
+        overrides["run_dir"] = str(run_dir)
+    if timesteps is not None:
+        overrides["total_timesteps"] = timesteps
+    cfg = load_train_config(config, overrides)
+
+    from models.train import run_training
+    from xroute import evaluate as ev
+
+    summary = run_training(cfg, telemetry=telemetry, ray_address=ray_address, echo=typer.echo)
+    test = summary.splits["test"]
+    ev.print_table(summary.test_runs, title=f"test window ({test['requests']} requests, {test['start']} .. "
+                                            f"{test['end']}), rate x1")
+    reg = cfg.mlflow.registered_model
+    typer.echo(f"model: models:/{reg}@challenger (v{summary.registered_version}); next: xroute promote")
+    uri = summary.tracking_uri
+    if uri.startswith("sqlite:///"):
+        typer.echo(f"MLflow UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
+    typer.echo(f"train wall time: {summary.wall_s / 60:.1f} min")
+
+
+def promote(
+    model: Annotated[str | None, typer.Option(help="registered model name (default: the train config's)")] = None,
+    config: Annotated[Path | None, typer.Option(help="train config YAML (for the run dir and model name)")] = None,
+) -> None:
+    """Move alias 'champion' to the 'challenger' version if it beats the best baseline's mean
+    reward on the validation window and its SLA attainment is not lower; otherwise say why and
+    exit non-zero."""
+    from models import registry
+    from models.config import load_train_config
+
+    cfg = load_train_config(config)
+    name = model or cfg.mlflow.registered_model
+    import mlflow
+
+    registry._quiet()
+    mlflow.set_tracking_uri(registry.tracking_uri(cfg.run_path(), cfg.mlflow.tracking_uri))
+    decision = registry.promote(name)
+    if not decision.promoted:
+        raise PromotionRefused(f"promote refused: {decision.reason}")
+    typer.echo(f"promoted: {decision.reason}")

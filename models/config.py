@@ -1,0 +1,168 @@
+"""``TrainConfig``: everything ``xroute train`` reads from ``configs/train.yaml``.
+
+Unknown keys are errors (``xroute.config.Strict``); every bad value raises
+:class:`xroute.errors.ConfigError` naming the field. The environment and the reward are *not*
+configured here: training uses exactly the env settings of the evaluate config (``evaluate_config``)
+so the agent optimizes the reward it is judged on; only the episode length differs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from xroute.config import REPO_ROOT, EvaluateConfig, Strict, config_path, load_config, parse_config, read_yaml
+from xroute.errors import ConfigError
+
+
+class SplitConfig(Strict):
+    """Time split of the bundle's workload (fractions of its time span, in this order)."""
+
+    train: float = Field(0.6, gt=0, lt=1)
+    validation: float = Field(0.2, gt=0, lt=1)
+    test: float = Field(0.2, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _sums_to_one(self) -> SplitConfig:
+        total = self.train + self.validation + self.test
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"train + validation + test must be 1, got {total:g}")
+        return self
+
+
+class NetConfig(Strict):
+    """The shared per-offering scorer: ``score_i = prior_i + MLP([row_i, request, context])``."""
+
+    hidden: list[int] = Field(default_factory=lambda: [64, 64], min_length=1,
+                              description="hidden layer widths of the scorer MLP")
+    context_dim: int = Field(16, ge=0, description="width of the masked-mean pooled context of all valid rows "
+                                                   "(0 = score each row alone)")
+    reward_prior: bool = Field(True, description="add the fixed one-step expected reward computed from the row's "
+                                                 "exp_* features (models.policy.RewardPrior); the MLP learns the "
+                                                 "correction and starts at zero")
+
+    @model_validator(mode="after")
+    def _positive(self) -> NetConfig:
+        if any(h < 1 for h in self.hidden):
+            raise ValueError("every hidden width must be >= 1")
+        return self
+
+
+class WarmStartConfig(Strict):
+    """Rollout warm start of the Q-network before DQN (``models.warmstart``): candidate offerings
+    of states on the train window are played out for ``horizon`` more requests under greedy and
+    the network is regressed onto the differences in return."""
+
+    samples: int = Field(2_000, ge=0, description="states labelled (0 = no warm start)")
+    horizon: int = Field(40, ge=0, description="requests played out by greedy after the candidate action")
+    top_k: int = Field(6, ge=1, description="candidates: the best this many by expected reward ...")
+    random_actions: int = Field(2, ge=0, description="... plus this many random valid offerings")
+    stride: int = Field(8, ge=1, description="requests between two labelled states")
+    epochs: int = Field(20, ge=1)
+    batch_size: int = Field(128, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    behaviour_epsilon: float = Field(0.1, ge=0, le=1, description="share of random valid actions on the walk")
+
+
+class DQNConfig(Strict):
+    """stable-baselines3 ``DQN`` arguments (same names). ``gamma`` and ``learning_rate`` are the
+    defaults of trials whose search space does not set them."""
+
+    learning_rate: float = Field(1e-4, gt=0)
+    gamma: float = Field(0.3, ge=0, le=1)
+    buffer_size: int = Field(50_000, ge=1)
+    learning_starts: int = Field(1_000, ge=0)
+    batch_size: int = Field(64, ge=1)
+    tau: float = Field(1.0, gt=0, le=1)
+    train_freq: int = Field(4, ge=1)
+    gradient_steps: int = Field(1, ge=1)
+    target_update_interval: int = Field(2_000, ge=1)
+    exploration_fraction: float = Field(0.3, gt=0, le=1)
+    exploration_initial_eps: float = Field(0.1, ge=0, le=1)
+    exploration_final_eps: float = Field(0.02, ge=0, le=1)
+    max_grad_norm: float = Field(10.0, gt=0)
+
+
+class SearchConfig(Strict):
+    """Ray Tune grid: one trial per combination of these values."""
+
+    seeds: list[int] = Field(default_factory=lambda: [0, 1], min_length=1)
+    gamma: list[float] = Field(default_factory=lambda: [0.0, 0.3], description="empty = dqn.gamma")
+    learning_rate: list[float] = Field(default_factory=list, description="empty = dqn.learning_rate")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> SearchConfig:
+        if any(not 0.0 <= g <= 1.0 for g in self.gamma):
+            raise ValueError("every gamma must be in [0, 1]")
+        if any(lr <= 0 for lr in self.learning_rate):
+            raise ValueError("every learning_rate must be > 0")
+        return self
+
+
+class RayConfig(Strict):
+    num_cpus: int = Field(2, ge=1, description="CPUs of the local Ray instance (ignored with --ray-address)")
+    cpus_per_trial: float = Field(1.0, gt=0)
+    max_concurrent_trials: int = Field(2, ge=1)
+
+
+class MlflowConfig(Strict):
+    experiment: str = Field("xroute-train", min_length=1)
+    registered_model: str = Field("xroute-router", min_length=1)
+    tracking_uri: str | None = Field(
+        None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db")
+
+
+class TrainConfig(Strict):
+    """``configs/train.yaml``."""
+
+    telemetry: str | None = Field(None, description="bundle directory (default: the shipped bundle)")
+    run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the repo root)")
+    evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
+    total_timesteps: int = Field(60_000, ge=0, description="DQN environment steps per trial")
+    episode_requests: int = Field(1024, ge=1, description="requests per training episode (random windows)")
+    max_offerings: int | None = Field(None, ge=1, description="observation padding while training "
+                                                              "(default: the evaluate config's)")
+    rate_scales: list[float] = Field(default_factory=lambda: [1.0], min_length=1,
+                                     description="each training episode replays its window at one of these loads")
+    eval_every: int = Field(10_000, ge=1, description="validate (full validation window) every this many steps")
+    progress_every: int = Field(2_000, ge=1, description="report training reward and loss every this many steps")
+    seed: int = Field(0, description="seed of the splits' evaluation episodes and the warm start")
+    split: SplitConfig = SplitConfig()
+    net: NetConfig = NetConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    dqn: DQNConfig = DQNConfig()
+    search: SearchConfig = SearchConfig()
+    ray: RayConfig = RayConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+    @field_validator("rate_scales")
+    @classmethod
+    def _rates(cls, v: list[float]) -> list[float]:
+        if any(r <= 0 for r in v):
+            raise ValueError("every rate scale must be > 0")
+        return v
+
+    def run_path(self) -> Path:
+        p = Path(self.run_dir).expanduser()
+        return (p if p.is_absolute() else REPO_ROOT / p).resolve()
+
+    def evaluate_settings(self) -> EvaluateConfig:
+        path = config_path(self.evaluate_config)
+        if not path.exists():
+            if self.evaluate_config == "evaluate.yaml":
+                return EvaluateConfig()
+            raise ConfigError(f"train config: field 'evaluate_config': {path} not found")
+        return load_config(EvaluateConfig, path)
+
+
+def load_train_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """``configs/train.yaml`` (or ``path``), validated; ``overrides`` are merged at the top level."""
+    if path is None:
+        default = config_path("train.yaml")
+        data, source = (read_yaml(default), str(default)) if default.exists() else ({}, "train config")
+    else:
+        data, source = read_yaml(path), str(path)
+    data = {**data, **(overrides or {})}
+    return parse_config(TrainConfig, data, source)

@@ -1,0 +1,217 @@
+"""The learned router at decision time: numpy only (no torch, no stable-baselines3).
+
+A trained Q-network is exported as two files in one directory (:func:`save_router`):
+
+``router.npz``
+    the weights: ``ctx_w``/``ctx_b`` (context encoder, absent when ``context_dim`` is 0) and
+    ``mlp_{k}_w``/``mlp_{k}_b`` for each layer of the scorer, ``w`` shaped (in, out).
+``router.json``
+    ``format``, the feature names the weights expect (checked against ``envs.features`` on load),
+    the layer sizes, and provenance (bundle hash, trial config, validation metrics).
+
+Scoring one request (identical to ``models.qnet.SharedScorer``): every offering row ``x_i`` is the
+concatenation of its features and the request features; ``c = mean_{i valid} relu(W_c x_i + b_c)``
+summarizes the valid alternatives; ``score_i = MLP([x_i, c])`` (ReLU hidden layers, linear output).
+With a reward prior (``router.json`` key ``prior``), ``score_i`` is additionally offset by
+:meth:`RewardPrior.scores`, a fixed one-step expected-reward estimate computed from the row's
+``exp_cost``, ``exp_latency``, ``exp_violation`` and ``preempt_risk`` with the reward weights of
+the environment it was trained in: the network learns a correction to it, not the whole value.
+
+The action is the argmax over valid offerings, so the router is indifferent to the order of the
+offerings and scores any catalog size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, OFFERING_FEATURES, REQUEST_FEATURES, F, R
+from xroute.errors import ConfigError
+
+FORMAT = "xroute-router/1"
+WEIGHTS_FILE = "router.npz"
+META_FILE = "router.json"
+
+
+@dataclass(frozen=True)
+class RewardPrior:
+    """The environment's one-step expected reward, from features only (cf.
+    ``CloudRouteEnv.expected_rewards``, which also sees the raw service time)::
+
+        ok   = -(cost_weight*exp_cost + latency_weight*exp_latency) - sla_penalty*exp_violation
+        bad  = -(1.5*cost_weight*exp_cost + latency_weight*min(exp_latency + retry/SLA, cap)) - sla_penalty
+        prior = (1 - preempt_risk)*ok + preempt_risk*bad
+    """
+
+    cost_weight: float
+    latency_weight: float
+    sla_penalty: float
+    latency_norm_cap: float
+    retry_overhead_ms: float
+
+    @classmethod
+    def from_env_config(cls, env_cfg: Any) -> RewardPrior:
+        rw = env_cfg.reward
+        return cls(float(rw.cost_weight), float(rw.latency_weight), float(rw.sla_penalty),
+                   float(rw.latency_norm_cap), float(env_cfg.retry_overhead_ms))
+
+    def scores(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
+        """(B, N, F) rows and (B, R) requests -> (B, N) prior scores (float32)."""
+        cost, lat = rows[..., F["exp_cost"]], rows[..., F["exp_latency"]]
+        viol, risk = rows[..., F["exp_violation"]], rows[..., F["preempt_risk"]]
+        sla_ms = np.maximum(np.expm1(request[:, R["sla"]].astype(np.float32) * np.float32(12.0)), 1.0)[:, None]
+        f32 = np.float32
+        ok = -(f32(self.cost_weight) * cost + f32(self.latency_weight) * lat) - f32(self.sla_penalty) * viol
+        bad_lat = np.minimum(lat + f32(self.retry_overhead_ms) / sla_ms, f32(self.latency_norm_cap))
+        bad = -(f32(self.cost_weight) * f32(1.5) * cost + f32(self.latency_weight) * bad_lat) - f32(self.sla_penalty)
+        return (f32(1.0) - risk) * ok + risk * bad
+
+
+@dataclass
+class RouterWeights:
+    """The exported scorer: numpy arrays plus the meta that says how to use them."""
+
+    layers: list[tuple[np.ndarray, np.ndarray]]
+    ctx: tuple[np.ndarray, np.ndarray] | None = None
+    prior: RewardPrior | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def scores(self, rows: np.ndarray, request: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Scores of a batch: ``rows`` (B, N, F), ``request`` (B, R), ``mask`` (B, N) -> (B, N).
+        Masked rows get ``-inf`` (rows of a request with no valid offering keep their raw score)."""
+        rows = np.asarray(rows, dtype=np.float32)
+        request = np.asarray(request, dtype=np.float32)
+        valid = np.asarray(mask) > 0.5
+        b, n, _ = rows.shape
+        x = np.concatenate([rows, np.broadcast_to(request[:, None, :], (b, n, request.shape[1]))], axis=2)
+        if self.ctx is not None:
+            w, bias = self.ctx
+            e = np.maximum(x @ w + bias, 0.0)
+            wts = valid.astype(np.float32)[..., None]
+            c = (e * wts).sum(axis=1) / np.maximum(wts.sum(axis=1), 1.0)
+            x = np.concatenate([x, np.broadcast_to(c[:, None, :], (b, n, c.shape[1]))], axis=2)
+        h = x
+        for k, (w, bias) in enumerate(self.layers):
+            h = h @ w + bias
+            if k < len(self.layers) - 1:
+                h = np.maximum(h, 0.0)
+        s = h[..., 0]
+        if self.prior is not None:
+            s = s + self.prior.scores(rows, request)
+        keep = valid | ~valid.any(axis=1, keepdims=True)
+        return np.where(keep, s, -np.inf)
+
+    def score_obs(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        """Scores of one environment observation (``max_offerings`` entries, ``-inf`` where masked)."""
+        rows = np.asarray(obs["offerings"], dtype=np.float32).reshape(1, -1, N_OFFERING_FEATURES)
+        return self.scores(rows, np.asarray(obs["request"])[None, :], np.asarray(obs["mask"])[None, :])[0]
+
+
+def masked_argmax(scores: np.ndarray, mask: np.ndarray) -> int:
+    """Index of the best valid score; 0 when nothing is valid (the env then fails the request)."""
+    valid = np.asarray(mask)[: len(scores)] > 0.5
+    if not valid.any():
+        return 0
+    return int(np.argmax(np.where(valid, scores, -np.inf)))
+
+
+class LearnedPolicy:
+    """The ``models.baselines.Policy`` protocol over exported weights (what ``xroute evaluate``
+    and the router run)."""
+
+    def __init__(self, weights: RouterWeights, name: str = "dqn"):
+        self.weights = weights
+        self.name = name
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.n = getattr(env, "n", None)
+
+    def act(self, obs: dict[str, np.ndarray], info: dict[str, Any]) -> int:
+        mask = np.asarray(info.get("action_mask", obs["mask"]), dtype=np.float32)
+        n = self.n or len(mask)
+        rows = np.asarray(obs["offerings"], dtype=np.float32).reshape(-1, N_OFFERING_FEATURES)[:n]
+        valid = mask[:n] > 0.5
+        if not valid.any():
+            return 0
+        idx = np.flatnonzero(valid)
+        # only valid rows matter (masked rows neither win nor enter the context): score those alone
+        s = self.weights.scores(rows[idx][None], np.asarray(obs["request"])[None], np.ones((1, idx.size)))[0]
+        return int(idx[int(np.argmax(s))])
+
+
+# ---------------------------------------------------------------------------------------- files
+def save_router(weights: RouterWeights, directory: str | Path) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {}
+    if weights.ctx is not None:
+        arrays["ctx_w"], arrays["ctx_b"] = weights.ctx
+    for k, (w, b) in enumerate(weights.layers):
+        arrays[f"mlp_{k}_w"], arrays[f"mlp_{k}_b"] = w, b
+    np.savez(d / WEIGHTS_FILE, **{k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()})  # type: ignore[arg-type]
+    meta = {
+        "format": FORMAT,
+        "offering_features": list(OFFERING_FEATURES),
+        "request_features": list(REQUEST_FEATURES),
+        "n_layers": len(weights.layers),
+        "context_dim": 0 if weights.ctx is None else int(weights.ctx[0].shape[1]),
+        "prior": None if weights.prior is None else asdict(weights.prior),
+        **{k: v for k, v in weights.meta.items() if k not in ("format", "n_layers", "context_dim", "prior")},
+    }
+    (d / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+    return d
+
+
+def read_router(directory: str | Path) -> RouterWeights:
+    """Weights from a directory holding ``router.json`` + ``router.npz`` (or any directory below
+    which exactly such a pair is found, e.g. a downloaded MLflow model)."""
+    d = Path(directory)
+    if d.is_file():
+        d = d.parent
+    if not (d / META_FILE).is_file():
+        found = sorted(d.rglob(META_FILE)) if d.is_dir() else []
+        if not found:
+            raise ConfigError(f"{directory}: not an exported router (no {META_FILE} found)")
+        d = found[0].parent
+    try:
+        meta = json.loads((d / META_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{d / META_FILE}: not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{d / META_FILE}: field 'format': expected '{FORMAT}', got '{meta.get('format')}'")
+    if meta.get("offering_features") != list(OFFERING_FEATURES) or meta.get("request_features") != list(REQUEST_FEATURES):
+        raise ConfigError(f"{d / META_FILE}: field 'offering_features': the router was trained on another feature "
+                          "layout than envs.features defines now; retrain it (xroute train)")
+    if not (d / WEIGHTS_FILE).is_file():
+        raise ConfigError(f"{d}: {WEIGHTS_FILE} is missing")
+    with np.load(d / WEIGHTS_FILE) as z:
+        arrays = {k: z[k] for k in z.files}
+    ctx = (arrays["ctx_w"], arrays["ctx_b"]) if meta.get("context_dim", 0) else None
+    layers = [(arrays[f"mlp_{k}_w"], arrays[f"mlp_{k}_b"]) for k in range(int(meta["n_layers"]))]
+    width = N_OFFERING_FEATURES + N_REQUEST_FEATURES + (0 if ctx is None else ctx[0].shape[1])
+    if layers[0][0].shape[0] != width:
+        raise ConfigError(f"{d / WEIGHTS_FILE}: first layer takes {layers[0][0].shape[0]} inputs, expected {width}")
+    try:
+        prior = RewardPrior(**meta["prior"]) if meta.get("prior") else None
+    except TypeError as e:
+        raise ConfigError(f"{d / META_FILE}: field 'prior': {e}") from None
+    return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta)
+
+
+def load_policy(uri: str) -> LearnedPolicy:
+    """A learned policy from a local export/model directory, ``models:/NAME@ALIAS`` (or
+    ``models:/NAME/VERSION``) or ``runs:/RUN_ID/PATH``. Imports neither torch nor SB3."""
+    if uri.startswith(("models:/", "runs:/")):
+        from models.registry import download_model
+
+        local = download_model(uri)
+        return LearnedPolicy(read_router(local), name=uri)
+    p = Path(uri)
+    if not p.exists():
+        raise ConfigError(f"--policy: '{uri}' is neither a baseline, a models:/ or runs:/ URI, nor an existing path")
+    return LearnedPolicy(read_router(p), name=p.name or uri)

@@ -1,0 +1,578 @@
+"""``xroute train``: DQN trials in parallel with Ray Tune, tracked and registered in MLflow.
+
+Flow (``run_training``):
+
+1. Load the bundle and cut its workload by time into train / validation / test windows
+   (``split_bundle``; fractions of the time span from ``configs/train.yaml``).
+2. Evaluate every baseline on the validation window once (the table each trial is compared to).
+3. Ray Tune runs one function trial per grid point (seeds x gamma x learning rate), at most
+   ``ray.max_concurrent_trials`` at a time, one torch thread each. A trial (``run_trial``, which
+   runs without Ray too) warm-starts the Q-network (``models.warmstart``), trains ``MaskedDQN``
+   on random episodes of the train window, validates the numpy export on the whole validation
+   window every ``eval_every`` steps and keeps its best checkpoint. It logs params, learning
+   curves, the evaluation table against every baseline and plots to its own MLflow run.
+4. The best trial (by validation mean reward) is evaluated on the test window beside the
+   baselines, logged as an MLflow pyfunc model in its run, registered as
+   ``mlflow.registered_model`` and given the alias ``challenger``. ``xroute promote`` decides
+   about ``champion``.
+
+Ray is only touched in ``_tune_trials``; everything else is plain functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pandas as pd
+
+from models.config import SplitConfig, TrainConfig
+from xroute.bundle import Bundle, load_bundle
+from xroute.config import EnvConfig, EvaluateConfig
+from xroute.errors import BundleError, ConfigError, XrouteError
+
+SPLITS = ("train", "validation", "test")
+Report = Callable[[dict[str, Any], "str | None"], None]
+
+
+# ------------------------------------------------------------------------------------------ data
+@dataclass
+class Splits:
+    """The three windows ``[start, end)`` of the workload and the bundles cut to them."""
+
+    windows: dict[str, tuple[pd.Timestamp, pd.Timestamp]]
+    bundles: dict[str, Bundle]
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        return {k: {"start": str(s), "end": str(e), "requests": len(self.bundles[k].workload)}
+                for k, (s, e) in self.windows.items()}
+
+
+def split_bundle(bundle: Bundle, split: SplitConfig) -> Splits:
+    """Cut the workload at fractions of its time span: train, then validation, then test."""
+    t0, t1 = bundle.time_span()
+    span = t1 - t0
+    c1 = t0 + span * split.train
+    c2 = c1 + span * split.validation
+    end = t1 + pd.Timedelta(microseconds=1)
+    windows = {"train": (t0, c1), "validation": (c1, c2), "test": (c2, end)}
+    bundles = {}
+    for name, (s, e) in windows.items():
+        try:
+            bundles[name] = bundle.window(s, e)
+        except BundleError:
+            raise ConfigError(f"train config: field 'split.{name}': the {name} window {s} .. {e} holds no "
+                              "requests; widen it") from None
+    return Splits(windows, bundles)
+
+
+def resolve_bundle(telemetry: str | Path | None, source: str) -> Bundle:
+    """The bundle at ``telemetry`` (default: the shipped one); a missing path is a ConfigError."""
+    if telemetry is not None and not Path(telemetry).expanduser().exists():
+        raise ConfigError(f"{source}: bundle directory '{telemetry}' not found")
+    return load_bundle(Path(telemetry).expanduser() if telemetry is not None else None)
+
+
+class RateMix(gym.Wrapper):
+    """Each episode replays its window at a load drawn from ``rate_scales`` (own generator)."""
+
+    def __init__(self, env: gym.Env, rate_scales: list[float], seed: int):
+        super().__init__(env)
+        self.rate_scales = list(rate_scales)
+        self.rng = np.random.default_rng(seed)
+
+    def reset(self, **kwargs: Any) -> Any:
+        base: Any = self.env.unwrapped
+        if len(self.rate_scales) > 1 or self.rate_scales[0] != base.rate_scale:
+            base.set_rate_scale(float(self.rng.choice(self.rate_scales)))
+        return self.env.reset(**kwargs)
+
+
+def train_env_config(cfg: TrainConfig, eval_cfg: EvaluateConfig, n_offerings: int) -> EnvConfig:
+    """The evaluate config's env (same reward, same dynamics) with training episodes and padding."""
+    pad = cfg.max_offerings or max(n_offerings, 1)
+    if pad < n_offerings:
+        raise ConfigError(f"train config: field 'max_offerings': the bundle has {n_offerings} offerings, more than {pad}")
+    return eval_cfg.env.model_copy(update={"episode_requests": cfg.episode_requests, "max_offerings": pad})
+
+
+def eval_env_config(eval_cfg: EvaluateConfig, rate_scale: float | None = None) -> EnvConfig:
+    upd: dict[str, Any] = {"episode_requests": None}
+    if rate_scale is not None:
+        upd["rate_scale"] = rate_scale
+    return eval_cfg.env.model_copy(update=upd)
+
+
+# ------------------------------------------------------------------------------------------ trial
+@dataclass
+class TrialContext:
+    """What every trial needs; shipped once to the Ray object store (``tune.with_parameters``)."""
+
+    cfg: TrainConfig
+    eval_cfg: EvaluateConfig
+    train_bundle: Bundle
+    val_bundle: Bundle
+    bundle_hash: str
+    baseline_runs: list[Any]  # xroute.evaluate.PolicyRun on the validation window
+    warm_data: Any = None  # models.warmstart.RolloutData, shared by all trials
+    tracking_uri: str | None = None
+    experiment_id: str | None = None
+    parent_run_id: str | None = None
+    out_dir: str = ""
+    extra_params: dict[str, Any] = field(default_factory=dict)
+
+
+def trial_name(params: dict[str, Any]) -> str:
+    return f"s{params['seed']}-g{params['gamma']:g}-lr{params['learning_rate']:g}"
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def best_baseline(runs: list[Any]) -> Any:
+    """The baseline with the best mean reward, the hindsight oracle excluded (it is a reference,
+    not a policy anyone can run)."""
+    cands = [r for r in runs if r.name != "oracle"]
+    return max(cands, key=lambda r: r.metrics["mean_reward"])
+
+
+def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None = None) -> dict[str, Any]:
+    """Train one DQN agent; returns its best validation metrics and the export directory.
+
+    ``params``: ``seed``, ``gamma``, ``learning_rate``. ``report(metrics, checkpoint_dir)`` is
+    called with progress (``checkpoint_dir`` only on the last call). Works without Ray."""
+    import torch as th
+
+    th.set_num_threads(1)
+    from envs.cloud_route import CloudRouteEnv
+    from models.callbacks import ProgressCallback, ValidationCallback, WarmStartCallback
+    from models.policy import RewardPrior, save_router
+    from models.qnet import MaskedDQN, SharedScorerDQNPolicy
+
+    cfg, seed = ctx.cfg, int(params["seed"])
+    gamma, lr = float(params["gamma"]), float(params["learning_rate"])
+    name = trial_name(params)
+    out = Path(ctx.out_dir or ".") / name
+    out.mkdir(parents=True, exist_ok=True)
+    env_cfg = train_env_config(cfg, ctx.eval_cfg, len(ctx.train_bundle.offerings))
+    base_env = CloudRouteEnv(ctx.train_bundle, env_cfg)
+    env = RateMix(base_env, cfg.rate_scales, seed)
+    d = cfg.dqn
+    model = MaskedDQN(
+        SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
+        learning_starts=d.learning_starts, batch_size=d.batch_size, tau=d.tau, train_freq=d.train_freq,
+        gradient_steps=d.gradient_steps, target_update_interval=d.target_update_interval,
+        exploration_fraction=d.exploration_fraction, exploration_initial_eps=d.exploration_initial_eps,
+        exploration_final_eps=d.exploration_final_eps, max_grad_norm=d.max_grad_norm, seed=seed, device="cpu",
+        policy_kwargs={"net_arch": list(cfg.net.hidden), "context_dim": cfg.net.context_dim,
+                       "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None},
+    )
+    mlrun = _start_trial_run(ctx, name, params)
+    val_env = CloudRouteEnv(ctx.val_bundle, eval_env_config(ctx.eval_cfg))
+    meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
+            "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
+    validation = ValidationCallback(val_env, cfg.eval_every, ctx.eval_cfg.seed, meta, report=report,
+                                    log_mlflow=mlrun is not None)
+    callbacks = [validation, ProgressCallback(cfg.progress_every, validation, report=report,
+                                              log_mlflow=mlrun is not None)]
+    if ctx.warm_data is not None and len(ctx.warm_data):
+        callbacks.insert(0, WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None))
+    t0 = time.perf_counter()
+    try:
+        model.learn(total_timesteps=cfg.total_timesteps, callback=callbacks)
+        validation.finish(model)
+        wall = time.perf_counter() - t0
+        best = validation.best
+        assert best is not None
+        router_dir = save_router(best.weights, out / "router")
+        result = {
+            "trial": name, **params, "best_step": best.step, "wall_s": round(wall, 1),
+            **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
+            "router_dir": str(router_dir), "mlflow_run_id": meta["mlflow_run_id"],
+            "steps_per_s": round(cfg.total_timesteps / max(wall, 1e-9), 1),
+        }
+        (out / "router" / "trial.json").write_text(json.dumps(result, indent=2, default=str))
+        if mlrun is not None:
+            _log_trial_artifacts(ctx, validation, best, out, result)
+    finally:
+        if mlrun is not None:
+            import mlflow
+
+            mlflow.end_run()
+    if report is not None:
+        report({"timesteps": cfg.total_timesteps, "val_mean_reward": validation.last_reward,
+                "best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
+                "train_reward": validation.train_reward(), "done": 1}, str(out / "router"))
+    return result
+
+
+def _start_trial_run(ctx: TrialContext, name: str, params: dict[str, Any]) -> Any:
+    if ctx.tracking_uri is None:
+        return None
+    import mlflow
+
+    from models.registry import _quiet
+
+    _quiet()
+    mlflow.set_tracking_uri(ctx.tracking_uri)
+    tags = {"xroute.trial": name, "xroute.bundle_hash": ctx.bundle_hash}
+    if ctx.parent_run_id:
+        tags["mlflow.parentRunId"] = ctx.parent_run_id
+    run = mlflow.start_run(experiment_id=ctx.experiment_id, run_name=name, tags=tags)
+    cfg_flat = flatten(ctx.cfg.model_dump(mode="json"))
+    logged = {**{f"config.{k}": v for k, v in cfg_flat.items()}, **params, "bundle_hash": ctx.bundle_hash,
+              **ctx.extra_params}
+    items = list(logged.items())
+    for i in range(0, len(items), 90):  # log_params takes at most 100 per call
+        mlflow.log_params({k: str(v)[:500] for k, v in items[i:i + 90]})
+    return run
+
+
+def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Path, result: dict[str, Any]) -> None:
+    import mlflow
+
+    from xroute import evaluate as ev
+
+    runs = [*ctx.baseline_runs, best.run]
+    table = {r.name: r.metrics for r in runs}
+    (out / "validation_table.json").write_text(json.dumps(table, indent=2, default=float))
+    (out / "validation_table.md").write_text(markdown_table(runs))
+    ev.plot(runs, out / "cost_vs_p95_validation.png", title=f"validation window — {result['trial']}")
+    validation.plot_curve(out / "learning_curve.png")
+    for f in ("validation_table.json", "validation_table.md", "cost_vs_p95_validation.png", "learning_curve.png"):
+        mlflow.log_artifact(str(out / f))
+    mlflow.log_artifacts(str(out / "router"), artifact_path="router_export")
+    bb = best_baseline(ctx.baseline_runs)
+    mlflow.log_metrics({"best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
+                        "val_sla_attainment": best.run.metrics["sla_attainment"],
+                        "baseline_val_mean_reward": bb.metrics["mean_reward"],
+                        "val_reward_gain_vs_best_baseline": best.run.metrics["mean_reward"] - bb.metrics["mean_reward"],
+                        "wall_s": result["wall_s"]})
+
+
+def markdown_table(runs: list[Any]) -> str:
+    head = "| policy | $/1k req | p50 ms | p95 ms | p99 ms | SLA % | failed | migr. | mean reward |\n"
+    head += "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    for r in runs:
+        m = r.metrics
+        head += (f"| {r.name} | {m['cost_per_1k_requests']:.4f} | {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} "
+                 f"| {m['latency_p99_ms']:.0f} | {100 * m['sla_attainment']:.2f} | {m['failed_requests']} "
+                 f"| {m['migrations']} | {m['mean_reward']:.5f} |\n")
+    return head
+
+
+# ------------------------------------------------------------------------------------------ warm start
+def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n_states: int, seed: int) -> Any:
+    """Label ``n_states`` states of ``bundle`` for the warm start (one process, one thread)."""
+    from envs.cloud_route import CloudRouteEnv
+    from models import warmstart as ws
+
+    c = cfg.warm_start
+    env = RateMix(CloudRouteEnv(bundle, env_cfg), cfg.rate_scales, seed)
+    return ws.collect(env.unwrapped if len(cfg.rate_scales) == 1 else _RateMixView(env), n_states, c.horizon,
+                      c.top_k, c.random_actions, c.stride, c.behaviour_epsilon, np.random.default_rng(seed))
+
+
+class _RateMixView:
+    """What ``warmstart.collect`` needs of an env, with RateMix's per-episode load on reset."""
+
+    def __init__(self, wrapped: RateMix):
+        self._w = wrapped
+
+    def reset(self, **kw: Any) -> Any:
+        return self._w.reset(**kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._w.unwrapped, name)
+
+
+def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, use_ray: bool,
+                       echo: Callable[[str], None]) -> Any:
+    """The shared warm-start data set, labelled in ``ray.max_concurrent_trials`` parallel chunks."""
+    from models.warmstart import RolloutData
+
+    n = cfg.warm_start.samples
+    if n <= 0:
+        return None
+    k = max(1, min(cfg.ray.max_concurrent_trials, n)) if use_ray else 1
+    sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    seeds = [cfg.seed * 1000 + 17 + i for i in range(k)]
+    t0 = time.perf_counter()
+    echo(f"warm start: labelling {n} train-window states by {cfg.warm_start.horizon}-request rollouts "
+         f"({k} parallel task{'s' if k > 1 else ''}) ...")
+    if use_ray:
+        import ray
+
+        task = ray.remote(num_cpus=cfg.ray.cpus_per_trial)(_collect_task)
+        ref_bundle = ray.put(bundle)
+        parts = ray.get([task.remote(cfg, env_cfg, ref_bundle, m, sd) for m, sd in zip(sizes, seeds)])
+    else:
+        parts = [collect_chunk(cfg, env_cfg, bundle, m, sd) for m, sd in zip(sizes, seeds)]
+    data = RolloutData.concat(parts)
+    echo(f"warm start: {len(data)} states in {time.perf_counter() - t0:.0f} s; "
+         f"{100 * float((data.advantage > 1e-9).mean()):.1f}% of candidates beat greedy's choice over the horizon")
+    return data
+
+
+def _collect_task(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n: int, seed: int) -> Any:
+    import torch as th
+
+    th.set_num_threads(1)
+    return collect_chunk(cfg, env_cfg, bundle, n, seed)
+
+
+# ------------------------------------------------------------------------------------------ driver
+@dataclass
+class TrainSummary:
+    best: dict[str, Any]
+    trials: list[dict[str, Any]]
+    splits: dict[str, dict[str, Any]]
+    test_runs: list[Any]
+    model_uri: str | None
+    registered_version: str | None
+    tracking_uri: str
+    wall_s: float
+
+
+def grid(cfg: TrainConfig) -> list[dict[str, Any]]:
+    gammas = cfg.search.gamma or [cfg.dqn.gamma]
+    lrs = cfg.search.learning_rate or [cfg.dqn.learning_rate]
+    return [{"seed": s, "gamma": g, "learning_rate": lr} for s in cfg.search.seeds for g in gammas for lr in lrs]
+
+
+def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_address: str | None = None,
+                 echo: Callable[[str], None] = print, use_ray: bool = True) -> TrainSummary:
+    """The whole ``xroute train`` (see the module docstring)."""
+    import mlflow
+
+    from models import registry
+    from models.baselines import BASELINES
+    from xroute import evaluate as ev
+
+    t_start = time.perf_counter()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    run_dir = cfg.run_path()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = "--telemetry" if telemetry is not None else "train config: field 'telemetry'"
+    bundle = resolve_bundle(telemetry if telemetry is not None else cfg.telemetry, source)
+    eval_cfg = cfg.evaluate_settings()
+    splits = split_bundle(bundle, cfg.split)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k, v in splits.describe().items():
+        echo(f"{k:>10}: {v['requests']:>6} requests  {v['start']} .. {v['end']}")
+
+    uri = registry.tracking_uri(run_dir, cfg.mlflow.tracking_uri)
+    exp_id = registry.setup(uri, cfg.mlflow.experiment, run_dir)
+    echo(f"MLflow: {uri} (experiment '{cfg.mlflow.experiment}')")
+
+    echo("baselines on the validation window ...")
+    val_env_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg)})
+    baseline_runs = ev.evaluate(splits.bundles["validation"], list(BASELINES), val_env_cfg, show_progress=False)
+    bb = best_baseline(baseline_runs)
+    echo(f"best baseline on validation: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
+
+    parent = mlflow.start_run(experiment_id=exp_id, run_name=f"train-{stamp}",
+                              tags={"xroute.bundle_hash": bundle.content_hash})
+    try:
+        mlflow.log_params({"bundle": str(bundle.path), "bundle_hash": bundle.content_hash,
+                           **{f"split.{k}.{kk}": vv for k, v in splits.describe().items() for kk, vv in v.items()}})
+        mlflow.log_dict(cfg.model_dump(mode="json"), "train_config.json")
+        mlflow.log_text(markdown_table(baseline_runs), "baselines_validation.md")
+        out_dir = run_dir / "trials" / stamp
+        ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train_bundle=splits.bundles["train"],
+                           val_bundle=splits.bundles["validation"], bundle_hash=bundle.content_hash,
+                           baseline_runs=baseline_runs, tracking_uri=uri, experiment_id=exp_id,
+                           parent_run_id=parent.info.run_id, out_dir=str(out_dir),
+                           extra_params={f"split.{k}": f"{v['start']}..{v['end']}" for k, v in splits.describe().items()})
+        points = grid(cfg)
+        env_cfg = train_env_config(cfg, eval_cfg, len(splits.bundles["train"].offerings))
+        with _ray_session(cfg, ray_address, use_ray):
+            ctx.warm_data = collect_warm_start(cfg, env_cfg, splits.bundles["train"], use_ray, echo)
+            echo(f"{len(points)} trials x {cfg.total_timesteps} DQN steps, "
+                 f"at most {cfg.ray.max_concurrent_trials} at a time")
+            if use_ray:
+                trials = _tune_trials(cfg, ctx, points, run_dir / "tune", f"train-{stamp}", echo)
+            else:
+                trials = [run_trial(p, ctx) for p in points]
+        best = max(trials, key=lambda t: t["val_mean_reward"])
+        echo(f"best trial: {best['trial']} (validation mean reward {best['val_mean_reward']:.5f}, "
+             f"checkpoint at step {best['best_step']})")
+
+        # the test window: reported, never used for selection
+        from models.policy import LearnedPolicy, read_router
+
+        test_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg)})
+        test_runs = ev.evaluate(splits.bundles["test"], list(BASELINES), test_cfg, show_progress=False)
+        agent_run = _evaluate_policy(splits.bundles["test"], LearnedPolicy(read_router(best["router_dir"])),
+                                     test_cfg, "dqn (challenger)")
+        test_runs.append(agent_run)
+        mlflow.log_text(markdown_table(test_runs), "test_table.md")
+        mlflow.log_metrics({f"test_{k}": v for k, v in agent_run.metrics.items() if isinstance(v, (int, float))})
+        mlflow.log_metrics({"best_val_mean_reward": best["val_mean_reward"]})
+        ev.plot(test_runs, run_dir / "trials" / stamp / "cost_vs_p95_test.png", title="test window")
+        mlflow.log_artifact(str(run_dir / "trials" / stamp / "cost_vs_p95_test.png"))
+    finally:
+        mlflow.end_run()
+
+    model_uri, version = _log_and_register(cfg, best, bb, splits, uri, echo)
+    return TrainSummary(best=best, trials=trials, splits=splits.describe(), test_runs=test_runs, model_uri=model_uri,
+                        registered_version=version, tracking_uri=uri, wall_s=time.perf_counter() - t_start)
+
+
+def _evaluate_policy(bundle: Bundle, policy: Any, eval_cfg: EvaluateConfig, name: str) -> Any:
+    from envs.cloud_route import CloudRouteEnv
+    from xroute.evaluate import run_policy
+
+    env = CloudRouteEnv(bundle, eval_cfg.env)
+    t0 = time.perf_counter()
+    run = run_policy(env, policy, eval_cfg.seed)
+    run.name = name
+    run.metrics["wall_s"] = round(time.perf_counter() - t0, 2)
+    return run
+
+
+def _input_example(bundle: Bundle, eval_cfg: EvaluateConfig, k: int = 3) -> pd.DataFrame:
+    from envs.cloud_route import CloudRouteEnv
+    from models.pyfunc import example_frame
+
+    env = CloudRouteEnv(bundle, eval_env_config(eval_cfg))
+    obs, info = env.reset(seed=0)
+    observations, ids = [], []
+    for _ in range(k):
+        observations.append({key: v.copy() for key, v in obs.items()})
+        ids.append(str(info["request_id"]))
+        obs, _, _, _, info = env.step(int(np.argmax(env.expected_rewards())))
+    return example_frame(observations, env.n, ids)
+
+
+def _log_and_register(cfg: TrainConfig, best: dict[str, Any], bb: Any, splits: Splits, uri: str,
+                      echo: Callable[[str], None]) -> tuple[str | None, str | None]:
+    import mlflow
+
+    from models import registry
+
+    mlflow.set_tracking_uri(uri)
+    example = _input_example(splits.bundles["validation"], cfg.evaluate_settings())
+    run_id = best.get("mlflow_run_id")
+    with mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run():
+        info = registry.log_router_model(best["router_dir"], example)
+    tags = {"val_mean_reward": best["val_mean_reward"], "val_sla_attainment": best["val_sla_attainment"],
+            "best_baseline": bb.name, "baseline_val_mean_reward": bb.metrics["mean_reward"],
+            "baseline_val_sla_attainment": bb.metrics["sla_attainment"], "trial": best["trial"],
+            "best_step": best["best_step"]}
+    version = registry.register(info.model_uri, cfg.mlflow.registered_model, registry.CHALLENGER, tags)
+    echo(f"registered {cfg.mlflow.registered_model} v{version} -> alias '{registry.CHALLENGER}' "
+         f"(models:/{cfg.mlflow.registered_model}@{registry.CHALLENGER})")
+    return info.model_uri, version
+
+
+def keep_ray_out_of_home() -> None:
+    """Ray >= 2.5x enables token auth for a new local cluster and, unless told otherwise, writes
+    the token to ``~/.ray/auth_token``. Hand it a fresh per-process token in ``RAY_AUTH_TOKEN``
+    instead (auth stays on, nothing is written to the home directory). A token the user set up
+    (``RAY_AUTH_*`` variables or an existing token file) is left alone."""
+    import secrets
+
+    if any(k in os.environ for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        return
+    if (Path.home() / ".ray" / "auth_token").exists():
+        return
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+@contextmanager
+def _ray_session(cfg: TrainConfig, ray_address: str | None, use_ray: bool) -> Iterator[None]:
+    """Ray for the duration of training: the caller's if already initialized (tests), else an
+    existing cluster (``ray_address``) or a local instance, shut down afterwards."""
+    if not use_ray:
+        yield
+        return
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        try:
+            if ray_address:
+                ray.init(address=ray_address, include_dashboard=False)
+            else:
+                keep_ray_out_of_home()
+                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise XrouteError(f"--ray-address: cannot start or reach Ray at '{ray_address or 'local'}': {first}") from None
+        started = True
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any]], storage: Path, name: str,
+                 echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    from ray import tune
+
+    trainable = tune.with_resources(tune.with_parameters(_tune_trainable, ctx=ctx),
+                                    {"cpu": cfg.ray.cpus_per_trial})
+    space = {
+        "seed": tune.grid_search(sorted({p["seed"] for p in points})),
+        "gamma": tune.grid_search(sorted({p["gamma"] for p in points})),
+        "learning_rate": tune.grid_search(sorted({p["learning_rate"] for p in points})),
+    }
+    storage.mkdir(parents=True, exist_ok=True)
+    tuner = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent_trials),
+        run_config=tune.RunConfig(name=name, storage_path=str(storage.resolve()), verbose=1,
+                                  failure_config=tune.FailureConfig(max_failures=0)),
+    )
+    grid_results = tuner.fit()
+    trials = []
+    errors = []
+    for i in range(len(grid_results)):
+        r = grid_results[i]
+        if r.error is not None:
+            errors.append(r.error)
+            continue
+        if r.checkpoint is None:
+            continue
+        with r.checkpoint.as_directory() as d:
+            info = json.loads((Path(d) / "trial.json").read_text())
+        # the checkpoint (not the worker's scratch directory) is where the export lives for good
+        info["router_dir"] = r.checkpoint.to_directory(str(storage / name / "exports" / info["trial"]))
+        trials.append(info)
+    if not trials:
+        first = str(errors[0]).strip().splitlines()[-1] if errors else "no trial reported a result"
+        raise XrouteError(f"training failed: every trial failed ({first}); see {storage / name}")
+    if errors:
+        echo(f"warning: {len(errors)} trial(s) failed; see {storage / name}")
+    return trials
+
+
+def _tune_trainable(config: dict[str, Any], ctx: TrialContext) -> None:
+    from ray import tune
+
+    def report(metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None:
+            tune.report(metrics)
+        else:
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(checkpoint_dir))
+
+    run_trial({"seed": int(config["seed"]), "gamma": float(config["gamma"]),
+               "learning_rate": float(config["learning_rate"])}, ctx, report)

@@ -1,0 +1,179 @@
+"""Warm start of the Q-network before DQN: one step of rollout policy improvement over greedy.
+
+Greedy (``models.baselines.Greedy``) maximizes the one-step expected reward; what it ignores is
+that a request occupies a slot and slows its replica for the next requests. The replay simulator
+can measure that: from a state ``s`` visited on the train window, each candidate offering ``a``
+(the best few by expected reward plus a few random valid ones) is played on a fork of the
+environment, followed by ``horizon`` requests routed by greedy. Forks share the request stream and
+the service-time noise (common random numbers), so ``G(s,a) - G(s,greedy)`` isolates the effect
+of the choice. The Q-network is then fitted by regression to
+
+    y(s, a) = prior(s, a_greedy) + level + G(s, a) - G(s, a_greedy)
+
+(``level`` = ``gamma/(1-gamma)`` x the mean reward, the scale DQN's targets will have), so DQN
+starts from a policy that already prices the load it causes. Only the train window is used, and
+only the observation is the network's input; the rollouts are training-time labels.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from envs.features import N_OFFERING_FEATURES
+
+#: env attributes that never change after construction: shared by forks instead of copied
+_SHARED = ("bundle", "replay", "catalog", "serving", "cfg", "ref", "observation_space", "action_space", "spec")
+
+
+def fork(env: Any) -> Any:
+    """An independent copy of ``env`` in its current state, for playing out alternatives.
+
+    The telemetry, the config and the per-request arrays of the whole stream are read-only and
+    shared; every other container is copied (numpy arrays and deques shallowly: their elements
+    are numbers), so stepping the fork leaves ``env`` untouched (``tests/test_agent.py`` checks
+    this against a full deep copy)."""
+    sim = copy.copy(env)
+    n_req = getattr(env, "n_requests", -1)
+    for k, v in vars(env).items():
+        if k in _SHARED:
+            continue
+        if isinstance(v, np.ndarray):
+            if v.ndim and v.shape[0] == n_req:
+                continue  # per-request column of the stream: never written after construction
+            setattr(sim, k, v.copy())
+        elif isinstance(v, (list, dict, set, deque)):
+            setattr(sim, k, copy.copy(v))
+        elif isinstance(v, np.random.Generator):
+            setattr(sim, k, copy.deepcopy(v))
+    return sim
+
+
+def _greedy(env: Any) -> int:
+    return int(np.argmax(env.expected_rewards()))
+
+
+@dataclass
+class RolloutData:
+    """Targets for ``S`` states with ``K`` candidate actions each (``weight`` 0 = padding)."""
+
+    offerings: np.ndarray  # (S, N*F) float32
+    request: np.ndarray  # (S, R) float32
+    mask: np.ndarray  # (S, N) float32
+    actions: np.ndarray  # (S, K) int64
+    advantage: np.ndarray  # (S, K) float32: G(s,a) - G(s,greedy)
+    weight: np.ndarray  # (S, K) float32
+    greedy_reward: np.ndarray  # (S,) realized one-step reward of greedy's action
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.request)
+
+    @classmethod
+    def concat(cls, parts: list[RolloutData]) -> RolloutData:
+        names = ("offerings", "request", "mask", "actions", "advantage", "weight", "greedy_reward")
+        arrays = {k: np.concatenate([getattr(p, k) for p in parts]) for k in names}
+        return cls(**arrays, seconds=sum(p.seconds for p in parts))
+
+
+def collect(env: Any, n_states: int, horizon: int, top_k: int, n_random: int, stride: int,
+            behaviour_epsilon: float, rng: np.random.Generator,
+            progress: Callable[[int], None] | None = None) -> RolloutData:
+    """Visit states of ``env`` (its episodes, epsilon-greedy) and label ``n_states`` of them."""
+    t0 = time.perf_counter()
+    k_max = top_k + n_random
+    n_act = env.action_space.n
+    off = np.zeros((n_states, n_act * N_OFFERING_FEATURES), np.float32)
+    req = np.zeros((n_states, env.observation_space["request"].shape[0]), np.float32)
+    msk = np.zeros((n_states, n_act), np.float32)
+    acts = np.zeros((n_states, k_max), np.int64)
+    adv = np.zeros((n_states, k_max), np.float32)
+    wts = np.zeros((n_states, k_max), np.float32)
+    g_rew = np.zeros(n_states, np.float32)
+    s = 0
+    obs, info = env.reset(seed=int(rng.integers(2**31)))
+    since = stride
+    while s < n_states:
+        remaining = env._end - env._pos
+        if since >= stride and remaining > horizon + 1 and info["action_mask"].any():
+            since = 0
+            r_exp = env.expected_rewards()
+            valid = np.flatnonzero(np.isfinite(r_exp))
+            order = valid[np.argsort(-r_exp[valid], kind="stable")]
+            cands = list(order[:top_k])
+            rest = order[top_k:]
+            if rest.size and n_random:
+                cands += list(rng.choice(rest, size=min(n_random, rest.size), replace=False))
+            returns = []
+            first = []
+            for a in cands:
+                sim = fork(env)
+                _, r, _, done, _ = sim.step(int(a))
+                g = r
+                first.append(r)
+                for _ in range(horizon):
+                    if done:
+                        break
+                    _, r, _, done, _ = sim.step(_greedy(sim))
+                    g += r
+                returns.append(g)
+            k = len(cands)
+            acts[s, :k] = cands
+            adv[s, :k] = np.asarray(returns) - returns[0]
+            wts[s, :k] = 1.0
+            off[s], req[s], msk[s] = obs["offerings"], obs["request"], obs["mask"]
+            g_rew[s] = first[0]
+            s += 1
+            if progress is not None:
+                progress(s)
+        a = _greedy(env)
+        if rng.random() < behaviour_epsilon:
+            valid = np.flatnonzero(info["action_mask"])
+            if valid.size:
+                a = int(rng.choice(valid))
+        obs, _, _, done, info = env.step(a)
+        since += 1
+        if done:
+            obs, info = env.reset(seed=int(rng.integers(2**31)))
+            since = stride
+    return RolloutData(off, req, msk, acts, adv, wts, g_rew, time.perf_counter() - t0)
+
+
+def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: int, learning_rate: float,
+        seed: int) -> list[float]:
+    """Regress ``q_net`` (a ``models.qnet.MaskedQNetwork``) onto the rollout targets; returns the
+    mean loss of each epoch."""
+    import torch as th
+
+    gen = th.Generator().manual_seed(seed)
+    scorer = q_net.q_net
+    opt = th.optim.Adam(scorer.parameters(), lr=learning_rate)
+    n_act = q_net.n_actions
+    rows = th.as_tensor(data.offerings).reshape(len(data), n_act, N_OFFERING_FEATURES)
+    req, mask = th.as_tensor(data.request), th.as_tensor(data.mask)
+    acts, adv, wts = th.as_tensor(data.actions), th.as_tensor(data.advantage), th.as_tensor(data.weight)
+    with th.no_grad():
+        base = scorer.prior_scores(rows, req).gather(1, acts[:, :1]) if scorer.prior is not None else \
+            th.as_tensor(data.greedy_reward)[:, None]
+    target = base + level + adv
+    losses = []
+    for _ in range(epochs):
+        perm = th.randperm(len(data), generator=gen)
+        total = 0.0
+        for i in range(0, len(data), batch_size):
+            idx = perm[i: i + batch_size]
+            q = scorer(rows[idx], req[idx], mask[idx]).gather(1, acts[idx])
+            w = wts[idx]
+            loss = ((q - target[idx]) ** 2 * w).sum() / w.sum().clamp(min=1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+        losses.append(total / len(data))
+    return losses
