@@ -73,6 +73,11 @@ def evaluate(
 app.command()(serve)
 app.command(name="export-feedback")(export_feedback)
 
+from models.cli import promote, train  # noqa: E402
+
+app.command()(train)
+app.command()(promote)
+
 
 def main() -> None:
     try:
