@@ -108,11 +108,16 @@ def collect(
             outcome["any_ok"] = outcome["any_ok"] or report.any_ok
             _summary(report, console)
 
+        def on_error(e: Exception) -> None:
+            if "task" in state:
+                progress.remove_task(state.pop("task"))
+            console.print(f"run failed: {e}", markup=False)
+
         stop = threading.Event()
         with progress:
             try:
                 collect_every(cfg, every_s or 0.0, max_runs=1 if every_s is None else max_runs,
-                              on_report=on_report, on_event=on_event, stop=stop)
+                              on_report=on_report, on_event=on_event, on_error=on_error, stop=stop)
             except KeyboardInterrupt:
                 stop.set()
                 console.print("stopped (the bundle holds the last completed run)")

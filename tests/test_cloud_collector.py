@@ -331,3 +331,24 @@ def test_merge_upserts_offerings_in_place_and_keeps_user_columns(tiny_bundle_dir
     assert len(p[p["offering_id"] == "aws:us-east-1:g5.xlarge:on_demand"]) == 1  # repeat dropped
     assert p[p["offering_id"] == "aws:us-east-1:g6.xlarge:on_demand"]["ts"].iloc[0] == old_ts
     assert m.added["offerings"] == 1 and m.held_back == []
+
+
+def test_a_repeating_collector_survives_a_failed_run(env, tmp_path):
+    import threading
+
+    from cloud_adapters.collector import collect_every
+
+    out = tmp_path / "b"
+    out.mkdir()
+    errors, reports = [], []
+    cfg = config(out, providers=["azure"], regions={"azure": ["eastus"]})
+    with _dir_lock(out):
+        with pytest.raises(ConfigError):  # a single run raises
+            collect_every(cfg, 0.1, max_runs=1, on_error=errors.append)
+        t = threading.Thread(target=collect_every, args=(cfg, 0.2),
+                             kwargs={"max_runs": 4, "on_error": errors.append, "on_report": reports.append})
+        t.start()
+        time.sleep(0.1)  # the first repeated run finds the directory locked
+    t.join(timeout=60)
+    assert errors and "another collector is writing" in str(errors[0])
+    assert len(errors) + len(reports) == 4 and reports and reports[-1].any_ok
