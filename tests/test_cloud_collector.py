@@ -333,6 +333,7 @@ def test_merge_upserts_offerings_in_place_and_keeps_user_columns(tiny_bundle_dir
     assert m.added["offerings"] == 1 and m.held_back == []
 
 
+@pytest.mark.slow
 def test_a_repeating_collector_survives_a_failed_run(env, tmp_path):
     import threading
 
