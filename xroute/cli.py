@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from cloud_adapters.cli import telemetry_app
+from models.cli import promote, train
 from router.cli import export_feedback, serve
 from xroute.errors import ConfigError, XrouteError
 
@@ -70,13 +72,12 @@ def evaluate(
         typer.echo(f"plot: {plot}")
 
 
-app.command()(serve)
-app.command(name="export-feedback")(export_feedback)
-
-from models.cli import promote, train  # noqa: E402
-
+# commands owned by the other packages (their modules import only typer at top level)
 app.command()(train)
 app.command()(promote)
+app.command()(serve)
+app.command(name="export-feedback")(export_feedback)
+app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
 
 
 def main() -> None:
