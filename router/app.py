@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from router import errors
 from router.deps import Services
 from router.engine import RoutingEngine
 from router.keys import KeyStore
-from router.logs import LOG, configure_logging
+from router.logs import LOG, configure_logging, flush_logs
 from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
@@ -144,6 +145,33 @@ async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: flo
             fresh.last_ok_wall = time.time()
             fresh.last_error = None
         metrics.telemetry_age.set(fresh.age(time.time()))
+        flush_logs()
+
+
+PUBLIC_PATHS = ("/healthz", "/readyz")
+
+
+def _document_security(app: FastAPI) -> None:
+    """Declare the API-key schemes in the OpenAPI document (checked by ``router.deps.authenticate``,
+    not by FastAPI security dependencies, which cost a dependency resolution each per request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "API key as a bearer token"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+            }
+            schema["security"] = [{"bearer": []}, {"apiKey": []}]
+            for path in PUBLIC_PATHS:
+                for op in schema["paths"].get(path, {}).values():
+                    op["security"] = []
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | None = None) -> FastAPI:
@@ -162,7 +190,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
-                              on_commit=metrics.committed)
+                              on_commit=metrics.committed, writer=settings.db_writer)
         store.start()
         models = ModelManager(engine, settings, metrics)
         await models.initial()
@@ -170,6 +198,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh")]
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(settings.gil_switch_interval_s)
         gc.collect()
         gc.freeze()  # start-up objects never need collecting: shorter GC pauses while serving
         LOG.info("router ready", extra={"fields": {
@@ -183,8 +213,10 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             store.close()
+            sys.setswitchinterval(switch)
             app.state.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
+            flush_logs()
 
     app = FastAPI(title="xroute router", version=API_VERSION, lifespan=lifespan,
                   description="Routes LLM inference requests to cloud offerings (provider x region x instance "
@@ -195,6 +227,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
               health.router, admin.router, metrics_routes.router):
         app.include_router(r)
     errors.install(app)
+    _document_security(app)
     app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes, metrics=metrics,
                        access_log=settings.access_log)
     return app

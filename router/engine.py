@@ -84,6 +84,13 @@ class RoutingEngine:
         self.clock = self.source.describe_clock()
         self.source_name = self.source.name
         self.decisions = 0
+        # the response is assembled from pre-serialized pieces: json.dumps of the whole nested
+        # answer was a fifth of a decision's cost
+        self.ref_json = [_dumps(r) for r in self.refs]
+        self._tele_head = f'{{"source":{_dumps(self.source_name)},"clock":{_dumps(self.clock)},"telemetry_time":"'
+        self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
+        self._static_key: int | None = None
+        self._static_code = np.zeros(self.n, dtype=np.int64)
 
     # ------------------------------------------------------------------ helpers
     def telemetry_info(self, t: float, wall: float) -> dict[str, Any]:
@@ -120,17 +127,30 @@ class RoutingEngine:
             self._compiled.popitem(last=False)
         return hit
 
+    _ENV_REASONS = ("unavailable", "no_capacity", "no_price", "queue_full")
+
     def _env_exclusions(self, excluded: np.ndarray, counts: dict[str, int]) -> None:
+        """Count why the environment masks ``excluded`` offerings: the static reasons change only
+        when the env refreshes its telemetry snapshot (new arrays), anything else is a full queue."""
         env = self.env
-        unavailable = excluded & ~env.available
-        no_capacity = excluded & env.available & (env.slots <= 0)
-        no_price = excluded & ~unavailable & ~no_capacity & ~np.isfinite(env.price_s)
-        queue_full = excluded & ~unavailable & ~no_capacity & ~no_price
-        for name, m in (("unavailable", unavailable), ("no_capacity", no_capacity), ("no_price", no_price),
-                        ("queue_full", queue_full)):
-            c = int(np.count_nonzero(m))
+        key = id(env.available)
+        if key != self._static_key:
+            code = np.full(self.n, 3, dtype=np.int64)
+            code[~np.isfinite(env.price_s)] = 2
+            code[env.slots <= 0] = 1
+            code[~env.available] = 0
+            self._static_code, self._static_key = code, key
+        for r, c in zip(self._ENV_REASONS, np.bincount(self._static_code[excluded], minlength=4).tolist()):
             if c:
-                counts[name] = counts.get(name, 0) + c
+                counts[r] = counts.get(r, 0) + c
+
+    def _policy_text(self, pinfo: dict[str, Any]) -> str:
+        hit = self._policy_json.get(id(pinfo))
+        if hit is None or hit[0] is not pinfo:
+            if len(self._policy_json) > 64:
+                self._policy_json.clear()
+            hit = self._policy_json[id(pinfo)] = (pinfo, _dumps(pinfo))
+        return hit[1]
 
     # ------------------------------------------------------------------ the decision
     def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float
@@ -186,42 +206,30 @@ class RoutingEngine:
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
             a, scores, score_kind = self._choose(active, obs, idx)
         lat, cost = env.c_lat, env.c_cost
-        alternatives = []
+        alts = []
         if self.k_alt and idx.size > 1:
-            order = np.argsort(-scores, kind="stable")
-            for j in order[: self.k_alt + 1]:
+            for j in np.argsort(-scores, kind="stable")[: self.k_alt + 1].tolist():
                 k = int(idx[j])
-                if k == a:
-                    continue
-                alternatives.append({"offering": self.refs[k], "score": _num(scores[j]),
-                                     "expected_latency_ms": _num(lat[k]), "expected_cost_usd": _num(cost[k])})
-                if len(alternatives) == self.k_alt:
-                    break
+                if k != a and len(alts) < self.k_alt:
+                    alts.append(f'{{"offering":{self.ref_json[k]},"score":{_num(scores[j])!r},'
+                                f'"expected_latency_ms":{_num(lat[k])!r},"expected_cost_usd":{_num(cost[k])!r}}}')
         score = _num(scores[int(np.searchsorted(idx, a))])
         exp = env.commit_live(a)
         self.decisions += 1
-        ref = self.refs[a]
-        body = {
-            "decision_id": decision_id,
-            "created_at": iso(wall),
-            "tenant": who.tenant,
-            "session_id": req.session_id,
-            "offering": ref,
-            "expected_latency_ms": _num(exp["expected_latency_ms"]),
-            "expected_cost_usd": _num(exp["expected_cost_usd"]),
-            "score": score,
-            "score_kind": score_kind,
-            "alternatives": alternatives,
-            "policy": pinfo,
-            "excluded": {"total": n - int(idx.size), "by_reason": counts},
-            "telemetry": self.telemetry_info(t, wall),
-        }
-        payload = json.dumps(body, separators=(",", ":")).encode()
+        exp_lat, exp_cost = _num(exp["expected_latency_ms"]), _num(exp["expected_cost_usd"])
+        age = self.freshness.age(wall)
+        text = (f'{{"decision_id":"{decision_id}","created_at":"{iso(wall)}","tenant":{_dumps(who.tenant)},'
+                f'"session_id":{_dumps(req.session_id)},"offering":{self.ref_json[a]},'
+                f'"expected_latency_ms":{exp_lat!r},"expected_cost_usd":{exp_cost!r},"score":{score!r},'
+                f'"score_kind":"{score_kind}","alternatives":[{",".join(alts)}],"policy":{self._policy_text(pinfo)},'
+                f'"excluded":{{"total":{n - int(idx.size)},"by_reason":{_dumps(counts)}}},'
+                f'"telemetry":{self._tele_head}{iso(t)}","age_s":{round(age, 3)!r},'
+                f'"stale":{"true" if age > self.max_age else "false"}}}}}')
+        offering_id = self.refs[a]["offering_id"]
         row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms,
-               req.session_id, ref["offering_id"], body["expected_latency_ms"], body["expected_cost_usd"],
-               pinfo["name"], pinfo["kind"], pinfo["version"], self.bundle_hash,
-               req.model_dump_json(exclude_none=True), payload.decode())
-        return payload, row, ref["offering_id"], pinfo
+               req.session_id, offering_id, exp_lat, exp_cost, pinfo["name"], pinfo["kind"], pinfo["version"],
+               self.bundle_hash, req.model_dump_json(exclude_none=True), text)
+        return text.encode(), row, offering_id, pinfo
 
     def _choose(self, active: ActivePolicy, obs: dict[str, np.ndarray], idx: np.ndarray
                 ) -> tuple[int, np.ndarray, str]:
@@ -258,6 +266,9 @@ class RoutingEngine:
                  "busy_slots": int(busy[i]), "next_free_in_s": _num(nxt[i]), "external_util": _num(snap["util"][i])}
                 for i in range(self.n)]
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "offerings": rows}
+
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _num(x: Any) -> float:

@@ -5,7 +5,6 @@ microseconds, not a task per request.)"""
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.logs import ACCESS, request_id_var
+from router.logs import ACCESS, new_id, request_id_var
 from router.metrics import Metrics
 
 _TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -42,7 +41,7 @@ class RequestContext:
                     trace = None
             elif k == b"content-length":
                 length = v
-        rid_s = rid.decode() if rid is not None else os.urandom(8).hex()
+        rid_s = rid.decode() if rid is not None else new_id(64)
         token = request_id_var.set(rid_s)
         extra: list[tuple[bytes, bytes]] = [(b"x-request-id", rid_s.encode())]
         if trace is not None:

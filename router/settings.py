@@ -59,6 +59,11 @@ class RouterSettings(BaseSettings):
     db_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
     db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
+    db_writer: Literal["thread", "loop"] = Field(
+        "thread", description="commit on a writer thread (the loop decides meanwhile) or on the event loop")
+    gil_switch_interval_s: float = Field(
+        0.0005, gt=0, le=0.1, description="sys.setswitchinterval while serving: the writer thread gets the GIL "
+                                         "back within this time instead of Python's default 5 ms")
     keys_file: Path = Field(Path("runs/router/keys.json"), description="hashed API keys (python -m router.keys)")
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="tenant name -> defaults")
     metrics_public: bool = Field(False, description="serve /metrics without a key (else an admin key)")

@@ -194,6 +194,7 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
         assert key not in text and key.split("_", 2)[2] not in text
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_never_get_a_5xx(live: Any, client: httpx.Client) -> None:
     """Schemathesis-generated requests for every operation of the served OpenAPI spec, sent with a
     valid key (tenant ``a``; admin for admin routes), 30 examples each: never a 5xx. Half of the

@@ -15,7 +15,7 @@ from router.export import export_bundle
 from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
 from router.policies import ActivePolicy, resolve
 from router.settings import load_settings
-from router.store import DecisionStore, iter_decisions
+from router.store import DecisionStore, StoreClosed, iter_decisions
 from router.telemetry import ReplaySource
 from tests.test_router_support import ROUTE, make_setup, write_model
 from xroute.bundle import load_bundle
@@ -228,11 +228,12 @@ def test_resolve_versions_local_models(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- log + export
-def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngine) -> None:
+@pytest.mark.parametrize("writer", ["thread", "loop"])
+def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngine, writer: str) -> None:
     db = tmp_path / "d.db"
 
     async def run() -> list[str]:
-        store = DecisionStore(db)
+        store = DecisionStore(db, writer=writer)
         store.start()
         ids = []
         rows = []
@@ -243,6 +244,15 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
             rows.append(row)
             ids.append(did)
         await asyncio.gather(*(store.record_decision(r) for r in rows))
+        # a duplicate id fails alone, not the batch it was committed with
+        dup, fresh = rows[3], (f"d_{99:04d}", *rows[4][1:])
+        res = await asyncio.gather(store.record_decision(dup), store.record_decision(fresh), return_exceptions=True)
+        assert isinstance(res[0], StoreClosed) and res[1] is None
+        conn0 = sqlite3.connect(db)
+        assert conn0.execute("SELECT COUNT(*) FROM decisions WHERE decision_id = 'd_0099'").fetchone()[0] == 1
+        conn0.execute("DELETE FROM decisions WHERE decision_id = 'd_0099'")
+        conn0.commit()
+        conn0.close()
         fb = FeedbackRequest(decision_id=ids[0], latency_ms=900.0, output_tokens=42)
         await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None))
         assert store.commits < 40  # grouped

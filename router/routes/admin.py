@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter
 
-from router.deps import AdminDep, ServicesDep
+from router.deps import AdminDep
 from xroute.schema.decision import ErrorResponse
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"],
@@ -14,7 +14,8 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"],
 
 
 @router.get("/status", summary="Policy, model, telemetry and decision-log state")
-def status(who: AdminDep, svc: ServicesDep) -> dict[str, object]:
+async def status(caller: AdminDep) -> dict[str, object]:
+    svc = caller.svc
     eng, st = svc.engine, svc.store
     now = time.time()
     _, info = eng.slot.current(eng.freshness.age(now) > eng.max_age)
@@ -32,7 +33,8 @@ def status(who: AdminDep, svc: ServicesDep) -> dict[str, object]:
 
 
 @router.post("/model/reload", summary="Check the model URI now; swap if it points to a new version")
-async def reload_model(who: AdminDep, svc: ServicesDep) -> dict[str, object]:
+async def reload_model(caller: AdminDep) -> dict[str, object]:
+    svc = caller.svc
     outcome = await svc.models.check()  # type: ignore[attr-defined]
     return {"outcome": outcome, "model_version": svc.engine.slot.loaded_version,
             "model_error": svc.engine.slot.last_error}

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException
 from fastapi import Path as PathParam
 
-from router.deps import AdminDep, ServicesDep, TenantDep
+from router.deps import AdminDep, CallerDep
 from xroute.schema.decision import DecisionRecord, ErrorResponse
 
 router = APIRouter(prefix="/v1", tags=["decisions"])
@@ -19,11 +19,12 @@ _ERRORS = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "descrip
 
 @router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
             summary="Read a decision of the caller's tenant")
-def get_decision(decision_id: DecisionId, who: TenantDep, svc: ServicesDep) -> dict[str, object]:
+async def get_decision(decision_id: DecisionId, caller: CallerDep) -> dict[str, object]:
     """Another tenant's decision is reported as not found, exactly like a missing one."""
-    rec = svc.store.get_decision(decision_id, who.tenant)
+    tenant = caller.who.tenant
+    rec = caller.svc.store.get_decision(decision_id, tenant)
     if rec is None:
-        raise HTTPException(404, f"no decision '{decision_id}' for tenant '{who.tenant}'")
+        raise HTTPException(404, f"no decision '{decision_id}' for tenant '{tenant}'")
     return rec
 
 
@@ -32,8 +33,8 @@ admin_router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
 @admin_router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
                   summary="Read any tenant's decision (admin)")
-def admin_get_decision(decision_id: DecisionId, who: AdminDep, svc: ServicesDep) -> dict[str, object]:
-    rec = svc.store.get_decision(decision_id, None)
+async def admin_get_decision(decision_id: DecisionId, caller: AdminDep) -> dict[str, object]:
+    rec = caller.svc.store.get_decision(decision_id, None)
     if rec is None:
         raise HTTPException(404, f"no decision '{decision_id}'")
     return rec

@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter, HTTPException
 
-from router.deps import ServicesDep, TenantDep
+from router.deps import CallerDep
 from router.telemetry import iso
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 
@@ -16,7 +16,8 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
 @router.post("/feedback", response_model=FeedbackResponse, status_code=201,
              responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
                         422: {"model": ErrorResponse}}, summary="Report the observed outcome of a decision")
-async def feedback(body: FeedbackRequest, who: TenantDep, svc: ServicesDep) -> dict[str, object]:
+async def feedback(body: FeedbackRequest, caller: CallerDep) -> dict[str, object]:
+    who, svc = caller.who, caller.svc
     if svc.store.owner(body.decision_id) != who.tenant:
         raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
     now = time.time()

@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Security
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.deps import ServicesDep, _bearer, _header, authenticate, get_services, require_admin
+from router.deps import authenticate_admin, services_of
 from xroute.schema.decision import ErrorResponse
 
 router = APIRouter(tags=["metrics"])
 
 
-def _guard(request: Request, bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
-           header: Annotated[str | None, Security(_header)]) -> None:
-    if get_services(request).settings.metrics_public:
-        return
-    require_admin(authenticate(request, bearer, header))
-
-
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response, dependencies=[Depends(_guard)],
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {}}}, 401: {"model": ErrorResponse},  # type: ignore[dict-item]
                        403: {"model": ErrorResponse}})
-def metrics(svc: ServicesDep) -> Response:
+async def metrics(request: Request) -> Response:
+    svc = services_of(request)
+    if not svc.settings.metrics_public:
+        await authenticate_admin(request)
     svc.metrics.telemetry_age.set(svc.engine.freshness.age(time.time()))
     return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)

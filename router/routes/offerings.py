@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter
 
-from router.deps import ServicesDep, TenantDep
+from router.deps import CallerDep
 from xroute.schema.decision import ErrorResponse, OfferingsResponse
 
 router = APIRouter(prefix="/v1", tags=["offerings"])
@@ -14,5 +14,5 @@ router = APIRouter(prefix="/v1", tags=["offerings"])
 
 @router.get("/offerings", response_model=OfferingsResponse, responses={401: {"model": ErrorResponse}},  # type: ignore[dict-item]
             summary="Current state of every offering, and the known origins")
-def offerings(who: TenantDep, svc: ServicesDep) -> dict[str, object]:
-    return svc.engine.offerings_state(time.time())
+async def offerings(caller: CallerDep) -> dict[str, object]:
+    return caller.svc.engine.offerings_state(time.time())

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-import uuid
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
-from router.deps import ServicesDep, TenantDep
+from router.deps import CallerDep
+from router.logs import new_id
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 
 router = APIRouter(prefix="/v1", tags=["route"])
@@ -24,16 +24,17 @@ _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API 
 
 @router.post("/route", response_model=RouteResponse, responses=_ERRORS,  # type: ignore[arg-type]
              summary="Choose the offering for one inference request")
-async def route(body: RouteRequest, who: TenantDep, svc: ServicesDep, request: Request) -> Response:
+async def route(body: RouteRequest, caller: CallerDep) -> Response:
     """Decide, record the decision durably (group commit), then answer.
 
     The answer names the offering, its expected latency and cost, the next best alternatives with
     their scores, the policy that decided (model version or fallback, with the reason), the
     offerings excluded and why, and the telemetry time and age used."""
     t0 = time.perf_counter()
-    decision_id = "d_" + uuid.uuid4().hex
-    request.state.decision_id = decision_id
-    payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time())
+    svc = caller.svc
+    decision_id = "d_" + new_id()
+    caller.request.state.decision_id = decision_id
+    payload, row, offering_id, pinfo = svc.engine.decide(body, caller.who, decision_id, time.time())
     m = svc.metrics
     m.decision_seconds.observe(time.perf_counter() - t0)
     await svc.store.record_decision(row)
