@@ -60,7 +60,8 @@ class RouterSettings(BaseSettings):
         "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
     db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
     db_writer: Literal["thread", "loop"] = Field(
-        "thread", description="commit on a writer thread (the loop decides meanwhile) or on the event loop")
+        "thread", description="commit on a writer thread (default: the loop keeps deciding during the fsync) "
+                              "or on the event loop (~10 % faster when fsync is quick and steady)")
     gil_switch_interval_s: float = Field(
         0.0005, gt=0, le=0.1, description="sys.setswitchinterval while serving: the writer thread gets the GIL "
                                          "back within this time instead of Python's default 5 ms")

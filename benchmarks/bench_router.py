@@ -1,0 +1,396 @@
+"""Router benchmarks, side by side in one run (results: ``docs/results.md``, "Router").
+
+1. In-process decision at 100 offerings (synthetic catalog) and on the shipped bundle: the
+   environment's live features -> constraint mask -> policy -> masked argmax -> load update
+   (``features->argmax``), and the whole ``RoutingEngine.decide`` (plus response JSON and the log
+   row), for the greedy fallback and for a learned scorer of the DQN's default shape.
+2. HTTP, one uvicorn worker each, ``wrk`` on loopback, 10 connections, one wrk thread:
+   a trivial async FastAPI POST endpoint; a bare numpy routing decision endpoint; and
+   ``POST /v1/route`` of ``xroute serve`` (auth, tenant + request masks, env features, policy,
+   group-committed decision log with ``synchronous=FULL``, access log, metrics).
+3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
+
+Usage::
+
+    sudo apt-get install wrk            # wrk 4.x; the HTTP parts are skipped without it
+    .venv/bin/python benchmarks/bench_router.py                  # everything (~7 min)
+    .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~1.5 min)
+
+Writes ``benchmarks/results/router.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from fastapi import FastAPI, Request
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from router.testing import free_port  # noqa: E402
+
+ORIGINS_LUA = "{%s}"
+
+
+# ---------------------------------------------------------------------------------------- data
+def make_bundle(root: Path, n_offerings: int = 100, n_requests: int = 4000, seed: int = 0) -> Path:
+    """A synthetic bundle with ``n_offerings`` offerings over 10 regions and 5 accelerators."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    clouds = ["aws", "azure", "gcp"]  # schema-valid provider names (the router never looks at them)
+    accs = [("A10G", 1.0), ("L4", 0.8), ("T4", 0.55), ("A100", 3.7), ("H100", 6.9)]
+    n_loc = max(1, -(-n_offerings // (2 * len(accs))))
+    locs = [f"{clouds[i % 3]}:region-{i}" for i in range(n_loc)]
+    rows = []
+    for loc in locs:
+        p, r = loc.split(":")
+        for acc, price in accs:
+            for mode in ("on_demand", "spot"):
+                if len(rows) < n_offerings:
+                    rows.append({"offering_id": f"{loc}:{acc.lower()}-x1:{mode}", "provider": p, "region": r,
+                                 "zone": "", "instance_type": f"{acc.lower()}-x1", "accelerator": acc,
+                                 "accelerator_count": 1, "vcpus": 8, "memory_gib": 32, "pricing_mode": mode,
+                                 "capacity_replicas": 2,
+                                 "_p": price * (0.35 if mode == "spot" else 1.0) * rng.uniform(0.9, 1.1)})
+    off = pd.DataFrame(rows)
+    off.drop(columns="_p").to_csv(root / "offerings.csv", index=False)
+    t0 = pd.Timestamp("2024-01-01T00:00:00Z")
+    prices = [{"ts": (t0 - pd.Timedelta("1D") + pd.Timedelta(hours=h)).isoformat(), "offering_id": o,
+               "usd_per_hour": p * rng.uniform(0.9, 1.1)} for o, p in zip(off.offering_id, off._p) for h in range(0, 48, 6)]
+    pd.DataFrame(prices).sort_values(["offering_id", "ts"]).to_csv(root / "prices.csv", index=False)
+    xy = rng.uniform(0, 1, (len(locs), 2))
+    pd.DataFrame([{"src": a, "dst": b, "rtt_ms": 2.0 if a == b else float(5 + 250 * np.hypot(*(xy[i] - xy[j])))}
+                  for i, a in enumerate(locs) for j, b in enumerate(locs)]).to_csv(root / "rtt.csv", index=False)
+    ts = t0 + pd.to_timedelta(np.cumsum(rng.exponential(0.5, n_requests)), unit="s")
+    out = rng.integers(5, 300, n_requests)
+    pd.DataFrame({"ts": [t.isoformat() for t in ts], "request_id": [f"r{i:06d}" for i in range(n_requests)],
+                  "origin": rng.choice(locs, n_requests), "input_tokens": rng.integers(50, 4000, n_requests),
+                  "output_tokens": out, "sla_ms": 2500 + 100 * out}).to_csv(root / "workload.csv", index=False)
+    spot = [o for o in off.offering_id if o.endswith(":spot")]
+    av = []
+    for k, oid in enumerate(spot):
+        av.append({"ts": (t0 - pd.Timedelta("1h")).isoformat(), "offering_id": oid, "available": 1})
+        down = 300 + 97 * k
+        av.append({"ts": (t0 + pd.Timedelta(seconds=down)).isoformat(), "offering_id": oid, "available": 0})
+        av.append({"ts": (t0 + pd.Timedelta(seconds=down + 120)).isoformat(), "offering_id": oid, "available": 1})
+    pd.DataFrame(av).sort_values(["offering_id", "ts"]).to_csv(root / "availability.csv", index=False)
+    return root
+
+
+def learned_export(root: Path) -> Path | None:
+    """A random-weight export of the DQN's default shape (hidden 64x64, context 16, reward prior)."""
+    try:
+        from models.policy import RewardPrior, RouterWeights, save_router
+    except ImportError:
+        return None
+    from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
+    from xroute.config import EnvConfig
+
+    rng = np.random.default_rng(0)
+    d = N_OFFERING_FEATURES + N_REQUEST_FEATURES
+    dims = [d + 16, 64, 64, 1]
+    layers = [(rng.normal(0, 0.1, (a, b)).astype(np.float32), np.zeros(b, np.float32)) for a, b in itertools.pairwise(dims)]
+    ctx = (rng.normal(0, 0.1, (d, 16)).astype(np.float32), np.zeros(16, np.float32))
+    return save_router(RouterWeights(layers=layers, ctx=ctx, prior=RewardPrior.from_env_config(EnvConfig())), root)
+
+
+# ---------------------------------------------------------------------------------------- in-process
+def _pct(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e6
+    return {"p50_us": round(float(np.percentile(a, 50)), 1), "p99_us": round(float(np.percentile(a, 99)), 1),
+            "mean_us": round(float(a.mean()), 1)}
+
+
+def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[str, Any]:
+    from router.engine import RoutingEngine
+    from router.keys import Principal
+    from router.policies import ActivePolicy
+    from router.settings import load_settings
+    from xroute.schema.decision import RouteRequest
+
+    empty = Path(tempfile.mkdtemp()) / "router.yaml"
+    empty.write_text("{}\n")
+    out: dict[str, Any] = {}
+    policies: list[tuple[str, Any]] = [("greedy", None)]
+    if model is not None:
+        from models.policy import load_policy
+
+        policies.append(("learned", load_policy(str(model))))
+    for label, policy in policies:
+        eng = RoutingEngine(load_settings(empty, telemetry=bundle, model_uri="", max_telemetry_age_s=1e9))
+        if policy is not None:
+            policy.reset(eng.env, 0)
+            eng.slot.install(ActivePolicy.make(policy, "learned", "model", "bench", str(model)))
+        env = eng.env
+        who = Principal("bench", "tenant", "k")
+        origins = eng.origins
+        reqs = [RouteRequest(origin=origins[i % len(origins)], input_tokens=200 + (i * 37) % 1800,
+                             max_output_tokens=10 + (i * 13) % 60, sla_ms=4000.0) for i in range(256)]
+        constrained = RouteRequest(origin=origins[0], input_tokens=500, max_output_tokens=30, sla_ms=4000.0,
+                                   constraints={"deny": [{"pricing_modes": ["spot"]}]})
+        active, _ = eng.slot.current(False)
+        wall0 = eng.source.start_wall
+        core: list[float] = []
+        full: list[float] = []
+        # requests 20 ms apart in telemetry time (50 req/s): pools see load but do not saturate
+        for i in range(n):
+            wall = wall0 + 0.02 * i
+            r = reqs[i % 256]
+            t0 = time.perf_counter()
+            t = eng.now(wall)
+            obs, info = env.observe_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.sla_ms, i)
+            idx = np.flatnonzero(info["action_mask"][: env.n])
+            a, _, _ = eng._choose(active, obs, idx)
+            env.commit_live(a)
+            core.append(time.perf_counter() - t0)
+        for i in range(n):
+            wall = wall0 + 0.02 * (n + i)
+            r = constrained if i % 4 == 0 else reqs[i % 256]
+            t0 = time.perf_counter()
+            eng.decide(r, who, f"d_{i}", wall)
+            full.append(time.perf_counter() - t0)
+        out[label] = {"offerings": env.n, "features_to_argmax": _pct(core[1000:]), "engine_decide": _pct(full[1000:])}
+    return out
+
+
+# ---------------------------------------------------------------------------------------- HTTP apps
+def trivial_app() -> Any:
+    app = FastAPI()
+
+    @app.post("/trivial")
+    async def trivial() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+def numpy_app() -> Any:
+    """The bare numpy routing decision: features of 100 offerings, a dot product, argmax."""
+    rng = np.random.default_rng(0)
+    feats = rng.random((100, 23)).astype(np.float32)
+    w = rng.random(23).astype(np.float32)
+
+    app = FastAPI()
+
+    @app.post("/decide")
+    async def decide(request: Request) -> dict[str, int]:
+        body = await request.json()
+        x = feats * np.float32(body.get("input_tokens", 1) / 1000.0)
+        return {"offering": int(np.argmax(x @ w))}
+
+    return app
+
+
+def _serve_app(kind: str, port: int) -> None:
+    import uvicorn
+
+    app = trivial_app() if kind == "trivial" else numpy_app()
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return -1
+
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def _ms(text: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s)$", text)
+    if not m:
+        raise ValueError(text)
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def run_wrk(url: str, script: Path, seconds: float, connections: int = 10) -> dict[str, Any]:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--latency", "-s", str(script), url]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    lat = {p: _ms(re.search(rf"^\s+{p}%\s+(\S+)", out, re.M).group(1)) for p in ("50", "99")}  # type: ignore[union-attr]
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": round(rps, 1), "p50_ms": round(lat["50"], 3), "p99_ms": round(lat["99"], 3), "requests": total,
+            "non_2xx": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errors.group(1) if errors else ""}
+
+
+def _lua(path: Path, target: str, key: str = "", origins: list[str] | None = None) -> Path:
+    if target == "route":
+        assert origins
+        lua = (
+            "local origins = {" + ", ".join(f'"{o}"' for o in origins) + "}\n"
+            "local i = 0\n"
+            'wrk.method = "POST"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+            f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+            "request = function()\n"
+            "  i = i + 1\n"
+            "  local o = origins[(i % #origins) + 1]\n"
+            '  local body = string.format(\'{"origin":"%s","input_tokens":%d,"max_output_tokens":%d,"sla_ms":4000}\','
+            " o, 200 + (i * 37) % 1800, 10 + (i * 13) % 40)\n"
+            "  return wrk.format(nil, nil, nil, body)\n"
+            "end\n")
+    else:
+        lua = ('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+               'wrk.body = \'{"origin":"aws:us-east-1","input_tokens":500,"max_output_tokens":30,"sla_ms":4000}\'\n')
+    path.write_text(lua)
+    return path
+
+
+def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str) -> dict[str, Any]:
+    if shutil.which("wrk") is None:
+        return {"skipped": "wrk not found: sudo apt-get install wrk"}
+    from router.keys import add_key
+
+    results: dict[str, Any] = {}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for kind, path in (("trivial", "/trivial"), ("numpy", "/decide")):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}/docs", proc)
+            script = _lua(work / f"{kind}.lua", kind)
+            run_wrk(f"http://127.0.0.1:{port}{path}", script, 3)  # warm-up
+            results[kind] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+    keys = work / "keys.json"
+    key = add_key(keys, "bench")
+    for sync in ("NORMAL", "FULL"):  # FULL (the default) last: the soak runs on it
+        label = "route" if sync == "FULL" else "route_normal"
+        results[label] = _bench_route(work, bundle, seconds, soak_s if sync == "FULL" else 0, model, key, env, sync,
+                                      results)
+    results["route_vs_trivial"] = round(results["route"]["rps"] / results["trivial"]["rps"], 3)
+    results["route_normal_vs_trivial"] = round(results["route_normal"]["rps"] / results["trivial"]["rps"], 3)
+    return results
+
+
+def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str, key: str,
+                 env: dict[str, str], sync: str, results: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    port = free_port()
+    db = work / f"decisions-{sync}.db"
+    args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
+            "--keys-file", str(work / "keys.json"), "--model", model]
+    if bundle is not None:
+        args += ["--telemetry", str(bundle)]
+    log = open(work / f"router-{sync}.log", "wb")
+    proc = subprocess.Popen(args, cwd=REPO, env={**env, "XROUTE_ROUTER_DB_SYNCHRONOUS": sync}, stdout=log, stderr=log)
+    out: dict[str, Any] = {}
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/healthz", proc)
+        origins = httpx.get(f"http://127.0.0.1:{port}/v1/offerings",
+                            headers={"Authorization": f"Bearer {key}"}).json()["origins"]
+        policy = httpx.get(f"http://127.0.0.1:{port}/readyz").json()["policy"]
+        script = _lua(work / "route.lua", "route", key, origins)
+        url = f"http://127.0.0.1:{port}/v1/route"
+        run_wrk(url, script, 3)
+        out = run_wrk(url, script, seconds)
+        out["policy"] = f"{policy['name']} ({policy['kind']})"
+        out["synchronous"] = sync
+        if soak_s > 0:
+            run_wrk(url, script, 10)
+            rss0 = _rss_kib(proc.pid)
+            soak = run_wrk(url, script, soak_s)
+            soak.update({"seconds": soak_s, "rss_start_kib": rss0, "rss_end_kib": _rss_kib(proc.pid),
+                         "db_mib": round(db.stat().st_size / 2**20, 1)})
+            results["soak"] = soak
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    return out
+
+
+def _fsync_ms(work: Path) -> dict[str, float]:
+    """fdatasync latency of the disk holding the decision log (the commit's floor under FULL)."""
+    p = work / "fsync.bin"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    ts = []
+    try:
+        for _ in range(200):
+            os.write(fd, b"x" * 8192)
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            ts.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        p.unlink()
+    return {"p50": round(float(np.percentile(ts, 50)) * 1e3, 3), "p99": round(float(np.percentile(ts, 99)) * 1e3, 3)}
+
+
+# ---------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of wrk per HTTP measurement")
+    ap.add_argument("--soak-s", type=float, default=300.0, help="soak length in seconds (0 = no soak)")
+    ap.add_argument("--decisions", type=int, default=20000, help="in-process decisions per measurement")
+    ap.add_argument("--model", default="", help="model URI/path for xroute serve ('' = the greedy fallback)")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "router.json")
+    ap.add_argument("--serve", choices=["trivial", "numpy"], help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve:
+        _serve_app(a.serve, a.port)
+        return
+    work = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    try:
+        b100 = make_bundle(work / "bundle100")
+        model = learned_export(work / "learned")
+        res: dict[str, Any] = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "inprocess_100_offerings": bench_inprocess(b100, model, a.decisions),
+            "inprocess_shipped_bundle": bench_inprocess(REPO / "data" / "bundles" / "default", model, a.decisions),
+            "fsync_ms": _fsync_ms(work),
+            "load_average_at_start": os.getloadavg(),
+            "http": bench_http(work, None, a.duration, a.soak_s, a.model),
+            "load_average_at_end": os.getloadavg(),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    print(f"\nwritten: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
