@@ -278,15 +278,24 @@ def markdown_table(runs: list[Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ warm start
-def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n_states: int, seed: int) -> Any:
+def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n_states: int, seed: int,
+                  progress_output: bool = False) -> Any:
     """Label ``n_states`` states of ``bundle`` for the warm start (one process, one thread)."""
     from envs.cloud_route import CloudRouteEnv
     from models import warmstart as ws
 
     c = cfg.warm_start
     env = RateMix(CloudRouteEnv(bundle, env_cfg), cfg.rate_scales, seed)
+    every = max(1, n_states // 5)
+    t0 = time.perf_counter()
+
+    def progress(k: int) -> None:  # printed by the Ray task; Ray forwards it to the driver's console
+        if k % every == 0 and k < n_states:
+            print(f"warm start: {k}/{n_states} states labelled ({time.perf_counter() - t0:.0f} s)", flush=True)
+
     return ws.collect(env.unwrapped if len(cfg.rate_scales) == 1 else _RateMixView(env), n_states, c.horizon,
-                      c.top_k, c.random_actions, c.stride, c.behaviour_epsilon, np.random.default_rng(seed))
+                      c.top_k, c.random_actions, c.stride, c.behaviour_epsilon, np.random.default_rng(seed),
+                      progress if progress_output else None)
 
 
 class _RateMixView:
@@ -334,7 +343,7 @@ def _collect_task(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n: int, 
     import torch as th
 
     th.set_num_threads(1)
-    return collect_chunk(cfg, env_cfg, bundle, n, seed)
+    return collect_chunk(cfg, env_cfg, bundle, n, seed, progress_output=True)
 
 
 # ------------------------------------------------------------------------------------------ driver

@@ -155,13 +155,17 @@ def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: in
     scorer = q_net.q_net
     opt = th.optim.Adam(scorer.parameters(), lr=learning_rate)
     n_act = q_net.n_actions
-    rows = th.as_tensor(data.offerings).reshape(len(data), n_act, N_OFFERING_FEATURES)
-    req, mask = th.as_tensor(data.request), th.as_tensor(data.mask)
-    acts, adv, wts = th.as_tensor(data.actions), th.as_tensor(data.advantage), th.as_tensor(data.weight)
+    # copies: arrays shared through Ray's object store are read-only
+    rows = th.tensor(data.offerings).reshape(len(data), n_act, N_OFFERING_FEATURES)
+    req, mask = th.tensor(data.request), th.tensor(data.mask)
+    acts, adv, wts = th.tensor(data.actions), th.tensor(data.advantage), th.tensor(data.weight)
     with th.no_grad():
         base = scorer.prior_scores(rows, req).gather(1, acts[:, :1]) if scorer.prior is not None else \
-            th.as_tensor(data.greedy_reward)[:, None]
+            th.tensor(data.greedy_reward)[:, None]
     target = base + level + adv
+    with th.no_grad():  # start the output at the targets' level, so the fit spends itself on the differences
+        last = [m for m in scorer.mlp if isinstance(m, th.nn.Linear)][-1]
+        last.bias.add_(float((target - scorer(rows, req, mask).gather(1, acts))[wts > 0].mean()))
     losses = []
     for _ in range(epochs):
         perm = th.randperm(len(data), generator=gen)
