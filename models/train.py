@@ -376,6 +376,8 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
 
     t_start = time.perf_counter()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if use_ray:
+        check_ray_address(ray_address)
     run_dir = cfg.run_path()
     run_dir.mkdir(parents=True, exist_ok=True)
     source = "--telemetry" if telemetry is not None else "train config: field 'telemetry'"
@@ -489,6 +491,22 @@ def _log_and_register(cfg: TrainConfig, best: dict[str, Any], bb: Any, splits: S
     echo(f"registered {cfg.mlflow.registered_model} v{version} -> alias '{registry.CHALLENGER}' "
          f"(models:/{cfg.mlflow.registered_model}@{registry.CHALLENGER})")
     return info.model_uri, version
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast on an unreachable ``--ray-address`` (``ray.init`` itself retries for minutes).
+    ``auto`` and ``ray://`` client addresses are left to Ray."""
+    if not address or address == "auto" or "://" in address:
+        return
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address: '{address}' is not HOST:PORT (e.g. 10.0.0.5:6379), 'auto' or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise XrouteError(f"--ray-address: cannot reach the Ray head at {address} ({e.strerror or e})") from None
 
 
 def keep_ray_out_of_home() -> None:

@@ -274,6 +274,7 @@ def test_default_train_config_is_valid_and_matches_the_evaluate_reward() -> None
     ["train", "--config", "{bad}"],
     ["train", "--config", "{neg}"],
     ["train", "--telemetry", "/nonexistent/bundle", "--config", "{ok}"],
+    ["train", "--ray-address", "127.0.0.1:1", "--config", "{ok}"],
 ])
 def test_cli_train_errors_are_one_line_exit_2(tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "bad.yaml").write_text("total_timestep: 10\n")
@@ -286,4 +287,4 @@ def test_cli_train_errors_are_one_line_exit_2(tmp_path: Path, args: list[str]) -
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("xroute: error:"), r.stderr
     assert "Traceback" not in r.stderr
-    assert any(k in lines[0] for k in ("total_timestep", "telemetry"))
+    assert any(k in lines[0] for k in ("total_timestep", "telemetry", "ray-address"))
