@@ -245,16 +245,25 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             if fa[a, j] == end:
                 self.busy[a] -= 1
 
-    def _save_pools(self) -> tuple[Any, ...]:
-        return (self.free_at.copy(), self.row_min.copy(), self.busy.copy(), list(self._events), dict(self.stats))
+    # attributes replaced (never mutated in place) as the episode advances: a reference suffices
+    _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
+                     "ext_util_conc", "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "r_origin",
+                     "r_in", "r_out", "r_sla", "r_ref_cost", "r_id", "r_z", "c_wait", "c_busy", "c_service",
+                     "c_rtt", "c_lat", "c_cost", "c_mask", "c_risk", "_last_obs")
 
-    def _restore_pools(self, saved: tuple[Any, ...]) -> None:
-        fa, rm, busy, ev, stats = saved
-        self.free_at[:] = fa
-        self.row_min[:] = rm
-        self.busy[:] = busy
-        self._events = list(ev)
-        self.stats = dict(stats)
+    def save_state(self) -> dict[str, Any]:
+        """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
+        d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
+        d.update(free_at=self.free_at.copy(), row_min=self.row_min.copy(), busy=self.busy.copy(),
+                 _events=list(self._events), stats=dict(self.stats), _recent=deque(self._recent))
+        return d
+
+    def restore_state(self, d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            setattr(self, k, v)
+        # the snapshot stays reusable: give the environment its own copies of what it mutates
+        self.free_at, self.row_min, self.busy = d["free_at"].copy(), d["row_min"].copy(), d["busy"].copy()
+        self._events, self.stats, self._recent = list(d["_events"]), dict(d["stats"]), deque(d["_recent"])
 
     # ------------------------------------------------------------------ dynamics
     def _refresh(self, t: float) -> None:
@@ -482,10 +491,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # requests a replayed preemption would interrupt take the full path (retry elsewhere)
         hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < self.t + self.c_wait + service)
         if hit.any():
-            saved = self._save_pools()
+            saved = self.save_state()
             for a in np.flatnonzero(hit):
                 out[a] = self._resolve(int(a))["reward"]
-                self._restore_pools(saved)
+                self.restore_state(saved)
         return out
 
     def offering_index(self, offering_id: str) -> int:

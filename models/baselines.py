@@ -158,9 +158,44 @@ class HindsightGreedy(_Base):
         return int(np.argmax(self.env.exact_rewards()))
 
 
+class HindsightRollout(_Base):
+    """Hindsight lookahead: for each request, the ``top_k`` offerings by realized reward are each
+    played out for ``horizon`` more requests under hindsight-greedy, and the one with the best total
+    is taken — so the queueing and batching a choice imposes on the next requests count too."""
+
+    name = "hindsight-rollout"
+
+    def __init__(self, top_k: int = 3, horizon: int = 24):
+        self.top_k, self.horizon = top_k, horizon
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        env = self.env
+        r = env.exact_rewards()
+        valid = np.flatnonzero(np.isfinite(r))
+        if valid.size == 0:
+            return 0
+        cand = valid[np.argsort(-r[valid], kind="stable")[: self.top_k]]
+        if cand.size == 1:
+            return int(cand[0])
+        snap = env.save_state()
+        best, best_total = int(cand[0]), -np.inf
+        for a in cand:
+            env.restore_state(snap)
+            _, total, _, done, _ = env.step(int(a))
+            for _ in range(self.horizon):
+                if done:
+                    break
+                _, rew, _, done, _ = env.step(int(np.argmax(env.exact_rewards())))
+                total += rew
+            if total > best_total:
+                best, best_total = int(a), total
+        env.restore_state(snap)
+        return best
+
+
 class Oracle(_Base):
     """The hindsight oracle: it knows the whole episode in advance, so it plays it out under every
-    plan it knows — hindsight-greedy and every baseline — and follows the one with the best total
+    plan it knows — hindsight lookahead, hindsight-greedy and every baseline — and follows the one with the best total
     reward. Hence it never scores below any baseline on the same stream (an upper reference, not a
     proof of optimality: the true optimum over all routings is intractable)."""
 
@@ -173,7 +208,7 @@ class Oracle(_Base):
         import copy
 
         super().reset(env, seed)
-        plans = [HindsightGreedy()] + [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
+        plans = [HindsightRollout(), HindsightGreedy()] + [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
         best: tuple[float, list[int], str] | None = None
         for plan in plans:
             sim = copy.deepcopy(env)
