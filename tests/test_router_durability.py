@@ -83,9 +83,9 @@ def _rss_kib(pid: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("XROUTE_SOAK_S"), reason="opt-in: XROUTE_SOAK_S=<seconds>")
 def test_memory_is_flat_under_sustained_load(tmp_path: Path) -> None:
-    seconds = float(os.environ["XROUTE_SOAK_S"])
+    # 20 s in the suite; the 5-minute soak is the benchmark's (XROUTE_SOAK_S=300 runs it here too)
+    seconds = float(os.environ.get("XROUTE_SOAK_S", "20"))
     setup = make_setup(tmp_path)
     args, env = _serve_args(tmp_path)
     port = free_port()
