@@ -55,6 +55,14 @@ def scorer_of(policy: Any) -> Scorer | None:
     ``(obs, valid_idx) -> (valid_idx, scores)``, computed exactly as its ``act`` computes them
     (context over the valid rows only). ``None`` for policies without one."""
     weights = getattr(policy, "weights", None)
+    one = getattr(weights, "scores_one", None)
+    if one is not None:  # the same scores, bit for bit, without the batch and mask handling
+
+        def run_one(obs: dict[str, np.ndarray], idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            rows = obs["offerings"].reshape(-1, N_OFFERING_FEATURES)[idx]
+            return idx, np.asarray(one(rows, obs["request"]), dtype=np.float64)
+
+        return run_one
     score = getattr(weights, "scores", None)
     if score is None:
         return None
@@ -100,7 +108,10 @@ def resolve(uri: str) -> tuple[str, str]:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
             from mlflow import MlflowClient
 
-            mv = MlflowClient().get_model_version_by_alias(name, alias)
+            from models.registry import tracking_uri
+
+            # the same store `xroute train` registers in: $MLFLOW_TRACKING_URI, else runs/mlflow.db
+            mv = MlflowClient(tracking_uri=tracking_uri()).get_model_version_by_alias(name, alias)
             return f"models:/{name}/{mv.version}", str(mv.version)
         return uri, rest.rsplit("/", 1)[-1]
     if uri.startswith("runs:/"):

@@ -42,6 +42,10 @@ def evaluate(
     telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the shipped bundle)")] = None,
     start: Annotated[str | None, typer.Option(help="first request time (ISO-8601, inclusive)")] = None,
     end: Annotated[str | None, typer.Option(help="last request time (ISO-8601, exclusive)")] = None,
+    window: Annotated[str | None, typer.Option(help="train | validation | test: the time split `xroute train` "
+                                               "uses (fractions from --train-config)")] = None,
+    train_config: Annotated[Path | None, typer.Option(help="train config YAML for --window "
+                                                      "(default configs/train.yaml)")] = None,
     rate_scale: Annotated[float, typer.Option(help="compress arrivals: 4 = four times the load")] = 1.0,
     output: Annotated[Path, typer.Option(help="JSON report path")] = Path("reports/evaluate.json"),
     plot: Annotated[Path | None, typer.Option(help="PNG: cost vs p95 per policy, cumulative cost")] = None,
@@ -60,7 +64,15 @@ def evaluate(
     cfg = load_config(EvaluateConfig, cfg_file if Path(cfg_file).exists() or config is not None else None)
     cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"rate_scale": rate_scale, "episode_requests": None}),
                                  **({"seed": seed} if seed is not None else {})})
-    bundle = load_bundle(telemetry).window(_ts(start, "--start"), _ts(end, "--end"))
+    bundle = load_bundle(telemetry)
+    if window is not None:
+        from models.config import load_train_config
+        from models.train import SPLITS, split_bundle
+
+        if window not in SPLITS:
+            raise ConfigError(f"--window: '{window}' is not one of {', '.join(SPLITS)}")
+        bundle = split_bundle(bundle, load_train_config(train_config).split).bundles[window]
+    bundle = bundle.window(_ts(start, "--start"), _ts(end, "--end"))
     runs = ev.evaluate(bundle, list(dict.fromkeys(policy)), cfg, show_progress=not quiet)
     span = bundle.time_span()
     ev.print_table(runs, title=f"xroute evaluate — {bundle.path.name}, {len(bundle.workload)} requests, "
