@@ -11,7 +11,6 @@ azure-core's own retries are switched off (``retry_total=0``); :meth:`CloudAdapt
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from datetime import datetime
@@ -28,17 +27,17 @@ from cloud_adapters.base import (
     QuotaRecord,
     Reader,
     env_override,
+    error_for_status,
     host_port,
     parse_ts,
     require_sdk,
-    retry_after_seconds,
+    translate_http_error,
     utcnow,
 )
 from cloud_adapters.errors import (
     CloudAuthError,
     CloudError,
     CloudResponseError,
-    CloudThrottledError,
     CloudUnavailableError,
 )
 from xroute.errors import ConfigError
@@ -62,6 +61,8 @@ FAMILY_ACCELERATOR: dict[str, str] = {
 }
 _NAME_ACCEL = re.compile(r"_(T4|A10|A100|H100|H200|V100|L4|L40S|MI300X|M60|P40|P100)(_|$)", re.I)
 
+
+_AUTH_HINT = "grant the identity Reader on the subscription"
 
 class AzureConfig(AdapterConfig):
     """Azure settings. ``subscription_id`` defaults to ``AZURE_SUBSCRIPTION_ID``."""
@@ -290,14 +291,9 @@ class AzureAdapter(CloudAdapter):
 
     def _translate(self, exc: BaseException, operation: str, region: str | None) -> CloudError | None:
         kw: dict[str, Any] = {"region": region, "operation": operation}
-        httpx = require_sdk(PROVIDER, "httpx")
-        if isinstance(exc, httpx.HTTPStatusError):
-            return _by_status(exc.response.status_code, f"HTTP {exc.response.status_code}",
-                              exc.response.headers.get("retry-after"), kw)
-        if isinstance(exc, httpx.TransportError):
-            return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
-        if isinstance(exc, json.JSONDecodeError):
-            return CloudResponseError(PROVIDER, f"the response body is not JSON ({exc.msg} at {exc.pos})", **kw)
+        http = translate_http_error(PROVIDER, exc, kw, _AUTH_HINT)
+        if http is not None:
+            return http
         ax = require_sdk(PROVIDER, "azure.core.exceptions")
         if isinstance(exc, ax.ClientAuthenticationError):
             return CloudAuthError(PROVIDER, str(exc.message or exc)[:200], hint="sign in (az login, a managed identity or "
@@ -310,7 +306,7 @@ class AzureAdapter(CloudAdapter):
             resp = getattr(exc, "response", None)
             ra = resp.headers.get("Retry-After") if resp is not None else None
             code = getattr(getattr(exc, "error", None), "code", None) or f"HTTP {exc.status_code}"
-            return _by_status(int(exc.status_code), str(code), ra, kw)
+            return error_for_status(PROVIDER, int(exc.status_code), str(code), ra, kw, _AUTH_HINT)
         if isinstance(exc, ax.ServiceRequestError | ax.ServiceResponseError):
             return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
         if isinstance(exc, ax.DeserializationError):
@@ -318,16 +314,6 @@ class AzureAdapter(CloudAdapter):
         if isinstance(exc, ax.AzureError):
             return CloudError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
         return None
-
-
-def _by_status(status: int, problem: str, retry_after: Any, kw: dict[str, Any]) -> CloudError:
-    if status == 429:
-        return CloudThrottledError(PROVIDER, problem, retry_after=retry_after_seconds(retry_after), **kw)
-    if status in (401, 403):
-        return CloudAuthError(PROVIDER, problem, hint="grant the identity Reader on the subscription", **kw)
-    if status >= 500 or status == 408:
-        return CloudUnavailableError(PROVIDER, problem, **kw)
-    return CloudError(PROVIDER, problem, **kw)
 
 
 def _restricted(sku: Any, region: str) -> bool:

@@ -34,8 +34,10 @@ from pydantic import BaseModel, ConfigDict
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from cloud_adapters.errors import (
+    CloudAuthError,
     CloudError,
     CloudNotSupportedError,
+    CloudResponseError,
     CloudThrottledError,
     CloudUnavailableError,
     SdkMissingError,
@@ -581,3 +583,33 @@ def parse_ts(value: Any) -> datetime | None:
 def frac(percent: float) -> float:
     """A percentage as a fraction clipped to 0-1."""
     return min(1.0, max(0.0, percent / 100.0))
+
+
+def error_for_status(provider: str, status: int, problem: str, retry_after: Any, kw: dict[str, Any],
+                     auth_hint: str) -> CloudError:
+    """Our error for an HTTP status: 429 throttled (honouring Retry-After), 401/403 auth (with what
+    to grant), 5xx/408 unavailable (retried), anything else a plain error."""
+    if status == 429:
+        return CloudThrottledError(provider, problem, retry_after=retry_after_seconds(retry_after), **kw)
+    if status in (401, 403):
+        return CloudAuthError(provider, problem, hint=auth_hint, **kw)
+    if status >= 500 or status == 408:
+        return CloudUnavailableError(provider, problem, **kw)
+    return CloudError(provider, problem, **kw)
+
+
+def translate_http_error(provider: str, exc: BaseException, kw: dict[str, Any], auth_hint: str) -> CloudError | None:
+    """Errors of plain-HTTP calls (httpx) and their bodies, the same for every provider; ``None``
+    when ``exc`` is none of those (the caller goes on with its SDK's own errors)."""
+    import json
+
+    import httpx
+
+    if isinstance(exc, httpx.HTTPStatusError):
+        return error_for_status(provider, exc.response.status_code, f"HTTP {exc.response.status_code}",
+                                exc.response.headers.get("retry-after"), kw, auth_hint)
+    if isinstance(exc, httpx.TransportError):
+        return CloudUnavailableError(provider, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
+    if isinstance(exc, json.JSONDecodeError):
+        return CloudResponseError(provider, f"the response body is not JSON ({exc.msg} at {exc.pos})", **kw)
+    return None

@@ -22,7 +22,6 @@ The client library's own retries are switched off (``retry=None``); :meth:`Cloud
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import defaultdict
@@ -42,17 +41,17 @@ from cloud_adapters.base import (
     Reader,
     UtilizationSample,
     env_override,
+    error_for_status,
     host_port,
     parse_ts,
     require_sdk,
-    retry_after_seconds,
+    translate_http_error,
     utcnow,
 )
 from cloud_adapters.errors import (
     CloudAuthError,
     CloudError,
     CloudResponseError,
-    CloudThrottledError,
     CloudUnavailableError,
 )
 from xroute.errors import ConfigError
@@ -68,6 +67,8 @@ _CORE_RAM = re.compile(r"^(?:Spot Preemptible |Preemptible )?(?P<fam>[A-Z][A-Z0-
                        r"(?P<kind>Core|Ram) running in ")
 _GPU = re.compile(r"^Nvidia (?P<gpu>.+?) GPU (?:attached to Spot Preemptible VMs )?running in ", re.I)
 
+
+_AUTH_HINT = "grant roles/compute.viewer and enable the Compute Engine and Cloud Billing APIs for the project"
 
 class GcpConfig(AdapterConfig):
     """GCP settings. ``project`` defaults to ``GOOGLE_CLOUD_PROJECT`` or the credentials' project."""
@@ -427,20 +428,15 @@ class GcpAdapter(CloudAdapter):
 
     def _translate(self, exc: BaseException, operation: str, region: str | None) -> CloudError | None:
         kw: dict[str, Any] = {"region": region, "operation": operation}
-        httpx = require_sdk(PROVIDER, "httpx")
-        if isinstance(exc, httpx.HTTPStatusError):
-            return _by_status(exc.response.status_code, f"HTTP {exc.response.status_code}",
-                              exc.response.headers.get("retry-after"), kw)
-        if isinstance(exc, httpx.TransportError):
-            return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
-        if isinstance(exc, json.JSONDecodeError):
-            return CloudResponseError(PROVIDER, f"the response body is not JSON ({exc.msg} at {exc.pos})", **kw)
+        http = translate_http_error(PROVIDER, exc, kw, _AUTH_HINT)
+        if http is not None:
+            return http
         gx = require_sdk(PROVIDER, "google.api_core.exceptions")
         if isinstance(exc, gx.GoogleAPICallError):
             resp = getattr(exc, "response", None)
             headers = getattr(resp, "headers", None) or {}
             status = int(exc.code) if isinstance(exc.code, int) else 0
-            return _by_status(status, f"{type(exc).__name__}: {str(exc.message)[:160]}", headers.get("Retry-After"), kw)
+            return error_for_status(PROVIDER, status, f"{type(exc).__name__}: {str(exc.message)[:160]}", headers.get("Retry-After"), kw, _AUTH_HINT)
         rx = require_sdk(PROVIDER, "requests.exceptions")
         if isinstance(exc, rx.ConnectionError | rx.Timeout | rx.ChunkedEncodingError):
             return CloudUnavailableError(PROVIDER, f"{type(exc).__name__}: {str(exc)[:160]}", **kw)
@@ -453,17 +449,6 @@ class GcpAdapter(CloudAdapter):
         if isinstance(exc, ax.GoogleAuthError):
             return CloudAuthError(PROVIDER, str(exc)[:200], hint="refresh Application Default Credentials", **kw)
         return None
-
-
-def _by_status(status: int, problem: str, retry_after: Any, kw: dict[str, Any]) -> CloudError:
-    if status == 429:
-        return CloudThrottledError(PROVIDER, problem, retry_after=retry_after_seconds(retry_after), **kw)
-    if status in (401, 403):
-        return CloudAuthError(PROVIDER, problem, hint="grant roles/compute.viewer and enable the Compute Engine "
-                              "and Cloud Billing APIs for the project", **kw)
-    if status >= 500 or status == 408:
-        return CloudUnavailableError(PROVIDER, problem, **kw)
-    return CloudError(PROVIDER, problem, **kw)
 
 
 def _rfc3339(t: datetime) -> str:

@@ -51,7 +51,9 @@ def test_offerings_come_from_describe_instance_types_filtered_to_the_region(aws)
     assert offers["p4d.24xlarge"].accelerator_count == 8
     assert "g6.xlarge" not in offers  # moto's catalog: not offered in eu-west-1
     assert all(o.accelerator_count > 0 for o in offers.values())
-    assert aws.hits["proxy"] == 2  # DescribeInstanceTypes + DescribeInstanceTypeOfferings, served by moto
+    # DescribeInstanceTypes + DescribeInstanceTypeOfferings, served by moto (a loaded machine can
+    # break a connection, which the adapter rightly retries: at least two, never none)
+    assert aws.hits["proxy"] >= 2
 
 
 def test_explicit_instance_types(aws):
