@@ -2,9 +2,11 @@
 
 1. In-process decision at 100 offerings (synthetic catalog) and on the shipped bundle: the
    environment's live features -> constraint mask -> policy -> masked argmax -> load update
-   (``features->argmax``), and the whole ``RoutingEngine.decide`` (plus response JSON and the log
-   row), for the greedy fallback and for a learned scorer of the DQN's default shape.
-2. HTTP, one uvicorn worker each, ``wrk`` on loopback, 10 connections, one wrk thread:
+   (``features->argmax``; ``set_live``, plus the observation when the policy reads features), and
+   the whole ``RoutingEngine.decide`` (plus response JSON and the log row), for the greedy
+   fallback and for a learned scorer of the DQN's default shape.
+2. HTTP, one uvicorn worker each (same settings: uvloop + httptools when installed), ``wrk`` on
+   loopback, 10 connections, one wrk thread:
    a trivial async FastAPI POST endpoint; a bare numpy routing decision endpoint; and
    ``POST /v1/route`` of ``xroute serve`` (auth, tenant + request masks, env features, policy,
    group-committed decision log with ``synchronous=FULL``, access log, metrics).
@@ -154,9 +156,8 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
             r = reqs[i % 256]
             t0 = time.perf_counter()
             t = eng.now(wall)
-            obs, info = env.observe_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.sla_ms, i)
-            idx = np.flatnonzero(info["action_mask"][: env.n])
-            a, _, _ = eng._choose(active, obs, idx)
+            idx = np.flatnonzero(env.set_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.sla_ms, i))
+            a, _, _ = eng._choose(active, idx)  # builds the observation when the policy reads it
             env.commit_live(a)
             core.append(time.perf_counter() - t0)
         for i in range(n):
@@ -201,7 +202,17 @@ def _serve_app(kind: str, port: int) -> None:
     import uvicorn
 
     app = trivial_app() if kind == "trivial" else numpy_app()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    # the same server settings as ``xroute serve`` (router/cli.py): loop and http "auto" (uvloop and
+    # httptools when installed, the [serve] extra), no uvicorn access log, no server header
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False)
+
+
+def server_stack() -> dict[str, str]:
+    """What uvicorn's "auto" picks here, for the trivial apps and ``xroute serve`` alike."""
+    import importlib.util
+
+    return {"loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+            "http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
@@ -380,6 +391,8 @@ def main() -> None:
             "inprocess_100_offerings": bench_inprocess(b100, model, a.decisions),
             "inprocess_shipped_bundle": bench_inprocess(REPO / "data" / "bundles" / "default", model, a.decisions),
             "fsync_ms": _fsync_ms(work),
+            "server": {**server_stack(), "workers": 1, "access_log": "router: its own JSON access log on; "
+                       "trivial apps: none (uvicorn's off for both)"},
             "load_average_at_start": os.getloadavg(),
             "http": bench_http(work, None, a.duration, a.soak_s, a.model),
             "load_average_at_end": os.getloadavg(),

@@ -442,14 +442,25 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
+        self.set_live(t, origin, input_tokens, output_tokens, sla_ms, request_id)
+        return self._obs(), self._info()
+
+    def set_live(self, t: float, origin: str, input_tokens: int, output_tokens: int, sla_ms: float,
+                 request_id: Any = None) -> np.ndarray:
+        """:meth:`observe_live` without building the observation: makes the live request current
+        (its expectations ``c_*``, as ``observe_live``) and returns its action mask over the ``n``
+        offerings (``c_mask``; read-only). A policy that needs the features calls :meth:`_obs`
+        next, which gives exactly ``observe_live``'s observation."""
         if origin not in self.origin_index:
             raise KeyError(origin)
         if not hasattr(self, "free_at"):
             self.reset(seed=0)
-        ref_service = input_tokens / self.ref.prefill_tok_s + output_tokens * self.ref.tpot_ms / 1000.0
-        self._set_request(t, self.origin_index[origin], input_tokens, output_tokens, sla_ms,
-                          float(self._reference_cost(ref_service)), request_id, 0.0)
-        return self._obs(), self._info()
+        ref = self.ref
+        ref_service = input_tokens / ref.prefill_tok_s + output_tokens * ref.tpot_ms / 1000.0
+        ref_cost = max(self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service / ref.max_concurrency,
+                       1e-12)  # _reference_cost for one request, without numpy's scalar overhead
+        self._set_request(t, self.origin_index[origin], input_tokens, output_tokens, sla_ms, ref_cost, request_id, 0.0)
+        return self.c_mask  # type: ignore[no-any-return]
 
     def commit_live(self, a: int) -> dict[str, float]:
         """Record that the current live request was sent to offering ``a``: it occupies a slot there

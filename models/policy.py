@@ -106,6 +106,39 @@ class RouterWeights:
         keep = valid | ~valid.any(axis=1, keepdims=True)
         return np.where(keep, s, -np.inf)
 
+    def scores_one(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
+        """Scores of one request whose ``rows`` (k, F) are all valid: the same float32 operations,
+        in the same order, as ``scores(rows[None], request[None], ones((1, k)))[0]`` (equal bit for
+        bit; tested), without the batch and mask handling -- the router's per-request path."""
+        rows = np.asarray(rows, dtype=np.float32)
+        request = np.asarray(request, dtype=np.float32)
+        k = rows.shape[0]
+        x = np.empty((k, rows.shape[1] + request.shape[0]), dtype=np.float32)
+        x[:, : rows.shape[1]] = rows
+        x[:, rows.shape[1]:] = request
+        if self.ctx is not None:
+            w, bias = self.ctx
+            e = x @ w
+            e += bias
+            np.maximum(e, np.float32(0.0), out=e)
+            c = e.sum(axis=0)
+            c /= np.float32(max(k, 1))
+            x2 = np.empty((k, x.shape[1] + c.shape[0]), dtype=np.float32)
+            x2[:, : x.shape[1]] = x
+            x2[:, x.shape[1]:] = c
+            x = x2
+        h = x
+        last = len(self.layers) - 1
+        for j, (w, bias) in enumerate(self.layers):
+            h = h @ w
+            h += bias
+            if j < last:
+                np.maximum(h, np.float32(0.0), out=h)
+        s = h[:, 0]
+        if self.prior is not None:
+            s = s + self.prior.scores(rows[None], request[None])[0]
+        return s
+
     def score_obs(self, obs: dict[str, np.ndarray]) -> np.ndarray:
         """Scores of one environment observation (``max_offerings`` entries, ``-inf`` where masked)."""
         rows = np.asarray(obs["offerings"], dtype=np.float32).reshape(1, -1, N_OFFERING_FEATURES)

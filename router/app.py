@@ -9,6 +9,7 @@ them and lets the decision log commit what it holds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import sys
 import time
@@ -18,10 +19,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router import errors
 from router.deps import Services
 from router.engine import RoutingEngine
+from router.fastpath import RouteFastPath
 from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs
 from router.metrics import Metrics
@@ -151,6 +154,21 @@ async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: flo
 PUBLIC_PATHS = ("/healthz", "/readyz")
 
 
+class RouterApp(FastAPI):
+    """The FastAPI app behind one pure-ASGI front: :class:`RequestContext` (request id, trace,
+    body limit, access log) around :class:`RouteFastPath` (the successful ``POST /v1/route``,
+    without FastAPI's per-request machinery), around FastAPI itself (everything else)."""
+
+    front: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if front is None or scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+        else:
+            await front(scope, receive, send)
+
+
 def _document_security(app: FastAPI) -> None:
     """Declare the API-key schemes in the OpenAPI document (checked by ``router.deps.authenticate``,
     not by FastAPI security dependencies, which cost a dependency resolution each per request)."""
@@ -218,7 +236,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
             flush_logs()
 
-    app = FastAPI(title="xroute router", version=API_VERSION, lifespan=lifespan,
+    app = RouterApp(title="xroute router", version=API_VERSION, lifespan=lifespan,
                   description="Routes LLM inference requests to cloud offerings (provider x region x instance "
                               "type x pricing mode) with the champion RL policy. Every route except /healthz and "
                               "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
@@ -228,6 +246,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         app.include_router(r)
     errors.install(app)
     _document_security(app)
-    app.add_middleware(RequestContext, max_body_bytes=settings.max_body_bytes, metrics=metrics,
-                       access_log=settings.access_log)
+    inner = functools.partial(FastAPI.__call__, app)
+    app.front = RequestContext(RouteFastPath(inner, app), max_body_bytes=settings.max_body_bytes, metrics=metrics,
+                               access_log=settings.access_log)
     return app

@@ -175,8 +175,8 @@ class RoutingEngine:
         t = self.now(wall)
         env = self.env
         n = self.n
-        obs, info = env.observe_live(t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms, decision_id)
-        env_mask = info["action_mask"][:n]
+        # the features are built only for a policy that reads them (a model, a non-greedy baseline)
+        env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms, decision_id)
         valid = env_mask & allowed
         counts = dict(ccounts)
         if compiled.preferred is not None:
@@ -198,13 +198,13 @@ class RoutingEngine:
         stale = self.freshness.age(wall) > self.max_age
         active, pinfo = self.slot.current(stale)
         try:
-            a, scores, score_kind = self._choose(active, obs, idx)
+            a, scores, score_kind = self._choose(active, idx)
         except Exception as e:  # a model that fails at decision time: this request goes to the fallback
             if active is self.slot.fallback:
                 raise
             self.slot.failed(f"decision error: {type(e).__name__}: {e}")
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
-            a, scores, score_kind = self._choose(active, obs, idx)
+            a, scores, score_kind = self._choose(active, idx)
         lat, cost = env.c_lat, env.c_cost
         alts = []
         if self.k_alt and idx.size > 1:
@@ -231,11 +231,11 @@ class RoutingEngine:
                self.bundle_hash, req.model_dump_json(exclude_none=True), text)
         return text.encode(), row, offering_id, pinfo
 
-    def _choose(self, active: ActivePolicy, obs: dict[str, np.ndarray], idx: np.ndarray
-                ) -> tuple[int, np.ndarray, str]:
-        """(chosen offering, scores of ``idx``, score kind) under ``active``, restricted to ``idx``."""
+    def _choose(self, active: ActivePolicy, idx: np.ndarray) -> tuple[int, np.ndarray, str]:
+        """(chosen offering, scores of ``idx``, score kind) under ``active``, restricted to ``idx``
+        (the current request is the env's, set by ``set_live``)."""
         if active.scorer is not None:
-            _, s = active.scorer(obs, idx)
+            _, s = active.scorer(self.env._obs(), idx)
             if s.shape != idx.shape or not np.isfinite(s).all():
                 raise ValueError("the model returned non-finite or misshapen scores")
             return int(idx[int(np.argmax(s))]), s, "q_value"
@@ -244,7 +244,7 @@ class RoutingEngine:
             return int(idx[int(np.argmax(r))]), r, "expected_reward"
         mask = np.zeros(self.N, dtype=bool)
         mask[idx] = True
-        a = int(active.policy.act({**obs, "mask": mask.astype(np.float32)}, {"action_mask": mask}))
+        a = int(active.policy.act({**self.env._obs(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
         if not (0 <= a < self.n and mask[a]):  # a policy that ignores the mask: best valid expectation instead
             a = int(idx[int(np.argmax(r))])
         return a, r, "expected_reward"

@@ -54,17 +54,29 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
 
 def _route_failure(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RouteFailure)
+    return route_failure_response(exc)
+
+
+def route_failure_response(exc: RouteFailure) -> JSONResponse:
     return JSONResponse(error_body(exc.error, exc.message, exc.fields, **exc.extra), status_code=exc.status,
                         headers=exc.headers)
 
 
 def _store_closed(request: Request, exc: Exception) -> JSONResponse:
+    return store_closed_response(exc)
+
+
+def store_closed_response(exc: Exception) -> JSONResponse:
     LOG.error("decision log unavailable", extra={"fields": {"error": str(exc)}})
     return JSONResponse(error_body("unavailable", "the decision log cannot record decisions right now"),
                         status_code=503, headers={"Retry-After": "5"})
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    return unexpected_response(request, exc)
+
+
+def unexpected_response(request: Request, exc: Exception) -> JSONResponse:
     LOG.log(logging.ERROR, "unhandled error", exc_info=exc, extra={"fields": {"path": request.url.path}})
     return JSONResponse(error_body("internal_error", "internal error (logged with this request id)"), status_code=500)
 

@@ -67,6 +67,7 @@ class KeyStore:
         self.path = Path(path)
         self.check_s = check_s
         self._records: dict[str, dict[str, Any]] = {}
+        self._ready: dict[str, tuple[dict[str, Any], bytes, Principal]] = {}
         self._mtime: float | None = None
         self._checked = 0.0
         self._lock = threading.Lock()
@@ -111,9 +112,13 @@ class KeyStore:
         rec = self._records.get(parts[0])
         if rec is None:
             return None
-        if not hmac.compare_digest(_hash(bytes.fromhex(rec["salt"]), parts[1]), rec["hash"]):
+        ready = self._ready.get(parts[0])
+        if ready is None or ready[0] is not rec:  # per record, once: its salt as bytes, its principal
+            ready = self._ready[parts[0]] = (rec, bytes.fromhex(rec["salt"]),
+                                             Principal(tenant=rec["tenant"], role=rec["role"], key_id=rec["key_id"]))
+        if not hmac.compare_digest(_hash(ready[1], parts[1]), rec["hash"]):
             return None
-        return Principal(tenant=rec["tenant"], role=rec["role"], key_id=rec["key_id"])
+        return ready[2]
 
     @property
     def empty(self) -> bool:

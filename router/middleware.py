@@ -12,7 +12,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.logs import ACCESS, new_id, request_id_var
+from router.logs import access, new_id, request_id_var
 from router.metrics import Metrics
 
 _TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -78,7 +78,7 @@ class RequestContext:
                     fields["decision_id"] = did
                 if trace is not None:
                     fields["trace_id"] = trace[3:35].decode()
-                ACCESS.info("request", extra={"fields": fields})
+                access(fields)
             request_id_var.reset(token)
 
     def _limited(self, receive: Receive) -> Receive:

@@ -25,9 +25,12 @@ def _serve_args(setup_root: Path) -> tuple[list[str], dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path) -> None:
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path, synchronous: str) -> None:
+    """Both log modes: NORMAL (WAL) skips the fsync, yet a killed process loses nothing acknowledged."""
     setup = make_setup(tmp_path)
     args, env = _serve_args(tmp_path)
+    env["XROUTE_ROUTER_DB_SYNCHRONOUS"] = synchronous
     port = free_port()
     proc = start_subprocess(args, env, port, tmp_path / "server.log")
     url = f"http://127.0.0.1:{port}"

@@ -84,6 +84,35 @@ def test_route_answers_everything_the_issue_lists(live: Any, client: httpx.Clien
     assert got["request"]["session_id"] == "s-1" and got["feedback"] == []
 
 
+def test_fast_path_and_fastapi_route_answer_alike(live: Any, client: httpx.Client) -> None:
+    """``POST /v1/route`` is answered by the pure-ASGI fast path when all goes well and by the FastAPI
+    route otherwise (here: a body the fast path does not take -- a ``+json`` content type, a chunked
+    body): the same answer shape, the same log row, the same access-log fields and headers."""
+    url, setup, logs = live
+    body = json.dumps({**ROUTE, "session_id": "s-1"}).encode()
+    answers = []
+    for headers, content in (({"content-type": "application/json"}, body),
+                             ({"content-type": "application/json; charset=utf-8"}, body),
+                             ({"content-type": "application/vnd.xroute+json"}, body),
+                             ({"content-type": "application/json"}, iter([body[:10], body[10:]]))):
+        r = client.post("/v1/route", content=content, headers={**headers, **setup.auth("b"), "x-request-id": "same-1"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "same-1" and r.headers["content-type"].startswith("application/json")
+        d = r.json()
+        stored = client.get(f"/v1/decisions/{d['decision_id']}", headers=setup.auth("b")).json()
+        assert stored["request"] == {**ROUTE, "session_id": "s-1"} and stored["decision_id"] == d["decision_id"]
+        answers.append(d)
+    assert len({tuple(sorted(a)) for a in answers}) == 1 and {a["tenant"] for a in answers} == {"b"}
+    lines = [json.loads(x) for x in logs.lines if '"same-1"' in x]
+    assert [(x["route"], x["status"], x["tenant"]) for x in lines] == [("/v1/route", 200, "b")] * 4
+    assert all(x["decision_id"] == a["decision_id"] for x, a in zip(lines, answers))
+    # the fast path declines, and the FastAPI route answers its errors: a bad key, a bad field
+    r = client.post("/v1/route", json=ROUTE, headers={"Authorization": "Bearer xr_00000000_nope"})
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+    r = client.post("/v1/route", json={**ROUTE, "sla_ms": 0}, headers=setup.auth("b"))
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "body.sla_ms"
+
+
 def test_tenants_never_see_each_other(live: Any, client: httpx.Client) -> None:
     _, setup, _ = live
     did = _route(client, setup, "a").json()["decision_id"]

@@ -216,6 +216,53 @@ def test_model_error_at_decision_time_falls_back_for_that_request(engine: Routin
         engine.slot.model = old
 
 
+def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
+    """The router's lazy path (``set_live``, then ``_obs`` only when a policy reads features) gives
+    exactly ``observe_live``'s mask, expectations and observation."""
+    env = engine.env
+    t = engine.now(engine.source.start_wall)
+    for i, origin in enumerate(engine.origins * 3):
+        args = (t + i, origin, 100 + 97 * i, 5 + 7 * i, 500.0 + 300 * i, f"r{i}")
+        state = env.save_state()
+        obs, info = env.observe_live(*args)
+        ref = {k: getattr(env, k).copy() for k in ("c_lat", "c_cost", "c_mask", "c_wait", "c_risk")}
+        ref_cost = env.r_ref_cost
+        env.restore_state(state)
+        mask = env.set_live(*args)
+        assert np.array_equal(mask, info["action_mask"][: env.n]) and env.r_ref_cost == ref_cost
+        for k, v in ref.items():
+            assert np.array_equal(getattr(env, k), v), k
+        obs2 = env._obs()
+        for k in obs:
+            assert np.array_equal(obs[k], obs2[k]), k
+        env.commit_live(int(np.flatnonzero(mask)[0]))
+
+
+def test_one_request_scorer_equals_the_batch_scorer_bit_for_bit() -> None:
+    """``RouterWeights.scores_one`` (the router's path) is ``scores`` on a batch of one, all rows
+    valid: the same float32 results, not merely close ones."""
+    import itertools
+
+    from envs.features import N_OFFERING_FEATURES as NF
+    from envs.features import N_REQUEST_FEATURES as NR
+    from models.policy import RewardPrior, RouterWeights
+    from xroute.config import EnvConfig
+
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        ctx_dim, hidden = [(16, [64, 64]), (0, [32]), (8, [128, 64])][trial % 3]
+        dims = [NF + NR + ctx_dim, *hidden, 1]
+        layers = [(rng.normal(0, 0.3, (a, b)).astype(np.float32), rng.normal(0, 0.1, b).astype(np.float32))
+                  for a, b in itertools.pairwise(dims)]
+        ctx = ((rng.normal(0, 0.3, (NF + NR, ctx_dim)).astype(np.float32),
+                rng.normal(0, 0.1, ctx_dim).astype(np.float32)) if ctx_dim else None)
+        w = RouterWeights(layers=layers, ctx=ctx, prior=RewardPrior.from_env_config(EnvConfig()) if trial % 2 else None)
+        k = int(rng.integers(1, 130))
+        rows = (rng.random((k, NF)) * 3).astype(np.float32)
+        req = rng.random(NR).astype(np.float32)
+        assert np.array_equal(w.scores(rows[None], req[None], np.ones((1, k), np.float32))[0], w.scores_one(rows, req))
+
+
 def test_resolve_versions_local_models(tmp_path: Path) -> None:
     m = write_model(tmp_path / "m.json", prefer="spot")
     uri, v1 = resolve(str(m))

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter
 from fastapi.responses import Response
 
 from router.deps import CallerDep
-from router.logs import new_id
+from router.fastpath import route_decision
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 
 router = APIRouter(prefix="/v1", tags=["route"])
@@ -30,14 +28,5 @@ async def route(body: RouteRequest, caller: CallerDep) -> Response:
     The answer names the offering, its expected latency and cost, the next best alternatives with
     their scores, the policy that decided (model version or fallback, with the reason), the
     offerings excluded and why, and the telemetry time and age used."""
-    t0 = time.perf_counter()
-    svc = caller.svc
-    decision_id = "d_" + new_id()
-    caller.request.state.decision_id = decision_id
-    payload, row, offering_id, pinfo = svc.engine.decide(body, caller.who, decision_id, time.time())
-    m = svc.metrics
-    m.decision_seconds.observe(time.perf_counter() - t0)
-    await svc.store.record_decision(row)
-    m.decided(offering_id, pinfo["kind"], pinfo["reason"])
-    m.route_seconds.observe(time.perf_counter() - t0)
+    payload = await route_decision(caller.svc, body, caller.who, caller.request.scope.setdefault("state", {}))
     return Response(payload, media_type="application/json")
