@@ -24,4 +24,5 @@ ANSWER=$(curl -fsS "http://127.0.0.1:$PORT/v1/route" -H "Authorization: Bearer $
 echo "$ANSWER" | $PY -m json.tool
 ID=$(echo "$ANSWER" | $PY -c 'import json,sys; print(json.load(sys.stdin)["decision_id"])')
 echo "== GET /v1/decisions/$ID (durably recorded before the answer)"
-curl -fsS "http://127.0.0.1:$PORT/v1/decisions/$ID" -H "Authorization: Bearer $KEY" | $PY -m json.tool | head -n 12
+curl -fsS "http://127.0.0.1:$PORT/v1/decisions/$ID" -H "Authorization: Bearer $KEY" \
+  | $PY -c 'import json,sys; d=json.load(sys.stdin); print(d["decision_id"], d["created_at"], d["offering"]["offering_id"], "by", d["policy"]["name"])' 
