@@ -208,7 +208,8 @@ class Oracle(_Base):
         import copy
 
         super().reset(env, seed)
-        plans = [HindsightRollout(), HindsightGreedy()] + [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
+        plans: list[Policy] = [HindsightRollout(), HindsightGreedy()]
+        plans += [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
         best: tuple[float, list[int], str] | None = None
         for plan in plans:
             sim = copy.deepcopy(env)

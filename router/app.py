@@ -202,7 +202,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = (prebuilt.pop() if prebuilt else None) or await asyncio.to_thread(RoutingEngine, settings)
+        built = prebuilt.pop() if prebuilt else None
+        engine: RoutingEngine = built if built is not None else await asyncio.to_thread(RoutingEngine, settings)
         keys = KeyStore(settings.keys_file)
         if keys.empty:
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",

@@ -206,7 +206,7 @@ class RoutingEngine:
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
             a, scores, score_kind = self._choose(active, idx)
         lat, cost = env.c_lat, env.c_cost
-        alts = []
+        alts: list[str] = []
         if self.k_alt and idx.size > 1:
             for j in np.argsort(-scores, kind="stable")[: self.k_alt + 1].tolist():
                 k = int(idx[j])

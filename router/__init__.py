@@ -1,0 +1,1 @@
+"""The online routing service (FastAPI): see docs/router.md."""
