@@ -203,6 +203,9 @@ class Oracle(_Base):
 
     def __init__(self, cfg: EvaluateConfig):
         self.cfg = cfg
+        #: called as ``on_progress(plan_name, plan_index, n_plans, steps_done, steps_total)`` while
+        #: planning (the slow part: minutes on a long stream), so callers can show progress
+        self.on_progress: Callable[[str, int, int, int, int], None] | None = None
 
     def reset(self, env: CloudRouteEnv, seed: int) -> None:
         import copy
@@ -211,16 +214,20 @@ class Oracle(_Base):
         plans: list[Policy] = [HindsightRollout(), HindsightGreedy()]
         plans += [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
         best: tuple[float, list[int], str] | None = None
-        for plan in plans:
+        n_steps = env._end - env._pos
+        for p, plan in enumerate(plans):
             sim = copy.deepcopy(env)
             plan.reset(sim, seed)
             obs, info = sim._last_obs, sim._info()
-            actions, total, done = [], 0.0, sim._pos >= sim._end
+            actions: list[int] = []
+            total, done = 0.0, sim._pos >= sim._end
             while not done:
                 a = plan.act(obs, info)
                 actions.append(a)
                 obs, r, _, done, info = sim.step(a)
                 total += r
+                if self.on_progress is not None and len(actions) % 500 == 0:
+                    self.on_progress(plan.name, p + 1, len(plans), len(actions), n_steps)
             if best is None or total > best[0]:
                 best = (total, actions, plan.name)
         assert best is not None

@@ -77,3 +77,15 @@ def test_oracle_replays_exactly_what_it_planned(tiny_bundle_dir):
     again = run_policy(env, make_baseline("oracle", cfg), seed=0).metrics
     assert first == again
     assert np.isfinite(first["mean_reward"])
+
+
+def test_oracle_reports_progress_while_it_plans(tiny_bundle_dir):
+    cfg = EvaluateConfig()
+    env = CloudRouteEnv(str(tiny_bundle_dir), cfg.env)
+    oracle = make_baseline("oracle", cfg)
+    seen = []
+    oracle.on_progress = lambda name, p, n, done, total: seen.append((name, p, n, done, total))
+    env.reset(seed=0)
+    oracle.reset(env, 0)
+    assert seen and {s[0] for s in seen} >= {"hindsight-rollout", "greedy"}
+    assert all(s[3] <= s[4] == 400 and 1 <= s[1] <= s[2] for s in seen)

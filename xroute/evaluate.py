@@ -83,7 +83,15 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
             def advance(k: int, task: Any = task) -> None:
                 bar.advance(task, k)
 
+            if hasattr(pol, "on_progress"):  # the oracle plans the whole stream first: show it
+                def planning(name: str, p: int, n: int, done: int, total: int, task: Any = task,
+                             label: str = label) -> None:
+                    bar.update(task, description=f"{label} (plan {p}/{n} {name}: {100 * done // max(total, 1)}%)")
+
+                pol.on_progress = planning
+
             run = run_policy(env, pol, cfg.seed, progress=advance)
+            bar.update(task, description=label)
             run.name = label
             run.metrics["wall_s"] = round(time.perf_counter() - t0, 2)
             runs.append(run)
