@@ -226,7 +226,7 @@ class Oracle(_Base):
                 actions.append(a)
                 obs, r, _, done, info = sim.step(a)
                 total += r
-                if self.on_progress is not None and len(actions) % 500 == 0:
+                if self.on_progress is not None and (len(actions) % 500 == 0 or done):
                     self.on_progress(plan.name, p + 1, len(plans), len(actions), n_steps)
             if best is None or total > best[0]:
                 best = (total, actions, plan.name)
