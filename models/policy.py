@@ -71,6 +71,26 @@ class RewardPrior:
         bad = -(f32(self.cost_weight) * f32(1.5) * cost + f32(self.latency_weight) * bad_lat) - f32(self.sla_penalty)
         return (f32(1.0) - risk) * ok + risk * bad
 
+    def score_one(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
+        """``scores`` for one request's (k, F) rows, with fewer array passes (same formula)."""
+        f32 = np.float32
+        cost, lat = rows[:, F["exp_cost"]], rows[:, F["exp_latency"]]
+        viol, risk = rows[:, F["exp_violation"]], rows[:, F["preempt_risk"]]
+        sla_ms = max(float(np.expm1(float(request[R["sla"]]) * 12.0)), 1.0)
+        cw, lw, sp = f32(self.cost_weight), f32(self.latency_weight), f32(self.sla_penalty)
+        ok = cost * -cw
+        ok -= lat * lw
+        ok -= viol * sp
+        bad_lat = lat + f32(self.retry_overhead_ms / sla_ms)
+        np.minimum(bad_lat, f32(self.latency_norm_cap), out=bad_lat)
+        bad = cost * (f32(-1.5) * cw)
+        bad -= bad_lat * lw
+        bad -= sp
+        bad -= ok
+        bad *= risk
+        ok += bad
+        return ok
+
 
 @dataclass
 class RouterWeights:
@@ -107,37 +127,56 @@ class RouterWeights:
         return np.where(keep, s, -np.inf)
 
     def scores_one(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
-        """Scores of one request whose ``rows`` (k, F) are all valid: the same float32 operations,
-        in the same order, as ``scores(rows[None], request[None], ones((1, k)))[0]`` (equal bit for
-        bit; tested), without the batch and mask handling -- the router's per-request path."""
+        """Scores of one request whose ``rows`` (k, F) are all valid — ``scores(rows[None],
+        request[None], ones((1, k)))[0]`` up to float32 rounding (tested: same argmax, 1e-5 close),
+        computed the router's way: the first layers' weights are split into their row, request and
+        context blocks, so the per-request parts are one small vector-matrix product instead of being
+        copied into every row (~2x fewer multiplies, no concatenations)."""
         rows = np.asarray(rows, dtype=np.float32)
         request = np.asarray(request, dtype=np.float32)
-        k = rows.shape[0]
-        x = np.empty((k, rows.shape[1] + request.shape[0]), dtype=np.float32)
-        x[:, : rows.shape[1]] = rows
-        x[:, rows.shape[1]:] = request
+        split = self._split()
+        w0_rows, w0_req, w0_ctx, b0 = split["first"]
+        bias = request @ w0_req
+        bias += b0
         if self.ctx is not None:
-            w, bias = self.ctx
-            e = x @ w
-            e += bias
+            wc_rows, wc_req, bc = split["ctx"]
+            e = rows @ wc_rows
+            cb = request @ wc_req
+            cb += bc
+            e += cb
             np.maximum(e, np.float32(0.0), out=e)
             c = e.sum(axis=0)
-            c /= np.float32(max(k, 1))
-            x2 = np.empty((k, x.shape[1] + c.shape[0]), dtype=np.float32)
-            x2[:, : x.shape[1]] = x
-            x2[:, x.shape[1]:] = c
-            x = x2
-        h = x
-        last = len(self.layers) - 1
-        for j, (w, bias) in enumerate(self.layers):
+            c /= np.float32(max(rows.shape[0], 1))
+            bias += c @ w0_ctx
+        h = rows @ w0_rows
+        h += bias
+        rest = self.layers[1:]
+        if rest:
+            np.maximum(h, np.float32(0.0), out=h)
+        for j, (w, b) in enumerate(rest):
             h = h @ w
-            h += bias
-            if j < last:
+            h += b
+            if j < len(rest) - 1:
                 np.maximum(h, np.float32(0.0), out=h)
         s = h[:, 0]
         if self.prior is not None:
-            s = s + self.prior.scores(rows[None], request[None])[0]
+            s = s + self.prior.score_one(rows, request)
         return s
+
+    def _split(self) -> dict[str, Any]:
+        """The first layer's (and the context layer's) weights split by input block, cached."""
+        cached = self.__dict__.get("_split_cache")
+        if cached is not None:
+            return cached
+        nf, nr = N_OFFERING_FEATURES, N_REQUEST_FEATURES
+        w0, b0 = self.layers[0]
+        out: dict[str, Any] = {"first": (np.ascontiguousarray(w0[:nf]), np.ascontiguousarray(w0[nf:nf + nr]),
+                                         np.ascontiguousarray(w0[nf + nr:]), b0)}
+        if self.ctx is not None:
+            wc, bc = self.ctx
+            out["ctx"] = (np.ascontiguousarray(wc[:nf]), np.ascontiguousarray(wc[nf:nf + nr]), bc)
+        self.__dict__["_split_cache"] = out
+        return out
 
     def score_obs(self, obs: dict[str, np.ndarray]) -> np.ndarray:
         """Scores of one environment observation (``max_offerings`` entries, ``-inf`` where masked)."""

@@ -238,9 +238,9 @@ def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine)
         env.commit_live(int(np.flatnonzero(mask)[0]))
 
 
-def test_one_request_scorer_equals_the_batch_scorer_bit_for_bit() -> None:
-    """``RouterWeights.scores_one`` (the router's path) is ``scores`` on a batch of one, all rows
-    valid: the same float32 results, not merely close ones."""
+def test_one_request_scorer_equals_the_batch_scorer() -> None:
+    """``RouterWeights.scores_one`` (the router's path, weights split by input block) is ``scores``
+    on a batch of one, all rows valid: equal up to float32 rounding, and the same choice."""
     import itertools
 
     from envs.features import N_OFFERING_FEATURES as NF
@@ -260,7 +260,10 @@ def test_one_request_scorer_equals_the_batch_scorer_bit_for_bit() -> None:
         k = int(rng.integers(1, 130))
         rows = (rng.random((k, NF)) * 3).astype(np.float32)
         req = rng.random(NR).astype(np.float32)
-        assert np.array_equal(w.scores(rows[None], req[None], np.ones((1, k), np.float32))[0], w.scores_one(rows, req))
+        batch = w.scores(rows[None], req[None], np.ones((1, k), np.float32))[0]
+        one = w.scores_one(rows, req)
+        np.testing.assert_allclose(one, batch, rtol=1e-5, atol=1e-5)
+        assert int(np.argmax(one)) == int(np.argmax(batch)) or np.isclose(one.max(), batch.max(), rtol=1e-6)
 
 
 def test_resolve_versions_local_models(tmp_path: Path) -> None:
