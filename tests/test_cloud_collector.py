@@ -36,8 +36,8 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 3.0}
 ORIGIN = "aws:us-east-1"
-#: accelerators configs/serving.yaml has speeds for (the env needs one per offering)
-AWS_FAMILIES = ["g4dn", "g5", "g6", "p4d", "p5"]
+#: accelerators configs/serving.yaml has speeds for (the env needs one per offering; g6e = L40S)
+AWS_FAMILIES = ["g4dn", "g5", "g6", "g6e", "p4d", "p5"]
 
 
 @pytest.fixture(scope="module")
