@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # xroute's main job on the embedded defaults (shipped telemetry, local Ray, MLflow in runs/mlflow.db):
-#   1. set up .venv            2. train the DQN router in parallel Ray Tune trials (~8 min on 2 cores)
+#   1. set up .venv            2. train the DQN router in parallel Ray Tune trials (5-7 min on 2 cores)
 #   3. promote it to champion if it beats the best baseline on the validation window
 #   4. compare it with every baseline and the hindsight oracle on the held-out test window
 #   5. start the router on the champion and route one request
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
-export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
+source scripts/setup.sh
 X=.venv/bin/xroute
 
 echo "== 1/4 xroute train"

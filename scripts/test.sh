@@ -3,8 +3,5 @@
 # suite, slow tier included. This is the README's test command and what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
-export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0
+source scripts/setup.sh
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
