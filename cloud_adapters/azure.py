@@ -26,6 +26,7 @@ from cloud_adapters.base import (
     PricePoint,
     QuotaRecord,
     Reader,
+    anonymous_credentials,
     env_override,
     error_for_status,
     host_port,
@@ -120,10 +121,7 @@ class AzureAdapter(CloudAdapter):
         return f"{region}.management.azure.com", 443
 
     def _anonymous(self) -> bool:
-        mode = env_override("XROUTE_AZURE_CREDENTIALS") or self.config.credentials
-        if mode == "anonymous" and self.arm_endpoint == ARM:
-            raise ConfigError("azure: credentials 'anonymous' is only for a local endpoint (XROUTE_AZURE_ENDPOINT)")
-        return mode == "anonymous"
+        return anonymous_credentials(PROVIDER, "XROUTE_AZURE_CREDENTIALS", self.config.credentials, self.arm_endpoint, ARM)
 
     def _client(self) -> Any:
         with self._lock:

@@ -42,7 +42,7 @@ from cloud_adapters.errors import (
     CloudUnavailableError,
     SdkMissingError,
 )
-from xroute.errors import XrouteError
+from xroute.errors import ConfigError, XrouteError
 
 T = TypeVar("T")
 
@@ -613,3 +613,14 @@ def translate_http_error(provider: str, exc: BaseException, kw: dict[str, Any], 
     if isinstance(exc, json.JSONDecodeError):
         return CloudResponseError(provider, f"the response body is not JSON ({exc.msg} at {exc.pos})", **kw)
     return None
+
+
+def anonymous_credentials(provider: str, env_var: str, configured: str, endpoint: str, real_endpoint: str) -> bool:
+    """Whether to call ``endpoint`` without credentials (``credentials: anonymous``, for local API
+    stand-ins only): refused against the provider's real endpoint, where the standard credential
+    chain must be used."""
+    mode = env_override(env_var) or configured
+    if mode == "anonymous" and endpoint == real_endpoint:
+        raise ConfigError(f"{provider}: credentials 'anonymous' is only for a local endpoint "
+                          f"(XROUTE_{provider.upper()}_ENDPOINT)")
+    return mode == "anonymous"

@@ -40,6 +40,7 @@ from cloud_adapters.base import (
     QuotaRecord,
     Reader,
     UtilizationSample,
+    anonymous_credentials,
     env_override,
     error_for_status,
     host_port,
@@ -138,10 +139,7 @@ class GcpAdapter(CloudAdapter):
         return f"{region}-compute.googleapis.com", 443
 
     def _anonymous(self) -> bool:
-        mode = env_override("XROUTE_GCP_CREDENTIALS") or self.config.credentials
-        if mode == "anonymous" and self.compute_endpoint == COMPUTE:
-            raise ConfigError("gcp: credentials 'anonymous' is only for a local endpoint (XROUTE_GCP_ENDPOINT)")
-        return mode == "anonymous"
+        return anonymous_credentials(PROVIDER, "XROUTE_GCP_CREDENTIALS", self.config.credentials, self.compute_endpoint, COMPUTE)
 
     def _credentials(self) -> tuple[Any, str]:
         with self._lock:
