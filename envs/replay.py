@@ -41,19 +41,9 @@ class Series:
         off = np.concatenate([[0], np.cumsum(counts)])
         return cls(t, v, off)
 
-    def has(self, i: int) -> bool:
-        return bool(self.off[i + 1] > self.off[i])
-
-    def value_at(self, i: int, t: float, default: float) -> float:
-        """Value of offering i at time t: the last row at or before t, else the first row."""
-        a, b = self.off[i], self.off[i + 1]
-        if a == b:
-            return default
-        k = int(np.searchsorted(self.t[a:b], t, side="right")) - 1
-        return float(self.v[a + max(k, 0)])
-
     def values_at(self, t: float, default: float) -> np.ndarray:
-        """Every offering's value at time t (vectorized ``value_at``)."""
+        """Every offering's value at time t: its last row at or before t, else its first row;
+        ``default`` for offerings without rows. One ``searchsorted`` over all offerings' rows."""
         n = len(self.off) - 1
         if self.t.size == 0:
             return np.full(n, default)

@@ -143,3 +143,23 @@ def test_too_many_offerings_for_max_offerings_is_a_config_error(tiny_bundle_dir)
         CloudRouteEnv(str(tiny_bundle_dir), max_offerings=3)
     with pytest.raises(ConfigError, match="unknown key"):
         CloudRouteEnv(str(tiny_bundle_dir), no_such_knob=1)
+
+
+def test_step_functions_hold_the_last_row_and_start_with_the_first(tiny_bundle_dir):
+    from envs.replay import Series
+    from xroute.bundle import load_bundle, to_seconds
+
+    b = load_bundle(tiny_bundle_dir)
+    ids = b.offering_ids
+    s = Series.from_table(b.availability, ids, "available")
+    av = b.availability.assign(t=to_seconds(b.availability["ts"]))
+    for t in (0.0, *sorted(av["t"]), float(av["t"].max()) + 5.0, *(av["t"] + 0.5)):
+        got = s.values_at(float(t), default=1.0)
+        for i, oid in enumerate(ids):
+            rows = av[av["offering_id"] == oid]
+            if rows.empty:
+                assert got[i] == 1.0
+                continue
+            before = rows[rows["t"] <= t]
+            expect = (before if len(before) else rows.iloc[:1])["available"].iloc[-1]
+            assert got[i] == expect, (oid, t)
