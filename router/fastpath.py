@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import errors
 from router.engine import RouteFailure
-from router.logs import new_id
+from router.logs import new_sorted_id
 from router.store import StoreClosed
 from xroute.schema.decision import RouteRequest
 
@@ -43,7 +43,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any) -> 
     ``state`` gets ``decision_id`` (for the access log); raises what ``RoutingEngine.decide`` and
     ``DecisionStore.record_decision`` raise."""
     t0 = time.perf_counter()
-    decision_id = "d_" + new_id()
+    decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
     payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time())
     m = svc.metrics

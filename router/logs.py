@@ -24,6 +24,13 @@ def new_id(bits: int = 128) -> str:
     return f"{_ids.getrandbits(bits):0{bits // 4}x}"
 
 
+def new_sorted_id() -> str:
+    """32 hex digits: milliseconds since the epoch (12), then 80 random bits. Ids made later sort
+    later (to the millisecond), so the decision log's primary-key index grows at its right edge —
+    one B-tree page per commit instead of one random page per row."""
+    return f"{int(time.time() * 1000.0) & 0xFFFFFFFFFFFF:012x}{_ids.getrandbits(80):020x}"
+
+
 ACCESS = logging.getLogger("xroute.router.access")
 LOG = logging.getLogger("xroute.router")
 
