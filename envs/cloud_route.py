@@ -55,6 +55,7 @@ truncated (never terminated) after its last request. Everything random comes fro
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from typing import Any
 
@@ -63,6 +64,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envs import features as fz
+from envs import kernels
 from envs.replay import TelemetryReplay
 from xroute.bundle import Bundle, load_bundle, to_seconds
 from xroute.config import EnvConfig, ServingConfig, config_path, parse_config, read_yaml
@@ -74,8 +76,6 @@ def load_serving(name: str) -> ServingConfig:
     return parse_config(ServingConfig, read_yaml(path), str(path))
 
 
-_VALID, _RTT, _BUSY, _WAIT = fz.F["valid"], fz.F["rtt"], fz.F["busy"], fz.F["wait"]
-_RISK, _LAT, _COST, _VIOL = fz.F["preempt_risk"], fz.F["exp_latency"], fz.F["exp_cost"], fz.F["exp_violation"]
 
 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
@@ -143,6 +143,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.inv_slots = 1.0 / np.maximum(self.slots, 1)
         self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
         self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
+        self._all_idx = np.arange(self.n)
         self.speed_feat = np.clip(np.log(ref.tpot_ms / 1000.0 / self.tpot_s), -3, 3)
         self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
         self.replay = TelemetryReplay(self.bundle, self.rpi)
@@ -249,7 +250,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
                      "ext_util_conc", "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "r_origin",
                      "r_in", "r_out", "r_sla", "r_ref_cost", "r_id", "r_z", "c_wait", "c_busy", "c_service",
-                     "c_rtt", "c_lat", "c_cost", "c_mask", "c_risk", "_last_obs")
+                     "c_rtt", "c_lat", "c_cost", "c_mask", "c_risk", "c_load", "_last_obs")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
@@ -310,21 +311,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.r_origin, self.r_in, self.r_out, self.r_sla, self.r_ref_cost, self.r_id, self.r_z = (
             origin, float(n_in), float(n_out), float(sla_ms), float(ref_cost), request_id, z)
         self._release_until(t)
-        wait = self.row_min - t
-        np.maximum(wait, 0.0, out=wait)
-        busy = self.busy.astype(np.float64)
-        k = np.minimum(busy * self.inv_replicas, self.conc_m1)
-        k += self.ext_util_conc
-        service = self.r_in * self.inv_prefill + self.r_out * (self.tpot_s + self.tpot_growth_s * k)
         rtt = self.rtt_ms[self.r_origin]
-        lat = wait + service
-        lat *= 1000.0
-        lat += rtt
-        cost = self.cost_rate * service
-        mask = self.static_ok & (wait <= self.cfg.queue_timeout_s)
-        risk = -self.hazard * (wait + service)
-        np.expm1(risk, out=risk)
-        risk *= -1.0
+        # one compiled pass over the offerings (envs/kernels.py has the formulas)
+        wait, busy, service, lat, cost, mask, risk, busy_valid, slots_valid = kernels.candidate_outcomes(
+            self.row_min, self.busy, self.inv_replicas, self.conc_m1, self.ext_util_conc, self.inv_prefill,
+            self.tpot_s, self.tpot_growth_s, rtt, self.cost_rate, self.static_ok, self.hazard, self.slots, t,
+            self.r_in, self.r_out, self.cfg.queue_timeout_s)
+        self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_wait, self.c_busy, self.c_service, self.c_rtt = wait, busy, service, rtt
         self.c_lat, self.c_cost, self.c_mask, self.c_risk = lat, cost, mask, risk
         self._recent.append(t)
@@ -333,33 +326,32 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
 
     def _obs(self) -> dict[str, np.ndarray]:
         n = self.n
-        sla = self.r_sla
         nf = fz.N_OFFERING_FEATURES
         offerings = np.zeros(self.N * nf, dtype=np.float32)
-        m = offerings[: n * nf].reshape(n, nf)
-        m[:] = self.static_feats
-        inv_sla = 1.0 / sla
-        m[:, _VALID] = self.c_mask
-        m[:, _RTT] = np.minimum(self.c_rtt * (1.0 / 300.0), 3.0)
-        m[:, _BUSY] = self.c_busy * self.inv_slots
-        m[:, _WAIT] = np.minimum(self.c_wait * (1000.0 * inv_sla), 3.0)
-        m[:, _RISK] = self.c_risk
-        m[:, _LAT] = np.minimum(self.c_lat * inv_sla, 3.0)
-        m[:, _COST] = np.minimum(self.c_cost * (1.0 / self.r_ref_cost), 5.0)
-        m[:, _VIOL] = self.c_lat > sla
-        mask_f = self.c_mask.astype(np.float64)
-        valid_slots = max(float(self.slots @ mask_f), 1.0)
-        req = np.array([
-            min(np.log1p(self.r_in) / 10.0, 2.0),
-            min(np.log1p(self.r_out) / 8.0, 2.0),
-            min(np.log1p(sla) / 12.0, 2.0),
-            min(len(self._recent) / 100.0, 3.0),
-            min(float(self.c_busy @ mask_f) / valid_slots, 1.0),
-        ], dtype=np.float32)
+        self.offering_features(self._all_idx, out=offerings[: n * nf].reshape(n, nf))
         mask = np.zeros(self.N, dtype=np.float32)
         mask[:n] = self.c_mask
-        self._last_obs = {"offerings": offerings, "request": req, "mask": mask}
+        self._last_obs = {"offerings": offerings, "request": self.request_features(), "mask": mask}
         return self._last_obs
+
+    def offering_features(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The observation's offering rows of offerings ``idx`` (int64) for the current request,
+        as a (len(idx), F) float32 matrix (written into ``out`` when given)."""
+        if out is None:
+            out = np.empty((idx.shape[0], fz.N_OFFERING_FEATURES), dtype=np.float32)
+        kernels.offering_rows(out, idx, self.static_feats, self.c_mask, self.c_rtt, self.c_busy, self.inv_slots,
+                              self.c_wait, self.c_risk, self.c_lat, self.c_cost, self.r_sla, self.r_ref_cost)
+        return out
+
+    def request_features(self) -> np.ndarray:
+        """The observation's request vector (``envs.features.REQUEST_FEATURES``), float32."""
+        return np.array([
+            min(math.log1p(self.r_in) / 10.0, 2.0),
+            min(math.log1p(self.r_out) / 8.0, 2.0),
+            min(math.log1p(self.r_sla) / 12.0, 2.0),
+            min(len(self._recent) / 100.0, 3.0),
+            self.c_load,
+        ], dtype=np.float32)
 
     def _info(self) -> dict[str, Any]:
         mask = np.zeros(self.N, dtype=bool)
@@ -477,16 +469,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """One-step expected reward of each offering from what the observation shows (no future):
         expected cost/latency, with the spot-preemption risk estimated from availability history."""
         rw = self.cfg.reward
-        sla = self.r_sla
-        cost_n = np.minimum(self.c_cost / self.r_ref_cost, rw.cost_norm_cap)
-        lat_n = np.minimum(self.c_lat / sla, rw.latency_norm_cap)
-        ok = -(rw.cost_weight * cost_n + rw.latency_weight * lat_n) - rw.sla_penalty * (self.c_lat > sla)
-        # preempted: pays about half the run, then a retry that most likely misses the SLA
-        bad_lat = np.minimum((self.c_lat + self.cfg.retry_overhead_ms + 500.0 * self.c_service) / sla,
-                             rw.latency_norm_cap)
-        bad = -(rw.cost_weight * 1.5 * cost_n + rw.latency_weight * bad_lat) - rw.sla_penalty
-        r = (1.0 - self.c_risk) * ok + self.c_risk * bad
-        return np.where(self.c_mask, np.nan_to_num(r, nan=-1e9), -np.inf)
+        return kernels.expected_rewards(self.c_lat, self.c_cost, self.c_service, self.c_risk, self.c_mask, self.r_sla,
+                                        self.r_ref_cost, rw.cost_weight, rw.latency_weight, rw.sla_penalty,
+                                        rw.cost_norm_cap, rw.latency_norm_cap, self.cfg.retry_overhead_ms)
 
     def exact_rewards(self) -> np.ndarray:
         """The reward each offering would really get for the current request (hindsight: knows the

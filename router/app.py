@@ -73,7 +73,7 @@ class ModelManager:
         obs["mask"] = mask.astype(np.float32)
         idx = np.flatnonzero(mask)
         if active.scorer is not None:
-            _, s = active.scorer(obs, idx)
+            s = np.asarray(active.scorer(obs["offerings"].reshape(env.N, -1)[idx], obs["request"]))
             if s.shape != idx.shape or not np.isfinite(s).all():
                 raise ValueError(f"smoke decision: scores of shape {s.shape}, finite={np.isfinite(s).all()}")
         else:
@@ -210,6 +210,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
                               on_commit=metrics.committed, writer=settings.db_writer)
+        if settings.db_compress:
+            store.use_dictionary(engine.response_dictionary())
         store.start()
         models = ModelManager(engine, settings, metrics)
         await models.initial()

@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from envs import kernels as env_kernels
 from envs.cloud_route import CloudRouteEnv
 from models.baselines import make_baseline
+from router import kernels
 from router.keys import Principal
 from router.policies import ActivePolicy, PolicySlot
 from router.settings import RouterSettings
@@ -46,6 +48,8 @@ class RoutingEngine:
 
     def __init__(self, settings: RouterSettings, source: TelemetrySource | None = None):
         self.settings = settings
+        env_kernels.warm_up()  # compiled (or loaded from numba's cache) now, not on the first request
+        kernels.warm_up()
         self.source = source or ReplaySource(settings.telemetry, settings.replay_speed, settings.replay_offset_s)
         bundle = self.source.bundle()
         self.bundle_hash = bundle.content_hash
@@ -70,7 +74,7 @@ class RoutingEngine:
             except ConstraintError as e:
                 raise ConfigError(f"router settings: {e}") from None
             self.tenants[name] = t.constraints
-        self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int]]] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool]] = OrderedDict()
         self.freshness = Freshness(time.time())
         self.max_age = settings.max_telemetry_age_s
         self.k_alt = settings.alternatives
@@ -92,6 +96,15 @@ class RoutingEngine:
         self._static_key: int | None = None
         self._static_code = np.zeros(self.n, dtype=np.int64)
 
+    def response_dictionary(self) -> bytes:
+        """A preset dictionary for compressing this engine's answers in the decision log
+        (``DecisionStore.use_dictionary``): the pieces every answer repeats, most common last."""
+        keys = ('"alternatives":[{"offering":"score":"expected_latency_ms":"expected_cost_usd":"decision_id":"d_'
+                '"created_at":"tenant":"session_id":null,"score_kind":"q_value""expected_reward""excluded":{"total":'
+                '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"}],"policy":')
+        fallback = self._policy_text(self.slot.fallback.info)
+        return (keys + "".join(self.ref_json) + fallback + self._tele_head).encode()
+
     # ------------------------------------------------------------------ helpers
     def telemetry_info(self, t: float, wall: float) -> dict[str, Any]:
         age = self.freshness.age(wall)
@@ -106,8 +119,10 @@ class RoutingEngine:
             self.generation = gen
         return t
 
-    def constraints_for(self, tenant: str, request: Constraints | None) -> tuple[CompiledConstraints, dict[str, int]]:
-        """Compiled tenant + request constraints (cached; at most 1024 distinct sets)."""
+    def constraints_for(self, tenant: str, request: Constraints | None
+                        ) -> tuple[CompiledConstraints, dict[str, int], bool]:
+        """Compiled tenant + request constraints, their exclusion counts and whether they allow any
+        offering (cached; at most 1024 distinct sets)."""
         key = (tenant, "" if request is None or request.empty else request.model_dump_json(exclude_defaults=True))
         hit = self._compiled.get(key)
         if hit is not None:
@@ -121,17 +136,16 @@ class RoutingEngine:
                                [{"field": f"body.{e.field}", "message": e.problem, "suggestions": e.suggestions}]
                                ) from None
         counts = {k.replace("constraints:", "request:"): v for k, v in compiled.excluded_counts().items()}
-        hit = (compiled, counts)
+        hit = (compiled, counts, bool(compiled.allowed.any()))
         self._compiled[key] = hit
         if len(self._compiled) > 1024:
             self._compiled.popitem(last=False)
         return hit
 
-    _ENV_REASONS = ("unavailable", "no_capacity", "no_price", "queue_full")
-
-    def _env_exclusions(self, excluded: np.ndarray, counts: dict[str, int]) -> None:
-        """Count why the environment masks ``excluded`` offerings: the static reasons change only
-        when the env refreshes its telemetry snapshot (new arrays), anything else is a full queue."""
+    def _static_codes(self) -> np.ndarray:
+        """Why the environment masks each offering, as ``router.kernels.ENV_REASONS`` codes: the
+        static reasons change only when the env refreshes its telemetry snapshot (new arrays),
+        anything else is a full queue."""
         env = self.env
         key = id(env.available)
         if key != self._static_key:
@@ -140,9 +154,7 @@ class RoutingEngine:
             code[env.slots <= 0] = 1
             code[~env.available] = 0
             self._static_code, self._static_key = code, key
-        for r, c in zip(self._ENV_REASONS, np.bincount(self._static_code[excluded], minlength=4).tolist()):
-            if c:
-                counts[r] = counts.get(r, 0) + c
+        return self._static_code
 
     def _policy_text(self, pinfo: dict[str, Any]) -> str:
         hit = self._policy_json.get(id(pinfo))
@@ -166,54 +178,46 @@ class RoutingEngine:
             raise RouteFailure(422, "unknown_origin", f"unknown origin '{origin}'",
                                [{"field": "body.origin", "message": f"unknown origin '{origin}'; "
                                  f"known origins: GET /v1/offerings", "suggestions": close}])
-        compiled, ccounts = self.constraints_for(who.tenant, req.constraints)
+        compiled, ccounts, any_allowed = self.constraints_for(who.tenant, req.constraints)
         allowed = compiled.allowed
-        if not allowed.any():
+        if not any_allowed:
             raise RouteFailure(422, "no_offering", "the constraints (tenant defaults and request) exclude every offering",
                                [{"field": "body.constraints", "message": "excludes every offering",
                                  "suggestions": []}], extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
         n = self.n
-        # the features are built only for a policy that reads them (a model, a non-greedy baseline)
         env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms, decision_id)
-        valid = env_mask & allowed
+        pref = compiled.preferred
+        valid, n_valid, n_not_preferred, env_counts = kernels.combine(
+            env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes())
         counts = dict(ccounts)
-        if compiled.preferred is not None:
-            pv = valid & compiled.preferred
-            if pv.any():
-                np_count = int(np.count_nonzero(valid & ~pv))
-                if np_count:
-                    counts["not_preferred"] = np_count
-                valid = pv
-        env_excluded = allowed & ~env_mask
-        if env_excluded.any():
-            self._env_exclusions(env_excluded, counts)
-        idx = np.flatnonzero(valid)
-        if idx.size == 0:
-            wait = env.c_wait[allowed & env.available] if (allowed & env.available).any() else None
+        if n_not_preferred:
+            counts["not_preferred"] = n_not_preferred
+        for reason, c in zip(kernels.ENV_REASONS, env_counts.tolist()):
+            if c:
+                counts[reason] = counts.get(reason, 0) + c
+        if n_valid == 0:
+            ok = allowed & env.available
+            wait = env.c_wait[ok] if ok.any() else None
             retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
             raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
                                headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
         stale = self.freshness.age(wall) > self.max_age
         active, pinfo = self.slot.current(stale)
         try:
-            a, scores, score_kind = self._choose(active, idx)
+            a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
         except Exception as e:  # a model that fails at decision time: this request goes to the fallback
             if active is self.slot.fallback:
                 raise
             self.slot.failed(f"decision error: {type(e).__name__}: {e}")
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
-            a, scores, score_kind = self._choose(active, idx)
+            a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
         lat, cost = env.c_lat, env.c_cost
-        alts: list[str] = []
-        if self.k_alt and idx.size > 1:
-            for j in np.argsort(-scores, kind="stable")[: self.k_alt + 1].tolist():
-                k = int(idx[j])
-                if k != a and len(alts) < self.k_alt:
-                    alts.append(f'{{"offering":{self.ref_json[k]},"score":{_num(scores[j])!r},'
-                                f'"expected_latency_ms":{_num(lat[k])!r},"expected_cost_usd":{_num(cost[k])!r}}}')
-        score = _num(scores[int(np.searchsorted(idx, a))])
+        alts = [f'{{"offering":{self.ref_json[k]},"score":{_num(sc)!r},'
+                f'"expected_latency_ms":{_num(lat[k])!r},"expected_cost_usd":{_num(cost[k])!r}}}'
+                for k, sc in zip(alt_idx, alt_scores)]
+        score = _num(score)
         exp = env.commit_live(a)
         self.decisions += 1
         exp_lat, exp_cost = _num(exp["expected_latency_ms"]), _num(exp["expected_cost_usd"])
@@ -222,7 +226,7 @@ class RoutingEngine:
                 f'"session_id":{_dumps(req.session_id)},"offering":{self.ref_json[a]},'
                 f'"expected_latency_ms":{exp_lat!r},"expected_cost_usd":{exp_cost!r},"score":{score!r},'
                 f'"score_kind":"{score_kind}","alternatives":[{",".join(alts)}],"policy":{self._policy_text(pinfo)},'
-                f'"excluded":{{"total":{n - int(idx.size)},"by_reason":{_dumps(counts)}}},'
+                f'"excluded":{{"total":{n - n_valid},"by_reason":{_dumps(counts)}}},'
                 f'"telemetry":{self._tele_head}{iso(t)}","age_s":{round(age, 3)!r},'
                 f'"stale":{"true" if age > self.max_age else "false"}}}}}')
         offering_id = self.refs[a]["offering_id"]
@@ -231,23 +235,38 @@ class RoutingEngine:
                self.bundle_hash, req.model_dump_json(exclude_none=True), text)
         return text.encode(), row, offering_id, pinfo
 
-    def _choose(self, active: ActivePolicy, idx: np.ndarray) -> tuple[int, np.ndarray, str]:
-        """(chosen offering, scores of ``idx``, score kind) under ``active``, restricted to ``idx``
-        (the current request is the env's, set by ``set_live``)."""
+    def _choose(self, active: ActivePolicy, valid: np.ndarray
+                ) -> tuple[int, float, list[int], list[float], str]:
+        """(chosen offering, its score, the next ``alternatives`` offerings and their scores, score
+        kind) under ``active``, among the ``valid`` offerings (the current request is the env's, set
+        by ``set_live``)."""
+        k_alt = self.k_alt
+        env = self.env
         if active.scorer is not None:
-            _, s = active.scorer(self.env._obs(), idx)
+            idx = np.flatnonzero(valid)
+            s = active.scorer(env.offering_features(idx), env.request_features())
             if s.shape != idx.shape or not np.isfinite(s).all():
                 raise ValueError("the model returned non-finite or misshapen scores")
-            return int(idx[int(np.argmax(s))]), s, "q_value"
-        r = self.env.expected_rewards()[idx]
+            best, alt = env_kernels.rank(s, self._ones(idx.size), k_alt)
+            return (int(idx[best]), float(s[best]), idx[alt].tolist(), s[alt].tolist(), "q_value")
+        r = env.expected_rewards()
         if active.name == "greedy":
-            return int(idx[int(np.argmax(r))]), r, "expected_reward"
+            best, alt = env_kernels.rank(r, valid, k_alt)
+            return int(best), float(r[best]), alt.tolist(), r[alt].tolist(), "expected_reward"
         mask = np.zeros(self.N, dtype=bool)
-        mask[idx] = True
-        a = int(active.policy.act({**self.env._obs(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
-        if not (0 <= a < self.n and mask[a]):  # a policy that ignores the mask: best valid expectation instead
-            a = int(idx[int(np.argmax(r))])
-        return a, r, "expected_reward"
+        mask[: self.n] = valid
+        a = int(active.policy.act({**env._obs(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
+        best, alt = env_kernels.rank(r, valid, k_alt + 1)
+        if not (0 <= a < self.n and valid[a]):  # a policy that ignores the mask: best valid expectation instead
+            a = int(best)
+        others = [int(k) for k in [int(best), *alt.tolist()] if k != a][:k_alt]
+        return a, float(r[a]), others, r[others].tolist(), "expected_reward"
+
+    def _ones(self, k: int) -> np.ndarray:
+        ones = self.__dict__.get("_ones_cache")
+        if ones is None or ones.size < k:
+            ones = self.__dict__["_ones_cache"] = np.ones(max(k, self.n), dtype=bool)
+        return ones[:k]  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float) -> dict[str, Any]:

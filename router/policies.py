@@ -25,10 +25,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from envs.features import N_OFFERING_FEATURES
 from xroute.errors import ConfigError
 
-Scorer = Callable[[dict[str, np.ndarray], np.ndarray], tuple[np.ndarray, np.ndarray]]
+Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -52,25 +51,19 @@ class ActivePolicy:
 
 def scorer_of(policy: Any) -> Scorer | None:
     """A one-pass scorer for policies that expose numpy weights (``models.policy.LearnedPolicy``):
-    ``(obs, valid_idx) -> (valid_idx, scores)``, computed exactly as its ``act`` computes them
-    (context over the valid rows only). ``None`` for policies without one."""
+    ``(rows, request) -> scores``, for the offering rows (k, F) of the valid offerings and the
+    request vector, computed exactly as its ``act`` computes them (context over the valid rows
+    only). ``None`` for policies without one."""
     weights = getattr(policy, "weights", None)
     one = getattr(weights, "scores_one", None)
     if one is not None:  # the same scores, bit for bit, without the batch and mask handling
-
-        def run_one(obs: dict[str, np.ndarray], idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            rows = obs["offerings"].reshape(-1, N_OFFERING_FEATURES)[idx]
-            return idx, np.asarray(one(rows, obs["request"]), dtype=np.float64)
-
-        return run_one
+        return one  # type: ignore[no-any-return]
     score = getattr(weights, "scores", None)
     if score is None:
         return None
 
-    def run(obs: dict[str, np.ndarray], idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows = obs["offerings"].reshape(-1, N_OFFERING_FEATURES)[idx]
-        s = score(rows[None], obs["request"][None], np.ones((1, idx.size), dtype=np.float32))[0]
-        return idx, np.asarray(s, dtype=np.float64)
+    def run(rows: np.ndarray, request: np.ndarray) -> np.ndarray:
+        return score(rows[None], request[None], np.ones((1, rows.shape[0]), dtype=np.float32))[0]  # type: ignore[no-any-return]
 
     return run
 

@@ -62,6 +62,9 @@ class RouterSettings(BaseSettings):
     db_writer: Literal["thread", "loop"] = Field(
         "thread", description="commit on a writer thread (default: the loop keeps deciding during the fsync) "
                               "or on the event loop (~10 % faster when fsync is quick and steady)")
+    db_compress: bool = Field(
+        True, description="store each answer deflated against a dictionary of the catalog (~5x smaller log, "
+                          "~10 % fewer decisions/s on 2 cores); false stores the JSON text")
     gil_switch_interval_s: float = Field(
         0.0005, gt=0, le=0.1, description="sys.setswitchinterval while serving: the writer thread gets the GIL "
                                          "back within this time instead of Python's default 5 ms")

@@ -20,6 +20,7 @@ poll checks that the bundle's files are still readable (the recording itself nev
 from __future__ import annotations
 
 import abc
+import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,8 +30,25 @@ from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle, to_seconds
 
 
 def iso(t: float) -> str:
-    """Seconds since the epoch as ISO-8601 UTC with milliseconds."""
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """Seconds since the epoch as ISO-8601 UTC with milliseconds (``2024-01-01T00:00:00.123Z``).
+    Two are formatted per routed request: the part up to the second is cached."""
+    frac, whole = math.modf(t)  # rounded to the microsecond first, as datetime.fromtimestamp does
+    us = round(frac * 1e6)
+    sec = int(whole)
+    if us >= 1_000_000:
+        sec, us = sec + 1, us - 1_000_000
+    elif us < 0:
+        sec, us = sec - 1, us + 1_000_000
+    ms = us // 1000
+    head = _iso_heads.get(sec)
+    if head is None:
+        if len(_iso_heads) > 64:
+            _iso_heads.clear()
+        head = _iso_heads[sec] = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+    return f"{head}{ms:03d}Z"
+
+
+_iso_heads: dict[int, str] = {}  # a request formats its wall time and its telemetry time
 
 
 class TelemetrySource(abc.ABC):

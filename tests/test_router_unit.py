@@ -326,3 +326,76 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
     assert (out / "outcomes.csv").read_text().count("\n") == 41
     with pytest.raises(ConfigError, match="overwrite"):
         export_bundle(db, engine.source.path, out)
+
+
+def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: Path, engine: RoutingEngine) -> None:
+    """Answers are stored deflated against the engine's dictionary and read back byte-identical;
+    a log written before compression (plain-text answers, no dictionary column) is migrated in
+    place and its rows stay readable beside the new ones."""
+    db = tmp_path / "d.db"
+    legacy = sqlite3.connect(db)  # the previous schema, one plain-text row
+    legacy.executescript("""CREATE TABLE decisions (decision_id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
+        created_at REAL NOT NULL, telemetry_ts REAL NOT NULL, origin TEXT NOT NULL, input_tokens INTEGER NOT NULL,
+        max_output_tokens INTEGER NOT NULL, sla_ms REAL NOT NULL, session_id TEXT, offering_id TEXT NOT NULL,
+        expected_latency_ms REAL NOT NULL, expected_cost_usd REAL NOT NULL, policy TEXT NOT NULL,
+        policy_kind TEXT NOT NULL, policy_version TEXT, bundle_hash TEXT NOT NULL, request_json TEXT NOT NULL,
+        response_json TEXT NOT NULL);""")
+    req = RouteRequest.model_validate(ROUTE)
+    old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
+    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_row))})", old_row)
+    legacy.commit()
+    legacy.close()
+
+    async def run() -> list[tuple[str, bytes]]:
+        store = DecisionStore(db)
+        store.use_dictionary(engine.response_dictionary())
+        store.start()
+        sent = []
+        for i in range(50):
+            text, row, _, _ = engine.decide(req, A, f"d_{i:03d}", engine.source.start_wall + 1 + i)
+            await store.record_decision(row)
+            sent.append((f"d_{i:03d}", text))
+        for did, text in [("d_old", old_text), *sent]:
+            rec = store.get_decision(did, "a")
+            assert rec is not None
+            rec.pop("request"), rec.pop("feedback")
+            assert rec == json.loads(text)
+        store.close()
+        return sent
+
+    sent = asyncio.run(run())
+    conn = sqlite3.connect(db)
+    stored = dict(conn.execute("SELECT decision_id, length(response_json) FROM decisions"))
+    plain = {did: len(text) for did, text in sent}
+    assert all(stored[d] * 4 < plain[d] for d in plain)  # deflate with the preset dictionary
+    assert conn.execute("SELECT COUNT(*) FROM zdicts").fetchone()[0] == 1
+    # a second start with the same catalog reuses the stored dictionary
+    store = DecisionStore(db)
+    assert store.use_dictionary(engine.response_dictionary()) == 1
+    store.close()
+
+
+def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> None:
+    """The WAL is rewound after checkpoints although commits never pause (it grew without bound
+    when only a background checkpointer ran)."""
+    db = tmp_path / "d.db"
+    pad = "x" * 2000
+
+    async def run() -> int:
+        store = DecisionStore(db, checkpoint_rows=500)
+        store.start()
+        biggest = 0
+        for i in range(60):
+            rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, None, "x", 1.0, 1.0, "g", "fallback",
+                     None, "h", "{}", pad) for j in range(50)]
+            await asyncio.gather(*(store.record_decision(r) for r in rows))
+            wal = db.with_name(db.name + "-wal")
+            biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)
+        assert store.checkpoints >= 3
+        store.close()
+        return biggest
+
+    biggest = asyncio.run(run())
+    written = 3000 * 2000
+    assert biggest < written / 2, (biggest, written)  # without rewinding it holds every page written
+    assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM decisions").fetchone()[0] == 3000
