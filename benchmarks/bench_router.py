@@ -9,7 +9,10 @@
    loopback, 10 connections, one wrk thread:
    a trivial async FastAPI POST endpoint; a bare numpy routing decision endpoint; and
    ``POST /v1/route`` of ``xroute serve`` (auth, tenant + request masks, env features, policy,
-   group-committed decision log with ``synchronous=FULL``, access log, metrics).
+   group-committed decision log with ``synchronous=FULL``, access log, metrics) with its default
+   settings and the greedy fallback (``route``), with a learned scorer of the DQN's default shape
+   (``route_learned``), and with one setting changed each: ``synchronous=NORMAL``, commits on the
+   event loop, answers stored uncompressed.
 3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
 
 Usage::
@@ -156,8 +159,8 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
             r = reqs[i % 256]
             t0 = time.perf_counter()
             t = eng.now(wall)
-            idx = np.flatnonzero(env.set_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.sla_ms, i))
-            a, _, _ = eng._choose(active, idx)  # builds the observation when the policy reads it
+            valid = env.set_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.sla_ms, i)
+            a = eng._choose(active, valid)[0]  # builds the features when the policy reads them
             env.commit_live(a)
             core.append(time.perf_counter() - t0)
         for i in range(n):
@@ -304,27 +307,39 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
 
     keys = work / "keys.json"
     key = add_key(keys, "bench")
-    for sync in ("NORMAL", "FULL"):  # FULL (the default) last: the soak runs on it
-        label = "route" if sync == "FULL" else "route_normal"
-        results[label] = _bench_route(work, bundle, seconds, soak_s if sync == "FULL" else 0, model, key, env, sync,
-                                      results)
-    results["route_vs_trivial"] = round(results["route"]["rps"] / results["trivial"]["rps"], 3)
-    results["route_normal_vs_trivial"] = round(results["route_normal"]["rps"] / results["trivial"]["rps"], 3)
+    learned = str(learned_export(work / "learned-http") or "")
+    # (label, environment overrides, model): the default configuration ("route") last, the soak runs on it
+    variants: list[tuple[str, dict[str, str], str]] = [
+        ("route_normal", {"XROUTE_ROUTER_DB_SYNCHRONOUS": "NORMAL"}, model),
+        ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
+        ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
+        ("route_learned", {}, learned),
+        ("route", {}, model),
+    ]
+    for label, overrides, m in variants:
+        if label == "route_learned" and not m:
+            continue
+        results[label] = _bench_route(work, bundle, seconds, soak_s if label == "route" else 0, m, key,
+                                      {**env, **overrides}, label, results)
+        results[label]["settings"] = overrides or "defaults (FULL, writer thread, compressed log)"
+    for label, _, _ in variants:
+        if label in results:
+            results[f"{label}_vs_trivial"] = round(results[label]["rps"] / results["trivial"]["rps"], 3)
     return results
 
 
 def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str, key: str,
-                 env: dict[str, str], sync: str, results: dict[str, Any]) -> dict[str, Any]:
+                 env: dict[str, str], label: str, results: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     port = free_port()
-    db = work / f"decisions-{sync}.db"
+    db = work / f"decisions-{label}.db"
     args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
             "--keys-file", str(work / "keys.json"), "--model", model]
     if bundle is not None:
         args += ["--telemetry", str(bundle)]
-    log = open(work / f"router-{sync}.log", "wb")
-    proc = subprocess.Popen(args, cwd=REPO, env={**env, "XROUTE_ROUTER_DB_SYNCHRONOUS": sync}, stdout=log, stderr=log)
+    log = open(work / f"router-{label}.log", "wb")
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=log)
     out: dict[str, Any] = {}
     try:
         _wait_ready(f"http://127.0.0.1:{port}/healthz", proc)
@@ -336,7 +351,7 @@ def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float,
         run_wrk(url, script, 3)
         out = run_wrk(url, script, seconds)
         out["policy"] = f"{policy['name']} ({policy['kind']})"
-        out["synchronous"] = sync
+        out["db_mib"] = round(db.stat().st_size / 2**20, 1)
         if soak_s > 0:
             run_wrk(url, script, 10)
             rss0 = _rss_kib(proc.pid)
@@ -401,8 +416,36 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2))
-    print(json.dumps(res, indent=2))
+    print(table(res))
     print(f"\nwritten: {a.out}")
+
+
+def table(res: dict[str, Any]) -> str:
+    """The results as markdown tables (the JSON file has everything)."""
+    lines = [f"machine: {res['machine']}; fsync p50 {res['fsync_ms']['p50']} ms, p99 {res['fsync_ms']['p99']} ms", "",
+             "| in-process decision | offerings | features->argmax p50 / p99 us | engine.decide p50 / p99 us |",
+             "|---|---:|---:|---:|"]
+    for where in ("inprocess_100_offerings", "inprocess_shipped_bundle"):
+        for pol, v in res[where].items():
+            f, e = v["features_to_argmax"], v["engine_decide"]
+            lines.append(f"| {pol} ({where.removeprefix('inprocess_')}) | {v['offerings']} | {f['p50_us']} / "
+                         f"{f['p99_us']} | {e['p50_us']} / {e['p99_us']} |")
+    http = res["http"]
+    if "skipped" in http:
+        return "\n".join([*lines, "", f"HTTP: {http['skipped']}"])
+    lines += ["", "| HTTP (wrk -c10, one worker) | req/s | vs trivial | p50 ms | p99 ms | policy | settings |",
+              "|---|---:|---:|---:|---:|---|---|"]
+    for k, v in http.items():
+        if isinstance(v, dict) and "rps" in v:
+            ratio = http.get(f"{k}_vs_trivial", 1.0 if k == "trivial" else "")
+            lines.append(f"| {k} | {v['rps']} | {ratio} | {v['p50_ms']} | {v['p99_ms']} | {v.get('policy', '')} | "
+                         f"{v.get('settings', '')} |")
+    soak = http.get("soak")
+    if soak:
+        lines += ["", f"soak {soak['seconds']:g} s: {soak['rps']} req/s, p99 {soak['p99_ms']} ms, RSS "
+                  f"{soak['rss_start_kib'] / 1024:.0f} -> {soak['rss_end_kib'] / 1024:.0f} MiB, decision log "
+                  f"{soak['db_mib']} MiB"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
