@@ -149,13 +149,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.replay = TelemetryReplay(self.bundle, self.rpi)
 
         w = self.bundle.workload
-        rtt = self.bundle.rtt_lookup()
-        locs = {o.location for o in self.catalog}
-        srcs = {s for s, _ in rtt} | set(w["origin"])
-        self.origins = sorted(o for o in srcs if all((o, loc) in rtt for loc in locs))
+        self.origins, self.rtt_ms = self._origins_rtt(self.bundle)
         oi = {o: i for i, o in enumerate(self.origins)}
         self.origin_index = oi
-        self.rtt_ms = np.array([[rtt[(org, off.location)] for off in self.catalog] for org in self.origins])
         t = to_seconds(w["ts"])
         self.t0 = float(t[0])
         self.arrival_raw = t
@@ -169,6 +165,41 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # reference cost of each request: served alone on one reference replica at the reference price
         ref_service = self.req_in / ref.prefill_tok_s + self.req_out * ref.tpot_ms / 1000.0
         self.ref_cost = self._reference_cost(ref_service)
+
+    def _origins_rtt(self, bundle: Bundle) -> tuple[list[str], np.ndarray]:
+        """Origins (RTT sources, or workload origins, that reach every offering's location) and
+        the (origin, offering) RTT matrix in ms."""
+        rtt = bundle.rtt_lookup()
+        locs = {o.location for o in self.catalog}
+        srcs = {s for s, _ in rtt} | set(bundle.workload["origin"])
+        origins = sorted(o for o in srcs if all((o, loc) in rtt for loc in locs))
+        return origins, np.array([[rtt[(org, off.location)] for off in self.catalog] for org in origins])
+
+    def prepare_telemetry(self, bundle: Bundle) -> dict[str, Any]:
+        """New telemetry (prices, availability, utilization, RTT) for the *same* catalog, made
+        ready without touching the environment (a live router builds it off its event loop);
+        :meth:`apply_telemetry` swaps it in. Raises ``ConfigError`` when the catalog or the pool
+        sizes differ (that needs a new environment)."""
+        if bundle.catalog() != self.catalog:
+            raise ConfigError(f"{bundle.path}: the catalog changed (offerings added, removed or altered); "
+                              "restart the router to serve the new catalog")
+        caps = bundle.offerings.get("capacity_replicas")
+        new_caps = caps.to_numpy(dtype=float) if caps is not None else np.full(self.n, np.nan)
+        old_caps = self.bundle.offerings.get("capacity_replicas")
+        old = old_caps.to_numpy(dtype=float) if old_caps is not None else np.full(self.n, np.nan)
+        if not np.array_equal(new_caps, old, equal_nan=True):
+            raise ConfigError(f"{bundle.path}: field 'capacity_replicas' changed; restart the router to resize its pools")
+        origins, rtt_ms = self._origins_rtt(bundle)
+        return {"bundle": bundle, "replay": TelemetryReplay(bundle, self.rpi), "origins": origins, "rtt_ms": rtt_ms}
+
+    def apply_telemetry(self, prepared: dict[str, Any]) -> None:
+        """Swap in :meth:`prepare_telemetry`'s result. The pools keep their load; the next request
+        re-reads prices and availability from the new tables."""
+        self.bundle, self.replay = prepared["bundle"], prepared["replay"]
+        self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
+        self.origin_index = {o: i for i, o in enumerate(self.origins)}
+        self._refresh_at = -np.inf
+        self._next_event = -np.inf
 
     def _reference_cost(self, ref_service_s: Any) -> Any:
         ref = self.ref

@@ -34,6 +34,7 @@ from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.settings import RouterSettings, load_settings
 from router.store import DecisionStore
+from router.telemetry import iso
 
 API_VERSION = "1.0.0"
 
@@ -138,14 +139,21 @@ async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: flo
         if not first:
             await asyncio.sleep(every)
         first = False
+        source = engine.source
         try:
-            await asyncio.to_thread(engine.source.poll)
+            new = await asyncio.to_thread(source.poll)
+            if new is not None:  # a live source's new commit: built off the loop, swapped in between decisions
+                prepared = await asyncio.to_thread(engine.prepare_telemetry, new)
+                engine.apply_telemetry(prepared)
+                source.accept()
+                LOG.info("telemetry reloaded", extra={"fields": {"bundle_hash": engine.bundle_hash,
+                                                                 "as_of": iso(source.as_of())}})
         except Exception as e:
             if fresh.last_error is None:
-                LOG.warning("telemetry source unreachable; its data ages", extra={"fields": {"error": str(e)}})
+                LOG.warning("telemetry source unreachable or invalid; its data ages", extra={"fields": {"error": str(e)}})
             fresh.last_error = f"{type(e).__name__}: {e}"
         else:
-            fresh.last_ok_wall = time.time()
+            fresh.last_ok_wall = source.as_of()
             fresh.last_error = None
         metrics.telemetry_age.set(fresh.age(time.time()))
         flush_logs()

@@ -15,6 +15,9 @@ def serve(
     host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8080,
     telemetry: Annotated[Path | None, typer.Option(help="telemetry bundle directory (default: the shipped one)")] = None,
+    live: Annotated[bool | None, typer.Option("--live/--replay", help="serve --telemetry live: a directory "
+                                              "'xroute telemetry collect' keeps current, on the wall clock "
+                                              "(default: replay a recorded bundle)")] = None,
     config: Annotated[Path | None, typer.Option(help="router config YAML (default: configs/router.yaml if present)")] = None,
     model: Annotated[str | None, typer.Option(help="model URI or path (default models:/xroute-router@champion); "
                                                    "'' = fallback only")] = None,
@@ -30,7 +33,7 @@ def serve(
     from router.engine import RoutingEngine
     from router.settings import load_settings
 
-    settings = load_settings(config, telemetry=telemetry, model_uri=model, fallback_policy=fallback, db_path=db,
+    settings = load_settings(config, telemetry=telemetry, telemetry_live=live, model_uri=model, fallback_policy=fallback, db_path=db,
                              keys_file=keys_file, log_level=log_level)
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
     app = create_app(settings, engine)

@@ -24,7 +24,7 @@ from router import kernels
 from router.keys import Principal
 from router.policies import ActivePolicy, PolicySlot
 from router.settings import RouterSettings
-from router.telemetry import Freshness, ReplaySource, TelemetrySource, iso
+from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource, iso
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.decision import RouteRequest
@@ -50,7 +50,13 @@ class RoutingEngine:
         self.settings = settings
         env_kernels.warm_up()  # compiled (or loaded from numba's cache) now, not on the first request
         kernels.warm_up()
-        self.source = source or ReplaySource(settings.telemetry, settings.replay_speed, settings.replay_offset_s)
+        if source is None:
+            if settings.telemetry_live:
+                assert settings.telemetry is not None  # RouterSettings checks it
+                source = LiveSource(settings.telemetry)
+            else:
+                source = ReplaySource(settings.telemetry, settings.replay_speed, settings.replay_offset_s)
+        self.source = source
         bundle = self.source.bundle()
         self.bundle_hash = bundle.content_hash
         env_cfg = parse_config(EnvConfig, {**settings.env, "episode_requests": None}, "router settings: field 'env'")
@@ -104,6 +110,20 @@ class RoutingEngine:
                 '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"}],"policy":')
         fallback = self._policy_text(self.slot.fallback.info)
         return (keys + "".join(self.ref_json) + fallback + self._tele_head).encode()
+
+    def prepare_telemetry(self, bundle: Any) -> dict[str, Any]:
+        """New telemetry from the source, made ready off the event loop (``apply_telemetry``
+        swaps it in); raises ``ConfigError`` when the catalog changed."""
+        return self.env.prepare_telemetry(bundle)
+
+    def apply_telemetry(self, prepared: dict[str, Any]) -> None:
+        """On the event loop, between two decisions: the env's tables, origins and the bundle hash
+        the decision log records."""
+        self.env.apply_telemetry(prepared)
+        self.bundle_hash = prepared["bundle"].content_hash
+        self.origins = list(self.env.origins)
+        self.origin_set = frozenset(self.origins)
+        self._static_key = None
 
     # ------------------------------------------------------------------ helpers
     def telemetry_info(self, t: float, wall: float) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -38,6 +38,9 @@ class RouterSettings(BaseSettings):
 
     # telemetry ------------------------------------------------------------------------------
     telemetry: Path | None = Field(None, description="telemetry bundle directory (default: the shipped bundle)")
+    telemetry_live: bool = Field(
+        False, description="serve 'telemetry' live: a directory kept current by xroute telemetry collect --out, on the "
+                           "wall clock, reloaded when the collector commits (default: replay a recorded bundle)")
     replay_speed: float = Field(1.0, gt=0, description="telemetry seconds per wall-clock second")
     replay_offset_s: float = Field(0.0, ge=0, description="where in the recorded window the replay starts")
     telemetry_refresh_s: float = Field(10.0, gt=0, description="how often the telemetry cache polls its source")
@@ -76,6 +79,12 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
     access_log: bool = Field(True, description="one JSON line per request")
     log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _live_needs_a_directory(self) -> RouterSettings:
+        if self.telemetry_live and self.telemetry is None:
+            raise ValueError("telemetry_live needs 'telemetry': the directory xroute telemetry collect writes")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

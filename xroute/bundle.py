@@ -18,7 +18,7 @@ import pandas as pd
 
 from xroute.errors import BundleError
 from xroute.schema.offering import Offering
-from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, Column, Table, location_id
+from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUNDLE = REPO_ROOT / "data" / "bundles" / "default"
@@ -232,8 +232,18 @@ def _suggest(name: str, known: Iterable[str]) -> str:
     return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
-def load_bundle(path: str | Path | None = None) -> Bundle:
+def read_table(root: str | Path, name: str) -> pd.DataFrame | None:
+    """One table of the bundle directory ``root``, validated on its own (``None`` when absent)."""
+    table = TABLES[name]
+    f = _find_table_file(Path(root), name)
+    return None if f is None else validate_table(_read_table(f, table), table, f.name)
+
+
+def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None = None) -> Bundle:
     """Read and validate the bundle at ``path`` (default: the shipped bundle).
+
+    ``workload``: the request table to use when the directory has none (a collector's directory
+    served live, see ``router.telemetry.LiveSource``); validated like a file.
 
     Raises :class:`BundleError` with file, row and column on the first problem found.
     """
@@ -241,9 +251,17 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     if not root.is_dir():
         raise BundleError(str(root), "is not a directory holding a telemetry bundle")
     frames: dict[str, pd.DataFrame | None] = {}
+    fname: dict[str, str] = {}
     digest = hashlib.sha256()
     for name, table in TABLES.items():
         f = _find_table_file(root, name)
+        fname[name] = f.name if f is not None else name
+        if f is None and name == WORKLOAD.name and workload is not None:
+            fname[name] = f"{name} (given)"
+            frames[name] = validate_table(workload, table, fname[name])
+            digest.update(name.encode())
+            digest.update(workload.to_csv(index=False).encode())
+            continue
         if f is None:
             if table.required:
                 raise BundleError(str(root), f"missing table '{name}' (expected {name}.csv or {name}.parquet)")
@@ -255,7 +273,6 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
 
     offerings, prices, rtt, workload = (frames[n] for n in ("offerings", "prices", "rtt", "workload"))
     assert offerings is not None and prices is not None and rtt is not None and workload is not None
-    fname = {n: (_find_table_file(root, n).name if frames[n] is not None else n) for n in frames}  # type: ignore[union-attr]
     if len(offerings) == 0:
         raise BundleError(fname["offerings"], "has no offerings")
     if len(workload) == 0:
