@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -80,11 +80,12 @@ class RouterSettings(BaseSettings):
     access_log: bool = Field(True, description="one JSON line per request")
     log_level: str = "INFO"
 
-    @model_validator(mode="after")
-    def _live_needs_a_directory(self) -> RouterSettings:
-        if self.telemetry_live and self.telemetry is None:
-            raise ValueError("telemetry_live needs 'telemetry': the directory xroute telemetry collect writes")
-        return self
+    @field_validator("telemetry_live")
+    @classmethod
+    def _live_needs_a_directory(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("telemetry") is None:
+            raise ValueError("needs 'telemetry' (--telemetry DIR): the directory xroute telemetry collect --out writes")
+        return v
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

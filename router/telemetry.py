@@ -34,6 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle, read_table, to_seconds
+from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLES, WORKLOAD
 
 
@@ -144,7 +145,7 @@ class LiveSource(TelemetrySource):
 
     def _files(self) -> tuple[tuple[str, int, int], ...]:
         if not self.path.is_dir():
-            raise FileNotFoundError(f"{self.path}: not a directory (the collector's --output)")
+            raise ConfigError(f"--telemetry: '{self.path}' is not a directory (the --out of xroute telemetry collect)")
         out = []
         for f in sorted(self.path.iterdir()):
             if f.is_file() and (f.name == self.MANIFEST or f.name.split(".")[0] in TABLES):
@@ -162,13 +163,14 @@ class LiveSource(TelemetrySource):
         the live router never replays it."""
         offerings, rtt = read_table(self.path, "offerings"), read_table(self.path, "rtt")
         if offerings is None or rtt is None:
-            raise FileNotFoundError(f"{self.path}: tables 'offerings' and 'rtt' are needed (run xroute telemetry collect)")
+            raise ConfigError(f"--telemetry: '{self.path}' has no 'offerings' and 'rtt' tables "
+                              "(run xroute telemetry collect --out on it first)")
         locs = set(offerings["provider"] + ":" + offerings["region"])
         pairs = set(zip(rtt["src"], rtt["dst"])) | set(zip(rtt["dst"], rtt["src"]))
         origins = sorted(o for o in set(rtt["src"]) if all((o, loc) in pairs for loc in locs))
         if not origins:
-            raise FileNotFoundError(f"{self.path}: no RTT source reaches every offering's location "
-                                    "(the collector's --origin and RTT probes provide them)")
+            raise ConfigError(f"--telemetry: '{self.path}': no RTT source reaches every offering's location "
+                              "(the collector's --origin and RTT probes provide them)")
         prices = read_table(self.path, "prices")
         ts = prices["ts"].max() if prices is not None and len(prices) else pd.Timestamp.now(tz="UTC")
         return pd.DataFrame({"ts": [ts.isoformat()] * len(origins), "request_id": [f"live:{o}" for o in origins],

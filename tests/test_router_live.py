@@ -97,10 +97,15 @@ def test_live_source_names_what_is_missing(tmp_path: Path) -> None:
     d = live_dir(tmp_path)
     rtt = pd.read_csv(d / "rtt.csv")
     rtt[rtt["src"] == rtt["dst"]].to_csv(d / "rtt.csv", index=False)  # nobody reaches every location
-    with pytest.raises(Exception, match="no RTT source reaches every offering"):
+    with pytest.raises(ConfigError, match="no RTT source reaches every offering"):
         LiveSource(d)
-    with pytest.raises(ConfigError, match="telemetry_live needs 'telemetry'"):
+    with pytest.raises(ConfigError, match=r"field 'telemetry_live': .*needs 'telemetry'"):
         make_setup(tmp_path / "s3", telemetry=None, telemetry_live=True)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        LiveSource(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no 'offerings' and 'rtt' tables"):
+        LiveSource(tmp_path / "empty")
 
 
 def test_live_router_over_http_picks_up_a_collector_commit(tmp_path: Path) -> None:
