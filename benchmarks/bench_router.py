@@ -11,8 +11,8 @@
    ``POST /v1/route`` of ``xroute serve`` (auth, tenant + request masks, env features, policy,
    group-committed decision log with ``synchronous=FULL``, access log, metrics) with its default
    settings and the greedy fallback (``route``), with a learned scorer of the DQN's default shape
-   (``route_learned``), and with one setting changed each: ``synchronous=NORMAL``, commits on the
-   event loop, answers stored uncompressed.
+   (``route_learned``), and with one setting changed each: ``synchronous=NORMAL``, commits on a
+   writer thread, commits on the event loop, answers stored uncompressed.
 3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
 
 Usage::
@@ -311,6 +311,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
     # (label, environment overrides, model): the default configuration ("route") last, the soak runs on it
     variants: list[tuple[str, dict[str, str], str]] = [
         ("route_normal", {"XROUTE_ROUTER_DB_SYNCHRONOUS": "NORMAL"}, model),
+        ("route_thread_writer", {"XROUTE_ROUTER_DB_WRITER": "thread"}, model),
         ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
         ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
         ("route_learned", {}, learned),
@@ -321,7 +322,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
             continue
         results[label] = _bench_route(work, bundle, seconds, soak_s if label == "route" else 0, m, key,
                                       {**env, **overrides}, label, results)
-        results[label]["settings"] = overrides or "defaults (FULL, writer thread, compressed log)"
+        results[label]["settings"] = overrides or "defaults (FULL, writer process, compressed log)"
     for label, _, _ in variants:
         if label in results:
             results[f"{label}_vs_trivial"] = round(results[label]["rps"] / results["trivial"]["rps"], 3)

@@ -62,9 +62,10 @@ class RouterSettings(BaseSettings):
     db_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
     db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
-    db_writer: Literal["thread", "loop"] = Field(
-        "thread", description="commit on a writer thread (default: the loop keeps deciding during the fsync) "
-                              "or on the event loop (~10 % faster when fsync is quick and steady)")
+    db_writer: Literal["thread", "loop", "process"] = Field(
+        "process", description="where group commits run: a writer process (default: compression, inserts and "
+                               "fsync never compete with the event loop for the GIL), a writer thread, or the "
+                               "event loop itself")
     db_compress: bool = Field(
         True, description="store each answer deflated against a dictionary of the catalog (~5x smaller log, "
                           "~10 % fewer decisions/s on 2 cores); false stores the JSON text")

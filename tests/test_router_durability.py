@@ -24,13 +24,22 @@ def _serve_args(setup_root: Path) -> tuple[list[str], dict[str, str]]:
     return args, env
 
 
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {int(c) for c in (task / "children").read_text().split()}
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
-def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path, synchronous: str) -> None:
-    """Both log modes: NORMAL (WAL) skips the fsync, yet a killed process loses nothing acknowledged."""
+@pytest.mark.parametrize(("synchronous", "writer"), [("FULL", "process"), ("NORMAL", "process"), ("FULL", "thread")])
+def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path, synchronous: str, writer: str) -> None:
+    """Both log modes — NORMAL (WAL) skips the fsync, yet a killed process loses nothing
+    acknowledged — and both off-loop writers; the writer process does not outlive the server."""
     setup = make_setup(tmp_path)
     args, env = _serve_args(tmp_path)
     env["XROUTE_ROUTER_DB_SYNCHRONOUS"] = synchronous
+    env["XROUTE_ROUTER_DB_WRITER"] = writer
     port = free_port()
     proc = start_subprocess(args, env, port, tmp_path / "server.log")
     url = f"http://127.0.0.1:{port}"
@@ -56,8 +65,14 @@ def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path, synch
         for t in threads:
             t.start()
         time.sleep(1.5)
+        children = _children(proc.pid)
+        assert (len(children) >= 1) == (writer == "process"), children
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{c}").exists() for c in children), "the writer process outlived the server"
     finally:
         stop.set()
         for t in threads:

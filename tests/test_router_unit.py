@@ -278,7 +278,7 @@ def test_resolve_versions_local_models(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- log + export
-@pytest.mark.parametrize("writer", ["thread", "loop"])
+@pytest.mark.parametrize("writer", ["process", "thread", "loop"])
 def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngine, writer: str) -> None:
     db = tmp_path / "d.db"
 
@@ -399,3 +399,28 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
     written = 3000 * 2000
     assert biggest < written / 2, (biggest, written)  # without rewinding it holds every page written
     assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM decisions").fetchone()[0] == 3000
+
+
+def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, engine: RoutingEngine) -> None:
+    """The writer process killed: the request waiting on it and every later one get StoreClosed
+    (the API's 503), quickly, with the reason in ``error``; nothing hangs."""
+    import os
+    import signal
+
+    async def run() -> None:
+        store = DecisionStore(tmp_path / "d.db", writer="process")
+        store.start()
+        req = RouteRequest.model_validate(ROUTE)
+        _, row, _, _ = engine.decide(req, A, "d_first", engine.source.start_wall)
+        await store.record_decision(row)  # the writer works
+        os.kill(store._proc.pid, signal.SIGKILL)
+        _, row2, _, _ = engine.decide(req, A, "d_second", engine.source.start_wall + 1)
+        with pytest.raises(StoreClosed, match="writer process exited"):
+            await asyncio.wait_for(store.record_decision(row2), timeout=10)
+        with pytest.raises(StoreClosed):
+            await store.record_decision(row2)
+        assert store.error is not None and "writer process exited" in store.error
+        assert store.get_decision("d_first", "a") is not None  # what was committed stays readable
+        store.close()
+
+    asyncio.run(run())
