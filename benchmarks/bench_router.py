@@ -233,6 +233,15 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0)
     raise TimeoutError(url)
 
 
+def _children_rss_kib(pid: int) -> int:
+    """RSS of the server's child processes (the decision-log writer)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for c in (task / "children").read_text().split():
+            total += max(_rss_kib(int(c)), 0)
+    return total
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -355,9 +364,10 @@ def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float,
         out["db_mib"] = round(db.stat().st_size / 2**20, 1)
         if soak_s > 0:
             run_wrk(url, script, 10)
-            rss0 = _rss_kib(proc.pid)
+            rss0, child0 = _rss_kib(proc.pid), _children_rss_kib(proc.pid)
             soak = run_wrk(url, script, soak_s)
             soak.update({"seconds": soak_s, "rss_start_kib": rss0, "rss_end_kib": _rss_kib(proc.pid),
+                         "writer_rss_start_kib": child0, "writer_rss_end_kib": _children_rss_kib(proc.pid),
                          "db_mib": round(db.stat().st_size / 2**20, 1)})
             results["soak"] = soak
     finally:
@@ -444,7 +454,8 @@ def table(res: dict[str, Any]) -> str:
     soak = http.get("soak")
     if soak:
         lines += ["", f"soak {soak['seconds']:g} s: {soak['rps']} req/s, p99 {soak['p99_ms']} ms, RSS "
-                  f"{soak['rss_start_kib'] / 1024:.0f} -> {soak['rss_end_kib'] / 1024:.0f} MiB, decision log "
+                  f"{soak['rss_start_kib'] / 1024:.0f} -> {soak['rss_end_kib'] / 1024:.0f} MiB (writer process "
+                  f"{soak['writer_rss_start_kib'] / 1024:.0f} -> {soak['writer_rss_end_kib'] / 1024:.0f} MiB), decision log "
                   f"{soak['db_mib']} MiB"]
     return "\n".join(lines)
 
