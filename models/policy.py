@@ -192,36 +192,30 @@ class RouterWeights:
         in one compiled call (:func:`_mlp_one`) plus the compiled prior."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         request = np.ascontiguousarray(request, dtype=np.float32)
-        a = self._split()["args"]
-        s = _mlp_one(rows, request, *a)
+        s = _mlp_one(rows, request, *self._mlp_args())
         if self.prior is not None:
             s += self.prior.score_one(rows, request)
         return s  # type: ignore[no-any-return]
 
-    def _split(self) -> dict[str, Any]:
-        """The first layer's (and the context layer's) weights split by input block, cached."""
-        cached = self.__dict__.get("_split_cache")
+    def _mlp_args(self) -> tuple[Any, ...]:
+        """The weights as :func:`_mlp_one` takes them (cached): the first and the context layer
+        split into their row / request / context input blocks, all C-contiguous float32 (without a
+        context layer its blocks are empty)."""
+        cached = self.__dict__.get("_mlp_args_cache")
         if cached is not None:
-            return cached
+            return cached  # type: ignore[no-any-return]
+
+        def c(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(a, dtype=np.float32)
+
         nf, nr = N_OFFERING_FEATURES, N_REQUEST_FEATURES
         w0, b0 = self.layers[0]
-        out: dict[str, Any] = {"first": (np.ascontiguousarray(w0[:nf]), np.ascontiguousarray(w0[nf:nf + nr]),
-                                         np.ascontiguousarray(w0[nf + nr:]), b0)}
-        if self.ctx is not None:
-            wc, bc = self.ctx
-            out["ctx"] = (np.ascontiguousarray(wc[:nf]), np.ascontiguousarray(wc[nf:nf + nr]), bc)
-        f32 = np.float32
-        w0r, w0q, w0c, b0 = out["first"]
-        wcr, wcq, bc = out.get("ctx") or (np.zeros((nf, 0), f32), np.zeros((nr, 0), f32), np.zeros(0, f32))
+        wc, bc = self.ctx if self.ctx is not None else (np.zeros((nf + nr, 0)), np.zeros(0))
         rest = self.layers[1:]
-        # the arguments of _mlp_one, all C-contiguous float32 (numba compiles per layer count)
-        out["args"] = (np.ascontiguousarray(w0r, f32), np.ascontiguousarray(w0q, f32),
-                       np.ascontiguousarray(w0c if self.ctx is not None else np.zeros((0, b0.shape[0])), f32),
-                       np.ascontiguousarray(b0, f32), np.ascontiguousarray(wcr, f32), np.ascontiguousarray(wcq, f32),
-                       np.ascontiguousarray(bc, f32), tuple(np.ascontiguousarray(w, f32) for w, _ in rest),
-                       tuple(np.ascontiguousarray(b, f32) for _, b in rest), self.ctx is not None)
-        self.__dict__["_split_cache"] = out
-        return out
+        args = (c(w0[:nf]), c(w0[nf:nf + nr]), c(w0[nf + nr:]), c(b0), c(wc[:nf]), c(wc[nf:nf + nr]), c(bc),
+                tuple(c(w) for w, _ in rest), tuple(c(b) for _, b in rest), self.ctx is not None)
+        self.__dict__["_mlp_args_cache"] = args
+        return args
 
     def score_obs(self, obs: dict[str, np.ndarray]) -> np.ndarray:
         """Scores of one environment observation (``max_offerings`` entries, ``-inf`` where masked)."""

@@ -101,6 +101,7 @@ class RoutingEngine:
         self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
         self._static_key: int | None = None
         self._static_code = np.zeros(self.n, dtype=np.int64)
+        self._all_valid = np.ones(self.n, dtype=bool)  # the learned scorer's rows are all valid
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -223,8 +224,8 @@ class RoutingEngine:
             retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
             raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
                                headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
-        stale = self.freshness.age(wall) > self.max_age
-        active, pinfo = self.slot.current(stale)
+        age = self.freshness.age(wall)
+        active, pinfo = self.slot.current(age > self.max_age)
         try:
             a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
         except Exception as e:  # a model that fails at decision time: this request goes to the fallback
@@ -241,7 +242,6 @@ class RoutingEngine:
         exp = env.commit_live(a)
         self.decisions += 1
         exp_lat, exp_cost = _num(exp["expected_latency_ms"]), _num(exp["expected_cost_usd"])
-        age = self.freshness.age(wall)
         text = (f'{{"decision_id":"{decision_id}","created_at":"{iso(wall)}","tenant":{_dumps(who.tenant)},'
                 f'"session_id":{_dumps(req.session_id)},"offering":{self.ref_json[a]},'
                 f'"expected_latency_ms":{exp_lat!r},"expected_cost_usd":{exp_cost!r},"score":{score!r},'
@@ -267,7 +267,7 @@ class RoutingEngine:
             s = active.scorer(env.offering_features(idx), env.request_features())
             if s.shape != idx.shape or not np.isfinite(s).all():
                 raise ValueError("the model returned non-finite or misshapen scores")
-            best, alt = env_kernels.rank(s, self._ones(idx.size), k_alt)
+            best, alt = env_kernels.rank(s, self._all_valid[: idx.size], k_alt)
             return (int(idx[best]), float(s[best]), idx[alt].tolist(), s[alt].tolist(), "q_value")
         r = env.expected_rewards()
         if active.name == "greedy":
@@ -281,12 +281,6 @@ class RoutingEngine:
             a = int(best)
         others = [int(k) for k in [int(best), *alt.tolist()] if k != a][:k_alt]
         return a, float(r[a]), others, r[others].tolist(), "expected_reward"
-
-    def _ones(self, k: int) -> np.ndarray:
-        ones = self.__dict__.get("_ones_cache")
-        if ones is None or ones.size < k:
-            ones = self.__dict__["_ones_cache"] = np.ones(max(k, self.n), dtype=bool)
-        return ones[:k]  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float) -> dict[str, Any]:

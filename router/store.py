@@ -35,10 +35,10 @@ survives a power loss or kernel crash, not only a killed process. ``NORMAL`` in 
 fsync: still safe against ``kill -9`` (the bytes are in the OS page cache once the commit returns)
 but a power loss may drop the last commits.
 
-The answer sent for each decision is stored as it was sent, deflate-compressed on the writer
-thread against a preset dictionary (:meth:`DecisionStore.use_dictionary`: the catalog's offering
+The answer sent for each decision is stored as it was sent, deflate-compressed by the writer
+against a preset dictionary (:meth:`DecisionStore.use_dictionary`: the catalog's offering
 objects and the response's constant parts, kept in table ``zdicts`` so old rows stay readable
-after the catalog changes): ~1.9 kB of JSON becomes ~240 bytes, and a row fits a B-tree page
+after the catalog changes): ~1.9 kB of JSON becomes ~340 bytes, and a row fits a B-tree page
 several times over instead of taking one to itself. Rows written without a dictionary (and by
 older versions) hold the JSON text.
 
@@ -241,8 +241,7 @@ class DecisionStore:
             child.close()
             self._loop.add_reader(self._pipe.fileno(), self._on_ack)
             return
-        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="decision-log-checkpoint", daemon=True)
-        self._checkpointer.start()
+        self._start_checkpointer()
         if self.writer == "thread":
             self._thread = threading.Thread(target=self._run, name="decision-log-writer", daemon=True)
             self._thread.start()
@@ -299,6 +298,10 @@ class DecisionStore:
             except RuntimeError:  # the loop is closed: nobody waits any more
                 return
             self._maybe_checkpoint()
+
+    def _start_checkpointer(self) -> None:
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="decision-log-checkpoint", daemon=True)
+        self._checkpointer.start()
 
     def _checkpoint_loop(self) -> None:
         conn = connect(self.path, self.synchronous)
@@ -503,8 +506,7 @@ def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None,
                           checkpoint_s=checkpoint_s)
     if zdict is not None:
         store.use_dictionary(zdict)
-    store._checkpointer = threading.Thread(target=store._checkpoint_loop, name="decision-log-checkpoint", daemon=True)
-    store._checkpointer.start()
+    store._start_checkpointer()
     try:
         while True:
             try:
@@ -521,12 +523,4 @@ def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None,
                        "checkpoints": store.checkpoints, "seconds": time.perf_counter() - t0 if ok else None})
             store._maybe_checkpoint()
     finally:
-        store.closed = True
-        store._checkpoint_stop.set()
-        store._checkpointer.join(timeout=30)
-        try:
-            store._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error:
-            pass
-        store._conn.close()
-        store._reader.close()
+        store.close()
