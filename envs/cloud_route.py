@@ -66,7 +66,7 @@ from gymnasium import spaces
 from envs import features as fz
 from envs import kernels
 from envs.replay import TelemetryReplay
-from xroute.bundle import Bundle, load_bundle, to_seconds
+from xroute.bundle import Bundle, load_bundle, origins_reaching, to_seconds
 from xroute.config import EnvConfig, ServingConfig, config_path, parse_config, read_yaml
 from xroute.errors import ConfigError
 
@@ -170,9 +170,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Origins (RTT sources, or workload origins, that reach every offering's location) and
         the (origin, offering) RTT matrix in ms."""
         rtt = bundle.rtt_lookup()
-        locs = {o.location for o in self.catalog}
-        srcs = {s for s, _ in rtt} | set(bundle.workload["origin"])
-        origins = sorted(o for o in srcs if all((o, loc) in rtt for loc in locs))
+        origins = origins_reaching(rtt, (o.location for o in self.catalog),
+                                   {s for s, _ in rtt} | set(bundle.workload["origin"]))
         return origins, np.array([[rtt[(org, off.location)] for off in self.catalog] for org in origins])
 
     def prepare_telemetry(self, bundle: Bundle) -> dict[str, Any]:

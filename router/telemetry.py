@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle, read_table, to_seconds
+from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle, origins_reaching, read_table, rtt_lookup, to_seconds
 from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLES, WORKLOAD
 
@@ -165,9 +165,8 @@ class LiveSource(TelemetrySource):
         if offerings is None or rtt is None:
             raise ConfigError(f"--telemetry: '{self.path}' has no 'offerings' and 'rtt' tables "
                               "(run xroute telemetry collect --out on it first)")
-        locs = set(offerings["provider"] + ":" + offerings["region"])
-        pairs = set(zip(rtt["src"], rtt["dst"])) | set(zip(rtt["dst"], rtt["src"]))
-        origins = sorted(o for o in set(rtt["src"]) if all((o, loc) in pairs for loc in locs))
+        lookup = rtt_lookup(rtt)
+        origins = origins_reaching(lookup, offerings["provider"] + ":" + offerings["region"], rtt["src"])
         if not origins:
             raise ConfigError(f"--telemetry: '{self.path}': no RTT source reaches every offering's location "
                               "(the collector's --origin and RTT probes provide them)")

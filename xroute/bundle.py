@@ -194,12 +194,7 @@ class Bundle:
 
     def rtt_lookup(self) -> dict[tuple[str, str], float]:
         """RTT in ms by (src, dst); symmetric where only one direction is given."""
-        d: dict[tuple[str, str], float] = {}
-        for s, t, v in zip(self.rtt["src"], self.rtt["dst"], self.rtt["rtt_ms"]):
-            d[(s, t)] = float(v)
-        for (s, t), v in list(d.items()):
-            d.setdefault((t, s), v)
-        return d
+        return rtt_lookup(self.rtt)
 
     def window(self, start: pd.Timestamp | str | None = None, end: pd.Timestamp | str | None = None) -> Bundle:
         """The same telemetry with the workload cut to ``[start, end)``."""
@@ -230,6 +225,23 @@ def to_utc(ts: pd.Timestamp | str) -> pd.Timestamp:
 def _suggest(name: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
     return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def rtt_lookup(rtt: pd.DataFrame) -> dict[tuple[str, str], float]:
+    """An ``rtt`` table as RTT in ms by (src, dst); symmetric where only one direction is given."""
+    d: dict[tuple[str, str], float] = {}
+    for s, t, v in zip(rtt["src"], rtt["dst"], rtt["rtt_ms"]):
+        d[(s, t)] = float(v)
+    for (s, t), v in list(d.items()):
+        d.setdefault((t, s), v)
+    return d
+
+
+def origins_reaching(rtt: dict[tuple[str, str], float], locations: Iterable[str],
+                     candidates: Iterable[str]) -> list[str]:
+    """The ``candidates`` with an RTT to every one of ``locations`` (where requests can come from)."""
+    locs = set(locations)
+    return sorted(o for o in set(candidates) if all((o, loc) in rtt for loc in locs))
 
 
 def read_table(root: str | Path, name: str) -> pd.DataFrame | None:
