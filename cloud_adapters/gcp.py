@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal
 
@@ -188,6 +189,23 @@ class GcpAdapter(CloudAdapter):
                                          operation=operation, field="nextPageToken")
             seen.add(token)
 
+    def _rest_pages(self, operation: str, region: str | None, url: str, params: dict[str, str],
+                    headers: Callable[[], dict[str, str]]) -> Iterator[dict[str, Any]]:
+        """Every page of a REST list call (``pageToken`` / ``nextPageToken``), each one retried
+        request (``headers`` asked for each, so a refreshed token is used); a page token that comes
+        back twice is an error, not an endless loop."""
+        token, seen = "", set()
+        while True:
+            page = self.call(operation, region, self._get_json, url, {**params, **({"pageToken": token} if token else {})},
+                             headers())
+            yield page
+            token = page.get("nextPageToken") or ""
+            if not token:
+                return
+            if token in seen:
+                raise Reader(PROVIDER, region, operation).error("the same page token came back twice", "nextPageToken")
+            seen.add(token)
+
     # -- offerings ---------------------------------------------------------------------------------
 
     def _region(self, region: str) -> Any:
@@ -271,20 +289,12 @@ class GcpAdapter(CloudAdapter):
         headers, auth_params = self._billing_auth()
         url = f"{self.billing_endpoint}/v1/services/{COMPUTE_ENGINE_SERVICE}/skus"
         skus: list[dict[str, Any]] = []
-        token, seen = "", set()
-        while True:
-            params = {"currencyCode": "USD", "pageSize": "5000", **auth_params, **({"pageToken": token} if token else {})}
-            page = self.call("services.skus.list", None, self._get_json, url, params, headers)
-            r = Reader(PROVIDER, None, "services.skus.list")
+        r = Reader(PROVIDER, None, "services.skus.list")
+        for page in self._rest_pages("services.skus.list", None, url,
+                                     {"currencyCode": "USD", "pageSize": "5000", **auth_params}, lambda: headers):
             for s in r.get(page, "skus"):
                 s["_field"] = f"skus[{len(skus)}]"
                 skus.append(s)
-            token = page.get("nextPageToken") or ""
-            if not token:
-                break
-            if token in seen:
-                raise r.error("the same page token came back twice", "nextPageToken")
-            seen.add(token)
         self._cache.put(("catalog",), skus)
         return skus
 
@@ -370,11 +380,8 @@ class GcpAdapter(CloudAdapter):
                   "aggregation.perSeriesAligner": "ALIGN_MEAN", "aggregation.crossSeriesReducer": "REDUCE_MEAN"}
         url = f"{self.monitoring_endpoint}/v3/projects/{project}/timeSeries"
         out: dict[datetime, list[float]] = defaultdict(list)
-        token, seen = "", set()
         r = Reader(PROVIDER, pool.region, "timeSeries.list")
-        while True:
-            page = self.call("timeSeries.list", pool.region, self._get_json, url,
-                             {**params, **({"pageToken": token} if token else {})}, self._bearer())
+        for page in self._rest_pages("timeSeries.list", pool.region, url, params, self._bearer):
             for i, ts in enumerate(page.get("timeSeries") or []):
                 for j, pt in enumerate(r.get(ts, "points", prefix=f"timeSeries[{i}]")):
                     f = f"timeSeries[{i}].points[{j}]"
@@ -386,12 +393,6 @@ class GcpAdapter(CloudAdapter):
                     if v is None:
                         raise r.error("missing in the response", f"{f}.value.doubleValue")
                     out[when].append(float(v) / scale)
-            token = page.get("nextPageToken") or ""
-            if not token:
-                break
-            if token in seen:
-                raise r.error("the same page token came back twice", "nextPageToken")
-            seen.add(token)
         return {t: min(1.0, max(0.0, sum(v) / len(v))) for t, v in out.items()}
 
     def _fetch_utilization(self, pool: PoolSelector, start: datetime, end: datetime) -> list[UtilizationSample]:
