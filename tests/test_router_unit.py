@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sqlite3
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -367,12 +369,54 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
     conn = sqlite3.connect(db)
     stored = dict(conn.execute("SELECT decision_id, length(response_json) FROM decisions"))
     plain = {did: len(text) for did, text in sent}
-    assert all(stored[d] * 4 < plain[d] for d in plain)  # deflate with the preset dictionary
-    assert conn.execute("SELECT COUNT(*) FROM zdicts").fetchone()[0] == 1
+    assert all(stored[d] * 3 < plain[d] for d in plain)  # compressed with the preset dictionary
+    assert conn.execute("SELECT codec, COUNT(*) FROM zdicts GROUP BY codec").fetchall() == [("zstd", 1)]
+    conn.close()
     # a second start with the same catalog reuses the stored dictionary
     store = DecisionStore(db)
     assert store.use_dictionary(engine.response_dictionary()) == 1
     store.close()
+
+
+def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: RoutingEngine) -> None:
+    """A log from the versions that deflated answers against a zlib preset dictionary (a
+    ``zdicts`` table without a codec column) is migrated in place: those rows read back exactly,
+    new rows use Zstandard, and the two dictionaries live side by side."""
+    db = tmp_path / "d.db"
+    store = DecisionStore(db)
+    store.close()
+    data = engine.response_dictionary()[-32768:]
+    req = RouteRequest.model_validate(ROUTE)
+    old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
+    legacy = sqlite3.connect(db)  # rewrite the table as the deflate versions made it
+    legacy.executescript("DROP TABLE zdicts; CREATE TABLE zdicts (zdict_id INTEGER PRIMARY KEY, "
+                         "sha256 TEXT NOT NULL UNIQUE, data BLOB NOT NULL);")
+    legacy.execute("INSERT INTO zdicts (sha256, data) VALUES (?, ?)", (hashlib.sha256(data).hexdigest(), data))
+    c = zlib.compressobj(6, zdict=data)
+    deflated = c.compress(old_text) + c.flush()
+    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * (len(old_row) + 1))})",
+                   (*old_row[:-1], deflated, 1))
+    legacy.commit()
+    legacy.close()
+
+    async def run() -> None:
+        store = DecisionStore(db)
+        assert store.use_dictionary(engine.response_dictionary()) == 2
+        store.start()
+        text, row, _, _ = engine.decide(req, A, "d_new", engine.source.start_wall + 1)
+        await store.record_decision(row)
+        for did, sent in (("d_old", old_text), ("d_new", text)):
+            rec = store.get_decision(did, "a")
+            assert rec is not None
+            rec.pop("request"), rec.pop("feedback")
+            assert rec == json.loads(sent)
+        store.close()
+
+    asyncio.run(run())
+    conn = sqlite3.connect(db)
+    assert dict(conn.execute("SELECT zdict_id, codec FROM zdicts")) == {1: "zlib", 2: "zstd"}
+    assert dict(conn.execute("SELECT decision_id, response_zdict FROM decisions")) == {"d_old": 1, "d_new": 2}
+    conn.close()
 
 
 def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> None:
