@@ -489,9 +489,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         for its expected service time, so later decisions see the load. Returns the expectations."""
         if not self.c_mask[a]:
             raise ValueError(f"offering {a} is not valid now")
-        j = int(np.argmin(self.free_at[a]))
-        start = max(self.t, self.free_at[a, j])
-        self._occupy(a, j, start + self.c_service[a])
+        # _occupy on the earliest-free slot, in one compiled call
+        j, end = kernels.occupy(self.free_at, self.row_min, self.busy, a, self.t, self.c_service[a])
+        heapq.heappush(self._events, (end, a, j))
         return {"expected_latency_ms": float(self.c_lat[a]), "expected_cost_usd": float(self.c_cost[a])}
 
     # ------------------------------------------------------------------ for baselines and the oracle

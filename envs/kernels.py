@@ -144,6 +144,29 @@ def rank(scores, valid, k):  # pragma: no cover
     return top[0], top[1:m].copy()
 
 
+@njit(cache=True)
+def occupy(free_at, row_min, busy, a, t, service):  # pragma: no cover
+    """Send a request to offering ``a`` at time ``t`` for ``service`` seconds: it takes the slot
+    that frees first (``CloudRouteEnv.commit_live``; the first such slot on ties, as ``np.argmin``).
+    Updates the three arrays in place; returns (slot, the time it ends)."""
+    row = free_at[a]
+    j = 0
+    for k in range(1, row.shape[0]):
+        if row[k] < row[j]:
+            j = k
+    start = row[j] if row[j] > t else t
+    end = start + service
+    if row[j] <= t:
+        busy[a] += 1
+    row[j] = end
+    m = row[0]
+    for k in range(1, row.shape[0]):
+        if row[k] < m:
+            m = row[k]
+    row_min[a] = m
+    return j, end
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) every kernel now rather than on the first request."""
     n = 2
@@ -158,3 +181,4 @@ def warm_up() -> None:
                   1.0, 1.0)
     rank(f, ok, 1)
     rank(f.astype(np.float32), ok, 1)  # a learned scorer's scores
+    occupy(np.zeros((n, 2)), np.zeros(n), np.zeros(n, dtype=np.int64), 0, 0.0, 1.0)

@@ -13,6 +13,7 @@ import difflib
 import json
 import time
 from collections import OrderedDict
+from math import isfinite
 from typing import Any
 
 import numpy as np
@@ -234,10 +235,11 @@ class RoutingEngine:
             self.slot.failed(f"decision error: {type(e).__name__}: {e}")
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
             a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
-        lat, cost = env.c_lat, env.c_cost
-        alts = [f'{{"offering":{self.ref_json[k]},"score":{_num(sc)!r},'
-                f'"expected_latency_ms":{_num(lat[k])!r},"expected_cost_usd":{_num(cost[k])!r}}}'
-                for k, sc in zip(alt_idx, alt_scores)]
+        ref_json = self.ref_json
+        alts = [f'{{"offering":{ref_json[k]},"score":{_num(sc)!r},'
+                f'"expected_latency_ms":{_num(la)!r},"expected_cost_usd":{_num(co)!r}}}'
+                for k, sc, la, co in zip(alt_idx, alt_scores, env.c_lat[alt_idx].tolist(),
+                                         env.c_cost[alt_idx].tolist())]
         score = _num(score)
         exp = env.commit_live(a)
         self.decisions += 1
@@ -307,4 +309,4 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 def _num(x: Any) -> float:
     """A JSON-safe float (the env never yields NaN/inf for a valid offering; guard anyway)."""
     v = float(x)
-    return v if v == v and v not in (float("inf"), float("-inf")) else 0.0
+    return v if isfinite(v) else 0.0

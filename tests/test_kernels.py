@@ -139,3 +139,29 @@ def test_combine_masks_and_counts(seed: int) -> None:
     assert counts.tolist() == np.bincount(code[allowed & ~env_mask], minlength=4).tolist()
     v2, n2, np2, _ = rkernels.combine(env_mask, allowed, preferred, False, code)  # no prefer rule
     assert v2.tolist() == ok.tolist() and n2 == int(ok.sum()) and np2 == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_occupy_takes_the_earliest_free_slot_as_the_numpy_version(seed: int) -> None:
+    """``occupy`` against ``commit_live`` as written in numpy: ``np.argmin`` of the pool's slots
+    (first on ties), start at max(now, that slot's release), busy +1 only for a slot free now, the
+    pool's earliest release recomputed."""
+    rng = np.random.default_rng(seed)
+    n, smax = 6, 5
+    free_at = np.where(rng.random((n, smax)) < 0.3, -np.inf, np.round(rng.normal(100.0, 2.0, (n, smax))))
+    free_at[:, 4] = np.inf  # a pool with fewer slots than the widest
+    t = 100.0
+    busy = (free_at > t).sum(axis=1) - 1
+    row_min = free_at.min(axis=1)
+    a, service = int(rng.integers(0, n)), float(rng.uniform(0.1, 5.0))
+    fa, b = free_at.copy(), busy.copy()
+    j = int(np.argmin(fa[a]))
+    end = max(t, fa[a, j]) + service
+    if fa[a, j] <= t:
+        b[a] += 1
+    fa[a, j] = end
+    got_j, got_end = kernels.occupy(free_at, row_min, busy, a, t, service)
+    assert (got_j, got_end) == (j, end)
+    np.testing.assert_array_equal(free_at, fa)
+    np.testing.assert_array_equal(busy, b)
+    np.testing.assert_array_equal(row_min, fa.min(axis=1))
