@@ -4,8 +4,9 @@ FastAPI's request machinery (its middleware stack, routing, dependency resolutio
 and validation wrappers, exception-handler plumbing) cost about as much per request as the whole
 routing decision (profiled with py-spy under wrk: ~45 % of the event loop's time). The hot route
 therefore answers here, in front of FastAPI, *only when everything goes right*: a JSON body whose
-``Content-Length`` is known, a valid key, a body that validates as :class:`RouteRequest` exactly as
-FastAPI validates it (``json.loads`` then the model, in Python mode), a decision, and the durable
+``Content-Length`` is known, a valid key, a body that validates as :class:`RouteRequest` (in
+pydantic's JSON mode, one pass; it accepts exactly what FastAPI's ``json.loads`` then Python-mode
+validation accepts, ``tests/test_router_unit.py``), a decision, and the durable
 commit of its row. Everything else -- no or a bad key, invalid JSON or fields, an unusual content
 type, a chunked body -- is handed to the FastAPI app with the body replayed, so every error
 response is the one the FastAPI route produces (same status, JSON shape and field names). The
@@ -19,7 +20,6 @@ serves the requests the fast path hands over; both go through :func:`route_decis
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -105,10 +105,9 @@ class RouteFastPath:
         who = svc.keys.verify(key)
         body = None
         if who is not None and raw:
-            try:
-                data = json.loads(raw)
-                body = RouteRequest.model_validate(data)
-            except (ValueError, ValidationError):  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+            try:  # parsed and validated in one pass (pydantic's JSON mode accepts what json.loads + the
+                body = RouteRequest.model_validate_json(raw)  # model accept for this schema: tested)
+            except (ValueError, ValidationError):
                 body = None
         if body is None:  # no valid key, or an invalid body: the FastAPI route answers (same errors)
             await self.app(scope, _replay(messages, receive), send)

@@ -468,3 +468,54 @@ def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, en
         store.close()
 
     asyncio.run(run())
+
+
+_BASE = '"origin":"aws:us-east-1","input_tokens":500,"max_output_tokens":30'
+_BODIES = [
+    "{" + _BASE + ',"sla_ms":4000}', "{" + _BASE + ',"sla_ms":4000.5}', "{" + _BASE + ',"sla_ms":"4000"}',
+    "{" + _BASE + ',"sla_ms":true}', "{" + _BASE + ',"sla_ms":NaN}', "{" + _BASE + ',"sla_ms":Infinity}',
+    "{" + _BASE + ',"sla_ms":1e400}', "{" + _BASE + ',"sla_ms":null}', "{" + _BASE + "}",
+    '{"origin":"aws:us-east-1","input_tokens":"500","max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"aws:us-east-1","input_tokens":500.0,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"aws:us-east-1","input_tokens":500.5,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"aws:us-east-1","input_tokens":5e2,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"aws:us-east-1","input_tokens":true,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"aws:us-east-1","input_tokens":-1,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"aws:us-east-1","input_tokens":99999999999999999999999,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":1,"input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"","input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"a\\u00e9\\ud83d\\ude00","input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
+    '{"origin":"\\ud800","input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
+    "{" + _BASE + ',"sla_ms":1,"origin":"gcp:x"}', "{" + _BASE + ',"sla_ms":1,"extra":1}',
+    "{" + _BASE + ',"sla_ms":1,"session_id":"s-1"}', "{" + _BASE + ',"sla_ms":1,"session_id":"bad id"}',
+    "{" + _BASE + ',"sla_ms":1,"session_id":7}',
+    "{" + _BASE + ',"sla_ms":1,"constraints":{"deny":[{"pricing_modes":["spot"]}]}}',
+    "{" + _BASE + ',"sla_ms":1,"constraints":{"allow":[{"providers":"aws"}]}}',
+    "{" + _BASE + ',"sla_ms":1,"constraints":{"prefer":[{}]}}', "{" + _BASE + ',"sla_ms":1,"constraints":[]}',
+    "{" + _BASE + ',"sla_ms":1,"constraints":null}', "[1]", "null", '"x"', "{", "", "{} x",
+]
+
+
+@pytest.mark.parametrize("raw", _BODIES)
+def test_the_fast_paths_json_validation_accepts_what_fastapis_accepts(raw: str) -> None:
+    """``router.fastpath`` validates in pydantic's JSON mode; FastAPI (the errors' path) parses with
+    ``json.loads`` and validates in Python mode. The fast path must accept exactly the bodies
+    FastAPI accepts, and read them the same (else a body FastAPI would reject gets routed)."""
+
+    def python_mode() -> RouteRequest | None:
+        try:
+            return RouteRequest.model_validate(json.loads(raw))
+        except ValueError:  # JSONDecodeError, ValidationError
+            return None
+
+    def json_mode() -> RouteRequest | None:
+        try:
+            return RouteRequest.model_validate_json(raw)
+        except ValueError:
+            return None
+
+    want, got = python_mode(), json_mode()
+    if want is None:
+        assert got is None  # a JSON-only acceptance would bypass FastAPI's error
+    else:
+        assert got == want
