@@ -12,14 +12,17 @@
    group-committed decision log with ``synchronous=FULL``, access log, metrics) with its default
    settings and the greedy fallback (``route``), with a learned scorer of the DQN's default shape
    (``route_learned``), and with one setting changed each: ``synchronous=NORMAL``, commits on a
-   writer thread, commits on the event loop, answers stored uncompressed.
+   writer thread, commits on the event loop, answers stored uncompressed. Then the trivial
+   endpoint and ``/v1/route`` (same app and settings) once more on uvicorn's pure-Python stack
+   (asyncio + h11, what uvicorn runs without the [serve] extra), each ratio against the trivial
+   endpoint on the same stack.
 3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
 
 Usage::
 
     sudo apt-get install wrk            # wrk 4.x; the HTTP parts are skipped without it
-    .venv/bin/python benchmarks/bench_router.py                  # everything (~7 min)
-    .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~1.5 min)
+    .venv/bin/python benchmarks/bench_router.py                  # everything (~14 min)
+    .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~3 min)
 
 Writes ``benchmarks/results/router.json`` and prints a markdown table.
 """
@@ -62,7 +65,7 @@ def make_bundle(root: Path, n_offerings: int = 100, n_requests: int = 4000, seed
     accs = [("A10G", 1.0), ("L4", 0.8), ("T4", 0.55), ("A100", 3.7), ("H100", 6.9)]
     n_loc = max(1, -(-n_offerings // (2 * len(accs))))
     locs = [f"{clouds[i % 3]}:region-{i}" for i in range(n_loc)]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for loc in locs:
         p, r = loc.split(":")
         for acc, price in accs:
@@ -150,7 +153,7 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
         constrained = RouteRequest(origin=origins[0], input_tokens=500, max_output_tokens=30, sla_ms=4000.0,
                                    constraints={"deny": [{"pricing_modes": ["spot"]}]})
         active, _ = eng.slot.current(False)
-        wall0 = eng.source.start_wall
+        wall0 = eng.source.start_wall  # type: ignore[attr-defined]  # the replay source of a bundle
         core: list[float] = []
         full: list[float] = []
         # requests 20 ms apart in telemetry time (50 req/s): pools see load but do not saturate
@@ -201,13 +204,29 @@ def numpy_app() -> Any:
     return app
 
 
-def _serve_app(kind: str, port: int) -> None:
+#: uvicorn's event loop and HTTP parser: "auto" picks uvloop and httptools when installed (the
+#: [serve] extra; what ``xroute serve`` runs), "pure" forces the pure-Python asyncio + h11
+STACKS: dict[str, tuple[Any, Any]] = {"auto": ("auto", "auto"), "pure": ("asyncio", "h11")}
+
+
+def _serve_app(kind: str, port: int, stack: str = "auto") -> None:
     import uvicorn
 
+    if kind == "route":  # the router's app as ``xroute serve`` builds it, settings from XROUTE_ROUTER_*
+        from router.app import create_app
+        from router.engine import RoutingEngine
+        from router.settings import load_settings
+
+        settings = load_settings(None)
+        loop, http = STACKS[stack]
+        uvicorn.run(create_app(settings, RoutingEngine(settings)), host="127.0.0.1", port=port, log_config=None,
+                    access_log=False, server_header=False, loop=loop, http=http)
+        return
     app = trivial_app() if kind == "trivial" else numpy_app()
-    # the same server settings as ``xroute serve`` (router/cli.py): loop and http "auto" (uvloop and
-    # httptools when installed, the [serve] extra), no uvicorn access log, no server header
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False)
+    # the same server settings as ``xroute serve`` (router/cli.py): no uvicorn access log, no server header
+    loop, http = STACKS[stack]
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
+                loop=loop, http=http)
 
 
 def server_stack() -> dict[str, str]:
@@ -301,15 +320,16 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
 
     results: dict[str, Any] = {}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for kind, path in (("trivial", "/trivial"), ("numpy", "/decide")):
+    for label, kind, path, stack in (("trivial", "trivial", "/trivial", "auto"), ("numpy", "numpy", "/decide", "auto"),
+                                     ("trivial_pure_stack", "trivial", "/trivial", "pure")):
         port = free_port()
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--port", str(port)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--stack", stack, "--port", str(port)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             _wait_ready(f"http://127.0.0.1:{port}/docs", proc)
             script = _lua(work / f"{kind}.lua", kind)
             run_wrk(f"http://127.0.0.1:{port}{path}", script, 3)  # warm-up
-            results[kind] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds)
+            results[label] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds)
         finally:
             proc.terminate()
             proc.wait(timeout=20)
@@ -324,6 +344,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
         ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
         ("route_learned", {}, learned),
+        ("route_pure_stack", {}, model),
         ("route", {}, model),
     ]
     for label, overrides, m in variants:
@@ -332,9 +353,12 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         results[label] = _bench_route(work, bundle, seconds, soak_s if label == "route" else 0, m, key,
                                       {**env, **overrides}, label, results)
         results[label]["settings"] = overrides or "defaults (FULL, writer process, compressed log)"
+        if label == "route_pure_stack":
+            results[label]["settings"] = "defaults, uvicorn on asyncio + h11 (compare with trivial_pure_stack)"
     for label, _, _ in variants:
         if label in results:
-            results[f"{label}_vs_trivial"] = round(results[label]["rps"] / results["trivial"]["rps"], 3)
+            base = "trivial_pure_stack" if label == "route_pure_stack" else "trivial"
+            results[f"{label}_vs_trivial"] = round(results[label]["rps"] / results[base]["rps"], 3)
     return results
 
 
@@ -348,6 +372,12 @@ def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float,
             "--keys-file", str(work / "keys.json"), "--model", model]
     if bundle is not None:
         args += ["--telemetry", str(bundle)]
+    if label == "route_pure_stack":  # the same app and settings, served by uvicorn on asyncio + h11
+        args = [sys.executable, __file__, "--serve", "route", "--stack", "pure", "--port", str(port)]
+        env = {**env, "XROUTE_ROUTER_DB_PATH": str(db), "XROUTE_ROUTER_KEYS_FILE": str(work / "keys.json"),
+               "XROUTE_ROUTER_MODEL_URI": model}
+        if bundle is not None:
+            env["XROUTE_ROUTER_TELEMETRY"] = str(bundle)
     log = open(work / f"router-{label}.log", "wb")
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=log)
     out: dict[str, Any] = {}
@@ -402,11 +432,12 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=20000, help="in-process decisions per measurement")
     ap.add_argument("--model", default="", help="model URI/path for xroute serve ('' = the greedy fallback)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "router.json")
-    ap.add_argument("--serve", choices=["trivial", "numpy"], help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=["trivial", "numpy", "route"], help=argparse.SUPPRESS)
+    ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        _serve_app(a.serve, a.port)
+        _serve_app(a.serve, a.port, a.stack)
         return
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
     try:
@@ -448,7 +479,7 @@ def table(res: dict[str, Any]) -> str:
               "|---|---:|---:|---:|---:|---|---|"]
     for k, v in http.items():
         if isinstance(v, dict) and "rps" in v:
-            ratio = http.get(f"{k}_vs_trivial", 1.0 if k == "trivial" else "")
+            ratio = http.get(f"{k}_vs_trivial", 1.0 if k.startswith("trivial") else "")
             lines.append(f"| {k} | {v['rps']} | {ratio} | {v['p50_ms']} | {v['p99_ms']} | {v.get('policy', '')} | "
                          f"{v.get('settings', '')} |")
     soak = http.get("soak")
