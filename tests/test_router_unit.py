@@ -331,7 +331,7 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
 
 
 def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: Path, engine: RoutingEngine) -> None:
-    """Answers are stored deflated against the engine's dictionary and read back byte-identical;
+    """Answers are stored compressed against the engine's dictionary and read back byte-identical;
     a log written before compression (plain-text answers, no dictionary column) is migrated in
     place and its rows stay readable beside the new ones."""
     db = tmp_path / "d.db"
