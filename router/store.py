@@ -42,8 +42,9 @@ rows stay readable after the catalog changes): ~1.9 kB of JSON becomes ~460 byte
 a B-tree page several times over instead of taking one to itself. Zstandard rather than the
 standard library's deflate: deflate took ~25 µs a row (it builds or copies ~256 kB of state for
 every stream) and was the largest part of the writer's CPU — at ~5,000 decisions/s the writer
-process used 52 % of a core, 30 % with Zstandard (~7.5 µs a row, ~100 bytes larger). Rows written by older versions hold the JSON text
-(no dictionary) or deflate against a ``zlib`` dictionary; both stay readable.
+process used 52 % of a core, 30 % with Zstandard (~7.5 µs a row, ~100 bytes larger). Rows
+written by older versions hold the JSON text (no dictionary) or deflate against a ``zlib``
+dictionary; both stay readable.
 
 Reads (``GET /v1/decisions/{id}``, export) use a separate connection; WAL lets them run while a
 transaction is open, and they only ever see committed transactions.
@@ -515,7 +516,8 @@ def iter_decisions(path: Path, tenant: str | None = None) -> Iterator[dict[str, 
 
 
 def _decoder(data: bytes, codec: str) -> Callable[[bytes], bytes]:
-    """Decompression of the rows stored against dictionary ``data`` with ``codec``."""
+    """Decompression of the rows stored against dictionary ``data`` with ``codec``. (A Zstandard
+    decompressor is not thread-safe: the reads run on the event loop only, ``async`` routes.)"""
     if codec == "zstd":
         d = zstandard.ZstdDecompressor(
             dict_data=zstandard.ZstdCompressionDict(data, dict_type=zstandard.DICT_TYPE_RAWCONTENT))
