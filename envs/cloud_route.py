@@ -263,11 +263,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._events: list[tuple[float, int, int]] = []
 
     def _occupy(self, a: int, j: int, end: float) -> None:
-        if self.free_at[a, j] <= self.t:
-            self.busy[a] += 1
-        self.free_at[a, j] = end
+        kernels.occupy_slot(self.free_at, self.row_min, self.busy, a, j, self.t, end)
         heapq.heappush(self._events, (end, a, j))
-        self.row_min[a] = self.free_at[a].min()
 
     def _release_until(self, t: float) -> None:
         ev, fa = self._events, self.free_at

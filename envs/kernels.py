@@ -145,17 +145,10 @@ def rank(scores, valid, k):  # pragma: no cover
 
 
 @njit(cache=True)
-def occupy(free_at, row_min, busy, a, t, service):  # pragma: no cover
-    """Send a request to offering ``a`` at time ``t`` for ``service`` seconds: it takes the slot
-    that frees first (``CloudRouteEnv.commit_live``; the first such slot on ties, as ``np.argmin``).
-    Updates the three arrays in place; returns (slot, the time it ends)."""
+def occupy_slot(free_at, row_min, busy, a, j, t, end):  # pragma: no cover
+    """Slot ``j`` of pool ``a`` is taken until ``end`` (``CloudRouteEnv._occupy``): the pool's busy
+    count grows when the slot was free at ``t``, its earliest release is recomputed. In place."""
     row = free_at[a]
-    j = 0
-    for k in range(1, row.shape[0]):
-        if row[k] < row[j]:
-            j = k
-    start = row[j] if row[j] > t else t
-    end = start + service
     if row[j] <= t:
         busy[a] += 1
     row[j] = end
@@ -164,6 +157,20 @@ def occupy(free_at, row_min, busy, a, t, service):  # pragma: no cover
         if row[k] < m:
             m = row[k]
     row_min[a] = m
+
+
+@njit(cache=True)
+def occupy(free_at, row_min, busy, a, t, service):  # pragma: no cover
+    """Send a request to offering ``a`` at time ``t`` for ``service`` seconds: it takes the slot
+    that frees first (``CloudRouteEnv.commit_live``; the first such slot on ties, as ``np.argmin``)
+    through :func:`occupy_slot`. Returns (slot, the time it ends)."""
+    row = free_at[a]
+    j = 0
+    for k in range(1, row.shape[0]):
+        if row[k] < row[j]:
+            j = k
+    end = (row[j] if row[j] > t else t) + service
+    occupy_slot(free_at, row_min, busy, a, j, t, end)
     return j, end
 
 
@@ -182,3 +189,4 @@ def warm_up() -> None:
     rank(f, ok, 1)
     rank(f.astype(np.float32), ok, 1)  # a learned scorer's scores
     occupy(np.zeros((n, 2)), np.zeros(n), np.zeros(n, dtype=np.int64), 0, 0.0, 1.0)
+    occupy_slot(np.zeros((n, 2)), np.zeros(n), np.zeros(n, dtype=np.int64), 0, 1, 0.0, 1.0)
