@@ -178,8 +178,7 @@ class DecisionStore:
             self._conn.execute("ALTER TABLE decisions ADD COLUMN response_zdict INTEGER REFERENCES zdicts(zdict_id)")
         if "codec" not in {r[1] for r in self._conn.execute("PRAGMA table_info(zdicts)")}:  # deflate only, before
             self._conn.execute("ALTER TABLE zdicts ADD COLUMN codec TEXT NOT NULL DEFAULT 'zlib'")
-        self._zdict: tuple[int, Any] | None = None
-        self._zdict_data: bytes | None = None
+        self._zdict: tuple[int, bytes, Callable[[bytes], bytes]] | None = None  # (id, dictionary, compress)
         self._decoders: dict[int, Callable[[bytes], bytes]] = {}
         # checkpoints (copying the WAL into the database, with an fsync even under NORMAL) run
         # between batches, never inside a request's commit (see the module docstring)
@@ -224,8 +223,7 @@ class DecisionStore:
             raise
         zdict = zstandard.ZstdCompressionDict(data, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
         zdict.precompute_compress(level=ZSTD_LEVEL)  # once, not per row
-        self._zdict_data = data
-        self._zdict = (zid, zstandard.ZstdCompressor(level=ZSTD_LEVEL, dict_data=zdict, write_checksum=True).compress)
+        self._zdict = (zid, data, zstandard.ZstdCompressor(level=ZSTD_LEVEL, dict_data=zdict, write_checksum=True).compress)
         return zid
 
     def _pack(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -234,7 +232,7 @@ class DecisionStore:
         zd = self._zdict
         if zd is None:
             return (*row, None)
-        return (*row[:-1], zd[1](row[-1].encode()), zd[0])
+        return (*row[:-1], zd[2](row[-1].encode()), zd[0])
 
     def _unpack(self, blob: bytes | str, zid: int | None) -> str:
         if zid is None:
@@ -252,7 +250,7 @@ class DecisionStore:
         if self.writer == "process":
             ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of the server is forked
             self._pipe, child = ctx.Pipe()
-            zdict = self._zdict_data
+            zdict = None if self._zdict is None else self._zdict[1]
             self._proc = ctx.Process(target=_writer_process, name="decision-log-writer", daemon=True,
                                      args=(child, str(self.path), self.synchronous, zdict, self.checkpoint_rows,
                                            self.checkpoint_s))
