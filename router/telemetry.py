@@ -139,7 +139,7 @@ class LiveSource(TelemetrySource):
         self.path = Path(path)
         self.name = f"live:{self.path.name}"
         self._signature = self._files()
-        self._bundle = self._load()
+        self._bundle = self._load(self._signature)
         self._as_of = self._read_as_of()
         self._pending: tuple[tuple[tuple[str, int, int], ...], Bundle, float] | None = None
 
@@ -153,8 +153,8 @@ class LiveSource(TelemetrySource):
                 out.append((f.name, st.st_size, st.st_mtime_ns))
         return tuple(out)
 
-    def _load(self) -> Bundle:
-        has_workload = any(name.split(".")[0] == WORKLOAD.name for name, _, _ in self._signature)
+    def _load(self, signature: tuple[tuple[str, int, int], ...]) -> Bundle:
+        has_workload = any(name.split(".")[0] == WORKLOAD.name for name, _, _ in signature)
         return load_bundle(self.path, workload=None if has_workload else self._placeholder_workload())
 
     def _placeholder_workload(self) -> pd.DataFrame:
@@ -195,7 +195,7 @@ class LiveSource(TelemetrySource):
         sig = self._files()
         if sig == self._signature:
             return None
-        bundle = self._load()  # raises on a bad commit: the previous tables stay in use
+        bundle = self._load(sig)  # raises on a bad commit: the previous tables stay in use
         self._pending = (sig, bundle, self._read_as_of())
         return bundle
 
