@@ -168,6 +168,9 @@ class RouterApp(FastAPI):
     without FastAPI's per-request machinery), around FastAPI itself (everything else)."""
 
     front: ASGIApp | None = None
+    #: ``app.state.services`` as a plain attribute, for the fast path (``State`` is a Python-level
+    #: ``__getattr__``); set and cleared with it by the lifespan
+    services: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.front
@@ -209,7 +212,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     metrics = Metrics()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: RouterApp) -> AsyncIterator[None]:
         built = prebuilt.pop() if prebuilt else None
         engine: RoutingEngine = built if built is not None else await asyncio.to_thread(RoutingEngine, settings)
         keys = KeyStore(settings.keys_file)
@@ -223,7 +226,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         store.start()
         models = ModelManager(engine, settings, metrics)
         await models.initial()
-        app.state.services = Services(settings, engine, store, keys, metrics, models)
+        app.state.services = app.services = Services(settings, engine, store, keys, metrics, models)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh")]
@@ -243,7 +246,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await asyncio.gather(*tasks, return_exceptions=True)
             store.close()
             sys.setswitchinterval(switch)
-            app.state.services = None
+            app.state.services = app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
             flush_logs()
 
@@ -251,7 +254,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                   description="Routes LLM inference requests to cloud offerings (provider x region x instance "
                               "type x pricing mode) with the champion RL policy. Every route except /healthz and "
                               "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
-    app.state.services = None
+    app.state.services = app.services = None
     for r in (route.router, decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router):
         app.include_router(r)

@@ -64,14 +64,14 @@ class RouteFastPath:
 
     def __init__(self, app: ASGIApp, fastapi_app: Any):
         self.app = app
-        self.fastapi_app = fastapi_app
+        self.fastapi_app = fastapi_app  # a router.app.RouterApp: its ``services`` attribute
         self.route = _RouteLabel()  # what RequestContext reads from scope["route"] (the metrics/log label)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != ROUTE_PATH or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        svc = getattr(self.fastapi_app.state, "services", None)
+        svc = self.fastapi_app.services
         bearer = xkey = length = ctype = None
         for k, v in scope["headers"]:  # the key exactly as router.deps.api_key reads it
             if k == b"authorization":

@@ -34,10 +34,10 @@ class RequestContext:
         rid = trace = length = None
         for k, v in scope["headers"]:
             if k == b"x-request-id":
-                rid = v if _REQUEST_ID.match(v) else None
+                rid = v if _REQUEST_ID.fullmatch(v) else None
             elif k == b"traceparent":
                 trace = v.strip().lower()
-                if not _TRACEPARENT.match(trace) or trace.startswith(b"ff") or trace[3:35] == b"0" * 32:
+                if not _TRACEPARENT.fullmatch(trace) or trace.startswith(b"ff") or trace[3:35] == b"0" * 32:
                     trace = None
             elif k == b"content-length":
                 length = v
@@ -68,17 +68,8 @@ class RequestContext:
                 self.metrics.error(path, status)
             if self.access_log:
                 state = scope.get("state") or {}
-                fields: dict[str, Any] = {"method": scope["method"], "route": path, "status": status,
-                                          "ms": round(dt * 1000.0, 3)}
-                tenant = state.get("tenant")
-                if tenant is not None:
-                    fields["tenant"] = tenant
-                did = state.get("decision_id")
-                if did is not None:
-                    fields["decision_id"] = did
-                if trace is not None:
-                    fields["trace_id"] = trace[3:35].decode()
-                access(fields)
+                access(rid_s, scope["method"], path, status, round(dt * 1000.0, 3), state.get("tenant"),
+                       state.get("decision_id"), trace[3:35].decode() if trace is not None else None)
             request_id_var.reset(token)
 
     def _limited(self, receive: Receive) -> Receive:

@@ -19,7 +19,7 @@ from router.policies import ActivePolicy, resolve
 from router.settings import load_settings
 from router.store import DecisionStore, StoreClosed, iter_decisions
 from router.telemetry import ReplaySource
-from tests.test_router_support import ROUTE, make_setup, write_model
+from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
@@ -88,6 +88,57 @@ def test_keys_are_stored_hashed_verified_and_revocable(tmp_path: Path) -> None:
     assert store.verify(key) is None  # reloaded on change
     with pytest.raises(ConfigError):
         add_key(f, "bad tenant!")
+
+
+def test_a_key_verified_once_is_remembered_until_its_record_changes(tmp_path: Path) -> None:
+    f = tmp_path / "keys.json"
+    key = add_key(f, "acme")
+    store = KeyStore(f, check_s=0)
+    first = store.verify(key)
+    assert first is not None and store.verify(key) is first  # the remembered principal
+    add_key(f, "other")  # the file changes: every record is re-read, the key is hashed again
+    again = store.verify(key)
+    assert again is not None and again.tenant == "acme"
+    revoke_key(f, key.split("_")[1])
+    assert store.verify(key) is None
+
+
+def test_the_direct_access_line_is_the_formatted_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``router.logs.access`` writes its line itself when only the router's handler listens: the
+    same JSON object, keys in the same order, as ``JsonFormatter`` makes of the logged record."""
+    import io
+    import re
+
+    from router import logs
+
+    logs.configure_logging("INFO")
+    h = logs._handler
+    assert h is not None
+    buf = io.StringIO()
+    monkeypatch.setattr(h, "stream", buf)
+    token = logs.request_id_var.set("rid-1")
+    args = [("rid-1", "POST", "/v1/route", 200, 1.234, 'ten"ant\\x', "d_0123", "ab" * 16),
+            ("rid-1", "GET", "unmatched", 404, 0.5, None, None, None)]
+    try:
+        for a in args:
+            logs.access(*a)
+        h.force_flush()
+        cap = LogCapture().attach()  # another handler: the logging path
+        try:
+            for a in args:
+                logs.access(*a)
+        finally:
+            cap.detach()
+    finally:
+        logs.request_id_var.reset(token)
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    direct, via_logging = lines[:2], lines[2:]  # the router's handler got the logged records too
+    assert len(via_logging) == 2 and [r["status"] for r in cap.records()] == [200, 404]
+    for d, v in zip(direct, via_logging):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", d.pop("ts"))
+        v.pop("ts")
+        assert d == v and list(d) == list(v)
+    assert direct[0]["tenant"] == 'ten"ant\\x' and "tenant" not in direct[1]
 
 
 def test_settings_layering_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
