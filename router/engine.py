@@ -98,6 +98,7 @@ class RoutingEngine:
         # the response is assembled from pre-serialized pieces: json.dumps of the whole nested
         # answer was a fifth of a decision's cost
         self.ref_json = [_dumps(r) for r in self.refs]
+        self._alt_head = [f'{{"offering":{r},"score":' for r in self.ref_json]
         self._tele_head = f'{{"source":{_dumps(self.source_name)},"clock":{_dumps(self.clock)},"telemetry_time":"'
         self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
         self._static_key: int | None = None
@@ -219,6 +220,9 @@ class RoutingEngine:
         for reason, c in zip(kernels.ENV_REASONS, env_counts.tolist()):
             if c:
                 counts[reason] = counts.get(reason, 0) + c
+        # {"reason":count,...}: the environment's reasons and not_preferred are plain identifiers,
+        # the constraint layers' (tenant:..., request:...) are encoded
+        by_reason = ",".join([f'"{k}":{v}' if k in _PLAIN_REASONS else f"{_dumps(k)}:{v}" for k, v in counts.items()])
         if n_valid == 0:
             ok = allowed & env.available
             wait = env.c_wait[ok] if ok.any() else None
@@ -235,11 +239,9 @@ class RoutingEngine:
             self.slot.failed(f"decision error: {type(e).__name__}: {e}")
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
             a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
-        ref_json = self.ref_json
-        alts = [f'{{"offering":{ref_json[k]},"score":{_num(sc)!r},'
-                f'"expected_latency_ms":{_num(la)!r},"expected_cost_usd":{_num(co)!r}}}'
-                for k, sc, la, co in zip(alt_idx, alt_scores, env.c_lat[alt_idx].tolist(),
-                                         env.c_cost[alt_idx].tolist())]
+        head, c_lat, c_cost = self._alt_head, env.c_lat, env.c_cost
+        alts = [f'{head[k]}{_num(sc)!r},"expected_latency_ms":{_num(c_lat.item(k))!r},'
+                f'"expected_cost_usd":{_num(c_cost.item(k))!r}}}' for k, sc in zip(alt_idx, alt_scores)]
         score = _num(score)
         exp = env.commit_live(a)
         self.decisions += 1
@@ -248,7 +250,7 @@ class RoutingEngine:
                 f'"session_id":{_dumps(req.session_id)},"offering":{self.ref_json[a]},'
                 f'"expected_latency_ms":{exp_lat!r},"expected_cost_usd":{exp_cost!r},"score":{score!r},'
                 f'"score_kind":"{score_kind}","alternatives":[{",".join(alts)}],"policy":{self._policy_text(pinfo)},'
-                f'"excluded":{{"total":{n - n_valid},"by_reason":{_dumps(counts)}}},'
+                f'"excluded":{{"total":{n - n_valid},"by_reason":{{{by_reason}}}}},'
                 f'"telemetry":{self._tele_head}{iso(t)}","age_s":{round(age, 3)!r},'
                 f'"stale":{"true" if age > self.max_age else "false"}}}}}')
         offering_id = self.refs[a]["offering_id"]
@@ -304,6 +306,7 @@ class RoutingEngine:
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
+_PLAIN_REASONS = frozenset((*kernels.ENV_REASONS, "not_preferred"))
 
 
 def _num(x: Any) -> float:
