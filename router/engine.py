@@ -96,7 +96,9 @@ class RoutingEngine:
         self.source_name = self.source.name
         self.decisions = 0
         # the response is assembled from pre-serialized pieces: json.dumps of the whole nested
-        # answer was a fifth of a decision's cost
+        # answer was a fifth of a decision's cost. Its expectations and scores carry 9 significant
+        # digits (estimates, far coarser than that; the decision log's columns keep every bit):
+        # float repr, 17 digits, cost ~0.3 us a number and an answer has 16
         self.ref_json = [_dumps(r) for r in self.refs]
         self._alt_head = [f'{{"offering":{r},"score":' for r in self.ref_json]
         self._tele_head = f'{{"source":{_dumps(self.source_name)},"clock":{_dumps(self.clock)},"telemetry_time":"'
@@ -240,15 +242,19 @@ class RoutingEngine:
             active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
             a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
         head, c_lat, c_cost = self._alt_head, env.c_lat, env.c_cost
-        alts = [f'{head[k]}{_num(sc)!r},"expected_latency_ms":{_num(c_lat.item(k))!r},'
-                f'"expected_cost_usd":{_num(c_cost.item(k))!r}}}' for k, sc in zip(alt_idx, alt_scores)]
+        alts = []
+        for k, sc in zip(alt_idx, alt_scores):
+            la, co = c_lat.item(k), c_cost.item(k)
+            if not isfinite(sc + la + co):  # never for a valid offering; guarded anyway (one check)
+                sc, la, co = _num(sc), _num(la), _num(co)
+            alts.append(f'{head[k]}{sc:.9g},"expected_latency_ms":{la:.9g},"expected_cost_usd":{co:.9g}}}')
         score = _num(score)
         exp = env.commit_live(a)
         self.decisions += 1
         exp_lat, exp_cost = _num(exp["expected_latency_ms"]), _num(exp["expected_cost_usd"])
         text = (f'{{"decision_id":"{decision_id}","created_at":"{iso(wall)}","tenant":{_dumps(who.tenant)},'
                 f'"session_id":{_dumps(req.session_id)},"offering":{self.ref_json[a]},'
-                f'"expected_latency_ms":{exp_lat!r},"expected_cost_usd":{exp_cost!r},"score":{score!r},'
+                f'"expected_latency_ms":{exp_lat:.9g},"expected_cost_usd":{exp_cost:.9g},"score":{score:.9g},'
                 f'"score_kind":"{score_kind}","alternatives":[{",".join(alts)}],"policy":{self._policy_text(pinfo)},'
                 f'"excluded":{{"total":{n - n_valid},"by_reason":{{{by_reason}}}}},'
                 f'"telemetry":{self._tele_head}{iso(t)}","age_s":{round(age, 3)!r},'

@@ -264,7 +264,9 @@ class DecisionStore:
             self._thread.start()
 
     # ------------------------------------------------------------------ writes
-    async def _submit(self, kind: str, row: tuple[Any, ...]) -> int:
+    # Plain functions returning the future rather than coroutines: ``await store.record_decision(row)``
+    # reads the same, and the request's task resumes through two fewer coroutine frames.
+    def _submit(self, kind: str, row: tuple[Any, ...]) -> asyncio.Future[int]:
         loop = self._loop
         if self.closed or loop is None:
             raise StoreClosed("the decision log is not accepting writes")
@@ -273,13 +275,16 @@ class DecisionStore:
         if not self._scheduled and not self._in_flight:
             self._scheduled = True
             loop.call_soon(self._flush)  # after every request of this loop iteration has queued its row
-        return await fut
+        return fut
 
-    async def record_decision(self, row: tuple[Any, ...]) -> None:
-        await self._submit("decision", row)
+    def record_decision(self, row: tuple[Any, ...]) -> asyncio.Future[int]:
+        """Queue ``row`` for the next group commit; await the result to know it is durable. Raises
+        :class:`StoreClosed` at once when the log accepts no writes."""
+        return self._submit("decision", row)
 
-    async def record_feedback(self, row: tuple[Any, ...]) -> int:
-        return await self._submit("feedback", row)
+    def record_feedback(self, row: tuple[Any, ...]) -> asyncio.Future[int]:
+        """As :meth:`record_decision`; the awaited result is the feedback row's id."""
+        return self._submit("feedback", row)
 
     def _flush(self) -> None:
         self._scheduled = False
