@@ -103,6 +103,26 @@ def test_a_key_verified_once_is_remembered_until_its_record_changes(tmp_path: Pa
     assert store.verify(key) is None
 
 
+def test_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from router.metrics import LoopHistogram
+
+    buckets = (25e-6, 1e-3, 0.5)
+    ours_reg, theirs_reg = CollectorRegistry(), CollectorRegistry()
+    ours = LoopHistogram("x_seconds", "doc", buckets, ours_reg)
+    theirs = Histogram("x_seconds", "doc", buckets=buckets, registry=theirs_reg)
+    for v in (1e-6, 25e-6, 3e-5, 1e-3, 0.2, 0.7, 9.0):  # below, on and between the bounds, above
+        ours.observe(v)
+        theirs.observe(v)
+
+    def lines(reg: CollectorRegistry) -> set[str]:
+        return {x for x in generate_latest(reg).decode().splitlines() if "_created" not in x}
+
+    assert lines(ours_reg) == lines(theirs_reg)
+    assert 'x_seconds_bucket{le="2.5e-05"} 2.0' in lines(ours_reg)
+
+
 def test_the_direct_access_line_is_the_formatted_record(monkeypatch: pytest.MonkeyPatch) -> None:
     """``router.logs.access`` writes its line itself when only the router's handler listens: the
     same JSON object, keys in the same order, as ``JsonFormatter`` makes of the logged record."""
