@@ -43,11 +43,14 @@ class OfferingRef(BaseModel):
     accelerator: str
 
 
+_SIG9 = " (9 significant digits)"
+
+
 class Alternative(BaseModel):
     offering: OfferingRef
-    score: float = Field(description="the deciding policy's score (higher is better); see score_kind")
-    expected_latency_ms: float
-    expected_cost_usd: float
+    score: float = Field(description="the deciding policy's score (higher is better); see score_kind" + _SIG9)
+    expected_latency_ms: float = Field(description="expected end-to-end latency on this offering" + _SIG9)
+    expected_cost_usd: float = Field(description="expected cost of the request on this offering" + _SIG9)
 
 
 class PolicyInfo(BaseModel):
@@ -81,9 +84,9 @@ class RouteResponse(BaseModel):
     tenant: str
     session_id: str | None = None
     offering: OfferingRef
-    expected_latency_ms: float
-    expected_cost_usd: float
-    score: float
+    expected_latency_ms: float = Field(description="expected end-to-end latency on the chosen offering" + _SIG9)
+    expected_cost_usd: float = Field(description="expected cost of the request on the chosen offering" + _SIG9)
+    score: float = Field(description="the deciding policy's score of the chosen offering" + _SIG9)
     score_kind: str = Field(description="'q_value' (model) or 'expected_reward' (one-step expectation)")
     alternatives: list[Alternative]
     policy: PolicyInfo
