@@ -16,6 +16,11 @@
    endpoint and ``/v1/route`` (same app and settings) once more on uvicorn's pure-Python stack
    (asyncio + h11, what uvicorn runs without the [serve] extra), each ratio against the trivial
    endpoint on the same stack.
+   Ablations, to show where a request's time goes (the same app, one part replaced in the
+   serving process only): a bare ASGI app answering a body the size of a route answer
+   (``bare_asgi``: uvicorn's own cost), ``/v1/route`` answering a constant instead of deciding
+   (``route_front_only``: request id, trace, key, validation, access line, the two sends), and
+   ``/v1/route`` deciding but not writing the decision log (``route_no_log``).
 3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
 
 Usage::
@@ -209,7 +214,51 @@ def numpy_app() -> Any:
 STACKS: dict[str, tuple[Any, Any]] = {"auto": ("auto", "auto"), "pure": ("asyncio", "h11")}
 
 
-def _serve_app(kind: str, port: int, stack: str = "auto") -> None:
+#: the size of a typical ``/v1/route`` answer (three alternatives), for the ablations' constant bodies
+ANSWER_BYTES = 1300
+
+
+def bare_app() -> Any:
+    """A bare ASGI app (no framework): reads the body, answers ``ANSWER_BYTES`` of JSON."""
+    body = b'{"ok":"' + b"x" * (ANSWER_BYTES - 9) + b'"}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def _stub(part: str) -> None:
+    """Replace one part of the router in this (serving) process, for the ablation rows:
+    ``decision`` -> the fast path answers a constant of ``ANSWER_BYTES`` without deciding or
+    logging; ``log`` -> decisions are made but never written (the log's future is already done)."""
+    import asyncio
+
+    from router import fastpath, store
+
+    if part == "decision":
+        answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
+
+        async def constant(svc: Any, body: Any, who: Any, state: Any) -> bytes:
+            return answer
+
+        fastpath.route_decision = constant  # type: ignore[assignment]
+    elif part == "log":
+        def not_written(self: Any, row: tuple[Any, ...]) -> Any:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(0)
+            return fut
+
+        store.DecisionStore.record_decision = not_written  # type: ignore[method-assign]
+
+
+def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = None) -> None:
     import uvicorn
 
     if kind == "route":  # the router's app as ``xroute serve`` builds it, settings from XROUTE_ROUTER_*
@@ -217,12 +266,14 @@ def _serve_app(kind: str, port: int, stack: str = "auto") -> None:
         from router.engine import RoutingEngine
         from router.settings import load_settings
 
+        if stub:
+            _stub(stub)
         settings = load_settings(None)
         loop, http = STACKS[stack]
         uvicorn.run(create_app(settings, RoutingEngine(settings)), host="127.0.0.1", port=port, log_config=None,
                     access_log=False, server_header=False, loop=loop, http=http)
         return
-    app = trivial_app() if kind == "trivial" else numpy_app()
+    app = {"trivial": trivial_app, "numpy": numpy_app, "bare": bare_app}[kind]()
     # the same server settings as ``xroute serve`` (router/cli.py): no uvicorn access log, no server header
     loop, http = STACKS[stack]
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
@@ -321,12 +372,13 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
     results: dict[str, Any] = {}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for label, kind, path, stack in (("trivial", "trivial", "/trivial", "auto"), ("numpy", "numpy", "/decide", "auto"),
+                                     ("bare_asgi", "bare", "/", "auto"),
                                      ("trivial_pure_stack", "trivial", "/trivial", "pure")):
         port = free_port()
         proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--stack", stack, "--port", str(port)],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            _wait_ready(f"http://127.0.0.1:{port}/docs", proc)
+            _wait_ready(f"http://127.0.0.1:{port}/", proc)
             script = _lua(work / f"{kind}.lua", kind)
             run_wrk(f"http://127.0.0.1:{port}{path}", script, 3)  # warm-up
             results[label] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds)
@@ -344,6 +396,8 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
         ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
         ("route_learned", {}, learned),
+        ("route_front_only", {}, model),
+        ("route_no_log", {}, model),
         ("route_pure_stack", {}, model),
         ("route", {}, model),
     ]
@@ -355,11 +409,19 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         results[label]["settings"] = overrides or "defaults (FULL, writer process, compressed log)"
         if label == "route_pure_stack":
             results[label]["settings"] = "defaults, uvicorn on asyncio + h11 (compare with trivial_pure_stack)"
+        if label in _ABLATIONS:
+            results[label]["settings"] = f"ablation: {_ABLATIONS[label][1]}"
+    results["bare_asgi_vs_trivial"] = round(results["bare_asgi"]["rps"] / results["trivial"]["rps"], 3)
     for label, _, _ in variants:
         if label in results:
             base = "trivial_pure_stack" if label == "route_pure_stack" else "trivial"
             results[f"{label}_vs_trivial"] = round(results[label]["rps"] / results[base]["rps"], 3)
     return results
+
+
+#: ablation rows: label -> (the part replaced, what the row measures)
+_ABLATIONS = {"route_front_only": ("decision", "a constant answer instead of the decision and the log"),
+              "route_no_log": ("log", "decides, but the decision log is not written")}
 
 
 def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str, key: str,
@@ -372,8 +434,10 @@ def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float,
             "--keys-file", str(work / "keys.json"), "--model", model]
     if bundle is not None:
         args += ["--telemetry", str(bundle)]
-    if label == "route_pure_stack":  # the same app and settings, served by uvicorn on asyncio + h11
-        args = [sys.executable, __file__, "--serve", "route", "--stack", "pure", "--port", str(port)]
+    if label == "route_pure_stack" or label in _ABLATIONS:  # the same app and settings, served by uvicorn on
+        # asyncio + h11, or with one part replaced
+        args = [sys.executable, __file__, "--serve", "route", "--port", str(port)]
+        args += ["--stack", "pure"] if label == "route_pure_stack" else ["--stub", _ABLATIONS[label][0]]
         env = {**env, "XROUTE_ROUTER_DB_PATH": str(db), "XROUTE_ROUTER_KEYS_FILE": str(work / "keys.json"),
                "XROUTE_ROUTER_MODEL_URI": model}
         if bundle is not None:
@@ -432,12 +496,13 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=20000, help="in-process decisions per measurement")
     ap.add_argument("--model", default="", help="model URI/path for xroute serve ('' = the greedy fallback)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "router.json")
-    ap.add_argument("--serve", choices=["trivial", "numpy", "route"], help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=["trivial", "numpy", "bare", "route"], help=argparse.SUPPRESS)
+    ap.add_argument("--stub", choices=["decision", "log"], help=argparse.SUPPRESS)
     ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve:
-        _serve_app(a.serve, a.port, a.stack)
+        _serve_app(a.serve, a.port, a.stack, a.stub)
         return
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
     try:
@@ -480,6 +545,8 @@ def table(res: dict[str, Any]) -> str:
     for k, v in http.items():
         if isinstance(v, dict) and "rps" in v:
             ratio = http.get(f"{k}_vs_trivial", 1.0 if k.startswith("trivial") else "")
+            if k != "soak":
+                ratio = f"{ratio} ({1e6 / v['rps']:.0f} us/req)" if ratio != "" else f"({1e6 / v['rps']:.0f} us/req)"
             lines.append(f"| {k} | {v['rps']} | {ratio} | {v['p50_ms']} | {v['p99_ms']} | {v.get('policy', '')} | "
                          f"{v.get('settings', '')} |")
     soak = http.get("soak")
