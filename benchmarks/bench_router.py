@@ -26,7 +26,7 @@
 Usage::
 
     sudo apt-get install wrk            # wrk 4.x; the HTTP parts are skipped without it
-    .venv/bin/python benchmarks/bench_router.py                  # everything (~14 min)
+    .venv/bin/python benchmarks/bench_router.py                  # everything (~17 min)
     .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~3 min)
 
 Writes ``benchmarks/results/router.json`` and prints a markdown table.
