@@ -545,8 +545,8 @@ def table(res: dict[str, Any]) -> str:
     for k, v in http.items():
         if isinstance(v, dict) and "rps" in v:
             ratio = http.get(f"{k}_vs_trivial", 1.0 if k.startswith("trivial") else "")
-            if k != "soak":
-                ratio = f"{ratio} ({1e6 / v['rps']:.0f} us/req)" if ratio != "" else f"({1e6 / v['rps']:.0f} us/req)"
+            if k != "soak":  # and what a request costs the (saturated) event loop
+                ratio = f"{ratio} ({1e6 / v['rps']:.0f} us/req)".lstrip()
             lines.append(f"| {k} | {v['rps']} | {ratio} | {v['p50_ms']} | {v['p99_ms']} | {v.get('policy', '')} | "
                          f"{v.get('settings', '')} |")
     soak = http.get("soak")

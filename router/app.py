@@ -26,7 +26,7 @@ from router.deps import Services
 from router.engine import RoutingEngine
 from router.fastpath import RouteFastPath
 from router.keys import KeyStore
-from router.logs import LOG, configure_logging, flush_logs
+from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
@@ -34,7 +34,6 @@ from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.settings import RouterSettings, load_settings
 from router.store import DecisionStore
-from router.telemetry import iso
 
 API_VERSION = "1.0.0"
 
@@ -168,8 +167,9 @@ class RouterApp(FastAPI):
     without FastAPI's per-request machinery), around FastAPI itself (everything else)."""
 
     front: ASGIApp | None = None
-    #: ``app.state.services`` as a plain attribute, for the fast path (``State`` is a Python-level
-    #: ``__getattr__``); set and cleared with it by the lifespan
+    #: what every route uses (``router.deps.Services``), set by the lifespan while serving, else None;
+    #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
+    #: read on every request by the fast path)
     services: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -226,7 +226,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         store.start()
         models = ModelManager(engine, settings, metrics)
         await models.initial()
-        app.state.services = app.services = Services(settings, engine, store, keys, metrics, models)
+        app.services = Services(settings, engine, store, keys, metrics, models)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh")]
@@ -246,7 +246,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await asyncio.gather(*tasks, return_exceptions=True)
             store.close()
             sys.setswitchinterval(switch)
-            app.state.services = app.services = None
+            app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
             flush_logs()
 
@@ -254,7 +254,6 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                   description="Routes LLM inference requests to cloud offerings (provider x region x instance "
                               "type x pricing mode) with the champion RL policy. Every route except /healthz and "
                               "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
-    app.state.services = app.services = None
     for r in (route.router, decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router):
         app.include_router(r)

@@ -23,7 +23,7 @@ from router.store import DecisionStore
 
 @dataclass
 class Services:
-    """Everything the routes use, built once by the lifespan (``app.state.services``)."""
+    """Everything the routes use, built once by the lifespan (``RouterApp.services``)."""
 
     settings: RouterSettings
     engine: RoutingEngine
@@ -43,7 +43,7 @@ class Caller:
 
 
 def services_of(request: Request) -> Services:
-    svc = getattr(request.app.state, "services", None)
+    svc = getattr(request.app, "services", None)
     if svc is None:
         raise HTTPException(503, "the router is starting")
     return svc  # type: ignore[no-any-return]

@@ -23,9 +23,10 @@ from envs.cloud_route import CloudRouteEnv
 from models.baselines import make_baseline
 from router import kernels
 from router.keys import Principal
+from router.logs import iso
 from router.policies import ActivePolicy, PolicySlot
 from router.settings import RouterSettings
-from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource, iso
+from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.decision import RouteRequest
@@ -222,15 +223,15 @@ class RoutingEngine:
         for reason, c in zip(kernels.ENV_REASONS, env_counts.tolist()):
             if c:
                 counts[reason] = counts.get(reason, 0) + c
-        # {"reason":count,...}: the environment's reasons and not_preferred are plain identifiers,
-        # the constraint layers' (tenant:..., request:...) are encoded
-        by_reason = ",".join([f'"{k}":{v}' if k in _PLAIN_REASONS else f"{_dumps(k)}:{v}" for k, v in counts.items()])
         if n_valid == 0:
             ok = allowed & env.available
             wait = env.c_wait[ok] if ok.any() else None
             retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
             raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
                                headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
+        # {"reason":count,...}: the environment's reasons and not_preferred are plain identifiers,
+        # the constraint layers' (tenant:..., request:...) are encoded
+        by_reason = ",".join([f'"{k}":{v}' if k in _PLAIN_REASONS else f"{_dumps(k)}:{v}" for k, v in counts.items()])
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
         try:

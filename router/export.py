@@ -16,8 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from router.logs import iso
 from router.store import iter_decisions
-from router.telemetry import iso
 from xroute.bundle import DEFAULT_BUNDLE, load_bundle
 from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, WORKLOAD

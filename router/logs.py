@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import math
 import os
 import random
 import time
+from datetime import UTC, datetime
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -39,9 +41,8 @@ class JsonFormatter(logging.Formatter):
     """``{"ts", "level", "logger", "msg", "request_id", ...fields}``; ``extra={"fields": {...}}`` adds keys."""
 
     def format(self, record: logging.LogRecord) -> str:
-        t = record.created
         d: dict[str, object] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z",
+            "ts": iso(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
@@ -121,7 +122,7 @@ def access(rid: str, method: str, route: str, status: int, ms: float, tenant: st
         return
     # request_id, decision_id and trace_id are [A-Za-z0-9._:-] by construction (generated, or
     # checked by router.middleware); everything else goes through _jstr
-    line = (f'{{"ts":"{_timestamp()}","level":"info","logger":"xroute.router.access","msg":"request",'
+    line = (f'{{"ts":"{iso(time.time())}","level":"info","logger":"xroute.router.access","msg":"request",'
             f'"request_id":"{rid}","method":{_jstr(method)},"route":{_jstr(route)},"status":{status},"ms":{ms!r}')
     if tenant is not None:
         line += f',"tenant":{_jstr(tenant)}'
@@ -152,17 +153,26 @@ def _jstr(s: str) -> str:
     return j
 
 
-_ts_second: list[object] = [-1, ""]
+def iso(t: float) -> str:
+    """Seconds since the epoch as ISO-8601 UTC with milliseconds (``2024-01-01T00:00:00.123Z``).
+    Log lines and answers use it (a routed request formats three): the part up to the second is cached."""
+    frac, whole = math.modf(t)  # rounded to the microsecond first, as datetime.fromtimestamp does
+    us = round(frac * 1e6)
+    sec = int(whole)
+    if us >= 1_000_000:
+        sec, us = sec + 1, us - 1_000_000
+    elif us < 0:
+        sec, us = sec - 1, us + 1_000_000
+    ms = us // 1000
+    head = _iso_heads.get(sec)
+    if head is None:
+        if len(_iso_heads) > 64:
+            _iso_heads.clear()
+        head = _iso_heads[sec] = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
+    return f"{head}{ms:03d}Z"
 
 
-def _timestamp() -> str:
-    """Now as ``JsonFormatter`` writes it (ISO 8601 UTC, milliseconds), the seconds part formatted
-    once a second."""
-    t = time.time()
-    sec = int(t)
-    if sec != _ts_second[0]:
-        _ts_second[0], _ts_second[1] = sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
-    return f"{_ts_second[1]}.{int(t % 1 * 1000):03d}Z"
+_iso_heads: dict[int, str] = {}  # the part up to the second, per second
 
 
 def configure_logging(level: str = "INFO") -> None:

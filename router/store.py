@@ -492,7 +492,7 @@ class DecisionStore:
 
 
 def _iso(t: float) -> str:
-    from router.telemetry import iso
+    from router.logs import iso
 
     return iso(t)
 

@@ -25,39 +25,16 @@ from __future__ import annotations
 
 import abc
 import json
-import math
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
 
+from router.logs import iso
 from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle, origins_reaching, read_table, rtt_lookup, to_seconds
 from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLES, WORKLOAD
-
-
-def iso(t: float) -> str:
-    """Seconds since the epoch as ISO-8601 UTC with milliseconds (``2024-01-01T00:00:00.123Z``).
-    Two are formatted per routed request: the part up to the second is cached."""
-    frac, whole = math.modf(t)  # rounded to the microsecond first, as datetime.fromtimestamp does
-    us = round(frac * 1e6)
-    sec = int(whole)
-    if us >= 1_000_000:
-        sec, us = sec + 1, us - 1_000_000
-    elif us < 0:
-        sec, us = sec - 1, us + 1_000_000
-    ms = us // 1000
-    head = _iso_heads.get(sec)
-    if head is None:
-        if len(_iso_heads) > 64:
-            _iso_heads.clear()
-        head = _iso_heads[sec] = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S.")
-    return f"{head}{ms:03d}Z"
-
-
-_iso_heads: dict[int, str] = {}  # a request formats its wall time and its telemetry time
 
 
 class TelemetrySource(abc.ABC):

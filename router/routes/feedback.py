@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, HTTPException
 
 from router.deps import CallerDep
-from router.telemetry import iso
+from router.logs import iso
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 
 router = APIRouter(prefix="/v1", tags=["feedback"])

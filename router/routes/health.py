@@ -18,7 +18,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="Readiness: environment loaded and decision log writable",
             responses={503: {"description": "not ready (starting, or the decision log is down)"}})
 async def readyz(request: Request) -> JSONResponse:
-    svc = getattr(request.app.state, "services", None)
+    svc = getattr(request.app, "services", None)
     if svc is None:
         return JSONResponse({"status": "starting"}, status_code=503)
     eng = svc.engine
