@@ -488,8 +488,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ValueError(f"offering {a} is not valid now")
         # _occupy on the earliest-free slot, in one compiled call
         j, end = kernels.occupy(self.free_at, self.row_min, self.busy, a, self.t, self.c_service[a])
-        heapq.heappush(self._events, (end, a, j))
+        self.occupied_live(a, j, end)
         return {"expected_latency_ms": float(self.c_lat[a]), "expected_cost_usd": float(self.c_cost[a])}
+
+    def occupied_live(self, a: int, j: int, end: float) -> None:
+        """:meth:`commit_live` for a caller that already took the slot in its own compiled pass
+        (``kernels.occupy`` on ``free_at``/``row_min``/``busy`` for offering ``a`` at ``self.t``,
+        giving slot ``j`` until ``end``): schedules the slot's release."""
+        heapq.heappush(self._events, (end, a, j))
 
     # ------------------------------------------------------------------ for baselines and the oracle
     def expected_rewards(self) -> np.ndarray:

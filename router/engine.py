@@ -82,7 +82,7 @@ class RoutingEngine:
             except ConstraintError as e:
                 raise ConfigError(f"router settings: {e}") from None
             self.tenants[name] = t.constraints
-        self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool]] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool, str]] = OrderedDict()
         self.freshness = Freshness(time.time())
         self.max_age = settings.max_telemetry_age_s
         self.k_alt = settings.alternatives
@@ -107,6 +107,12 @@ class RoutingEngine:
         self._static_key: int | None = None
         self._static_code = np.zeros(self.n, dtype=np.int64)
         self._all_valid = np.ones(self.n, dtype=bool)  # the learned scorer's rows are all valid
+        rw = env_cfg.reward
+        self._reward_args = (float(rw.cost_weight), float(rw.latency_weight), float(rw.sla_penalty),
+                             float(rw.cost_norm_cap), float(rw.latency_norm_cap), float(env.cfg.retry_overhead_ms))
+        #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
+        #: like every other policy (the same answers: the tests compare the two)
+        self.fused_greedy = True
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -146,9 +152,10 @@ class RoutingEngine:
         return t
 
     def constraints_for(self, tenant: str, request: Constraints | None
-                        ) -> tuple[CompiledConstraints, dict[str, int], bool]:
-        """Compiled tenant + request constraints, their exclusion counts and whether they allow any
-        offering (cached; at most 1024 distinct sets)."""
+                        ) -> tuple[CompiledConstraints, dict[str, int], bool, str]:
+        """Compiled tenant + request constraints, their exclusion counts, whether they allow any
+        offering, and the counts as the members of a JSON object (cached; at most 1024 distinct
+        sets)."""
         key = (tenant, "" if request is None or request.empty else request.model_dump_json(exclude_defaults=True))
         hit = self._compiled.get(key)
         if hit is not None:
@@ -162,7 +169,7 @@ class RoutingEngine:
                                [{"field": f"body.{e.field}", "message": e.problem, "suggestions": e.suggestions}]
                                ) from None
         counts = {k.replace("constraints:", "request:"): v for k, v in compiled.excluded_counts().items()}
-        hit = (compiled, counts, bool(compiled.allowed.any()))
+        hit = (compiled, counts, bool(compiled.allowed.any()), ",".join(f"{_dumps(k)}:{v}" for k, v in counts.items()))
         self._compiled[key] = hit
         if len(self._compiled) > 1024:
             self._compiled.popitem(last=False)
@@ -197,6 +204,11 @@ class RoutingEngine:
 
         Raises :class:`RouteFailure` for an unknown origin, constraints that exclude everything, or
         no allowed offering able to take the request now.
+
+        The greedy policy (the default fallback) decides in one compiled call after the
+        environment's candidate outcomes (``router.kernels.greedy_decide``); every other policy
+        goes through :meth:`_choose`. Both give the same answer for the greedy policy, byte for
+        byte (``tests/test_router_unit.py``).
         """
         origin = req.origin
         if origin not in self.origin_set:
@@ -204,7 +216,7 @@ class RoutingEngine:
             raise RouteFailure(422, "unknown_origin", f"unknown origin '{origin}'",
                                [{"field": "body.origin", "message": f"unknown origin '{origin}'; "
                                  f"known origins: GET /v1/offerings", "suggestions": close}])
-        compiled, ccounts, any_allowed = self.constraints_for(who.tenant, req.constraints)
+        compiled, ccounts, any_allowed, ctext = self.constraints_for(who.tenant, req.constraints)
         allowed = compiled.allowed
         if not any_allowed:
             raise RouteFailure(422, "no_offering", "the constraints (tenant defaults and request) exclude every offering",
@@ -212,59 +224,86 @@ class RoutingEngine:
                                  "suggestions": []}], extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
-        n = self.n
         env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms, decision_id)
         pref = compiled.preferred
-        valid, n_valid, n_not_preferred, env_counts = kernels.combine(
-            env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes())
-        counts = dict(ccounts)
-        if n_not_preferred:
-            counts["not_preferred"] = n_not_preferred
-        for reason, c in zip(kernels.ENV_REASONS, env_counts.tolist()):
-            if c:
-                counts[reason] = counts.get(reason, 0) + c
-        if n_valid == 0:
-            ok = allowed & env.available
-            wait = env.c_wait[ok] if ok.any() else None
-            retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
-            raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
-                               headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
-        # {"reason":count,...}: the environment's reasons and not_preferred are plain identifiers,
-        # the constraint layers' (tenant:..., request:...) are encoded
-        by_reason = ",".join([f'"{k}":{v}' if k in _PLAIN_REASONS else f"{_dumps(k)}:{v}" for k, v in counts.items()])
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
-        try:
-            a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
-        except Exception as e:  # a model that fails at decision time: this request goes to the fallback
-            if active is self.slot.fallback:
-                raise
-            self.slot.failed(f"decision error: {type(e).__name__}: {e}")
-            active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
-            a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
-        head, c_lat, c_cost = self._alt_head, env.c_lat, env.c_cost
-        alts = []
-        for k, sc in zip(alt_idx, alt_scores):
-            la, co = c_lat.item(k), c_cost.item(k)
-            if not isfinite(sc + la + co):  # never for a valid offering; guarded anyway (one check)
-                sc, la, co = _num(sc), _num(la), _num(co)
-            alts.append(f'{head[k]}{sc:.9g},"expected_latency_ms":{la:.9g},"expected_cost_usd":{co:.9g}}}')
-        score = _num(score)
-        exp = env.commit_live(a)
+        if self.fused_greedy and active.scorer is None and active.name == "greedy":
+            ints, floats = kernels.greedy_decide(
+                env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
+                env.c_lat, env.c_cost, env.c_service, env.c_risk, env.r_sla, env.r_ref_cost, *self._reward_args,
+                self.k_alt, env.free_at, env.row_min, env.busy, env.t)
+            ii, nums = ints.tolist(), floats.tolist()
+            a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
+            if a < 0:
+                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, ii[3:7]))
+            env.occupied_live(a, ii[7], nums[0])
+            alt_idx = ii[8:]
+            score_kind = "expected_reward"
+        else:
+            valid, n_valid, n_not_preferred, env_counts = kernels.combine(
+                env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes())
+            if n_valid == 0:
+                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts.tolist()))
+            ii = env_counts.tolist()
+            ii[0:0] = [0, 0, 0]
+            try:
+                a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
+            except Exception as e:  # a model that fails at decision time: this request goes to the fallback
+                if active is self.slot.fallback:
+                    raise
+                self.slot.failed(f"decision error: {type(e).__name__}: {e}")
+                active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
+                a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
+            c_lat, c_cost = env.c_lat, env.c_cost
+            nums = [0.0, score, c_lat.item(a), c_cost.item(a)]
+            for k, sc in zip(alt_idx, alt_scores):
+                nums += (sc, c_lat.item(k), c_cost.item(k))
+            nums[1:] = [_num(x) for x in nums[1:]]
+            env.commit_live(a)
         self.decisions += 1
-        exp_lat, exp_cost = _num(exp["expected_latency_ms"]), _num(exp["expected_cost_usd"])
-        text = (f'{{"decision_id":"{decision_id}","created_at":"{iso(wall)}","tenant":{_dumps(who.tenant)},'
-                f'"session_id":{_dumps(req.session_id)},"offering":{self.ref_json[a]},'
-                f'"expected_latency_ms":{exp_lat:.9g},"expected_cost_usd":{exp_cost:.9g},"score":{score:.9g},'
-                f'"score_kind":"{score_kind}","alternatives":[{",".join(alts)}],"policy":{self._policy_text(pinfo)},'
-                f'"excluded":{{"total":{n - n_valid},"by_reason":{{{by_reason}}}}},'
-                f'"telemetry":{self._tele_head}{iso(t)}","age_s":{round(age, 3)!r},'
-                f'"stale":{"true" if age > self.max_age else "false"}}}}}')
-        offering_id = self.refs[a]["offering_id"]
+        # {"reason":count,...}: the constraint layers' part is encoded once per constraint set
+        # (``constraints_for``); the environment's reasons and not_preferred are plain identifiers
+        parts = [ctext] if ctext else []
+        if n_not_preferred:
+            parts.append(f'"not_preferred":{n_not_preferred}')
+        for reason, c in zip(_ENV_KEYS, ii[3:7]):
+            if c:
+                parts.append(f"{reason}{c}")
+        head = self._alt_head
+        alts = ",".join([_ALT % (head[k], *nums[4 + 3 * q: 7 + 3 * q]) for q, k in enumerate(alt_idx)])
+        exp_lat, exp_cost = nums[2], nums[3]
+        text = _ANSWER % (decision_id, iso(wall), _dumps(who.tenant), _dumps(req.session_id), self.ref_json[a],
+                          exp_lat, exp_cost, nums[1], score_kind, alts, self._policy_text(pinfo), self.n - n_valid,
+                          ",".join(parts), self._tele_head, iso(t), round(age, 3),
+                          "true" if age > self.max_age else "false")
+        offering_id = self.offering_ids[a]
         row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms,
                req.session_id, offering_id, exp_lat, exp_cost, pinfo["name"], pinfo["kind"], pinfo["version"],
                self.bundle_hash, req.model_dump_json(exclude_none=True), text)
         return text.encode(), row, offering_id, pinfo
+
+    @staticmethod
+    def _counts(ccounts: dict[str, int], n_not_preferred: int, env_counts: list[int]) -> dict[str, int]:
+        """Why offerings were excluded: the constraint layers', then not preferred, then the
+        environment's ``ENV_REASONS`` (the answer's ``excluded.by_reason``, in this order)."""
+        counts = dict(ccounts)
+        if n_not_preferred:
+            counts["not_preferred"] = n_not_preferred
+        for reason, c in zip(kernels.ENV_REASONS, env_counts):
+            if c:
+                counts[reason] = c
+        return counts
+
+    def _no_capacity(self, allowed: np.ndarray, counts: dict[str, int]) -> None:
+        """Raise the 429 for a request no allowed offering can take now; ``Retry-After`` is the
+        shortest queue wait among the allowed available offerings."""
+        env = self.env
+        ok = allowed & env.available
+        wait = env.c_wait[ok] if ok.any() else None
+        retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
+        raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
+                           headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
 
     def _choose(self, active: ActivePolicy, valid: np.ndarray
                 ) -> tuple[int, float, list[int], list[float], str]:
@@ -313,7 +352,14 @@ class RoutingEngine:
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
-_PLAIN_REASONS = frozenset((*kernels.ENV_REASONS, "not_preferred"))
+_ENV_KEYS = tuple(f'"{r}":' for r in kernels.ENV_REASONS)
+# the answer, filled by one %-format (faster than an f-string's per-field formatting): its scores
+# and expectations with 9 significant digits
+_ALT = '%s%.9g,"expected_latency_ms":%.9g,"expected_cost_usd":%.9g}'
+_ANSWER = ('{"decision_id":"%s","created_at":"%s","tenant":%s,"session_id":%s,"offering":%s,'
+           '"expected_latency_ms":%.9g,"expected_cost_usd":%.9g,"score":%.9g,"score_kind":"%s",'
+           '"alternatives":[%s],"policy":%s,"excluded":{"total":%d,"by_reason":{%s}},'
+           '"telemetry":%s%s","age_s":%r,"stale":%s}}')
 
 
 def _num(x: Any) -> float:

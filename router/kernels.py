@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from envs import kernels as env_kernels
+
 #: the environment's reasons for masking an allowed offering, in ``static_code`` order
 ENV_REASONS = ("unavailable", "no_capacity", "no_price", "queue_full")
 
@@ -44,7 +46,60 @@ def combine(env_mask, allowed, preferred, use_preferred, static_code):  # pragma
     return valid, n_ok, 0, counts
 
 
+@njit(cache=True)
+def _finite(x):  # pragma: no cover
+    """``x``, or 0.0 when it is NaN or infinite (an answer's numbers must be valid JSON)."""
+    return x if np.isfinite(x) else 0.0
+
+
+@njit(cache=True)
+def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat, cost, service, risk, sla, ref_cost,
+                  cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, retry_ms, k, free_at, row_min,
+                  busy, t):  # pragma: no cover
+    """The greedy policy's whole decision once the environment has computed the request's
+    candidate outcomes (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`, the
+    expected rewards of the valid offerings (``envs.kernels.expected_rewards``), the best and the
+    next ``k`` (``envs.kernels.rank``), and the chosen pool's earliest-free slot taken for the
+    request's service time (``envs.kernels.occupy``, in place). The same kernels the engine's
+    general path calls one by one, so the same floats.
+
+    Returns (``ints``, ``floats``): ``ints`` = [chosen offering (-1: none valid, nothing taken),
+    valid count, not-preferred count, the four ``ENV_REASONS`` counts, slot taken, then the
+    alternatives' indices]; ``floats`` = [slot release time, then (score, expected latency ms,
+    expected cost USD) of the chosen offering and of each alternative, NaN/inf as 0.0]."""
+    valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
+    r = env_kernels.expected_rewards(lat, cost, service, risk, valid, sla, ref_cost, cost_weight, latency_weight,
+                                     sla_penalty, cost_cap, latency_cap, retry_ms)
+    best, alt = env_kernels.rank(r, valid, k)
+    m = alt.shape[0]
+    ints = np.empty(8 + m, dtype=np.int64)
+    floats = np.zeros(4 + 3 * m)
+    ints[0] = best
+    ints[1] = n_valid
+    ints[2] = n_not_preferred
+    for c in range(4):
+        ints[3 + c] = counts[c]
+    ints[7] = -1
+    if best < 0:
+        return ints, floats
+    j, end = env_kernels.occupy(free_at, row_min, busy, best, t, service[best])
+    ints[7] = j
+    floats[0] = end
+    for q in range(m + 1):
+        i = best if q == 0 else alt[q - 1]
+        if q > 0:
+            ints[7 + q] = i
+        floats[1 + 3 * q] = _finite(r[i])
+        floats[2 + 3 * q] = _finite(lat[i])
+        floats[3 + 3 * q] = _finite(cost[i])
+    return ints, floats
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) now rather than on the first request."""
     ok = np.ones(2, dtype=np.bool_)
-    combine(ok, ok, ok, True, np.zeros(2, dtype=np.int64))
+    code = np.zeros(2, dtype=np.int64)
+    combine(ok, ok, ok, True, code)
+    f = np.ones(2)
+    greedy_decide(ok, ok, ok, True, code, f, f, f, f, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1, np.zeros((2, 2)),
+                  np.zeros(2), np.zeros(2, dtype=np.int64), 0.0)

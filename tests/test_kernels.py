@@ -165,3 +165,39 @@ def test_occupy_takes_the_earliest_free_slot_as_the_numpy_version(seed: int) -> 
     np.testing.assert_array_equal(free_at, fa)
     np.testing.assert_array_equal(busy, b)
     np.testing.assert_array_equal(row_min, fa.min(axis=1))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_decide_is_combine_rewards_rank_and_occupy(seed: int) -> None:
+    """The router's one-call greedy decision against the kernels it fuses, called one by one as
+    the engine's general path calls them: same choice, alternatives, counts and numbers, and the
+    same slot taken (nothing taken when no offering is valid)."""
+    rng = np.random.default_rng(seed)
+    d = _inputs(rng, int(rng.integers(1, 60)))
+    wait, busy, service, lat, cost, env_mask, risk, _, _ = kernels.candidate_outcomes(*d.values())
+    n = lat.shape[0]
+    allowed, preferred = rng.random(n) < [0.8, 0.0][seed % 4 == 3], rng.random(n) < 0.4
+    code = rng.integers(0, 4, n).astype(np.int64)
+    rw = (float(rng.uniform(1e-6, 1e-3)), 1.0, 0.5, 5.0, 3.0, 2.0, 500.0)  # sla_ms after ref_cost
+    sla = float(rng.uniform(100.0, 5000.0))
+    k = int(rng.integers(0, 5))
+    smax = 4
+    free_at = np.where(rng.random((n, smax)) < 0.5, -np.inf, rng.normal(100.0, 2.0, (n, smax)))
+    row_min, busy_i = free_at.min(axis=1), (free_at > 100.0).sum(axis=1).astype(np.int64)
+    fa, rm, bi = free_at.copy(), row_min.copy(), busy_i.copy()
+    ints, floats = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, lat, cost, service, risk, sla,
+                                          rw[0], *rw[1:], k, free_at, row_min, busy_i, 100.0)
+    valid, n_valid, n_np, counts = rkernels.combine(env_mask, allowed, preferred, True, code)
+    r = kernels.expected_rewards(lat, cost, service, risk, env_mask, sla, *rw)
+    best, alt = kernels.rank(r, valid, k)
+    assert ints[:7].tolist() == [best, n_valid, n_np, *counts.tolist()]
+    if best < 0:
+        assert ints[7] == -1 and ints[8:].size == 0
+        assert np.array_equal(free_at, fa) and np.array_equal(busy_i, bi)
+        return
+    j, end = kernels.occupy(fa, rm, bi, best, 100.0, service[best])
+    assert (ints[7], floats[0]) == (j, end) and ints[8:].tolist() == alt.tolist()
+    chosen = [best, *alt.tolist()]
+    assert floats[1:].tolist() == np.column_stack([r[chosen], lat[chosen], cost[chosen]]).ravel().tolist()
+    for got, want in ((free_at, fa), (row_min, rm), (busy_i, bi)):
+        np.testing.assert_array_equal(got, want)

@@ -289,6 +289,44 @@ def test_model_error_at_decision_time_falls_back_for_that_request(engine: Routin
         engine.slot.model = old
 
 
+def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path) -> None:
+    """The greedy policy decided in one compiled call (``router.kernels.greedy_decide``) and through
+    ``_choose`` like every other policy give byte-identical answers, the same log rows, the same
+    429s, and leave the same pool state, over requests with tenant, request and prefer
+    constraints that fill the pools."""
+    setup = make_setup(tmp_path, env={"serving_config": str(tmp_path / "serving.yaml"), "queue_timeout_s": 2.0},
+                       tenants={"a": {"constraints": {"deny": [{"accelerators": ["T4"]}]}}})
+    st = setup.settings
+    fused, general = (RoutingEngine(st, source=ReplaySource(st.telemetry, st.replay_speed, st.replay_offset_s,
+                                                            start_wall=1000.0)) for _ in range(2))
+    general.fused_greedy = False
+    general.freshness = fused.freshness  # the same telemetry age in both answers
+    rng = np.random.default_rng(3)
+    bodies = [{}, {"constraints": {"prefer": [{"pricing_modes": ["spot"]}]}},
+              {"constraints": {"allow": [{"providers": ["gcp", "aws"]}], "prefer": [{"regions": ["us-east-1"]}]}},
+              {"constraints": {"deny": [{"pricing_modes": ["on_demand"]}]}}, {"session_id": "s-1"}]
+    outcomes = {200: 0, 429: 0}
+    wall0 = 1000.0
+    for i in range(400):
+        who = A if i % 3 else Principal("b", "tenant", "k2")
+        req = RouteRequest.model_validate({**ROUTE, "origin": fused.origins[i % len(fused.origins)],
+                                           "input_tokens": int(rng.integers(10, 4000)),
+                                           "max_output_tokens": int(rng.integers(1, 2000)), **bodies[i % len(bodies)]})
+        wall = wall0 + 0.6 * i
+        got = []
+        for eng in (fused, general):
+            try:
+                payload, row, oid, info = eng.decide(req, who, f"d_{i}", wall)
+                got.append((200, payload, row, oid))
+            except RouteFailure as e:
+                got.append((e.status, e.error, e.headers, e.extra))
+        assert got[0] == got[1], i
+        outcomes[got[0][0]] += 1
+    assert outcomes[200] > 100 and outcomes[429] > 20  # both the answers and the full pools were compared
+    for k in ("free_at", "row_min", "busy", "_events"):
+        assert np.array_equal(np.asarray(getattr(fused.env, k)), np.asarray(getattr(general.env, k))), k
+
+
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
     """The router's lazy path (``set_live``, then ``_obs`` only when a policy reads features) gives
     exactly ``observe_live``'s mask, expectations and observation."""
