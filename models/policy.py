@@ -75,12 +75,19 @@ class RewardPrior:
     def score_one(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
         """``scores`` for one request's (k, F) float32 rows in one compiled pass (same formula and
         float32 operation order)."""
-        f32 = np.float32
+        return _prior_one(rows, *self.one_args(request))  # type: ignore[no-any-return]
+
+    def one_args(self, request: np.ndarray) -> tuple[Any, ...]:
+        """:func:`_prior_one`'s arguments after the rows, for ``request``: the column indices and
+        the float32 constants (cached), and the retry overhead in SLAs of this request."""
+        c = self.__dict__.get("_one_consts")
+        if c is None:
+            f32 = np.float32
+            c = (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], f32(-self.cost_weight),
+                 f32(self.latency_weight), f32(self.sla_penalty), f32(self.latency_norm_cap))
+            object.__setattr__(self, "_one_consts", c)  # a cache on a frozen dataclass
         sla_ms = max(float(np.expm1(float(request[R["sla"]]) * 12.0)), 1.0)
-        return _prior_one(rows, F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"],  # type: ignore[no-any-return]
-                          f32(-self.cost_weight), f32(self.latency_weight), f32(self.sla_penalty),
-                          f32(self.latency_norm_cap), f32(self.retry_overhead_ms / sla_ms),
-                          f32(-1.5) * f32(self.cost_weight))
+        return (*c, np.float32(self.retry_overhead_ms / sla_ms), np.float32(-1.5) * np.float32(self.cost_weight))
 
 
 @njit(cache=True)
@@ -126,6 +133,18 @@ def _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx):  
                 v = h[i, j] + b[j]
                 h[i, j] = v if (not relu or not v <= 0) else np.float32(0.0)
     return h[:, 0].copy()
+
+
+@njit(cache=True)
+def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, neg_cw, lw, sp,
+                   cap, retry_n, neg_cw15):  # pragma: no cover
+    """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
+    ``s += prior``)."""
+    s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
+    p = _prior_one(rows, ic, il, iv, ir, neg_cw, lw, sp, cap, retry_n, neg_cw15)
+    for i in range(s.shape[0]):
+        s[i] += p[i]
+    return s
 
 
 @njit(cache=True)
@@ -189,13 +208,12 @@ class RouterWeights:
         computed the router's way: the first layers' weights are split into their row, request and
         context blocks, so the per-request parts are one small vector-matrix product instead of being
         copied into every row (~2x fewer multiplies, no concatenations), and the whole network runs
-        in one compiled call (:func:`_mlp_one`) plus the compiled prior."""
+        in one compiled call with the prior (:func:`_mlp_prior_one`)."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         request = np.ascontiguousarray(request, dtype=np.float32)
-        s = _mlp_one(rows, request, *self._mlp_args())
-        if self.prior is not None:
-            s += self.prior.score_one(rows, request)
-        return s  # type: ignore[no-any-return]
+        if self.prior is None:
+            return _mlp_one(rows, request, *self._mlp_args())  # type: ignore[no-any-return]
+        return _mlp_prior_one(rows, request, *self._mlp_args(), *self.prior.one_args(request))  # type: ignore[no-any-return]
 
     def _mlp_args(self) -> tuple[Any, ...]:
         """The weights as :func:`_mlp_one` takes them (cached): the first and the context layer

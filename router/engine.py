@@ -106,7 +106,6 @@ class RoutingEngine:
         self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
         self._static_key: int | None = None
         self._static_code = np.zeros(self.n, dtype=np.int64)
-        self._all_valid = np.ones(self.n, dtype=bool)  # the learned scorer's rows are all valid
         rw = env_cfg.reward
         self._reward_args = (float(rw.cost_weight), float(rw.latency_weight), float(rw.sla_penalty),
                              float(rw.cost_norm_cap), float(rw.latency_norm_cap), float(env.cfg.retry_overhead_ms))
@@ -315,10 +314,13 @@ class RoutingEngine:
         if active.scorer is not None:
             idx = np.flatnonzero(valid)
             s = active.scorer(env.offering_features(idx), env.request_features())
-            if s.shape != idx.shape or not np.isfinite(s).all():
-                raise ValueError("the model returned non-finite or misshapen scores")
-            best, alt = env_kernels.rank(s, self._all_valid[: idx.size], k_alt)
-            return (int(idx[best]), float(s[best]), idx[alt].tolist(), s[alt].tolist(), "q_value")
+            if s.shape != idx.shape:
+                raise ValueError(f"the model returned {s.shape} scores for {idx.size} offerings")
+            picked, vals = kernels.rank_scored(s, idx, k_alt)
+            if picked.size == 0:
+                raise ValueError("the model returned non-finite scores")
+            ks, ss = picked.tolist(), vals.tolist()
+            return ks[0], ss[0], ks[1:], ss[1:], "q_value"
         r = env.expected_rewards()
         if active.name == "greedy":
             best, alt = env_kernels.rank(r, valid, k_alt)

@@ -95,6 +95,27 @@ def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat,
     return ints, floats
 
 
+@njit(cache=True)
+def rank_scored(scores, idx, k):  # pragma: no cover
+    """A learned scorer's choice: ``scores`` of the offerings ``idx`` (the valid ones, ascending)
+    -> (offerings: the best then the next ``k``; their scores), ranked as ``envs.kernels.rank``
+    ranks (ties to the lower index). Offerings is empty when a score is NaN or infinite (the
+    model failed: the caller falls back)."""
+    for i in range(scores.shape[0]):
+        if not np.isfinite(scores[i]):
+            return np.empty(0, dtype=np.int64), np.empty(0)
+    best, alt = env_kernels.rank(scores, np.ones(scores.shape[0], dtype=np.bool_), k)
+    m = alt.shape[0]
+    out = np.empty(m + 1, dtype=np.int64)
+    vals = np.empty(m + 1)
+    out[0] = idx[best]
+    vals[0] = scores[best]
+    for q in range(m):
+        out[q + 1] = idx[alt[q]]
+        vals[q + 1] = scores[alt[q]]
+    return out, vals
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) now rather than on the first request."""
     ok = np.ones(2, dtype=np.bool_)
@@ -103,3 +124,5 @@ def warm_up() -> None:
     f = np.ones(2)
     greedy_decide(ok, ok, ok, True, code, f, f, f, f, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1, np.zeros((2, 2)),
                   np.zeros(2), np.zeros(2, dtype=np.int64), 0.0)
+    rank_scored(np.ones(2, dtype=np.float32), np.arange(2), 1)  # a learned scorer's float32 scores
+    rank_scored(np.ones(2), np.arange(2), 1)

@@ -201,3 +201,18 @@ def test_greedy_decide_is_combine_rewards_rank_and_occupy(seed: int) -> None:
     assert floats[1:].tolist() == np.column_stack([r[chosen], lat[chosen], cost[chosen]]).ravel().tolist()
     for got, want in ((free_at, fa), (row_min, rm), (busy_i, bi)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rank_scored_maps_the_ranking_to_offerings_and_refuses_non_finite_scores(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    idx = np.sort(rng.choice(100, n, replace=False)).astype(np.int64)
+    scores = rng.integers(0, 5, n).astype(np.float32)  # ties: the lower offering first
+    k = int(rng.integers(0, 5))
+    picked, vals = rkernels.rank_scored(scores, idx, k)
+    order = np.argsort(-scores, kind="stable")[: k + 1]
+    assert picked.tolist() == idx[order].tolist() and vals.tolist() == scores[order].tolist()
+    scores[int(rng.integers(0, n))] = [np.nan, np.inf, -np.inf][seed % 3]
+    picked, vals = rkernels.rank_scored(scores, idx, k)
+    assert picked.size == 0 and vals.size == 0
