@@ -112,6 +112,7 @@ class RoutingEngine:
         #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
         #: like every other policy (the same answers: the tests compare the two)
         self.fused_greedy = True
+        self._greedy_out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -228,11 +229,12 @@ class RoutingEngine:
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
         if self.fused_greedy and active.scorer is None and active.name == "greedy":
-            ints, floats = kernels.greedy_decide(
+            ints, floats = self._greedy_out
+            m = kernels.greedy_decide(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
                 env.c_lat, env.c_cost, env.c_service, env.c_risk, env.r_sla, env.r_ref_cost, *self._reward_args,
-                self.k_alt, env.free_at, env.row_min, env.busy, env.t)
-            ii, nums = ints.tolist(), floats.tolist()
+                self.k_alt, env.free_at, env.row_min, env.busy, env.t, ints, floats)
+            ii, nums = ints.tolist()[: 8 + m], floats.tolist()[: 4 + 3 * m]
             a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
             if a < 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, ii[3:7]))

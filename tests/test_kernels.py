@@ -185,8 +185,10 @@ def test_greedy_decide_is_combine_rewards_rank_and_occupy(seed: int) -> None:
     free_at = np.where(rng.random((n, smax)) < 0.5, -np.inf, rng.normal(100.0, 2.0, (n, smax)))
     row_min, busy_i = free_at.min(axis=1), (free_at > 100.0).sum(axis=1).astype(np.int64)
     fa, rm, bi = free_at.copy(), row_min.copy(), busy_i.copy()
-    ints, floats = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, lat, cost, service, risk, sla,
-                                          rw[0], *rw[1:], k, free_at, row_min, busy_i, 100.0)
+    ints, floats = np.full(8 + k + 2, 99, dtype=np.int64), np.full(4 + 3 * k + 2, 99.0)  # larger than needed
+    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, lat, cost, service, risk, sla,
+                               rw[0], *rw[1:], k, free_at, row_min, busy_i, 100.0, ints, floats)
+    ints, floats = ints[: 8 + m], floats[: 4 + 3 * m]
     valid, n_valid, n_np, counts = rkernels.combine(env_mask, allowed, preferred, True, code)
     r = kernels.expected_rewards(lat, cost, service, risk, env_mask, sla, *rw)
     best, alt = kernels.rank(r, valid, k)
