@@ -112,6 +112,7 @@ class RoutingEngine:
         #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
         #: like every other policy (the same answers: the tests compare the two)
         self.fused_greedy = True
+        self._tenant_json: dict[str, str] = {}
         self._greedy_out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
 
     def response_dictionary(self) -> bytes:
@@ -271,13 +272,23 @@ class RoutingEngine:
         for reason, c in zip(_ENV_KEYS, ii[3:7]):
             if c:
                 parts.append(f"{reason}{c}")
+        # the alternatives' format arguments: (offering head, score, latency, cost) for each
+        m = len(alt_idx)
+        alt_args: list[Any] = [None] * (4 * m)
         head = self._alt_head
-        alts = ",".join([_ALT % (head[k], *nums[4 + 3 * q: 7 + 3 * q]) for q, k in enumerate(alt_idx)])
+        alt_args[0::4] = [head[k] for k in alt_idx]
+        alt_args[1::4], alt_args[2::4], alt_args[3::4] = nums[4::3], nums[5::3], nums[6::3]
+        tenant_json = self._tenant_json.get(who.tenant)
+        if tenant_json is None:
+            if len(self._tenant_json) > 1024:
+                self._tenant_json.clear()
+            tenant_json = self._tenant_json[who.tenant] = _dumps(who.tenant)
         exp_lat, exp_cost = nums[2], nums[3]
-        text = _ANSWER % (decision_id, iso(wall), _dumps(who.tenant), _dumps(req.session_id), self.ref_json[a],
-                          exp_lat, exp_cost, nums[1], score_kind, alts, self._policy_text(pinfo), self.n - n_valid,
-                          ",".join(parts), self._tele_head, iso(t), round(age, 3),
-                          "true" if age > self.max_age else "false")
+        text = _answer_format(m) % (
+            decision_id, iso(wall), tenant_json, "null" if req.session_id is None else _dumps(req.session_id),
+            self.ref_json[a], exp_lat, exp_cost, nums[1], score_kind, *alt_args, self._policy_text(pinfo),
+            self.n - n_valid, ",".join(parts), self._tele_head, iso(t), round(age, 3),
+            "true" if age > self.max_age else "false")
         offering_id = self.offering_ids[a]
         row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms,
                req.session_id, offering_id, exp_lat, exp_cost, pinfo["name"], pinfo["kind"], pinfo["version"],
@@ -357,13 +368,21 @@ class RoutingEngine:
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 _ENV_KEYS = tuple(f'"{r}":' for r in kernels.ENV_REASONS)
-# the answer, filled by one %-format (faster than an f-string's per-field formatting): its scores
-# and expectations with 9 significant digits
-_ALT = '%s%.9g,"expected_latency_ms":%.9g,"expected_cost_usd":%.9g}'
-_ANSWER = ('{"decision_id":"%s","created_at":"%s","tenant":%s,"session_id":%s,"offering":%s,'
-           '"expected_latency_ms":%.9g,"expected_cost_usd":%.9g,"score":%.9g,"score_kind":"%s",'
-           '"alternatives":[%s],"policy":%s,"excluded":{"total":%d,"by_reason":{%s}},'
-           '"telemetry":%s%s","age_s":%r,"stale":%s}}')
+_ANSWER_FORMATS: dict[int, str] = {}
+
+
+def _answer_format(alternatives: int) -> str:
+    """The answer with ``alternatives`` alternatives as one %-format (one formatting call, faster
+    than an f-string's per-field formatting); scores and expectations with 9 significant digits."""
+    fmt = _ANSWER_FORMATS.get(alternatives)
+    if fmt is None:
+        alt = '%s%.9g,"expected_latency_ms":%.9g,"expected_cost_usd":%.9g}'
+        fmt = _ANSWER_FORMATS[alternatives] = (
+            '{"decision_id":"%s","created_at":"%s","tenant":%s,"session_id":%s,"offering":%s,'
+            '"expected_latency_ms":%.9g,"expected_cost_usd":%.9g,"score":%.9g,"score_kind":"%s",'
+            f'"alternatives":[{",".join([alt] * alternatives)}],"policy":%s,'
+            '"excluded":{"total":%d,"by_reason":{%s}},"telemetry":%s%s","age_s":%r,"stale":%s}}')
+    return fmt
 
 
 def _num(x: Any) -> float:
