@@ -106,6 +106,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.action_space = spaces.Discrete(self.N)
         self._pos = 0
         self._end = 0
+        self._live_buffers: tuple[np.ndarray, ...] | None = None
 
     # ------------------------------------------------------------------ setup
     def _init_static(self) -> None:
@@ -278,10 +279,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "ext_util_conc", "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "r_origin",
                      "r_in", "r_out", "r_sla", "r_ref_cost", "r_id", "r_z", "c_wait", "c_busy", "c_service",
                      "c_rtt", "c_lat", "c_cost", "c_mask", "c_risk", "c_load", "_last_obs")
+    # ... except these, with use_live_buffers: set_live then writes them in place
+    _LIVE_BUFFERED = ("c_wait", "c_busy", "c_service", "c_lat", "c_cost", "c_mask", "c_risk")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
         d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
+        if self._live_buffers is not None:  # overwritten in place by the next set_live: keep copies
+            d.update({k: getattr(self, k).copy() for k in self._LIVE_BUFFERED if hasattr(self, k)})
         d.update(free_at=self.free_at.copy(), row_min=self.row_min.copy(), busy=self.busy.copy(),
                  _events=list(self._events), stats=dict(self.stats), _recent=deque(self._recent))
         return d
@@ -331,22 +336,33 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                           self.req_sla_ms[i], self.ref_cost[i], self.req_ids[i], float(self.z[i - self._ep_start]))
 
     def _set_request(self, t: float, origin: int, n_in: float, n_out: float, sla_ms: float, ref_cost: float,
-                     request_id: Any, z: float) -> None:
+                     request_id: Any, z: float, into: tuple[np.ndarray, ...] | None = None) -> None:
+        """Make a request current: its expectations on every offering (``c_*``) in one compiled
+        pass (envs/kernels.py has the formulas), into new arrays, or written into ``into``
+        (``use_live_buffers``) when given."""
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
         self.t = t
         self.r_origin, self.r_in, self.r_out, self.r_sla, self.r_ref_cost, self.r_id, self.r_z = (
             origin, float(n_in), float(n_out), float(sla_ms), float(ref_cost), request_id, z)
         self._release_until(t)
-        rtt = self.rtt_ms[self.r_origin]
-        # one compiled pass over the offerings (envs/kernels.py has the formulas)
-        wait, busy, service, lat, cost, mask, risk, busy_valid, slots_valid = kernels.candidate_outcomes(
-            self.row_min, self.busy, self.inv_replicas, self.conc_m1, self.ext_util_conc, self.inv_prefill,
-            self.tpot_s, self.tpot_growth_s, rtt, self.cost_rate, self.static_ok, self.hazard, self.slots, t,
-            self.r_in, self.r_out, self.cfg.queue_timeout_s)
+        rtt = self.rtt_ms[origin]
+        if into is None:
+            wait, busy, service, lat, cost, mask, risk, busy_valid, slots_valid = kernels.candidate_outcomes(
+                self.row_min, self.busy, self.inv_replicas, self.conc_m1, self.ext_util_conc, self.inv_prefill,
+                self.tpot_s, self.tpot_growth_s, rtt, self.cost_rate, self.static_ok, self.hazard, self.slots, t,
+                self.r_in, self.r_out, self.cfg.queue_timeout_s)
+            self.c_wait, self.c_busy, self.c_service, self.c_lat, self.c_cost, self.c_mask, self.c_risk = (
+                wait, busy, service, lat, cost, mask, risk)
+        else:
+            busy_valid, slots_valid = kernels.candidate_outcomes_into(  # type: ignore[call-arg]
+                *into, self.row_min, self.busy, self.inv_replicas, self.conc_m1, self.ext_util_conc,
+                self.inv_prefill, self.tpot_s, self.tpot_growth_s, rtt, self.cost_rate, self.static_ok, self.hazard,
+                self.slots, t, self.r_in, self.r_out, self.cfg.queue_timeout_s)
+            if self.c_lat is not into[3]:  # after a restore_state or a request without the buffers
+                self.c_wait, self.c_busy, self.c_service, self.c_lat, self.c_cost, self.c_mask, self.c_risk = into
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
-        self.c_wait, self.c_busy, self.c_service, self.c_rtt = wait, busy, service, rtt
-        self.c_lat, self.c_cost, self.c_mask, self.c_risk = lat, cost, mask, risk
+        self.c_rtt = rtt
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
@@ -478,8 +494,19 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ref_service = input_tokens / ref.prefill_tok_s + output_tokens * ref.tpot_ms / 1000.0
         ref_cost = max(self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service / ref.max_concurrency,
                        1e-12)  # _reference_cost for one request, without numpy's scalar overhead
-        self._set_request(t, self.origin_index[origin], input_tokens, output_tokens, sla_ms, ref_cost, request_id, 0.0)
+        self._set_request(t, self.origin_index[origin], input_tokens, output_tokens, sla_ms, ref_cost, request_id, 0.0,
+                          self._live_buffers)
         return self.c_mask  # type: ignore[no-any-return]
+
+    def use_live_buffers(self) -> None:
+        """From now on :meth:`set_live` writes the live request's expectations (``c_wait``,
+        ``c_busy``, ``c_service``, ``c_lat``, ``c_cost``, ``c_mask``, ``c_risk``) into one set of
+        arrays, overwritten by the next live request, instead of new arrays every time (the
+        router: ~0.3 us saved per array). Read them before the next ``set_live``;
+        :meth:`save_state` copies them."""
+        n = self.n
+        self._live_buffers = (np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n),
+                              np.zeros(n, dtype=bool), np.zeros(n))
 
     def commit_live(self, a: int) -> dict[str, float]:
         """Record that the current live request was sent to offering ``a``: it occupies a slot there

@@ -64,6 +64,7 @@ class RoutingEngine:
         env_cfg = parse_config(EnvConfig, {**settings.env, "episode_requests": None}, "router settings: field 'env'")
         self.env = env = CloudRouteEnv(bundle, env_cfg)
         env.reset(seed=0)
+        env.use_live_buffers()  # one decision at a time reads them (decide is synchronous)
         self.generation = 0
         self.n, self.N = env.n, env.N
         self.catalog = env.catalog

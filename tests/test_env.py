@@ -136,6 +136,36 @@ def test_live_requests_see_the_load_of_earlier_decisions(tiny_bundle_dir):
         env.observe_live(t, "nowhere:moon-1", 1, 1, 1000.0)
 
 
+def test_live_buffers_give_the_same_expectations_and_snapshots_survive_them(tiny_bundle_dir):
+    """``use_live_buffers``: set_live writes the expectations into one set of arrays; they equal
+    the fresh arrays of an env without buffers, request after request, and a ``save_state`` taken
+    before a later set_live still restores the expectations it saw."""
+    plain = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    buffered = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    buffered.use_live_buffers()
+    names = ("c_wait", "c_busy", "c_service", "c_lat", "c_cost", "c_mask", "c_risk", "c_rtt", "c_load")
+    t = plain.arrival[0]
+    snap = None
+    for i in range(40):
+        origin = plain.origins[i % len(plain.origins)]
+        args = (t + 0.05 * i, origin, 100 + 37 * i, 5 + 11 * i, 3000.0 + 100 * i)
+        m1, m2 = plain.set_live(*args), buffered.set_live(*args)
+        assert np.array_equal(m1, m2)
+        for k in names:
+            assert np.array_equal(getattr(plain, k), getattr(buffered, k)), (i, k)
+        if i == 20:
+            snap, seen = buffered.save_state(), buffered.c_lat.copy()
+        if m1.any():
+            a = int(np.flatnonzero(m1)[0])
+            plain.commit_live(a)
+            buffered.commit_live(a)
+    assert snap is not None and not np.array_equal(buffered.c_lat, seen)
+    buffered.restore_state(snap)
+    assert np.array_equal(buffered.c_lat, seen)
+    buffered.set_live(t + 10.0, plain.origins[0], 100, 5, 3000.0)  # writes the buffers, not the snapshot
+    assert np.array_equal(snap["c_lat"], seen)
+
+
 def test_too_many_offerings_for_max_offerings_is_a_config_error(tiny_bundle_dir):
     from xroute.errors import ConfigError
 
