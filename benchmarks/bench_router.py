@@ -329,16 +329,39 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def run_wrk(url: str, script: Path, seconds: float, connections: int = 10) -> dict[str, Any]:
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by process ``pid`` and by its child processes
+    (the decision-log writer), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def one(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return one(pid), sum(one(c) for c in children)
+
+
+def run_wrk(url: str, script: Path, seconds: float, connections: int = 10, pid: int | None = None) -> dict[str, Any]:
+    """wrk against ``url``; with ``pid`` (the server), also the CPU time the server and its child
+    processes used per request during the run: the event loop's cost of a request, which unlike
+    req/s does not move when the load generator gets more or less of the shared cores."""
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--latency", "-s", str(script), url]
+    cpu0 = _cpu_s(pid) if pid is not None else None
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    cpu1 = _cpu_s(pid) if pid is not None else None
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     lat = {p: _ms(re.search(rf"^\s+{p}%\s+(\S+)", out, re.M).group(1)) for p in ("50", "99")}  # type: ignore[union-attr]
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     errors = re.search(r"Socket errors: (.*)", out)
-    return {"rps": round(rps, 1), "p50_ms": round(lat["50"], 3), "p99_ms": round(lat["99"], 3), "requests": total,
-            "non_2xx": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errors.group(1) if errors else ""}
+    res: dict[str, Any] = {"rps": round(rps, 1), "p50_ms": round(lat["50"], 3), "p99_ms": round(lat["99"], 3),
+                           "requests": total, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
+                           "socket_errors": errors.group(1) if errors else ""}
+    if cpu0 is not None and cpu1 is not None and total:
+        res["server_cpu_us_per_req"] = round((cpu1[0] - cpu0[0]) / total * 1e6, 1)
+        res["children_cpu_us_per_req"] = round((cpu1[1] - cpu0[1]) / total * 1e6, 1)
+    return res
 
 
 def _lua(path: Path, target: str, key: str = "", origins: list[str] | None = None) -> Path:
@@ -381,7 +404,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
             _wait_ready(f"http://127.0.0.1:{port}/", proc)
             script = _lua(work / f"{kind}.lua", kind)
             run_wrk(f"http://127.0.0.1:{port}{path}", script, 3)  # warm-up
-            results[label] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds)
+            results[label] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds, pid=proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=20)
@@ -453,13 +476,13 @@ def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float,
         script = _lua(work / "route.lua", "route", key, origins)
         url = f"http://127.0.0.1:{port}/v1/route"
         run_wrk(url, script, 3)
-        out = run_wrk(url, script, seconds)
+        out = run_wrk(url, script, seconds, pid=proc.pid)
         out["policy"] = f"{policy['name']} ({policy['kind']})"
         out["db_mib"] = round(db.stat().st_size / 2**20, 1)
         if soak_s > 0:
             run_wrk(url, script, 10)
             rss0, child0 = _rss_kib(proc.pid), _children_rss_kib(proc.pid)
-            soak = run_wrk(url, script, soak_s)
+            soak = run_wrk(url, script, soak_s, pid=proc.pid)
             soak.update({"seconds": soak_s, "rss_start_kib": rss0, "rss_end_kib": _rss_kib(proc.pid),
                          "writer_rss_start_kib": child0, "writer_rss_end_kib": _children_rss_kib(proc.pid),
                          "db_mib": round(db.stat().st_size / 2**20, 1)})
@@ -540,15 +563,18 @@ def table(res: dict[str, Any]) -> str:
     http = res["http"]
     if "skipped" in http:
         return "\n".join([*lines, "", f"HTTP: {http['skipped']}"])
-    lines += ["", "| HTTP (wrk -c10, one worker) | req/s | vs trivial | p50 ms | p99 ms | policy | settings |",
-              "|---|---:|---:|---:|---:|---|---|"]
+    lines += ["", "| HTTP (wrk -c10, one worker) | req/s | vs trivial | server CPU us/req (writer) | p50 ms | p99 ms "
+              "| policy | settings |", "|---|---:|---:|---:|---:|---:|---|---|"]
     for k, v in http.items():
         if isinstance(v, dict) and "rps" in v:
             ratio = http.get(f"{k}_vs_trivial", 1.0 if k.startswith("trivial") else "")
             if k != "soak":  # and what a request costs the (saturated) event loop
                 ratio = f"{ratio} ({1e6 / v['rps']:.0f} us/req)".lstrip()
-            lines.append(f"| {k} | {v['rps']} | {ratio} | {v['p50_ms']} | {v['p99_ms']} | {v.get('policy', '')} | "
-                         f"{v.get('settings', '')} |")
+            cpu = v.get("server_cpu_us_per_req", "")
+            if v.get("children_cpu_us_per_req"):
+                cpu = f"{cpu} ({v['children_cpu_us_per_req']})"
+            lines.append(f"| {k} | {v['rps']} | {ratio} | {cpu} | {v['p50_ms']} | {v['p99_ms']} | "
+                         f"{v.get('policy', '')} | {v.get('settings', '')} |")
     soak = http.get("soak")
     if soak:
         lines += ["", f"soak {soak['seconds']:g} s: {soak['rps']} req/s, p99 {soak['p99_ms']} ms, RSS "

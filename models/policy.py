@@ -72,22 +72,18 @@ class RewardPrior:
         bad = -(f32(self.cost_weight) * f32(1.5) * cost + f32(self.latency_weight) * bad_lat) - f32(self.sla_penalty)
         return (f32(1.0) - risk) * ok + risk * bad
 
-    def score_one(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
-        """``scores`` for one request's (k, F) float32 rows in one compiled pass (same formula and
-        float32 operation order)."""
-        return _prior_one(rows, *self.one_args(request))  # type: ignore[no-any-return]
-
-    def one_args(self, request: np.ndarray) -> tuple[Any, ...]:
-        """:func:`_prior_one`'s arguments after the rows, for ``request``: the column indices and
-        the float32 constants (cached), and the retry overhead in SLAs of this request."""
-        c = self.__dict__.get("_one_consts")
+    def one_args(self) -> tuple[Any, ...]:
+        """:func:`_prior_one`'s arguments after the rows and the request (``scores`` for one
+        request's (k, F) float32 rows in one compiled pass, same formula and float32 operation
+        order): the column indices and the constants (cached)."""
+        c = self.__dict__.get("_one_args")
         if c is None:
             f32 = np.float32
-            c = (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], f32(-self.cost_weight),
-                 f32(self.latency_weight), f32(self.sla_penalty), f32(self.latency_norm_cap))
-            object.__setattr__(self, "_one_consts", c)  # a cache on a frozen dataclass
-        sla_ms = max(float(np.expm1(float(request[R["sla"]]) * 12.0)), 1.0)
-        return (*c, np.float32(self.retry_overhead_ms / sla_ms), np.float32(-1.5) * np.float32(self.cost_weight))
+            c = (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], R["sla"], f32(-self.cost_weight),
+                 f32(self.latency_weight), f32(self.sla_penalty), f32(self.latency_norm_cap),
+                 float(self.retry_overhead_ms), f32(-1.5) * f32(self.cost_weight))
+            object.__setattr__(self, "_one_args", c)  # a cache on a frozen dataclass
+        return c  # type: ignore[no-any-return]
 
 
 @njit(cache=True)
@@ -136,19 +132,25 @@ def _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx):  
 
 
 @njit(cache=True)
-def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, neg_cw, lw, sp,
-                   cap, retry_n, neg_cw15):  # pragma: no cover
+def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, isla, neg_cw, lw,
+                   sp, cap, retry_ms, neg_cw15):  # pragma: no cover
     """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
     ``s += prior``)."""
     s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
-    p = _prior_one(rows, ic, il, iv, ir, neg_cw, lw, sp, cap, retry_n, neg_cw15)
+    p = _prior_one(rows, request, ic, il, iv, ir, isla, neg_cw, lw, sp, cap, retry_ms, neg_cw15)
     for i in range(s.shape[0]):
         s[i] += p[i]
     return s
 
 
 @njit(cache=True)
-def _prior_one(rows, ic, il, iv, ir, neg_cw, lw, sp, cap, retry_n, neg_cw15):  # pragma: no cover
+def _prior_one(rows, request, ic, il, iv, ir, isla, neg_cw, lw, sp, cap, retry_ms, neg_cw15):  # pragma: no cover
+    """:meth:`RewardPrior.scores` of one request: the SLA back from its feature (``expm1(12 x)``
+    ms, at least 1), the retry overhead in SLAs, then the formula in float32 row by row."""
+    sla_ms = np.expm1(np.float64(request[isla]) * 12.0)
+    if sla_ms < 1.0:
+        sla_ms = 1.0
+    retry_n = np.float32(retry_ms / sla_ms)
     n = rows.shape[0]
     out = np.empty(n, dtype=np.float32)
     for i in range(n):
@@ -213,7 +215,7 @@ class RouterWeights:
         request = np.ascontiguousarray(request, dtype=np.float32)
         if self.prior is None:
             return _mlp_one(rows, request, *self._mlp_args())  # type: ignore[no-any-return]
-        return _mlp_prior_one(rows, request, *self._mlp_args(), *self.prior.one_args(request))  # type: ignore[no-any-return]
+        return _mlp_prior_one(rows, request, *self._mlp_args(), *self.prior.one_args())  # type: ignore[no-any-return]
 
     def _mlp_args(self) -> tuple[Any, ...]:
         """The weights as :func:`_mlp_one` takes them (cached): the first and the context layer
