@@ -232,11 +232,13 @@ class RoutingEngine:
         active, pinfo = self.slot.current(age > self.max_age)
         if self.fused_greedy and active.scorer is None and active.name == "greedy":
             ints, floats = self._greedy_out
-            m = kernels.greedy_decide(
+            n_alt = kernels.greedy_decide(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
                 env.c_lat, env.c_cost, env.c_service, env.c_risk, env.r_sla, env.r_ref_cost, *self._reward_args,
                 self.k_alt, env.free_at, env.row_min, env.busy, env.t, ints, floats)
-            ii, nums = ints.tolist()[: 8 + m], floats.tolist()[: 4 + 3 * m]
+            # ii: [chosen, valid, not preferred, 4 env reason counts, slot, alternatives...]; nums:
+            # [slot release, then (score, latency, cost) of the chosen and of each alternative]
+            ii, nums = ints.tolist()[: 8 + n_alt], floats.tolist()[: 4 + 3 * n_alt]
             a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
             if a < 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, ii[3:7]))
@@ -248,8 +250,7 @@ class RoutingEngine:
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes())
             if n_valid == 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts.tolist()))
-            ii = env_counts.tolist()
-            ii[0:0] = [0, 0, 0]
+            ii = [0, 0, 0, *env_counts.tolist()]  # the env reason counts where the fused path has them
             try:
                 a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
             except Exception as e:  # a model that fails at decision time: this request goes to the fallback
@@ -258,7 +259,7 @@ class RoutingEngine:
                 self.slot.failed(f"decision error: {type(e).__name__}: {e}")
                 active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
                 a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
-            c_lat, c_cost = env.c_lat, env.c_cost
+            c_lat, c_cost = env.c_lat, env.c_cost  # nums as the fused path's
             nums = [0.0, score, c_lat.item(a), c_cost.item(a)]
             for k, sc in zip(alt_idx, alt_scores):
                 nums += (sc, c_lat.item(k), c_cost.item(k))
