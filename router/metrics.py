@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -24,10 +24,10 @@ class Metrics:
         self.route_seconds = LoopHistogram(
             "xroute_router_route_seconds", "POST /v1/route handler time including the durable log write",
             _LATENCY_BUCKETS, r)
-        self.decisions = Counter("xroute_router_decisions_total", "Decisions by chosen offering and policy kind",
-                                 ["offering_id", "policy_kind"], registry=r)
-        self.fallbacks = Counter("xroute_router_fallback_decisions_total",
-                                 "Decisions made by the fallback policy, by reason", ["reason"], registry=r)
+        self.decisions = LoopCounter("xroute_router_decisions_total", "Decisions by chosen offering and policy kind",
+                                     ("offering_id", "policy_kind"), r)
+        self.fallbacks = LoopCounter("xroute_router_fallback_decisions_total",
+                                     "Decisions made by the fallback policy, by reason", ("reason",), r)
         self.model_info = Gauge("xroute_router_model_info", "1 for the policy deciding now (model or fallback)",
                                 ["name", "kind", "version"], registry=r)
         self.model_swaps = Counter("xroute_router_model_swaps_total", "Model versions installed", registry=r)
@@ -41,22 +41,23 @@ class Metrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.log_commit_seconds = Histogram("xroute_router_log_commit_seconds", "Group commit duration",
                                             buckets=_LATENCY_BUCKETS, registry=r)
-        self._decisions: dict[tuple[str, str], Any] = {}
-        self._fallbacks: dict[str, Any] = {}
+        self._fallback_codes: dict[str, tuple[str]] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None
 
     def decided(self, offering_id: str, kind: str, fallback_reason: str | None) -> None:
+        """One decision (on the event loop: the counters are :class:`LoopCounter`)."""
+        counts = self.decisions.counts
         key = (offering_id, kind)
-        c = self._decisions.get(key)
-        if c is None:
-            c = self._decisions[key] = self.decisions.labels(offering_id, kind)
-        c.inc()
+        counts[key] = counts.get(key, 0) + 1
         if fallback_reason is not None:
-            f = self._fallbacks.get(fallback_reason)
-            if f is None:
-                f = self._fallbacks[fallback_reason] = self.fallbacks.labels(_reason_code(fallback_reason))
-            f.inc()
+            code = self._fallback_codes.get(fallback_reason)
+            if code is None:
+                if len(self._fallback_codes) > 256:
+                    self._fallback_codes.clear()
+                code = self._fallback_codes[fallback_reason] = (_reason_code(fallback_reason),)
+            counts = self.fallbacks.counts
+            counts[code] = counts.get(code, 0) + 1
 
     def error(self, route: str, status: int) -> None:
         key = (route, str(status))
@@ -106,6 +107,31 @@ class LoopHistogram(Collector):
         buckets.append(("+Inf", cumulative[-1]))
         family = HistogramMetricFamily(self.name, self.documentation)
         family.add_metric([], buckets, total)
+        yield family
+
+
+class LoopCounter(Collector):
+    """A labelled Prometheus counter incremented from one thread (the event loop): one dict update
+    per increment, no lock (``prometheus_client.Counter`` takes a lock and checks the metric on every
+    ``inc``; two counters per routed request). ``counts`` maps a tuple of label values to the count;
+    exported by the same registry in the same format as ``prometheus_client.Counter`` (``_total``
+    samples; no ``_created``). A scrape from another thread reads a copy."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry):
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self.counts: dict[tuple[str, ...], int] = {}
+        registry.register(self)
+
+    def inc(self, *labels: str) -> None:
+        self.counts[labels] = self.counts.get(labels, 0) + 1
+
+    def value(self, *labels: str) -> int:
+        return self.counts.get(labels, 0)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, n in dict(self.counts).items():
+            family.add_metric(list(labels), float(n))
         yield family
 
 

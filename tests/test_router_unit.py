@@ -123,6 +123,25 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None
     assert 'x_seconds_bucket{le="2.5e-05"} 2.0' in lines(ours_reg)
 
 
+def test_loop_counter_exposes_what_prometheus_clients_counter_does() -> None:
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from router.metrics import LoopCounter
+
+    ours_reg, theirs_reg = CollectorRegistry(), CollectorRegistry()
+    ours = LoopCounter("x_total", "doc", ("offering_id", "kind"), ours_reg)
+    theirs = Counter("x_total", "doc", ["offering_id", "kind"], registry=theirs_reg)
+    for labels in (("a:b:c", "model"), ("a:b:c", "model"), ('q"uote\\', "fallback")):  # escaping too
+        ours.inc(*labels)
+        theirs.labels(*labels).inc()
+
+    def lines(reg: CollectorRegistry) -> set[str]:
+        return {x for x in generate_latest(reg).decode().splitlines() if "_created" not in x}
+
+    assert lines(ours_reg) == lines(theirs_reg)
+    assert 'x_total{kind="model",offering_id="a:b:c"} 2.0' in lines(ours_reg) and ours.value("a:b:c", "model") == 2
+
+
 def test_the_direct_access_line_is_the_formatted_record(monkeypatch: pytest.MonkeyPatch) -> None:
     """``router.logs.access`` writes its line itself when only the router's handler listens: the
     same JSON object, keys in the same order, as ``JsonFormatter`` makes of the logged record."""
