@@ -200,13 +200,9 @@ class RoutingEngine:
         return hit[1]
 
     # ------------------------------------------------------------------ the decision
-    def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float, raw: bytes | None = None
+    def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float
                ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
         """Place one request. Returns (response JSON, decision-log row, offering id, policy info).
-
-        The row's request is ``req`` as JSON, or -- given ``raw``, the JSON ``req`` was validated
-        from -- ``raw`` itself, which the decision log turns into the same JSON when it writes the
-        row (``router.store.stored_request``), off the event loop.
 
         Raises :class:`RouteFailure` for an unknown origin, constraints that exclude everything, or
         no allowed offering able to take the request now.
@@ -298,7 +294,7 @@ class RoutingEngine:
         offering_id = self.offering_ids[a]
         row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms,
                req.session_id, offering_id, exp_lat, exp_cost, pinfo["name"], pinfo["kind"], pinfo["version"],
-               self.bundle_hash, req.model_dump_json(exclude_none=True) if raw is None else raw, text)
+               self.bundle_hash, req.model_dump_json(exclude_none=True), text)
         return text.encode(), row, offering_id, pinfo
 
     @staticmethod

@@ -37,17 +37,15 @@ ROUTE_PATH = "/v1/route"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, raw: bytes | None = None) -> bytes:
+async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any) -> bytes:
     """Decide, record the decision durably (group commit), then return the answer's JSON.
 
-    ``raw``: the JSON body ``body`` was validated from, when there is one (the log's writer
-    derives the stored request from it, off the event loop). ``state`` gets ``decision_id`` (for
-    the access log); raises what ``RoutingEngine.decide`` and ``DecisionStore.record_decision``
-    raise."""
+    ``state`` gets ``decision_id`` (for the access log); raises what ``RoutingEngine.decide`` and
+    ``DecisionStore.record_decision`` raise."""
     t0 = time.perf_counter()
     decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
-    payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time(), raw)
+    payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time())
     m = svc.metrics
     m.decision_seconds.observe(time.perf_counter() - t0)
     await svc.store.record_decision(row)
@@ -118,7 +116,7 @@ class RouteFastPath:
         state["tenant"] = who.tenant
         scope["route"] = self.route
         try:
-            payload = await route_decision(svc, body, who, state, raw)
+            payload = await route_decision(svc, body, who, state)
         except RouteFailure as e:
             await errors.route_failure_response(e)(scope, receive, send)
             return

@@ -68,8 +68,6 @@ from typing import Any
 
 import zstandard
 
-from xroute.schema.decision import RouteRequest
-
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
     decision_id TEXT PRIMARY KEY,
@@ -119,7 +117,6 @@ DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "orig
                     "request_json", "response_json")
 FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
                     "error")
-_REQUEST = DECISION_COLUMNS.index("request_json")
 _INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}, response_zdict) "
                     f"VALUES ({', '.join('?' * (len(DECISION_COLUMNS) + 1))})")
 #: the dictionary size kept (deflate's window, the most older logs' ``zlib`` dictionaries use)
@@ -129,18 +126,6 @@ ZDICT_MAX = 32768
 ZSTD_LEVEL = 3
 _INSERT_FEEDBACK = (f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
                     f"VALUES ({', '.join('?' * len(FEEDBACK_COLUMNS))})")
-
-
-def stored_request(raw: bytes) -> str:
-    """The ``request_json`` column for a request body the router validated: the request as
-    ``RouteRequest`` re-serializes it (``model_dump_json(exclude_none=True)``, what the router
-    stores for a request it did not get as JSON), computed here, in the writer, rather than on the
-    event loop. The body was validated before the decision, so it validates again; if it somehow
-    did not, the body itself is stored rather than the row lost."""
-    try:
-        return RouteRequest.model_validate_json(raw).model_dump_json(exclude_none=True)
-    except ValueError:
-        return raw.decode("utf-8", "replace")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -242,10 +227,8 @@ class DecisionStore:
         return zid
 
     def _pack(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A decision row as stored: the request (``stored_request``), and the response (last
-        field, JSON text) compressed when a dictionary is set, plus the dictionary id."""
-        if isinstance(row[_REQUEST], bytes):
-            row = (*row[:_REQUEST], stored_request(row[_REQUEST]), *row[_REQUEST + 1:])
+        """A decision row as stored: the response (last field, JSON text) compressed when a
+        dictionary is set, plus the dictionary id."""
         zd = self._zdict
         if zd is None:
             return (*row, None)

@@ -417,23 +417,13 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
         store.start()
         ids = []
         rows = []
-        wanted = {}
         for i in range(40):
-            body = {"session_id": f"s{i}", **ROUTE, **({"constraints": {"prefer": [{"pricing_modes": ["spot"]}]}}
-                                                        if i % 4 == 0 else {})}
-            raw = json.dumps(body, indent=1).encode() if i % 2 else None  # as a client sent it: the fast path
-            req = RouteRequest.model_validate_json(raw) if raw else RouteRequest.model_validate(body)
+            req = RouteRequest.model_validate({**ROUTE, "session_id": f"s{i}"})
             did = f"d_{i:04d}"
-            _, row, _, _ = engine.decide(req, A, did, engine.source.start_wall + i * 0.5, raw)
+            _, row, _, _ = engine.decide(req, A, did, engine.source.start_wall + i * 0.5)
             rows.append(row)
             ids.append(did)
-            wanted[did] = json.loads(req.model_dump_json(exclude_none=True))
         await asyncio.gather(*(store.record_decision(r) for r in rows))
-        # the stored request is the validated request's JSON, whether the row carried it or the body
-        assert all(store.get_decision(did, "a")["request"] == want for did, want in wanted.items())  # type: ignore[index]
-        assert sqlite3.connect(db).execute("SELECT request_json FROM decisions WHERE decision_id = 'd_0001'"
-                                           ).fetchone()[0] == RouteRequest.model_validate_json(rows[1][16]).model_dump_json(
-                                               exclude_none=True)
         # a duplicate id fails alone, not the batch it was committed with
         dup, fresh = rows[3], (f"d_{99:04d}", *rows[4][1:])
         res = await asyncio.gather(store.record_decision(dup), store.record_decision(fresh), return_exceptions=True)
