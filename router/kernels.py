@@ -1,5 +1,11 @@
-"""The router's per-request mask arithmetic, compiled with numba (see ``envs/kernels.py`` for why
-one compiled pass beats a dozen numpy calls on arrays of ~100 offerings)."""
+"""The router's per-request mask arithmetic and decisions, compiled with numba (see
+``envs/kernels.py`` for why one compiled pass beats a dozen numpy calls on arrays of ~100
+offerings).
+
+:func:`greedy_decide` and :func:`rank_scored` call the environment's kernels (``envs.kernels``),
+so they are *not* cached on disk: numba invalidates a cached function when its own file changes,
+not when a function it calls from another file does, and a stale cache would decide with old
+formulas. They are compiled at each start instead (:func:`warm_up`, ~1 s)."""
 
 from __future__ import annotations
 
@@ -52,7 +58,7 @@ def _finite(x):  # pragma: no cover
     return x if np.isfinite(x) else 0.0
 
 
-@njit(cache=True)
+@njit  # not cache=True: it compiles envs.kernels' functions into itself (module docstring)
 def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat, cost, service, risk, sla, ref_cost,
                   cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, retry_ms, k, free_at, row_min,
                   busy, t, ints, floats):  # pragma: no cover
@@ -95,7 +101,7 @@ def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat,
     return m
 
 
-@njit(cache=True)
+@njit  # not cache=True, as greedy_decide
 def rank_scored(scores, idx, k):  # pragma: no cover
     """A learned scorer's choice: ``scores`` of the offerings ``idx`` (the valid ones, ascending)
     -> (offerings: the best then the next ``k``; their scores), ranked as ``envs.kernels.rank``
