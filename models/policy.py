@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +73,15 @@ class RewardPrior:
         bad = -(f32(self.cost_weight) * f32(1.5) * cost + f32(self.latency_weight) * bad_lat) - f32(self.sla_penalty)
         return (f32(1.0) - risk) * ok + risk * bad
 
+    @cached_property
     def one_args(self) -> tuple[Any, ...]:
         """:func:`_prior_one`'s arguments after the rows and the request (``scores`` for one
         request's (k, F) float32 rows in one compiled pass, same formula and float32 operation
-        order): the column indices and the constants (cached)."""
-        c = self.__dict__.get("_one_args")
-        if c is None:
-            f32 = np.float32
-            c = (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], R["sla"], f32(-self.cost_weight),
-                 f32(self.latency_weight), f32(self.sla_penalty), f32(self.latency_norm_cap),
-                 float(self.retry_overhead_ms), f32(-1.5) * f32(self.cost_weight))
-            object.__setattr__(self, "_one_args", c)  # a cache on a frozen dataclass
-        return c  # type: ignore[no-any-return]
+        order): the column indices and the constants."""
+        f32 = np.float32
+        return (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], R["sla"], f32(-self.cost_weight),
+                f32(self.latency_weight), f32(self.sla_penalty), f32(self.latency_norm_cap),
+                float(self.retry_overhead_ms), f32(-1.5) * f32(self.cost_weight))
 
 
 @njit(cache=True)
@@ -215,7 +213,7 @@ class RouterWeights:
         request = np.ascontiguousarray(request, dtype=np.float32)
         if self.prior is None:
             return _mlp_one(rows, request, *self._mlp_args())  # type: ignore[no-any-return]
-        return _mlp_prior_one(rows, request, *self._mlp_args(), *self.prior.one_args())  # type: ignore[no-any-return]
+        return _mlp_prior_one(rows, request, *self._mlp_args(), *self.prior.one_args)  # type: ignore[no-any-return]
 
     def _mlp_args(self) -> tuple[Any, ...]:
         """The weights as :func:`_mlp_one` takes them (cached): the first and the context layer

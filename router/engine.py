@@ -23,7 +23,7 @@ from envs.cloud_route import CloudRouteEnv
 from models.baselines import make_baseline
 from router import kernels
 from router.keys import Principal
-from router.logs import iso
+from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
 from router.settings import RouterSettings
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
@@ -113,7 +113,6 @@ class RoutingEngine:
         #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
         #: like every other policy (the same answers: the tests compare the two)
         self.fused_greedy = True
-        self._tenant_json: dict[str, str] = {}
         self._greedy_out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
 
     def response_dictionary(self) -> bytes:
@@ -280,14 +279,9 @@ class RoutingEngine:
         head = self._alt_head
         alt_args[0::4] = [head[k] for k in alt_idx]
         alt_args[1::4], alt_args[2::4], alt_args[3::4] = nums[4::3], nums[5::3], nums[6::3]
-        tenant_json = self._tenant_json.get(who.tenant)
-        if tenant_json is None:
-            if len(self._tenant_json) > 1024:
-                self._tenant_json.clear()
-            tenant_json = self._tenant_json[who.tenant] = _dumps(who.tenant)
         exp_lat, exp_cost = nums[2], nums[3]
         text = _answer_format(m) % (
-            decision_id, iso(wall), tenant_json, "null" if req.session_id is None else _dumps(req.session_id),
+            decision_id, iso(wall), json_str(who.tenant), "null" if req.session_id is None else _dumps(req.session_id),
             self.ref_json[a], exp_lat, exp_cost, nums[1], score_kind, *alt_args, self._policy_text(pinfo),
             self.n - n_valid, ",".join(parts), self._tele_head, iso(t), round(age, 3),
             "true" if age > self.max_age else "false")

@@ -121,11 +121,11 @@ def access(rid: str, method: str, route: str, status: int, ms: float, tenant: st
         ACCESS.info("request", extra={"fields": fields})
         return
     # request_id, decision_id and trace_id are [A-Za-z0-9._:-] by construction (generated, or
-    # checked by router.middleware); everything else goes through _jstr
+    # checked by router.middleware); everything else goes through json_str
     line = (f'{{"ts":"{iso(time.time())}","level":"info","logger":"xroute.router.access","msg":"request",'
-            f'"request_id":"{rid}","method":{_jstr(method)},"route":{_jstr(route)},"status":{status},"ms":{ms!r}')
+            f'"request_id":"{rid}","method":{json_str(method)},"route":{json_str(route)},"status":{status},"ms":{ms!r}')
     if tenant is not None:
-        line += f',"tenant":{_jstr(tenant)}'
+        line += f',"tenant":{json_str(tenant)}'
     if decision_id is not None:
         line += f',"decision_id":"{decision_id}"'
     if trace_id is not None:
@@ -143,8 +143,8 @@ def access(rid: str, method: str, route: str, status: int, ms: float, tenant: st
 _JSTR: dict[str, str] = {}
 
 
-def _jstr(s: str) -> str:
-    """``s`` as a JSON string, remembered (methods, routes and tenants are few)."""
+def json_str(s: str) -> str:
+    """``s`` as a JSON string, remembered (methods, routes and tenants are few; at most 4096 kept)."""
     j = _JSTR.get(s)
     if j is None:
         j = _dumps(s)

@@ -41,23 +41,20 @@ class Metrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.log_commit_seconds = Histogram("xroute_router_log_commit_seconds", "Group commit duration",
                                             buckets=_LATENCY_BUCKETS, registry=r)
-        self._fallback_codes: dict[str, tuple[str]] = {}
+        self._fallback_codes: dict[str, str] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None
 
     def decided(self, offering_id: str, kind: str, fallback_reason: str | None) -> None:
         """One decision (on the event loop: the counters are :class:`LoopCounter`)."""
-        counts = self.decisions.counts
-        key = (offering_id, kind)
-        counts[key] = counts.get(key, 0) + 1
+        self.decisions.inc(offering_id, kind)
         if fallback_reason is not None:
             code = self._fallback_codes.get(fallback_reason)
             if code is None:
                 if len(self._fallback_codes) > 256:
                     self._fallback_codes.clear()
-                code = self._fallback_codes[fallback_reason] = (_reason_code(fallback_reason),)
-            counts = self.fallbacks.counts
-            counts[code] = counts.get(code, 0) + 1
+                code = self._fallback_codes[fallback_reason] = _reason_code(fallback_reason)
+            self.fallbacks.inc(code)
 
     def error(self, route: str, status: int) -> None:
         key = (route, str(status))
@@ -124,9 +121,6 @@ class LoopCounter(Collector):
 
     def inc(self, *labels: str) -> None:
         self.counts[labels] = self.counts.get(labels, 0) + 1
-
-    def value(self, *labels: str) -> int:
-        return self.counts.get(labels, 0)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)

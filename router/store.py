@@ -68,6 +68,8 @@ from typing import Any
 
 import zstandard
 
+from router.logs import iso
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
     decision_id TEXT PRIMARY KEY,
@@ -479,7 +481,7 @@ class DecisionStore:
         out: dict[str, Any] = json.loads(self._unpack(row[0], row[2]))
         out["request"] = json.loads(row[1])
         out["feedback"] = [
-            {"feedback_id": r[0], "received_at": _iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
+            {"feedback_id": r[0], "received_at": iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
              "output_tokens": r[4], "failed": bool(r[5]), "error": r[6]}
             for r in self._reader.execute(
                 "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error "
@@ -489,12 +491,6 @@ class DecisionStore:
     def owner(self, decision_id: str) -> str | None:
         row = self._reader.execute("SELECT tenant FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()
         return None if row is None else str(row[0])
-
-
-def _iso(t: float) -> str:
-    from router.logs import iso
-
-    return iso(t)
 
 
 def iter_decisions(path: Path, tenant: str | None = None) -> Iterator[dict[str, Any]]:

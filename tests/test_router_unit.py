@@ -139,7 +139,7 @@ def test_loop_counter_exposes_what_prometheus_clients_counter_does() -> None:
         return {x for x in generate_latest(reg).decode().splitlines() if "_created" not in x}
 
     assert lines(ours_reg) == lines(theirs_reg)
-    assert 'x_total{kind="model",offering_id="a:b:c"} 2.0' in lines(ours_reg) and ours.value("a:b:c", "model") == 2
+    assert 'x_total{kind="model",offering_id="a:b:c"} 2.0' in lines(ours_reg) and ours.counts[("a:b:c", "model")] == 2
 
 
 def test_the_direct_access_line_is_the_formatted_record(monkeypatch: pytest.MonkeyPatch) -> None:
