@@ -240,15 +240,18 @@ def _stub(part: str) -> None:
     logging; ``log`` -> decisions are made but never written (the log's future is already done)."""
     import asyncio
 
-    from router import fastpath, store
+    from router import fastpath, protocol, store
 
     if part == "decision":
         answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
 
-        async def constant(svc: Any, body: Any, who: Any, state: Any) -> bytes:
-            return answer
+        def constant(svc: Any, body: Any, who: Any, decision_id: str, t0: float) -> Any:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(0)
+            return answer, done, "constant", {"kind": "fallback", "reason": None}
 
-        fastpath.route_decision = constant  # type: ignore[assignment]
+        fastpath.begin_route = constant  # type: ignore[assignment]
+        protocol.begin_route = constant  # type: ignore[assignment]
     elif part == "log":
         def not_written(self: Any, row: tuple[Any, ...]) -> Any:
             fut = asyncio.get_running_loop().create_future()
@@ -268,10 +271,15 @@ def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = Non
 
         if stub:
             _stub(stub)
+        from router.protocol import http_protocol
+
         settings = load_settings(None)
         loop, http = STACKS[stack]
-        uvicorn.run(create_app(settings, RoutingEngine(settings)), host="127.0.0.1", port=port, log_config=None,
-                    access_log=False, server_header=False, loop=loop, http=http)
+        app = create_app(settings, RoutingEngine(settings))
+        if http == "auto":  # as ``xroute serve`` (router/cli.py): /v1/route answered in the HTTP protocol
+            http = http_protocol(app)
+        uvicorn.run(app, host="127.0.0.1", port=port, log_config=None, access_log=False, server_header=False,
+                    loop=loop, http=http)
         return
     app = {"trivial": trivial_app, "numpy": numpy_app, "bare": bare_app}[kind]()
     # the same server settings as ``xroute serve`` (router/cli.py): no uvicorn access log, no server header

@@ -171,6 +171,8 @@ class RouterApp(FastAPI):
     #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
     #: read on every request by the fast path)
     services: Any = None
+    #: whether ``xroute serve`` answers ``POST /v1/route`` in the HTTP protocol (``router.protocol``)
+    http_fast_path: bool = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.front
@@ -260,6 +262,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     errors.install(app)
     _document_security(app)
     inner = functools.partial(FastAPI.__call__, app)
+    app.http_fast_path = settings.http_fast_path
     app.front = RequestContext(RouteFastPath(inner, app), max_body_bytes=settings.max_body_bytes, metrics=metrics,
                                access_log=settings.access_log)
     return app

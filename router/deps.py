@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 
 from router.engine import RoutingEngine
+from router.fastpath import bearer_of
 from router.keys import KeyStore, Principal
 from router.metrics import Metrics
 from router.settings import RouterSettings
@@ -54,9 +55,9 @@ def api_key(request: Request) -> str | None:
     key = None
     for name, value in request.scope["headers"]:
         if name == b"authorization":
-            scheme, _, cred = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and cred.strip():
-                return cred.strip()
+            bearer = bearer_of(value)
+            if bearer is not None:
+                return bearer
         elif name == b"x-api-key":
             key = value.decode("latin-1").strip() or None
     return key

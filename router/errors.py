@@ -73,11 +73,11 @@ def store_closed_response(exc: Exception) -> JSONResponse:
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    return unexpected_response(request, exc)
+    return unexpected_response(request.url.path, exc)
 
 
-def unexpected_response(request: Request, exc: Exception) -> JSONResponse:
-    LOG.log(logging.ERROR, "unhandled error", exc_info=exc, extra={"fields": {"path": request.url.path}})
+def unexpected_response(path: str, exc: BaseException) -> JSONResponse:
+    LOG.log(logging.ERROR, "unhandled error", exc_info=exc, extra={"fields": {"path": path}})
     return JSONResponse(error_body("internal_error", "internal error (logged with this request id)"), status_code=500)
 
 

@@ -20,11 +20,11 @@ serves the requests the fast path hands over; both go through :func:`route_decis
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from pydantic import ValidationError
-from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import errors
@@ -37,6 +37,24 @@ ROUTE_PATH = "/v1/route"
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
+def begin_route(svc: Any, body: RouteRequest, who: Any, decision_id: str, t0: float
+                ) -> tuple[bytes, asyncio.Future[int], str, dict[str, Any]]:
+    """Decide and queue the decision's row for the next group commit: (answer JSON, the commit's
+    future, offering id, policy info). The answer may be sent once the future is done without an
+    exception (then call :func:`end_route`). Raises what ``RoutingEngine.decide`` and
+    ``DecisionStore.record_decision`` raise."""
+    payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time())
+    svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
+    return payload, svc.store.record_decision(row), offering_id, pinfo
+
+
+def end_route(svc: Any, offering_id: str, pinfo: dict[str, Any], t0: float) -> None:
+    """The metrics of a decision whose row is durable."""
+    m = svc.metrics
+    m.decided(offering_id, pinfo["kind"], pinfo["reason"])
+    m.route_seconds.observe(time.perf_counter() - t0)
+
+
 async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any) -> bytes:
     """Decide, record the decision durably (group commit), then return the answer's JSON.
 
@@ -45,16 +63,19 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any) -> 
     t0 = time.perf_counter()
     decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
-    payload, row, offering_id, pinfo = svc.engine.decide(body, who, decision_id, time.time())
-    m = svc.metrics
-    m.decision_seconds.observe(time.perf_counter() - t0)
-    await svc.store.record_decision(row)
-    m.decided(offering_id, pinfo["kind"], pinfo["reason"])
-    m.route_seconds.observe(time.perf_counter() - t0)
-    return payload  # type: ignore[no-any-return]
+    payload, committed, offering_id, pinfo = begin_route(svc, body, who, decision_id, t0)
+    await committed
+    end_route(svc, offering_id, pinfo, t0)
+    return payload
 
 
-def _is_json(content_type: bytes) -> bool:
+def bearer_of(value: bytes) -> str | None:
+    """The key in an ``Authorization: Bearer <key>`` value (None for another scheme or no key)."""
+    scheme, _, cred = value.decode("latin-1").partition(" ")
+    return (cred.strip() or None) if scheme.lower() == "bearer" else None
+
+
+def is_json(content_type: bytes) -> bool:
     ct = content_type.lower()
     return ct == b"application/json" or (ct.startswith(b"application/json") and ct[16:].lstrip()[:1] == b";")
 
@@ -76,9 +97,7 @@ class RouteFastPath:
         for k, v in scope["headers"]:  # the key exactly as router.deps.api_key reads it
             if k == b"authorization":
                 if bearer is None:
-                    scheme, _, cred = v.decode("latin-1").partition(" ")
-                    if scheme.lower() == "bearer" and cred.strip():
-                        bearer = cred.strip()
+                    bearer = bearer_of(v)
             elif k == b"x-api-key":
                 xkey = v.decode("latin-1").strip() or None
             elif k == b"content-length":
@@ -86,7 +105,7 @@ class RouteFastPath:
             elif k == b"content-type":
                 ctype = v
         key = bearer if bearer is not None else xkey
-        if svc is None or key is None or length is None or ctype is None or not _is_json(ctype):
+        if svc is None or key is None or length is None or ctype is None or not is_json(ctype):
             await self.app(scope, receive, send)
             return
         # the body (its size is bounded: RequestContext checked Content-Length against the limit)
@@ -124,7 +143,7 @@ class RouteFastPath:
             await errors.store_closed_response(e)(scope, receive, send)
             return
         except Exception as e:
-            await errors.unexpected_response(Request(scope), e)(scope, receive, send)
+            await errors.unexpected_response(ROUTE_PATH, e)(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*_JSON_HEADERS, (b"content-length", str(len(payload)).encode())]})

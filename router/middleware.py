@@ -19,6 +19,20 @@ _TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 
 
+def request_id_of(value: bytes) -> bytes | None:
+    """A caller's ``X-Request-ID`` when it is safe to echo and log (1-128 of ``[A-Za-z0-9._:-]``)."""
+    return value if _REQUEST_ID.fullmatch(value) else None
+
+
+def traceparent_of(value: bytes) -> bytes | None:
+    """A W3C ``traceparent`` normalized to lower case, or None when it is not a valid one
+    (version ff and the all-zero trace id are invalid)."""
+    trace = value.strip().lower()
+    if not _TRACEPARENT.fullmatch(trace) or trace.startswith(b"ff") or trace[3:35] == b"0" * 32:
+        return None
+    return trace
+
+
 class RequestContext:
     def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics | None = None, access_log: bool = True):
         self.app = app
@@ -34,11 +48,9 @@ class RequestContext:
         rid = trace = length = None
         for k, v in scope["headers"]:
             if k == b"x-request-id":
-                rid = v if _REQUEST_ID.fullmatch(v) else None
+                rid = request_id_of(v)
             elif k == b"traceparent":
-                trace = v.strip().lower()
-                if not _TRACEPARENT.fullmatch(trace) or trace.startswith(b"ff") or trace[3:35] == b"0" * 32:
-                    trace = None
+                trace = traceparent_of(v)
             elif k == b"content-length":
                 length = v
         rid_s = rid.decode() if rid is not None else new_id(64)

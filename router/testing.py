@@ -46,8 +46,12 @@ class ServerThread:
         import uvicorn
 
         self.port = port or free_port()
+        from router.protocol import http_protocol
+
+        # the router's app is served as ``xroute serve`` serves it (``router.protocol``); any other app by "auto"
+        http = http_protocol(app) if hasattr(app, "services") else "auto"
         self.config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
-                                     lifespan="on", timeout_graceful_shutdown=5)
+                                     lifespan="on", timeout_graceful_shutdown=5, http=http)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
         self.startup_timeout = startup_timeout
