@@ -186,8 +186,9 @@ if HttpToolsProtocol is not None:
             svc = answer.svc
             token = request_id_var.set(answer.rid)
             try:
+                t0 = time.perf_counter()  # the metrics' start, as route_decision's
                 answer.decision_id = decision_id = "d_" + new_sorted_id()
-                payload, committed, offering_id, pinfo = begin_route(svc, body, answer.who, decision_id, answer.t0)
+                payload, committed, offering_id, pinfo = begin_route(svc, body, answer.who, decision_id, t0)
             except RouteFailure as e:
                 self._respond(answer, errors.route_failure_response(e))
                 return
@@ -199,13 +200,13 @@ if HttpToolsProtocol is not None:
                 return
             finally:
                 request_id_var.reset(token)
-            committed.add_done_callback(lambda f: self._committed(f, answer, payload, offering_id, pinfo))
+            committed.add_done_callback(lambda f: self._committed(f, answer, payload, offering_id, pinfo, t0))
 
         def _committed(self, fut: asyncio.Future[int], answer: _Answer, payload: bytes, offering_id: str,
-                       pinfo: dict[str, Any]) -> None:
+                       pinfo: dict[str, Any], t0: float) -> None:
             exc = StoreClosed("the decision log was closed") if fut.cancelled() else fut.exception()
             if exc is None:
-                end_route(answer.svc, offering_id, pinfo, answer.t0)
+                end_route(answer.svc, offering_id, pinfo, t0)
                 self._write(answer, 200, b"content-type: application/json\r\ncontent-length: %d\r\n" % len(payload),
                             payload)
                 return

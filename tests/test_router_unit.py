@@ -598,6 +598,52 @@ def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, en
     asyncio.run(run())
 
 
+def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: RoutingEngine) -> None:
+    """writer="process" keeps up to PROCESS_BATCHES_IN_FLIGHT batches at the writer; acknowledgements
+    map to their batches in order, every request is answered after its own commit, and a writer
+    killed with batches in flight fails the waiting requests instead of hanging them."""
+    import os
+    import signal
+
+    from router.store import PROCESS_BATCHES_IN_FLIGHT
+
+    req = RouteRequest.model_validate(ROUTE)
+    rows = [engine.decide(req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]
+
+    async def run() -> None:
+        store = DecisionStore(tmp_path / "d.db", writer="process")
+        store.start()
+        answered: list[int] = []
+        most = 0
+        futs = []
+        for i, row in enumerate(rows[:60]):
+            fut = store.record_decision(row)
+            fut.add_done_callback(lambda f, i=i: answered.append(i))
+            futs.append(fut)
+            await asyncio.sleep(0)  # a loop iteration: its flush runs
+            most = max(most, len(store._in_flight_batches))
+        await asyncio.wait_for(asyncio.gather(*futs), timeout=30)
+        assert most == PROCESS_BATCHES_IN_FLIGHT == 2
+        assert answered == list(range(60)) and store.rows == 60 and store.commits < 60
+        for i in (0, 31, 59):
+            assert store.get_decision(f"d_p{i:04d}", "a") is not None
+        # the writer killed with two batches in flight: all twenty requests fail or succeed, none hangs
+        late = []
+        for row in rows[60:]:
+            late.append(store.record_decision(row))
+            await asyncio.sleep(0)
+            if len(store._in_flight_batches) == 2:
+                break
+        assert len(store._in_flight_batches) == 2
+        os.kill(store._proc.pid, signal.SIGKILL)
+        res = await asyncio.wait_for(asyncio.gather(*late, return_exceptions=True), timeout=10)
+        assert all(isinstance(r, StoreClosed) or r == 0 for r in res) and isinstance(res[-1], StoreClosed)
+        assert not store._in_flight_batches and store.closed
+        store.close()
+
+    asyncio.run(run())
+
+
 _BASE = '"origin":"aws:us-east-1","input_tokens":500,"max_output_tokens":30'
 _BODIES = [
     "{" + _BASE + ',"sla_ms":4000}', "{" + _BASE + ',"sla_ms":4000.5}', "{" + _BASE + ',"sla_ms":"4000"}',
