@@ -20,6 +20,7 @@ import numpy as np
 
 from envs import kernels as env_kernels
 from envs.cloud_route import CloudRouteEnv
+from envs.features import N_OFFERING_FEATURES
 from models.baselines import make_baseline
 from router import kernels
 from router.keys import Principal
@@ -113,7 +114,12 @@ class RoutingEngine:
         #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
         #: like every other policy (the same answers: the tests compare the two)
         self.fused_greedy = True
+        #: a learned scorer's inputs and choice in two compiled calls around it (``decide``); False
+        #: sends it through ``_choose`` (the same answers: the tests compare the two)
+        self.fused_learned = True
         self._greedy_out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
+        self._rows = np.zeros((self.n, N_OFFERING_FEATURES), dtype=np.float32)  # the scorer's input rows
+        self._idx = np.zeros(self.n, dtype=np.int64)
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -207,9 +213,11 @@ class RoutingEngine:
         no allowed offering able to take the request now.
 
         The greedy policy (the default fallback) decides in one compiled call after the
-        environment's candidate outcomes (``router.kernels.greedy_decide``); every other policy
-        goes through :meth:`_choose`. Both give the same answer for the greedy policy, byte for
-        byte (``tests/test_router_unit.py``).
+        environment's candidate outcomes (``router.kernels.greedy_decide``); a learned scorer in
+        two around it (``valid_rows``: masks and its input rows; ``scored_decide``: ranking and
+        the slot taken); every other policy, and a scorer that fails or returns a non-finite
+        score, goes through :meth:`_choose` (which falls back). The compiled and general paths
+        give the same answers byte for byte (``tests/test_router_unit.py``).
         """
         origin = req.origin
         if origin not in self.origin_set:
@@ -229,12 +237,32 @@ class RoutingEngine:
         pref = compiled.preferred
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
-        if self.fused_greedy and active.scorer is None and active.name == "greedy":
-            ints, floats = self._greedy_out
-            n_alt = kernels.greedy_decide(
+        ints, floats = self._greedy_out
+        n_alt = -1  # >= 0: decided by the compiled calls, their outputs in ints / floats
+        if active.scorer is None:
+            if self.fused_greedy and active.name == "greedy":
+                n_alt = kernels.greedy_decide(
+                    env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
+                    env.c_lat, env.c_cost, env.c_service, env.c_risk, env.r_sla, env.r_ref_cost, *self._reward_args,
+                    self.k_alt, env.free_at, env.row_min, env.busy, env.t, ints, floats)
+                score_kind = "expected_reward"
+        elif self.fused_learned:
+            m = kernels.valid_rows(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
-                env.c_lat, env.c_cost, env.c_service, env.c_risk, env.r_sla, env.r_ref_cost, *self._reward_args,
-                self.k_alt, env.free_at, env.row_min, env.busy, env.t, ints, floats)
+                env.static_feats, env.c_rtt, env.c_busy, env.inv_slots, env.c_wait, env.c_risk, env.c_lat, env.c_cost,
+                env.r_sla, env.r_ref_cost, self._rows, self._idx, ints)
+            if m == 0:
+                n_alt = 0  # no capacity (ints[0] is -1)
+            else:
+                try:
+                    s = active.scorer(self._rows[:m], env.request_features())
+                except Exception:  # the general path below asks again, and falls back
+                    s = None
+                if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
+                    n_alt = kernels.scored_decide(s, self._idx, self.k_alt, env.free_at, env.row_min, env.busy,
+                                                  env.t, env.c_service, env.c_lat, env.c_cost, ints, floats)
+            score_kind = "q_value"
+        if n_alt >= 0:
             # ii: [chosen, valid, not preferred, 4 env reason counts, slot, alternatives...]; nums:
             # [slot release, then (score, latency, cost) of the chosen and of each alternative]
             ii, nums = ints.tolist()[: 8 + n_alt], floats.tolist()[: 4 + 3 * n_alt]
@@ -243,7 +271,6 @@ class RoutingEngine:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, ii[3:7]))
             env.occupied_live(a, ii[7], nums[0])
             alt_idx = ii[8:]
-            score_kind = "expected_reward"
         else:
             valid, n_valid, n_not_preferred, env_counts = kernels.combine(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes())

@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from envs import kernels as env_kernels
+from envs.features import N_OFFERING_FEATURES
 
 #: the environment's reasons for masking an allowed offering, in ``static_code`` order
 ENV_REASONS = ("unavailable", "no_capacity", "no_price", "queue_full")
@@ -102,6 +103,59 @@ def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat,
 
 
 @njit  # not cache=True, as greedy_decide
+def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_feats, rtt, busy, inv_slots, wait,
+               risk, lat, cost, sla, ref_cost, rows, idx, ints):  # pragma: no cover
+    """A learned scorer's inputs in one compiled call: :func:`combine`, then the valid offerings'
+    indices (ascending) into ``idx`` and their observation rows into ``rows``
+    (``envs.kernels.offering_rows``, as ``CloudRouteEnv.offering_features``). Returns how many;
+    writes ``ints`` [-1 when none, valid count, not-preferred count, the four ``ENV_REASONS``
+    counts], as :func:`greedy_decide`."""
+    valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
+    ints[0] = -1
+    ints[1] = n_valid
+    ints[2] = n_not_preferred
+    for c in range(4):
+        ints[3 + c] = counts[c]
+    ints[7] = -1
+    m = 0
+    for i in range(valid.shape[0]):
+        if valid[i]:
+            idx[m] = i
+            m += 1
+    env_kernels.offering_rows(rows[:m], idx[:m], static_feats, env_mask, rtt, busy, inv_slots, wait, risk, lat, cost,
+                              sla, ref_cost)
+    return m
+
+
+@njit  # not cache=True, as greedy_decide
+def scored_decide(scores, idx, k, free_at, row_min, busy, t, service, lat, cost, ints, floats):  # pragma: no cover
+    """After :func:`valid_rows` and the scorer: the best of the ``scores`` of offerings ``idx``
+    and the next ``k`` (:func:`rank_scored`'s ranking), the chosen pool's slot taken as
+    :func:`greedy_decide` takes it, and the same outputs. Returns the number of alternatives, or
+    -1 (nothing taken) when a score is NaN or infinite."""
+    n = scores.shape[0]
+    for i in range(n):
+        if not np.isfinite(scores[i]):
+            return -1
+    best, alt = env_kernels.rank(scores, np.ones(n, dtype=np.bool_), k)
+    m = alt.shape[0]
+    a = idx[best]
+    ints[0] = a
+    j, end = env_kernels.occupy(free_at, row_min, busy, a, t, service[a])
+    ints[7] = j
+    floats[0] = end
+    for q in range(m + 1):
+        r = best if q == 0 else alt[q - 1]
+        i = idx[r]
+        if q > 0:
+            ints[7 + q] = i
+        floats[1 + 3 * q] = scores[r]
+        floats[2 + 3 * q] = _finite(lat[i])
+        floats[3 + 3 * q] = _finite(cost[i])
+    return m
+
+
+@njit  # not cache=True, as greedy_decide
 def rank_scored(scores, idx, k):  # pragma: no cover
     """A learned scorer's choice: ``scores`` of the offerings ``idx`` (the valid ones, ascending)
     -> (offerings: the best then the next ``k``; their scores), ranked as ``envs.kernels.rank``
@@ -132,3 +186,10 @@ def warm_up() -> None:
                   np.zeros(2), np.zeros(2, dtype=np.int64), 0.0, np.zeros(9, dtype=np.int64), np.zeros(7))
     rank_scored(np.ones(2, dtype=np.float32), np.arange(2), 1)  # a learned scorer's float32 scores
     rank_scored(np.ones(2), np.arange(2), 1)
+    rows = np.zeros((2, N_OFFERING_FEATURES), dtype=np.float32)  # as CloudRouteEnv's arrays
+    i2 = np.zeros(2, dtype=np.int64)
+    ints, floats = np.zeros(9, dtype=np.int64), np.zeros(7)
+    valid_rows(ok, ok, ok, True, code, np.zeros((2, N_OFFERING_FEATURES)), f, f, f, f, f, f, f, 1.0, 1.0, rows, i2, ints)
+    for scores in (np.ones(2, dtype=np.float32), np.ones(2)):
+        scored_decide(scores, i2, 1, np.zeros((2, 2)), np.zeros(2), np.zeros(2, dtype=np.int64), 0.0, f, f, f, ints,
+                      floats)

@@ -8,6 +8,7 @@ import json
 import sqlite3
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -313,18 +314,50 @@ def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path
     ``_choose`` like every other policy give byte-identical answers, the same log rows, the same
     429s, and leave the same pool state, over requests with tenant, request and prefer
     constraints that fill the pools."""
+    _compare_fused_and_general(tmp_path, "fused_greedy", None)
+
+
+@pytest.mark.parametrize("hidden", [[64, 64], [32]])
+def test_the_compiled_learned_decision_answers_as_the_general_path(tmp_path: Path, hidden: list[int]) -> None:
+    """A learned scorer's decision through ``router.kernels.valid_rows`` / ``scored_decide`` and
+    through ``_choose`` (``offering_features``, the scorer, ``rank_scored``, ``commit_live``): the
+    same bytes, rows, 429s and pool state, with and without a context layer and reward prior."""
+    import itertools
+
+    from envs.features import N_OFFERING_FEATURES as NF
+    from envs.features import N_REQUEST_FEATURES as NR
+    from models.policy import LearnedPolicy, RewardPrior, RouterWeights
+    from xroute.config import EnvConfig
+
+    rng = np.random.default_rng(len(hidden))
+    ctx_dim = 16 if len(hidden) > 1 else 0
+    dims = [NF + NR + ctx_dim, *hidden, 1]
+    layers = [(rng.normal(0, 0.3, (a, b)).astype(np.float32), rng.normal(0, 0.1, b).astype(np.float32))
+              for a, b in itertools.pairwise(dims)]
+    ctx = ((rng.normal(0, 0.3, (NF + NR, ctx_dim)).astype(np.float32), rng.normal(0, 0.1, ctx_dim).astype(np.float32))
+           if ctx_dim else None)
+    weights = RouterWeights(layers=layers, ctx=ctx, prior=RewardPrior.from_env_config(EnvConfig()) if ctx else None)
+    _compare_fused_and_general(tmp_path, "fused_learned", LearnedPolicy(weights))
+
+
+def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None:
     setup = make_setup(tmp_path, env={"serving_config": str(tmp_path / "serving.yaml"), "queue_timeout_s": 2.0},
                        tenants={"a": {"constraints": {"deny": [{"accelerators": ["T4"]}]}}})
     st = setup.settings
     fused, general = (RoutingEngine(st, source=ReplaySource(st.telemetry, st.replay_speed, st.replay_offset_s,
                                                             start_wall=1000.0)) for _ in range(2))
-    general.fused_greedy = False
+    setattr(general, switch, False)
     general.freshness = fused.freshness  # the same telemetry age in both answers
+    if policy is not None:
+        for eng in (fused, general):
+            policy.reset(eng.env, 0)
+            eng.slot.install(ActivePolicy.make(policy, "learned", "model", "v1", "x"))
     rng = np.random.default_rng(3)
     bodies = [{}, {"constraints": {"prefer": [{"pricing_modes": ["spot"]}]}},
               {"constraints": {"allow": [{"providers": ["gcp", "aws"]}], "prefer": [{"regions": ["us-east-1"]}]}},
               {"constraints": {"deny": [{"pricing_modes": ["on_demand"]}]}}, {"session_id": "s-1"}]
     outcomes = {200: 0, 429: 0}
+    kinds = set()
     wall0 = 1000.0
     for i in range(400):
         who = A if i % 3 else Principal("b", "tenant", "k2")
@@ -337,11 +370,13 @@ def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path
             try:
                 payload, row, oid, info = eng.decide(req, who, f"d_{i}", wall)
                 got.append((200, payload, row, oid))
+                kinds.add(json.loads(payload)["score_kind"])
             except RouteFailure as e:
                 got.append((e.status, e.error, e.headers, e.extra))
         assert got[0] == got[1], i
         outcomes[got[0][0]] += 1
     assert outcomes[200] > 100 and outcomes[429] > 20  # both the answers and the full pools were compared
+    assert kinds == {"expected_reward" if policy is None else "q_value"}
     for k in ("free_at", "row_min", "busy", "_events"):
         assert np.array_equal(np.asarray(getattr(fused.env, k)), np.asarray(getattr(general.env, k))), k
 
