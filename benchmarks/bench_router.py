@@ -12,14 +12,15 @@
    group-committed decision log with ``synchronous=FULL``, access log, metrics) with its default
    settings and the greedy fallback (``route``), with a learned scorer of the DQN's default shape
    (``route_learned``), and with one setting changed each: ``synchronous=NORMAL``, commits on a
-   writer thread, commits on the event loop, answers stored uncompressed. Then the trivial
+   writer thread, commits on the event loop, answers stored uncompressed, and answered on the
+   ASGI fast path instead of inside the HTTP protocol (``route_asgi``). Then the trivial
    endpoint and ``/v1/route`` (same app and settings) once more on uvicorn's pure-Python stack
    (asyncio + h11, what uvicorn runs without the [serve] extra), each ratio against the trivial
    endpoint on the same stack.
    Ablations, to show where a request's time goes (the same app, one part replaced in the
    serving process only): a bare ASGI app answering a body the size of a route answer
    (``bare_asgi``: uvicorn's own cost), ``/v1/route`` answering a constant instead of deciding
-   (``route_front_only``: request id, trace, key, validation, access line, the two sends), and
+   (``route_front_only``: request id, trace, key, validation, access line, the answer's write), and
    ``/v1/route`` deciding but not writing the decision log (``route_no_log``).
 3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
 
@@ -426,6 +427,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         ("route_thread_writer", {"XROUTE_ROUTER_DB_WRITER": "thread"}, model),
         ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
         ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
+        ("route_asgi", {"XROUTE_ROUTER_HTTP_FAST_PATH": "false"}, model),
         ("route_learned", {}, learned),
         ("route_front_only", {}, model),
         ("route_no_log", {}, model),
