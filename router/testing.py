@@ -45,9 +45,9 @@ class ServerThread:
     def __init__(self, app: Any, port: int | None = None, startup_timeout: float = 60.0):
         import uvicorn
 
-        self.port = port or free_port()
         from router.protocol import http_protocol
 
+        self.port = port or free_port()
         # the router's app is served as ``xroute serve`` serves it (``router.protocol``); any other app by "auto"
         http = http_protocol(app) if hasattr(app, "services") else "auto"
         self.config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,

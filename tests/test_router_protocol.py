@@ -219,3 +219,49 @@ def _router_app(srv: ServerThread) -> Any:
     while not hasattr(app, "services"):
         app = app.app
     return app
+
+
+def test_a_slow_body_and_a_graceful_shutdown_mid_commit(tmp_path: Path) -> None:
+    """A body that arrives in pieces is answered; a shutdown that begins while an answer waits for
+    its commit (the writer process paused) lets that answer go out, with ``connection: close``,
+    before the server stops — and the decision is in the log."""
+    import sqlite3
+
+    setup = _setup(tmp_path, True)
+    srv = ServerThread(create_app(setup.settings))
+    srv.__enter__()
+    try:
+        raw = _request(setup, ROUTE, headers={"X-Request-ID": "slow-1"})
+        head, _, body = raw.partition(b"\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(head + b"\r\n\r\n")
+            time.sleep(0.2)
+            s.sendall(body[:7])
+            time.sleep(0.2)
+            s.sendall(body[7:])
+            answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"x-request-id: slow-1\r\n" in answer
+
+        writer = _router_app(srv).services.store._proc.pid
+        os.kill(writer, signal.SIGSTOP)
+        try:
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(_request(setup, ROUTE, headers={"X-Request-ID": "mid-commit"}))
+            time.sleep(0.3)  # decided; its commit waits for the paused writer
+            srv.server.should_exit = True
+            time.sleep(0.5)  # uvicorn is shutting down: no new connections, ours waits
+            assert srv.thread.is_alive()
+        finally:
+            os.kill(writer, signal.SIGCONT)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        s.close()
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nconnection: close\r\n" in got.partition(b"\r\n\r\n")[0] + b"\r\n"
+        decision_id = json.loads(got.partition(b"\r\n\r\n")[2])["decision_id"]
+        srv.thread.join(timeout=30)
+        assert not srv.thread.is_alive()
+        with sqlite3.connect(setup.settings.db_path) as conn:
+            assert conn.execute("SELECT COUNT(*) FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()[0] == 1
+    finally:
+        srv.__exit__(None, None, None)
