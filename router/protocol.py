@@ -206,10 +206,15 @@ if HttpToolsProtocol is not None:
                        pinfo: dict[str, Any], t0: float) -> None:
             exc = StoreClosed("the decision log was closed") if fut.cancelled() else fut.exception()
             if exc is None:
-                end_route(answer.svc, offering_id, pinfo, t0)
-                self._write(answer, 200, b"content-type: application/json\r\ncontent-length: %d\r\n" % len(payload),
-                            payload)
-                return
+                try:
+                    end_route(answer.svc, offering_id, pinfo, t0)
+                    self._write(answer, 200, b"content-type: application/json\r\ncontent-length: %d\r\n"
+                                % len(payload), payload)
+                    return
+                except Exception as e:  # never leave the client (and the connection's next requests) waiting
+                    if answer.response_complete:
+                        raise
+                    exc = e
             token = request_id_var.set(answer.rid)
             try:
                 if isinstance(exc, StoreClosed):
