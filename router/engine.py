@@ -117,7 +117,8 @@ class RoutingEngine:
         #: a learned scorer's inputs and choice in two compiled calls around it (``decide``); False
         #: sends it through ``_choose`` (the same answers: the tests compare the two)
         self.fused_learned = True
-        self._greedy_out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
+        # the compiled decisions' outputs (ints, floats: router.kernels.greedy_decide documents them)
+        self._out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
         self._rows = np.zeros((self.n, N_OFFERING_FEATURES), dtype=np.float32)  # the scorer's input rows
         self._idx = np.zeros(self.n, dtype=np.int64)
 
@@ -237,7 +238,7 @@ class RoutingEngine:
         pref = compiled.preferred
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
-        ints, floats = self._greedy_out
+        ints, floats = self._out
         n_alt = -1  # >= 0: decided by the compiled calls, their outputs in ints / floats
         if active.scorer is None:
             if self.fused_greedy and active.name == "greedy":

@@ -75,6 +75,31 @@ def bearer_of(value: bytes) -> str | None:
     return (cred.strip() or None) if scheme.lower() == "bearer" else None
 
 
+def route_headers(headers: Any) -> tuple[str | None, bytes | None, bytes | None, bytes | None, bytes | None, bool]:
+    """What the fast paths read of a request's headers (lower-case names): (API key, as
+    ``router.deps.api_key`` reads it; ``Content-Length``; ``Content-Type``; the raw
+    ``X-Request-ID`` and ``traceparent``, unchecked; whether there is a ``Transfer-Encoding``)."""
+    bearer = xkey = length = ctype = rid = trace = None
+    chunked = False
+    for k, v in headers:
+        if k == b"authorization":
+            if bearer is None:
+                bearer = bearer_of(v)
+        elif k == b"x-api-key":
+            xkey = v.decode("latin-1").strip() or None
+        elif k == b"content-length":
+            length = v
+        elif k == b"content-type":
+            ctype = v
+        elif k == b"x-request-id":
+            rid = v
+        elif k == b"traceparent":
+            trace = v
+        elif k == b"transfer-encoding":
+            chunked = True
+    return (bearer if bearer is not None else xkey), length, ctype, rid, trace, chunked
+
+
 def is_json(content_type: bytes) -> bool:
     ct = content_type.lower()
     return ct == b"application/json" or (ct.startswith(b"application/json") and ct[16:].lstrip()[:1] == b";")
@@ -93,18 +118,7 @@ class RouteFastPath:
             await self.app(scope, receive, send)
             return
         svc = self.fastapi_app.services
-        bearer = xkey = length = ctype = None
-        for k, v in scope["headers"]:  # the key exactly as router.deps.api_key reads it
-            if k == b"authorization":
-                if bearer is None:
-                    bearer = bearer_of(v)
-            elif k == b"x-api-key":
-                xkey = v.decode("latin-1").strip() or None
-            elif k == b"content-length":
-                length = v
-            elif k == b"content-type":
-                ctype = v
-        key = bearer if bearer is not None else xkey
+        key, length, ctype, _, _, _ = route_headers(scope["headers"])
         if svc is None or key is None or length is None or ctype is None or not is_json(ctype):
             await self.app(scope, receive, send)
             return

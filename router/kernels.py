@@ -2,10 +2,10 @@
 ``envs/kernels.py`` for why one compiled pass beats a dozen numpy calls on arrays of ~100
 offerings).
 
-:func:`greedy_decide` and :func:`rank_scored` call the environment's kernels (``envs.kernels``),
-so they are *not* cached on disk: numba invalidates a cached function when its own file changes,
+:func:`greedy_decide`, :func:`valid_rows`, :func:`scored_decide` and :func:`rank_scored` call the
+environment's kernels (``envs.kernels``), so they are *not* cached on disk: numba invalidates a cached function when its own file changes,
 not when a function it calls from another file does, and a stale cache would decide with old
-formulas. They are compiled at each start instead (:func:`warm_up`, ~1 s)."""
+formulas. They are compiled at each start instead (:func:`warm_up`, ~1.5 s)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,18 @@ def _finite(x):  # pragma: no cover
     return x if np.isfinite(x) else 0.0
 
 
+@njit(cache=True)
+def _head(ints, chosen, n_valid, n_not_preferred, counts):  # pragma: no cover
+    """The first eight outputs of :func:`greedy_decide` / :func:`valid_rows`; the slot (``ints[7]``)
+    -1 until one is taken."""
+    ints[0] = chosen
+    ints[1] = n_valid
+    ints[2] = n_not_preferred
+    for c in range(4):
+        ints[3 + c] = counts[c]
+    ints[7] = -1
+
+
 @njit  # not cache=True: it compiles envs.kernels' functions into itself (module docstring)
 def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat, cost, service, risk, sla, ref_cost,
                   cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, retry_ms, k, free_at, row_min,
@@ -81,12 +93,7 @@ def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat,
                                      sla_penalty, cost_cap, latency_cap, retry_ms)
     best, alt = env_kernels.rank(r, valid, k)
     m = alt.shape[0]
-    ints[0] = best
-    ints[1] = n_valid
-    ints[2] = n_not_preferred
-    for c in range(4):
-        ints[3 + c] = counts[c]
-    ints[7] = -1
+    _head(ints, best, n_valid, n_not_preferred, counts)
     if best < 0:
         return 0
     j, end = env_kernels.occupy(free_at, row_min, busy, best, t, service[best])
@@ -111,12 +118,7 @@ def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_
     writes ``ints`` [-1 when none, valid count, not-preferred count, the four ``ENV_REASONS``
     counts], as :func:`greedy_decide`."""
     valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
-    ints[0] = -1
-    ints[1] = n_valid
-    ints[2] = n_not_preferred
-    for c in range(4):
-        ints[3 + c] = counts[c]
-    ints[7] = -1
+    _head(ints, -1, n_valid, n_not_preferred, counts)
     m = 0
     for i in range(valid.shape[0]):
         if valid[i]:

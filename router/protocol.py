@@ -45,7 +45,7 @@ from starlette.responses import Response
 
 from router import errors
 from router.engine import RouteFailure
-from router.fastpath import ROUTE_PATH, bearer_of, begin_route, end_route, is_json
+from router.fastpath import ROUTE_PATH, begin_route, end_route, is_json, route_headers
 from router.logs import access, new_id, new_sorted_id, request_id_var
 from router.middleware import request_id_of, traceparent_of
 from router.store import StoreClosed
@@ -133,33 +133,17 @@ if HttpToolsProtocol is not None:
             if (svc is None or self.root_path or self.limit_concurrency is not None or self.expect_100_continue
                     or (cycle is not None and not cycle.response_complete) or self.parser.should_upgrade()):
                 return None
-            bearer = xkey = length = ctype = rid = trace = None
-            for k, v in self.headers:  # names are lower case (uvicorn's on_header)
-                if k == b"authorization":
-                    if bearer is None:
-                        bearer = bearer_of(v)
-                elif k == b"x-api-key":
-                    xkey = v.decode("latin-1").strip() or None
-                elif k == b"content-length":
-                    length = v
-                elif k == b"content-type":
-                    ctype = v
-                elif k == b"x-request-id":
-                    rid = request_id_of(v)
-                elif k == b"traceparent":
-                    trace = traceparent_of(v)
-                elif k == b"transfer-encoding":
-                    return None
-            key = bearer if bearer is not None else xkey
-            if (key is None or length is None or ctype is None or not length.isdigit()
+            key, length, ctype, rid, trace, chunked = route_headers(self.headers)  # (uvicorn lower-cases names)
+            if (chunked or key is None or length is None or ctype is None or not length.isdigit()
                     or int(length) > svc.settings.max_body_bytes or not is_json(ctype)):
                 return None
             who = svc.keys.verify(key)
             if who is None:
                 return None
             keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-            return _Answer(time.perf_counter(), who, svc, rid.decode() if rid is not None else new_id(64), trace,
-                           keep_alive)
+            rid = None if rid is None else request_id_of(rid)
+            return _Answer(time.perf_counter(), who, svc, rid.decode() if rid is not None else new_id(64),
+                           None if trace is None else traceparent_of(trace), keep_alive)
 
         def on_body(self, body: bytes) -> None:
             answer = self._answer
