@@ -6,29 +6,34 @@
    the whole ``RoutingEngine.decide`` (plus response JSON and the log row), for the greedy
    fallback and for a learned scorer of the DQN's default shape.
 2. HTTP, one uvicorn worker each (same settings: uvloop + httptools when installed), ``wrk`` on
-   loopback, 10 connections, one wrk thread:
-   a trivial async FastAPI POST endpoint; a bare numpy routing decision endpoint; and
-   ``POST /v1/route`` of ``xroute serve`` (auth, tenant + request masks, env features, policy,
-   group-committed decision log with ``synchronous=FULL``, access log, metrics) with its default
-   settings and the greedy fallback (``route``), with a learned scorer of the DQN's default shape
-   (``route_learned``), and with one setting changed each: ``synchronous=NORMAL``, commits on a
-   writer thread, commits on the event loop, answers stored uncompressed, and answered on the
-   ASGI fast path instead of inside the HTTP protocol (``route_asgi``). Then the trivial
-   endpoint and ``/v1/route`` (same app and settings) once more on uvicorn's pure-Python stack
-   (asyncio + h11, what uvicorn runs without the [serve] extra), each ratio against the trivial
-   endpoint on the same stack.
+   loopback, 10 connections, one wrk thread. Every row is measured right after a run of a trivial
+   async FastAPI POST endpoint on the same stack (its pair; the reference servers stay up for the
+   whole run) and its ratio is against that run, so the machine's drift over the run does not bias
+   the ratios. Rows: a bare numpy routing decision endpoint; ``POST /v1/route`` of ``xroute serve``
+   (auth, tenant + request masks, env features, policy, group-committed decision log with
+   ``synchronous=FULL``, access log, metrics) with its default settings and the greedy fallback
+   (``route``), with a learned scorer of the DQN's default shape (``route_learned``) and with the
+   same structure 4 wide (``route_learned_tiny``: what the learned path costs apart from its
+   network) -- these three get ``--rounds`` pairs each (servers up throughout, order rotated),
+   reported as medians with the range of the ratios --; then one pair each with one setting
+   changed: ``synchronous=NORMAL``, commits on a writer thread, commits on the event loop, answers
+   stored uncompressed, and answered on the ASGI fast path instead of inside the HTTP protocol
+   (``route_asgi``); and ``/v1/route`` (same app and settings) on uvicorn's pure-Python stack
+   (asyncio + h11, what uvicorn runs without the [serve] extra), against the trivial endpoint on
+   that stack.
    Ablations, to show where a request's time goes (the same app, one part replaced in the
    serving process only): a bare ASGI app answering a body the size of a route answer
    (``bare_asgi``: uvicorn's own cost), ``/v1/route`` answering a constant instead of deciding
    (``route_front_only``: request id, trace, key, validation, access line, the answer's write), and
    ``/v1/route`` deciding but not writing the decision log (``route_no_log``).
-3. Soak: ``/v1/route`` under wrk for ``--soak-s`` seconds (default 300), RSS at start and end.
+3. Soak: ``/v1/route`` (greedy) under wrk for ``--soak-s`` seconds (default 300), right after the
+   headline rounds, RSS at start and end.
 
 Usage::
 
     sudo apt-get install wrk            # wrk 4.x; the HTTP parts are skipped without it
-    .venv/bin/python benchmarks/bench_router.py                  # everything (~17 min)
-    .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~3 min)
+    .venv/bin/python benchmarks/bench_router.py                  # everything (~25 min)
+    .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~9 min)
 
 Writes ``benchmarks/results/router.json`` and prints a markdown table.
 """
@@ -107,8 +112,9 @@ def make_bundle(root: Path, n_offerings: int = 100, n_requests: int = 4000, seed
     return root
 
 
-def learned_export(root: Path) -> Path | None:
-    """A random-weight export of the DQN's default shape (hidden 64x64, context 16, reward prior)."""
+def learned_export(root: Path, hidden: int = 64, context: int = 16) -> Path | None:
+    """A random-weight export of the DQN's default shape (hidden 64x64, context 16, reward prior),
+    or of the same structure with other widths."""
     try:
         from models.policy import RewardPrior, RouterWeights, save_router
     except ImportError:
@@ -118,9 +124,9 @@ def learned_export(root: Path) -> Path | None:
 
     rng = np.random.default_rng(0)
     d = N_OFFERING_FEATURES + N_REQUEST_FEATURES
-    dims = [d + 16, 64, 64, 1]
+    dims = [d + context, hidden, hidden, 1]
     layers = [(rng.normal(0, 0.1, (a, b)).astype(np.float32), np.zeros(b, np.float32)) for a, b in itertools.pairwise(dims)]
-    ctx = (rng.normal(0, 0.1, (d, 16)).astype(np.float32), np.zeros(16, np.float32))
+    ctx = (rng.normal(0, 0.1, (d, context)).astype(np.float32), np.zeros(context, np.float32))
     return save_router(RouterWeights(layers=layers, ctx=ctx, prior=RewardPrior.from_env_config(EnvConfig())), root)
 
 
@@ -178,7 +184,8 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
             t0 = time.perf_counter()
             eng.decide(r, who, f"d_{i}", wall)
             full.append(time.perf_counter() - t0)
-        out[label] = {"offerings": env.n, "features_to_argmax": _pct(core[1000:]), "engine_decide": _pct(full[1000:])}
+        skip = min(1000, n // 10)  # the first decisions warm caches and compile: not measured
+        out[label] = {"offerings": env.n, "features_to_argmax": _pct(core[skip:]), "engine_decide": _pct(full[skip:])}
     return out
 
 
@@ -396,60 +403,114 @@ def _lua(path: Path, target: str, key: str = "", origins: list[str] | None = Non
     return path
 
 
-def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str) -> dict[str, Any]:
+def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str,
+               rounds: int = 3) -> dict[str, Any]:
+    """Every row is measured right after a run of the trivial endpoint on the same stack (its
+    *pair*; both reference servers stay up for the whole run) and its ratio is against that run,
+    so drift of the shared machine over the ~20 minutes does not bias the ratios. The headline rows
+    (``route``, ``route_learned``, ``route_learned_tiny``) get ``rounds`` pairs each, their servers
+    up throughout and their order rotated each round; their figures are medians over the rounds."""
     if shutil.which("wrk") is None:
         return {"skipped": "wrk not found: sudo apt-get install wrk"}
     from router.keys import add_key
 
     results: dict[str, Any] = {}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for label, kind, path, stack in (("trivial", "trivial", "/trivial", "auto"), ("numpy", "numpy", "/decide", "auto"),
-                                     ("bare_asgi", "bare", "/", "auto"),
-                                     ("trivial_pure_stack", "trivial", "/trivial", "pure")):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--stack", stack, "--port", str(port)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_ready(f"http://127.0.0.1:{port}/", proc)
-            script = _lua(work / f"{kind}.lua", kind)
-            run_wrk(f"http://127.0.0.1:{port}{path}", script, 3)  # warm-up
-            results[label] = run_wrk(f"http://127.0.0.1:{port}{path}", script, seconds, pid=proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
+    refs: dict[str, _Server] = {}
+    reference_runs: dict[str, list[dict[str, Any]]] = {"auto": [], "pure": []}
 
-    keys = work / "keys.json"
-    key = add_key(keys, "bench")
-    learned = str(learned_export(work / "learned-http") or "")
-    # (label, environment overrides, model): the default configuration ("route") last, the soak runs on it
-    variants: list[tuple[str, dict[str, str], str]] = [
-        ("route_normal", {"XROUTE_ROUTER_DB_SYNCHRONOUS": "NORMAL"}, model),
-        ("route_thread_writer", {"XROUTE_ROUTER_DB_WRITER": "thread"}, model),
-        ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
-        ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
-        ("route_asgi", {"XROUTE_ROUTER_HTTP_FAST_PATH": "false"}, model),
-        ("route_learned", {}, learned),
-        ("route_front_only", {}, model),
-        ("route_no_log", {}, model),
-        ("route_pure_stack", {}, model),
-        ("route", {}, model),
-    ]
-    for label, overrides, m in variants:
-        if label == "route_learned" and not m:
-            continue
-        results[label] = _bench_route(work, bundle, seconds, soak_s if label == "route" else 0, m, key,
-                                      {**env, **overrides}, label, results)
-        results[label]["settings"] = overrides or "defaults (FULL, writer process, compressed log)"
-        if label == "route_pure_stack":
-            results[label]["settings"] = "defaults, uvicorn on asyncio + h11 (compare with trivial_pure_stack)"
-        if label in _ABLATIONS:
-            results[label]["settings"] = f"ablation: {_ABLATIONS[label][1]}"
-    results["bare_asgi_vs_trivial"] = round(results["bare_asgi"]["rps"] / results["trivial"]["rps"], 3)
-    for label, _, _ in variants:
+    def paired(server: _Server, stack: str = "auto") -> dict[str, Any]:
+        ref = refs[stack].measure(seconds)
+        reference_runs[stack].append(ref)
+        out = server.measure(seconds)
+        out["paired_trivial_rps"] = ref["rps"]
+        out["vs_trivial"] = round(out["rps"] / ref["rps"], 3)
+        return out
+
+    try:
+        for stack in ("auto", "pure"):
+            refs[stack] = _Server.simple(work, "trivial", stack, env)
+            refs[stack].warm_up()
+        for label, kind, path in (("numpy", "numpy", "/decide"), ("bare_asgi", "bare", "/")):
+            with _Server.simple(work, kind, "auto", env, path) as srv:
+                srv.warm_up()
+                results[label] = paired(srv)
+
+        keys = work / "keys.json"
+        key = add_key(keys, "bench")
+        learned = str(learned_export(work / "learned-http") or "")
+        # the learned path with a near-free network (4 wide, context 2): what it costs apart from the network
+        tiny = str(learned_export(work / "learned-tiny", hidden=4, context=2) or "")
+        headline = [(label, m) for label, m in (("route", model), ("route_learned", learned),
+                                                  ("route_learned_tiny", tiny)) if label == "route" or m]
+        servers = {label: _Server.route(work, bundle, m, key, env, label) for label, m in headline}
+        try:
+            for srv in servers.values():
+                srv.warm_up()
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in headline}
+            for r in range(rounds):
+                for label, _ in headline[r % len(headline):] + headline[: r % len(headline)]:
+                    runs[label].append(paired(servers[label]))
+                    print(f"  round {r + 1}/{rounds} {label}: {runs[label][-1]['rps']} req/s, "
+                          f"{runs[label][-1]['vs_trivial']} of trivial", file=sys.stderr, flush=True)
+            for label, _ in headline:
+                results[label] = {**_median_of(runs[label]), **servers[label].about()}
+            if soak_s > 0:
+                results["soak"] = servers["route"].soak(soak_s)
+        finally:
+            for srv in servers.values():
+                srv.stop()
+
+        # one setting changed each, the pure-Python stack, the ablations: one pair each
+        variants: list[tuple[str, dict[str, str], str]] = [
+            ("route_normal", {"XROUTE_ROUTER_DB_SYNCHRONOUS": "NORMAL"}, model),
+            ("route_thread_writer", {"XROUTE_ROUTER_DB_WRITER": "thread"}, model),
+            ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
+            ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
+            ("route_asgi", {"XROUTE_ROUTER_HTTP_FAST_PATH": "false"}, model),
+            ("route_front_only", {}, model),
+            ("route_no_log", {}, model),
+            ("route_pure_stack", {}, model),
+        ]
+        for label, overrides, m in variants:
+            with _Server.route(work, bundle, m, key, {**env, **overrides}, label) as srv:
+                srv.warm_up()
+                results[label] = {**paired(srv, "pure" if label == "route_pure_stack" else "auto"), **srv.about()}
+                results[label]["settings"] = overrides or "defaults (FULL, writer process, compressed log)"
+    finally:
+        for ref in refs.values():
+            ref.stop()
+    results["trivial"] = {**_median_of(reference_runs["auto"]), "settings": "the pairs' reference runs (medians)"}
+    results["trivial_pure_stack"] = {**_median_of(reference_runs["pure"]), "settings": "as trivial, asyncio + h11"}
+    for label in ("route", "route_learned", "route_learned_tiny"):
         if label in results:
-            base = "trivial_pure_stack" if label == "route_pure_stack" else "trivial"
-            results[f"{label}_vs_trivial"] = round(results[label]["rps"] / results[base]["rps"], 3)
+            results[label]["settings"] = "defaults (FULL, writer process, compressed log)"
+    if "route_learned_tiny" in results:
+        results["route_learned_tiny"]["settings"] = ("defaults, a learned scorer 4 wide with context 2 "
+                                                     "(the network nearly free)")
+    results["route_pure_stack"]["settings"] = "defaults, uvicorn on asyncio + h11 (against trivial on that stack)"
+    for label in _ABLATIONS:
+        results[label]["settings"] = f"ablation: {_ABLATIONS[label][1]}"
+    for label, v in list(results.items()):
+        if isinstance(v, dict) and "vs_trivial" in v:
+            results[f"{label}_vs_trivial"] = v["vs_trivial"]
     return results
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one row -> its medians (req/s, latency, CPU, ratio), the worst p99, and every run."""
+    def med(key: str) -> float | None:
+        xs = [r[key] for r in runs if r.get(key) is not None]
+        return round(float(np.median(xs)), 3) if xs else None
+
+    out: dict[str, Any] = {k: med(k) for k in ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req",
+                                                "children_cpu_us_per_req", "vs_trivial")}
+    out["p99_ms_max"] = max(r["p99_ms"] for r in runs)
+    out["non_2xx"] = sum(r["non_2xx"] for r in runs)
+    if runs and "vs_trivial" in runs[0]:
+        out["vs_trivial_range"] = [min(r["vs_trivial"] for r in runs), max(r["vs_trivial"] for r in runs)]
+    out["runs"] = runs
+    return {k: v for k, v in out.items() if v is not None}
 
 
 #: ablation rows: label -> (the part replaced, what the row measures)
@@ -457,51 +518,100 @@ _ABLATIONS = {"route_front_only": ("decision", "a constant answer instead of the
               "route_no_log": ("log", "decides, but the decision log is not written")}
 
 
-def _bench_route(work: Path, bundle: Path | None, seconds: float, soak_s: float, model: str, key: str,
-                 env: dict[str, str], label: str, results: dict[str, Any]) -> dict[str, Any]:
-    import httpx
+class _Server:
+    """One server process under test: started, warmed up, measured with wrk, stopped."""
 
-    port = free_port()
-    db = work / f"decisions-{label}.db"
-    args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
-            "--keys-file", str(work / "keys.json"), "--model", model]
-    if bundle is not None:
-        args += ["--telemetry", str(bundle)]
-    if label == "route_pure_stack" or label in _ABLATIONS:  # the same app and settings, served by uvicorn on
-        # asyncio + h11, or with one part replaced
-        args = [sys.executable, __file__, "--serve", "route", "--port", str(port)]
-        args += ["--stack", "pure"] if label == "route_pure_stack" else ["--stub", _ABLATIONS[label][0]]
-        env = {**env, "XROUTE_ROUTER_DB_PATH": str(db), "XROUTE_ROUTER_KEYS_FILE": str(work / "keys.json"),
-               "XROUTE_ROUTER_MODEL_URI": model}
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, script: Path, log: Any = None,
+                 db: Path | None = None, policy: str | None = None):
+        self.proc, self.url, self.script, self.log, self.db, self.policy = proc, url, script, log, db, policy
+
+    @classmethod
+    def simple(cls, work: Path, kind: str, stack: str, env: dict[str, str], path: str = "/trivial") -> _Server:
+        """One of the comparison apps (``trivial``, ``numpy``, ``bare``) on ``stack``."""
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--stack", stack, "--port", str(port)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}/", proc)
+        except BaseException:
+            proc.kill()
+            raise
+        return cls(proc, f"http://127.0.0.1:{port}{path}", _lua(work / f"{kind}.lua", kind))
+
+    @classmethod
+    def route(cls, work: Path, bundle: Path | None, model: str, key: str, env: dict[str, str], label: str) -> _Server:
+        """``xroute serve`` with ``env``'s settings (or, for the pure stack and the ablations, the
+        same app served by this script)."""
+        import httpx
+
+        port = free_port()
+        db = work / f"decisions-{label}.db"
+        args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
+                "--keys-file", str(work / "keys.json"), "--model", model]
         if bundle is not None:
-            env["XROUTE_ROUTER_TELEMETRY"] = str(bundle)
-    log = open(work / f"router-{label}.log", "wb")
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=log)
-    out: dict[str, Any] = {}
-    try:
-        _wait_ready(f"http://127.0.0.1:{port}/healthz", proc)
-        origins = httpx.get(f"http://127.0.0.1:{port}/v1/offerings",
-                            headers={"Authorization": f"Bearer {key}"}).json()["origins"]
-        policy = httpx.get(f"http://127.0.0.1:{port}/readyz").json()["policy"]
-        script = _lua(work / "route.lua", "route", key, origins)
-        url = f"http://127.0.0.1:{port}/v1/route"
-        run_wrk(url, script, 3)
-        out = run_wrk(url, script, seconds, pid=proc.pid)
-        out["policy"] = f"{policy['name']} ({policy['kind']})"
-        out["db_mib"] = round(db.stat().st_size / 2**20, 1)
-        if soak_s > 0:
-            run_wrk(url, script, 10)
-            rss0, child0 = _rss_kib(proc.pid), _children_rss_kib(proc.pid)
-            soak = run_wrk(url, script, soak_s, pid=proc.pid)
-            soak.update({"seconds": soak_s, "rss_start_kib": rss0, "rss_end_kib": _rss_kib(proc.pid),
-                         "writer_rss_start_kib": child0, "writer_rss_end_kib": _children_rss_kib(proc.pid),
-                         "db_mib": round(db.stat().st_size / 2**20, 1)})
-            results["soak"] = soak
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-    return out
+            args += ["--telemetry", str(bundle)]
+        if label == "route_pure_stack" or label in _ABLATIONS:  # the same app and settings, served by uvicorn
+            # on asyncio + h11, or with one part replaced
+            args = [sys.executable, __file__, "--serve", "route", "--port", str(port)]
+            args += ["--stack", "pure"] if label == "route_pure_stack" else ["--stub", _ABLATIONS[label][0]]
+            env = {**env, "XROUTE_ROUTER_DB_PATH": str(db), "XROUTE_ROUTER_KEYS_FILE": str(work / "keys.json"),
+                   "XROUTE_ROUTER_MODEL_URI": model}
+            if bundle is not None:
+                env["XROUTE_ROUTER_TELEMETRY"] = str(bundle)
+        log = open(work / f"router-{label}.log", "wb")
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=log)
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}/healthz", proc)
+            origins = httpx.get(f"http://127.0.0.1:{port}/v1/offerings",
+                                headers={"Authorization": f"Bearer {key}"}).json()["origins"]
+            policy = httpx.get(f"http://127.0.0.1:{port}/readyz").json()["policy"]
+        except BaseException:
+            proc.kill()
+            log.close()
+            raise
+        return cls(proc, f"http://127.0.0.1:{port}/v1/route", _lua(work / f"route-{label}.lua", "route", key, origins),
+                   log, db, f"{policy['name']} ({policy['kind']})")
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def warm_up(self) -> None:
+        run_wrk(self.url, self.script, 3)
+
+    def measure(self, seconds: float) -> dict[str, Any]:
+        return run_wrk(self.url, self.script, seconds, pid=self.proc.pid)
+
+    def about(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"policy": self.policy}
+        if self.db is not None:
+            out["db_mib"] = round(self.db.stat().st_size / 2**20, 1)
+        return out
+
+    def soak(self, seconds: float) -> dict[str, Any]:
+        """``seconds`` of wrk with the server's and its writer's RSS before and after."""
+        pid = self.proc.pid
+        run_wrk(self.url, self.script, 10)
+        rss0, child0 = _rss_kib(pid), _children_rss_kib(pid)
+        soak = run_wrk(self.url, self.script, seconds, pid=pid)
+        soak.update({"seconds": seconds, "rss_start_kib": rss0, "rss_end_kib": _rss_kib(pid),
+                     "writer_rss_start_kib": child0, "writer_rss_end_kib": _children_rss_kib(pid),
+                     "db_mib": round(self.db.stat().st_size / 2**20, 1) if self.db is not None else None})
+        return soak
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
 
 def _fsync_ms(work: Path) -> dict[str, float]:
@@ -526,7 +636,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of wrk per HTTP measurement")
     ap.add_argument("--soak-s", type=float, default=300.0, help="soak length in seconds (0 = no soak)")
-    ap.add_argument("--decisions", type=int, default=20000, help="in-process decisions per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="paired runs of each headline row (route, learned)")
+    ap.add_argument("--decisions", type=int, default=20000, help="in-process decisions per measurement (>= 100)")
     ap.add_argument("--model", default="", help="model URI/path for xroute serve ('' = the greedy fallback)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "router.json")
     ap.add_argument("--serve", choices=["trivial", "numpy", "bare", "route"], help=argparse.SUPPRESS)
@@ -534,6 +645,9 @@ def main() -> None:
     ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    for name, value, low in (("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1)):
+        if value < low:
+            ap.error(f"{name} must be at least {low} (got {value:g})")
     if a.serve:
         _serve_app(a.serve, a.port, a.stack, a.stub)
         return
@@ -549,7 +663,7 @@ def main() -> None:
             "server": {**server_stack(), "workers": 1, "access_log": "router: its own JSON access log on; "
                        "trivial apps: none (uvicorn's off for both)"},
             "load_average_at_start": os.getloadavg(),
-            "http": bench_http(work, None, a.duration, a.soak_s, a.model),
+            "http": bench_http(work, None, a.duration, a.soak_s, a.model, a.rounds),
             "load_average_at_end": os.getloadavg(),
         }
     finally:
@@ -578,12 +692,15 @@ def table(res: dict[str, Any]) -> str:
     for k, v in http.items():
         if isinstance(v, dict) and "rps" in v:
             ratio = http.get(f"{k}_vs_trivial", 1.0 if k.startswith("trivial") else "")
+            if "vs_trivial_range" in v:  # the median of the rounds [their range]
+                ratio = f"{ratio} [{v['vs_trivial_range'][0]}-{v['vs_trivial_range'][1]}]"
             if k != "soak":  # and what a request costs the (saturated) event loop
                 ratio = f"{ratio} ({1e6 / v['rps']:.0f} us/req)".lstrip()
             cpu = v.get("server_cpu_us_per_req", "")
             if v.get("children_cpu_us_per_req"):
                 cpu = f"{cpu} ({v['children_cpu_us_per_req']})"
-            lines.append(f"| {k} | {v['rps']} | {ratio} | {cpu} | {v['p50_ms']} | {v['p99_ms']} | "
+            p99 = f"{v['p99_ms']} (max {v['p99_ms_max']})" if len(v.get("runs", ())) > 1 else v["p99_ms"]
+            lines.append(f"| {k} | {v['rps']} | {ratio} | {cpu} | {v['p50_ms']} | {p99} | "
                          f"{v.get('policy', '')} | {v.get('settings', '')} |")
     soak = http.get("soak")
     if soak:
