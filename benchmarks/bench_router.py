@@ -407,7 +407,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
                rounds: int = 3) -> dict[str, Any]:
     """Every row is measured right after a run of the trivial endpoint on the same stack (its
     *pair*; both reference servers stay up for the whole run) and its ratio is against that run,
-    so drift of the shared machine over the ~20 minutes does not bias the ratios. The headline rows
+    so drift of the shared machine over the run (~25 minutes) does not bias the ratios. The headline rows
     (``route``, ``route_learned``, ``route_learned_tiny``) get ``rounds`` pairs each, their servers
     up throughout and their order rotated each round; their figures are medians over the rounds."""
     if shutil.which("wrk") is None:
@@ -443,10 +443,11 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         tiny = str(learned_export(work / "learned-tiny", hidden=4, context=2) or "")
         headline = [(label, m) for label, m in (("route", model), ("route_learned", learned),
                                                   ("route_learned_tiny", tiny)) if label == "route" or m]
-        servers = {label: _Server.route(work, bundle, m, key, env, label) for label, m in headline}
+        servers: dict[str, _Server] = {}
         try:
-            for srv in servers.values():
-                srv.warm_up()
+            for label, m in headline:
+                servers[label] = _Server.route(work, bundle, m, key, env, label)
+                servers[label].warm_up()
             runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in headline}
             for r in range(rounds):
                 for label, _ in headline[r % len(headline):] + headline[: r % len(headline)]:
