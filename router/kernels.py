@@ -3,9 +3,9 @@
 offerings).
 
 :func:`greedy_decide`, :func:`valid_rows`, :func:`scored_decide` and :func:`rank_scored` call the
-environment's kernels (``envs.kernels``), so they are *not* cached on disk: numba invalidates a cached function when its own file changes,
-not when a function it calls from another file does, and a stale cache would decide with old
-formulas. They are compiled at each start instead (:func:`warm_up`, ~1.5 s)."""
+environment's kernels (``envs.kernels``), so they are *not* cached on disk: numba invalidates a
+cached function when its own file changes, not when a function it calls from another file does,
+and a stale cache would decide with old formulas. They are compiled at each start instead (:func:`warm_up`, ~1.5 s)."""
 
 from __future__ import annotations
 
@@ -130,16 +130,25 @@ def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_
 
 
 @njit  # not cache=True, as greedy_decide
+def _rank_finite(scores, k):  # pragma: no cover
+    """A scorer's ranking (``envs.kernels.rank`` over all of ``scores``: the best, then the next
+    ``k``), or best -1 when a score is NaN or infinite (the model failed)."""
+    n = scores.shape[0]
+    for i in range(n):
+        if not np.isfinite(scores[i]):
+            return -1, np.empty(0, dtype=np.int64)
+    return env_kernels.rank(scores, np.ones(n, dtype=np.bool_), k)
+
+
+@njit  # not cache=True, as greedy_decide
 def scored_decide(scores, idx, k, free_at, row_min, busy, t, service, lat, cost, ints, floats):  # pragma: no cover
     """After :func:`valid_rows` and the scorer: the best of the ``scores`` of offerings ``idx``
     and the next ``k`` (:func:`rank_scored`'s ranking), the chosen pool's slot taken as
     :func:`greedy_decide` takes it, and the same outputs. Returns the number of alternatives, or
     -1 (nothing taken) when a score is NaN or infinite."""
-    n = scores.shape[0]
-    for i in range(n):
-        if not np.isfinite(scores[i]):
-            return -1
-    best, alt = env_kernels.rank(scores, np.ones(n, dtype=np.bool_), k)
+    best, alt = _rank_finite(scores, k)
+    if best < 0:
+        return -1
     m = alt.shape[0]
     a = idx[best]
     ints[0] = a
@@ -163,10 +172,9 @@ def rank_scored(scores, idx, k):  # pragma: no cover
     -> (offerings: the best then the next ``k``; their scores), ranked as ``envs.kernels.rank``
     ranks (ties to the lower index). Offerings is empty when a score is NaN or infinite (the
     model failed: the caller falls back)."""
-    for i in range(scores.shape[0]):
-        if not np.isfinite(scores[i]):
-            return np.empty(0, dtype=np.int64), np.empty(0)
-    best, alt = env_kernels.rank(scores, np.ones(scores.shape[0], dtype=np.bool_), k)
+    best, alt = _rank_finite(scores, k)
+    if best < 0:
+        return np.empty(0, dtype=np.int64), np.empty(0)
     m = alt.shape[0]
     out = np.empty(m + 1, dtype=np.int64)
     vals = np.empty(m + 1)

@@ -14,8 +14,8 @@ rows that queue meanwhile form the next batch:
   the answer like any socket. Up to two batches are at the writer at once
   (``PROCESS_BATCHES_IN_FLIGHT``), each its own transaction, committed and answered in order: the
   writer starts the next commit when one ends rather than after the server has read the answer
-  and sent what queued meanwhile (+10-15 % decisions/s under ``wrk -c10``). Nothing it does competes with the event loop for the GIL. It exits
-  when the server closes the pipe or dies (tested: no orphan after ``kill -9``); if it dies, every
+  and sent what queued meanwhile (+10-15 % decisions/s under ``wrk -c10``). Nothing it does
+  competes with the event loop for the GIL. It exits when the server closes the pipe or dies (tested: no orphan after ``kill -9``); if it dies, every
   waiting and later request fails with :class:`StoreClosed` (503) and ``/readyz`` says so.
   1.7x the decisions/s of the thread on 2 cores (``docs/results.md``, "Router").
 * ``"thread"``: a writer thread. The compression and the inserts hold the GIL, and after each fsync
