@@ -222,7 +222,9 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
-                              on_commit=metrics.committed, writer=settings.db_writer)
+                              on_commit=metrics.committed, writer=settings.db_writer,
+                              checkpoint_rows=settings.db_checkpoint_rows, checkpoint_s=settings.db_checkpoint_s,
+                              on_checkpoint=metrics.log_checkpoint_seconds.observe)
         if settings.db_compress:
             store.use_dictionary(engine.response_dictionary())
         store.start()

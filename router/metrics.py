@@ -41,6 +41,10 @@ class Metrics:
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.log_commit_seconds = Histogram("xroute_router_log_commit_seconds", "Group commit duration",
                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.log_checkpoint_seconds = Histogram(
+            "xroute_router_log_checkpoint_seconds",
+            "WAL checkpoints run between group commits (the next commit waits for each)",
+            buckets=_LATENCY_BUCKETS, registry=r)
         self._fallback_codes: dict[str, str] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import Constraints
@@ -66,6 +67,12 @@ class RouterSettings(BaseSettings):
         "process", description="where group commits run: a writer process (default: compression, inserts and "
                                "fsync never compete with the event loop for the GIL), a writer thread, or the "
                                "event loop itself")
+    db_checkpoint_rows: int = Field(
+        CHECKPOINT_ROWS, ge=1, le=1_000_000,
+        description="copy the WAL into the database (a checkpoint between two group commits) after this many "
+                    "decisions; smaller: shorter pauses, more often")
+    db_checkpoint_s: float = Field(
+        CHECKPOINT_S, gt=0, le=3600, description="... or after this many seconds, whichever comes first")
     db_compress: bool = Field(
         True, description="store each answer Zstandard-compressed against a dictionary of the catalog (~4x "
                           "smaller answers, ~4x smaller log); false stores the JSON text")

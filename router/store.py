@@ -33,6 +33,13 @@ batch is acknowledged: with no other writer it completes (copying only what arri
 checkpointer's last pass), and the next commit rewinds the WAL, which stays a few MB
 (``journal_size_limit`` trims it after a burst).
 
+Those checkpoints pause the commits (the batches behind one wait for it), so they are small and
+frequent: every 500 rows or 0.25 s by default, ~1.1 ms each here. Every 2,000 rows or 1 s they took
+~2.4 ms while the disk kept up, but 12-66 ms once it slowed down -- this machine's disk did, in every
+long run, after 0.5-2 GB had gone into the log -- and a 5-minute soak's p99 was 18.3 ms against 7.0
+and 5.5 ms with the small ones (``docs/results.md``, "Router"). Their durations are the metric
+``xroute_router_log_checkpoint_seconds`` (``on_checkpoint``).
+
 ``synchronous=FULL`` (the default) fsyncs the WAL at every commit, so an acknowledged decision
 survives a power loss or kernel crash, not only a killed process. ``NORMAL`` in WAL mode skips that
 fsync: still safe against ``kill -9`` (the bytes are in the OS page cache once the commit returns)
@@ -135,6 +142,10 @@ ZSTD_LEVEL = 3
 #: writer starts the next commit as soon as one ends instead of waiting for the server to read the
 #: acknowledgement and send what queued meanwhile (that round trip was ~40 % of a commit cycle)
 PROCESS_BATCHES_IN_FLIGHT = 2
+#: the default cadence of the checkpoints run between commits (``RouterSettings.db_checkpoint_rows``
+#: and ``db_checkpoint_s``): small ones, often (module docstring)
+CHECKPOINT_ROWS = 500
+CHECKPOINT_S = 0.25
 _INSERT_FEEDBACK = (f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
                     f"VALUES ({', '.join('?' * len(FEEDBACK_COLUMNS))})")
 
@@ -173,7 +184,8 @@ class DecisionStore:
 
     def __init__(self, path: Path, synchronous: str = "FULL", batch_max: int = 512,
                  on_commit: Callable[[int, float], None] | None = None, writer: str = "process",
-                 checkpoint_rows: int = 2000, checkpoint_s: float = 1.0):
+                 checkpoint_rows: int = CHECKPOINT_ROWS, checkpoint_s: float = CHECKPOINT_S,
+                 on_checkpoint: Callable[[float], None] | None = None):
         if writer not in ("thread", "loop", "process"):
             raise ValueError(f"writer must be 'thread', 'loop' or 'process', got {writer!r}")
         self.path = Path(path)
@@ -181,6 +193,9 @@ class DecisionStore:
         self.synchronous = synchronous
         self.batch_max = batch_max
         self.on_commit = on_commit
+        #: called with the seconds of each checkpoint run between commits (on the writer thread
+        #: with writer="thread"; on the loop, one acknowledgement late, with writer="process")
+        self.on_checkpoint = on_checkpoint
         self.writer = writer
         self._conn = connect(self.path, synchronous)
         self._conn.executescript(SCHEMA)
@@ -361,9 +376,11 @@ class DecisionStore:
         self._last_checkpoint = now
         try:
             self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            self.checkpoints += 1
         except sqlite3.Error:
-            pass  # busy or failing disk: the next round retries; commits are unaffected
+            return  # busy or failing disk: the next round retries; commits are unaffected
+        self.checkpoints += 1
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(time.monotonic() - now)
 
     def _write(self, batch: list[Item]) -> list[int | BaseException]:
         """Insert and commit ``batch`` in one transaction (any thread; touches no future)."""
@@ -410,6 +427,9 @@ class DecisionStore:
         self.commits, self.rows, self.checkpoints = msg["commits"], msg["rows"], msg["checkpoints"]
         if self.on_commit is not None and msg["seconds"] is not None:
             self.on_commit(len(results), msg["seconds"])
+        if self.on_checkpoint is not None:
+            for seconds in msg["checkpoint_seconds"]:
+                self.on_checkpoint(seconds)
         batch = self._in_flight_batches.popleft()
         self._done(batch, results)
 
@@ -551,8 +571,9 @@ def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None,
 
     A separate interpreter, so the compression, the inserts and the commit never compete with the
     server's event loop for the GIL. Exits when the server closes the pipe (or dies)."""
+    checkpoint_seconds: list[float] = []  # since the last acknowledgement (each ran after one)
     store = DecisionStore(Path(path), synchronous, writer="loop", checkpoint_rows=checkpoint_rows,
-                          checkpoint_s=checkpoint_s)
+                          checkpoint_s=checkpoint_s, on_checkpoint=checkpoint_seconds.append)
     if zdict is not None:
         store.use_dictionary(zdict)
     store._start_checkpointer()
@@ -569,8 +590,9 @@ def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None,
             ok = store.error is None
             pipe.send_bytes(_dumps({"results": [str(r) if isinstance(r, BaseException) else r for r in results],
                                     "error": store.error, "commits": store.commits, "rows": store.rows,
-                                    "checkpoints": store.checkpoints,
+                                    "checkpoints": store.checkpoints, "checkpoint_seconds": checkpoint_seconds[:],
                                     "seconds": time.perf_counter() - t0 if ok else None}))
+            checkpoint_seconds.clear()
             store._maybe_checkpoint()
     finally:
         store.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -208,6 +210,24 @@ def test_offerings_metrics_and_admin(live: Any, client: httpx.Client) -> None:
     st = client.get("/v1/admin/status", headers=setup.auth("admin")).json()
     assert st["decision_log"]["synchronous"] == "FULL" and st["decisions_since_start"] >= 1
     assert client.post("/v1/admin/model/reload", headers=setup.auth("admin")).json()["outcome"] == "disabled"
+
+
+def test_checkpoints_between_commits_are_measured(live: Any, client: httpx.Client) -> None:
+    """The writer process runs a WAL checkpoint after a commit once ``db_checkpoint_s`` (0.25 s)
+    has gone by; its duration comes back with the next acknowledgement and lands in /metrics."""
+    _, setup, _ = live
+
+    def count() -> float:
+        text = client.get("/metrics", headers=setup.auth("admin")).text
+        found = re.search(r"^xroute_router_log_checkpoint_seconds_count (\S+)$", text, re.M)
+        assert found, "xroute_router_log_checkpoint_seconds missing"
+        return float(found.group(1))
+
+    before = count()
+    for _ in range(3):
+        assert _route(client, setup, "a").status_code == 200
+        time.sleep(0.3)
+    assert count() >= before + 1
 
 
 def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: httpx.Client) -> None:
