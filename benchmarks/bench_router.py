@@ -27,7 +27,9 @@
    (``route_front_only``: request id, trace, key, validation, access line, the answer's write), and
    ``/v1/route`` deciding but not writing the decision log (``route_no_log``).
 3. Soak: ``/v1/route`` (greedy) under wrk for ``--soak-s`` seconds (default 300), right after the
-   headline rounds, RSS at start and end.
+   headline rounds, RSS at start and end; every ``SOAK_WINDOW_S`` seconds the server's ``/metrics``
+   is read, and each window reports its decisions/s, the share of in-server route times over 10 ms,
+   the checkpoints run between commits (how many, mean, share over 10 ms) and the log's size.
 
 Usage::
 
@@ -50,6 +52,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -438,6 +441,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
 
         keys = work / "keys.json"
         key = add_key(keys, "bench")
+        admin_key = add_key(keys, "bench-ops", "admin")  # the soak reads /metrics
         learned = str(learned_export(work / "learned-http") or "")
         # the learned path with a near-free network (4 wide, context 2): what it costs apart from the network
         tiny = str(learned_export(work / "learned-tiny", hidden=4, context=2) or "")
@@ -457,7 +461,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
             for label, _ in headline:
                 results[label] = {**_median_of(runs[label]), **servers[label].about()}
             if soak_s > 0:
-                results["soak"] = servers["route"].soak(soak_s)
+                results["soak"] = servers["route"].soak(soak_s, admin_key)
         finally:
             for srv in servers.values():
                 srv.stop()
@@ -591,15 +595,38 @@ class _Server:
             out["db_mib"] = round(self.db.stat().st_size / 2**20, 1)
         return out
 
-    def soak(self, seconds: float) -> dict[str, Any]:
-        """``seconds`` of wrk with the server's and its writer's RSS before and after."""
+    def soak(self, seconds: float, admin_key: str | None = None) -> dict[str, Any]:
+        """``seconds`` of wrk with the server's and its writer's RSS before and after; with
+        ``admin_key``, the server's metrics per ``SOAK_WINDOW_S`` window (:func:`_soak_window`)."""
         pid = self.proc.pid
         run_wrk(self.url, self.script, 10)
         rss0, child0 = _rss_kib(pid), _children_rss_kib(pid)
-        soak = run_wrk(self.url, self.script, seconds, pid=pid)
+        windows: list[dict[str, Any]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            assert admin_key is not None
+            base = self.url.rsplit("/v1/", 1)[0]
+            prev, t_prev = _scrape(base, admin_key), time.monotonic()
+            while not stop.wait(SOAK_WINDOW_S):
+                cur, t = _scrape(base, admin_key), time.monotonic()
+                windows.append(_soak_window(prev, cur, t - t_prev, t - t_prev + (windows[-1]["end_s"] if windows else 0),
+                                            self.db))
+                prev, t_prev = cur, t
+
+        watcher = threading.Thread(target=watch, name="soak-metrics", daemon=True) if admin_key else None
+        if watcher is not None:
+            watcher.start()
+        try:
+            soak = run_wrk(self.url, self.script, seconds, pid=pid)
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.join(timeout=30)
         soak.update({"seconds": seconds, "rss_start_kib": rss0, "rss_end_kib": _rss_kib(pid),
                      "writer_rss_start_kib": child0, "writer_rss_end_kib": _children_rss_kib(pid),
-                     "db_mib": round(self.db.stat().st_size / 2**20, 1) if self.db is not None else None})
+                     "db_mib": round(self.db.stat().st_size / 2**20, 1) if self.db is not None else None,
+                     "windows": windows})
         return soak
 
     def stop(self) -> None:
@@ -613,6 +640,47 @@ class _Server:
         if self.log is not None:
             self.log.close()
             self.log = None
+
+
+#: seconds per soak window (the soak's per-window metrics)
+SOAK_WINDOW_S = 30.0
+
+
+def _scrape(base: str, admin_key: str) -> dict[tuple[str, str], float]:
+    """The router's ``/metrics`` as {(sample name, its ``le`` label or ""): value} (label-free
+    families and histograms only: enough for the soak windows)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30).text
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if set(sample.labels) <= {"le"}:
+                out[(sample.name, sample.labels.get("le", ""))] = sample.value
+    return out
+
+
+def _soak_window(prev: dict[tuple[str, str], float], cur: dict[tuple[str, str], float], seconds: float,
+                 end_s: float, db: Path | None) -> dict[str, Any]:
+    """One soak window from two scrapes: decisions/s, the share of in-server route times over
+    10 ms, the checkpoints run between commits (count, mean ms, share over 10 ms), log size."""
+
+    def delta(name: str, le: str = "") -> float:
+        return cur.get((name, le), 0.0) - prev.get((name, le), 0.0)
+
+    def over_10ms(hist: str) -> float | None:
+        n = delta(f"{hist}_count")
+        return round(100.0 * (1.0 - delta(f"{hist}_bucket", "0.01") / n), 3) if n else None
+
+    routes = delta("xroute_router_route_seconds_count")
+    ckpt = delta("xroute_router_log_checkpoint_seconds_count")
+    return {"end_s": round(end_s, 1), "decisions_per_s": round(routes / seconds, 1),
+            "route_over_10ms_pct": over_10ms("xroute_router_route_seconds"),
+            "checkpoints": int(ckpt),
+            "checkpoint_mean_ms": round(1e3 * delta("xroute_router_log_checkpoint_seconds_sum") / ckpt, 2) if ckpt else None,
+            "checkpoint_over_10ms_pct": over_10ms("xroute_router_log_checkpoint_seconds"),
+            "db_mib": round(db.stat().st_size / 2**20, 1) if db is not None and db.exists() else None}
 
 
 def _fsync_ms(work: Path) -> dict[str, float]:
@@ -709,6 +777,12 @@ def table(res: dict[str, Any]) -> str:
                   f"{soak['rss_start_kib'] / 1024:.0f} -> {soak['rss_end_kib'] / 1024:.0f} MiB (writer process "
                   f"{soak['writer_rss_start_kib'] / 1024:.0f} -> {soak['writer_rss_end_kib'] / 1024:.0f} MiB), decision log "
                   f"{soak['db_mib']} MiB"]
+        if soak.get("windows"):
+            lines += ["", "| soak window ends at s | decisions/s | route > 10 ms % | checkpoints | checkpoint mean ms "
+                      "| checkpoint > 10 ms % | log MiB |", "|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += [f"| {w['end_s']:g} | {w['decisions_per_s']} | {w['route_over_10ms_pct']} | {w['checkpoints']} | "
+                      f"{w['checkpoint_mean_ms']} | {w['checkpoint_over_10ms_pct']} | {w['db_mib']} |"
+                      for w in soak["windows"]]
     return "\n".join(lines)
 
 
