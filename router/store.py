@@ -36,8 +36,8 @@ checkpointer's last pass), and the next commit rewinds the WAL, which stays a fe
 Those checkpoints pause the commits (the batches behind one wait for it), so they are small and
 frequent: every 500 rows or 0.25 s by default, ~1.1 ms each here. Every 2,000 rows or 1 s they took
 ~2.4 ms while the disk kept up, but 12-66 ms once it slowed down -- this machine's disk did, in every
-long run, after 0.5-2 GB had gone into the log -- and a 5-minute soak's p99 was 18.3 ms against 7.0
-and 5.5 ms with the small ones (``docs/results.md``, "Router"). Their durations are the metric
+long run, after 0.5-2 GB had gone into the log -- and two 5-minute soaks' p99 were 18.3 and 9.2 ms
+against 7.0 and 5.5 ms with the small ones (``docs/results.md``, "Router"). Their durations are the metric
 ``xroute_router_log_checkpoint_seconds`` (``on_checkpoint``).
 
 ``synchronous=FULL`` (the default) fsyncs the WAL at every commit, so an acknowledged decision
