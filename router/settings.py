@@ -72,7 +72,8 @@ class RouterSettings(BaseSettings):
         description="copy the WAL into the database (a checkpoint between two group commits) after this many "
                     "decisions; smaller: shorter pauses, more often")
     db_checkpoint_s: float = Field(
-        CHECKPOINT_S, gt=0, le=3600, description="... or after this many seconds, whichever comes first")
+        CHECKPOINT_S, gt=0, le=3600,
+        description="also checkpoint once this many seconds have gone by (whichever of the two comes first)")
     db_compress: bool = Field(
         True, description="store each answer Zstandard-compressed against a dictionary of the catalog (~4x "
                           "smaller answers, ~4x smaller log); false stores the JSON text")
