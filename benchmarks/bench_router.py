@@ -487,12 +487,11 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
             ref.stop()
     results["trivial"] = {**_median_of(reference_runs["auto"]), "settings": "the pairs' reference runs (medians)"}
     results["trivial_pure_stack"] = {**_median_of(reference_runs["pure"]), "settings": "as trivial, asyncio + h11"}
-    for label in ("route", "route_learned", "route_learned_tiny"):
+    for label, text in (("route", "defaults (FULL, writer process, compressed log)"),
+                        ("route_learned", "defaults (FULL, writer process, compressed log)"),
+                        ("route_learned_tiny", "defaults, a learned scorer 4 wide with context 2 (the network nearly free)")):
         if label in results:
-            results[label]["settings"] = "defaults (FULL, writer process, compressed log)"
-    if "route_learned_tiny" in results:
-        results["route_learned_tiny"]["settings"] = ("defaults, a learned scorer 4 wide with context 2 "
-                                                     "(the network nearly free)")
+            results[label]["settings"] = text
     results["route_pure_stack"]["settings"] = "defaults, uvicorn on asyncio + h11 (against trivial on that stack)"
     for label in _ABLATIONS:
         results[label]["settings"] = f"ablation: {_ABLATIONS[label][1]}"
@@ -608,10 +607,10 @@ class _Server:
             assert admin_key is not None
             base = self.url.rsplit("/v1/", 1)[0]
             prev, t_prev = _scrape(base, admin_key), time.monotonic()
+            t0 = t_prev
             while not stop.wait(SOAK_WINDOW_S):
                 cur, t = _scrape(base, admin_key), time.monotonic()
-                windows.append(_soak_window(prev, cur, t - t_prev, t - t_prev + (windows[-1]["end_s"] if windows else 0),
-                                            self.db))
+                windows.append(_soak_window(prev, cur, t - t_prev, t - t0, self.db))
                 prev, t_prev = cur, t
 
         watcher = threading.Thread(target=watch, name="soak-metrics", daemon=True) if admin_key else None

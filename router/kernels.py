@@ -5,7 +5,8 @@ offerings).
 :func:`greedy_decide`, :func:`valid_rows`, :func:`scored_decide` and :func:`rank_scored` call the
 environment's kernels (``envs.kernels``), so they are *not* cached on disk: numba invalidates a
 cached function when its own file changes, not when a function it calls from another file does,
-and a stale cache would decide with old formulas. They are compiled at each start instead (:func:`warm_up`, ~1.5 s)."""
+and a stale cache would decide with old formulas. They are compiled at each start instead
+(:func:`warm_up`, ~1.5 s)."""
 
 from __future__ import annotations
 

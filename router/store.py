@@ -15,8 +15,9 @@ rows that queue meanwhile form the next batch:
   (``PROCESS_BATCHES_IN_FLIGHT``), each its own transaction, committed and answered in order: the
   writer starts the next commit when one ends rather than after the server has read the answer
   and sent what queued meanwhile (+10-15 % decisions/s under ``wrk -c10``). Nothing it does
-  competes with the event loop for the GIL. It exits when the server closes the pipe or dies (tested: no orphan after ``kill -9``); if it dies, every
-  waiting and later request fails with :class:`StoreClosed` (503) and ``/readyz`` says so.
+  competes with the event loop for the GIL. It exits when the server closes the pipe or dies
+  (tested: no orphan after ``kill -9``); if it dies, every waiting and later request fails with
+  :class:`StoreClosed` (503) and ``/readyz`` says so.
   1.7x the decisions/s of the thread on 2 cores (``docs/results.md``, "Router").
 * ``"thread"``: a writer thread. The compression and the inserts hold the GIL, and after each fsync
   the thread must win the GIL back from the busy event loop: commits took 0.7–1.6 ms instead of
@@ -37,8 +38,8 @@ Those checkpoints pause the commits (the batches behind one wait for it), so the
 frequent: every 500 rows or 0.25 s by default, ~1.1 ms each here. Every 2,000 rows or 1 s they took
 ~2.4 ms while the disk kept up, but 12-66 ms once it slowed down -- this machine's disk did, in every
 long run, after 0.5-2 GB had gone into the log -- and two 5-minute soaks' p99 were 18.3 and 9.2 ms
-against 7.0 and 5.5 ms with the small ones (``docs/results.md``, "Router"). Their durations are the metric
-``xroute_router_log_checkpoint_seconds`` (``on_checkpoint``).
+against 7.0 and 5.5 ms with the small ones (``docs/results.md``, "Router"). Their durations are the
+metric ``xroute_router_log_checkpoint_seconds`` (``on_checkpoint``).
 
 ``synchronous=FULL`` (the default) fsyncs the WAL at every commit, so an acknowledged decision
 survives a power loss or kernel crash, not only a killed process. ``NORMAL`` in WAL mode skips that
@@ -590,9 +591,9 @@ def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None,
             ok = store.error is None
             pipe.send_bytes(_dumps({"results": [str(r) if isinstance(r, BaseException) else r for r in results],
                                     "error": store.error, "commits": store.commits, "rows": store.rows,
-                                    "checkpoints": store.checkpoints, "checkpoint_seconds": checkpoint_seconds[:],
+                                    "checkpoints": store.checkpoints, "checkpoint_seconds": checkpoint_seconds,
                                     "seconds": time.perf_counter() - t0 if ok else None}))
-            checkpoint_seconds.clear()
+            checkpoint_seconds.clear()  # (already pickled into the acknowledgement)
             store._maybe_checkpoint()
     finally:
         store.close()
