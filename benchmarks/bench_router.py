@@ -103,7 +103,8 @@ def make_bundle(root: Path, n_offerings: int = 100, n_requests: int = 4000, seed
     out = rng.integers(5, 300, n_requests)
     pd.DataFrame({"ts": [t.isoformat() for t in ts], "request_id": [f"r{i:06d}" for i in range(n_requests)],
                   "origin": rng.choice(locs, n_requests), "input_tokens": rng.integers(50, 4000, n_requests),
-                  "output_tokens": out, "sla_ms": 2500 + 100 * out}).to_csv(root / "workload.csv", index=False)
+                  "max_output_tokens": 512, "ttft_ms": 2500.0, "tpot_ms": 100.0,
+                  "output_tokens": out}).to_csv(root / "workload.csv", index=False)
     spot = [o for o in off.offering_id if o.endswith(":spot")]
     av = []
     for k, oid in enumerate(spot):
@@ -164,8 +165,8 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
         who = Principal("bench", "tenant", "k")
         origins = eng.origins
         reqs = [RouteRequest(origin=origins[i % len(origins)], input_tokens=200 + (i * 37) % 1800,
-                             max_output_tokens=10 + (i * 13) % 60, sla_ms=4000.0) for i in range(256)]
-        constrained = RouteRequest(origin=origins[0], input_tokens=500, max_output_tokens=30, sla_ms=4000.0,
+                             max_output_tokens=10 + (i * 13) % 60, ttft_ms=2000.0, tpot_ms=100.0) for i in range(256)]
+        constrained = RouteRequest(origin=origins[0], input_tokens=500, max_output_tokens=30, ttft_ms=2000.0, tpot_ms=100.0,
                                    constraints={"deny": [{"pricing_modes": ["spot"]}]})
         active, _ = eng.slot.current(False)
         wall0 = eng.source.start_wall  # type: ignore[attr-defined]  # the replay source of a bundle
@@ -177,7 +178,8 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
             r = reqs[i % 256]
             t0 = time.perf_counter()
             t = eng.now(wall)
-            valid = env.set_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.sla_ms, i)
+            valid = env.set_live(t, r.origin, r.input_tokens, r.max_output_tokens, r.ttft_ms, r.tpot_ms, None, None,
+                                 "bench", i)
             a = eng._choose(active, valid)[0]  # builds the features when the policy reads them
             env.commit_live(a)
             core.append(time.perf_counter() - t0)
@@ -395,13 +397,13 @@ def _lua(path: Path, target: str, key: str = "", origins: list[str] | None = Non
             "request = function()\n"
             "  i = i + 1\n"
             "  local o = origins[(i % #origins) + 1]\n"
-            '  local body = string.format(\'{"origin":"%s","input_tokens":%d,"max_output_tokens":%d,"sla_ms":4000}\','
+            '  local body = string.format(\'{"origin":"%s","input_tokens":%d,"max_output_tokens":%d,"ttft_ms":2000,"tpot_ms":100}\','
             " o, 200 + (i * 37) % 1800, 10 + (i * 13) % 40)\n"
             "  return wrk.format(nil, nil, nil, body)\n"
             "end\n")
     else:
         lua = ('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-               'wrk.body = \'{"origin":"aws:us-east-1","input_tokens":500,"max_output_tokens":30,"sla_ms":4000}\'\n')
+               'wrk.body = \'{"origin":"aws:us-east-1","input_tokens":500,"max_output_tokens":30,"ttft_ms":2000,"tpot_ms":100}\'\n')
     path.write_text(lua)
     return path
 

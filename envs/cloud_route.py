@@ -6,17 +6,44 @@ A telemetry bundle (see ``docs/telemetry.md``) is replayed in time. Each step is
 workload (in arrival order, arrivals optionally compressed by ``rate_scale``); the action picks the
 offering (provider x region x instance type x pricing mode) that serves it.
 
-Each offering is a pool of ``capacity_replicas`` model replicas (default: one instance's worth), each
-replica with ``max_concurrency`` request slots (``configs/serving.yaml``). A request waits for the
-first free slot, then is served in ``input/prefill_tok_s + output * tpot(k)`` seconds, where
-``tpot(k) = tpot_ms * (1 + tpot_growth*(k-1))`` grows with the ``k`` requests batched on the replica
-(plus the pool's external utilization), times a per-request lognormal factor (``noise_sigma``).
+What a router knows, and what only the simulation knows
+-------------------------------------------------------
+A request arrives with what a client sends: origin, ``input_tokens``, ``max_output_tokens``, its
+SLO (``ttft_ms``, ``tpot_ms``, optional ``deadline_ms``), its ``model`` and tenant. Its realized
+``output_tokens`` and service-time noise are the *outcome*: they are read only when the step
+simulates the service (``_resolve``), and by the hindsight oracle (``exact_rewards``).
 
-Latency = RTT(origin, offering location) + queueing + service time. Cost = price per replica-second
-x service time / slots per replica (the slot-time the request occupies). If the replayed
-availability of a spot pool flips to 0 while a request is queued or in flight there, the request is
-preempted: it pays for the time it ran, and is retried on the on-demand offering with the lowest
-expected latency from its origin, after ``retry_overhead_ms``. An SLA violation is latency > sla_ms.
+The environment keeps two views of every pool:
+
+* **the truth** (``free_at``, ``tmin``, ``tbusy``): when each slot really frees, from realized
+  service times -- used to simulate service and nothing else;
+* **the router's view** (``est_free``, ``est_min``, ``inflight``): what a router can know -- the
+  requests it sent that it has not yet seen complete, and when it *expects* each slot to free,
+  from expected service times, corrected when a completion is observed (``envs.kernels.view_*``).
+
+Observations, masks and the expectations every policy reads come from the router's view, the
+telemetry at or before the request's arrival, and the output length *estimated* from past
+completions (``envs.estimator``; a completion is observed at its simulated end, never earlier).
+``tests/test_no_foresight.py`` proves it: changing the realized outputs and noise of the current
+and all later requests changes no policy's decision at the current step.
+
+Pools and service
+-----------------
+A pool is one (model, offering) pair (``configs/models.yaml``; ``envs.serving.place``): the
+offering's ``capacity_replicas`` GPUs hold ``capacity // gpus_per_replica`` replicas of the model,
+each with ``max_concurrency`` request slots; an offering where the model does not fit is masked for
+it. A request waits for the first free slot, then is served in ``input/prefill_tok_s + output *
+tpot(k)`` seconds, ``tpot(k) = tpot * (1 + growth*(k-1))`` growing with the requests batched on the
+replica (plus external utilization), times a lognormal factor (``noise_sigma``). Its first token
+comes after the prefill and one decode step.
+
+Latency = RTT + queueing + service. Cost = price of the replica's GPUs per second x service /
+slots per replica. If a spot pool's availability drops while a request is queued or in flight
+there, the request is preempted (the preemption really happens up to ``spot_lag_s`` before the
+telemetry records it): it pays for the time it ran and is
+retried after ``retry_overhead_ms`` on the on-demand offering with the lowest expected latency.
+The SLO is met when TTFT <= ``ttft_ms``, the time per output token after the first <= ``tpot_ms``
+(requests with more than one token) and, when given, latency <= ``deadline_ms``.
 
 Observation (``Dict``)
 ----------------------
@@ -33,23 +60,25 @@ key             shape                            meaning
 Action
 ------
 ``Discrete(max_offerings)``: the index of an offering in the bundle's ``offerings`` table. An
-invalid action (padding, spot pool unavailable, zero capacity, or a pool whose next free slot is
-more than ``queue_timeout_s`` away) is defined: the request fails (counted in ``failed``), costs
-nothing, and is charged ``failure_latency_norm`` plus the SLA penalty.
+invalid action (padding, spot pool unavailable, model does not fit, zero capacity, or a pool whose
+next expected free slot is more than ``queue_timeout_s`` away) fails the request: counted in
+``failed``, costs nothing, charged ``failure_latency_norm`` plus the SLA penalty.
 
 Reward
 ------
-``-(cost_weight*cost_norm + latency_weight*latency_norm) - sla_penalty*violation`` with
-``cost_norm = min(cost / reference_cost, cost_norm_cap)`` where ``reference_cost`` is the request's
-cost on one replica of the reference accelerator priced ``reference_usd_per_replica_hour``, and
-``latency_norm = min(latency / sla, latency_norm_cap)``. Defaults 0.6 / 0.4 / 2.0.
+``envs.kernels.realized_reward``: ``-(cost_weight*cost_norm + latency_weight*latency_norm) -
+sla_penalty*violation`` with ``cost_norm = min(cost / reference_cost, cap)`` (the request on one
+reference replica at ``reference_usd_per_replica_hour``) and ``latency_norm = min(latency /
+budget, cap)``, budget = ``deadline_ms`` or ``ttft_ms + tpot_ms * (output_tokens - 1)``.
 
 Episode
 -------
 ``reset`` picks ``episode_requests`` consecutive requests starting at a random index (the whole
-stream from its start when ``episode_requests`` is None) and empties every pool. The episode is
-truncated (never terminated) after its last request. Everything random comes from
-``self.np_random``, so the same seed gives the same trajectory.
+stream when None), empties every pool and seeds the output estimator with the stream's requests
+that completed before the episode (arrived ``estimator.history_lag_s`` before its first request)
+and with ``history`` (outputs of requests before the stream). Truncated, never terminated, after
+its last request. Everything random comes from ``self.np_random``: the same seed, the same
+trajectory.
 """
 
 from __future__ import annotations
@@ -61,28 +90,36 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import pandas as pd
 from gymnasium import spaces
 
+from envs import estimator as est
 from envs import features as fz
 from envs import kernels
+from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, WAIT
 from envs.replay import TelemetryReplay
+from envs.serving import Placement, load_models, load_serving, place
 from xroute.bundle import Bundle, load_bundle, origins_reaching, to_seconds
-from xroute.config import EnvConfig, ServingConfig, config_path, parse_config, read_yaml
+from xroute.config import EnvConfig, parse_config
 from xroute.errors import ConfigError
 
+#: view events: a request's completion becomes known; a retry after a preemption enters a pool
+_COMPLETE, _ADMIT = 0, 1
+#: a completion event's output tokens when the request was preempted (-1: completed, length unknown)
+_PREEMPTED = -2.0
 
-def load_serving(name: str) -> ServingConfig:
-    path = config_path(name)
-    return parse_config(ServingConfig, read_yaml(path), str(path))
-
-
+__all__ = ["CloudRouteEnv", "load_serving"]
 
 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     metadata = {"render_modes": []}  # noqa: RUF012
 
     def __init__(self, bundle: Bundle | str | None = None, config: EnvConfig | dict[str, Any] | None = None,
-                 **overrides: Any):
+                 history: pd.DataFrame | None = None, all_models: bool = False, **overrides: Any):
+        """``history``: requests before the stream (their ``output_tokens``, ``model``, ``tenant``)
+        the output estimator starts from. ``all_models``: pools for every model of the models
+        config (a live router, whose requests may name any); by default only for the default model
+        and the models the stream names (the others would only cost memory and time)."""
         super().__init__()
         if isinstance(config, EnvConfig):
             cfg = config.model_copy(update=overrides) if overrides else config
@@ -96,7 +133,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ConfigError(f"env config: field 'max_offerings': the bundle has {n} offerings, more than {cfg.max_offerings}")
         self.n = n
         self.N = cfg.max_offerings
+        self._all_models = all_models
         self._init_static()
+        self._init_stream(history)
         self.observation_space = spaces.Dict({
             "offerings": spaces.Box(np.tile(fz.OFFERING_LOW, self.N), np.tile(fz.OFFERING_HIGH, self.N),
                                     dtype=np.float32),
@@ -106,66 +145,114 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.action_space = spaces.Discrete(self.N)
         self._pos = 0
         self._end = 0
-        self._live_buffers: tuple[np.ndarray, ...] | None = None
 
     # ------------------------------------------------------------------ setup
     def _init_static(self) -> None:
         serving = load_serving(self.cfg.serving_config)
-        self.serving = serving
+        models = load_models(self.cfg.models_config)
+        self.serving, self.models_cfg = serving, models
         ref = serving.accelerators.get(serving.reference_accelerator)
         if ref is None:
             raise ConfigError(f"{self.cfg.serving_config}: field 'reference_accelerator': "
                               f"'{serving.reference_accelerator}' has no entry under accelerators")
-        speeds = []
-        for o in self.catalog:
-            s = serving.accelerators.get(o.accelerator)
-            if s is None:
-                raise ConfigError(f"{self.cfg.serving_config}: field 'accelerators': no entry for accelerator "
-                                  f"'{o.accelerator or '(none)'}' used by offering {o.offering_id}")
-            speeds.append(s)
-        self.prefill = np.array([s.prefill_tok_s for s in speeds])
-        self.tpot_s = np.array([s.tpot_ms for s in speeds]) / 1000.0
-        self.growth = np.array([s.tpot_growth for s in speeds])
-        self.conc = np.array([s.max_concurrency for s in speeds], dtype=float)
-        self.sigma = np.array([s.noise_sigma for s in speeds])
         self.ref = ref
-        self.rpi = np.array([o.replicas_per_instance for o in self.catalog], dtype=float)
         caps = self.bundle.offerings.get("capacity_replicas")
-        replicas = []
+        capacity = []
         for o, c in zip(self.catalog, caps if caps is not None else [np.nan] * self.n):
-            replicas.append(o.replicas_per_instance if c is None or (isinstance(c, float) and np.isnan(c)) else int(c))
-        self.replicas = np.array(replicas, dtype=float)
-        self.slots = (self.replicas * self.conc).astype(np.int64)
+            capacity.append(o.replicas_per_instance if c is None or (isinstance(c, float) and np.isnan(c)) else int(c))
+        only = None
+        if not self._all_models:
+            w = self.bundle.workload
+            named = set(w["model"].astype(str).str.strip()) - {""} if "model" in w.columns else set()
+            only = [models.default_model, *sorted(m for m in named if m in models.models and m != models.default_model)]
+        pl: Placement = place(self.catalog, capacity, serving, models, only)
+        self.placement = pl
+        self.model_names: tuple[str, ...] = pl.models
+        self.model_index = {m: k for k, m in enumerate(pl.models)}
+        self.default_model = self.model_index[models.default_model]
+        self.M = len(pl.models)
+        self.fits = pl.fits
+        self.replicas = pl.replicas
+        self.conc = pl.conc
+        self.slots = pl.slots
         self.smax = max(1, int(self.slots.max()))
         self.inv_replicas = 1.0 / np.maximum(self.replicas, 1e-9)
-        self.inv_prefill = 1.0 / self.prefill
+        self.inv_prefill = 1.0 / pl.prefill_tok_s
         self.conc_m1 = self.conc - 1.0
-        self.tpot_growth_s = self.tpot_s * self.growth
+        self.tpot_s = pl.tpot_s
+        self.tpot_growth_s = pl.tpot_s * pl.growth
+        self.sigma = pl.sigma
+        self.gpus_per_slot = np.where(pl.fits, pl.gpus / np.maximum(pl.conc, 1.0), 0.0)
         self.inv_slots = 1.0 / np.maximum(self.slots, 1)
+        self.params_feat = np.minimum(np.log1p(pl.params_b) / 5.0, 2.0)
         self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
         self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
         self._all_idx = np.arange(self.n)
-        self.speed_feat = np.clip(np.log(ref.tpot_ms / 1000.0 / self.tpot_s), -3, 3)
+        ref_tpot = ref.tpot_ms / 1000.0
+        self.speed_feat = np.where(pl.fits, np.clip(np.log(ref_tpot / pl.tpot_s), -3, 3), -3.0)
         self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
-        self.replay = TelemetryReplay(self.bundle, self.rpi)
-
-        w = self.bundle.workload
+        self.gpu_count = np.array([o.replicas_per_instance for o in self.catalog], dtype=float)
+        self.replay = TelemetryReplay(self.bundle, self.gpu_count)
         self.origins, self.rtt_ms = self._origins_rtt(self.bundle)
-        oi = {o: i for i, o in enumerate(self.origins)}
-        self.origin_index = oi
+        self.origin_index = {o: i for i, o in enumerate(self.origins)}
+        self._ref_prefill_s = 1.0 / ref.prefill_tok_s
+        self._ref_cost_rate = self.cfg.reward.reference_usd_per_replica_hour / 3600.0 / ref.max_concurrency
+
+    def _init_stream(self, history: pd.DataFrame | None) -> None:
+        """The request stream as arrays: what the client sends, and (``req_out``) the outcome."""
+        w = self.bundle.workload
         t = to_seconds(w["ts"])
         self.t0 = float(t[0])
         self.arrival_raw = t
-        self.req_origin = w["origin"].map(oi).to_numpy()
+        self.req_origin = w["origin"].map(self.origin_index).to_numpy()
         self.req_in = w["input_tokens"].to_numpy(dtype=float)
-        self.req_out = w["output_tokens"].to_numpy(dtype=float)
-        self.req_sla_ms = w["sla_ms"].to_numpy(dtype=float)
+        self.req_max_out = w["max_output_tokens"].to_numpy(dtype=float)
+        self.req_ttft = w["ttft_ms"].to_numpy(dtype=float)
+        self.req_tpot = w["tpot_ms"].to_numpy(dtype=float)
+        self.req_deadline = w["deadline_ms"].to_numpy(dtype=float) if "deadline_ms" in w.columns \
+            else np.full(len(w), np.nan)
+        self.req_model = self._model_column(w)
+        tenants = w["tenant"].astype(str).to_numpy() if "tenant" in w.columns else np.full(len(w), "", dtype=object)
+        self._tenant_keys: dict[str, int] = {}
+        self.est_w, self.est_s, self.est_n = est.new_tables(self.M)
+        self.req_key = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(self.req_model, tenants)],
+                                dtype=np.int64)
         self.req_ids = w["request_id"].to_numpy()
+        #: the realized outcome: read by the simulation of service (``_resolve``) and the oracle only
+        self.req_out = w["output_tokens"].to_numpy(dtype=float)
         self.n_requests = len(w)
+        self.history: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if history is not None and len(history):
+            hm = self._model_column(history)
+            ht = history["tenant"].astype(str).to_numpy() if "tenant" in history.columns else \
+                np.full(len(history), "", dtype=object)
+            ok = hm >= 0
+            keys = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(hm[ok], ht[ok])], dtype=np.int64)
+            self.history = (hm[ok], keys, history["output_tokens"].to_numpy(dtype=float)[ok])
         self.set_rate_scale(self.cfg.rate_scale)
-        # reference cost of each request: served alone on one reference replica at the reference price
-        ref_service = self.req_in / ref.prefill_tok_s + self.req_out * ref.tpot_ms / 1000.0
-        self.ref_cost = self._reference_cost(ref_service)
+
+    def _model_column(self, w: pd.DataFrame) -> np.ndarray:
+        if "model" not in w.columns:
+            return np.full(len(w), self.default_model, dtype=np.int64)
+        names = w["model"].astype(str).str.strip()
+        unknown = sorted(set(names) - set(self.models_cfg.models) - {""})
+        if unknown:
+            raise ConfigError(f"workload: field 'model': unknown model '{unknown[0]}' (known: "
+                              f"{', '.join(self.model_names)}; add it to configs/{self.cfg.models_config})")
+        # a model with no pools here (named only by a history row) is -1
+        return np.array([self.model_index.get(x, -1) if x else self.default_model for x in names], dtype=np.int64)
+
+    def estimator_key(self, model: int, tenant: str) -> int:
+        """The output estimator's row for (model, tenant) (rows 0..M-1: each model, all tenants)."""
+        t = self._tenant_keys.get(tenant)
+        if t is None:
+            t = self._tenant_keys[tenant] = len(self._tenant_keys)
+        k = self.M * (1 + t) + model
+        if k >= self.est_n.shape[0]:
+            w, s, n = self.est_w, self.est_s, self.est_n
+            self.est_w, self.est_s, self.est_n = est.new_tables(max(k + 1, 2 * n.shape[0]))
+            self.est_w[: w.shape[0]], self.est_s[: s.shape[0]], self.est_n[: n.shape[0]] = w, s, n
+        return k
 
     def _origins_rtt(self, bundle: Bundle) -> tuple[list[str], np.ndarray]:
         """Origins (RTT sources, or workload origins, that reach every offering's location) and
@@ -190,7 +277,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if not np.array_equal(new_caps, old, equal_nan=True):
             raise ConfigError(f"{bundle.path}: field 'capacity_replicas' changed; restart the router to resize its pools")
         origins, rtt_ms = self._origins_rtt(bundle)
-        return {"bundle": bundle, "replay": TelemetryReplay(bundle, self.rpi), "origins": origins, "rtt_ms": rtt_ms}
+        return {"bundle": bundle, "replay": TelemetryReplay(bundle, self.gpu_count), "origins": origins,
+                "rtt_ms": rtt_ms}
 
     def apply_telemetry(self, prepared: dict[str, Any]) -> None:
         """Swap in :meth:`prepare_telemetry`'s result. The pools keep their load; the next request
@@ -198,13 +286,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.bundle, self.replay = prepared["bundle"], prepared["replay"]
         self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
+        self._true_down = self._jittered_downs()
         self._refresh_at = -np.inf
         self._next_event = -np.inf
-
-    def _reference_cost(self, ref_service_s: Any) -> Any:
-        ref = self.ref
-        return np.maximum(self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service_s
-                          / ref.max_concurrency, 1e-12)
 
     def set_rate_scale(self, rate_scale: float) -> None:
         """Compress arrivals by ``rate_scale`` (4 = four times the load)."""
@@ -229,7 +313,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             end = min(self.n_requests, int(options["end"]))
         self._pos, self._end = start, end
         self.z = self.np_random.standard_normal(end - start)
+        self._true_down = self._jittered_downs()
         self._reset_pools()
+        self._seed_estimator(start)
         self._refresh_at = -np.inf
         self._next_event = -np.inf
         self._recent: deque[float] = deque()
@@ -251,121 +337,237 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         return obs, float(out["reward"]), False, truncated, info
 
     # ------------------------------------------------------------------ pools
-    # Each pool's slots hold the time they next free up (``free_at``, padded with +inf). Per-step
-    # cost must not scale with the number of slots, so the busy count per pool is kept by a heap of
-    # slot-release events (stale ones — a slot reassigned before it freed — are skipped), and the
-    # earliest release per pool (``row_min``) is recomputed only for the pool that changed.
     def _reset_pools(self) -> None:
-        self.free_at = np.full((self.n, self.smax), -np.inf)
-        for i in range(self.n):
-            self.free_at[i, self.slots[i]:] = np.inf
-        self.row_min = np.where(self.slots > 0, -np.inf, np.inf)
-        self.busy = np.zeros(self.n, dtype=np.int64)
-        self._events: list[tuple[float, int, int]] = []
+        shape = (self.M, self.n, self.smax)
+        pad = np.arange(self.smax)[None, None, :] >= self.slots[:, :, None]
+        # the truth: when each slot really frees (padding slots never do)
+        self.free_at = np.where(pad, np.inf, -np.inf)
+        self.tmin = np.where(self.slots > 0, -np.inf, np.inf)
+        self.tbusy = np.zeros((self.M, self.n), dtype=np.int64)
+        self._tevents: list[tuple[float, int, int, int]] = []
+        # the router's view: when it expects each slot to free, and its requests not yet seen complete
+        self.est_free = self.free_at.copy()
+        self.est_min = self.tmin.copy()
+        self.inflight = np.zeros((self.M, self.n), dtype=np.int64)
+        self.shift = np.zeros(shape)
+        self._events: list[tuple[float, int, int, tuple[Any, ...]]] = []
+        self._seq = 0
+        #: when the router last saw one of its requests preempted on each offering (passive health check)
+        self.seen_down_at = np.full(self.n, -np.inf)
 
-    def _occupy(self, a: int, j: int, end: float) -> None:
-        kernels.occupy_slot(self.free_at, self.row_min, self.busy, a, j, self.t, end)
-        heapq.heappush(self._events, (end, a, j))
+    def _seed_estimator(self, start: int) -> None:
+        """Forget, then learn the outputs known before the episode: ``history`` and the stream's
+        requests that arrived ``history_lag_s`` before its first one."""
+        self.est_w[:] = 0.0
+        self.est_s[:] = 0.0
+        self.est_n[:] = 0.0
+        decay = est.decay_for(self.cfg.estimator)
+        if self.history is not None:
+            for m, k, x in zip(*self.history):
+                est.observe(self.est_w, self.est_s, self.est_n, int(k), float(x), decay)
+                est.observe(self.est_w, self.est_s, self.est_n, int(m), float(x), decay)
+        if start > 0:
+            cut = self.arrival[start] - self.cfg.estimator.history_lag_s
+            stop = int(np.searchsorted(self.arrival, cut, side="right"))
+            for i in range(max(0, stop - 20 * int(self.cfg.estimator.half_life)), min(stop, start)):
+                x = float(self.req_out[i])
+                est.observe(self.est_w, self.est_s, self.est_n, int(self.req_key[i]), x, decay)
+                est.observe(self.est_w, self.est_s, self.est_n, int(self.req_model[i]), x, decay)
 
-    def _release_until(self, t: float) -> None:
-        ev, fa = self._events, self.free_at
+    def _observe_output(self, model: int, key: int, tokens: float) -> None:
+        decay = est.decay_for(self.cfg.estimator)
+        est.observe(self.est_w, self.est_s, self.est_n, key, tokens, decay)
+        est.observe(self.est_w, self.est_s, self.est_n, model, tokens, decay)
+
+    def _push(self, t: float, kind: int, data: tuple[Any, ...]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, data))
+
+    def _advance(self, t: float) -> None:
+        """Everything the router learns up to ``t``: completions (which free its view of a slot
+        and teach the estimator an output length) and retries entering a pool after a preemption;
+        and the truth's slot releases."""
+        ev = self._events
         while ev and ev[0][0] <= t:
-            end, a, j = heapq.heappop(ev)
-            if fa[a, j] == end:
-                self.busy[a] -= 1
+            now, _, kind, d = heapq.heappop(ev)
+            if kind == _COMPLETE:
+                m, a, j, exp_end, shift0, key, tokens, _ = d
+                kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now,
+                                      exp_end, shift0)
+                if tokens >= 0:
+                    self._observe_output(m, key, tokens)
+                elif tokens == _PREEMPTED:  # the router saw its request die there: the pool is down
+                    self.seen_down_at[a] = now
+                    self._refresh_at = -np.inf
+            else:  # _ADMIT
+                m, a, service, true_end, key, tokens, pos = d
+                j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
+                                                        self.shift[m], a, now, service)
+                self._push(true_end, _COMPLETE, (m, a, j, exp_end, shift0, key, tokens, pos))
+        tev, fa = self._tevents, self.free_at
+        while tev and tev[0][0] <= t:
+            end, m, a, j = heapq.heappop(tev)
+            if fa[m, a, j] == end:
+                self.tbusy[m, a] -= 1
+
+    def _occupy(self, m: int, a: int, j: int, end: float) -> None:
+        kernels.occupy_slot(self.free_at[m], self.tmin[m], self.tbusy[m], a, j, self.t, end)
+        heapq.heappush(self._tevents, (end, m, a, j))
 
     # attributes replaced (never mutated in place) as the episode advances: a reference suffices
     _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
-                     "ext_util_conc", "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "r_origin",
-                     "r_in", "r_out", "r_sla", "r_ref_cost", "r_id", "r_z", "c_wait", "c_busy", "c_service",
-                     "c_rtt", "c_lat", "c_cost", "c_mask", "c_risk", "c_load", "_last_obs")
-    # ... except these, with use_live_buffers: set_live then writes them in place
-    _LIVE_BUFFERED = ("c_wait", "c_busy", "c_service", "c_lat", "c_cost", "c_mask", "c_risk")
+                     "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "ext_util_conc", "_true_down",
+                     "r_m", "r_key", "r_origin", "r_in", "r_max_out", "r_ttft", "r_tpot", "r_deadline", "r_est_out",
+                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq")
+    _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
+                     "C", "c_mask", "seen_down_at")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
         d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
-        if self._live_buffers is not None:  # overwritten in place by the next set_live: keep copies
-            d.update({k: getattr(self, k).copy() for k in self._LIVE_BUFFERED if hasattr(self, k)})
-        d.update(free_at=self.free_at.copy(), row_min=self.row_min.copy(), busy=self.busy.copy(),
-                 _events=list(self._events), stats=dict(self.stats), _recent=deque(self._recent))
+        d.update({k: getattr(self, k).copy() for k in self._COPIED_STATE})
+        d.update(_tevents=list(self._tevents), _events=list(self._events), stats=dict(self.stats),
+                 _recent=deque(self._recent))
         return d
 
     def restore_state(self, d: dict[str, Any]) -> None:
         for k, v in d.items():
             setattr(self, k, v)
         # the snapshot stays reusable: give the environment its own copies of what it mutates
-        self.free_at, self.row_min, self.busy = d["free_at"].copy(), d["row_min"].copy(), d["busy"].copy()
-        self._events, self.stats, self._recent = list(d["_events"]), dict(d["stats"]), deque(d["_recent"])
+        for k in self._COPIED_STATE:
+            setattr(self, k, d[k].copy())
+        self._tevents, self._events = list(d["_tevents"]), list(d["_events"])
+        self.stats, self._recent = dict(d["stats"]), deque(d["_recent"])
 
     # ------------------------------------------------------------------ dynamics
+    def _jittered_downs(self) -> list[np.ndarray]:
+        """When each recorded preemption really happened: ``spot_lag_s`` x U(0, 1) before the
+        telemetry records it, never before the offering's previous row."""
+        out = []
+        av, lag = self.replay.avail, self.cfg.spot_lag_s
+        for i, d in enumerate(self.replay.down_times):
+            if d.size == 0 or lag <= 0:
+                out.append(d)
+                continue
+            ts = av.t[av.off[i]:av.off[i + 1]]
+            k = np.searchsorted(ts, d, side="left")
+            gap = np.minimum(np.where(k > 0, d - ts[np.maximum(k - 1, 0)], 0.0), lag)
+            out.append(d - self.np_random.random(d.size) * gap)
+        return out
+
     def _refresh(self, t: float) -> None:
         snap = self.replay.snapshot(t, self.cfg.risk_lookback_h * 3600.0)
-        p, p24 = snap["price"], snap["price_24h"]
+        p, p24 = snap["price"], snap["price_24h"]  # per GPU-hour
         self.price_s = p / 3600.0
-        self.available = snap["available"] > 0.5
+        # available as the telemetry says -- unless the router saw a request of its own preempted
+        # there since the telemetry's last change for that offering (it reports preemptions late)
+        self.available = (snap["available"] > 0.5) & ~(self.seen_down_at > self.replay.avail.last_times(t))
         self.ext_util = snap["util"]
-        self.ext_util_conc = self.ext_util * self.conc
-        self.next_down = self.replay.next_down(t)
+        self.ext_util_conc = self.ext_util[None, :] * self.conc
+        # the truth's next preemption of each offering: the first one not yet recorded at t (with
+        # spot_lag_s it may already have happened: the telemetry reports it late)
+        nd = np.full(self.n, np.inf)
+        for i, d in enumerate(self.replay.down_times):
+            if d.size:
+                k = int(np.searchsorted(d, t, side="right"))
+                if k < d.size:
+                    nd[i] = self._true_down[i][k]
+        self.next_down = nd
         ref_price = self.cfg.reward.reference_usd_per_replica_hour
-        lookback_h = self.cfg.risk_lookback_h
-        # preemption hazard per second: (count + prior) / (lookback + prior time); prior = 1 per 24 h
-        self.hazard = np.where(self.is_spot > 0.5, (snap["preempt_count"] + 0.25) / ((lookback_h + 6.0) * 3600.0), 0.0)
-        st = np.zeros((self.n, fz.N_OFFERING_FEATURES))
-        st[:, fz.F["log_price"]] = np.clip(np.log(np.maximum(p, 1e-6) / ref_price), -3, 3)
-        st[:, fz.F["price_trend"]] = np.clip(np.nan_to_num((p - p24) / np.maximum(p, 1e-9)), -1, 1)
-        st[:, fz.F["price_volatility"]] = np.clip(snap["volatility"] / 10.0, 0, 1)
-        st[:, fz.F["is_spot"]] = self.is_spot
-        st[:, fz.F["ext_util"]] = np.clip(self.ext_util, 0, 1)
-        st[:, fz.F["available"]] = self.available
-        st[:, fz.F["preemptions"]] = np.clip(snap["preempt_count"] / 5.0, 0, 2)
-        st[:, fz.F["preempt_recency"]] = snap["preempt_recency"]
-        st[:, fz.F["speed"]] = self.speed_feat
-        st[:, fz.F["capacity"]] = self.cap_feat
+        # preemption hazard per second, the posterior mean of a Poisson rate under a Gamma prior: the
+        # preemptions seen within the lookback over the time watched, plus the prior's
+        c = self.cfg
+        self.hazard = np.where(self.is_spot > 0.5, (snap["preempt_count"] + c.risk_prior_per_h * c.risk_prior_h)
+                               / (snap["observed_s"] + c.risk_prior_h * 3600.0), 0.0)
+        st = np.zeros((self.M, self.n, fz.N_OFFERING_FEATURES))
+        replica_price = np.where(self.fits, p[None, :] * np.maximum(self.placement.gpus, 1.0), np.nan)
+        st[..., fz.F["log_price"]] = np.clip(np.log(np.maximum(np.nan_to_num(replica_price, nan=1e-6), 1e-6)
+                                                    / ref_price), -3, 3)
+        st[..., fz.F["price_trend"]] = np.clip(np.nan_to_num((p - p24) / np.maximum(p, 1e-9)), -1, 1)
+        st[..., fz.F["price_volatility"]] = np.clip(snap["volatility"] / 10.0, 0, 1)
+        st[..., fz.F["is_spot"]] = self.is_spot
+        st[..., fz.F["ext_util"]] = np.clip(self.ext_util, 0, 1)
+        st[..., fz.F["available"]] = self.available
+        st[..., fz.F["preemptions"]] = np.clip(snap["preempt_count"] / 5.0, 0, 2)
+        st[..., fz.F["preempt_recency"]] = snap["preempt_recency"]
+        st[..., fz.F["speed"]] = self.speed_feat
+        st[..., fz.F["capacity"]] = self.cap_feat
         self.static_feats = st
         # the parts of the mask and of the expectations that only change with telemetry
-        self.static_ok = self.available & (self.slots > 0) & np.isfinite(self.price_s)
-        self.cost_rate = np.where(np.isfinite(self.price_s), self.price_s, 0.0) / self.conc
+        priced = np.isfinite(self.price_s)
+        self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits
+        self.cost_rate = np.where(priced, self.price_s, 0.0)[None, :] * self.gpus_per_slot
         self._refresh_at = t + self.cfg.feature_refresh_s
         self._next_event = self.replay.next_event_after(t)
 
     def _prepare(self) -> None:
-        """Make the stream's next request the current one and compute its candidate outcomes."""
+        """Make the stream's next request the current one and compute its candidate outcomes.
+        Reads only what the client sends (never ``req_out``)."""
         i = self._pos
-        self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_out[i],
-                          self.req_sla_ms[i], self.ref_cost[i], self.req_ids[i], float(self.z[i - self._ep_start]))
+        self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
+                          self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
+                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]))
 
-    def _set_request(self, t: float, origin: int, n_in: float, n_out: float, sla_ms: float, ref_cost: float,
-                     request_id: Any, z: float, into: tuple[np.ndarray, ...] | None = None) -> None:
-        """Make a request current: its expectations on every offering (``c_*``) in one compiled
-        pass (envs/kernels.py has the formulas), into new arrays, or written into ``into``
-        (``use_live_buffers``) when given."""
+    def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
+                     deadline_ms: float, model: int, key: int, request_id: Any, z: float) -> None:
+        """Make a request current: the router learns what happened up to ``t``, estimates the
+        output length, and computes the request's expectations on every offering in one compiled
+        pass (``envs.kernels.candidate_outcomes_into``)."""
+        self._advance(t)
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
         self.t = t
-        self.r_origin, self.r_in, self.r_out, self.r_sla, self.r_ref_cost, self.r_id, self.r_z = (
-            origin, float(n_in), float(n_out), float(sla_ms), float(ref_cost), request_id, z)
-        self._release_until(t)
+        cfg = self.cfg.estimator
+        est_out = float(est.estimate(self.est_w, self.est_s, self.est_n, key, model, float(max_out), cfg.shrinkage,
+                                     cfg.prior_fraction, est.UPPER))
+        dl = float(deadline_ms)
+        budget = dl if dl == dl else ttft_ms + tpot_ms * max(est_out - 1.0, 0.0)
+        self.r_m, self.r_key, self.r_origin, self.r_in, self.r_max_out = model, key, origin, float(n_in), float(max_out)
+        self.r_ttft, self.r_tpot, self.r_deadline, self.r_est_out = float(ttft_ms), float(tpot_ms), dl, est_out
+        self.r_budget = max(float(budget), 1.0)
+        self.r_ref_cost = max(self._ref_cost_rate * (n_in * self._ref_prefill_s + est_out * self.ref.tpot_ms / 1000.0),
+                              1e-12)
+        self.r_id, self.r_z = request_id, z
         rtt = self.rtt_ms[origin]
-        if into is None:
-            wait, busy, service, lat, cost, mask, risk, busy_valid, slots_valid = kernels.candidate_outcomes(
-                self.row_min, self.busy, self.inv_replicas, self.conc_m1, self.ext_util_conc, self.inv_prefill,
-                self.tpot_s, self.tpot_growth_s, rtt, self.cost_rate, self.static_ok, self.hazard, self.slots, t,
-                self.r_in, self.r_out, self.cfg.queue_timeout_s)
-            self.c_wait, self.c_busy, self.c_service, self.c_lat, self.c_cost, self.c_mask, self.c_risk = (
-                wait, busy, service, lat, cost, mask, risk)
-        else:
-            busy_valid, slots_valid = kernels.candidate_outcomes_into(  # type: ignore[call-arg]
-                *into, self.row_min, self.busy, self.inv_replicas, self.conc_m1, self.ext_util_conc,
-                self.inv_prefill, self.tpot_s, self.tpot_growth_s, rtt, self.cost_rate, self.static_ok, self.hazard,
-                self.slots, t, self.r_in, self.r_out, self.cfg.queue_timeout_s)
-            if self.c_lat is not into[3]:  # after a restore_state or a request without the buffers
-                self.c_wait, self.c_busy, self.c_service, self.c_lat, self.c_cost, self.c_mask, self.c_risk = into
+        if not hasattr(self, "C"):
+            self.C = np.zeros((kernels.N_OUT, self.n))
+            self.c_mask = np.zeros(self.n, dtype=bool)
+        m = model
+        busy_valid, slots_valid = kernels.candidate_outcomes_into(
+            self.C, self.c_mask, self.est_min[m], self.inflight[m], self.inv_replicas[m], self.conc_m1[m],
+            self.ext_util_conc[m], self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt,
+            self.cost_rate[m], self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, est_out, self.r_max_out,
+            self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s)
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
+
+    # the candidate outcomes as named arrays (views of rows of ``C``)
+    @property
+    def c_wait(self) -> np.ndarray:
+        return self.C[WAIT]
+
+    @property
+    def c_service(self) -> np.ndarray:
+        return self.C[SERVICE]
+
+    @property
+    def c_lat(self) -> np.ndarray:
+        return self.C[LAT]
+
+    @property
+    def c_cost(self) -> np.ndarray:
+        return self.C[COST]
+
+    @property
+    def c_risk(self) -> np.ndarray:
+        return self.C[RISK]
+
+    @property
+    def c_pviol(self) -> np.ndarray:
+        return self.C[PVIOL]
 
     def _obs(self) -> dict[str, np.ndarray]:
         n = self.n
@@ -377,21 +579,30 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._last_obs = {"offerings": offerings, "request": self.request_features(), "mask": mask}
         return self._last_obs
 
+    def observation(self) -> dict[str, np.ndarray]:
+        """The current request's observation (what ``reset``/``step`` returned for it)."""
+        return self._obs()
+
     def offering_features(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The observation's offering rows of offerings ``idx`` (int64) for the current request,
         as a (len(idx), F) float32 matrix (written into ``out`` when given)."""
         if out is None:
             out = np.empty((idx.shape[0], fz.N_OFFERING_FEATURES), dtype=np.float32)
-        kernels.offering_rows(out, idx, self.static_feats, self.c_mask, self.c_rtt, self.c_busy, self.inv_slots,
-                              self.c_wait, self.c_risk, self.c_lat, self.c_cost, self.r_sla, self.r_ref_cost)
+        m = self.r_m
+        kernels.offering_rows(out, idx, self.static_feats[m], self.c_mask, self.c_rtt, self.C, self.inv_slots[m],
+                              self.r_ttft, self.r_tpot, self.r_budget, self.r_ref_cost)
         return out
 
     def request_features(self) -> np.ndarray:
         """The observation's request vector (``envs.features.REQUEST_FEATURES``), float32."""
         return np.array([
             min(math.log1p(self.r_in) / 10.0, 2.0),
-            min(math.log1p(self.r_out) / 8.0, 2.0),
-            min(math.log1p(self.r_sla) / 12.0, 2.0),
+            min(math.log1p(self.r_est_out) / 8.0, 2.0),
+            min(math.log1p(self.r_max_out) / 8.0, 2.0),
+            min(math.log1p(self.r_ttft) / 10.0, 2.0),
+            min(math.log1p(self.r_tpot) / 6.0, 2.0),
+            min(math.log1p(self.r_budget) / 12.0, 2.0),
+            self.params_feat[self.r_m],
             min(len(self._recent) / 100.0, 3.0),
             self.c_load,
         ], dtype=np.float32)
@@ -405,24 +616,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Valid actions for the current request (for ``sb3_contrib``-style masking)."""
         return self._info()["action_mask"]
 
-    # ------------------------------------------------------------------ outcomes
-    def _served(self, a: int, start_t: float, service: float) -> tuple[float, float, bool, float]:
-        """Serve the current request on offering a from ``start_t`` (>= its slot's free time). Returns
-        (end time, cost, preempted, preemption time). Updates the pool's slots."""
-        j = int(np.argmin(self.free_at[a]))
-        start = max(start_t, self.free_at[a, j])
-        down = self.next_down[a] if self.is_spot[a] > 0.5 else np.inf
-        if down < start + service and down >= self.t:
-            ran = max(0.0, down - start)
-            if down > start:
-                self._occupy(a, j, down)
-            return down, self.price_s[a] * ran / self.conc[a], True, down
-        self._occupy(a, j, start + service)
-        return start + service, self.price_s[a] * service / self.conc[a], False, np.inf
-
-    def _actual_service(self, a: int) -> float:
-        return float(self.c_service[a] * np.exp(self.sigma[a] * self.r_z - 0.5 * self.sigma[a] ** 2))
-
+    # ------------------------------------------------------------------ outcomes (the simulation)
     @property
     def _ep_start(self) -> int:
         return self._end - len(self.z)
@@ -434,124 +628,172 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             return None
         return int(cand[np.argmin(self.c_lat[cand])])
 
-    def _resolve(self, a: int) -> dict[str, Any]:
-        t, sla, ref_cost = self.t, self.r_sla, self.r_ref_cost
-        rw = self.cfg.reward
+    def _attempt(self, m: int, a: int, start_t: float, out: float, dry: bool = False) -> dict[str, float]:
+        """Simulate the request on pool (m, a) from ``start_t``: its true slot and service, cut short
+        by the pool's next true preemption. Takes the slot in the truth (unless ``dry``)."""
+        f = math.exp(self.sigma[m, a] * self.r_z - 0.5 * self.sigma[m, a] ** 2)
+        j = kernels.earliest_slot(self.free_at[m], a)
+        start = max(start_t, self.free_at[m, a, j])
+        k = min(self.tbusy[m, a] * self.inv_replicas[m, a], self.conc_m1[m, a]) + self.ext_util_conc[m, a]
+        pf = self.r_in * self.inv_prefill[m, a] * f
+        tp = (self.tpot_s[m, a] + self.tpot_growth_s[m, a] * k) * f
+        service = pf + out * tp
+        first = start + pf + (tp if out >= 1 else 0.0)
+        down = self.next_down[a] if self.is_spot[a] > 0.5 else np.inf
+        if down < start + service:
+            stop = max(down, start)
+            if stop > start and not dry:
+                self._occupy(m, a, j, stop)
+            return {"end": stop, "first": first if first <= stop else np.inf, "ran": stop - start, "preempted": 1.0}
+        if not dry:
+            self._occupy(m, a, j, start + service)
+        return {"end": start + service, "first": first, "ran": service, "preempted": 0.0}
+
+    def _resolve(self, a: int, dry: bool = False) -> dict[str, Any]:
+        """Simulate serving the current request on offering ``a``: its realized outcome and reward.
+        Updates the truth, the router's view (the decision, and the completion or the retry it
+        will learn of) and the statistics -- or nothing at all when ``dry`` (the oracle's
+        hindsight: the same outcome, leaving the environment as it was)."""
+        t, rw, m = self.t, self.cfg.reward, self.r_m
+        out = float(self.req_out[self._pos])  # the realized outcome: simulation only
+        ref_cost = max(self._ref_cost_rate * (self.r_in * self._ref_prefill_s + out * self.ref.tpot_ms / 1000.0), 1e-12)
+        dl = self.r_deadline
+        budget = dl if dl == dl else self.r_ttft + self.r_tpot * max(out - 1.0, 0.0)
+        budget = max(budget, 1.0)
         if a < 0 or a >= self.n or not self.c_mask[a]:
-            self.stats["failed"] += 1
-            reward = -(rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty
-            return {"reward": reward, "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "sla_violation": True,
-                    "failed": True, "preempted": False, "migrated_to": None}
-        service = self._actual_service(a)
-        end, cost, preempted, tp = self._served(a, t, service)
-        latency = self.c_rtt[a] + 1000.0 * (end - t)
-        failed, migrated_to = False, None
-        if preempted:
-            self.stats["preempted"] += 1
+            self.stats["failed"] += not dry
+            reward = kernels.realized_reward(0.0, ref_cost, 0.0, budget, True, True, rw.cost_weight, rw.latency_weight,
+                                             rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
+                                             rw.failure_latency_norm)
+            return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
+                    "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None}
+        if not dry:  # the router records the decision with the expected service time
+            j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
+                                                        self.shift[m], a, t, self.C[SERVICE, a])
+        r1 = self._attempt(m, a, t, out, dry)
+        cost = self.cost_rate[m, a] * r1["ran"]
+        latency = self.c_rtt[a] + 1000.0 * (r1["end"] - t)
+        ttft = self.c_rtt[a] + 1000.0 * (r1["first"] - t)
+        failed, migrated_to, preempted = False, None, bool(r1["preempted"])
+        if not preempted:
+            if not dry:
+                self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, out, self._pos))
+        else:
+            if not dry:
+                self.stats["preempted"] += 1
+                self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, _PREEMPTED, self._pos))
             f = self._fallback(a)
             if f is None:
                 failed = True
-                latency = np.nan
             else:
                 migrated_to = f
-                restart = tp + self.cfg.retry_overhead_ms / 1000.0
-                s2 = self._actual_service(f)
-                end2, cost2, _, _ = self._served(f, restart, s2)
-                cost += cost2
-                latency = self.c_rtt[f] + 1000.0 * (end2 - t)
+                restart = r1["end"] + self.cfg.retry_overhead_ms / 1000.0
+                r2 = self._attempt(m, f, restart, out, dry)
+                cost += self.cost_rate[m, f] * r2["ran"]
+                latency = self.c_rtt[f] + 1000.0 * (r2["end"] - t)
+                if not np.isfinite(ttft):
+                    ttft = self.c_rtt[f] + 1000.0 * (r2["first"] - t)
+                if not dry:  # the router learns of the retry when the preemption happens
+                    self._push(r1["end"], _ADMIT, (m, f, self.C[SERVICE, f], r2["end"], self.r_key, out, self._pos))
         if failed:
-            self.stats["failed"] += 1
-            reward = -(rw.cost_weight * min(cost / ref_cost, rw.cost_norm_cap)
-                       + rw.latency_weight * rw.failure_latency_norm) - rw.sla_penalty
-            viol = True
-        else:
-            viol = bool(latency > sla)
-            reward = -(rw.cost_weight * min(cost / ref_cost, rw.cost_norm_cap)
-                       + rw.latency_weight * min(latency / sla, rw.latency_norm_cap)) - rw.sla_penalty * viol
+            self.stats["failed"] += not dry
+            reward = kernels.realized_reward(cost, ref_cost, 0.0, budget, True, True, rw.cost_weight,
+                                             rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
+                                             rw.failure_latency_norm)
+            return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
+                    "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
+                    "migrated_to": None}
+        tpot = (latency - ttft) / (out - 1.0) if out > 1 else 0.0
+        viol = bool(ttft > self.r_ttft or (out > 1 and tpot > self.r_tpot) or (dl == dl and latency > dl))
+        reward = kernels.realized_reward(cost, ref_cost, latency, budget, viol, False, rw.cost_weight,
+                                         rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
+                                         rw.failure_latency_norm)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
-                "sla_violation": viol, "failed": failed, "preempted": preempted, "migrated_to": migrated_to}
+                "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
+                "preempted": preempted, "migrated_to": migrated_to}
 
     # ------------------------------------------------------------------ live routing (the router)
-    def observe_live(self, t: float, origin: str, input_tokens: int, output_tokens: int, sla_ms: float,
+    def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
+                     tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
                      request_id: Any = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
-        self.set_live(t, origin, input_tokens, output_tokens, sla_ms, request_id)
+        self.set_live(t, origin, input_tokens, max_output_tokens, ttft_ms, tpot_ms, deadline_ms, model, tenant,
+                      request_id)
         return self._obs(), self._info()
 
-    def set_live(self, t: float, origin: str, input_tokens: int, output_tokens: int, sla_ms: float,
+    def set_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
+                 tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
                  request_id: Any = None) -> np.ndarray:
         """:meth:`observe_live` without building the observation: makes the live request current
-        (its expectations ``c_*``, as ``observe_live``) and returns its action mask over the ``n``
-        offerings (``c_mask``; read-only). A policy that needs the features calls :meth:`_obs`
-        next, which gives exactly ``observe_live``'s observation."""
+        (its expectations, as ``observe_live``) and returns its action mask over the ``n``
+        offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
+        an unknown origin, ``ValueError`` for an unknown model."""
         if origin not in self.origin_index:
             raise KeyError(origin)
+        m = self.default_model if model is None else self.model_index.get(model, -1)
+        if m < 0:
+            raise ValueError(model)
         if not hasattr(self, "free_at"):
             self.reset(seed=0)
-        ref = self.ref
-        ref_service = input_tokens / ref.prefill_tok_s + output_tokens * ref.tpot_ms / 1000.0
-        ref_cost = max(self.cfg.reward.reference_usd_per_replica_hour / 3600.0 * ref_service / ref.max_concurrency,
-                       1e-12)  # _reference_cost for one request, without numpy's scalar overhead
-        self._set_request(t, self.origin_index[origin], input_tokens, output_tokens, sla_ms, ref_cost, request_id, 0.0,
-                          self._live_buffers)
-        return self.c_mask  # type: ignore[no-any-return]
-
-    def use_live_buffers(self) -> None:
-        """From now on :meth:`set_live` writes the live request's expectations (``c_wait``,
-        ``c_busy``, ``c_service``, ``c_lat``, ``c_cost``, ``c_mask``, ``c_risk``) into one set of
-        arrays, overwritten by the next live request, instead of new arrays every time (the
-        router: ~0.3 us saved per array). Read them before the next ``set_live``;
-        :meth:`save_state` copies them."""
-        n = self.n
-        self._live_buffers = (np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n),
-                              np.zeros(n, dtype=bool), np.zeros(n))
+        self._set_request(t, self.origin_index[origin], input_tokens, max_output_tokens, ttft_ms, tpot_ms,
+                          np.nan if deadline_ms is None else float(deadline_ms), m, self.estimator_key(m, tenant),
+                          request_id, 0.0)
+        return self.c_mask
 
     def commit_live(self, a: int) -> dict[str, float]:
-        """Record that the current live request was sent to offering ``a``: it occupies a slot there
-        for its expected service time, so later decisions see the load. Returns the expectations."""
+        """Record that the current live request was sent to offering ``a``: the router's view
+        holds a slot there for its expected service time, so later decisions see the load. Returns
+        the expectations."""
         if not self.c_mask[a]:
             raise ValueError(f"offering {a} is not valid now")
-        # _occupy on the earliest-free slot, in one compiled call
-        j, end = kernels.occupy(self.free_at, self.row_min, self.busy, a, self.t, self.c_service[a])
-        self.occupied_live(a, j, end)
-        return {"expected_latency_ms": float(self.c_lat[a]), "expected_cost_usd": float(self.c_cost[a])}
+        m = self.r_m
+        j, end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a,
+                                            self.t, self.C[SERVICE, a])
+        self.admitted_live(a, j, end, shift0)
+        return {"expected_latency_ms": float(self.C[LAT, a]), "expected_cost_usd": float(self.C[COST, a])}
 
-    def occupied_live(self, a: int, j: int, end: float) -> None:
+    def admitted_live(self, a: int, j: int, end: float, shift0: float) -> None:
         """:meth:`commit_live` for a caller that already took the slot in its own compiled pass
-        (``kernels.occupy`` on ``free_at``/``row_min``/``busy`` for offering ``a`` at ``self.t``,
-        giving slot ``j`` until ``end``): schedules the slot's release."""
-        heapq.heappush(self._events, (end, a, j))
+        (``kernels.view_admit`` on the current model's ``est_free``/``est_min``/``inflight``/
+        ``shift``): with no completion feedback yet, the request is taken to complete when
+        expected."""
+        self._push(end, _COMPLETE, (self.r_m, a, j, end, shift0, self.r_key, -1.0, -1))
+
+    def observe_output(self, model: str | None, tenant: str, output_tokens: int) -> None:
+        """A completed request's output length (the router's feedback) for the estimator."""
+        m = self.default_model if model is None else self.model_index[model]
+        self._observe_output(m, self.estimator_key(m, tenant), float(output_tokens))
 
     # ------------------------------------------------------------------ for baselines and the oracle
     def expected_rewards(self) -> np.ndarray:
-        """One-step expected reward of each offering from what the observation shows (no future):
-        expected cost/latency, with the spot-preemption risk estimated from availability history."""
+        """One-step expected reward of each offering (``envs.kernels.expected_reward``) from what
+        the router knows: expected cost and latency, P(SLO miss), the spot-preemption risk."""
         rw = self.cfg.reward
-        return kernels.expected_rewards(self.c_lat, self.c_cost, self.c_service, self.c_risk, self.c_mask, self.r_sla,
-                                        self.r_ref_cost, rw.cost_weight, rw.latency_weight, rw.sla_penalty,
-                                        rw.cost_norm_cap, rw.latency_norm_cap, self.cfg.retry_overhead_ms)
+        return kernels.expected_rewards(self.C, self.c_mask, self.r_ref_cost, self.r_budget, self.cfg.retry_overhead_ms,
+                                        rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap,
+                                        rw.latency_norm_cap)
 
     def exact_rewards(self) -> np.ndarray:
-        """The reward each offering would really get for the current request (hindsight: knows the
-        noise draw and future preemptions). Leaves the environment unchanged."""
-        rw = self.cfg.reward
-        sla = self.r_sla
-        service = self.c_service * np.exp(self.sigma * self.r_z - 0.5 * self.sigma**2)
-        lat = self.c_rtt + 1000.0 * (self.c_wait + service)
-        cost = self.cost_rate * service
-        out = -(rw.cost_weight * np.minimum(cost / self.r_ref_cost, rw.cost_norm_cap)
-                + rw.latency_weight * np.minimum(lat / sla, rw.latency_norm_cap)) - rw.sla_penalty * (lat > sla)
-        out = np.where(self.c_mask, out, -np.inf)
-        # requests a replayed preemption would interrupt take the full path (retry elsewhere)
-        hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < self.t + self.c_wait + service)
-        if hit.any():
-            saved = self.save_state()
-            for a in np.flatnonzero(hit):
-                out[a] = self._resolve(int(a))["reward"]
-                self.restore_state(saved)
-        return out
+        """HINDSIGHT, for the oracle only: the reward each offering would really get for the
+        current request (it knows the realized output, the noise draw, the true queues and future
+        preemptions). Leaves the environment unchanged."""
+        rw, m = self.cfg.reward, self.r_m
+        out = float(self.req_out[self._pos])
+        ref_cost = max(self._ref_cost_rate * (self.r_in * self._ref_prefill_s + out * self.ref.tpot_ms / 1000.0), 1e-12)
+        dl = self.r_deadline
+        budget = max(dl if dl == dl else self.r_ttft + self.r_tpot * max(out - 1.0, 0.0), 1.0)
+        r, end = kernels.exact_outcomes(
+            self.tmin[m], self.tbusy[m], self.inv_replicas[m], self.conc_m1[m], self.ext_util_conc[m],
+            self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], self.c_rtt, self.cost_rate[m],
+            self.c_mask, self.t, self.r_in, out, self.r_z, self.r_ttft, self.r_tpot, dl, ref_cost, budget,
+            rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap)
+        # requests a preemption would interrupt take the full path (retry elsewhere)
+        hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < end)
+        for a in np.flatnonzero(hit):
+            r[a] = self._resolve(int(a), dry=True)["reward"]
+        return r
 
     def offering_index(self, offering_id: str) -> int:
         for k, o in enumerate(self.catalog):

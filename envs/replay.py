@@ -68,6 +68,26 @@ class Series:
         ts = self.t[a + 1:b]  # the first row is a start, not a change
         return int(np.searchsorted(ts, t1, side="right") - np.searchsorted(ts, t0, side="right"))
 
+    def last_times(self, t: float) -> np.ndarray:
+        """Each offering's last row time at or before ``t`` (-inf where none)."""
+        n = len(self.off) - 1
+        out = np.full(n, -np.inf)
+        for i in range(n):
+            a, b = self.off[i], self.off[i + 1]
+            if b > a:
+                k = int(np.searchsorted(self.t[a:b], t, side="right"))
+                if k > 0:
+                    out[i] = self.t[a + k - 1]
+        return out
+
+    def first_times(self) -> np.ndarray:
+        """Each offering's first row time (+inf for offerings without rows)."""
+        if not hasattr(self, "_first"):
+            lo, hi = self.off[:-1], self.off[1:]
+            self._first = np.where(hi > lo, self.t[np.minimum(lo, max(self.t.size - 1, 0))] if self.t.size else np.inf,
+                                   np.inf)
+        return self._first
+
     def all_times(self) -> np.ndarray:
         return np.unique(self.t)
 
@@ -112,6 +132,9 @@ class TelemetryReplay:
         util = self.util.values_at(t, default=0.0)
         count = np.zeros(n)
         recency = np.zeros(n)
+        # how long each offering's availability has been watched within the lookback (0: never)
+        first = self.avail.first_times()
+        observed = np.clip(t - first, 0.0, lookback_s)
         for i, d in enumerate(self.down_times):
             if d.size == 0:
                 continue
@@ -120,7 +143,7 @@ class TelemetryReplay:
             if k > 0:
                 recency[i] = np.exp(-(t - d[k - 1]) / lookback_s)
         return {"price": price, "price_24h": price_24h, "volatility": vol, "available": available,
-                "util": util, "preempt_count": count, "preempt_recency": recency}
+                "util": util, "preempt_count": count, "preempt_recency": recency, "observed_s": observed}
 
     def next_down(self, t: float) -> np.ndarray:
         """For each offering, the first preemption strictly after t (inf if none)."""

@@ -1,9 +1,13 @@
 """Non-learned routing policies a user would otherwise pick, and a hindsight oracle.
 
-Every policy sees the environment's observation and ``info["action_mask"]``; ``greedy`` and the
-oracle also use the environment's candidate outcomes (``expected_rewards`` is computed from the same
-information the observation carries; ``exact_rewards`` knows the future and exists only for the
-oracle). Policies never pick a masked offering when a valid one exists.
+Every policy but the oracle decides on what a router knows when it decides: the observation and
+``info["action_mask"]`` (features from the router's view of the pools, the telemetry so far, and
+the output length estimated from past completions), and ``greedy`` the environment's
+``expected_rewards`` -- ``envs.kernels.expected_reward`` over the same expectations.
+``tests/test_no_foresight.py`` proves that changing the realized outcome of the current and later
+requests changes none of their decisions. Only the oracle and its hindsight plans read
+``exact_rewards``, which knows the future, and say so. Policies never pick a masked offering when a
+valid one exists.
 """
 
 from __future__ import annotations
@@ -61,7 +65,14 @@ class Static(_Base):
             try:
                 self.idx = env.offering_index(self.offering_id)
             except KeyError:
-                raise ConfigError(f"policy 'static:{self.offering_id}': no such offering_id in the bundle") from None
+                import difflib
+
+                ids = [o.offering_id for o in env.catalog]
+                close = difflib.get_close_matches(self.offering_id, ids, n=3, cutoff=0.5)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"policy 'static:{self.offering_id}': no such offering_id in the bundle{hint}; the "
+                                  f"ids are in {env.bundle.path}/offerings.csv (column offering_id) and "
+                                  "GET /v1/offerings") from None
             return
         found = [k for k, o in enumerate(env.catalog)
                  if o.location == self.location and o.accelerator == self.accelerator and not o.is_spot]
@@ -77,7 +88,8 @@ class Static(_Base):
 
 
 class Cheapest(_Base):
-    """Cheapest offering expected to meet the SLA (SkyPilot-optimizer style); cheapest valid if none."""
+    """Cheapest offering more likely than not to meet the SLO (SkyPilot-optimizer style); the
+    cheapest valid one if none is."""
 
     name = "cheapest"
 
@@ -110,7 +122,10 @@ class LeastLoaded(_Base):
 
 
 class Greedy(_Base):
-    """One-step best expected reward, with the spot-preemption risk estimated from history."""
+    """One-step best expected reward (``envs.kernels.expected_reward``): expected cost and latency
+    with the output length estimated from past completions, the probability of missing the SLO
+    under service-time noise, and the spot-preemption risk estimated from the availability history
+    (and the time a preemption goes unseen by the telemetry)."""
 
     name = "greedy"
 
@@ -194,10 +209,14 @@ class HindsightRollout(_Base):
 
 
 class Oracle(_Base):
-    """The hindsight oracle: it knows the whole episode in advance, so it plays it out under every
-    plan it knows — hindsight lookahead, hindsight-greedy and every baseline — and follows the one with the best total
-    reward. Hence it never scores below any baseline on the same stream (an upper reference, not a
-    proof of optimality: the true optimum over all routings is intractable)."""
+    """The HINDSIGHT oracle (it sees the future; no router can run it): it knows the whole episode
+    in advance -- realized outputs, service-time draws, future preemptions -- so it plays it out
+    under every plan it knows -- hindsight lookahead, hindsight-greedy and every baseline -- and
+    follows the one with the best total reward. Hence it never scores below any baseline on the same
+    stream (an upper reference, not a proof of optimality: the true optimum over all routings is
+    intractable). Its cost is bounded by ``EvaluateConfig.oracle``: the lookahead plan costs about
+    ``1 + top_k * (1 + horizon)`` environment steps per request and is skipped on streams longer
+    than ``lookahead_max_requests`` (the name then says ``oracle[no lookahead]``)."""
 
     name = "oracle"
 
@@ -211,14 +230,20 @@ class Oracle(_Base):
         import copy
 
         super().reset(env, seed)
-        plans: list[Policy] = [HindsightRollout(), HindsightGreedy()]
+        oc = self.cfg.oracle
+        n_steps = env._end - env._pos
+        self.display_name = "oracle"
+        plans: list[Policy] = [HindsightGreedy()]
+        if n_steps <= oc.lookahead_max_requests and oc.horizon > 0:
+            plans.insert(0, HindsightRollout(oc.top_k, oc.horizon))
+        else:
+            self.display_name = "oracle[no lookahead]"
         plans += [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
         best: tuple[float, list[int], str] | None = None
-        n_steps = env._end - env._pos
         for p, plan in enumerate(plans):
             sim = copy.deepcopy(env)
             plan.reset(sim, seed)
-            obs, info = sim._last_obs, sim._info()
+            obs, info = sim.observation(), sim._info()
             actions: list[int] = []
             total, done = 0.0, sim._pos >= sim._end
             while not done:
@@ -255,6 +280,8 @@ def make_baseline(name: str, cfg: EvaluateConfig) -> Policy:
     """A baseline by name; ``static:OFFERING_ID`` pins the static baseline to one offering."""
     if name.startswith("static:"):
         return Static(offering_id=name.split(":", 1)[1])
+    if name == "oracle":
+        return Oracle(cfg)
     if name not in BASELINES:
         import difflib
 

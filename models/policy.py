@@ -13,9 +13,9 @@ Scoring one request (identical to ``models.qnet.SharedScorer``): every offering 
 concatenation of its features and the request features; ``c = mean_{i valid} relu(W_c x_i + b_c)``
 summarizes the valid alternatives; ``score_i = MLP([x_i, c])`` (ReLU hidden layers, linear output).
 With a reward prior (``router.json`` key ``prior``), ``score_i`` is additionally offset by
-:meth:`RewardPrior.scores`, a fixed one-step expected-reward estimate computed from the row's
-``exp_cost``, ``exp_latency``, ``exp_violation`` and ``preempt_risk`` with the reward weights of
-the environment it was trained in: the network learns a correction to it, not the whole value.
+:meth:`RewardPrior.scores`: ``envs.kernels.expected_reward`` (greedy's score) computed from the
+row's features with the reward weights of the environment it was trained in: the network learns a
+correction to it, not the whole value.
 
 The action is the argmax over valid offerings, so the router is indifferent to the order of the
 offerings and scores any catalog size.
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from envs import kernels as env_kernels
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, OFFERING_FEATURES, REQUEST_FEATURES, F, R
 from xroute.errors import ConfigError
 
@@ -42,46 +43,46 @@ META_FILE = "router.json"
 
 @dataclass(frozen=True)
 class RewardPrior:
-    """The environment's one-step expected reward, from features only (cf.
-    ``CloudRouteEnv.expected_rewards``, which also sees the raw service time)::
-
-        ok   = -(cost_weight*exp_cost + latency_weight*exp_latency) - sla_penalty*exp_violation
-        bad  = -(1.5*cost_weight*exp_cost + latency_weight*min(exp_latency + retry/SLA, cap)) - sla_penalty
-        prior = (1 - preempt_risk)*ok + preempt_risk*bad
-    """
+    """The one-step expected reward (``envs.kernels.expected_reward``, the same function greedy
+    ranks by) computed from a row's features: ``exp_cost``, ``exp_latency``, ``exp_violation``,
+    ``preempt_risk``, and the retry overhead over the request's latency budget (``budget``
+    request feature). The features are clipped where the reward caps them, so this is greedy's
+    score up to float32 rounding."""
 
     cost_weight: float
     latency_weight: float
     sla_penalty: float
+    cost_norm_cap: float
     latency_norm_cap: float
     retry_overhead_ms: float
 
     @classmethod
     def from_env_config(cls, env_cfg: Any) -> RewardPrior:
         rw = env_cfg.reward
-        return cls(float(rw.cost_weight), float(rw.latency_weight), float(rw.sla_penalty),
+        return cls(float(rw.cost_weight), float(rw.latency_weight), float(rw.sla_penalty), float(rw.cost_norm_cap),
                    float(rw.latency_norm_cap), float(env_cfg.retry_overhead_ms))
 
     def scores(self, rows: np.ndarray, request: np.ndarray) -> np.ndarray:
         """(B, N, F) rows and (B, R) requests -> (B, N) prior scores (float32)."""
-        cost, lat = rows[..., F["exp_cost"]], rows[..., F["exp_latency"]]
-        viol, risk = rows[..., F["exp_violation"]], rows[..., F["preempt_risk"]]
-        sla_ms = np.maximum(np.expm1(request[:, R["sla"]].astype(np.float32) * np.float32(12.0)), 1.0)[:, None]
-        f32 = np.float32
-        ok = -(f32(self.cost_weight) * cost + f32(self.latency_weight) * lat) - f32(self.sla_penalty) * viol
-        bad_lat = np.minimum(lat + f32(self.retry_overhead_ms) / sla_ms, f32(self.latency_norm_cap))
-        bad = -(f32(self.cost_weight) * f32(1.5) * cost + f32(self.latency_weight) * bad_lat) - f32(self.sla_penalty)
-        return (f32(1.0) - risk) * ok + risk * bad
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        request = np.ascontiguousarray(request, dtype=np.float32)
+        out = np.empty(rows.shape[:2], dtype=np.float32)
+        for b in range(rows.shape[0]):
+            out[b] = _prior_one(rows[b], request[b], *self.one_args)
+        return out
 
     @cached_property
     def one_args(self) -> tuple[Any, ...]:
-        """:func:`_prior_one`'s arguments after the rows and the request (``scores`` for one
-        request's (k, F) float32 rows in one compiled pass, same formula and float32 operation
-        order): the column indices and the constants."""
-        f32 = np.float32
-        return (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], R["sla"], f32(-self.cost_weight),
-                f32(self.latency_weight), f32(self.sla_penalty), f32(self.latency_norm_cap),
-                float(self.retry_overhead_ms), f32(-1.5) * f32(self.cost_weight))
+        """:func:`_prior_one`'s arguments after the rows and the request: the feature columns and
+        the constants."""
+        return (F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"], R["budget"],
+                float(self.cost_weight), float(self.latency_weight), float(self.sla_penalty), float(self.cost_norm_cap),
+                float(self.latency_norm_cap), float(self.retry_overhead_ms))
+
+
+def budget_from_feature(x: float) -> float:
+    """The latency budget (ms) back from its request feature (``ln(1 + ms) / 12``), at least 1."""
+    return max(float(np.expm1(np.float64(x) * 12.0)), 1.0)
 
 
 @njit(cache=True)
@@ -129,43 +130,32 @@ def _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx):  
     return h[:, 0].copy()
 
 
-@njit(cache=True)
-def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, isla, neg_cw, lw,
-                   sp, cap, retry_ms, neg_cw15):  # pragma: no cover
-    """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
-    ``s += prior``)."""
-    s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
-    p = _prior_one(rows, request, ic, il, iv, ir, isla, neg_cw, lw, sp, cap, retry_ms, neg_cw15)
-    for i in range(s.shape[0]):
-        s[i] += p[i]
-    return s
-
-
-@njit(cache=True)
-def _prior_one(rows, request, ic, il, iv, ir, isla, neg_cw, lw, sp, cap, retry_ms, neg_cw15):  # pragma: no cover
-    """:meth:`RewardPrior.scores` of one request: the SLA back from its feature (``expm1(12 x)``
-    ms, at least 1), the retry overhead in SLAs, then the formula in float32 row by row."""
-    sla_ms = np.expm1(np.float64(request[isla]) * 12.0)
-    if sla_ms < 1.0:
-        sla_ms = 1.0
-    retry_n = np.float32(retry_ms / sla_ms)
+@njit  # not cache=True: it compiles envs.kernels.expected_reward into itself (see router/kernels.py)
+def _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms):  # pragma: no cover
+    """:meth:`RewardPrior.scores` of one request: the budget back from its feature, then
+    ``envs.kernels.expected_reward`` row by row (float64, returned as float32)."""
+    budget = np.expm1(np.float64(request[ib]) * 12.0)
+    if budget < 1.0:
+        budget = 1.0
+    retry_n = retry_ms / budget
     n = rows.shape[0]
     out = np.empty(n, dtype=np.float32)
     for i in range(n):
-        cost, lat, viol, risk = rows[i, ic], rows[i, il], rows[i, iv], rows[i, ir]
-        ok = cost * neg_cw
-        ok -= lat * lw
-        ok -= viol * sp
-        bad_lat = lat + retry_n
-        if bad_lat > cap:
-            bad_lat = cap
-        bad = cost * neg_cw15
-        bad -= bad_lat * lw
-        bad -= sp
-        bad -= ok
-        bad *= risk
-        out[i] = ok + bad
+        out[i] = env_kernels.expected_reward(np.float64(rows[i, ic]), np.float64(rows[i, il]), np.float64(rows[i, iv]),
+                                             np.float64(rows[i, ir]), retry_n, cw, lw, sp, ccap, lcap)
     return out
+
+
+@njit  # not cache=True, as _prior_one
+def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, ib, cw, lw, sp,
+                   ccap, lcap, retry_ms):  # pragma: no cover
+    """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
+    ``s += prior``)."""
+    s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
+    p = _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms)
+    for i in range(s.shape[0]):
+        s[i] += p[i]
+    return s
 
 
 @dataclass

@@ -30,7 +30,7 @@ from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, F, R
 from models.policy import RewardPrior, RouterWeights
 
 _COST, _LAT, _VIOL, _RISK = F["exp_cost"], F["exp_latency"], F["exp_violation"], F["preempt_risk"]
-_SLA = R["sla"]
+_BUDGET = R["budget"]
 
 #: Q-value given to invalid offerings: far below any reachable return, finite so TD errors stay finite
 INVALID_Q = -1.0e4
@@ -60,14 +60,16 @@ class SharedScorer(nn.Module):
         self.prior = prior
 
     def prior_scores(self, rows: th.Tensor, request: th.Tensor) -> th.Tensor:
+        """``envs.kernels.expected_reward`` in torch (``tests/test_kernels.py`` pins the two)."""
         p = self.prior
         assert p is not None
-        cost, lat = rows[..., _COST], rows[..., _LAT]
+        cost = rows[..., _COST].clamp(max=p.cost_norm_cap)
+        lat_n = rows[..., _LAT]
         viol, risk = rows[..., _VIOL], rows[..., _RISK]
-        sla_ms = th.expm1(request[:, _SLA] * 12.0).clamp(min=1.0).unsqueeze(1)
-        ok = -(p.cost_weight * cost + p.latency_weight * lat) - p.sla_penalty * viol
-        bad_lat = (lat + p.retry_overhead_ms / sla_ms).clamp(max=p.latency_norm_cap)
-        bad = -(p.cost_weight * 1.5 * cost + p.latency_weight * bad_lat) - p.sla_penalty
+        budget = th.expm1(request[:, _BUDGET] * 12.0).clamp(min=1.0).unsqueeze(1)
+        ok = -(p.cost_weight * cost + p.latency_weight * lat_n.clamp(max=p.latency_norm_cap)) - p.sla_penalty * viol
+        bad_lat = (1.5 * lat_n + p.retry_overhead_ms / budget).clamp(max=p.latency_norm_cap)
+        bad = -(1.5 * p.cost_weight * cost + p.latency_weight * bad_lat) - p.sla_penalty
         return (1.0 - risk) * ok + risk * bad
 
     def raw_scores(self, rows: th.Tensor, request: th.Tensor, mask: th.Tensor) -> th.Tensor:

@@ -51,6 +51,12 @@ class Splits:
     windows: dict[str, tuple[pd.Timestamp, pd.Timestamp]]
     bundles: dict[str, Bundle]
 
+    def history(self, name: str) -> pd.DataFrame | None:
+        """The requests of the windows before ``name``: their outputs are known when it starts, so
+        the routers' output estimators start from them."""
+        before = [self.bundles[w].workload for w in SPLITS[: SPLITS.index(name)]]
+        return pd.concat(before, ignore_index=True) if before else None
+
     def describe(self) -> dict[str, dict[str, Any]]:
         return {k: {"start": str(s), "end": str(e), "requests": len(self.bundles[k].workload)}
                 for k, (s, e) in self.windows.items()}
@@ -123,6 +129,7 @@ class TrialContext:
     bundle_hash: str
     baseline_runs: list[Any]  # xroute.evaluate.PolicyRun on the validation window
     warm_data: Any = None  # models.warmstart.RolloutData, shared by all trials
+    val_history: Any = None  # pandas.DataFrame: the train window's requests (the estimator's start)
     tracking_uri: str | None = None
     experiment_id: str | None = None
     parent_run_id: str | None = None
@@ -184,7 +191,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
                        "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None},
     )
     mlrun = _start_trial_run(ctx, name, params)
-    val_env = CloudRouteEnv(ctx.val_bundle, eval_env_config(ctx.eval_cfg))
+    val_env = CloudRouteEnv(ctx.val_bundle, eval_env_config(ctx.eval_cfg), history=ctx.val_history)
     meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
             "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
     validation = ValidationCallback(val_env, cfg.eval_every, ctx.eval_cfg.seed, meta, report=report,
@@ -267,13 +274,13 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
 
 
 def markdown_table(runs: list[Any]) -> str:
-    head = "| policy | $/1k req | p50 ms | p95 ms | p99 ms | SLA % | failed | migr. | mean reward |\n"
+    head = "| policy | $/1k req | p50 ms | p95 ms | p99 ms | SLO % | failed | migr. | mean reward |\n"
     head += "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     for r in runs:
         m = r.metrics
         head += (f"| {r.name} | {m['cost_per_1k_requests']:.4f} | {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} "
-                 f"| {m['latency_p99_ms']:.0f} | {100 * m['sla_attainment']:.2f} | {m['failed_requests']} "
-                 f"| {m['migrations']} | {m['mean_reward']:.5f} |\n")
+                 f"| {m['latency_p99_ms']:.0f} | {100 * m['sla_attainment']:.2f} | {m['failed_requests']:.0f} "
+                 f"| {m['migrations']:.0f} | {m['mean_reward']:.5f} |\n")
     return head
 
 
@@ -394,7 +401,8 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
 
     echo("baselines on the validation window ...")
     val_env_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg)})
-    baseline_runs = ev.evaluate(splits.bundles["validation"], list(BASELINES), val_env_cfg, show_progress=False)
+    baseline_runs = ev.evaluate(splits.bundles["validation"], list(BASELINES), val_env_cfg, show_progress=False,
+                                seeds=1, history=splits.history("validation"))
     bb = best_baseline(baseline_runs)
     echo(f"best baseline on validation: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
 
@@ -409,6 +417,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
         ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train_bundle=splits.bundles["train"],
                            val_bundle=splits.bundles["validation"], bundle_hash=bundle.content_hash,
                            baseline_runs=baseline_runs, tracking_uri=uri, experiment_id=exp_id,
+                           val_history=splits.history("validation"),
                            parent_run_id=parent.info.run_id, out_dir=str(out_dir),
                            extra_params={f"split.{k}": f"{v['start']}..{v['end']}" for k, v in splits.describe().items()})
         points = grid(cfg)
@@ -426,13 +435,11 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
              f"checkpoint at step {best['best_step']})")
 
         # the test window: reported, never used for selection
-        from models.policy import LearnedPolicy, read_router
-
         test_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg)})
-        test_runs = ev.evaluate(splits.bundles["test"], list(BASELINES), test_cfg, show_progress=False)
-        agent_run = _evaluate_policy(splits.bundles["test"], LearnedPolicy(read_router(best["router_dir"])),
-                                     test_cfg, "dqn (challenger)")
-        test_runs.append(agent_run)
+        test_runs = ev.evaluate(splits.bundles["test"], [*BASELINES, best["router_dir"]], test_cfg, show_progress=False,
+                                seeds=1, history=splits.history("test"))
+        agent_run = test_runs[-1]
+        agent_run.name = "dqn (challenger)"
         mlflow.log_text(markdown_table(test_runs), "test_table.md")
         mlflow.log_metrics({f"test_{k}": v for k, v in agent_run.metrics.items() if isinstance(v, (int, float))})
         mlflow.log_metrics({"best_val_mean_reward": best["val_mean_reward"]})
@@ -444,18 +451,6 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     model_uri, version = _log_and_register(cfg, best, bb, splits, uri, echo)
     return TrainSummary(best=best, trials=trials, splits=splits.describe(), test_runs=test_runs, model_uri=model_uri,
                         registered_version=version, tracking_uri=uri, wall_s=time.perf_counter() - t_start)
-
-
-def _evaluate_policy(bundle: Bundle, policy: Any, eval_cfg: EvaluateConfig, name: str) -> Any:
-    from envs.cloud_route import CloudRouteEnv
-    from xroute.evaluate import run_policy
-
-    env = CloudRouteEnv(bundle, eval_cfg.env)
-    t0 = time.perf_counter()
-    run = run_policy(env, policy, eval_cfg.seed)
-    run.name = name
-    run.metrics["wall_s"] = round(time.perf_counter() - t0, 2)
-    return run
 
 
 def _input_example(bundle: Bundle, eval_cfg: EvaluateConfig, k: int = 3) -> pd.DataFrame:

@@ -63,9 +63,8 @@ class RoutingEngine:
         bundle = self.source.bundle()
         self.bundle_hash = bundle.content_hash
         env_cfg = parse_config(EnvConfig, {**settings.env, "episode_requests": None}, "router settings: field 'env'")
-        self.env = env = CloudRouteEnv(bundle, env_cfg)
+        self.env = env = CloudRouteEnv(bundle, env_cfg, all_models=True)
         env.reset(seed=0)
-        env.use_live_buffers()  # one decision at a time reads them (decide is synchronous)
         self.generation = 0
         self.n, self.N = env.n, env.N
         self.catalog = env.catalog
@@ -76,6 +75,8 @@ class RoutingEngine:
         self.offering_ids = [o.offering_id for o in self.catalog]
         self.origins: list[str] = list(env.origins)
         self.origin_set = frozenset(self.origins)
+        self.models: list[str] = [env.model_names[env.default_model]] + [
+            m for k, m in enumerate(env.model_names) if k != env.default_model]
         self.index = CatalogIndex(self.catalog)
         self.tenants: dict[str, Constraints] = {}
         for name, t in settings.tenants.items():
@@ -106,11 +107,11 @@ class RoutingEngine:
         self._alt_head = [f'{{"offering":{r},"score":' for r in self.ref_json]
         self._tele_head = f'{{"source":{_dumps(self.source_name)},"clock":{_dumps(self.clock)},"telemetry_time":"'
         self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
-        self._static_key: int | None = None
+        self._static_key: tuple[int, int] | None = None
         self._static_code = np.zeros(self.n, dtype=np.int64)
         rw = env_cfg.reward
-        self._reward_args = (float(rw.cost_weight), float(rw.latency_weight), float(rw.sla_penalty),
-                             float(rw.cost_norm_cap), float(rw.latency_norm_cap), float(env.cfg.retry_overhead_ms))
+        self._reward_args = (float(env.cfg.retry_overhead_ms), float(rw.cost_weight), float(rw.latency_weight),
+                             float(rw.sla_penalty), float(rw.cost_norm_cap), float(rw.latency_norm_cap))
         #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
         #: like every other policy (the same answers: the tests compare the two)
         self.fused_greedy = True
@@ -118,7 +119,7 @@ class RoutingEngine:
         #: sends it through ``_choose`` (the same answers: the tests compare the two)
         self.fused_learned = True
         # the compiled decisions' outputs (ints, floats: router.kernels.greedy_decide documents them)
-        self._out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(4 + 3 * self.k_alt))
+        self._out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(5 + 3 * self.k_alt))
         self._rows = np.zeros((self.n, N_OFFERING_FEATURES), dtype=np.float32)  # the scorer's input rows
         self._idx = np.zeros(self.n, dtype=np.int64)
 
@@ -152,10 +153,13 @@ class RoutingEngine:
                 "stale": age > self.max_age}
 
     def now(self, wall: float) -> float:
-        """Telemetry time for ``wall``; on a replay wrap the pool-load view starts empty again."""
+        """Telemetry time for ``wall``; on a replay wrap the pool-load view starts empty again (the
+        output-length estimator keeps what it learned)."""
         t, gen = self.source.telemetry_time(wall)
         if gen != self.generation:
+            est = (self.env.est_w.copy(), self.env.est_s.copy(), self.env.est_n.copy())
             self.env.reset(seed=0)
+            self.env.est_w, self.env.est_s, self.env.est_n = est
             self.generation = gen
         return t
 
@@ -183,16 +187,17 @@ class RoutingEngine:
             self._compiled.popitem(last=False)
         return hit
 
-    def _static_codes(self) -> np.ndarray:
-        """Why the environment masks each offering, as ``router.kernels.ENV_REASONS`` codes: the
-        static reasons change only when the env refreshes its telemetry snapshot (new arrays),
-        anything else is a full queue."""
+    def _static_codes(self, model: int) -> np.ndarray:
+        """Why the environment masks each offering for a request of ``model``, as
+        ``router.kernels.ENV_REASONS`` codes: the static reasons change only when the env refreshes
+        its telemetry snapshot (new arrays), anything else is a full queue. ``no_capacity``: the
+        pool holds no replica of the model (or the model does not fit on the offering)."""
         env = self.env
-        key = id(env.available)
+        key = (id(env.available), model)
         if key != self._static_key:
             code = np.full(self.n, 3, dtype=np.int64)
             code[~np.isfinite(env.price_s)] = 2
-            code[env.slots <= 0] = 1
+            code[(env.slots[model] <= 0) | ~env.fits[model]] = 1
             code[~env.available] = 0
             self._static_code, self._static_key = code, key
         return self._static_code
@@ -234,7 +239,22 @@ class RoutingEngine:
                                  "suggestions": []}], extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
-        env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms, decision_id)
+        try:
+            env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
+                                    req.deadline_ms, req.model, who.tenant, decision_id)
+        except ValueError:
+            close = difflib.get_close_matches(str(req.model), self.models, n=3, cutoff=0.4)
+            raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
+                               [{"field": "body.model", "message": f"unknown model '{req.model}'; known models: "
+                                 f"{', '.join(self.models)} (GET /v1/offerings)", "suggestions": close}]) from None
+        m_ = env.r_m
+        holds = env.fits[m_] & (env.slots[m_] > 0)
+        if not (holds & allowed).any():
+            raise RouteFailure(422, "model_unavailable", f"no allowed offering holds model '{env.model_names[m_]}'",
+                               [{"field": "body.model", "message": f"no allowed offering has replicas of "
+                                 f"'{env.model_names[m_]}' (it needs more accelerator memory, or the constraints "
+                                 "exclude the offerings that hold it)", "suggestions": []}])
+        codes = self._static_codes(m_)
         pref = compiled.preferred
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
@@ -243,15 +263,15 @@ class RoutingEngine:
         if active.scorer is None:
             if self.fused_greedy and active.name == "greedy":
                 n_alt = kernels.greedy_decide(
-                    env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
-                    env.c_lat, env.c_cost, env.c_service, env.c_risk, env.r_sla, env.r_ref_cost, *self._reward_args,
-                    self.k_alt, env.free_at, env.row_min, env.busy, env.t, ints, floats)
+                    env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.C,
+                    env.r_ref_cost, env.r_budget, *self._reward_args, self.k_alt, env.est_free[m_], env.est_min[m_],
+                    env.inflight[m_], env.shift[m_], env.t, ints, floats)
                 score_kind = "expected_reward"
         elif self.fused_learned:
             m = kernels.valid_rows(
-                env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes(),
-                env.static_feats, env.c_rtt, env.c_busy, env.inv_slots, env.c_wait, env.c_risk, env.c_lat, env.c_cost,
-                env.r_sla, env.r_ref_cost, self._rows, self._idx, ints)
+                env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.static_feats[m_],
+                env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot, env.r_budget, env.r_ref_cost, self._rows,
+                self._idx, ints)
             if m == 0:
                 n_alt = 0  # no capacity (ints[0] is -1)
             else:
@@ -260,21 +280,23 @@ class RoutingEngine:
                 except Exception:  # the general path below asks again, and falls back
                     s = None
                 if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
-                    n_alt = kernels.scored_decide(s, self._idx, self.k_alt, env.free_at, env.row_min, env.busy,
-                                                  env.t, env.c_service, env.c_lat, env.c_cost, ints, floats)
+                    n_alt = kernels.scored_decide(s, self._idx, self.k_alt, env.est_free[m_], env.est_min[m_],
+                                                  env.inflight[m_], env.shift[m_], env.t, env.C, ints, floats)
             score_kind = "q_value"
         if n_alt >= 0:
             # ii: [chosen, valid, not preferred, 4 env reason counts, slot, alternatives...]; nums:
-            # [slot release, then (score, latency, cost) of the chosen and of each alternative]
-            ii, nums = ints.tolist()[: 8 + n_alt], floats.tolist()[: 4 + 3 * n_alt]
+            # [expected slot release, its correction, then (score, latency, cost) of the chosen and of
+            # each alternative]
+            ii, nums = ints.tolist()[: 8 + n_alt], floats.tolist()[: 5 + 3 * n_alt]
             a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
             if a < 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, ii[3:7]))
-            env.occupied_live(a, ii[7], nums[0])
+            env.admitted_live(a, ii[7], nums[0], nums[1])
+            nums = nums[1:]  # as the general path's: [unused, then the triples]
             alt_idx = ii[8:]
         else:
             valid, n_valid, n_not_preferred, env_counts = kernels.combine(
-                env_mask, allowed, allowed if pref is None else pref, pref is not None, self._static_codes())
+                env_mask, allowed, allowed if pref is None else pref, pref is not None, codes)
             if n_valid == 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts.tolist()))
             ii = [0, 0, 0, *env_counts.tolist()]  # the env reason counts where the fused path has them
@@ -314,9 +336,10 @@ class RoutingEngine:
             self.n - n_valid, ",".join(parts), self._tele_head, iso(t), round(age, 3),
             "true" if age > self.max_age else "false")
         offering_id = self.offering_ids[a]
-        row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.sla_ms,
-               req.session_id, offering_id, exp_lat, exp_cost, pinfo["name"], pinfo["kind"], pinfo["version"],
-               self.bundle_hash, req.model_dump_json(exclude_none=True), text)
+        row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
+               req.tpot_ms, req.deadline_ms, env.model_names[m_], req.session_id, offering_id, exp_lat, exp_cost,
+               pinfo["name"], pinfo["kind"], pinfo["version"], self.bundle_hash, req.model_dump_json(exclude_none=True),
+               text)
         return text.encode(), row, offering_id, pinfo
 
     @staticmethod
@@ -335,7 +358,7 @@ class RoutingEngine:
         """Raise the 429 for a request no allowed offering can take now; ``Retry-After`` is the
         shortest queue wait among the allowed available offerings."""
         env = self.env
-        ok = allowed & env.available
+        ok = allowed & env.available & env.fits[env.r_m] & (env.slots[env.r_m] > 0) & np.isfinite(env.c_wait)
         wait = env.c_wait[ok] if ok.any() else None
         retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
         raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
@@ -364,7 +387,7 @@ class RoutingEngine:
             return int(best), float(r[best]), alt.tolist(), r[alt].tolist(), "expected_reward"
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = valid
-        a = int(active.policy.act({**env._obs(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
+        a = int(active.policy.act({**env.observation(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
         best, alt = env_kernels.rank(r, valid, k_alt + 1)
         if not (0 <= a < self.n and valid[a]):  # a policy that ignores the mask: best valid expectation instead
             a = int(best)
@@ -373,21 +396,25 @@ class RoutingEngine:
 
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float) -> dict[str, Any]:
-        """Current price, availability and pool load of every offering (for ``GET /v1/offerings``)."""
+        """Current price, availability and the router's view of each offering's pool of the
+        default model (for ``GET /v1/offerings``)."""
         t = self.now(wall)
         env = self.env
+        env._advance(t)
+        m = env.default_model
         snap = env.replay.snapshot(t, env.cfg.risk_lookback_h * 3600.0)
         price_h = snap["price"]
-        available = snap["available"] > 0.5
-        fa = env.free_at
-        nxt = np.maximum(fa.min(axis=1) - t, 0.0)
-        busy = np.count_nonzero(fa > t, axis=1) - (env.smax - env.slots)
-        valid = available & (env.slots > 0) & np.isfinite(price_h) & (nxt <= env.cfg.queue_timeout_s)
-        rows = [{"offering": self.refs[i], "usd_per_hour": _num(price_h[i] * env.rpi[i]) if np.isfinite(price_h[i]) else None,
-                 "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(env.slots[i]),
+        available = (snap["available"] > 0.5) & ~(env.seen_down_at > env.replay.avail.last_times(t))
+        nxt = np.maximum(env.est_min[m] - t, 0.0)
+        busy = np.minimum(env.inflight[m], env.slots[m])
+        slots = env.slots[m]
+        valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= env.cfg.queue_timeout_s)
+        rows = [{"offering": self.refs[i], "usd_per_hour": _num(price_h[i] * env.gpu_count[i]) if np.isfinite(price_h[i])
+                 else None, "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
                  "busy_slots": int(busy[i]), "next_free_in_s": _num(nxt[i]), "external_util": _num(snap["util"][i])}
                 for i in range(self.n)]
-        return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "offerings": rows}
+        return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
+                "offerings": rows}
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode

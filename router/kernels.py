@@ -73,46 +73,49 @@ def _head(ints, chosen, n_valid, n_not_preferred, counts):  # pragma: no cover
 
 
 @njit  # not cache=True: it compiles envs.kernels' functions into itself (module docstring)
-def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, lat, cost, service, risk, sla, ref_cost,
-                  cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, retry_ms, k, free_at, row_min,
-                  busy, t, ints, floats):  # pragma: no cover
+def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, ref_cost, budget_ms, retry_ms,
+                  cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, est_free, est_min, inflight,
+                  shift, t, ints, floats):  # pragma: no cover
     """The greedy policy's whole decision once the environment has computed the request's
-    candidate outcomes (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`, the
-    expected rewards of the valid offerings (``envs.kernels.expected_rewards``), the best and the
-    next ``k`` (``envs.kernels.rank``), and the chosen pool's earliest-free slot taken for the
-    request's service time (``envs.kernels.occupy``, in place). The same kernels the engine's
-    general path calls one by one, so the same floats.
+    candidate outcomes ``C`` (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`,
+    the expected rewards of the valid offerings (``envs.kernels.expected_rewards``), the best and
+    the next ``k`` (``envs.kernels.rank``), and the chosen pool admitted in the router's view for
+    the request's expected service time (``envs.kernels.view_admit``, in place on the request's
+    model's ``est_free``/``est_min``/``inflight``/``shift``). The same kernels the engine's general
+    path calls one by one, so the same floats.
 
     Writes into ``ints`` (int64, at least 8 + k) [chosen offering (-1: none valid, nothing taken),
     valid count, not-preferred count, the four ``ENV_REASONS`` counts, slot taken, then the
-    alternatives' indices] and ``floats`` (float64, at least 4 + 3k) [slot release time, then
-    (score, expected latency ms, expected cost USD) of the chosen offering and of each
-    alternative, NaN/inf as 0.0], and returns the number of alternatives. (Output buffers rather
-    than returned arrays: boxing each new array costs the call ~0.3 us.)"""
+    alternatives' indices] and ``floats`` (float64, at least 5 + 3k) [expected release of the slot,
+    the slot's correction at admission, then (score, expected latency ms, expected cost USD) of the
+    chosen offering and of each alternative, NaN/inf as 0.0], and returns the number of
+    alternatives. (Output buffers rather than returned arrays: boxing each new array costs the call
+    ~0.3 us.)"""
     valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
-    r = env_kernels.expected_rewards(lat, cost, service, risk, valid, sla, ref_cost, cost_weight, latency_weight,
-                                     sla_penalty, cost_cap, latency_cap, retry_ms)
+    r = env_kernels.expected_rewards(C, valid, ref_cost, budget_ms, retry_ms, cost_weight, latency_weight, sla_penalty,
+                                     cost_cap, latency_cap)
     best, alt = env_kernels.rank(r, valid, k)
     m = alt.shape[0]
     _head(ints, best, n_valid, n_not_preferred, counts)
     if best < 0:
         return 0
-    j, end = env_kernels.occupy(free_at, row_min, busy, best, t, service[best])
+    j, end, shift0 = env_kernels.view_admit(est_free, est_min, inflight, shift, best, t, C[env_kernels.SERVICE, best])
     ints[7] = j
     floats[0] = end
+    floats[1] = shift0
     for q in range(m + 1):
         i = best if q == 0 else alt[q - 1]
         if q > 0:
             ints[7 + q] = i
-        floats[1 + 3 * q] = _finite(r[i])
-        floats[2 + 3 * q] = _finite(lat[i])
-        floats[3 + 3 * q] = _finite(cost[i])
+        floats[2 + 3 * q] = _finite(r[i])
+        floats[3 + 3 * q] = _finite(C[env_kernels.LAT, i])
+        floats[4 + 3 * q] = _finite(C[env_kernels.COST, i])
     return m
 
 
 @njit  # not cache=True, as greedy_decide
-def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_feats, rtt, busy, inv_slots, wait,
-               risk, lat, cost, sla, ref_cost, rows, idx, ints):  # pragma: no cover
+def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_feats, rtt, C, inv_slots, ttft_ms,
+               tpot_ms, budget_ms, ref_cost, rows, idx, ints):  # pragma: no cover
     """A learned scorer's inputs in one compiled call: :func:`combine`, then the valid offerings'
     indices (ascending) into ``idx`` and their observation rows into ``rows``
     (``envs.kernels.offering_rows``, as ``CloudRouteEnv.offering_features``). Returns how many;
@@ -125,8 +128,8 @@ def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_
         if valid[i]:
             idx[m] = i
             m += 1
-    env_kernels.offering_rows(rows[:m], idx[:m], static_feats, env_mask, rtt, busy, inv_slots, wait, risk, lat, cost,
-                              sla, ref_cost)
+    env_kernels.offering_rows(rows[:m], idx[:m], static_feats, env_mask, rtt, C, inv_slots, ttft_ms, tpot_ms,
+                              budget_ms, ref_cost)
     return m
 
 
@@ -142,28 +145,29 @@ def _rank_finite(scores, k):  # pragma: no cover
 
 
 @njit  # not cache=True, as greedy_decide
-def scored_decide(scores, idx, k, free_at, row_min, busy, t, service, lat, cost, ints, floats):  # pragma: no cover
+def scored_decide(scores, idx, k, est_free, est_min, inflight, shift, t, C, ints, floats):  # pragma: no cover
     """After :func:`valid_rows` and the scorer: the best of the ``scores`` of offerings ``idx``
-    and the next ``k`` (:func:`rank_scored`'s ranking), the chosen pool's slot taken as
-    :func:`greedy_decide` takes it, and the same outputs. Returns the number of alternatives, or
-    -1 (nothing taken) when a score is NaN or infinite."""
+    and the next ``k`` (:func:`rank_scored`'s ranking), the chosen pool admitted in the router's
+    view as :func:`greedy_decide` admits it, and the same outputs. Returns the number of
+    alternatives, or -1 (nothing taken) when a score is NaN or infinite."""
     best, alt = _rank_finite(scores, k)
     if best < 0:
         return -1
     m = alt.shape[0]
     a = idx[best]
     ints[0] = a
-    j, end = env_kernels.occupy(free_at, row_min, busy, a, t, service[a])
+    j, end, shift0 = env_kernels.view_admit(est_free, est_min, inflight, shift, a, t, C[env_kernels.SERVICE, a])
     ints[7] = j
     floats[0] = end
+    floats[1] = shift0
     for q in range(m + 1):
         r = best if q == 0 else alt[q - 1]
         i = idx[r]
         if q > 0:
             ints[7 + q] = i
-        floats[1 + 3 * q] = scores[r]
-        floats[2 + 3 * q] = _finite(lat[i])
-        floats[3 + 3 * q] = _finite(cost[i])
+        floats[2 + 3 * q] = scores[r]
+        floats[3 + 3 * q] = _finite(C[env_kernels.LAT, i])
+        floats[4 + 3 * q] = _finite(C[env_kernels.COST, i])
     return m
 
 
@@ -193,14 +197,15 @@ def warm_up() -> None:
     code = np.zeros(2, dtype=np.int64)
     combine(ok, ok, ok, True, code)
     f = np.ones(2)
-    greedy_decide(ok, ok, ok, True, code, f, f, f, f, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1, np.zeros((2, 2)),
-                  np.zeros(2), np.zeros(2, dtype=np.int64), 0.0, np.zeros(9, dtype=np.int64), np.zeros(7))
+    C = np.ones((env_kernels.N_OUT, 2))
+    ints, floats = np.zeros(9, dtype=np.int64), np.zeros(8)
+    greedy_decide(ok, ok, ok, True, code, C, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 3.0, 1, np.zeros((2, 2)), np.zeros(2),
+                  np.zeros(2, dtype=np.int64), np.zeros((2, 2)), 0.0, ints, floats)
     rank_scored(np.ones(2, dtype=np.float32), np.arange(2), 1)  # a learned scorer's float32 scores
     rank_scored(np.ones(2), np.arange(2), 1)
     rows = np.zeros((2, N_OFFERING_FEATURES), dtype=np.float32)  # as CloudRouteEnv's arrays
     i2 = np.zeros(2, dtype=np.int64)
-    ints, floats = np.zeros(9, dtype=np.int64), np.zeros(7)
-    valid_rows(ok, ok, ok, True, code, np.zeros((2, N_OFFERING_FEATURES)), f, f, f, f, f, f, f, 1.0, 1.0, rows, i2, ints)
+    valid_rows(ok, ok, ok, True, code, np.zeros((2, N_OFFERING_FEATURES)), f, C, f, 1.0, 1.0, 1.0, 1.0, rows, i2, ints)
     for scores in (np.ones(2, dtype=np.float32), np.ones(2)):
-        scored_decide(scores, i2, 1, np.zeros((2, 2)), np.zeros(2), np.zeros(2, dtype=np.int64), 0.0, f, f, f, ints,
-                      floats)
+        scored_decide(scores, i2, 1, np.zeros((2, 2)), np.zeros(2), np.zeros(2, dtype=np.int64), np.zeros((2, 2)), 0.0,
+                      C, ints, floats)

@@ -81,6 +81,7 @@ from typing import Any
 import zstandard
 
 from router.logs import iso
+from xroute.errors import ConfigError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
@@ -91,7 +92,10 @@ CREATE TABLE IF NOT EXISTS decisions (
     origin TEXT NOT NULL,
     input_tokens INTEGER NOT NULL,
     max_output_tokens INTEGER NOT NULL,
-    sla_ms REAL NOT NULL,
+    ttft_ms REAL NOT NULL,
+    tpot_ms REAL NOT NULL,
+    deadline_ms REAL,
+    model TEXT NOT NULL,
     session_id TEXT,
     offering_id TEXT NOT NULL,
     expected_latency_ms REAL NOT NULL,
@@ -126,7 +130,8 @@ CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
 """
 
 DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "origin", "input_tokens",
-                    "max_output_tokens", "sla_ms", "session_id", "offering_id", "expected_latency_ms",
+                    "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "model", "session_id", "offering_id",
+                    "expected_latency_ms",
                     "expected_cost_usd", "policy", "policy_kind", "policy_version", "bundle_hash",
                     "request_json", "response_json")
 FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
@@ -155,6 +160,10 @@ def _dumps(obj: Any) -> bytes:
     """What goes over the writer process's pipe: plain pickle (``Connection.send`` builds a
     ``ForkingPickler`` per message, ~3x the cost for a batch of rows)."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class StoreFormatError(ConfigError):
+    """The decision log on disk has a format this version does not write."""
 
 
 class StoreClosed(RuntimeError):
@@ -201,6 +210,11 @@ class DecisionStore:
         self._conn = connect(self.path, synchronous)
         self._conn.executescript(SCHEMA)
         cols = {r[1] for r in self._conn.execute("PRAGMA table_info(decisions)")}
+        if "sla_ms" in cols and "ttft_ms" not in cols:  # before requests carried a TTFT/TPOT objective
+            self._conn.close()
+            raise StoreFormatError(f"{self.path}: this decision log was written by an earlier xroute (requests with "
+                                   "sla_ms, not ttft_ms/tpot_ms); keep it for its records and start the router on a "
+                                   "new --db path")
         if "response_zdict" not in cols:  # a log written before responses were compressed
             self._conn.execute("ALTER TABLE decisions ADD COLUMN response_zdict INTEGER REFERENCES zdicts(zdict_id)")
         if "codec" not in {r[1] for r in self._conn.execute("PRAGMA table_info(zdicts)")}:  # deflate only, before

@@ -150,7 +150,8 @@ class LiveSource(TelemetrySource):
         prices = read_table(self.path, "prices")
         ts = prices["ts"].max() if prices is not None and len(prices) else pd.Timestamp.now(tz="UTC")
         return pd.DataFrame({"ts": [ts.isoformat()] * len(origins), "request_id": [f"live:{o}" for o in origins],
-                             "origin": origins, "input_tokens": "0", "output_tokens": "0", "sla_ms": "1000"},
+                             "origin": origins, "input_tokens": "0", "max_output_tokens": "1", "ttft_ms": "1000",
+                             "tpot_ms": "100", "output_tokens": "0"},
                             dtype=str)
 
     def _read_as_of(self) -> float:

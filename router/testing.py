@@ -20,11 +20,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVING_YAML = """\
 reference_accelerator: A10G
 accelerators:
-  A10G: {prefill_tok_s: 6170, tpot_ms: 31.0, tpot_growth: 0.051, max_concurrency: 7, noise_sigma: 0.07}
-  L4: {prefill_tok_s: 5970, tpot_ms: 62.0, tpot_growth: 0.051, max_concurrency: 7, noise_sigma: 0.07}
-  T4: {prefill_tok_s: 3210, tpot_ms: 58.1, tpot_growth: 0.051, max_concurrency: 1, noise_sigma: 0.07}
-  A100: {prefill_tok_s: 15400, tpot_ms: 12.0, tpot_growth: 0.034, max_concurrency: 20, noise_sigma: 0.07}
-  H100: {prefill_tok_s: 28400, tpot_ms: 5.6, tpot_growth: 0.045, max_concurrency: 54, noise_sigma: 0.07}
+  A10G: {memory_gb: 24, prefill_tok_s: 6170, tpot_ms: 31.0, tpot_growth: 0.051, max_concurrency: 7, noise_sigma: 0.07}
+  L4: {memory_gb: 24, prefill_tok_s: 5970, tpot_ms: 62.0, tpot_growth: 0.051, max_concurrency: 7, noise_sigma: 0.07}
+  T4: {memory_gb: 16, prefill_tok_s: 3210, tpot_ms: 58.1, tpot_growth: 0.051, max_concurrency: 1, noise_sigma: 0.07}
+  A100: {memory_gb: 40, prefill_tok_s: 15400, tpot_ms: 12.0, tpot_growth: 0.034, max_concurrency: 20, noise_sigma: 0.07}
+  H100: {memory_gb: 80, prefill_tok_s: 28400, tpot_ms: 5.6, tpot_growth: 0.045, max_concurrency: 54, noise_sigma: 0.07}
 """
 
 

@@ -20,7 +20,7 @@ done
 echo "== POST /v1/route (router on 127.0.0.1:$PORT)"
 ANSWER=$(curl -fsS "http://127.0.0.1:$PORT/v1/route" -H "Authorization: Bearer $KEY" \
   -H 'content-type: application/json' \
-  -d '{"origin":"aws:us-east-2","input_tokens":800,"max_output_tokens":200,"sla_ms":20000}')
+  -d '{"origin":"aws:us-east-2","input_tokens":800,"max_output_tokens":200,"ttft_ms":2000,"tpot_ms":100}')
 echo "$ANSWER" | $PY -m json.tool
 ID=$(echo "$ANSWER" | $PY -c 'import json,sys; print(json.load(sys.stdin)["decision_id"])')
 echo "== GET /v1/decisions/$ID (durably recorded before the answer)"

@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 PRIOR = asdict(RewardPrior.from_env_config(EvaluateConfig().env))
 
 SERVING = {"reference_accelerator": "A10G", "accelerators": {
-    "A10G": {"prefill_tok_s": 6170, "tpot_ms": 31.0, "tpot_growth": 0.051, "max_concurrency": 7, "noise_sigma": 0.07},
-    "L4": {"prefill_tok_s": 5970, "tpot_ms": 62.0, "tpot_growth": 0.051, "max_concurrency": 7, "noise_sigma": 0.07},
-    "T4": {"prefill_tok_s": 3100, "tpot_ms": 58.0, "tpot_growth": 0.051, "max_concurrency": 3, "noise_sigma": 0.08},
+    "A10G": {"memory_gb": 24, "prefill_tok_s": 6170, "tpot_ms": 31.0, "tpot_growth": 0.051, "max_concurrency": 7, "noise_sigma": 0.07},
+    "L4": {"memory_gb": 24, "prefill_tok_s": 5970, "tpot_ms": 62.0, "tpot_growth": 0.051, "max_concurrency": 7, "noise_sigma": 0.07},
+    "T4": {"memory_gb": 16, "prefill_tok_s": 3100, "tpot_ms": 58.0, "tpot_growth": 0.051, "max_concurrency": 3, "noise_sigma": 0.08},
 }}
 
 

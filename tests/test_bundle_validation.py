@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -290,9 +291,9 @@ def test_formats_load_the_same_shipped(tmp_path: Path, fmt: str):
 def test_parquet_errors_name_file_row_column(tiny: Path, tmp_path: Path):
     root = _convert(tiny, tmp_path / "pq", "parquet")
     df = pd.read_parquet(root / "workload.parquet")
-    df.loc[3, "sla_ms"] = float("nan")
+    df.loc[3, "ttft_ms"] = float("nan")
     df.to_parquet(root / "workload.parquet", index=False)
-    _fails(root, "workload.parquet", 4, "sla_ms", "is empty")
+    _fails(root, "workload.parquet", 4, "ttft_ms", "is empty")
 
 
 def test_copied_shipped_bundle_with_one_bad_cell(tmp_path: Path):
@@ -341,3 +342,35 @@ def test_docs_describe_every_table_and_column():
         assert f"### `{name}` — {'required' if table.required else 'optional'}" in doc, name
         for col in table.columns:
             assert f"| `{col.name}` | {col.kind} | {'yes' if col.required else 'no'} |" in doc, f"{name}.{col.name}"
+
+
+# ------------------------------------------------------------------ what a client sends vs the outcome
+def test_a_bundle_without_max_output_tokens_gets_the_documented_per_tenant_budget(tiny: Path):
+    """The rule: per tenant, the smallest power of two >= its longest output (a constant per
+    service, so no request's own outcome shows in what the router sees of it)."""
+    def drop(df: pd.DataFrame) -> pd.DataFrame:
+        df = df.drop(columns="max_output_tokens")
+        df.loc[df["tenant"] == "a", "output_tokens"] = "5"
+        df.loc[df.index[df["tenant"] == "a"][0], "output_tokens"] = "700"
+        return df
+
+    _edit(tiny, "workload", drop)
+    w = load_bundle(tiny).workload
+    a, b = w[w["tenant"] == "a"], w[w["tenant"] == "b"]
+    assert set(a["max_output_tokens"]) == {1024.0}  # 700 -> 1024, for every request of tenant a
+    assert set(b["max_output_tokens"]) == {2 ** int(np.ceil(np.log2(b["output_tokens"].max())))}
+
+
+def test_an_output_over_its_budget_and_an_old_bundle_are_named(tiny: Path):
+    _edit(tiny, "workload", lambda df: df.assign(output_tokens=df["output_tokens"].where(df.index != 5, "9000")))
+    _fails(tiny, "workload.csv", 6, "output_tokens", "exceeds max_output_tokens")
+    _edit(tiny, "workload", lambda df: df.drop(columns=["ttft_ms", "tpot_ms"]).assign(sla_ms="4000"))
+    e = _fails(tiny, "workload.csv", None, None, "missing column(s) ttft_ms, tpot_ms")
+    assert "'sla_ms': the SLO is now ttft_ms + tpot_ms" in str(e)
+
+
+def test_a_window_outside_the_bundle_says_what_it_spans(tiny: Path):
+    b = load_bundle(tiny)
+    with pytest.raises(BundleError, match=r"no requests between 2030-01-01 and the end; this bundle's requests "
+                                          r"span 2024-01-01T00:00:\d\dZ \.\. 2024-01-01T00:\d\d:\d\dZ"):
+        b.window("2030-01-01", None)

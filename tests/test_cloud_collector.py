@@ -70,7 +70,7 @@ def write_workload(root: Path, origin: str = ORIGIN, n: int = 120) -> None:
     pd.DataFrame({"ts": [(t0 + pd.Timedelta(seconds=3 * i)).strftime("%Y-%m-%dT%H:%M:%SZ") for i in range(n)],
                   "request_id": [f"r{i:05d}" for i in range(n)], "origin": origin,
                   "input_tokens": [200 + i % 60 for i in range(n)], "output_tokens": [60 + i % 40 for i in range(n)],
-                  "sla_ms": 9000.0}).to_csv(root / "workload.csv", index=False)
+                  "ttft_ms": 2000.0, "tpot_ms": 100.0}).to_csv(root / "workload.csv", index=False)
 
 
 def status(report, source: str) -> dict:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import envs
+from envs import kernels
 from envs.cloud_route import CloudRouteEnv
 from envs.features import F, offering_matrix
 
@@ -126,44 +127,36 @@ def test_rate_scale_compresses_arrivals(tiny_bundle_dir):
 def test_live_requests_see_the_load_of_earlier_decisions(tiny_bundle_dir):
     env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
     t = env.arrival[0]
-    obs, info = env.observe_live(t, "gcp:europe-west4", 500, 100, 8000.0)
+    obs, info = env.observe_live(t, "gcp:europe-west4", 500, 100, 2500.0, 100.0)
     a = env.offering_index("gcp:europe-west4:g2-standard-4:on_demand")
     before = offering_matrix(obs)[a, F["busy"]]
     env.commit_live(a)
-    obs, _ = env.observe_live(t + 0.01, "gcp:europe-west4", 500, 100, 8000.0)
+    obs, _ = env.observe_live(t + 0.01, "gcp:europe-west4", 500, 100, 2500.0, 100.0)
     assert offering_matrix(obs)[a, F["busy"]] > before
     with pytest.raises(KeyError):
-        env.observe_live(t, "nowhere:moon-1", 1, 1, 1000.0)
+        env.observe_live(t, "nowhere:moon-1", 1, 1, 1000.0, 50.0)
+    with pytest.raises(ValueError):
+        env.observe_live(t, "gcp:europe-west4", 1, 1, 1000.0, 50.0, model="no-such-model")
 
 
-def test_live_buffers_give_the_same_expectations_and_snapshots_survive_them(tiny_bundle_dir):
-    """``use_live_buffers``: set_live writes the expectations into one set of arrays; they equal
-    the fresh arrays of an env without buffers, request after request, and a ``save_state`` taken
-    before a later set_live still restores the expectations it saw."""
-    plain = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
-    buffered = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
-    buffered.use_live_buffers()
-    names = ("c_wait", "c_busy", "c_service", "c_lat", "c_cost", "c_mask", "c_risk", "c_rtt", "c_load")
-    t = plain.arrival[0]
+def test_snapshots_survive_later_requests(tiny_bundle_dir):
+    """The candidate outcomes are rewritten in place request after request; a ``save_state`` taken
+    before later requests still restores the expectations it saw."""
+    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    t = env.arrival[0]
     snap = None
     for i in range(40):
-        origin = plain.origins[i % len(plain.origins)]
-        args = (t + 0.05 * i, origin, 100 + 37 * i, 5 + 11 * i, 3000.0 + 100 * i)
-        m1, m2 = plain.set_live(*args), buffered.set_live(*args)
-        assert np.array_equal(m1, m2)
-        for k in names:
-            assert np.array_equal(getattr(plain, k), getattr(buffered, k)), (i, k)
+        origin = env.origins[i % len(env.origins)]
+        mask = env.set_live(t + 0.05 * i, origin, 100 + 37 * i, 5 + 11 * i, 3000.0 + 100 * i, 80.0)
         if i == 20:
-            snap, seen = buffered.save_state(), buffered.c_lat.copy()
-        if m1.any():
-            a = int(np.flatnonzero(m1)[0])
-            plain.commit_live(a)
-            buffered.commit_live(a)
-    assert snap is not None and not np.array_equal(buffered.c_lat, seen)
-    buffered.restore_state(snap)
-    assert np.array_equal(buffered.c_lat, seen)
-    buffered.set_live(t + 10.0, plain.origins[0], 100, 5, 3000.0)  # writes the buffers, not the snapshot
-    assert np.array_equal(snap["c_lat"], seen)
+            snap, seen = env.save_state(), env.c_lat.copy()
+        if mask.any():
+            env.commit_live(int(np.flatnonzero(mask)[0]))
+    assert snap is not None and not np.array_equal(env.c_lat, seen)
+    env.restore_state(snap)
+    assert np.array_equal(env.c_lat, seen)
+    env.set_live(t + 10.0, env.origins[0], 100, 5, 3000.0, 80.0)  # rewrites the env's arrays, not the snapshot
+    assert np.array_equal(snap["C"][kernels.LAT], seen)
 
 
 def test_too_many_offerings_for_max_offerings_is_a_config_error(tiny_bundle_dir):

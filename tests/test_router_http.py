@@ -111,8 +111,8 @@ def test_fast_path_and_fastapi_route_answer_alike(live: Any, client: httpx.Clien
     # the fast path declines, and the FastAPI route answers its errors: a bad key, a bad field
     r = client.post("/v1/route", json=ROUTE, headers={"Authorization": "Bearer xr_00000000_nope"})
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
-    r = client.post("/v1/route", json={**ROUTE, "sla_ms": 0}, headers=setup.auth("b"))
-    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "body.sla_ms"
+    r = client.post("/v1/route", json={**ROUTE, "ttft_ms": 0}, headers=setup.auth("b"))
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "body.ttft_ms"
 
 
 def test_tenants_never_see_each_other(live: Any, client: httpx.Client) -> None:
@@ -153,8 +153,9 @@ def test_feedback_is_stored_and_shown(live: Any, client: httpx.Client) -> None:
     ({"input_tokens": -1}, "body.input_tokens"),
     ({"input_tokens": "many"}, "body.input_tokens"),
     ({"max_output_tokens": 0}, "body.max_output_tokens"),
-    ({"sla_ms": 0}, "body.sla_ms"),
-    ({"sla_ms": "NaN"}, "body.sla_ms"),
+    ({"ttft_ms": 0}, "body.ttft_ms"),
+    ({"tpot_ms": "NaN"}, "body.tpot_ms"),
+    ({"model": "no such model"}, "body.model"),
     ({"origin": ""}, "body.origin"),
     ({"session_id": "has space"}, "body.session_id"),
     ({"surprise": 1}, "body.surprise"),
@@ -174,7 +175,8 @@ def test_every_invalid_field_is_named(live: Any, client: httpx.Client, patch: di
 def test_missing_fields_bad_json_unknown_origin_and_oversize(live: Any, client: httpx.Client) -> None:
     _, setup, _ = live
     r = client.post("/v1/route", json={"origin": "aws:us-east-1"}, headers=setup.auth("a"))
-    assert {f["field"] for f in r.json()["fields"]} == {"body.input_tokens", "body.max_output_tokens", "body.sla_ms"}
+    assert {f["field"] for f in r.json()["fields"]} == {"body.input_tokens", "body.max_output_tokens", "body.ttft_ms",
+                                                   "body.tpot_ms"}
     r = client.post("/v1/route", content=b"{not json", headers={**setup.auth("a"), "content-type": "application/json"})
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "body"
     r = _route(client, setup, "a", origin="aws:us-eats-1")

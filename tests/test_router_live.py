@@ -155,5 +155,5 @@ def test_collector_output_served_live(tmp_path: Path, monkeypatch: pytest.Monkey
     engine = RoutingEngine(setup.settings)
     assert ORIGIN in engine.origins
     text, _, chosen, _ = engine.decide(RouteRequest(origin=ORIGIN, input_tokens=300, max_output_tokens=60,
-                                                    sla_ms=8000), A, "d_e2e", time.time())
+                                                    ttft_ms=2500, tpot_ms=100), A, "d_e2e", time.time())
     assert chosen in engine.offering_ids and json.loads(text)["telemetry"]["stale"] is False

@@ -140,7 +140,7 @@ def test_answers_are_the_asgi_paths_byte_for_byte(servers: Any) -> None:
         lambda s: _request(s, {**ROUTE, "constraints": {"allow": [{"regions": ["japaneast"]}],
                                                         "deny": [{"regions": ["japaneast"]}]}}),  # 422 no offering
         lambda s: _request(s, {**ROUTE, "constraints": {"allow": [{"instance_types": ["g5.xlarg"]}]}}),
-        lambda s: _request(s, {**ROUTE, "sla_ms": 0}),  # invalid field: handed over, FastAPI's 422
+        lambda s: _request(s, {**ROUTE, "ttft_ms": 0}),  # invalid field: handed over, FastAPI's 422
         lambda s: _request(s, b'{"origin": '),  # invalid JSON: handed over
         lambda s: _request(s, ROUTE, headers={"Authorization": "Bearer xr_00000000_nope"}),  # 401
         lambda s: _request(s, {**ROUTE, "session_id": "x" * 5000}),  # 413
@@ -158,7 +158,7 @@ def test_answers_are_the_asgi_paths_byte_for_byte(servers: Any) -> None:
 def test_pipelined_requests_are_answered_in_order(servers: Any) -> None:
     def three(s: RouterSetup) -> bytes:
         return (_request(s, ROUTE, headers={"X-Request-ID": "p-1"})
-                + _request(s, {**ROUTE, "sla_ms": -1}, headers={"X-Request-ID": "p-2"})
+                + _request(s, {**ROUTE, "ttft_ms": -1}, headers={"X-Request-ID": "p-2"})
                 + b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-ID: p-3\r\n\r\n"
                 + _request(s, ROUTE, who="b", headers={"X-Request-ID": "p-4"}))
 
@@ -171,7 +171,7 @@ def test_full_pools_answer_429_alike(servers: Any) -> None:
     statuses = []
     for _ in range(16):  # 2 replicas x 7 slots of the one allowed pool, then full
         got = _both(servers, lambda s: _request(s, {**ROUTE, "input_tokens": 4000, "max_output_tokens": 2000,
-                                                    "sla_ms": 60000, "constraints": ONE_POOL}))
+                                                    "ttft_ms": 60000, "tpot_ms": 1000, "constraints": ONE_POOL}))
         statuses.append(int(got[0].split(b" ")[1]))
     assert statuses == [200] * 14 + [429] * 2
     assert b"retry-after: 3600\r\n" in got[0] and b'"queue_full":1' in got[0]

@@ -49,7 +49,7 @@ def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
     return RouterSetup(load_settings(cfg, **base), keys, tmp)
 
 
-ROUTE = {"origin": "aws:us-east-1", "input_tokens": 400, "max_output_tokens": 80, "sla_ms": 8000}
+ROUTE = {"origin": "aws:us-east-1", "input_tokens": 400, "max_output_tokens": 80, "ttft_ms": 2500, "tpot_ms": 100}
 
 
 # ---------------------------------------------------------------------------------------- fake model

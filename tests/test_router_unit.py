@@ -18,7 +18,7 @@ from router.export import export_bundle
 from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
 from router.policies import ActivePolicy, resolve
 from router.settings import load_settings
-from router.store import DecisionStore, StoreClosed, iter_decisions
+from router.store import DECISION_COLUMNS, DecisionStore, StoreClosed, iter_decisions
 from router.telemetry import ReplaySource
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
@@ -213,7 +213,7 @@ def _decide(engine: RoutingEngine, who: Principal = A, wall: float | None = None
     req = RouteRequest.model_validate({**ROUTE, **body})
     payload, row, oid, info = engine.decide(req, who, "d_test", engine.source.start_wall if wall is None else wall)
     out = json.loads(payload)
-    assert out["offering"]["offering_id"] == oid == row[9]
+    assert out["offering"]["offering_id"] == oid == row[DECISION_COLUMNS.index("offering_id")]
     return out
 
 
@@ -254,7 +254,7 @@ def test_full_pools_answer_429_with_retry_after(tmp_path: Path) -> None:
     statuses = []
     for _ in range(60):  # long requests from one instant fill every slot of the allowed pool
         try:
-            _decide(eng, input_tokens=4000, max_output_tokens=2000, sla_ms=60000,
+            _decide(eng, input_tokens=4000, max_output_tokens=2000, ttft_ms=60000, tpot_ms=1000,
                     constraints={"allow": [{"offering_ids": ["gcp:europe-west4:g2-standard-4:on_demand"]}]})
             statuses.append(200)
         except RouteFailure as e:
@@ -272,9 +272,8 @@ def test_replay_clock_maps_and_wraps(tmp_path: Path) -> None:
     assert t == pytest.approx(src.start + 1.0) and gen == 1
     eng = RoutingEngine(setup.settings, source=src)
 
-    def busy() -> int:
-        fa = eng.env.free_at
-        return int(((fa > eng.env.t) & np.isfinite(fa)).sum())
+    def busy() -> int:  # requests in the router's view of the pools
+        return int(eng.env.inflight.sum())
 
     for k in range(5):
         _decide(eng, wall=1000.0 + k * 0.01)
@@ -364,7 +363,7 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
         req = RouteRequest.model_validate({**ROUTE, "origin": fused.origins[i % len(fused.origins)],
                                            "input_tokens": int(rng.integers(10, 4000)),
                                            "max_output_tokens": int(rng.integers(1, 2000)), **bodies[i % len(bodies)]})
-        wall = wall0 + 0.6 * i
+        wall = wall0 + 0.3 * i
         got = []
         for eng in (fused, general):
             try:
@@ -377,8 +376,9 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
         outcomes[got[0][0]] += 1
     assert outcomes[200] > 100 and outcomes[429] > 20  # both the answers and the full pools were compared
     assert kinds == {"expected_reward" if policy is None else "q_value"}
-    for k in ("free_at", "row_min", "busy", "_events"):
-        assert np.array_equal(np.asarray(getattr(fused.env, k)), np.asarray(getattr(general.env, k))), k
+    for k in ("est_free", "est_min", "inflight", "shift"):
+        assert np.array_equal(getattr(fused.env, k), getattr(general.env, k)), k
+    assert fused.env._events == general.env._events
 
 
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
@@ -387,7 +387,7 @@ def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine)
     env = engine.env
     t = engine.now(engine.source.start_wall)
     for i, origin in enumerate(engine.origins * 3):
-        args = (t + i, origin, 100 + 97 * i, 5 + 7 * i, 500.0 + 300 * i, f"r{i}")
+        args = (t + i, origin, 100 + 97 * i, 5 + 7 * i, 500.0 + 300 * i, 20.0 + i, None, None, "a", f"r{i}")
         state = env.save_state()
         obs, info = env.observe_live(*args)
         ref = {k: getattr(env, k).copy() for k in ("c_lat", "c_cost", "c_mask", "c_wait", "c_risk")}
@@ -397,7 +397,7 @@ def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine)
         assert np.array_equal(mask, info["action_mask"][: env.n]) and env.r_ref_cost == ref_cost
         for k, v in ref.items():
             assert np.array_equal(getattr(env, k), v), k
-        obs2 = env._obs()
+        obs2 = env.observation()
         for k in obs:
             assert np.array_equal(obs[k], obs2[k]), k
         env.commit_live(int(np.flatnonzero(mask)[0]))
@@ -501,7 +501,8 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
     legacy = sqlite3.connect(db)  # the previous schema, one plain-text row
     legacy.executescript("""CREATE TABLE decisions (decision_id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
         created_at REAL NOT NULL, telemetry_ts REAL NOT NULL, origin TEXT NOT NULL, input_tokens INTEGER NOT NULL,
-        max_output_tokens INTEGER NOT NULL, sla_ms REAL NOT NULL, session_id TEXT, offering_id TEXT NOT NULL,
+        max_output_tokens INTEGER NOT NULL, ttft_ms REAL NOT NULL, tpot_ms REAL NOT NULL, deadline_ms REAL,
+        model TEXT NOT NULL, session_id TEXT, offering_id TEXT NOT NULL,
         expected_latency_ms REAL NOT NULL, expected_cost_usd REAL NOT NULL, policy TEXT NOT NULL,
         policy_kind TEXT NOT NULL, policy_version TEXT, bundle_hash TEXT NOT NULL, request_json TEXT NOT NULL,
         response_json TEXT NOT NULL);""")
@@ -595,7 +596,7 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         store.start()
         biggest = 0
         for i in range(60):
-            rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, None, "x", 1.0, 1.0, "g", "fallback",
+            rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0, "g", "fallback",
                      None, "h", "{}", pad) for j in range(50)]
             await asyncio.gather(*(store.record_decision(r) for r in rows))
             wal = db.with_name(db.name + "-wal")
@@ -686,27 +687,27 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
 
 _BASE = '"origin":"aws:us-east-1","input_tokens":500,"max_output_tokens":30'
 _BODIES = [
-    "{" + _BASE + ',"sla_ms":4000}', "{" + _BASE + ',"sla_ms":4000.5}', "{" + _BASE + ',"sla_ms":"4000"}',
-    "{" + _BASE + ',"sla_ms":true}', "{" + _BASE + ',"sla_ms":NaN}', "{" + _BASE + ',"sla_ms":Infinity}',
-    "{" + _BASE + ',"sla_ms":1e400}', "{" + _BASE + ',"sla_ms":null}', "{" + _BASE + "}",
-    '{"origin":"aws:us-east-1","input_tokens":"500","max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"aws:us-east-1","input_tokens":500.0,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"aws:us-east-1","input_tokens":500.5,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"aws:us-east-1","input_tokens":5e2,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"aws:us-east-1","input_tokens":true,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"aws:us-east-1","input_tokens":-1,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"aws:us-east-1","input_tokens":99999999999999999999999,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":1,"input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"","input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"a\\u00e9\\ud83d\\ude00","input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
-    '{"origin":"\\ud800","input_tokens":500,"max_output_tokens":30,"sla_ms":1}',
-    "{" + _BASE + ',"sla_ms":1,"origin":"gcp:x"}', "{" + _BASE + ',"sla_ms":1,"extra":1}',
-    "{" + _BASE + ',"sla_ms":1,"session_id":"s-1"}', "{" + _BASE + ',"sla_ms":1,"session_id":"bad id"}',
-    "{" + _BASE + ',"sla_ms":1,"session_id":7}',
-    "{" + _BASE + ',"sla_ms":1,"constraints":{"deny":[{"pricing_modes":["spot"]}]}}',
-    "{" + _BASE + ',"sla_ms":1,"constraints":{"allow":[{"providers":"aws"}]}}',
-    "{" + _BASE + ',"sla_ms":1,"constraints":{"prefer":[{}]}}', "{" + _BASE + ',"sla_ms":1,"constraints":[]}',
-    "{" + _BASE + ',"sla_ms":1,"constraints":null}', "[1]", "null", '"x"', "{", "", "{} x",
+    "{" + _BASE + ',"ttft_ms":4000,"tpot_ms":50}', "{" + _BASE + ',"ttft_ms":4000.5,"tpot_ms":50}', "{" + _BASE + ',"ttft_ms":"4000","tpot_ms":50}',
+    "{" + _BASE + ',"ttft_ms":true,"tpot_ms":50}', "{" + _BASE + ',"ttft_ms":NaN,"tpot_ms":50}', "{" + _BASE + ',"ttft_ms":Infinity,"tpot_ms":50}',
+    "{" + _BASE + ',"ttft_ms":1e400,"tpot_ms":50}', "{" + _BASE + ',"ttft_ms":null,"tpot_ms":50}', "{" + _BASE + "}",
+    '{"origin":"aws:us-east-1","input_tokens":"500","max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"aws:us-east-1","input_tokens":500.0,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"aws:us-east-1","input_tokens":500.5,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"aws:us-east-1","input_tokens":5e2,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"aws:us-east-1","input_tokens":true,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"aws:us-east-1","input_tokens":-1,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"aws:us-east-1","input_tokens":99999999999999999999999,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":1,"input_tokens":500,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"","input_tokens":500,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"a\\u00e9\\ud83d\\ude00","input_tokens":500,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    '{"origin":"\\ud800","input_tokens":500,"max_output_tokens":30,"ttft_ms":1,"tpot_ms":50}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"origin":"gcp:x"}', "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"extra":1}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"session_id":"s-1"}', "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"session_id":"bad id"}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"session_id":7}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"constraints":{"deny":[{"pricing_modes":["spot"]}]}}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"constraints":{"allow":[{"providers":"aws"}]}}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"constraints":{"prefer":[{}]}}', "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"constraints":[]}',
+    "{" + _BASE + ',"ttft_ms":1,"tpot_ms":50,"constraints":null}', "[1]", "null", '"x"', "{", "", "{} x",
 ]
 
 
@@ -733,3 +734,13 @@ def test_the_fast_paths_json_validation_accepts_what_fastapis_accepts(raw: str) 
         assert got is None  # a JSON-only acceptance would bypass FastAPI's error
     else:
         assert got == want
+
+
+def test_a_request_for_an_unknown_model_names_the_field_and_the_known_models(engine: RoutingEngine) -> None:
+    with pytest.raises(RouteFailure) as e:
+        _decide(engine, model="llama-2-7")
+    assert e.value.status == 422 and e.value.error == "unknown_model"
+    assert e.value.fields[0]["field"] == "body.model" and "llama-2-7b" in e.value.fields[0]["suggestions"]
+    with pytest.raises(RouteFailure) as e:  # known, but no offering of this catalog can hold it: not a 429
+        _decide(engine, model="llama-2-13b")
+    assert e.value.status == 422 and e.value.error == "model_unavailable" and e.value.fields[0]["field"] == "body.model"

@@ -14,7 +14,10 @@ import pandas as pd
 LOCS = ["aws:us-east-1", "gcp:europe-west4", "azure:japaneast"]
 
 
-def write_tiny_bundle(root: Path, n_requests: int = 400, preempt: bool = True, seed: int = 7) -> Path:
+def write_tiny_bundle(root: Path, n_requests: int = 400, preempt: bool = True, seed: int = 7,
+                      models: list[str] | None = None, big_instances: bool = False) -> Path:
+    """``models``: write a ``model`` column drawing from these names; ``big_instances``: add an
+    8-GPU A100-80GB offering (where the larger models fit)."""
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     for loc, acc, itype, od, spot in [
@@ -28,6 +31,12 @@ def write_tiny_bundle(root: Path, n_requests: int = 400, preempt: bool = True, s
                          "instance_type": itype, "accelerator": acc, "accelerator_count": 1, "vcpus": 4,
                          "memory_gib": 16, "pricing_mode": mode, "capacity_replicas": 2 if mode == "on_demand" else 1,
                          "_price": price})
+    if big_instances:
+        for mode, price in (("on_demand", 40.0), ("spot", 14.0)):
+            rows.append({"offering_id": f"aws:us-east-1:p4de.24xlarge:{mode}", "provider": "aws", "region": "us-east-1",
+                         "zone": "", "instance_type": "p4de.24xlarge", "accelerator": "A100-80GB",
+                         "accelerator_count": 8, "vcpus": 96, "memory_gib": 1152, "pricing_mode": mode,
+                         "capacity_replicas": 8, "_price": price})
     off = pd.DataFrame(rows)
     off.drop(columns="_price").to_csv(root / "offerings.csv", index=False)
     t0 = pd.Timestamp("2024-01-01T00:00:00Z")
@@ -46,11 +55,15 @@ def write_tiny_bundle(root: Path, n_requests: int = 400, preempt: bool = True, s
     gaps = rng.exponential(0.25, n_requests)
     ts = t0 + pd.to_timedelta(np.cumsum(gaps), unit="s")
     out = rng.integers(5, 300, n_requests)
-    pd.DataFrame({
+    w = pd.DataFrame({
         "ts": [t.isoformat() for t in ts], "request_id": [f"r{i:05d}" for i in range(n_requests)],
         "origin": rng.choice(LOCS, n_requests), "input_tokens": rng.integers(50, 4000, n_requests),
-        "output_tokens": out, "sla_ms": 2500 + 100 * out, "tenant": rng.choice(["a", "b"], n_requests),
-    }).to_csv(root / "workload.csv", index=False)
+        "max_output_tokens": 512, "ttft_ms": 2500.0, "tpot_ms": 100.0,
+        "output_tokens": out, "tenant": rng.choice(["a", "b"], n_requests),
+    })
+    if models:
+        w["model"] = rng.choice(models, n_requests)
+    w.to_csv(root / "workload.csv", index=False)
     if preempt:
         spot_ids = [o for o in off["offering_id"] if o.endswith(":spot")]
         av = []

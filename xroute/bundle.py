@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +19,7 @@ import pandas as pd
 
 from xroute.errors import BundleError
 from xroute.schema.offering import Offering
-from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
+from xroute.schema.telemetry import REPLACED_COLUMNS, TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUNDLE = REPO_ROOT / "data" / "bundles" / "default"
@@ -111,7 +112,10 @@ def validate_table(df: pd.DataFrame, table: Table, fname: str) -> pd.DataFrame:
     """Check one table against its spec and return it with typed columns (extra columns kept)."""
     missing = [c for c in table.required_columns if c not in df.columns]
     if missing:
-        raise BundleError(fname, f"missing column(s) {', '.join(missing)} (has: {', '.join(map(str, df.columns))})")
+        stale = [f"'{c}': {why}" for c, why in REPLACED_COLUMNS.get(table.name, {}).items() if c in df.columns]
+        hint = f"; column {stale[0]}" if stale else ""
+        raise BundleError(fname, f"missing column(s) {', '.join(missing)} (has: {', '.join(map(str, df.columns))})"
+                                 f"{hint}")
     df = df.reset_index(drop=True).copy()
     for col in table.columns:
         if col.name not in df.columns:
@@ -204,11 +208,54 @@ class Bundle:
         if end is not None:
             w = w[w["ts"] < to_utc(end)]
         if len(w) == 0:
-            raise BundleError("workload", f"no requests between {start} and {end}")
+            t0, t1 = self.time_span()
+            raise BundleError("workload", f"no requests between {start or 'the start'} and {end or 'the end'}; "
+                                          f"this bundle's requests span {t0:%Y-%m-%dT%H:%M:%S}Z .. "
+                                          f"{t1:%Y-%m-%dT%H:%M:%S}Z")
+        return replace(self, workload=w.reset_index(drop=True))
+
+    def select(self, rows: np.ndarray) -> Bundle:
+        """The same telemetry with only the workload rows ``rows`` (a boolean mask or sorted
+        positions; arrival order is kept)."""
+        w = self.workload.iloc[rows] if rows.dtype != bool else self.workload[rows]
+        if len(w) == 0:
+            raise BundleError("workload", "the selection holds no requests")
         return replace(self, workload=w.reset_index(drop=True))
 
     def time_span(self) -> tuple[pd.Timestamp, pd.Timestamp]:
         return self.workload["ts"].iloc[0], self.workload["ts"].iloc[-1]
+
+
+def output_budget_rule(workload: pd.DataFrame) -> dict[str, int]:
+    """The documented ``max_output_tokens`` of a bundle whose workload lacks the column: per
+    tenant (the whole stream when there is no tenant column), the smallest power of two at least as
+    large as the longest output of that tenant in the bundle -- a service's ``max_tokens`` setting,
+    constant per tenant, so no request's own outcome leaks into what the router sees of it."""
+    key = workload["tenant"].where(workload["tenant"] != "", "(none)") if "tenant" in workload.columns \
+        else pd.Series("(all)", index=workload.index)
+    longest = workload["output_tokens"].groupby(key).max()
+    return {str(k): int(2 ** max(0, math.ceil(math.log2(max(float(v), 1.0))))) for k, v in longest.items()}
+
+
+def _with_output_budget(workload: pd.DataFrame, fname: str) -> pd.DataFrame:
+    """``max_output_tokens`` filled by :func:`output_budget_rule` where absent or blank, and every
+    realized output checked against it (a request cannot generate more than its budget)."""
+    w = workload
+    have = w["max_output_tokens"].to_numpy(dtype=float) if "max_output_tokens" in w.columns \
+        else np.full(len(w), np.nan)
+    if np.isnan(have).any():
+        rule = output_budget_rule(w)
+        key = w["tenant"].where(w["tenant"] != "", "(none)") if "tenant" in w.columns else pd.Series("(all)", index=w.index)
+        derived = key.map(rule).to_numpy(dtype=float)
+        w = w.copy()
+        w["max_output_tokens"] = np.where(np.isnan(have), derived, have)
+        w.attrs["max_output_tokens_rule"] = rule
+    over = w["output_tokens"].to_numpy(dtype=float) > w["max_output_tokens"].to_numpy(dtype=float)
+    if over.any():
+        i = _first(over)
+        raise BundleError(fname, f"output_tokens {int(w['output_tokens'].iloc[i])} exceeds max_output_tokens "
+                                 f"{int(w['max_output_tokens'].iloc[i])}", i + 1, "output_tokens")
+    return w
 
 
 def to_seconds(ts: pd.Series) -> np.ndarray:
@@ -321,6 +368,7 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
             if (o, loc) not in pairs and (loc, o) not in pairs:
                 raise BundleError(fname["rtt"], f"no RTT between origin '{o}' and offering location '{loc}'")
 
+    workload = _with_output_budget(workload, fname["workload"])
     return Bundle(path=root, offerings=offerings, prices=prices, rtt=rtt, workload=workload,
                   availability=frames["availability"], utilization=frames["utilization"],
                   quotas=frames["quotas"], content_hash=digest.hexdigest()[:16])

@@ -34,6 +34,19 @@ class RewardConfig(Strict):
     failure_latency_norm: float = Field(3.0, ge=0, description="latency_norm charged to a failed request")
 
 
+class EstimatorConfig(Strict):
+    """The output-length estimator every policy's expectations use (``envs.estimator``): per
+    (model, tenant), a decayed histogram of *past* completions' output tokens, shrunk toward the
+    model's and then toward ``prior_fraction`` x the request's ``max_output_tokens``."""
+
+    half_life: float = Field(2000.0, gt=0, description="completions after which an observation weighs half")
+    shrinkage: float = Field(5.0, ge=0, description="pseudo-observations of the parent estimate (model, then prior)")
+    prior_fraction: float = Field(0.25, gt=0, le=1, description="cold-start estimate as a fraction of max_output_tokens")
+    history_lag_s: float = Field(
+        60.0, ge=0, description="stream requests that arrived this long before an episode's first request seed the "
+                               "estimator at reset (their outputs are known by then)")
+
+
 class EnvConfig(Strict):
     """Settings of ``xroute/CloudRoute-v0``; see the env docstring for their meaning."""
 
@@ -45,8 +58,30 @@ class EnvConfig(Strict):
     retry_overhead_ms: float = Field(1500.0, ge=0, description="detect + reconnect time after a preemption")
     feature_refresh_s: float = Field(30.0, gt=0, description="history features are recomputed at least this often")
     risk_lookback_h: float = Field(6.0, gt=0, description="window of the spot-preemption history features")
+    risk_prior_per_h: float = Field(1 / 24, ge=0, description="prior preemption rate of a spot pool, per hour")
+    risk_prior_h: float = Field(
+        1.0, gt=0, description="weight of that prior in hours of observation: hazard = (preemptions seen + "
+                               "prior_per_h*prior_h) / (hours watched within the lookback + prior_h)")
     serving_config: str = Field("serving.yaml", description="per-accelerator service model, under configs/")
+    models_config: str = Field("models.yaml", description="the models requests name, under configs/")
+    spot_lag_s: float = Field(
+        15.0, ge=0, description="a recorded spot preemption really happened up to this long before the telemetry "
+                                "shows it (uniform, drawn per episode from the seed: a collector polls, it does not "
+                                "see the instant); requests sent meanwhile are preempted at once. 0 = no lag")
+    estimator: EstimatorConfig = EstimatorConfig()
     reward: RewardConfig = RewardConfig()
+
+
+class OracleConfig(Strict):
+    """The hindsight oracle's planner (``models.baselines.Oracle``). Its cost is documented in
+    ``docs/results.md``: about (1 + top_k x (1 + horizon)) environment steps per request for the
+    lookahead plan, plus one pass per baseline."""
+
+    top_k: int = Field(3, ge=1, le=20, description="offerings played ahead per request")
+    horizon: int = Field(12, ge=0, le=1000, description="requests played ahead after each of them")
+    lookahead_max_requests: int = Field(
+        30_000, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
+                                  "hindsight-greedy and the baselines only, and its report says so)")
 
 
 class EvaluateConfig(Strict):
@@ -54,7 +89,10 @@ class EvaluateConfig(Strict):
 
     static_location: str = Field("aws:us-east-1", description="location of the static baseline's offering")
     static_accelerator: str = Field("A10G", description="reference accelerator of the static baseline")
-    seed: int = 0
+    seed: int = Field(0, description="first seed; seed k of --seeds N is seed + k")
+    seeds: int = Field(5, ge=1, le=1000, description="seeds per policy (service-time noise, spot preemption "
+                                                    "instants); metrics are reported as mean and 95 % interval")
+    oracle: OracleConfig = OracleConfig()
     env: EnvConfig = EnvConfig(episode_requests=None)
 
 
@@ -109,6 +147,7 @@ def config_path(name: str) -> Path:
 class AcceleratorSpeed(Strict):
     """Measured serving speed of one replica of the reference model on one accelerator."""
 
+    memory_gb: float = Field(gt=0, description="accelerator memory, GB (1e9 bytes), from the vendor's datasheet")
     prefill_tok_s: float = Field(gt=0)
     tpot_ms: float = Field(gt=0, description="ms per output token at concurrency 1")
     tpot_growth: float = Field(ge=0, description="tpot(k) = tpot_ms * (1 + tpot_growth*(k-1))")
@@ -122,3 +161,30 @@ class ServingConfig(Strict):
     reference_model: str = ""
     reference_accelerator: str = "A10G"
     accelerators: dict[str, AcceleratorSpeed]
+
+
+class ModelSpec(Strict):
+    """One model requests may name: its size, which sets where it fits and how fast it runs."""
+
+    params_b: float = Field(gt=0, description="parameters, billions")
+    weights_gb: float = Field(gt=0, description="weight memory at the served precision, GB (1e9 bytes)")
+    kv_mib_per_token: float = Field(gt=0, description="KV-cache per token, MiB (all layers, K and V)")
+    tpot_growth: float | None = Field(
+        None, ge=0, description="tpot(k) = tpot * (1 + tpot_growth*(k-1)); empty = the accelerator's (serving.yaml)")
+    sources: list[str] = Field(default_factory=list)
+    derivation: str = ""
+
+
+class ModelsConfig(Strict):
+    """``configs/models.yaml``: the models, and the rules that carry the reference model's measured
+    speeds (``serving.yaml``) to the others (documented in that file and ``docs/env.md``)."""
+
+    default_model: str = Field(description="the model of a request (or bundle row) that names none")
+    reference_model: str = Field(description="the model serving.yaml measured; its speeds are used unchanged")
+    tp_efficiency: float = Field(gt=0, le=1, description="decode/prefill speed kept per doubling of the GPUs "
+                                                         "a replica spans (tensor parallelism)")
+    prefill_tp_efficiency: float = Field(gt=0, le=1, description="the same for prefill (compute-bound)")
+    kv_fraction: float = Field(0.9, gt=0, le=1, description="share of accelerator memory usable for weights + KV")
+    nominal_context_tokens: int = Field(2048, ge=1, description="KV tokens one request slot reserves")
+    min_context_tokens: int = Field(1024, ge=1, description="a replica must hold at least this many KV tokens")
+    models: dict[str, ModelSpec]

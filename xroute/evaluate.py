@@ -1,8 +1,20 @@
-"""Replay one request stream through several policies and compare them (``xroute evaluate``)."""
+"""Replay one request stream through several policies and compare them (``xroute evaluate``).
+
+Every policy is run on the same stream with ``seeds`` different seeds (each seed draws the
+service-time noise and the instants at which spot preemptions really happen, see ``EnvConfig.
+spot_lag_s``); every policy sees the same draws for a seed (common random numbers), so policies
+are compared *paired by seed*. Each metric is reported as its mean over the seeds with a 95 %
+t-interval, and each policy's difference to the best baseline (the non-learned policy with the
+best mean reward; the hindsight oracle is a reference, not a baseline) as the mean of the per-seed
+differences with its 95 % t-interval. The intervals cover the simulation's randomness on *this*
+request stream, not other traffic: how a policy generalizes is measured on other bundles.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,22 +22,52 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from envs.cloud_route import CloudRouteEnv
-from models.baselines import Policy, make_baseline
+from models.baselines import BASELINES, Policy, make_baseline
 from xroute.bundle import Bundle
 from xroute.config import EvaluateConfig
 
 METRICS = ("requests", "cost_usd", "cost_per_1k_requests", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-           "sla_attainment", "failed_requests", "migrations", "mean_reward")
+           "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward")
+#: the metrics compared pairwise to the best baseline (higher is better for reward and SLA)
+PAIRED = ("mean_reward", "cost_per_1k_requests", "latency_p95_ms", "sla_attainment", "failed_requests")
+
+Progress = Callable[[str, int, int, int, int], None]
 
 
 @dataclass
 class PolicyRun:
+    """One policy on one seed: its metrics and the per-request series the plots use."""
+
     name: str
     metrics: dict[str, float]
     t: np.ndarray = field(repr=False)
     cum_cost: np.ndarray = field(repr=False)
+
+
+@dataclass
+class PolicyResult:
+    """One policy over every seed: the mean of each metric (``metrics``), its 95 % interval
+    (``ci``), and the paired difference to the best baseline (``vs_best``: metric -> (mean, lo,
+    hi)); intervals are NaN with a single seed."""
+
+    name: str
+    runs: list[PolicyRun]
+    metrics: dict[str, float] = field(default_factory=dict)
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    vs_best: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    is_baseline: bool = True
+
+    @property
+    def t(self) -> np.ndarray:
+        return self.runs[0].t
+
+    @property
+    def cum_cost(self) -> np.ndarray:
+        return self.runs[0].cum_cost
 
 
 def resolve_policy(name: str, cfg: EvaluateConfig) -> Policy:
@@ -37,117 +79,321 @@ def resolve_policy(name: str, cfg: EvaluateConfig) -> Policy:
     return make_baseline(name, cfg)
 
 
+def is_baseline(name: str) -> bool:
+    """A policy anyone can run without training or hindsight (the reference of paired differences)."""
+    return (name in BASELINES and name != "oracle") or name.startswith("static:")
+
+
 def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
                progress: Callable[[int], None] | None = None) -> PolicyRun:
+    """One pass of ``policy`` over ``env``'s episode for ``seed``."""
     obs, info = env.reset(seed=seed)
     policy.reset(env, seed)
     n = env._end - env._pos
     rewards = np.empty(n)
     costs = np.empty(n)
     lats = np.empty(n)
+    ttfts = np.empty(n)
     viol = np.empty(n, dtype=bool)
     ts = np.empty(n)
-    failed = migrations = 0
+    failed = migrations = preempted = 0
     for k in range(n):
         ts[k] = info["t"]
         a = policy.act(obs, info)
         obs, r, _term, trunc, info = env.step(a)
-        rewards[k], costs[k], lats[k], viol[k] = r, info["cost_usd"], info["latency_ms"], info["sla_violation"]
+        rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
+                                                             info["sla_violation"])
         failed += bool(info["failed"])
+        preempted += bool(info["preempted"])
         migrations += info["migrated_to"] is not None
         if progress is not None and (k % 500 == 499 or trunc):
             progress(k % 500 + 1)
     served = lats[~np.isnan(lats)]
     p50, p95, p99 = (np.percentile(served, [50, 95, 99]) if served.size else (np.nan,) * 3)
+    tt = ttfts[~np.isnan(ttfts)]
     total = float(costs.sum())
     m = {
         "requests": n, "cost_usd": round(total, 6), "cost_per_1k_requests": round(1000.0 * total / n, 6),
         "latency_p50_ms": round(float(p50), 2), "latency_p95_ms": round(float(p95), 2),
-        "latency_p99_ms": round(float(p99), 2), "sla_attainment": round(float(1.0 - viol.mean()), 6),
-        "failed_requests": int(failed), "migrations": int(migrations), "mean_reward": round(float(rewards.mean()), 6),
+        "latency_p99_ms": round(float(p99), 2),
+        "ttft_p95_ms": round(float(np.percentile(tt, 95)), 2) if tt.size else float("nan"),
+        "sla_attainment": round(float(1.0 - viol.mean()), 6), "failed_requests": int(failed),
+        "preempted": int(preempted), "migrations": int(migrations), "mean_reward": round(float(rewards.mean()), 6),
     }
-    return PolicyRun(policy.name if not hasattr(policy, "display_name") else policy.display_name, m, ts, np.cumsum(costs))
+    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs))
 
 
-def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_progress: bool = True) -> list[PolicyRun]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def t_interval(x: np.ndarray) -> tuple[float, float, float]:
+    """(mean, lower, upper) of the 95 % t-interval of the mean of ``x`` (NaN bounds for one value)."""
+    from scipy import stats
 
-    env = CloudRouteEnv(bundle, cfg.env)
+    x = np.asarray(x, dtype=float)
+    mean = float(x.mean())
+    if x.size < 2:
+        return mean, float("nan"), float("nan")
+    half = float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+    return mean, mean - half, mean + half
+
+
+class _Lines:
+    """Progress as plain lines (every ``every_s`` seconds and at each end) when output is not a
+    terminal -- CI logs, ``| tee``, a job scheduler -- where a redrawn bar would show nothing."""
+
+    def __init__(self, every_s: float = 10.0, stream: Any = None):
+        self.every_s, self.stream = every_s, stream or sys.stderr
+        self.last = 0.0
+
+    def __call__(self, label: str, seed_i: int, n_seeds: int, done: int, total: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if final or now - self.last >= self.every_s:
+            self.last = now
+            print(f"evaluate: {label} seed {seed_i}/{n_seeds}: {done:,}/{total:,} requests "
+                  f"({100 * done // max(total, 1)} %)", file=self.stream, flush=True)
+
+
+def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_progress: bool = True,
+             seeds: int | None = None, history: pd.DataFrame | None = None) -> list[PolicyResult]:
+    """Run every policy on ``bundle`` for ``seeds`` seeds (``cfg.seed``, ``cfg.seed + 1``, ...)
+    and compare them (module docstring). ``history``: requests before the bundle's stream, whose
+    outputs the routers' estimators start from."""
+    n_seeds = cfg.seeds if seeds is None else seeds
+    env = CloudRouteEnv(bundle, cfg.env, history=history)
     resolved = [(p, resolve_policy(p, cfg)) for p in policies]
-    runs = []
-    with Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not show_progress, transient=False) as bar:
+    total = env.n_requests if cfg.env.episode_requests is None else cfg.env.episode_requests
+    results: list[PolicyResult] = []
+    tty = show_progress and sys.stderr.isatty()
+    lines = _Lines() if show_progress and not tty else None
+    bar_ctx: Any
+    if tty:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar_ctx = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), transient=False)
+    else:
+        from contextlib import nullcontext
+
+        bar_ctx = nullcontext()
+    with bar_ctx as bar:
         for label, pol in resolved:
-            task = bar.add_task(label, total=env.n_requests if cfg.env.episode_requests is None else cfg.env.episode_requests)
             t0 = time.perf_counter()
-            def advance(k: int, task: Any = task) -> None:
-                bar.advance(task, k)
+            task = bar.add_task(label, total=total * n_seeds) if bar is not None else None
+            runs = []
+            for s in range(n_seeds):
+                done = [0]
 
-            if hasattr(pol, "on_progress"):  # the oracle plans the whole stream first: show it
-                def planning(name: str, p: int, n: int, done: int, total: int, task: Any = task,
-                             label: str = label) -> None:
-                    bar.update(task, description=f"{label} (plan {p}/{n} {name}: {100 * done // max(total, 1)}%)")
+                def advance(k: int, s: int = s, done: list[int] = done, label: str = label, task: Any = task) -> None:
+                    done[0] += k
+                    if bar is not None:
+                        bar.advance(task, k)
+                    if lines is not None:
+                        lines(label, s + 1, n_seeds, done[0], total, final=done[0] >= total)
 
-                pol.on_progress = planning
+                if hasattr(pol, "on_progress"):  # the oracle plans the whole stream first: show it
+                    def planning(name: str, p: int, n: int, d: int, tot: int, task: Any = task, label: str = label,
+                                 s: int = s) -> None:
+                        if bar is not None:
+                            bar.update(task, description=f"{label} (plan {p}/{n} {name}: {100 * d // max(tot, 1)}%)")
+                        if lines is not None:
+                            lines(f"{label} (planning {p}/{n}: {name})", s + 1, n_seeds, d, tot)
 
-            run = run_policy(env, pol, cfg.seed, progress=advance)
-            bar.update(task, description=label)
-            run.name = label
-            run.metrics["wall_s"] = round(time.perf_counter() - t0, 2)
-            runs.append(run)
-    return runs
+                    pol.on_progress = planning
+                run = run_policy(env, pol, cfg.seed + s, progress=advance)
+                run.name = label
+                runs.append(run)
+            if bar is not None:
+                bar.update(task, description=label)
+            label = getattr(pol, "display_name", None) or label
+            res = PolicyResult(label, runs, wall_s=round(time.perf_counter() - t0, 2), is_baseline=is_baseline(label))
+            for k in METRICS:
+                mean, lo, hi = t_interval(np.array([r.metrics[k] for r in runs], dtype=float))
+                res.metrics[k] = mean
+                res.ci[k] = (lo, hi)
+            res.metrics["wall_s"] = res.wall_s
+            res.metrics["requests_per_s"] = round(total * n_seeds / max(res.wall_s, 1e-9), 1)
+            results.append(res)
+    compare_to_best(results)
+    return results
 
 
-def report_dict(runs: list[PolicyRun], bundle: Bundle, cfg: EvaluateConfig, extra: dict[str, Any]) -> dict[str, Any]:
+def best_baseline(results: list[PolicyResult]) -> PolicyResult | None:
+    cands = [r for r in results if r.is_baseline]
+    return max(cands, key=lambda r: r.metrics["mean_reward"]) if cands else None
+
+
+def compare_to_best(results: list[PolicyResult]) -> None:
+    """Fill every result's ``vs_best``: per-seed differences to the best baseline, paired by seed."""
+    best = best_baseline(results)
+    if best is None:
+        return
+    for r in results:
+        for k in PAIRED:
+            d = np.array([a.metrics[k] - b.metrics[k] for a, b in zip(r.runs, best.runs)], dtype=float)
+            r.vs_best[k] = t_interval(d)
+
+
+def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig, extra: dict[str, Any]
+                ) -> dict[str, Any]:
+    best = best_baseline(results)
+
+    def clean(x: float) -> float | None:
+        return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else round(float(x), 6)
+
     return {
         "bundle": str(bundle.path), "bundle_hash": bundle.content_hash, "seed": cfg.seed,
-        "rate_scale": cfg.env.rate_scale, **extra,
-        "policies": {r.name: r.metrics for r in runs},
+        "seeds": len(results[0].runs) if results else 0, "rate_scale": cfg.env.rate_scale,
+        "best_baseline": best.name if best else None, **extra,
+        "policies": {r.name: {**{k: clean(v) for k, v in r.metrics.items()},
+                              "ci95": {k: [clean(lo), clean(hi)] for k, (lo, hi) in r.ci.items()},
+                              "vs_best_baseline": {k: {"mean": clean(m), "ci95": [clean(lo), clean(hi)]}
+                                                   for k, (m, lo, hi) in r.vs_best.items()},
+                              "per_seed": [run.metrics for run in r.runs]}
+                     for r in results},
     }
 
 
-def print_table(runs: list[PolicyRun], title: str = "xroute evaluate") -> None:
+def _pm(mean: float, lo: float, hi: float, fmt: str) -> str:
+    if not math.isfinite(lo):
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} ±{format((hi - lo) / 2, fmt.lstrip('+'))}"
+
+
+def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=title)
-    cols = [("policy", "l"), ("$/1k req", "r"), ("cost $", "r"), ("p50 ms", "r"), ("p95 ms", "r"),
-            ("p99 ms", "r"), ("SLA %", "r"), ("failed", "r"), ("migr.", "r"), ("reward", "r")]
-    for c, j in cols:
-        t.add_column(c, justify="left" if j == "l" else "right")
-    best = max(r.metrics["mean_reward"] for r in runs)
+    best = best_baseline(results)
+    n_seeds = len(results[0].runs) if results else 0
+    t = Table(title=title, caption=f"mean over {n_seeds} seed(s) ± half the 95 % interval; Δ = paired difference to "
+                                   f"the best baseline ({best.name if best else 'none'})")
+    cols = ["policy", "reward", "Δ reward", "$/1k req", "Δ $/1k", "p95 ms", "Δ p95", "TTFT p95", "SLO %", "Δ SLO pp",
+            "failed", "preempt."]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    for r in results:
+        m, ci, vb = r.metrics, r.ci, r.vs_best
+        mark = " (best baseline)" if r is best else ""
+
+        def d(k: str, fmt: str, scale: float = 1.0, vb: dict[str, tuple[float, float, float]] = vb) -> str:
+            if k not in vb:
+                return "—"
+            mean, lo, hi = (x * scale for x in vb[k])
+            return _pm(mean, lo, hi, fmt)
+
+        t.add_row(r.name + mark, _pm(m["mean_reward"], *ci["mean_reward"], ".4f"), d("mean_reward", "+.4f"),
+                  _pm(m["cost_per_1k_requests"], *ci["cost_per_1k_requests"], ".4f"), d("cost_per_1k_requests", "+.4f"),
+                  f"{m['latency_p95_ms']:.0f}", d("latency_p95_ms", "+.0f"), f"{m['ttft_p95_ms']:.0f}",
+                  f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
+                  f"{m['preempted']:.0f}")
+    Console(width=180).print(t)
+
+
+def as_results(runs: list[Any]) -> list[PolicyResult]:
+    """Single-seed :class:`PolicyRun` s (a training callback's) as :class:`PolicyResult` s, compared
+    to the best baseline among them."""
+    if all(isinstance(r, PolicyResult) for r in runs):
+        return runs
+    out = []
     for r in runs:
-        m = r.metrics
-        t.add_row(r.name + (" *" if m["mean_reward"] == best else ""), f"{m['cost_per_1k_requests']:.4f}",
-                  f"{m['cost_usd']:.2f}", f"{m['latency_p50_ms']:.0f}", f"{m['latency_p95_ms']:.0f}",
-                  f"{m['latency_p99_ms']:.0f}", f"{100 * m['sla_attainment']:.2f}", str(m["failed_requests"]),
-                  str(m["migrations"]), f"{m['mean_reward']:.4f}")
-    Console(width=140).print(t)
+        if isinstance(r, PolicyResult):
+            out.append(r)
+            continue
+        res = PolicyResult(r.name, [r], is_baseline=is_baseline(r.name))
+        res.metrics = dict(r.metrics)
+        res.ci = {k: (float("nan"), float("nan")) for k in METRICS}
+        out.append(res)
+    compare_to_best(out)
+    return out
 
 
-def plot(runs: list[PolicyRun], path: str | Path, title: str = "") -> None:
+def plot(results: list[Any], path: str | Path, title: str = "") -> None:
+    """Four panels a reader compares: (1) each policy's paired difference in mean reward to the
+    best baseline with its 95 % interval (off-scale policies drawn at the edge with their value);
+    (2) cost vs p95 latency with intervals, zoomed on the policies within reach of the best
+    baseline and labelled through a legend (no overlapping labels); (3) SLO misses and failed
+    requests per policy; (4) cumulative cost difference to the best baseline over time (first seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for r in runs:
-        ax1.scatter(r.metrics["latency_p95_ms"], r.metrics["cost_per_1k_requests"], s=60)
-        ax1.annotate(r.name, (r.metrics["latency_p95_ms"], r.metrics["cost_per_1k_requests"]),
-                     textcoords="offset points", xytext=(5, 4), fontsize=8)
-        minutes = (r.t - r.t[0]) / 60.0
-        ax2.plot(minutes, r.cum_cost, label=r.name)
-    ax1.set_xlabel("p95 latency (ms)")
-    ax1.set_ylabel("cost per 1k requests (USD, log scale)")
-    ax1.set_yscale("log")
-    ax1.set_title("cost vs p95 latency (lower-left is better)")
-    ax1.grid(alpha=0.3)
-    ax2.set_xlabel("minutes into the stream")
-    ax2.set_ylabel("cumulative cost (USD)")
-    ax2.set_title("cumulative cost over time")
-    ax2.legend(fontsize=8)
+    results = as_results(results)
+    best = best_baseline(results)
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    ax1, ax2, ax3, ax4 = axes.ravel()
+    colors = plt.get_cmap("tab10")
+    color = {r.name: colors(i % 10) for i, r in enumerate(results)}
+
+    # (1) forest plot of paired reward differences
+    rows = sorted(results, key=lambda r: r.vs_best.get("mean_reward", (r.metrics["mean_reward"],))[0])
+    diffs = [r.vs_best.get("mean_reward", (0.0, np.nan, np.nan)) for r in rows]
+    near = [m for m, _, _ in diffs if abs(m) <= 0.05 + 1e-12]
+    span = max([abs(x) for x in near] + [1e-4]) * 1.6
+    for y, (r, (m, lo, hi)) in enumerate(zip(rows, diffs)):
+        if abs(m) > span:
+            edge = -span if m < 0 else span
+            ax1.plot([edge], [y], marker="<" if m < 0 else ">", color=color[r.name], markersize=10)
+            ax1.annotate(f"{m:+.3f}", (edge, y), textcoords="offset points", xytext=(8 if m < 0 else -40, -12),
+                         fontsize=8)
+        else:
+            err = None if not math.isfinite(lo) else [[m - lo], [hi - m]]
+            ax1.errorbar([m], [y], xerr=err, fmt="o", color=color[r.name], capsize=4)
+    ax1.axvline(0.0, color="0.3", lw=1)
+    ax1.set_yticks(range(len(rows)), [r.name for r in rows], fontsize=8)
+    ax1.set_xlim(-span * 1.05, span * 1.05)
+    ax1.set_xlabel(f"mean reward − {best.name if best else 'best baseline'} (paired by seed, 95 % CI)")
+    ax1.set_title("reward difference to the best baseline (right is better)")
+    ax1.grid(alpha=0.3, axis="x")
+
+    # (2) cost vs p95, zoomed on the policies near the best baseline
+    ref_cost = best.metrics["cost_per_1k_requests"] if best else 1.0
+    ref_p95 = best.metrics["latency_p95_ms"] if best else 1.0
+    zoom = [r for r in results if r.metrics["cost_per_1k_requests"] <= 3 * ref_cost
+            and r.metrics["latency_p95_ms"] <= 3 * ref_p95]
+    off = [r.name for r in results if r not in zoom]
+    markers = "osD^v<>PX*"
+    for i, r in enumerate(zoom):
+        mt, ci = r.metrics, r.ci
+        xe = None if not math.isfinite(ci["latency_p95_ms"][0]) else \
+            [[mt["latency_p95_ms"] - ci["latency_p95_ms"][0]], [ci["latency_p95_ms"][1] - mt["latency_p95_ms"]]]
+        ye = None if not math.isfinite(ci["cost_per_1k_requests"][0]) else \
+            [[mt["cost_per_1k_requests"] - ci["cost_per_1k_requests"][0]],
+             [ci["cost_per_1k_requests"][1] - mt["cost_per_1k_requests"]]]
+        ax2.errorbar([mt["latency_p95_ms"]], [mt["cost_per_1k_requests"]], xerr=xe, yerr=ye, fmt=markers[i % 10],
+                     color=color[r.name], markersize=9 - 0.4 * i, alpha=0.85, capsize=3, label=r.name)
+    ax2.set_xlabel("p95 latency (ms)")
+    ax2.set_ylabel("cost per 1k requests (USD)")
+    ax2.set_title("cost vs p95 latency (lower-left is better)" + (f"\nnot shown (>3x the best baseline): "
+                                                                   f"{', '.join(off)}" if off else ""), fontsize=10)
+    ax2.legend(fontsize=8, loc="best")
     ax2.grid(alpha=0.3)
+
+    # (3) SLO misses and failures
+    names = [r.name for r in results]
+    n_req = [max(r.metrics["requests"], 1) for r in results]
+    miss = [100 * (1 - r.metrics["sla_attainment"]) for r in results]
+    fail = [100 * r.metrics["failed_requests"] / q for r, q in zip(results, n_req)]
+    x = np.arange(len(results))
+    ax3.bar(x - 0.2, miss, 0.4, label="SLO missed (%)", color="tab:orange")
+    ax3.bar(x + 0.2, fail, 0.4, label="failed (%)", color="tab:red")
+    ax3.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    ax3.set_yscale("symlog", linthresh=0.1)
+    ax3.set_ylabel("% of requests (symlog)")
+    ax3.set_title("SLO misses and failed requests")
+    ax3.legend(fontsize=8)
+    ax3.grid(alpha=0.3, axis="y")
+
+    # (4) cumulative cost difference to the best baseline
+    if best is not None:
+        for r in zoom:
+            if r is best or len(r.cum_cost) != len(best.cum_cost):
+                continue
+            ax4.plot((r.t - r.t[0]) / 60.0, r.cum_cost - best.cum_cost, label=r.name, color=color[r.name])
+        ax4.axhline(0.0, color="0.3", lw=1)
+        ax4.set_xlabel("minutes into the stream")
+        ax4.set_ylabel(f"cumulative cost − {best.name} (USD)")
+        ax4.set_title("where the cost differences accrue (first seed)")
+        ax4.legend(fontsize=8)
+        ax4.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -162,3 +408,26 @@ def write_json(data: dict[str, Any], path: str | Path) -> None:
     tmp = p.with_suffix(p.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=float))
     tmp.replace(p)
+
+
+def default_report_path(now: float | None = None) -> Path:
+    """``reports/evaluate-<UTC time>.json``: a run never overwrites another's report."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    p = Path("reports") / f"evaluate-{stamp}.json"
+    k = 1
+    while p.exists():
+        k += 1
+        p = Path("reports") / f"evaluate-{stamp}-{k}.json"
+    return p
+
+
+def sample_rows(n: int, size: int, blocks: int = 8) -> np.ndarray:
+    """Positions of ``size`` requests out of ``n`` in ``blocks`` evenly spaced contiguous blocks
+    (a quick look that keeps the queueing within each block)."""
+    if size >= n:
+        return np.arange(n)
+    blocks = max(1, min(blocks, size))
+    per = size // blocks
+    starts = np.linspace(0, n - per, blocks).astype(int)
+    rows = np.unique(np.concatenate([np.arange(s, s + per) for s in starts]))
+    return rows

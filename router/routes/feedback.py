@@ -1,4 +1,5 @@
-"""``POST /v1/feedback``: what really happened to a routed request (stored durably for retraining)."""
+"""``POST /v1/feedback``: what really happened to a routed request (stored durably for retraining; a
+completed request's output length also feeds the router's output-length estimator)."""
 
 from __future__ import annotations
 
@@ -23,4 +24,9 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> dict[str, object
     now = time.time()
     fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
                                            body.output_tokens, int(body.failed), body.error))
+    if body.output_tokens is not None and not body.failed:  # a completed output's length teaches the estimator
+        d = svc.store.get_decision(body.decision_id, who.tenant)
+        model = (d or {}).get("request", {}).get("model")
+        if model is None or model in svc.engine.models:
+            svc.engine.env.observe_output(model, who.tenant, body.output_tokens)
     return {"feedback_id": fid, "decision_id": body.decision_id, "received_at": iso(now)}

@@ -21,13 +21,21 @@ class _Strict(BaseModel):
 
 
 class RouteRequest(_Strict):
-    """``POST /v1/route``: one LLM inference request to place."""
+    """``POST /v1/route``: one LLM inference request to place -- what a client knows before the
+    answer exists (the same fields as a bundle's workload row, without the realized output)."""
 
     origin: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
         description="location id the request comes from (provider:region, see GET /v1/offerings)")
     input_tokens: int = Field(ge=0, le=2_000_000, description="prompt length in tokens")
-    max_output_tokens: int = Field(ge=1, le=1_000_000, description="output token budget (used as the expected length)")
-    sla_ms: float = Field(ge=1, le=3_600_000, description="latency objective in milliseconds")
+    max_output_tokens: int = Field(
+        ge=1, le=1_000_000, description="output token budget (max_tokens); the expected length is estimated from "
+                                        "past completions of the tenant and model, capped at this budget")
+    ttft_ms: float = Field(ge=1, le=3_600_000, description="SLO: time to first token, milliseconds")
+    tpot_ms: float = Field(gt=0, le=60_000, description="SLO: mean time per output token after the first, milliseconds")
+    deadline_ms: float | None = Field(None, ge=1, le=86_400_000,
+                                      description="SLO: optional end-to-end deadline, milliseconds")
+    model: Id | None = Field(None, description="the model the request is for (GET /v1/offerings lists them); "
+                                               "absent = the default model")
     session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
     constraints: Constraints | None = Field(
         None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")
@@ -148,6 +156,7 @@ class OfferingState(BaseModel):
 class OfferingsResponse(BaseModel):
     telemetry: TelemetryInfo
     origins: list[str]
+    models: list[str] = Field(description="models requests may name; the first is the default")
     offerings: list[OfferingState]
 
 

@@ -120,7 +120,9 @@ RTT = Table(
 
 WORKLOAD = Table(
     name="workload",
-    doc="The request stream, in arrival order.",
+    doc="The request stream, in arrival order. Every column but ``output_tokens`` is what a client "
+    "sends with the request (what a router knows when it decides); ``output_tokens`` is the realized "
+    "outcome, read only by the simulation of service (and the hindsight oracle).",
     time_column="ts",
     unique=("request_id",),
     columns=(
@@ -128,12 +130,27 @@ WORKLOAD = Table(
         Column("request_id", "str"),
         Column("origin", "str", doc="location id the request comes from"),
         Column("input_tokens", "int", minimum=0),
-        Column("output_tokens", "int", minimum=0),
-        Column("sla_ms", "float", minimum=0.0),
+        Column("max_output_tokens", "int", required=False, minimum=1,
+               doc="the client's output budget (max_tokens); when the column is absent it is derived "
+               "per tenant: the smallest power of two >= the longest output of that tenant in the bundle"),
+        Column("ttft_ms", "float", minimum=1.0, doc="SLO: time to first token, ms"),
+        Column("tpot_ms", "float", minimum=0.01, doc="SLO: mean time per output token after the first, ms"),
+        Column("deadline_ms", "float", required=False, minimum=1.0,
+               doc="SLO: optional end-to-end deadline, ms"),
+        Column("model", "str", required=False,
+               doc="model the request is for (configs/models.yaml); absent or empty = the default model"),
+        Column("output_tokens", "int", minimum=0,
+               doc="REALIZED tokens generated: the outcome, for simulating service only"),
         Column("session_id", "str", required=False),
         Column("tenant", "str", required=False),
     ),
 )
+
+#: columns of earlier bundle formats and what replaced them (named in the error for a stale bundle)
+REPLACED_COLUMNS: dict[str, dict[str, str]] = {
+    "workload": {"sla_ms": "the SLO is now ttft_ms + tpot_ms (and an optional deadline_ms); rebuild the bundle "
+                           "(tools/build_default_bundle.py) or add those columns"},
+}
 
 UTILIZATION = Table(
     name="utilization",

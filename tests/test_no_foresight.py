@@ -1,0 +1,111 @@
+"""No policy but the hindsight oracle sees the future.
+
+Two environments replay the same stream with the same seed; in the second, the realized outcome
+of the current request and of every later one -- its output length, its service-time draw, when a
+later spot preemption really happens -- is permuted (and, in a stronger variant, the requests
+still in flight at the current step run twice as long). A policy that decides only on what a
+router knows must take exactly the same decisions up to and including the current step. The
+oracle, which plans with hindsight, is checked to *change* its decisions: the test can tell.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from envs.cloud_route import _COMPLETE, CloudRouteEnv
+from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
+from models.baselines import make_baseline
+from models.policy import LearnedPolicy, RewardPrior, RouterWeights
+from xroute.config import EnvConfig, EvaluateConfig
+
+START, LENGTH = 3000, 320
+STEPS = (60, 200, 319)
+POLICIES = ("static", "cheapest", "lowest-latency", "least-loaded", "greedy", "round-robin", "random", "learned")
+
+
+def _learned() -> LearnedPolicy:
+    rng = np.random.default_rng(11)
+    nf, nr, ctx = N_OFFERING_FEATURES, N_REQUEST_FEATURES, 8
+    dims = [nf + nr + ctx, 32, 1]
+    layers = [(rng.normal(0, 0.3, (a, b)).astype(np.float32), rng.normal(0, 0.1, b).astype(np.float32))
+              for a, b in itertools.pairwise(dims)]
+    c = (rng.normal(0, 0.3, (nf + nr, ctx)).astype(np.float32), rng.normal(0, 0.1, ctx).astype(np.float32))
+    return LearnedPolicy(RouterWeights(layers=layers, ctx=c, prior=RewardPrior.from_env_config(EnvConfig())))
+
+
+def _policy(name: str) -> Any:
+    return _learned() if name == "learned" else make_baseline(name, EvaluateConfig())
+
+
+def _env(bundle: Any) -> CloudRouteEnv:
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0)
+
+
+def _future_changed(env: CloudRouteEnv, k: int, rng: np.random.Generator, in_flight: set[int]) -> None:
+    """Permute the realized outcome of request k and every later one; stretch ``in_flight``."""
+    i0 = START + k
+    idx = np.arange(i0, START + LENGTH)
+    env.req_out = env.req_out.copy()  # never the shared stream array of another env
+    env.req_out[idx] = env.req_out[rng.permutation(idx)]
+    for i in in_flight:  # not seen complete at step k: longer still, so not seen complete either
+        env.req_out[i] = min(2 * env.req_out[i] + 1, env.req_max_out[i])
+    env.z = env.z.copy()
+    env.z[k:] = rng.permutation(env.z[k:])
+    t_k = env.arrival[i0]
+    for i, d in enumerate(env.replay.down_times):  # when later preemptions really happen
+        later = d > t_k
+        if later.any():
+            td = env._true_down[i].copy()
+            td[later] = d[later] - rng.random(int(later.sum())) * env.cfg.spot_lag_s
+            env._true_down[i] = td
+
+
+def _run(env: CloudRouteEnv, policy: Any, steps: int, change_at: int | None = None,
+         in_flight: set[int] | None = None) -> tuple[list[int], set[int]]:
+    obs, info = env.reset(seed=4, options={"start": START, "end": START + LENGTH})
+    if change_at is not None:
+        _future_changed(env, change_at, np.random.default_rng(change_at), in_flight or set())
+    policy.reset(env, 4)
+    actions, pending = [], set()
+    for s in range(steps + 1):
+        if s == steps:  # the requests still in flight when step ``steps`` is decided
+            pending = {int(d[-1]) for (_, _, kind, d) in env._events if kind == _COMPLETE and d[-1] >= 0}
+        a = int(policy.act(obs, info))
+        actions.append(a)
+        obs, _, _, done, info = env.step(a)
+        if done:
+            break
+    return actions, pending
+
+
+@pytest.fixture(scope="module")
+def bundle(shipped_bundle: Any) -> Any:
+    return shipped_bundle
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str) -> None:
+    for k in STEPS:
+        base, pending = _run(_env(bundle), _policy(name), k)
+        changed, _ = _run(_env(bundle), _policy(name), k, change_at=k, in_flight=pending)
+        assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
+        assert pending, "some requests are in flight at each checked step (the test stretches them)"
+
+
+def test_the_future_does_change_the_outcomes_and_the_oracle(bundle: Any) -> None:
+    """The perturbation is not a no-op: the realized rewards change, and the hindsight oracle --
+    which plans on the realized future, and is documented as such -- changes its decisions."""
+    env_a, env_b = _env(bundle), _env(bundle)
+    k = 100
+    env_a.reset(seed=4, options={"start": START, "end": START + LENGTH})
+    env_b.reset(seed=4, options={"start": START, "end": START + LENGTH})
+    _future_changed(env_b, k, np.random.default_rng(k), set())
+    assert not np.array_equal(env_a.req_out[START + k:START + LENGTH], env_b.req_out[START + k:START + LENGTH])
+    cfg = EvaluateConfig().model_copy(update={"oracle": EvaluateConfig().oracle.model_copy(update={"horizon": 4})})
+    a, _ = _run(env_a, make_baseline("oracle", cfg), LENGTH - 1)
+    b, _ = _run(env_b, make_baseline("oracle", cfg), LENGTH - 1, change_at=k)
+    assert a != b
