@@ -641,10 +641,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         first = start + pf + (tp if out >= 1 else 0.0)
         down = self.next_down[a] if self.is_spot[a] > 0.5 else np.inf
         if down < start + service:
-            stop = max(down, start)
-            if stop > start and not dry:
+            # the pool dies while the request is queued (or already dead when it is sent: the
+            # telemetry shows it late) or in service: it ends then, having run what it ran
+            stop = max(down, start_t)
+            ran = max(stop - start, 0.0)
+            if ran > 0 and not dry:
                 self._occupy(m, a, j, stop)
-            return {"end": stop, "first": first if first <= stop else np.inf, "ran": stop - start, "preempted": 1.0}
+            return {"end": stop, "first": first if first <= stop else np.inf, "ran": ran, "preempted": 1.0}
         if not dry:
             self._occupy(m, a, j, start + service)
         return {"end": start + service, "first": first, "ran": service, "preempted": 0.0}
