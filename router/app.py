@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI
+from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router import errors
 from router.deps import Services
 from router.engine import RoutingEngine
-from router.fastpath import RouteFastPath
 from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
@@ -34,6 +34,7 @@ from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.settings import RouterSettings, load_settings
 from router.store import DecisionStore
+from xroute.schema.decision import RouteRequest
 
 API_VERSION = "1.0.0"
 
@@ -162,17 +163,17 @@ PUBLIC_PATHS = ("/healthz", "/readyz")
 
 
 class RouterApp(FastAPI):
-    """The FastAPI app behind one pure-ASGI front: :class:`RequestContext` (request id, trace,
-    body limit, access log) around :class:`RouteFastPath` (the successful ``POST /v1/route``,
-    without FastAPI's per-request machinery), around FastAPI itself (everything else)."""
+    """The FastAPI app behind one pure-ASGI front, :class:`RequestContext` (request id, trace,
+    body limit, access log), around FastAPI itself: every route, ``POST /v1/route`` included, goes
+    through both and through any middleware added with ``add_middleware``. (In front of FastAPI's
+    own stack rather than added to it, so that the 500 its ``ServerErrorMiddleware`` renders still
+    carries the request id and gets its access line.)"""
 
     front: ASGIApp | None = None
     #: what every route uses (``router.deps.Services``), set by the lifespan while serving, else None;
     #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
-    #: read on every request by the fast path)
+    #: read on every request by the dependency)
     services: Any = None
-    #: whether ``xroute serve`` answers ``POST /v1/route`` in the HTTP protocol (``router.protocol``)
-    http_fast_path: bool = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.front
@@ -184,13 +185,18 @@ class RouterApp(FastAPI):
 
 def _document_security(app: FastAPI) -> None:
     """Declare the API-key schemes in the OpenAPI document (checked by ``router.deps.authenticate``,
-    not by FastAPI security dependencies, which cost a dependency resolution each per request)."""
+    not by FastAPI security dependencies, which cost a dependency resolution each per request), and
+    the schemas of the bodies a route validates itself."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            # the bodies routes read themselves (``POST /v1/route``'s, documented by its openapi_extra)
+            _, defs = models_json_schema([(RouteRequest, "validation")], ref_template="#/components/schemas/{model}")
+            for name, definition in defs.get("$defs", {}).items():
+                schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
             schema.setdefault("components", {})["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "API key as a bearer token"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
@@ -264,7 +270,6 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     errors.install(app)
     _document_security(app)
     inner = functools.partial(FastAPI.__call__, app)
-    app.http_fast_path = settings.http_fast_path
-    app.front = RequestContext(RouteFastPath(inner, app), max_body_bytes=settings.max_body_bytes, metrics=metrics,
+    app.front = RequestContext(inner, max_body_bytes=settings.max_body_bytes, metrics=metrics,
                                access_log=settings.access_log)
     return app

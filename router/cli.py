@@ -31,7 +31,6 @@ def serve(
 
     from router.app import create_app
     from router.engine import RoutingEngine
-    from router.protocol import http_protocol
     from router.settings import load_settings
 
     settings = load_settings(config, telemetry=telemetry, telemetry_live=live, model_uri=model, fallback_policy=fallback, db_path=db,
@@ -39,7 +38,7 @@ def serve(
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
     app = create_app(settings, engine)
     uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, workers=1,
-                timeout_graceful_shutdown=10, server_header=False, http=http_protocol(app))
+                timeout_graceful_shutdown=10, server_header=False)
 
 
 def export_feedback(

@@ -15,7 +15,6 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 
 from router.engine import RoutingEngine
-from router.fastpath import bearer_of
 from router.keys import KeyStore, Principal
 from router.metrics import Metrics
 from router.settings import RouterSettings
@@ -48,6 +47,12 @@ def services_of(request: Request) -> Services:
     if svc is None:
         raise HTTPException(503, "the router is starting")
     return svc  # type: ignore[no-any-return]
+
+
+def bearer_of(value: bytes) -> str | None:
+    """The key in an ``Authorization: Bearer <key>`` value (None for another scheme or no key)."""
+    scheme, _, cred = value.decode("latin-1").partition(" ")
+    return (cred.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def api_key(request: Request) -> str | None:

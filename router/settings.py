@@ -87,8 +87,6 @@ class RouterSettings(BaseSettings):
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
     access_log: bool = Field(True, description="one JSON line per request")
-    http_fast_path: bool = Field(True, description="answer a successful POST /v1/route inside uvicorn's HTTP "
-                                 "protocol, below ASGI (router.protocol); false: on the ASGI fast path")
     log_level: str = "INFO"
 
     @field_validator("telemetry_live")
