@@ -16,8 +16,7 @@
    same structure 4 wide (``route_learned_tiny``: what the learned path costs apart from its
    network) -- these three get ``--rounds`` pairs each (servers up throughout, order rotated),
    reported as medians with the range of the ratios --; then one pair each with one setting
-   changed: ``synchronous=NORMAL``, commits on a writer thread, commits on the event loop, answers
-   stored uncompressed; and ``/v1/route`` (same app and settings) on uvicorn's pure-Python stack
+   changed: ``synchronous=NORMAL`` and answers stored uncompressed; and ``/v1/route`` (same app and settings) on uvicorn's pure-Python stack
    (asyncio + h11, what uvicorn runs without the [serve] extra), against the trivial endpoint on
    that stack.
    Ablations, to show where a request's time goes (the same app, one part replaced in the
@@ -464,8 +463,6 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         # one setting changed each, the pure-Python stack, the ablations: one pair each
         variants: list[tuple[str, dict[str, str], str]] = [
             ("route_normal", {"XROUTE_ROUTER_DB_SYNCHRONOUS": "NORMAL"}, model),
-            ("route_thread_writer", {"XROUTE_ROUTER_DB_WRITER": "thread"}, model),
-            ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
             ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
             ("route_front_only", {}, model),
             ("route_no_log", {}, model),

@@ -228,7 +228,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
-                              on_commit=metrics.committed, writer=settings.db_writer,
+                              on_commit=metrics.committed,
                               checkpoint_rows=settings.db_checkpoint_rows, checkpoint_s=settings.db_checkpoint_s,
                               on_checkpoint=metrics.log_checkpoint_seconds.observe)
         if settings.db_compress:
@@ -254,7 +254,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            store.close()
+            await store.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})

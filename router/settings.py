@@ -63,10 +63,6 @@ class RouterSettings(BaseSettings):
     db_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
     db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
-    db_writer: Literal["thread", "loop", "process"] = Field(
-        "process", description="where group commits run: a writer process (default: compression, inserts and "
-                               "fsync never compete with the event loop for the GIL), a writer thread, or the "
-                               "event loop itself")
     db_checkpoint_rows: int = Field(
         CHECKPOINT_ROWS, ge=1, le=1_000_000,
         description="copy the WAL into the database (a checkpoint between two group commits) after this many "

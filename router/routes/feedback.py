@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
                         422: {"model": ErrorResponse}}, summary="Report the observed outcome of a decision")
 async def feedback(body: FeedbackRequest, caller: CallerDep) -> dict[str, object]:
     who, svc = caller.who, caller.svc
-    if svc.store.owner(body.decision_id) != who.tenant:
+    if await svc.store.owner(body.decision_id) != who.tenant:
         raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
     now = time.time()
     fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
