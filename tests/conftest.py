@@ -49,3 +49,35 @@ def ray_local():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# ---- real servers (tests/servers.py): started on first use, once per session, never faked ----
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL on a loopback port (its admin URL: ``postgres.url``; a fresh database per
+    test: ``postgres.create_database(name)``)."""
+    from tests.servers import PostgresServer, ServerError
+
+    server = PostgresServer()
+    try:
+        server.start()
+    except ServerError as e:
+        server.close()
+        pytest.fail(f"the test PostgreSQL server could not start: {e}", pytrace=False)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a loopback port (``redis_server.url``)."""
+    from tests.servers import RedisServer, ServerError
+
+    server = RedisServer()
+    try:
+        server.start()
+    except ServerError as e:
+        server.close()
+        pytest.fail(f"the test Redis server could not start: {e}", pytrace=False)
+    yield server
+    server.close()
