@@ -33,7 +33,7 @@ from router.policies import ActivePolicy, import_loader, resolve
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.settings import RouterSettings, load_settings
-from router.store import DecisionStore
+from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
 
 API_VERSION = "1.0.0"
@@ -159,6 +159,28 @@ async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: flo
         flush_logs()
 
 
+async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: RoutingEngine) -> GroupCommitLog:
+    """The decision log the settings name, started: PostgreSQL when ``db_url`` is set, else SQLite
+    at ``db_path`` (answers compressed against the engine's dictionary with ``db_compress``)."""
+    store: GroupCommitLog
+    if settings.db_url is not None:
+        from router.store_pg import PostgresLog
+
+        pg = PostgresLog(settings.db_url.get_secret_value(), settings.db_batch_max, on_commit=metrics.committed)
+        await pg.open()
+        store = pg
+    else:
+        sqlite = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
+                               on_commit=metrics.committed, checkpoint_rows=settings.db_checkpoint_rows,
+                               checkpoint_s=settings.db_checkpoint_s,
+                               on_checkpoint=metrics.log_checkpoint_seconds.observe)
+        if settings.db_compress:
+            sqlite.use_dictionary(engine.response_dictionary())
+        store = sqlite
+    store.start()
+    return store
+
+
 PUBLIC_PATHS = ("/healthz", "/readyz")
 
 
@@ -227,13 +249,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         if keys.empty:
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
-        store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
-                              on_commit=metrics.committed,
-                              checkpoint_rows=settings.db_checkpoint_rows, checkpoint_s=settings.db_checkpoint_s,
-                              on_checkpoint=metrics.log_checkpoint_seconds.observe)
-        if settings.db_compress:
-            store.use_dictionary(engine.response_dictionary())
-        store.start()
+        store = await open_decision_log(settings, metrics, engine)
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         app.services = Services(settings, engine, store, keys, metrics, models)
@@ -247,7 +263,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
             "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
-            "decision_log": str(settings.db_path)}})
+            "decision_log": store.describe().get("url") or str(settings.db_path)}})
         try:
             yield
         finally:

@@ -18,7 +18,7 @@ from router.engine import RoutingEngine
 from router.keys import KeyStore, Principal
 from router.metrics import Metrics
 from router.settings import RouterSettings
-from router.store import DecisionStore
+from router.store import GroupCommitLog
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Services:
 
     settings: RouterSettings
     engine: RoutingEngine
-    store: DecisionStore
+    store: GroupCommitLog
     keys: KeyStore
     metrics: Metrics
     models: object  # router.app.ModelManager (kept loose to avoid an import cycle)

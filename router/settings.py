@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -59,7 +59,12 @@ class RouterSettings(BaseSettings):
     alternatives: int = Field(3, ge=0, le=20, description="next-best offerings returned with each decision")
 
     # storage and security -------------------------------------------------------------------
-    db_path: Path = Field(Path("runs/router/decisions.db"), description="SQLite decision log (WAL)")
+    db_path: Path = Field(Path("runs/router/decisions.db"), description="SQLite decision log (WAL); used when "
+                          "db_url is unset")
+    db_url: SecretStr | None = Field(
+        None, description="the decision log on PostgreSQL instead of SQLite: postgresql://user@host:port/dbname "
+                          "(many routers can write one log); the password from PGPASSWORD, PGPASSFILE, ~/.pgpass "
+                          "or a passfile= parameter, never shown or logged")
     db_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
     db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
@@ -84,6 +89,13 @@ class RouterSettings(BaseSettings):
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
     access_log: bool = Field(True, description="one JSON line per request")
     log_level: str = "INFO"
+
+    @field_validator("db_url")
+    @classmethod
+    def _postgres_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (postgresql://user@host:port/dbname)")
+        return v
 
     @field_validator("telemetry_live")
     @classmethod

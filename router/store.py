@@ -295,6 +295,10 @@ class GroupCommitLog:
         """The tenant of a stored decision (None when there is none)."""
         raise NotImplementedError
 
+    async def healthy(self) -> bool:
+        """Whether the log can record now (``/readyz``)."""
+        return self.error is None and not self.closed
+
     def describe(self) -> dict[str, Any]:
         """What ``/v1/admin/status`` shows of the log (never a credential)."""
         return {"backend": self.backend, "commits": self.commits, "rows": self.rows, "error": self.error}
@@ -570,22 +574,33 @@ class _SqliteWriter:
         self.conn.close()
 
 
-def iter_decisions(path: Path, tenant: str | None = None) -> Iterator[dict[str, Any]]:
-    """Every decision (oldest first) with its latest feedback, read-only (for export)."""
-    conn = connect(Path(path), readonly=True)
+def export_columns(placeholder: str, by_tenant: bool) -> tuple[str, list[str]]:
+    """The export's query (every decision with its latest feedback, oldest first; ``placeholder``
+    is the backend's parameter marker) and the names of its columns."""
+    sql = (f"SELECT {', '.join('d.' + c for c in DECISION_COLUMNS if c != 'response_json')}, "
+           "f.latency_ms, f.cost_usd, f.output_tokens, f.failed, f.error, f.received_at "
+           "FROM decisions d LEFT JOIN feedback f ON f.feedback_id = "
+           "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
+    if by_tenant:
+        sql += f" WHERE d.tenant = {placeholder}"
+    sql += " ORDER BY d.created_at, d.decision_id"
+    cols = [c for c in DECISION_COLUMNS if c != "response_json"] + [
+        "observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
+    return sql, cols
+
+
+def iter_decisions(target: Path | str, tenant: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every decision (oldest first) with its latest feedback, read-only (for export), from a
+    SQLite file or a ``postgresql://`` URL."""
+    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+        from router import store_pg
+
+        yield from store_pg.iter_decisions(target, tenant)
+        return
+    sql, cols = export_columns("?", tenant is not None)
+    conn = connect(Path(target), readonly=True)
     try:
-        sql = (f"SELECT {', '.join('d.' + c for c in DECISION_COLUMNS if c != 'response_json')}, "
-               "f.latency_ms, f.cost_usd, f.output_tokens, f.failed, f.error, f.received_at "
-               "FROM decisions d LEFT JOIN feedback f ON f.feedback_id = "
-               "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
-        params: tuple[Any, ...] = ()
-        if tenant is not None:
-            sql += " WHERE d.tenant = ?"
-            params = (tenant,)
-        sql += " ORDER BY d.created_at, d.decision_id"
-        cols = [c for c in DECISION_COLUMNS if c != "response_json"] + [
-            "observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
-        for row in conn.execute(sql, params):
+        for row in conn.execute(sql, (tenant,) if tenant is not None else ()):
             yield dict(zip(cols, row))
     finally:
         conn.close()
