@@ -33,6 +33,7 @@ from router.policies import ActivePolicy, import_loader, resolve
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.settings import RouterSettings, load_settings
+from router.state import RouterState, StateSettings, open_state
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
 
@@ -181,6 +182,23 @@ async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: 
     return store
 
 
+async def open_router_state(settings: RouterSettings) -> RouterState:
+    """The shared state the settings name (``router.state``). A server that cannot be reached at
+    start is logged, not fatal: each operation raises ``StateUnavailable`` (or answers locally with
+    ``state_fail_open``) until it is back."""
+
+    def failover(why: str) -> None:
+        LOG.warning("shared state unreachable; answering from this process's own view (state_fail_open)",
+                    extra={"fields": {"error": why}})
+
+    url = settings.state_url.get_secret_value() if settings.state_url is not None else None
+    state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
+                                     settings.state_prefix, settings.state_stats_alpha), on_failover=failover)
+    if not await state.healthy():
+        LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
+    return state
+
+
 PUBLIC_PATHS = ("/healthz", "/readyz")
 
 
@@ -252,7 +270,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         store = await open_decision_log(settings, metrics, engine)
         models = ModelManager(engine, settings, metrics)
         await models.initial()
-        app.services = Services(settings, engine, store, keys, metrics, models)
+        state = await open_router_state(settings)
+        app.services = Services(settings, engine, store, keys, metrics, models, state)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh")]
@@ -271,6 +290,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await store.close()
+            await state.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})

@@ -18,6 +18,7 @@ from router.engine import RoutingEngine
 from router.keys import KeyStore, Principal
 from router.metrics import Metrics
 from router.settings import RouterSettings
+from router.state import RouterState
 from router.store import GroupCommitLog
 
 
@@ -31,6 +32,8 @@ class Services:
     keys: KeyStore
     metrics: Metrics
     models: object  # router.app.ModelManager (kept loose to avoid an import cycle)
+    #: in-flight work, outcome statistics, idempotency keys (router.state); not yet read by the decision
+    state: RouterState | None = None
 
 
 @dataclass(slots=True)

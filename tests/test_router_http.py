@@ -208,6 +208,7 @@ def test_offerings_metrics_and_admin(live: Any, client: httpx.Client) -> None:
         assert name in text, name
     st = client.get("/v1/admin/status", headers=setup.auth("admin")).json()
     assert st["decision_log"]["synchronous"] == "FULL" and st["decisions_since_start"] >= 1
+    assert st["decision_log"]["backend"] == "sqlite" and st["state"]["backend"] == "embedded"
     assert client.post("/v1/admin/model/reload", headers=setup.auth("admin")).json()["outcome"] == "disabled"
 
 

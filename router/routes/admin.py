@@ -29,6 +29,7 @@ async def status(caller: AdminDep) -> dict[str, object]:
                       "error": eng.freshness.last_error},
         "decisions_since_start": eng.decisions,
         "decision_log": st.describe(),
+        "state": svc.state.describe() if svc.state is not None else None,
     }
 
 
