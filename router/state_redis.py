@@ -97,6 +97,11 @@ if ARGV[1] == 'inflight' then h = redis.call('HGETALL', KEYS[1]) elseif ARGV[1] 
   h = redis.call('HGETALL', KEYS[4]) end
 return {n, h}
 """
+# KEYS: inflight, held, due, expired, stats; ARGV: pool
+STATS = _NOW + _EXPIRE_DUE + """
+expire_due(now)
+return {redis.call('HGETALL', KEYS[5]), redis.call('HGET', KEYS[1], ARGV[1]), redis.call('HGET', KEYS[4], ARGV[1])}
+"""
 # KEYS: stats; ARGV: alpha, ttft ms or '', duration ms or '', failed 0/1 (the estimator of router.state)
 OBSERVE = """
 local a = tonumber(ARGV[1])
@@ -175,6 +180,7 @@ class RedisState(RouterState):
         self._release = self._r.register_script(RELEASE)
         self._read = self._r.register_script(EXPIRE_AND_READ)
         self._observe = self._r.register_script(OBSERVE)
+        self._stats = self._r.register_script(STATS)
         self._claim = self._r.register_script(CLAIM)
         self._abandon = self._r.register_script(ABANDON)
 
@@ -222,15 +228,8 @@ class RedisState(RouterState):
                          "" if duration_ms is None else repr(float(duration_ms)), 1 if failed else 0])
 
     async def stats(self, pool: str) -> PoolStats:
-        await self._hash("")  # expire what is due first, as the embedded backend does
-        try:
-            async with self._r.pipeline(transaction=False) as pipe:
-                pipe.hgetall(self.base + "stats:" + pool)
-                pipe.hget(self._keys[0], pool)
-                pipe.hget(self._keys[3], pool)
-                h, in_flight, expired = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            raise self._down(e) from None
+        flat, in_flight, expired = await self._run(self._stats, [*self._keys, self.base + "stats:" + pool], [pool])
+        h = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
         outcomes = int(h.get(b"outcomes", 0))
         ttft_n, dur_n = int(h.get(b"ttft_n", 0)), int(h.get(b"dur_n", 0))
         var_t, var_d = _f(h.get(b"ttft_var")), _f(h.get(b"dur_var"))
