@@ -52,18 +52,24 @@ def ray_local():
 
 
 # ---- real servers (tests/servers.py): started on first use, once per session, never faked ----
+def _started(kind: str):
+    """A started server of ``tests.servers``' class ``kind``, or the test fails saying why."""
+    import tests.servers
+
+    server = getattr(tests.servers, kind)()
+    try:
+        server.start()
+    except tests.servers.ServerError as e:
+        server.close()
+        pytest.fail(f"the test {kind} could not start: {e}", pytrace=False)
+    return server
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """A real PostgreSQL on a loopback port (its admin URL: ``postgres.url``; a fresh database per
     test: ``postgres.create_database(name)``)."""
-    from tests.servers import PostgresServer, ServerError
-
-    server = PostgresServer()
-    try:
-        server.start()
-    except ServerError as e:
-        server.close()
-        pytest.fail(f"the test PostgreSQL server could not start: {e}", pytrace=False)
+    server = _started("PostgresServer")
     yield server
     server.close()
 
@@ -71,13 +77,6 @@ def postgres():
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a loopback port (``redis_server.url``)."""
-    from tests.servers import RedisServer, ServerError
-
-    server = RedisServer()
-    try:
-        server.start()
-    except ServerError as e:
-        server.close()
-        pytest.fail(f"the test Redis server could not start: {e}", pytrace=False)
+    server = _started("RedisServer")
     yield server
     server.close()

@@ -277,7 +277,7 @@ def test_settings_name_the_field_and_the_router_reports_its_state(redis_server: 
 
     with pytest.raises(ConfigError, match="state_url: needed with state_backend: redis"):
         make_setup(tmp_path / "a", state_backend="redis")
-    with pytest.raises(ConfigError, match="field 'state_url'.*redis://"):
+    with pytest.raises(ConfigError, match=r"field 'state_url'.*redis://"):
         make_setup(tmp_path / "b", state_backend="redis", state_url="http://127.0.0.1:1")
     setup = make_setup(tmp_path / "c", state_backend="redis", state_url=redis_server.url, state_prefix="t-status")
     with ServerThread(create_app(setup.settings)) as url:
