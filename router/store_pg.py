@@ -182,7 +182,7 @@ class PostgresLog(GroupCommitLog):
                 conn = None
                 conn = await self._connect()
             results = await self._write(conn, [(kind, row) for kind, row, _ in batch])
-        except psycopg.Error as e:
+        except Exception as e:  # psycopg's errors, and anything else: never leave a request waiting
             self.error = f"decision log {self.where}: {one_line(e)}"
             results = [StoreClosed(self.error)] * len(batch)
             if conn is not None and not conn.closed and isinstance(e, psycopg.OperationalError):
