@@ -16,9 +16,7 @@
    same structure 4 wide (``route_learned_tiny``: what the learned path costs apart from its
    network) -- these three get ``--rounds`` pairs each (servers up throughout, order rotated),
    reported as medians with the range of the ratios --; then one pair each with one setting
-   changed: ``synchronous=NORMAL``, commits on a writer thread, commits on the event loop, answers
-   stored uncompressed, and answered on the ASGI fast path instead of inside the HTTP protocol
-   (``route_asgi``); and ``/v1/route`` (same app and settings) on uvicorn's pure-Python stack
+   changed: ``synchronous=NORMAL`` and answers stored uncompressed; and ``/v1/route`` (same app and settings) on uvicorn's pure-Python stack
    (asyncio + h11, what uvicorn runs without the [serve] extra), against the trivial endpoint on
    that stack.
    Ablations, to show where a request's time goes (the same app, one part replaced in the
@@ -253,7 +251,8 @@ def _stub(part: str) -> None:
     logging; ``log`` -> decisions are made but never written (the log's future is already done)."""
     import asyncio
 
-    from router import fastpath, protocol, store
+    from router import store
+    from router.routes import route
 
     if part == "decision":
         answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
@@ -263,8 +262,7 @@ def _stub(part: str) -> None:
             done.set_result(0)
             return answer, done, "constant", {"kind": "fallback", "reason": None}
 
-        fastpath.begin_route = constant  # type: ignore[assignment]
-        protocol.begin_route = constant  # type: ignore[assignment]
+        route.begin_route = constant  # type: ignore[assignment]
     elif part == "log":
         def not_written(self: Any, row: tuple[Any, ...]) -> Any:
             fut = asyncio.get_running_loop().create_future()
@@ -284,13 +282,9 @@ def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = Non
 
         if stub:
             _stub(stub)
-        from router.protocol import http_protocol
-
         settings = load_settings(None)
         loop, http = STACKS[stack]
         app = create_app(settings, RoutingEngine(settings))
-        if http == "auto":  # as ``xroute serve`` (router/cli.py): /v1/route answered in the HTTP protocol
-            http = http_protocol(app)
         uvicorn.run(app, host="127.0.0.1", port=port, log_config=None, access_log=False, server_header=False,
                     loop=loop, http=http)
         return
@@ -471,10 +465,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
         # one setting changed each, the pure-Python stack, the ablations: one pair each
         variants: list[tuple[str, dict[str, str], str]] = [
             ("route_normal", {"XROUTE_ROUTER_DB_SYNCHRONOUS": "NORMAL"}, model),
-            ("route_thread_writer", {"XROUTE_ROUTER_DB_WRITER": "thread"}, model),
-            ("route_loop_writer", {"XROUTE_ROUTER_DB_WRITER": "loop"}, model),
             ("route_uncompressed", {"XROUTE_ROUTER_DB_COMPRESS": "false"}, model),
-            ("route_asgi", {"XROUTE_ROUTER_HTTP_FAST_PATH": "false"}, model),
             ("route_front_only", {}, model),
             ("route_no_log", {}, model),
             ("route_pure_stack", {}, model),

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI
+from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router import errors
 from router.deps import Services
 from router.engine import RoutingEngine
-from router.fastpath import RouteFastPath
 from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
@@ -33,7 +33,9 @@ from router.policies import ActivePolicy, import_loader, resolve
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.settings import RouterSettings, load_settings
-from router.store import DecisionStore
+from router.state import RouterState, StateSettings, open_state
+from router.store import DecisionStore, GroupCommitLog
+from xroute.schema.decision import RouteRequest
 
 API_VERSION = "1.0.0"
 
@@ -158,21 +160,60 @@ async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: flo
         flush_logs()
 
 
+async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: RoutingEngine) -> GroupCommitLog:
+    """The decision log the settings name, started: PostgreSQL when ``db_url`` is set, else SQLite
+    at ``db_path`` (answers compressed against the engine's dictionary with ``db_compress``)."""
+    store: GroupCommitLog
+    if settings.db_url is not None:
+        from router.store_pg import PostgresLog
+
+        pg = PostgresLog(settings.db_url.get_secret_value(), settings.db_batch_max, on_commit=metrics.committed)
+        await pg.open()
+        store = pg
+    else:
+        sqlite = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
+                               on_commit=metrics.committed, checkpoint_rows=settings.db_checkpoint_rows,
+                               checkpoint_s=settings.db_checkpoint_s,
+                               on_checkpoint=metrics.log_checkpoint_seconds.observe)
+        if settings.db_compress:
+            sqlite.use_dictionary(engine.response_dictionary())
+        store = sqlite
+    store.start()
+    return store
+
+
+async def open_router_state(settings: RouterSettings) -> RouterState:
+    """The shared state the settings name (``router.state``). A server that cannot be reached at
+    start is logged, not fatal: each operation raises ``StateUnavailable`` (or answers locally with
+    ``state_fail_open``) until it is back."""
+
+    def failover(why: str) -> None:
+        LOG.warning("shared state unreachable; answering from this process's own view (state_fail_open)",
+                    extra={"fields": {"error": why}})
+
+    url = settings.state_url.get_secret_value() if settings.state_url is not None else None
+    state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
+                                     settings.state_prefix, settings.state_stats_alpha), on_failover=failover)
+    if not await state.healthy():
+        LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
+    return state
+
+
 PUBLIC_PATHS = ("/healthz", "/readyz")
 
 
 class RouterApp(FastAPI):
-    """The FastAPI app behind one pure-ASGI front: :class:`RequestContext` (request id, trace,
-    body limit, access log) around :class:`RouteFastPath` (the successful ``POST /v1/route``,
-    without FastAPI's per-request machinery), around FastAPI itself (everything else)."""
+    """The FastAPI app behind one pure-ASGI front, :class:`RequestContext` (request id, trace,
+    body limit, access log), around FastAPI itself: every route, ``POST /v1/route`` included, goes
+    through both and through any middleware added with ``add_middleware``. (In front of FastAPI's
+    own stack rather than added to it, so that the 500 its ``ServerErrorMiddleware`` renders still
+    carries the request id and gets its access line.)"""
 
     front: ASGIApp | None = None
     #: what every route uses (``router.deps.Services``), set by the lifespan while serving, else None;
     #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
-    #: read on every request by the fast path)
+    #: read on every request by the dependency)
     services: Any = None
-    #: whether ``xroute serve`` answers ``POST /v1/route`` in the HTTP protocol (``router.protocol``)
-    http_fast_path: bool = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.front
@@ -184,13 +225,18 @@ class RouterApp(FastAPI):
 
 def _document_security(app: FastAPI) -> None:
     """Declare the API-key schemes in the OpenAPI document (checked by ``router.deps.authenticate``,
-    not by FastAPI security dependencies, which cost a dependency resolution each per request)."""
+    not by FastAPI security dependencies, which cost a dependency resolution each per request), and
+    the schemas of the bodies a route validates itself."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            # the bodies routes read themselves (``POST /v1/route``'s, documented by its openapi_extra)
+            _, defs = models_json_schema([(RouteRequest, "validation")], ref_template="#/components/schemas/{model}")
+            for name, definition in defs.get("$defs", {}).items():
+                schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
             schema.setdefault("components", {})["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer", "description": "API key as a bearer token"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
@@ -221,16 +267,11 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         if keys.empty:
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
-        store = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
-                              on_commit=metrics.committed, writer=settings.db_writer,
-                              checkpoint_rows=settings.db_checkpoint_rows, checkpoint_s=settings.db_checkpoint_s,
-                              on_checkpoint=metrics.log_checkpoint_seconds.observe)
-        if settings.db_compress:
-            store.use_dictionary(engine.response_dictionary())
-        store.start()
+        store = await open_decision_log(settings, metrics, engine)
         models = ModelManager(engine, settings, metrics)
         await models.initial()
-        app.services = Services(settings, engine, store, keys, metrics, models)
+        state = await open_router_state(settings)
+        app.services = Services(settings, engine, store, keys, metrics, models, state)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh")]
@@ -241,14 +282,15 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
             "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
-            "decision_log": str(settings.db_path)}})
+            "decision_log": store.describe().get("url") or str(settings.db_path)}})
         try:
             yield
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            store.close()
+            await store.close()
+            await state.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
@@ -264,7 +306,6 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     errors.install(app)
     _document_security(app)
     inner = functools.partial(FastAPI.__call__, app)
-    app.http_fast_path = settings.http_fast_path
-    app.front = RequestContext(RouteFastPath(inner, app), max_body_bytes=settings.max_body_bytes, metrics=metrics,
+    app.front = RequestContext(inner, max_body_bytes=settings.max_body_bytes, metrics=metrics,
                                access_log=settings.access_log)
     return app

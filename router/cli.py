@@ -22,7 +22,9 @@ def serve(
     model: Annotated[str | None, typer.Option(help="model URI or path (default models:/xroute-router@champion); "
                                                    "'' = fallback only")] = None,
     fallback: Annotated[str | None, typer.Option(help="baseline used without a model (default greedy)")] = None,
-    db: Annotated[Path | None, typer.Option(help="SQLite decision log (default runs/router/decisions.db)")] = None,
+    db: Annotated[str | None, typer.Option(help="decision log: a SQLite file (default runs/router/decisions.db) "
+                                            "or a postgresql://user@host:port/dbname URL (password from "
+                                            "PGPASSWORD / PGPASSFILE / ~/.pgpass)")] = None,
     keys_file: Annotated[Path | None, typer.Option(help="API keys file (default runs/router/keys.json)")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
 ) -> None:
@@ -31,20 +33,27 @@ def serve(
 
     from router.app import create_app
     from router.engine import RoutingEngine
-    from router.protocol import http_protocol
     from router.settings import load_settings
+    from router.store_pg import is_postgres_url
 
-    settings = load_settings(config, telemetry=telemetry, telemetry_live=live, model_uri=model, fallback_policy=fallback, db_path=db,
+    pg = db is not None and is_postgres_url(db)
+    settings = load_settings(config, telemetry=telemetry, telemetry_live=live, model_uri=model, fallback_policy=fallback,
+                             db_path=None if pg or db is None else Path(db), db_url=db if pg else None,
                              keys_file=keys_file, log_level=log_level)
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
+    if settings.db_url is not None:  # so does a PostgreSQL log that cannot be reached
+        from router.store_pg import check_reachable
+
+        check_reachable(settings.db_url.get_secret_value())
     app = create_app(settings, engine)
     uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, workers=1,
-                timeout_graceful_shutdown=10, server_header=False, http=http_protocol(app))
+                timeout_graceful_shutdown=10, server_header=False)
 
 
 def export_feedback(
     output: Annotated[Path, typer.Option(help="bundle directory to write")],
-    db: Annotated[Path | None, typer.Option(help="decision log (default: the router's db_path setting)")] = None,
+    db: Annotated[str | None, typer.Option(help="decision log: a SQLite file or a postgresql:// URL (default: the "
+                                            "router's db_url, else db_path setting)")] = None,
     telemetry: Annotated[Path | None, typer.Option(help="bundle the decisions were made on "
                                                         "(default: the router's telemetry setting)")] = None,
     config: Annotated[Path | None, typer.Option(help="router config YAML")] = None,
@@ -56,6 +65,8 @@ def export_feedback(
     from router.settings import load_settings
 
     settings = load_settings(config)
-    out = export_bundle(db or settings.db_path, telemetry or settings.telemetry, output, tenant, overwrite)
+    source: Path | str = (db if db is not None else settings.db_url.get_secret_value() if settings.db_url is not None
+                          else settings.db_path)
+    out = export_bundle(source, telemetry or settings.telemetry, output, tenant, overwrite)
     typer.echo(f"exported {out['decisions']} decisions ({out['with_feedback']} with feedback) to {out['output']}"
                + (f"; skipped {out['skipped_other_bundle']} made on another bundle" if out["skipped_other_bundle"] else ""))

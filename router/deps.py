@@ -15,11 +15,11 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 
 from router.engine import RoutingEngine
-from router.fastpath import bearer_of
 from router.keys import KeyStore, Principal
 from router.metrics import Metrics
 from router.settings import RouterSettings
-from router.store import DecisionStore
+from router.state import RouterState
+from router.store import GroupCommitLog
 
 
 @dataclass
@@ -28,10 +28,12 @@ class Services:
 
     settings: RouterSettings
     engine: RoutingEngine
-    store: DecisionStore
+    store: GroupCommitLog
     keys: KeyStore
     metrics: Metrics
     models: object  # router.app.ModelManager (kept loose to avoid an import cycle)
+    #: in-flight work, outcome statistics, idempotency keys (router.state); not yet read by the decision
+    state: RouterState | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +50,12 @@ def services_of(request: Request) -> Services:
     if svc is None:
         raise HTTPException(503, "the router is starting")
     return svc  # type: ignore[no-any-return]
+
+
+def bearer_of(value: bytes) -> str | None:
+    """The key in an ``Authorization: Bearer <key>`` value (None for another scheme or no key)."""
+    scheme, _, cred = value.decode("latin-1").partition(" ")
+    return (cred.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def api_key(request: Request) -> str | None:

@@ -15,20 +15,27 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import psycopg
 
 from router.logs import iso
 from router.store import iter_decisions
+from router.store_pg import is_postgres_url, one_line, redact
 from xroute.bundle import DEFAULT_BUNDLE, load_bundle
 from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, WORKLOAD
 
 
-def export_bundle(db_path: Path, telemetry: Path | None, output: Path, tenant: str | None = None,
+def export_bundle(db: Path | str, telemetry: Path | None, output: Path, tenant: str | None = None,
                   overwrite: bool = False) -> dict[str, Any]:
-    """Write the bundle; returns counts (decisions exported, skipped for another bundle, with feedback)."""
-    db_path = Path(db_path)
-    if not db_path.is_file():
-        raise ConfigError(f"--db: decision log '{db_path}' not found")
+    """Write the bundle from the decision log ``db`` (a SQLite file or a ``postgresql://`` URL);
+    returns counts (decisions exported, skipped for another bundle, with feedback)."""
+    if is_postgres_url(db):
+        where = redact(str(db))
+    else:
+        db = Path(db)
+        where = str(db)
+        if not db.is_file():
+            raise ConfigError(f"--db: decision log '{db}' not found")
     src = Path(telemetry) if telemetry is not None else DEFAULT_BUNDLE
     bundle = load_bundle(src)
     output = Path(output)
@@ -37,13 +44,17 @@ def export_bundle(db_path: Path, telemetry: Path | None, output: Path, tenant: s
             raise ConfigError(f"--output: '{output}' exists and is not empty; pass --overwrite or another path")
         shutil.rmtree(output)
     rows, skipped = [], 0
-    for d in iter_decisions(db_path, tenant):
+    try:
+        decisions = list(iter_decisions(db, tenant))
+    except psycopg.Error as e:
+        raise ConfigError(f"--db: cannot read the decision log {where} ({one_line(e)})") from None
+    for d in decisions:
         if d["bundle_hash"] != bundle.content_hash:
             skipped += 1
             continue
         rows.append(d)
     if not rows:
-        raise ConfigError(f"no decisions in {db_path} were made on the bundle {src} (hash {bundle.content_hash})"
+        raise ConfigError(f"no decisions in {where} were made on the bundle {src} (hash {bundle.content_hash})"
                           + (f"; {skipped} were made on other bundles" if skipped else ""))
     output.mkdir(parents=True, exist_ok=True)
     for name in TABLES:
@@ -78,7 +89,7 @@ def export_bundle(db_path: Path, telemetry: Path | None, output: Path, tenant: s
     outcomes["feedback_at"] = [iso(t) if pd.notna(t) else "" for t in df["feedback_at"]]
     outcomes.to_csv(output / "outcomes.csv", index=False)
     (output / "README.md").write_text(
-        f"# Routed requests exported by `xroute export-feedback`\n\nDecisions from `{db_path}` on the bundle "
+        f"# Routed requests exported by `xroute export-feedback`\n\nDecisions from `{where}` on the bundle "
         f"`{src}` (hash {bundle.content_hash}); every table but `workload` is copied from it. `workload` holds "
         "one row per decision at the telemetry time the router used (`request_id` = decision id); "
         "`outcomes.csv` holds the chosen offering, the expectations and the observed feedback.\n")

@@ -111,7 +111,7 @@ def access(rid: str, method: str, route: str, status: int, ms: float, tenant: st
     if (h is None or ACCESS.disabled or ACCESS.handlers or ACCESS.filters or _ROUTER.handlers or _ROUTER.filters
             or _XROUTE.handlers != [h] or _XROUTE.filters or h.filters or _XROUTE.propagate
             or not ACCESS.isEnabledFor(logging.INFO) or h.level > logging.INFO):
-        # the request id explicitly: the caller may log outside the request's context (router.protocol)
+        # the request id explicitly (the caller passes it; it may log outside the request's context)
         fields: dict[str, object] = {"request_id": rid, "method": method, "route": route, "status": status, "ms": ms}
         if tenant is not None:
             fields["tenant"] = tenant

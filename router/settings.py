@@ -13,10 +13,20 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from router.state import STATS_ALPHA
 from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
@@ -59,14 +69,15 @@ class RouterSettings(BaseSettings):
     alternatives: int = Field(3, ge=0, le=20, description="next-best offerings returned with each decision")
 
     # storage and security -------------------------------------------------------------------
-    db_path: Path = Field(Path("runs/router/decisions.db"), description="SQLite decision log (WAL)")
+    db_path: Path = Field(Path("runs/router/decisions.db"), description="SQLite decision log (WAL); used when "
+                          "db_url is unset")
+    db_url: SecretStr | None = Field(
+        None, description="the decision log on PostgreSQL instead of SQLite: postgresql://user@host:port/dbname "
+                          "(many routers can write one log); the password from PGPASSWORD, PGPASSFILE, ~/.pgpass "
+                          "or a passfile= parameter, never shown or logged")
     db_synchronous: Literal["FULL", "NORMAL"] = Field(
         "FULL", description="FULL: each group commit is fsynced before any of its requests is answered")
     db_batch_max: int = Field(512, ge=1, le=10_000, description="most decisions per group commit")
-    db_writer: Literal["thread", "loop", "process"] = Field(
-        "process", description="where group commits run: a writer process (default: compression, inserts and "
-                               "fsync never compete with the event loop for the GIL), a writer thread, or the "
-                               "event loop itself")
     db_checkpoint_rows: int = Field(
         CHECKPOINT_ROWS, ge=1, le=1_000_000,
         description="copy the WAL into the database (a checkpoint between two group commits) after this many "
@@ -84,12 +95,47 @@ class RouterSettings(BaseSettings):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="tenant name -> defaults")
     metrics_public: bool = Field(False, description="serve /metrics without a key (else an admin key)")
 
+    # shared state (router/state.py) ---------------------------------------------------------
+    state_backend: Literal["embedded", "redis"] = Field(
+        "embedded", description="where in-flight work, outcome statistics and idempotency keys live: in this "
+                                "process (embedded) or on a Redis/Valkey server every router process and host shares")
+    state_url: SecretStr | None = Field(
+        None, description="redis://host:port/db (rediss:// for TLS) of that server; a password only through the "
+                          "environment (XROUTE_ROUTER_STATE_URL), never shown or logged")
+    state_fail_open: bool = Field(
+        False, description="while the server cannot be reached, answer from this process's own view (may "
+                           "overcommit pools) instead of 503 (fail closed, the default)")
+    state_timeout_s: float = Field(0.5, gt=0, le=30, description="a state operation without an answer "
+                                                                  "within this long counts as the server down")
+    state_prefix: str = Field("xroute", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                              description="namespace of the router's keys on the server")
+    state_stats_alpha: float = Field(STATS_ALPHA, gt=0, le=1, description="weight of a new outcome in each "
+                                     "pool's exponentially weighted TTFT/duration statistics")
+
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
     access_log: bool = Field(True, description="one JSON line per request")
-    http_fast_path: bool = Field(True, description="answer a successful POST /v1/route inside uvicorn's HTTP "
-                                 "protocol, below ASGI (router.protocol); false: on the ASGI fast path")
     log_level: str = "INFO"
+
+    @field_validator("db_url")
+    @classmethod
+    def _postgres_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (postgresql://user@host:port/dbname)")
+        return v
+
+    @field_validator("state_url")
+    @classmethod
+    def _redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _redis_needs_a_url(self) -> RouterSettings:
+        if self.state_backend == "redis" and self.state_url is None:
+            raise ValueError("state_url: needed with state_backend: redis (redis://host:port/db)")
+        return self
 
     @field_validator("telemetry_live")
     @classmethod

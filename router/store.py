@@ -1,38 +1,36 @@
-"""The decision log: SQLite in WAL mode with *group commit*, off the event loop.
+"""The decision log: SQLite in WAL mode with *group commit*, written by a writer process.
 
 Durable before acknowledged: a request appends its row to the pending batch and awaits a future.
 The first request of an event-loop iteration schedules one flush for the end of that iteration;
-the flush writes every pending row in one transaction, commits, and only then resolves the futures
-— so no decision is answered before the commit holding it has returned, and under load one commit
-(one fsync) covers every decision made in the same loop iteration (up to ``batch_max``).
+the flush hands every pending row (up to ``batch_max``) to the backend as one transaction, and the
+futures resolve only once that transaction has committed -- so no decision is answered before the
+commit holding it has returned, and under load one commit (one fsync) covers every decision made
+in the same loop iteration. :class:`GroupCommitLog` is that machinery and the interface every
+backend implements (record, read, describe, close); :class:`DecisionStore` is the SQLite backend
+(the embedded default) and ``router.store_pg.PostgresLog`` the PostgreSQL one.
 
-Where the commits run (``writer``), one commit in flight while the event loop keeps deciding; the
-rows that queue meanwhile form the next batch:
+SQLite's commits run in a writer *process* (spawned, so nothing of the server is forked): it gets
+each batch over a pipe, compresses, inserts, commits, and answers over the pipe; the event loop
+reads the answer like any socket. Up to two batches are at the writer at once
+(``PROCESS_BATCHES_IN_FLIGHT``), each its own transaction, committed and answered in order: the
+writer starts the next commit when one ends rather than after the server has read the answer and
+sent what queued meanwhile (+10-15 % decisions/s under ``wrk -c10``). Nothing it does competes
+with the event loop for the GIL. It exits when the server closes the pipe or dies (tested: no
+orphan after ``kill -9``); if it dies, every waiting and later request fails with
+:class:`StoreClosed` (503) and ``/readyz`` says so. It is the only writer: a writer thread and
+commits on the event loop were kept for comparison until measured once more side by side (wrk
+-c10, one worker, 2 shared cores, 2026-12-03): writer process 8,396 decisions/s, thread 4,437
+(its compression and inserts hold the GIL, and after each fsync it must win the GIL back from the
+busy loop), event loop 5,263 (every fsync stalls every request).
 
-* ``"process"`` (default): a writer *process* (spawned, so nothing of the server is forked) gets each
-  batch over a pipe, compresses, inserts, commits, and answers over the pipe; the event loop reads
-  the answer like any socket. Up to two batches are at the writer at once
-  (``PROCESS_BATCHES_IN_FLIGHT``), each its own transaction, committed and answered in order: the
-  writer starts the next commit when one ends rather than after the server has read the answer
-  and sent what queued meanwhile (+10-15 % decisions/s under ``wrk -c10``). Nothing it does
-  competes with the event loop for the GIL. It exits when the server closes the pipe or dies
-  (tested: no orphan after ``kill -9``); if it dies, every waiting and later request fails with
-  :class:`StoreClosed` (503) and ``/readyz`` says so.
-  1.7x the decisions/s of the thread on 2 cores (``docs/results.md``, "Router").
-* ``"thread"``: a writer thread. The compression and the inserts hold the GIL, and after each fsync
-  the thread must win the GIL back from the busy event loop: commits took 0.7–1.6 ms instead of
-  0.3 ms.
-* ``"loop"``: on the event-loop thread: no hand-off at all, but every fsync stalls all requests — on
-  a shared machine with fsync p99 at 5 ms it served ~540 decisions/s against ~870 for the thread.
-
-WAL checkpoints: a checkpointer thread copies the WAL into the database every ``checkpoint_s / 4``
-seconds, concurrently with the commits (the copy and its fsync never sit inside a request's
-commit). On its own it never *finishes* under a steady stream of commits, and SQLite only rewinds
-a fully checkpointed WAL — the WAL grew by ~40 MB/s under load. So once ``checkpoint_rows`` rows or
-``checkpoint_s`` seconds have gone by, the committing thread itself runs a checkpoint right after a
-batch is acknowledged: with no other writer it completes (copying only what arrived since the
-checkpointer's last pass), and the next commit rewinds the WAL, which stays a few MB
-(``journal_size_limit`` trims it after a burst).
+WAL checkpoints: a checkpointer thread in the writer process copies the WAL into the database every
+``checkpoint_s / 4`` seconds, concurrently with the commits (the copy and its fsync never sit
+inside a request's commit). On its own it never *finishes* under a steady stream of commits, and
+SQLite only rewinds a fully checkpointed WAL — the WAL grew by ~40 MB/s under load. So once
+``checkpoint_rows`` rows or ``checkpoint_s`` seconds have gone by, the writer itself runs a
+checkpoint right after a batch is acknowledged: with no other writer it completes (copying only
+what arrived since the checkpointer's last pass), and the next commit rewinds the WAL, which stays
+a few MB (``journal_size_limit`` trims it after a burst).
 
 Those checkpoints pause the commits (the batches behind one wait for it), so they are small and
 frequent: every 500 rows or 0.25 s by default, ~1.1 ms each here. Every 2,000 rows or 1 s they took
@@ -69,7 +67,6 @@ import hashlib
 import json
 import multiprocessing
 import pickle
-import queue
 import sqlite3
 import threading
 import time
@@ -144,7 +141,7 @@ ZDICT_MAX = 32768
 #: ~7.5 us; deflate at 6 -> ~360 bytes in ~25 us; zstd 6 -> ~390 bytes in ~14 us)
 ZSTD_LEVEL = 3
 
-#: writer="process": batches sent to the writer before the first is acknowledged. Two, so the
+#: batches sent to the writer process before the first is acknowledged. Two, so the
 #: writer starts the next commit as soon as one ends instead of waiting for the server to read the
 #: acknowledgement and send what queued meanwhile (that round trip was ~40 % of a commit cycle)
 PROCESS_BATCHES_IN_FLIGHT = 2
@@ -182,140 +179,51 @@ def connect(path: Path, synchronous: str = "FULL", readonly: bool = False) -> sq
 
 
 Item = tuple[str, tuple[Any, ...], "asyncio.Future[int]"]
+#: what a backend answers for each row of a batch: the row's id (a feedback row's; 0 for a decision)
+#: or the exception its request gets
+Result = int | BaseException
 
 
-class DecisionStore:
-    """Append-only decision and feedback log with group commit (see the module docstring).
+class GroupCommitLog:
+    """The decision log's interface and its group commit on the event loop (module docstring).
 
-    ``record_*`` must be awaited on the event loop that called :meth:`start`; they resolve once the
-    row is committed (or raise :class:`StoreClosed`). ``writer``: ``"process"`` (a writer process),
-    ``"thread"`` (a writer thread) or ``"loop"`` (the event-loop thread).
-    """
+    ``record_*`` must be called on the event loop that called :meth:`start`; the future they return
+    resolves once the row is committed (or raises :class:`StoreClosed`). A backend implements
+    :meth:`_send` (hand a batch to its writer; :meth:`_done` answers it, on the loop), the reads,
+    :meth:`describe` and :meth:`_shutdown`."""
 
-    def __init__(self, path: Path, synchronous: str = "FULL", batch_max: int = 512,
-                 on_commit: Callable[[int, float], None] | None = None, writer: str = "process",
-                 checkpoint_rows: int = CHECKPOINT_ROWS, checkpoint_s: float = CHECKPOINT_S,
-                 on_checkpoint: Callable[[float], None] | None = None):
-        if writer not in ("thread", "loop", "process"):
-            raise ValueError(f"writer must be 'thread', 'loop' or 'process', got {writer!r}")
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.synchronous = synchronous
+    #: "sqlite" or "postgresql"
+    backend = ""
+    #: batches handed to the backend before the first is acknowledged
+    max_in_flight = 2
+
+    def __init__(self, batch_max: int = 512, on_commit: Callable[[int, float], None] | None = None):
         self.batch_max = batch_max
         self.on_commit = on_commit
-        #: called with the seconds of each checkpoint run between commits (on the writer thread
-        #: with writer="thread"; on the loop, one acknowledgement late, with writer="process")
-        self.on_checkpoint = on_checkpoint
-        self.writer = writer
-        self._conn = connect(self.path, synchronous)
-        self._conn.executescript(SCHEMA)
-        cols = {r[1] for r in self._conn.execute("PRAGMA table_info(decisions)")}
-        if "sla_ms" in cols and "ttft_ms" not in cols:  # before requests carried a TTFT/TPOT objective
-            self._conn.close()
-            raise StoreFormatError(f"{self.path}: this decision log was written by an earlier xroute (requests with "
-                                   "sla_ms, not ttft_ms/tpot_ms); keep it for its records and start the router on a "
-                                   "new --db path")
-        if "response_zdict" not in cols:  # a log written before responses were compressed
-            self._conn.execute("ALTER TABLE decisions ADD COLUMN response_zdict INTEGER REFERENCES zdicts(zdict_id)")
-        if "codec" not in {r[1] for r in self._conn.execute("PRAGMA table_info(zdicts)")}:  # deflate only, before
-            self._conn.execute("ALTER TABLE zdicts ADD COLUMN codec TEXT NOT NULL DEFAULT 'zlib'")
-        self._zdict: tuple[int, bytes, Callable[[bytes], bytes]] | None = None  # (id, dictionary, compress)
-        self._decoders: dict[int, Callable[[bytes], bytes]] = {}
-        # checkpoints (copying the WAL into the database, with an fsync even under NORMAL) run
-        # between batches, never inside a request's commit (see the module docstring)
-        self._conn.execute("PRAGMA wal_autocheckpoint=0")
-        self._conn.execute(f"PRAGMA journal_size_limit={64 * 2**20}")
-        self._reader = connect(self.path, synchronous)
-        self.checkpoint_s = checkpoint_s
-        self.checkpoint_rows = checkpoint_rows
-        self._checkpoint_stop = threading.Event()
-        self._checkpointer: threading.Thread | None = None
-        self._since_checkpoint = 0
-        self._last_checkpoint = time.monotonic()
-        self.checkpoints = 0
         self._pending: list[Item] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
-        self._in_flight = False
-        self._q: queue.SimpleQueue[list[Item] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._proc: Any = None
-        self._pipe: Any = None
-        #: writer="process": the batches sent and not yet acknowledged, oldest first (at most
-        #: ``PROCESS_BATCHES_IN_FLIGHT``; the writer answers them in order)
+        #: the batches handed to the backend and not yet acknowledged, oldest first
         self._in_flight_batches: collections.deque[list[Item]] = collections.deque()
+        self._draining = False  # close(): no new rows, but what is pending still goes out
         self.error: str | None = None
         self.closed = False
         self.commits = 0
         self.rows = 0
 
-    def use_dictionary(self, data: bytes) -> int:
-        """Compress the responses recorded from now on against ``data`` (its last ``ZDICT_MAX``
-        bytes; put the most common strings last). Stored once per distinct dictionary (its
-        ``sha256`` is of the codec's name, a NUL and the data; a ``zlib`` row's, of the data)."""
-        data = bytes(data[-ZDICT_MAX:])
-        sha = hashlib.sha256(b"zstd\0" + data).hexdigest()
-        conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            conn.execute("INSERT OR IGNORE INTO zdicts (sha256, data, codec) VALUES (?, ?, 'zstd')", (sha, data))
-            zid = int(conn.execute("SELECT zdict_id FROM zdicts WHERE sha256 = ?", (sha,)).fetchone()[0])
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        zdict = zstandard.ZstdCompressionDict(data, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-        zdict.precompute_compress(level=ZSTD_LEVEL)  # once, not per row
-        self._zdict = (zid, data, zstandard.ZstdCompressor(level=ZSTD_LEVEL, dict_data=zdict, write_checksum=True).compress)
-        return zid
-
-    def _pack(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A decision row as stored: the response (last field, JSON text) compressed when a
-        dictionary is set, plus the dictionary id."""
-        zd = self._zdict
-        if zd is None:
-            return (*row, None)
-        return (*row[:-1], zd[2](row[-1].encode()), zd[0])
-
-    def _unpack(self, blob: bytes | str, zid: int | None) -> str:
-        if zid is None:
-            return blob if isinstance(blob, str) else bytes(blob).decode()
-        decode = self._decoders.get(zid)
-        if decode is None:
-            found = self._reader.execute("SELECT data, codec FROM zdicts WHERE zdict_id = ?", (zid,)).fetchone()
-            if found is None:
-                raise sqlite3.DatabaseError(f"decision log: compression dictionary {zid} is missing")
-            decode = self._decoders[zid] = _decoder(bytes(found[0]), str(found[1]))
-        return decode(blob.encode() if isinstance(blob, str) else bytes(blob)).decode()
-
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.writer == "process":
-            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of the server is forked
-            self._pipe, child = ctx.Pipe()
-            zdict = None if self._zdict is None else self._zdict[1]
-            self._proc = ctx.Process(target=_writer_process, name="decision-log-writer", daemon=True,
-                                     args=(child, str(self.path), self.synchronous, zdict, self.checkpoint_rows,
-                                           self.checkpoint_s))
-            self._proc.start()
-            child.close()
-            self._loop.add_reader(self._pipe.fileno(), self._on_ack)
-            return
-        self._start_checkpointer()
-        if self.writer == "thread":
-            self._thread = threading.Thread(target=self._run, name="decision-log-writer", daemon=True)
-            self._thread.start()
 
     # ------------------------------------------------------------------ writes
     # Plain functions returning the future rather than coroutines: ``await store.record_decision(row)``
     # reads the same, and the request's task resumes through two fewer coroutine frames.
     def _submit(self, kind: str, row: tuple[Any, ...]) -> asyncio.Future[int]:
         loop = self._loop
-        if self.closed or loop is None:
+        if self.closed or self._draining or loop is None:
             raise StoreClosed("the decision log is not accepting writes")
         fut: asyncio.Future[int] = loop.create_future()
         self._pending.append((kind, row, fut))
-        if not self._scheduled and not self._in_flight:
+        if not self._scheduled and len(self._in_flight_batches) < self.max_in_flight:
             self._scheduled = True
             loop.call_soon(self._flush)  # after every request of this loop iteration has queued its row
         return fut
@@ -331,42 +239,316 @@ class DecisionStore:
 
     def _flush(self) -> None:
         self._scheduled = False
-        if self._in_flight or not self._pending:
-            return
-        batch, self._pending = self._pending[: self.batch_max], self._pending[self.batch_max:]
-        if self.writer == "thread":
-            self._in_flight = True
-            self._q.put(batch)
-        elif self.writer == "process":
+        while self._pending and len(self._in_flight_batches) < self.max_in_flight and not self.closed:
+            batch, self._pending = self._pending[: self.batch_max], self._pending[self.batch_max:]
             self._in_flight_batches.append(batch)
-            self._in_flight = len(self._in_flight_batches) >= PROCESS_BATCHES_IN_FLIGHT
+            self._send(batch)
+
+    def _send(self, batch: list[Item]) -> None:
+        """Hand ``batch`` (already in ``_in_flight_batches``) to the backend's writer, which
+        commits it as one transaction; :meth:`_done` is called on the loop with its results."""
+        raise NotImplementedError
+
+    def _done(self, batch: list[Item], results: list[Result]) -> None:
+        """On the loop: answer the batch's requests, then hand over what queued meanwhile."""
+        for i, b in enumerate(self._in_flight_batches):
+            if b is batch:
+                del self._in_flight_batches[i]
+                break
+        for (_, _, fut), r in zip(batch, results):
+            if fut.done():  # cancelled (the client went away); its row is committed anyway
+                continue
+            if isinstance(r, BaseException):
+                fut.set_exception(r)
+            else:
+                fut.set_result(r)
+        if self._pending and not self._scheduled:
+            self._flush()
+
+    def _fail_all(self, why: str) -> None:
+        """The writer is gone for good: nothing more can be recorded; every waiting request fails."""
+        self.error = why
+        self.closed = True
+        err = StoreClosed(why)
+        waiting = [item for batch in self._in_flight_batches for item in batch] + self._pending
+        self._in_flight_batches.clear()
+        self._pending = []
+        for _, _, fut in waiting:
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Commit what is pending and in flight (waiting up to ``timeout``), stop the writer, close."""
+        if self.closed:
+            await self._shutdown()
+            return
+        self._draining = True
+        waiting = [fut for batch in self._in_flight_batches for _, _, fut in batch]
+        waiting += [fut for _, _, fut in self._pending]
+        if self._loop is not None and waiting:
+            self._flush()
+            await asyncio.wait(waiting, timeout=timeout)
+        self.closed = True
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        """Stop the writer and close the connections (once everything in flight is answered)."""
+
+    # ------------------------------------------------------------------ reads
+    async def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
+        """The stored decision with its request and feedback; ``None`` if absent or (when
+        ``tenant`` is given) owned by another tenant — callers cannot tell the two apart."""
+        raise NotImplementedError
+
+    async def owner(self, decision_id: str) -> str | None:
+        """The tenant of a stored decision (None when there is none)."""
+        raise NotImplementedError
+
+    async def healthy(self) -> bool:
+        """Whether the log can record now (``/readyz``)."""
+        return self.error is None and not self.closed
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/v1/admin/status`` shows of the log (never a credential)."""
+        return {"backend": self.backend, "commits": self.commits, "rows": self.rows, "error": self.error}
+
+
+def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """What ``get_decision`` returns, from the stored answer, the stored request and the feedback
+    rows ``(feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error)``."""
+    response["request"] = json.loads(request_json)
+    response["feedback"] = [
+        {"feedback_id": r[0], "received_at": iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
+         "output_tokens": r[4], "failed": bool(r[5]), "error": r[6]} for r in feedback]
+    return response
+
+
+def _zstd_dictionary(conn: sqlite3.Connection, data: bytes) -> tuple[int, Callable[[bytes], bytes]]:
+    """Store dictionary ``data`` once (its ``sha256`` is of the codec's name, a NUL and the data;
+    a ``zlib`` row's, of the data) and return its id and a compressor prepared with it."""
+    sha = hashlib.sha256(b"zstd\0" + data).hexdigest()
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute("INSERT OR IGNORE INTO zdicts (sha256, data, codec) VALUES (?, ?, 'zstd')", (sha, data))
+        zid = int(conn.execute("SELECT zdict_id FROM zdicts WHERE sha256 = ?", (sha,)).fetchone()[0])
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    zdict = zstandard.ZstdCompressionDict(data, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    zdict.precompute_compress(level=ZSTD_LEVEL)  # once, not per row
+    return zid, zstandard.ZstdCompressor(level=ZSTD_LEVEL, dict_data=zdict, write_checksum=True).compress
+
+
+class DecisionStore(GroupCommitLog):
+    """The SQLite decision log (the embedded default): WAL, group commit, the writer process
+    (module docstring). Reads run on a separate connection in the server."""
+
+    backend = "sqlite"
+    max_in_flight = PROCESS_BATCHES_IN_FLIGHT
+
+    def __init__(self, path: Path, synchronous: str = "FULL", batch_max: int = 512,
+                 on_commit: Callable[[int, float], None] | None = None,
+                 checkpoint_rows: int = CHECKPOINT_ROWS, checkpoint_s: float = CHECKPOINT_S,
+                 on_checkpoint: Callable[[float], None] | None = None):
+        super().__init__(batch_max, on_commit)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.synchronous = synchronous
+        #: called on the loop with the seconds of each checkpoint the writer ran between commits
+        #: (one acknowledgement late)
+        self.on_checkpoint = on_checkpoint
+        self.checkpoint_s = checkpoint_s
+        self.checkpoint_rows = checkpoint_rows
+        conn = self._conn = connect(self.path, synchronous)
+        conn.executescript(SCHEMA)
+        cols = {r[1] for r in conn.execute("PRAGMA table_info(decisions)")}
+        if "sla_ms" in cols and "ttft_ms" not in cols:  # before requests carried a TTFT/TPOT objective
+            conn.close()
+            raise StoreFormatError(f"{self.path}: this decision log was written by an earlier xroute (requests with "
+                                   "sla_ms, not ttft_ms/tpot_ms); keep it for its records and start the router on a "
+                                   "new --db path")
+        if "response_zdict" not in cols:  # a log written before responses were compressed
+            conn.execute("ALTER TABLE decisions ADD COLUMN response_zdict INTEGER REFERENCES zdicts(zdict_id)")
+        if "codec" not in {r[1] for r in conn.execute("PRAGMA table_info(zdicts)")}:  # deflate only, before
+            conn.execute("ALTER TABLE zdicts ADD COLUMN codec TEXT NOT NULL DEFAULT 'zlib'")
+        self._zdict: bytes | None = None
+        self._decoders: dict[int, Callable[[bytes], bytes]] = {}
+        self._reader = connect(self.path, synchronous)
+        self._proc: Any = None
+        self._pipe: Any = None
+        self.checkpoints = 0
+
+    def use_dictionary(self, data: bytes) -> int:
+        """Compress the responses recorded from now on against ``data`` (its last ``ZDICT_MAX``
+        bytes; put the most common strings last); call before :meth:`start`. Stored once per
+        distinct dictionary; returns its id."""
+        data = bytes(data[-ZDICT_MAX:])
+        self._zdict = data
+        return _zstd_dictionary(self._conn, data)[0]
+
+    def _unpack(self, blob: bytes | str, zid: int | None) -> str:
+        if zid is None:
+            return blob if isinstance(blob, str) else bytes(blob).decode()
+        decode = self._decoders.get(zid)
+        if decode is None:
+            found = self._reader.execute("SELECT data, codec FROM zdicts WHERE zdict_id = ?", (zid,)).fetchone()
+            if found is None:
+                raise sqlite3.DatabaseError(f"decision log: compression dictionary {zid} is missing")
+            decode = self._decoders[zid] = _decoder(bytes(found[0]), str(found[1]))
+        return decode(blob.encode() if isinstance(blob, str) else bytes(blob)).decode()
+
+    def start(self) -> None:
+        super().start()
+        assert self._loop is not None
+        self._conn.close()  # from now on the writer process writes
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of the server is forked
+        self._pipe, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_writer_process, name="decision-log-writer", daemon=True,
+                                 args=(child, str(self.path), self.synchronous, self._zdict, self.checkpoint_rows,
+                                       self.checkpoint_s))
+        self._proc.start()
+        child.close()
+        self._loop.add_reader(self._pipe.fileno(), self._on_ack)
+
+    def _send(self, batch: list[Item]) -> None:
+        try:
+            self._pipe.send_bytes(_dumps([(kind, row) for kind, row, _ in batch]))
+        except (OSError, ValueError) as e:
+            self._writer_gone(f"{type(e).__name__}: {e}")
+
+    def _on_ack(self) -> None:
+        """On the loop: the writer process's answer for the oldest batch in flight."""
+        try:
+            msg = pickle.loads(self._pipe.recv_bytes())
+        except (EOFError, OSError) as e:
+            self._writer_gone(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            return
+        results: list[Result] = [StoreClosed(f"decision log write failed: {r}") if isinstance(r, str) else r
+                                 for r in msg["results"]]
+        self.error = msg["error"]
+        self.commits, self.rows, self.checkpoints = msg["commits"], msg["rows"], msg["checkpoints"]
+        if self.on_commit is not None and msg["seconds"] is not None:
+            self.on_commit(len(results), msg["seconds"])
+        if self.on_checkpoint is not None:
+            for seconds in msg["checkpoint_seconds"]:
+                self.on_checkpoint(seconds)
+        if self._in_flight_batches:
+            self._done(self._in_flight_batches[0], results)
+
+    def _writer_gone(self, why: str) -> None:
+        """The writer process died: nothing more can be recorded; every waiting request fails."""
+        if self._loop is not None and self._pipe is not None:
             try:
-                self._pipe.send_bytes(_dumps([(kind, row) for kind, row, _ in batch]))
-            except (OSError, ValueError) as e:
-                self._writer_gone(f"{type(e).__name__}: {e}")
+                self._loop.remove_reader(self._pipe.fileno())
+            except (OSError, ValueError):
+                pass
+        self._fail_all(f"decision log writer process exited ({why})")
+
+    async def _shutdown(self) -> None:
+        if self._proc is not None:
+            proc, self._proc = self._proc, None
+            try:
+                if self._loop is not None:
+                    self._loop.remove_reader(self._pipe.fileno())
+                self._pipe.send_bytes(_dumps(None))
+            except (OSError, ValueError):
+                pass
+            await asyncio.to_thread(proc.join, 30)
+            self._pipe.close()
         else:
-            self._done(batch, self._write(batch))
-            self._maybe_checkpoint()
-            if self._pending:
-                self._flush()
-
-    def _run(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        while True:
-            batch = self._q.get()
-            if batch is None:
-                return
-            results = self._write(batch)
             try:
-                loop.call_soon_threadsafe(self._done, batch, results)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                return
-            self._maybe_checkpoint()
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+        self._reader.close()
 
-    def _start_checkpointer(self) -> None:
-        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="decision-log-checkpoint", daemon=True)
+    # ------------------------------------------------------------------ reads
+    async def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
+        # (a local file: the read is short enough to run on the loop)
+        if tenant is None:
+            row = self._reader.execute(
+                "SELECT response_json, request_json, response_zdict FROM decisions WHERE decision_id = ?",
+                (decision_id,)).fetchone()
+        else:
+            row = self._reader.execute(
+                "SELECT response_json, request_json, response_zdict FROM decisions WHERE decision_id = ? AND tenant = ?",
+                (decision_id, tenant)).fetchone()
+        if row is None:
+            return None
+        feedback = self._reader.execute(
+            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error "
+            "FROM feedback WHERE decision_id = ? ORDER BY feedback_id", (decision_id,)).fetchall()
+        return decision_record(json.loads(self._unpack(row[0], row[2])), row[1], feedback)
+
+    async def owner(self, decision_id: str) -> str | None:
+        row = self._reader.execute("SELECT tenant FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "path": str(self.path), "synchronous": self.synchronous,
+                "checkpoints": self.checkpoints}
+
+
+class _SqliteWriter:
+    """The writer process's side of the SQLite log: one connection, the inserts and commits of
+    each batch, and the WAL checkpoints between them (module docstring)."""
+
+    def __init__(self, path: Path, synchronous: str, zdict: bytes | None, checkpoint_rows: int,
+                 checkpoint_s: float, on_checkpoint: Callable[[float], None]):
+        self.path, self.synchronous = path, synchronous
+        self.conn = connect(path, synchronous)
+        # checkpoints (copying the WAL into the database, with an fsync even under NORMAL) run
+        # between batches, never inside a request's commit
+        self.conn.execute("PRAGMA wal_autocheckpoint=0")
+        self.conn.execute(f"PRAGMA journal_size_limit={64 * 2**20}")
+        self.zdict = None if zdict is None else _zstd_dictionary(self.conn, zdict)
+        self.checkpoint_rows, self.checkpoint_s, self.on_checkpoint = checkpoint_rows, checkpoint_s, on_checkpoint
+        self._since_checkpoint = 0
+        self._last_checkpoint = time.monotonic()
+        self._checkpoint_stop = threading.Event()
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="decision-log-checkpoint",
+                                              daemon=True)
         self._checkpointer.start()
+        self.error: str | None = None
+        self.commits = self.rows = self.checkpoints = 0
+
+    def _pack(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A decision row as stored: the response (last field, JSON text) compressed when a
+        dictionary is set, plus the dictionary id."""
+        zd = self.zdict
+        if zd is None:
+            return (*row, None)
+        return (*row[:-1], zd[1](row[-1].encode()), zd[0])
+
+    def write(self, batch: list[tuple[str, tuple[Any, ...]]]) -> list[int | str]:
+        """Insert and commit ``batch`` in one transaction: each row's id, or the error (text) its
+        request gets. A duplicate decision id fails alone, not the rows committed with it."""
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            if all(kind == "decision" for kind, _ in batch):
+                conn.executemany(_INSERT_DECISION, [self._pack(row) for _, row in batch])
+                ids = [0] * len(batch)
+            else:
+                ids = [conn.execute(*((_INSERT_DECISION, self._pack(row)) if kind == "decision"
+                                      else (_INSERT_FEEDBACK, row))).lastrowid or 0
+                       for kind, row in batch]
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            if isinstance(e, sqlite3.IntegrityError) and len(batch) > 1:
+                return [r for item in batch for r in self.write([item])]
+            self.error = f"{type(e).__name__}: {e}"
+            return [self.error] * len(batch)
+        self.error = None
+        self.commits += 1
+        self.rows += len(batch)
+        self._since_checkpoint += len(batch)
+        return list(ids)
 
     def _checkpoint_loop(self) -> None:
         conn = connect(self.path, self.synchronous)
@@ -379,9 +561,9 @@ class DecisionStore:
         finally:
             conn.close()
 
-    def _maybe_checkpoint(self) -> None:
-        """Checkpoint the WAL (on the committing thread, after the batch was acknowledged) once
-        enough rows or time have gone by since the last one."""
+    def maybe_checkpoint(self) -> None:
+        """Checkpoint the WAL (after the batch was acknowledged) once enough rows or time have gone
+        by since the last one."""
         if self._since_checkpoint == 0:
             return
         now = time.monotonic()
@@ -390,174 +572,49 @@ class DecisionStore:
         self._since_checkpoint = 0
         self._last_checkpoint = now
         try:
-            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error:
             return  # busy or failing disk: the next round retries; commits are unaffected
         self.checkpoints += 1
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(time.monotonic() - now)
-
-    def _write(self, batch: list[Item]) -> list[int | BaseException]:
-        """Insert and commit ``batch`` in one transaction (any thread; touches no future)."""
-        conn = self._conn
-        t0 = time.perf_counter()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            if all(kind == "decision" for kind, _, _ in batch):
-                conn.executemany(_INSERT_DECISION, [self._pack(row) for _, row, _ in batch])
-                ids = [0] * len(batch)
-            else:
-                ids = [conn.execute(*((_INSERT_DECISION, self._pack(row)) if kind == "decision"
-                                      else (_INSERT_FEEDBACK, row))).lastrowid or 0
-                       for kind, row, _ in batch]
-            conn.execute("COMMIT")
-        except sqlite3.Error as e:
-            try:
-                conn.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass
-            if isinstance(e, sqlite3.IntegrityError) and len(batch) > 1:
-                # one bad row (a duplicate id) must not fail the others
-                return [r for item in batch for r in self._write([item])]
-            self.error = f"{type(e).__name__}: {e}"
-            return [StoreClosed(f"decision log write failed: {self.error}")] * len(batch)
-        self.error = None
-        self.commits += 1
-        self.rows += len(batch)
-        self._since_checkpoint += len(batch)
-        if self.on_commit is not None:
-            self.on_commit(len(batch), time.perf_counter() - t0)
-        return list(ids)
-
-    def _on_ack(self) -> None:
-        """On the loop: the writer process's answer for the batch in flight."""
-        try:
-            msg = pickle.loads(self._pipe.recv_bytes())
-        except (EOFError, OSError) as e:
-            self._writer_gone(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
-            return
-        results: list[int | BaseException] = [StoreClosed(f"decision log write failed: {r}") if isinstance(r, str)
-                                               else r for r in msg["results"]]
-        self.error = msg["error"]
-        self.commits, self.rows, self.checkpoints = msg["commits"], msg["rows"], msg["checkpoints"]
-        if self.on_commit is not None and msg["seconds"] is not None:
-            self.on_commit(len(results), msg["seconds"])
-        if self.on_checkpoint is not None:
-            for seconds in msg["checkpoint_seconds"]:
-                self.on_checkpoint(seconds)
-        batch = self._in_flight_batches.popleft()
-        self._done(batch, results)
-
-    def _writer_gone(self, why: str) -> None:
-        """The writer process died: nothing more can be recorded; every waiting request fails."""
-        if self._loop is not None and self._pipe is not None:
-            try:
-                self._loop.remove_reader(self._pipe.fileno())
-            except (OSError, ValueError):
-                pass
-        self.error = f"decision log writer process exited ({why})"
-        self.closed = True
-        err = StoreClosed(self.error)
-        waiting = [item for batch in self._in_flight_batches for item in batch] + self._pending
-        self._in_flight_batches.clear()
-        self._pending = []
-        self._in_flight = False
-        for _, _, fut in waiting:
-            if not fut.done():
-                fut.set_exception(err)
-
-    def _done(self, batch: list[Item], results: list[int | BaseException]) -> None:
-        """On the loop: answer the batch's requests, then hand over what queued meanwhile."""
-        self._in_flight = False
-        for (_, _, fut), r in zip(batch, results):
-            if fut.done():  # cancelled (the client went away); its row is committed anyway
-                continue
-            if isinstance(r, BaseException):
-                fut.set_exception(r)
-            else:
-                fut.set_result(r)
-        if self._pending and not self._scheduled:
-            self._flush()
+        self.on_checkpoint(time.monotonic() - now)
 
     def close(self) -> None:
-        """Commit what is pending, stop the writer, close."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join(timeout=30)
-        if self._proc is not None:
-            while self._in_flight_batches and self._proc.is_alive():  # let the writer finish what it holds
-                if not self._pipe.poll(30):
-                    break
-                self._on_ack()
-            try:
-                if self._loop is not None:
-                    self._loop.remove_reader(self._pipe.fileno())
-                self._pipe.send_bytes(_dumps(None))
-            except (OSError, ValueError):
-                pass
-            self._proc.join(timeout=30)
-            self._pipe.close()
         self._checkpoint_stop.set()
-        if self._checkpointer is not None:
-            self._checkpointer.join(timeout=30)
-        while self._pending:
-            batch, self._pending = self._pending[: self.batch_max], self._pending[self.batch_max:]
-            self._write(batch)
+        self._checkpointer.join(timeout=30)
         try:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error:
             pass
-        self._conn.close()
-        self._reader.close()
-
-    # ------------------------------------------------------------------ reads
-    def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
-        """The stored decision with its request and feedback; ``None`` if absent or (when
-        ``tenant`` is given) owned by another tenant — callers cannot tell the two apart."""
-        if tenant is None:
-            row = self._reader.execute(
-                "SELECT response_json, request_json, response_zdict FROM decisions WHERE decision_id = ?",
-                (decision_id,)).fetchone()
-        else:
-            row = self._reader.execute(
-                "SELECT response_json, request_json, response_zdict FROM decisions WHERE decision_id = ? AND tenant = ?",
-                (decision_id, tenant)).fetchone()
-        if row is None:
-            return None
-        out: dict[str, Any] = json.loads(self._unpack(row[0], row[2]))
-        out["request"] = json.loads(row[1])
-        out["feedback"] = [
-            {"feedback_id": r[0], "received_at": iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
-             "output_tokens": r[4], "failed": bool(r[5]), "error": r[6]}
-            for r in self._reader.execute(
-                "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error "
-                "FROM feedback WHERE decision_id = ? ORDER BY feedback_id", (decision_id,))]
-        return out
-
-    def owner(self, decision_id: str) -> str | None:
-        row = self._reader.execute("SELECT tenant FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()
-        return None if row is None else str(row[0])
+        self.conn.close()
 
 
-def iter_decisions(path: Path, tenant: str | None = None) -> Iterator[dict[str, Any]]:
-    """Every decision (oldest first) with its latest feedback, read-only (for export)."""
-    conn = connect(Path(path), readonly=True)
+def export_columns(placeholder: str, by_tenant: bool) -> tuple[str, list[str]]:
+    """The export's query (every decision with its latest feedback, oldest first; ``placeholder``
+    is the backend's parameter marker) and the names of its columns."""
+    sql = (f"SELECT {', '.join('d.' + c for c in DECISION_COLUMNS if c != 'response_json')}, "
+           "f.latency_ms, f.cost_usd, f.output_tokens, f.failed, f.error, f.received_at "
+           "FROM decisions d LEFT JOIN feedback f ON f.feedback_id = "
+           "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
+    if by_tenant:
+        sql += f" WHERE d.tenant = {placeholder}"
+    sql += " ORDER BY d.created_at, d.decision_id"
+    cols = [c for c in DECISION_COLUMNS if c != "response_json"] + [
+        "observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
+    return sql, cols
+
+
+def iter_decisions(target: Path | str, tenant: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every decision (oldest first) with its latest feedback, read-only (for export), from a
+    SQLite file or a ``postgresql://`` URL."""
+    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+        from router import store_pg
+
+        yield from store_pg.iter_decisions(target, tenant)
+        return
+    sql, cols = export_columns("?", tenant is not None)
+    conn = connect(Path(target), readonly=True)
     try:
-        sql = (f"SELECT {', '.join('d.' + c for c in DECISION_COLUMNS if c != 'response_json')}, "
-               "f.latency_ms, f.cost_usd, f.output_tokens, f.failed, f.error, f.received_at "
-               "FROM decisions d LEFT JOIN feedback f ON f.feedback_id = "
-               "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
-        params: tuple[Any, ...] = ()
-        if tenant is not None:
-            sql += " WHERE d.tenant = ?"
-            params = (tenant,)
-        sql += " ORDER BY d.created_at, d.decision_id"
-        cols = [c for c in DECISION_COLUMNS if c != "response_json"] + [
-            "observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
-        for row in conn.execute(sql, params):
+        for row in conn.execute(sql, (tenant,) if tenant is not None else ()):
             yield dict(zip(cols, row))
     finally:
         conn.close()
@@ -582,16 +639,12 @@ def _decoder(data: bytes, codec: str) -> Callable[[bytes], bytes]:
 
 def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None, checkpoint_rows: int,
                     checkpoint_s: float) -> None:  # pragma: no cover - runs in the child (covered via the server tests)
-    """``writer="process"``: commit the batches the server sends, answer each after its COMMIT.
+    """Commit the batches the server sends, answer each after its COMMIT (module docstring).
 
     A separate interpreter, so the compression, the inserts and the commit never compete with the
     server's event loop for the GIL. Exits when the server closes the pipe (or dies)."""
     checkpoint_seconds: list[float] = []  # since the last acknowledgement (each ran after one)
-    store = DecisionStore(Path(path), synchronous, writer="loop", checkpoint_rows=checkpoint_rows,
-                          checkpoint_s=checkpoint_s, on_checkpoint=checkpoint_seconds.append)
-    if zdict is not None:
-        store.use_dictionary(zdict)
-    store._start_checkpointer()
+    writer = _SqliteWriter(Path(path), synchronous, zdict, checkpoint_rows, checkpoint_s, checkpoint_seconds.append)
     try:
         while True:
             try:
@@ -601,13 +654,13 @@ def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None,
             if msg is None:
                 break
             t0 = time.perf_counter()
-            results = store._write([(kind, row, None) for kind, row in msg])  # type: ignore[misc]
-            ok = store.error is None
-            pipe.send_bytes(_dumps({"results": [str(r) if isinstance(r, BaseException) else r for r in results],
-                                    "error": store.error, "commits": store.commits, "rows": store.rows,
-                                    "checkpoints": store.checkpoints, "checkpoint_seconds": checkpoint_seconds,
+            results = writer.write(msg)
+            ok = writer.error is None
+            pipe.send_bytes(_dumps({"results": results, "error": writer.error, "commits": writer.commits,
+                                    "rows": writer.rows, "checkpoints": writer.checkpoints,
+                                    "checkpoint_seconds": checkpoint_seconds,
                                     "seconds": time.perf_counter() - t0 if ok else None}))
             checkpoint_seconds.clear()  # (already pickled into the acknowledgement)
-            store._maybe_checkpoint()
+            writer.maybe_checkpoint()
     finally:
-        store.close()
+        writer.close()

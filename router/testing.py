@@ -45,13 +45,9 @@ class ServerThread:
     def __init__(self, app: Any, port: int | None = None, startup_timeout: float = 60.0):
         import uvicorn
 
-        from router.protocol import http_protocol
-
         self.port = port or free_port()
-        # the router's app is served as ``xroute serve`` serves it (``router.protocol``); any other app by "auto"
-        http = http_protocol(app) if hasattr(app, "services") else "auto"
         self.config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
-                                     lifespan="on", timeout_graceful_shutdown=5, http=http)
+                                     lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
         self.startup_timeout = startup_timeout

@@ -49,3 +49,34 @@ def ray_local():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# ---- real servers (tests/servers.py): started on first use, once per session, never faked ----
+def _started(kind: str):
+    """A started server of ``tests.servers``' class ``kind``, or the test fails saying why."""
+    import tests.servers
+
+    server = getattr(tests.servers, kind)()
+    try:
+        server.start()
+    except tests.servers.ServerError as e:
+        server.close()
+        pytest.fail(f"the test {kind} could not start: {e}", pytrace=False)
+    return server
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL on a loopback port (its admin URL: ``postgres.url``; a fresh database per
+    test: ``postgres.create_database(name)``)."""
+    server = _started("PostgresServer")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a loopback port (``redis_server.url``)."""
+    server = _started("RedisServer")
+    yield server
+    server.close()

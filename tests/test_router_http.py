@@ -86,10 +86,9 @@ def test_route_answers_everything_the_issue_lists(live: Any, client: httpx.Clien
     assert got["request"]["session_id"] == "s-1" and got["feedback"] == []
 
 
-def test_fast_path_and_fastapi_route_answer_alike(live: Any, client: httpx.Client) -> None:
-    """``POST /v1/route`` is answered by the pure-ASGI fast path when all goes well and by the FastAPI
-    route otherwise (here: a body the fast path does not take -- a ``+json`` content type, a chunked
-    body): the same answer shape, the same log row, the same access-log fields and headers."""
+def test_json_content_types_and_chunked_bodies_are_answered_alike(live: Any, client: httpx.Client) -> None:
+    """``POST /v1/route`` takes any JSON content type (parameters, ``+json``) and a chunked body:
+    the same answer shape, the same log row, the same access-log fields and headers."""
     url, setup, logs = live
     body = json.dumps({**ROUTE, "session_id": "s-1"}).encode()
     answers = []
@@ -108,7 +107,7 @@ def test_fast_path_and_fastapi_route_answer_alike(live: Any, client: httpx.Clien
     lines = [json.loads(x) for x in logs.lines if '"same-1"' in x]
     assert [(x["route"], x["status"], x["tenant"]) for x in lines] == [("/v1/route", 200, "b")] * 4
     assert all(x["decision_id"] == a["decision_id"] for x, a in zip(lines, answers))
-    # the fast path declines, and the FastAPI route answers its errors: a bad key, a bad field
+    # and the errors: a bad key, a bad field
     r = client.post("/v1/route", json=ROUTE, headers={"Authorization": "Bearer xr_00000000_nope"})
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
     r = client.post("/v1/route", json={**ROUTE, "ttft_ms": 0}, headers=setup.auth("b"))
@@ -211,6 +210,7 @@ def test_offerings_metrics_and_admin(live: Any, client: httpx.Client) -> None:
         assert name in text, name
     st = client.get("/v1/admin/status", headers=setup.auth("admin")).json()
     assert st["decision_log"]["synchronous"] == "FULL" and st["decisions_since_start"] >= 1
+    assert st["decision_log"]["backend"] == "sqlite" and st["state"]["backend"] == "embedded"
     assert client.post("/v1/admin/model/reload", headers=setup.auth("admin")).json()["outcome"] == "disabled"
 
 

@@ -12,11 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fastapi.exceptions import RequestValidationError
 
 from router.engine import RouteFailure, RoutingEngine
 from router.export import export_bundle
 from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
 from router.policies import ActivePolicy, resolve
+from router.routes.route import route_request
 from router.settings import load_settings
 from router.store import DECISION_COLUMNS, DecisionStore, StoreClosed, iter_decisions
 from router.telemetry import ReplaySource
@@ -443,12 +445,11 @@ def test_resolve_versions_local_models(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- log + export
-@pytest.mark.parametrize("writer", ["process", "thread", "loop"])
-def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngine, writer: str) -> None:
+def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngine) -> None:
     db = tmp_path / "d.db"
 
     async def run() -> list[str]:
-        store = DecisionStore(db, writer=writer)
+        store = DecisionStore(db)
         store.start()
         ids = []
         rows = []
@@ -471,9 +472,9 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
         fb = FeedbackRequest(decision_id=ids[0], latency_ms=900.0, output_tokens=42)
         await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None))
         assert store.commits < 40  # grouped
-        assert store.get_decision(ids[0], "a")["feedback"][0]["latency_ms"] == 900.0  # type: ignore[index]
-        assert store.get_decision(ids[0], "b") is None
-        store.close()
+        assert (await store.get_decision(ids[0], "a"))["feedback"][0]["latency_ms"] == 900.0  # type: ignore[index]
+        assert await store.get_decision(ids[0], "b") is None
+        await store.close()
         return ids
 
     ids = asyncio.run(run())
@@ -522,11 +523,11 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
             await store.record_decision(row)
             sent.append((f"d_{i:03d}", text))
         for did, text in [("d_old", old_text), *sent]:
-            rec = store.get_decision(did, "a")
+            rec = await store.get_decision(did, "a")
             assert rec is not None
             rec.pop("request"), rec.pop("feedback")
             assert rec == json.loads(text)
-        store.close()
+        await store.close()
         return sent
 
     sent = asyncio.run(run())
@@ -539,7 +540,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
     # a second start with the same catalog reuses the stored dictionary
     store = DecisionStore(db)
     assert store.use_dictionary(engine.response_dictionary()) == 1
-    store.close()
+    asyncio.run(store.close())
 
 
 def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: RoutingEngine) -> None:
@@ -548,7 +549,7 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
     new rows use Zstandard, and the two dictionaries live side by side."""
     db = tmp_path / "d.db"
     store = DecisionStore(db)
-    store.close()
+    asyncio.run(store.close())
     data = engine.response_dictionary()[-32768:]
     req = RouteRequest.model_validate(ROUTE)
     old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
@@ -570,11 +571,11 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
         text, row, _, _ = engine.decide(req, A, "d_new", engine.source.start_wall + 1)
         await store.record_decision(row)
         for did, sent in (("d_old", old_text), ("d_new", text)):
-            rec = store.get_decision(did, "a")
+            rec = await store.get_decision(did, "a")
             assert rec is not None
             rec.pop("request"), rec.pop("feedback")
             assert rec == json.loads(sent)
-        store.close()
+        await store.close()
 
     asyncio.run(run())
     conn = sqlite3.connect(db)
@@ -605,7 +606,7 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         # each checkpoint's duration comes back from the writer process with the next acknowledgement
         assert store.checkpoints - 1 <= len(took) <= store.checkpoints
         assert all(0 < t < 30 for t in took), took
-        store.close()
+        await store.close()
         return biggest
 
     biggest = asyncio.run(run())
@@ -621,7 +622,7 @@ def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, en
     import signal
 
     async def run() -> None:
-        store = DecisionStore(tmp_path / "d.db", writer="process")
+        store = DecisionStore(tmp_path / "d.db")
         store.start()
         req = RouteRequest.model_validate(ROUTE)
         _, row, _, _ = engine.decide(req, A, "d_first", engine.source.start_wall)
@@ -633,14 +634,14 @@ def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, en
         with pytest.raises(StoreClosed):
             await store.record_decision(row2)
         assert store.error is not None and "writer process exited" in store.error
-        assert store.get_decision("d_first", "a") is not None  # what was committed stays readable
-        store.close()
+        assert await store.get_decision("d_first", "a") is not None  # what was committed stays readable
+        await store.close()
 
     asyncio.run(run())
 
 
 def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: RoutingEngine) -> None:
-    """writer="process" keeps up to PROCESS_BATCHES_IN_FLIGHT batches at the writer; acknowledgements
+    """The writer process keeps up to PROCESS_BATCHES_IN_FLIGHT batches at the writer; acknowledgements
     map to their batches in order, every request is answered after its own commit, and a writer
     killed with batches in flight fails the waiting requests instead of hanging them."""
     import os
@@ -652,7 +653,7 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
     rows = [engine.decide(req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]
 
     async def run() -> None:
-        store = DecisionStore(tmp_path / "d.db", writer="process")
+        store = DecisionStore(tmp_path / "d.db")
         store.start()
         answered: list[int] = []
         most = 0
@@ -667,7 +668,7 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
         assert most == PROCESS_BATCHES_IN_FLIGHT == 2
         assert answered == list(range(60)) and store.rows == 60 and store.commits < 60
         for i in (0, 31, 59):
-            assert store.get_decision(f"d_p{i:04d}", "a") is not None
+            assert await store.get_decision(f"d_p{i:04d}", "a") is not None
         # the writer killed with two batches in flight: all twenty requests fail or succeed, none hangs
         late = []
         for row in rows[60:]:
@@ -680,7 +681,7 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
         res = await asyncio.wait_for(asyncio.gather(*late, return_exceptions=True), timeout=10)
         assert all(isinstance(r, StoreClosed) or r == 0 for r in res) and isinstance(res[-1], StoreClosed)
         assert not store._in_flight_batches and store.closed
-        store.close()
+        await store.close()
 
     asyncio.run(run())
 
@@ -712,10 +713,11 @@ _BODIES = [
 
 
 @pytest.mark.parametrize("raw", _BODIES)
-def test_the_fast_paths_json_validation_accepts_what_fastapis_accepts(raw: str) -> None:
-    """``router.fastpath`` validates in pydantic's JSON mode; FastAPI (the errors' path) parses with
-    ``json.loads`` and validates in Python mode. The fast path must accept exactly the bodies
-    FastAPI accepts, and read them the same (else a body FastAPI would reject gets routed)."""
+def test_the_routes_json_validation_accepts_what_fastapis_body_parsing_accepts(raw: str) -> None:
+    """``POST /v1/route`` validates its body in pydantic's JSON mode (``route_request``); FastAPI's
+    body parameters (every other route, and the schema the OpenAPI document gives) parse with
+    ``json.loads`` and validate in Python mode. The route must accept exactly those bodies and read
+    them the same (else a body the documented schema rejects would get routed)."""
 
     def python_mode() -> RouteRequest | None:
         try:
@@ -723,15 +725,16 @@ def test_the_fast_paths_json_validation_accepts_what_fastapis_accepts(raw: str) 
         except ValueError:  # JSONDecodeError, ValidationError
             return None
 
-    def json_mode() -> RouteRequest | None:
+    def the_route() -> RouteRequest | None:
         try:
-            return RouteRequest.model_validate_json(raw)
-        except ValueError:
+            return route_request(raw.encode(), "application/json")
+        except RequestValidationError as e:
+            assert all(err["loc"][0] == "body" for err in e.errors())  # rendered as body.<field>
             return None
 
-    want, got = python_mode(), json_mode()
+    want, got = python_mode(), the_route()
     if want is None:
-        assert got is None  # a JSON-only acceptance would bypass FastAPI's error
+        assert got is None  # a JSON-only acceptance would route what the documented schema rejects
     else:
         assert got == want
 

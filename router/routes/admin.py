@@ -28,7 +28,8 @@ async def status(caller: AdminDep) -> dict[str, object]:
         "telemetry": {"source": eng.source_name, "clock": eng.clock, "age_s": round(eng.freshness.age(now), 3),
                       "error": eng.freshness.last_error},
         "decisions_since_start": eng.decisions,
-        "decision_log": {"path": str(st.path), "synchronous": st.synchronous, "commits": st.commits, "rows": st.rows},
+        "decision_log": st.describe(),
+        "state": svc.state.describe() if svc.state is not None else None,
     }
 
 

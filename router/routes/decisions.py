@@ -22,7 +22,7 @@ _ERRORS = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "descrip
 async def get_decision(decision_id: DecisionId, caller: CallerDep) -> dict[str, object]:
     """Another tenant's decision is reported as not found, exactly like a missing one."""
     tenant = caller.who.tenant
-    rec = caller.svc.store.get_decision(decision_id, tenant)
+    rec = await caller.svc.store.get_decision(decision_id, tenant)
     if rec is None:
         raise HTTPException(404, f"no decision '{decision_id}' for tenant '{tenant}'")
     return rec
@@ -34,7 +34,7 @@ admin_router = APIRouter(prefix="/v1/admin", tags=["admin"])
 @admin_router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
                   summary="Read any tenant's decision (admin)")
 async def admin_get_decision(decision_id: DecisionId, caller: AdminDep) -> dict[str, object]:
-    rec = caller.svc.store.get_decision(decision_id, None)
+    rec = await caller.svc.store.get_decision(decision_id, None)
     if rec is None:
         raise HTTPException(404, f"no decision '{decision_id}'")
     return rec

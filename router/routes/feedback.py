@@ -19,13 +19,13 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
                         422: {"model": ErrorResponse}}, summary="Report the observed outcome of a decision")
 async def feedback(body: FeedbackRequest, caller: CallerDep) -> dict[str, object]:
     who, svc = caller.who, caller.svc
-    if svc.store.owner(body.decision_id) != who.tenant:
+    if await svc.store.owner(body.decision_id) != who.tenant:
         raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
     now = time.time()
     fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
                                            body.output_tokens, int(body.failed), body.error))
     if body.output_tokens is not None and not body.failed:  # a completed output's length teaches the estimator
-        d = svc.store.get_decision(body.decision_id, who.tenant)
+        d = await svc.store.get_decision(body.decision_id, who.tenant)
         model = (d or {}).get("request", {}).get("model")
         if model is None or model in svc.engine.models:
             svc.engine.env.observe_output(model, who.tenant, body.output_tokens)

@@ -23,7 +23,7 @@ async def readyz(request: Request) -> JSONResponse:
         return JSONResponse({"status": "starting"}, status_code=503)
     eng = svc.engine
     now = time.time()
-    writer_ok = svc.store.error is None and not svc.store.closed
+    writer_ok = await svc.store.healthy()
     active, info = eng.slot.current(eng.freshness.age(now) > eng.max_age)
     body = {
         "status": "ready" if writer_ok else "not_ready",

@@ -1,0 +1,554 @@
+"""The router's state besides telemetry, behind one interface (:class:`RouterState`), two backends.
+
+What the decision loop reads and writes:
+
+* **in-flight work per pool** -- :meth:`RouterState.reserve` checks and reserves ``slots`` on the
+  first of a ranked list of ``(pool, capacity)`` candidates that has room, in one atomic step;
+  :meth:`~RouterState.release` frees it (feedback came, the request failed, or the answer could not
+  be sent); a reservation whose release never comes is released after the ``hold_s`` given at
+  reserve time (derived from the work's expected time: :func:`hold_for`), and counted per pool
+  (:meth:`~RouterState.expired`). The pool key is an opaque string; capacity an int of slots.
+* **outcome statistics per pool** -- :meth:`~RouterState.observe` folds one outcome (observed time
+  to first token, duration, failure) into an exponentially weighted mean and variance of each
+  (:class:`PoolStats`; the estimator below): O(1) memory per pool, whatever the traffic.
+* **idempotency keys** -- :meth:`~RouterState.claim` takes a key for ``ttl_s`` or returns what the
+  first request with it answered (:class:`Claim`); :meth:`~RouterState.complete` stores that answer,
+  :meth:`~RouterState.abandon` drops a claim whose request failed, so a retry decides anew.
+* room for the next issues: tenant quota counters (:meth:`~RouterState.take_quota`) and sessions
+  (:meth:`~RouterState.get_session`, :meth:`~RouterState.put_session`), not implemented yet.
+
+Backends: :class:`EmbeddedState` (the default; in this process, no server; durable through the
+decision log -- :meth:`EmbeddedState.rebuild` replays the reservations and releases the log
+implies, :func:`decision_events`) and ``router.state_redis.RedisState`` (Redis or Valkey: any
+number of router processes and hosts share one view; every operation that must be atomic across
+processes is one server-side script). When Redis cannot be reached its operations raise
+:class:`StateUnavailable` -- the API's 503 (fail closed, the default); :class:`FailOpenState`
+(``state_fail_open``) answers from an embedded view instead while the server is away.
+
+The estimator (both backends, the same arithmetic): for each pool and each measure ``x`` (TTFT ms,
+duration ms) with weight ``alpha`` (``state_stats_alpha``, default 0.05: the last ~20 outcomes
+carry 64 % of the weight, the half-life is ~13.5 outcomes), the first observation sets
+``mean = x, var = 0``; each later one ``d = x - mean; mean += alpha * d;
+var = (1 - alpha) * (var + alpha * d * d)`` (the incremental exponentially weighted variance,
+Finch 2009). The failure rate is the same mean over 0/1. Counts are kept exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+#: the default weight of a new outcome in the per-pool statistics (module docstring)
+STATS_ALPHA = 0.05
+#: :func:`hold_for`'s default: a reservation is held for this many times its expected time ...
+HOLD_FACTOR = 4.0
+#: ... and at least this long (seconds)
+HOLD_FLOOR_S = 30.0
+
+
+class StateUnavailable(RuntimeError):
+    """The shared state's server cannot be reached (or did not answer in time): the router cannot
+    tell what the other routers have admitted, so it answers 503 rather than guess (fail closed)."""
+
+
+def hold_for(expected_s: float, factor: float = HOLD_FACTOR, floor_s: float = HOLD_FLOOR_S) -> float:
+    """How long to hold a reservation whose release may never come: ``factor`` times the work's
+    expected time, at least ``floor_s`` seconds."""
+    return max(floor_s, factor * max(expected_s, 0.0))
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One pool's observed outcomes (exponentially weighted; module docstring) and its work now."""
+
+    pool: str
+    outcomes: int = 0
+    failures: int = 0
+    failure_rate: float | None = None
+    ttft_ms_mean: float | None = None
+    ttft_ms_std: float | None = None
+    duration_ms_mean: float | None = None
+    duration_ms_std: float | None = None
+    in_flight: int = 0
+    expired: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """:meth:`RouterState.claim`'s answer: ``"new"`` (the key is the caller's now: decide, then
+    :meth:`~RouterState.complete` or :meth:`~RouterState.abandon`), ``"pending"`` (another request
+    with the key is being decided: answer 409) or ``"done"`` (``answer`` is the first answer: send
+    it again, book nothing)."""
+
+    status: Literal["new", "pending", "done"]
+    answer: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A decision log event: ``reservation_id`` took ``slots`` on ``pool`` until ``until`` (wall clock)."""
+
+    reservation_id: str
+    pool: str
+    until: float
+    slots: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A decision log event: ``reservation_id``'s work ended (feedback came)."""
+
+    reservation_id: str
+
+
+class RouterState:
+    """The interface (module docstring). Every method may raise :class:`StateUnavailable` in a
+    backend with a server."""
+
+    backend = ""
+
+    # -------------------------------------------------------------- in-flight work
+    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> str | None:
+        """Reserve ``slots`` on the first ``(pool, capacity)`` of ``candidates`` whose in-flight
+        work plus ``slots`` stays within its capacity, until :meth:`release` or ``hold_s`` seconds;
+        returns that pool, or None when none has room. An id that already holds a reservation
+        returns its pool and books nothing (a retry)."""
+        raise NotImplementedError
+
+    async def release(self, reservation_id: str) -> str | None:
+        """Free a reservation; returns its pool, or None when it was not held (never reserved,
+        already released, or expired) -- releasing twice is harmless."""
+        raise NotImplementedError
+
+    async def in_flight(self) -> dict[str, int]:
+        """Slots reserved now, per pool (pools with none may be absent)."""
+        raise NotImplementedError
+
+    async def expire(self) -> int:
+        """Release every reservation past its hold now (:meth:`reserve` does it too); returns how many."""
+        raise NotImplementedError
+
+    async def expired(self) -> dict[str, int]:
+        """Reservations released by expiry since the state began, per pool."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- outcomes
+    async def observe(self, pool: str, ttft_ms: float | None = None, duration_ms: float | None = None,
+                      failed: bool = False) -> None:
+        """Fold one outcome of work on ``pool`` into its statistics."""
+        raise NotImplementedError
+
+    async def stats(self, pool: str) -> PoolStats:
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- idempotency
+    async def claim(self, key: str, ttl_s: float) -> Claim:
+        """Take ``key`` for ``ttl_s`` seconds, or learn who has it (:class:`Claim`). Callers scope
+        keys themselves (tenant, route, the client's ``Idempotency-Key``)."""
+        raise NotImplementedError
+
+    async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
+        """Store the answer of the request that claimed ``key``; retries get it for ``ttl_s``."""
+        raise NotImplementedError
+
+    async def abandon(self, key: str) -> None:
+        """Drop a claim whose request failed (unless it was completed), so a retry decides anew."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- the next issues' room
+    async def take_quota(self, tenant: str, amount: float, limit: float, window_s: float) -> bool:
+        """Tenant quota counters (a later issue)."""
+        raise NotImplementedError("tenant quotas are not implemented yet")
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        """Session affinity (a later issue)."""
+        raise NotImplementedError("sessions are not implemented yet")
+
+    async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
+        raise NotImplementedError("sessions are not implemented yet")
+
+    # -------------------------------------------------------------- life
+    async def healthy(self) -> bool:
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/v1/admin/status`` shows (never a credential)."""
+        return {"backend": self.backend}
+
+    async def close(self) -> None:
+        pass
+
+
+def _ewm(n: int, mean: float, var: float, x: float, alpha: float) -> tuple[float, float]:
+    """One step of the exponentially weighted mean and variance (module docstring)."""
+    if n == 0:
+        return x, 0.0
+    d = x - mean
+    return mean + alpha * d, (1.0 - alpha) * (var + alpha * d * d)
+
+
+@dataclass(slots=True)
+class _Stats:
+    outcomes: int = 0
+    failures: int = 0
+    failure_rate: float = 0.0
+    ttft_n: int = 0
+    ttft_mean: float = 0.0
+    ttft_var: float = 0.0
+    dur_n: int = 0
+    dur_mean: float = 0.0
+    dur_var: float = 0.0
+
+
+@dataclass(slots=True)
+class _Idem:
+    answer: bytes | None  # None while pending
+    until: float
+
+
+def _finite(x: float | None, name: str) -> float | None:
+    if x is not None and not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x!r}")
+    return x
+
+
+def _check_reserve(candidates: Sequence[tuple[str, int]], hold_s: float, slots: int) -> None:
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    if not (hold_s > 0 and math.isfinite(hold_s)):
+        raise ValueError(f"hold_s must be a positive number of seconds, got {hold_s!r}")
+    for pool, capacity in candidates:
+        if not isinstance(pool, str) or int(capacity) != capacity:
+            raise ValueError(f"candidates must be (pool: str, capacity: int) pairs, got {(pool, capacity)!r}")
+
+
+class EmbeddedState(RouterState):
+    """The state in this process (no server): dictionaries, and heaps of deadlines expired lazily.
+
+    Durable through the decision log: after a restart, :meth:`rebuild` replays the log's events
+    (:func:`decision_events`). ``clock`` is monotonic seconds (``time.monotonic``)."""
+
+    backend = "embedded"
+
+    def __init__(self, alpha: float = STATS_ALPHA, clock: Callable[[], float] = time.monotonic):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = alpha
+        self.clock = clock
+        self._in_flight: dict[str, int] = {}
+        self._held: dict[str, tuple[str, int, float]] = {}  # reservation id -> (pool, slots, until)
+        self._due: list[tuple[float, str]] = []  # (until, reservation id); stale entries skipped
+        self._expired: dict[str, int] = {}
+        self._stats: dict[str, _Stats] = {}
+        self._idem: dict[str, _Idem] = {}
+        self._idem_due: list[tuple[float, str]] = []
+
+    # the synchronous core (the async methods are this with an await in front)
+    def expire_now(self, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        due, held, n = self._due, self._held, 0
+        while due and due[0][0] <= now:
+            until, rid = heapq.heappop(due)
+            h = held.get(rid)
+            if h is not None and h[2] == until:
+                del held[rid]
+                self._in_flight[h[0]] -= h[1]
+                self._expired[h[0]] = self._expired.get(h[0], 0) + 1
+                n += 1
+        if len(due) > 2 * len(held) + 1024:  # released long before their deadline: drop them
+            self._due = [(u, r) for u, r in due if r in held and held[r][2] == u]
+            heapq.heapify(self._due)
+        return n
+
+    def reserve_now(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                    slots: int = 1) -> str | None:
+        now = self.clock()
+        self.expire_now(now)
+        held = self._held.get(reservation_id)
+        if held is not None:
+            return held[0]
+        _check_reserve(candidates, hold_s, slots)
+        in_flight = self._in_flight
+        for pool, capacity in candidates:
+            cur = in_flight.get(pool, 0)
+            if cur + slots <= capacity:
+                in_flight[pool] = cur + slots
+                until = now + hold_s
+                self._held[reservation_id] = (pool, slots, until)
+                heapq.heappush(self._due, (until, reservation_id))
+                return pool
+        return None
+
+    def release_now(self, reservation_id: str) -> str | None:
+        h = self._held.pop(reservation_id, None)
+        if h is None:
+            return None
+        self._in_flight[h[0]] -= h[1]
+        return h[0]
+
+    def observe_now(self, pool: str, ttft_ms: float | None = None, duration_ms: float | None = None,
+                    failed: bool = False) -> None:
+        _finite(ttft_ms, "ttft_ms")
+        _finite(duration_ms, "duration_ms")
+        s = self._stats.get(pool)
+        if s is None:
+            s = self._stats[pool] = _Stats()
+        a = self.alpha
+        s.failure_rate = _ewm(s.outcomes, s.failure_rate, 0.0, 1.0 if failed else 0.0, a)[0]
+        s.outcomes += 1
+        s.failures += bool(failed)
+        if ttft_ms is not None:
+            s.ttft_mean, s.ttft_var = _ewm(s.ttft_n, s.ttft_mean, s.ttft_var, ttft_ms, a)
+            s.ttft_n += 1
+        if duration_ms is not None:
+            s.dur_mean, s.dur_var = _ewm(s.dur_n, s.dur_mean, s.dur_var, duration_ms, a)
+            s.dur_n += 1
+
+    def stats_now(self, pool: str) -> PoolStats:
+        self.expire_now()
+        s = self._stats.get(pool) or _Stats()
+        return PoolStats(pool, s.outcomes, s.failures, s.failure_rate if s.outcomes else None,
+                         s.ttft_mean if s.ttft_n else None, math.sqrt(s.ttft_var) if s.ttft_n else None,
+                         s.dur_mean if s.dur_n else None, math.sqrt(s.dur_var) if s.dur_n else None,
+                         self._in_flight.get(pool, 0), self._expired.get(pool, 0))
+
+    def _idem_expire(self, now: float) -> None:
+        due, idem = self._idem_due, self._idem
+        while due and due[0][0] <= now:
+            until, key = heapq.heappop(due)
+            e = idem.get(key)
+            if e is not None and e.until == until:
+                del idem[key]
+
+    def claim_now(self, key: str, ttl_s: float) -> Claim:
+        now = self.clock()
+        self._idem_expire(now)
+        e = self._idem.get(key)
+        if e is not None:
+            return Claim("pending") if e.answer is None else Claim("done", e.answer)
+        self._set_idem(key, None, now + ttl_s)
+        return Claim("new")
+
+    def _set_idem(self, key: str, answer: bytes | None, until: float) -> None:
+        self._idem[key] = _Idem(answer, until)
+        heapq.heappush(self._idem_due, (until, key))
+
+    def complete_now(self, key: str, answer: bytes, ttl_s: float) -> None:
+        if not answer:
+            raise ValueError("an idempotent answer must not be empty")
+        self._set_idem(key, bytes(answer), self.clock() + ttl_s)
+
+    def abandon_now(self, key: str) -> None:
+        e = self._idem.get(key)
+        if e is not None and e.answer is None:
+            del self._idem[key]
+
+    # the interface
+    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> str | None:
+        return self.reserve_now(candidates, reservation_id, hold_s, slots)
+
+    async def release(self, reservation_id: str) -> str | None:
+        return self.release_now(reservation_id)
+
+    async def in_flight(self) -> dict[str, int]:
+        self.expire_now()
+        return {p: n for p, n in self._in_flight.items() if n}
+
+    async def expire(self) -> int:
+        return self.expire_now()
+
+    async def expired(self) -> dict[str, int]:
+        self.expire_now()
+        return dict(self._expired)
+
+    async def observe(self, pool: str, ttft_ms: float | None = None, duration_ms: float | None = None,
+                      failed: bool = False) -> None:
+        self.observe_now(pool, ttft_ms, duration_ms, failed)
+
+    async def stats(self, pool: str) -> PoolStats:
+        return self.stats_now(pool)
+
+    async def claim(self, key: str, ttl_s: float) -> Claim:
+        return self.claim_now(key, ttl_s)
+
+    async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
+        self.complete_now(key, answer, ttl_s)
+
+    async def abandon(self, key: str) -> None:
+        self.abandon_now(key)
+
+    # -------------------------------------------------------------- durability
+    def rebuild(self, events: Iterable[Reserved | Released], now_wall: float | None = None) -> dict[str, int]:
+        """Replay the reservation and release events of the decision log (oldest first; capacity is
+        not checked: they were admitted). A reservation whose hold has passed by ``now_wall`` is
+        expired at once, and counted. Returns counts of what was replayed."""
+        now_wall = time.time() if now_wall is None else now_wall
+        now = self.clock()
+        out = {"reserved": 0, "released": 0, "held": 0}
+        for ev in events:
+            if isinstance(ev, Reserved):
+                if ev.reservation_id in self._held:
+                    continue
+                self._in_flight[ev.pool] = self._in_flight.get(ev.pool, 0) + ev.slots
+                until = now + (ev.until - now_wall)
+                self._held[ev.reservation_id] = (ev.pool, ev.slots, until)
+                heapq.heappush(self._due, (until, ev.reservation_id))
+                out["reserved"] += 1
+            elif self.release_now(ev.reservation_id) is not None:
+                out["released"] += 1
+        out["expired"] = self.expire_now(now)
+        out["held"] = len(self._held)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "reservations": len(self._held), "pools": len(self._in_flight)}
+
+
+class FailOpenState(RouterState):
+    """``state_fail_open``: the shared backend while it answers; while it cannot be reached, an
+    embedded view of this process's own work (logged once per outage, counted in ``failovers``).
+    After a failure the shared backend is tried again ``retry_s`` later, not on every call.
+
+    What failing open means: while the server is away this router admits against its own
+    reservations only, so the pools may be overcommitted by the other routers' work; reservations
+    the shared backend held expire there on their own hold; those taken locally are released
+    locally. Fail closed (the default: :class:`StateUnavailable`, a 503) never overcommits."""
+
+    def __init__(self, primary: RouterState, fallback: EmbeddedState | None = None, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, on_failover: Callable[[str], None] | None = None):
+        self.primary = primary
+        self.fallback = fallback if fallback is not None else EmbeddedState()
+        self.backend = f"{primary.backend}+fail-open"
+        self.retry_s, self.clock, self.on_failover = retry_s, clock, on_failover
+        self._down_until = -math.inf
+        self.failovers = 0
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        if self.clock() >= self._down_until:
+            try:
+                result = await getattr(self.primary, name)(*args)
+            except StateUnavailable as e:
+                if self._down_until == -math.inf or self.clock() - self._down_until > self.retry_s:
+                    self.failovers += 1
+                    if self.on_failover is not None:
+                        self.on_failover(str(e))
+                self._down_until = self.clock() + self.retry_s
+            else:
+                self._down_until = -math.inf
+                return result
+        return await getattr(self.fallback, name)(*args)
+
+    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> str | None:
+        return await self._call("reserve", candidates, reservation_id, hold_s, slots)  # type: ignore[no-any-return]
+
+    async def release(self, reservation_id: str) -> str | None:
+        local = self.fallback.release_now(reservation_id)  # taken during an outage: released here
+        return local if local is not None else await self._call("release", reservation_id)  # type: ignore[no-any-return]
+
+    async def in_flight(self) -> dict[str, int]:
+        return await self._call("in_flight")  # type: ignore[no-any-return]
+
+    async def expire(self) -> int:
+        return await self._call("expire")  # type: ignore[no-any-return]
+
+    async def expired(self) -> dict[str, int]:
+        return await self._call("expired")  # type: ignore[no-any-return]
+
+    async def observe(self, pool: str, ttft_ms: float | None = None, duration_ms: float | None = None,
+                      failed: bool = False) -> None:
+        await self._call("observe", pool, ttft_ms, duration_ms, failed)
+
+    async def stats(self, pool: str) -> PoolStats:
+        return await self._call("stats", pool)  # type: ignore[no-any-return]
+
+    async def claim(self, key: str, ttl_s: float) -> Claim:
+        return await self._call("claim", key, ttl_s)  # type: ignore[no-any-return]
+
+    async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
+        await self._call("complete", key, answer, ttl_s)
+
+    async def abandon(self, key: str) -> None:
+        await self._call("abandon", key)
+
+    async def healthy(self) -> bool:
+        return True  # it always answers (module docstring: what that costs)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.primary.describe(), "fail_open": True, "failovers": self.failovers,
+                "answering_locally": self.clock() < self._down_until}
+
+    async def close(self) -> None:
+        await self.primary.close()
+
+
+def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str, Any]], float] | None = None,
+                    pool_of: Callable[[dict[str, Any]], str] | None = None) -> Iterator[Reserved | Released]:
+    """The reservation and release events the decision log implies from wall time ``since`` on,
+    oldest first (for :meth:`EmbeddedState.rebuild` after a restart): each decision reserved one
+    slot of its pool (``pool_of(row)``, default the offering id) for ``hold_s(row)`` seconds
+    (default :func:`hold_for` of its expected latency); feedback released it. ``target``: a SQLite
+    file or a ``postgresql://`` URL."""
+    pool = pool_of or (lambda row: str(row["offering_id"]))
+    hold = hold_s or (lambda row: hold_for(float(row["expected_latency_ms"]) / 1000.0))
+    dsql = ("SELECT decision_id, created_at, offering_id, expected_latency_ms, request_json FROM decisions "
+            "WHERE created_at >= {p} ORDER BY created_at, decision_id")
+    fsql = ("SELECT f.decision_id, MIN(f.received_at) FROM feedback f JOIN decisions d "
+            "ON d.decision_id = f.decision_id WHERE d.created_at >= {p} GROUP BY f.decision_id")
+    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+        import psycopg
+
+        with psycopg.connect(target, connect_timeout=10) as conn:
+            drows = conn.execute(dsql.format(p="%s"), (since,)).fetchall()  # type: ignore[arg-type]
+            frows = conn.execute(fsql.format(p="%s"), (since,)).fetchall()  # type: ignore[arg-type]
+    else:
+        from router.store import connect
+
+        conn3 = connect(Path(target), readonly=True)
+        try:
+            drows = conn3.execute(dsql.format(p="?"), (since,)).fetchall()
+            frows = conn3.execute(fsql.format(p="?"), (since,)).fetchall()
+        finally:
+            conn3.close()
+    timeline: list[tuple[float, int, Reserved | Released]] = []
+    for did, created, offering, expected_ms, request_json in drows:
+        row = {"decision_id": did, "created_at": created, "offering_id": offering,
+               "expected_latency_ms": expected_ms, "request": json.loads(request_json)}
+        timeline.append((float(created), 0, Reserved(str(did), pool(row), float(created) + hold(row))))
+    timeline += [(float(at), 1, Released(str(did))) for did, at in frows]
+    timeline.sort(key=lambda t: (t[0], t[1]))
+    for _, _, ev in timeline:
+        yield ev
+
+
+@dataclass
+class StateSettings:
+    """What :func:`open_state` needs (``router.settings.RouterSettings`` has these fields)."""
+
+    backend: Literal["embedded", "redis"] = "embedded"
+    url: str | None = None
+    fail_open: bool = False
+    timeout_s: float = 0.5
+    prefix: str = "xroute"
+    alpha: float = STATS_ALPHA
+
+
+def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:
+    """The backend ``cfg`` names (a Redis one wrapped in :class:`FailOpenState` with ``fail_open``)."""
+    if cfg.backend == "embedded":
+        return EmbeddedState(cfg.alpha)
+    from router.state_redis import RedisState
+
+    if not cfg.url:
+        raise ValueError("the redis state backend needs a URL (state_url)")
+    shared = RedisState(cfg.url, prefix=cfg.prefix, timeout_s=cfg.timeout_s, alpha=cfg.alpha)
+    return FailOpenState(shared, EmbeddedState(cfg.alpha), on_failover=on_failover) if cfg.fail_open else shared
+

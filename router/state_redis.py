@@ -1,0 +1,271 @@
+"""The router's state in Redis or Valkey (``state_backend: redis``): every router process and host
+pointed at one server shares one view.
+
+Every operation that must be atomic across processes is one Lua script run server-side
+(``EVALSHA`` through redis-py's ``register_script``, which loads it with ``SCRIPT LOAD`` when the
+server lacks it): check-and-reserve over the ranked candidates, release, the expiry of
+reservations past their hold (run at the start of every reserve and read), the statistics' update,
+and the idempotency claim. Time inside the scripts is the server's (``TIME``), so routers whose
+clocks disagree still expire reservations alike.
+
+Keys, all under ``<prefix>:{router}:`` (one hash tag, so a Redis Cluster keeps them in one slot,
+as the multi-key scripts need): ``inflight`` (hash pool -> slots), ``held`` (hash reservation id ->
+``slots:pool``), ``due`` (sorted set reservation id -> deadline in ms), ``expired`` (hash pool ->
+count), ``stats:<pool>`` (hash of the estimator's fields), ``idem:<key>`` (string with a TTL; empty
+while pending). Memory: O(pools + reservations held + idempotency keys within their TTL).
+
+Unreachable or slow server (a connection refused, or no answer within ``timeout_s``): every
+operation raises :class:`router.state.StateUnavailable` (the API's 503; or the embedded view with
+``state_fail_open``). One reconnect is tried per call, so a restarted server is picked up at once.
+The URL may hold a password (``redis://:secret@host``, from the environment, not a config file);
+it is only ever shown through :func:`redact`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from router.state import STATS_ALPHA, Claim, PoolStats, RouterState, StateUnavailable, _check_reserve, _finite
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+# KEYS: inflight, held, due, expired
+_EXPIRE_DUE = """
+local function expire_due(now)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 1000)
+  for _, rid in ipairs(due) do
+    local v = redis.call('HGET', KEYS[2], rid)
+    if v then
+      local sep = string.find(v, ':', 1, true)
+      local pool = string.sub(v, sep + 1)
+      redis.call('HINCRBY', KEYS[1], pool, -tonumber(string.sub(v, 1, sep - 1)))
+      redis.call('HINCRBY', KEYS[4], pool, 1)
+      redis.call('HDEL', KEYS[2], rid)
+    end
+    redis.call('ZREM', KEYS[3], rid)
+  end
+  return #due
+end
+"""
+# ARGV: reservation id, hold ms, slots, then pool, capacity pairs
+RESERVE = _NOW + _EXPIRE_DUE + """
+expire_due(now)
+local held = redis.call('HGET', KEYS[2], ARGV[1])
+if held then
+  return string.sub(held, string.find(held, ':', 1, true) + 1)
+end
+local slots = tonumber(ARGV[3])
+for i = 4, #ARGV, 2 do
+  local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if cur + slots <= tonumber(ARGV[i + 1]) then
+    redis.call('HINCRBY', KEYS[1], ARGV[i], slots)
+    redis.call('HSET', KEYS[2], ARGV[1], slots .. ':' .. ARGV[i])
+    redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), ARGV[1])
+    return ARGV[i]
+  end
+end
+return false
+"""
+# ARGV: reservation id
+RELEASE = """
+local v = redis.call('HGET', KEYS[2], ARGV[1])
+if not v then return false end
+local sep = string.find(v, ':', 1, true)
+local pool = string.sub(v, sep + 1)
+redis.call('HINCRBY', KEYS[1], pool, -tonumber(string.sub(v, 1, sep - 1)))
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return pool
+"""
+# ARGV: which ('inflight' or 'expired'); returns the expired count and the hash
+EXPIRE_AND_READ = _NOW + _EXPIRE_DUE + """
+local n = expire_due(now)
+local h = {}
+if ARGV[1] == 'inflight' then h = redis.call('HGETALL', KEYS[1]) elseif ARGV[1] == 'expired' then
+  h = redis.call('HGETALL', KEYS[4]) end
+return {n, h}
+"""
+# KEYS: inflight, held, due, expired, stats; ARGV: pool
+STATS = _NOW + _EXPIRE_DUE + """
+expire_due(now)
+return {redis.call('HGETALL', KEYS[5]), redis.call('HGET', KEYS[1], ARGV[1]), redis.call('HGET', KEYS[4], ARGV[1])}
+"""
+# KEYS: stats; ARGV: alpha, ttft ms or '', duration ms or '', failed 0/1 (the estimator of router.state)
+OBSERVE = """
+local a = tonumber(ARGV[1])
+local function ewm(name, x)
+  local n = tonumber(redis.call('HGET', KEYS[1], name .. '_n') or '0')
+  local m, v = x, 0
+  if n > 0 then
+    m = tonumber(redis.call('HGET', KEYS[1], name .. '_mean'))
+    v = tonumber(redis.call('HGET', KEYS[1], name .. '_var'))
+    local d = x - m
+    m = m + a * d
+    v = (1 - a) * (v + a * d * d)
+  end
+  redis.call('HSET', KEYS[1], name .. '_mean', string.format('%.17g', m), name .. '_var', string.format('%.17g', v))
+  redis.call('HINCRBY', KEYS[1], name .. '_n', 1)
+end
+local failed = tonumber(ARGV[4])
+local outcomes = tonumber(redis.call('HGET', KEYS[1], 'outcomes') or '0')
+local fr = failed
+if outcomes > 0 then
+  local r = tonumber(redis.call('HGET', KEYS[1], 'failure_rate'))
+  fr = r + a * (failed - r)
+end
+redis.call('HSET', KEYS[1], 'failure_rate', string.format('%.17g', fr))
+redis.call('HINCRBY', KEYS[1], 'outcomes', 1)
+redis.call('HINCRBY', KEYS[1], 'failures', failed)
+if ARGV[2] ~= '' then ewm('ttft', tonumber(ARGV[2])) end
+if ARGV[3] ~= '' then ewm('dur', tonumber(ARGV[3])) end
+return 1
+"""
+# KEYS: the key; ARGV: ttl ms. nil: claimed now; '': another request holds it; else its answer
+CLAIM = """
+if redis.call('SET', KEYS[1], '', 'NX', 'PX', ARGV[1]) then return false end
+return redis.call('GET', KEYS[1])
+"""
+ABANDON = """
+if redis.call('GET', KEYS[1]) == '' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def redact(url: str) -> str:
+    """``url`` as it may be shown or logged: scheme, host, port and database, never a password."""
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = f":{u.port}" if u.port else ""
+    except ValueError:
+        return "redis://(unparsable URL)"
+    return f"{u.scheme}://{host}{port}{u.path}"
+
+
+def _f(x: bytes | None) -> float | None:
+    return None if x is None else float(x)
+
+
+class RedisState(RouterState):
+    """The shared state on one Redis/Valkey server (module docstring)."""
+
+    backend = "redis"
+
+    def __init__(self, url: str, prefix: str = "xroute", timeout_s: float = 0.5, alpha: float = STATS_ALPHA,
+                 max_connections: int = 64):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.where = redact(url)
+        self.alpha = alpha
+        self.timeout_s = timeout_s
+        self._r = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=max_connections,
+            retry=Retry(NoBackoff(), 1), client_name="xroute-router")
+        base = f"{prefix}:{{router}}:"
+        self.base = base
+        self._keys = [base + "inflight", base + "held", base + "due", base + "expired"]
+        self._reserve = self._r.register_script(RESERVE)
+        self._release = self._r.register_script(RELEASE)
+        self._read = self._r.register_script(EXPIRE_AND_READ)
+        self._observe = self._r.register_script(OBSERVE)
+        self._stats = self._r.register_script(STATS)
+        self._claim = self._r.register_script(CLAIM)
+        self._abandon = self._r.register_script(ABANDON)
+
+    def _down(self, e: BaseException) -> StateUnavailable:
+        return StateUnavailable(f"shared state {self.where}: {type(e).__name__}: {' '.join(str(e).split())}"[:300])
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+
+    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> str | None:
+        _check_reserve(candidates, hold_s, slots)
+        args: list[Any] = [reservation_id, max(1, math.ceil(hold_s * 1000)), slots]
+        for pool, capacity in candidates:
+            args += (pool, int(capacity))
+        got = await self._run(self._reserve, self._keys, args)
+        return None if got is None else got.decode()  # type: ignore[no-any-return]
+
+    async def release(self, reservation_id: str) -> str | None:
+        got = await self._run(self._release, self._keys, [reservation_id])
+        return None if got is None else got.decode()  # type: ignore[no-any-return]
+
+    async def _hash(self, which: str) -> tuple[int, dict[str, int]]:
+        n, flat = await self._run(self._read, self._keys, [which])
+        return int(n), {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def in_flight(self) -> dict[str, int]:
+        return {p: n for p, n in (await self._hash("inflight"))[1].items() if n}
+
+    async def expire(self) -> int:
+        return (await self._hash(""))[0]
+
+    async def expired(self) -> dict[str, int]:
+        return (await self._hash("expired"))[1]
+
+    async def observe(self, pool: str, ttft_ms: float | None = None, duration_ms: float | None = None,
+                      failed: bool = False) -> None:
+        _finite(ttft_ms, "ttft_ms")
+        _finite(duration_ms, "duration_ms")
+        await self._run(self._observe, [self.base + "stats:" + pool],
+                        [repr(self.alpha), "" if ttft_ms is None else repr(float(ttft_ms)),
+                         "" if duration_ms is None else repr(float(duration_ms)), 1 if failed else 0])
+
+    async def stats(self, pool: str) -> PoolStats:
+        flat, in_flight, expired = await self._run(self._stats, [*self._keys, self.base + "stats:" + pool], [pool])
+        h = {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+        outcomes = int(h.get(b"outcomes", 0))
+        ttft_n, dur_n = int(h.get(b"ttft_n", 0)), int(h.get(b"dur_n", 0))
+        var_t, var_d = _f(h.get(b"ttft_var")), _f(h.get(b"dur_var"))
+        return PoolStats(pool, outcomes, int(h.get(b"failures", 0)),
+                         _f(h.get(b"failure_rate")) if outcomes else None,
+                         _f(h.get(b"ttft_mean")) if ttft_n else None,
+                         math.sqrt(max(var_t, 0.0)) if ttft_n and var_t is not None else None,
+                         _f(h.get(b"dur_mean")) if dur_n else None,
+                         math.sqrt(max(var_d, 0.0)) if dur_n and var_d is not None else None,
+                         int(in_flight or 0), int(expired or 0))
+
+    async def claim(self, key: str, ttl_s: float) -> Claim:
+        got = await self._run(self._claim, [self.base + "idem:" + key], [max(1, math.ceil(ttl_s * 1000))])
+        if got is None:
+            return Claim("new")
+        return Claim("pending") if got == b"" else Claim("done", bytes(got))
+
+    async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
+        if not answer:
+            raise ValueError("an idempotent answer must not be empty")
+        try:
+            await self._r.set(self.base + "idem:" + key, bytes(answer), px=max(1, math.ceil(ttl_s * 1000)))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+
+    async def abandon(self, key: str) -> None:
+        await self._run(self._abandon, [self.base + "idem:" + key], [])
+
+    async def healthy(self) -> bool:
+        try:
+            return bool(await self._r.ping())
+        except (RedisError, OSError):
+            return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.backend, "url": self.where, "prefix": self.base, "timeout_s": self.timeout_s}
+
+    async def close(self) -> None:
+        await self._r.aclose()

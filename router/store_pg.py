@@ -1,0 +1,288 @@
+"""The decision log on PostgreSQL: many routers write one log (``db_url: postgresql://...``).
+
+The same group commit as SQLite's (``router.store.GroupCommitLog``): the rows of one event-loop
+iteration go out as one transaction, and each request is answered only once the ``COMMIT`` holding
+its row has returned -- with the server's default ``synchronous_commit = on``, once the commit is
+flushed to the server's WAL. Two connections commit, so up to two batches are in flight, as with
+SQLite's writer process; the inserts run in psycopg's pipeline mode (``executemany``), one round
+trip for the batch. The commits are network I/O on the event loop (psycopg's async connections):
+nothing competes with the loop for the GIL but the encoding of the rows.
+
+Many routers may write one log: every row's key is a time-sorted random decision id, so routers
+never contend on it, and the schema is created under an advisory lock, so routers starting
+together do not race.
+
+Answers are stored as their JSON text: the Zstandard dictionary compression of the SQLite log is
+not carried over (a dictionary table shared by many writers is more machinery than one backend is
+worth; PostgreSQL compresses large values itself).
+
+When the server is down or unreachable, the batch's requests fail with :class:`StoreClosed` (the
+API's 503 with ``Retry-After``) and ``/readyz`` reports the log down; the next batch reconnects, so
+the router recovers by itself once the server is back (tested by stopping a real server). Nothing
+that was not committed is ever acknowledged.
+
+Credentials never appear in code, configs or logs: the URL may name the user, host, port and
+database; the password comes from libpq's usual places (``PGPASSWORD``, ``PGPASSFILE`` or
+``~/.pgpass``, or a ``passfile=`` parameter), and whatever the URL holds is shown only through
+:func:`redact`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from router.store import (
+    DECISION_COLUMNS,
+    FEEDBACK_COLUMNS,
+    GroupCommitLog,
+    Item,
+    Result,
+    StoreClosed,
+    decision_record,
+    export_columns,
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS decisions (
+    decision_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    telemetry_ts DOUBLE PRECISION NOT NULL,
+    origin TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    max_output_tokens INTEGER NOT NULL,
+    ttft_ms DOUBLE PRECISION NOT NULL,
+    tpot_ms DOUBLE PRECISION NOT NULL,
+    deadline_ms DOUBLE PRECISION,
+    model TEXT NOT NULL,
+    session_id TEXT,
+    offering_id TEXT NOT NULL,
+    expected_latency_ms DOUBLE PRECISION NOT NULL,
+    expected_cost_usd DOUBLE PRECISION NOT NULL,
+    policy TEXT NOT NULL,
+    policy_kind TEXT NOT NULL,
+    policy_version TEXT,
+    bundle_hash TEXT NOT NULL,
+    request_json TEXT NOT NULL,
+    response_json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS decisions_tenant_time ON decisions (tenant, created_at);
+CREATE TABLE IF NOT EXISTS feedback (
+    feedback_id BIGSERIAL PRIMARY KEY,
+    decision_id TEXT NOT NULL REFERENCES decisions(decision_id),
+    tenant TEXT NOT NULL,
+    received_at DOUBLE PRECISION NOT NULL,
+    latency_ms DOUBLE PRECISION,
+    cost_usd DOUBLE PRECISION,
+    output_tokens INTEGER,
+    failed INTEGER NOT NULL,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
+"""
+#: the advisory lock key under which the schema is created (routers starting together)
+_SCHEMA_LOCK = 0x78726F757465  # "xroute"
+
+_INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) "
+                    f"VALUES ({', '.join(['%s'] * len(DECISION_COLUMNS))})")
+_INSERT_FEEDBACK = (f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
+                    f"VALUES ({', '.join(['%s'] * len(FEEDBACK_COLUMNS))}) RETURNING feedback_id")
+
+
+def is_postgres_url(target: object) -> bool:
+    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
+
+
+def redact(url: str) -> str:
+    """``url`` as it may be shown or logged: user, host, port and database only (never a password,
+    nor any other parameter)."""
+    try:
+        info = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unparsable URL)"
+    user = f"{info['user']}@" if info.get("user") else ""
+    port = f":{info['port']}" if info.get("port") else ""
+    return f"postgresql://{user}{info.get('host') or ''}{port}/{info.get('dbname') or ''}"
+
+
+def one_line(e: BaseException) -> str:
+    """A connection or server error as one line, without the URL (psycopg's messages name host and
+    port, never the password)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+def check_reachable(url: str, timeout_s: float = 5.0) -> None:
+    """Raise :class:`xroute.errors.ConfigError` (one line, the URL redacted) unless a connection
+    to ``url`` can be opened."""
+    from xroute.errors import ConfigError
+
+    try:
+        psycopg.connect(url, connect_timeout=max(1, round(timeout_s))).close()
+    except psycopg.Error as e:
+        raise ConfigError(f"--db: cannot reach the decision log {redact(url)} ({one_line(e)})") from None
+
+
+async def ensure_schema(conn: psycopg.AsyncConnection[Any]) -> None:
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+        await conn.execute(SCHEMA)  # type: ignore[arg-type]
+
+
+class PostgresLog(GroupCommitLog):
+    """The decision log on a PostgreSQL server (module docstring)."""
+
+    backend = "postgresql"
+    max_in_flight = 2
+
+    def __init__(self, url: str, batch_max: int = 512, on_commit: Callable[[int, float], None] | None = None,
+                 connect_timeout_s: float = 5.0):
+        super().__init__(batch_max, on_commit)
+        self._url = url
+        self.where = redact(url)
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: list[psycopg.AsyncConnection[Any] | None] = []
+        self._reader: psycopg.AsyncConnection[Any] | None = None
+        self._reader_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def _connect(self, autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
+        return await psycopg.AsyncConnection.connect(self._url, autocommit=autocommit,
+                                                     connect_timeout=max(1, round(self.connect_timeout_s)),
+                                                     application_name="xroute-router")
+
+    async def open(self) -> None:
+        """Connect and create the schema (raises :class:`StoreClosed` when the server is not
+        reachable: the router does not start on a log it cannot write)."""
+        try:
+            conn = await self._connect()
+            await ensure_schema(conn)
+            conns: list[psycopg.AsyncConnection[Any] | None] = [conn]
+            conns += [await self._connect() for _ in range(self.max_in_flight - 1)]
+            self._idle = conns
+            self._reader = await self._connect(autocommit=True)
+        except psycopg.Error as e:
+            raise StoreClosed(f"decision log {self.where}: {one_line(e)}") from None
+
+    def _send(self, batch: list[Item]) -> None:
+        conn = self._idle.pop()
+        task = asyncio.get_running_loop().create_task(self._commit(conn, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _commit(self, conn: psycopg.AsyncConnection[Any] | None, batch: list[Item]) -> None:
+        t0 = time.perf_counter()
+        results: list[Result]
+        try:
+            if conn is None or conn.closed:
+                conn = None
+                conn = await self._connect()
+            results = await self._write(conn, [(kind, row) for kind, row, _ in batch])
+        except Exception as e:  # psycopg's errors, and anything else: never leave a request waiting
+            self.error = f"decision log {self.where}: {one_line(e)}"
+            results = [StoreClosed(self.error)] * len(batch)
+            if conn is not None and not conn.closed and isinstance(e, psycopg.OperationalError):
+                await conn.close()
+        else:
+            self.error = None
+            self.commits += 1
+            self.rows += sum(1 for r in results if not isinstance(r, BaseException))
+            if self.on_commit is not None:
+                self.on_commit(len(batch), time.perf_counter() - t0)
+        finally:
+            self._idle.append(conn)
+        self._done(batch, results)
+
+    async def _write(self, conn: psycopg.AsyncConnection[Any], batch: list[tuple[str, tuple[Any, ...]]]
+                     ) -> list[Result]:
+        """One transaction for ``batch``; a duplicate decision id fails alone, not its batch."""
+        try:
+            async with conn.transaction(), conn.cursor() as cur:
+                if all(kind == "decision" for kind, _ in batch):
+                    await cur.executemany(_INSERT_DECISION, [row for _, row in batch])
+                    return [0] * len(batch)
+                ids: list[Result] = []
+                for kind, row in batch:
+                    if kind == "decision":
+                        await cur.execute(_INSERT_DECISION, row)
+                        ids.append(0)
+                    else:
+                        await cur.execute(_INSERT_FEEDBACK, row)
+                        found = await cur.fetchone()
+                        ids.append(int(found[0]) if found else 0)
+                return ids
+        except psycopg.IntegrityError as e:
+            if len(batch) > 1:
+                return [r for item in batch for r in await self._write(conn, [item])]
+            return [StoreClosed(f"decision log write failed: {one_line(e)}")]
+
+    async def _shutdown(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=30)
+        for conn in [*self._idle, self._reader]:
+            if conn is not None and not conn.closed:
+                await conn.close()
+        self._idle = []
+        self._reader = None
+
+    # ------------------------------------------------------------------ reads
+    async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        async with self._reader_lock:
+            try:
+                if self._reader is None or self._reader.closed:
+                    self._reader = await self._connect(autocommit=True)
+                cur = await self._reader.execute(sql, params)  # type: ignore[arg-type]
+                return await cur.fetchall()
+            except psycopg.Error as e:
+                if self._reader is not None and isinstance(e, psycopg.OperationalError):
+                    await self._reader.close()
+                raise StoreClosed(f"decision log {self.where}: {one_line(e)}") from None
+
+    async def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
+        if tenant is None:
+            rows = await self._read("SELECT response_json, request_json FROM decisions WHERE decision_id = %s",
+                                    (decision_id,))
+        else:
+            rows = await self._read("SELECT response_json, request_json FROM decisions WHERE decision_id = %s "
+                                    "AND tenant = %s", (decision_id, tenant))
+        if not rows:
+            return None
+        feedback = await self._read(
+            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error "
+            "FROM feedback WHERE decision_id = %s ORDER BY feedback_id", (decision_id,))
+        return decision_record(json.loads(rows[0][0]), rows[0][1], feedback)
+
+    async def owner(self, decision_id: str) -> str | None:
+        rows = await self._read("SELECT tenant FROM decisions WHERE decision_id = %s", (decision_id,))
+        return None if not rows else str(rows[0][0])
+
+    async def healthy(self) -> bool:
+        if self.closed:
+            return False
+        if self.error is None:
+            return True
+        try:  # the last commit failed: is the server back? (no traffic would otherwise ever tell)
+            await self._read("SELECT 1", ())
+        except StoreClosed:
+            return False
+        self.error = None
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "url": self.where}
+
+
+def iter_decisions(url: str, tenant: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every decision (oldest first) with its latest feedback (for export), read in pages."""
+    sql, cols = export_columns("%s", tenant is not None)
+    with psycopg.connect(url, connect_timeout=10) as conn, conn.cursor(name="xroute_export") as cur:
+        cur.execute(sql, (tenant,) if tenant is not None else ())  # type: ignore[arg-type]
+        for row in cur:
+            yield dict(zip(cols, row))

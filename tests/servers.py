@@ -1,0 +1,189 @@
+"""Real servers for the tests, on free loopback ports, with every file in a temporary directory:
+PostgreSQL (Debian's ``postgresql`` package: ``initdb`` + ``pg_ctl``) and Redis (``redis-server``).
+
+``scripts/setup.sh`` installs both when they are missing (what CI runs). No fake stands in: when a
+server cannot start, :class:`ServerError` says why and the tests that need it fail.
+
+PostgreSQL refuses to run as root, and CI runs as root: there the server runs as the ``postgres``
+user that Debian's package creates (``runuser``), in a directory that user owns. Debian's server
+rather than a Python package shipping a PostgreSQL build: it is the server production runs, it is
+one apt package, and the packages that ship binaries are thin, irregularly maintained wrappers.
+
+Credentials: the cluster's password is random, made at start and never written into code or
+configs; clients find it through a ``pgpass`` file named in the URL (``passfile=``), so the URL
+holds none, and the tests check that no log line shows it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from router.testing import free_port
+
+
+class ServerError(RuntimeError):
+    """A test server could not be found or started (the message says which and why)."""
+
+
+def _as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def postgres_bin(name: str) -> str:
+    """A PostgreSQL server program: on PATH, else Debian's newest ``/usr/lib/postgresql/<v>/bin``."""
+    found = shutil.which(name)
+    if found:
+        return found
+    versions = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+                      key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    if versions:
+        return versions[-1]
+    raise ServerError(f"PostgreSQL's {name} not found (on PATH or /usr/lib/postgresql/*/bin): "
+                      "install Debian's postgresql package (scripts/setup.sh does)")
+
+
+class PostgresServer:
+    """One PostgreSQL cluster: ``initdb`` into a temporary directory, ``pg_ctl`` on 127.0.0.1:port."""
+
+    USER = "xroute"
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="xroute-pg-"))
+        self.data = self.root / "data"
+        self.log = self.root / "server.log"
+        self.port = free_port()
+        self.passfile = self.root / "pgpass"
+        self._password = secrets.token_urlsafe(24)
+        self._initialized = False
+
+    @property
+    def url(self) -> str:
+        """The admin database's URL (no password: ``passfile`` names where libpq finds it)."""
+        return self.database_url("postgres")
+
+    def database_url(self, name: str) -> str:
+        return f"postgresql://{self.USER}@127.0.0.1:{self.port}/{name}?passfile={self.passfile}"
+
+    @property
+    def password(self) -> str:
+        """For tests that check it never reaches a log; never put it in a URL or a file of the repo."""
+        return self._password
+
+    def _run(self, args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        if _as_root():
+            args = ["runuser", "-u", "postgres", "--", *args]
+        return subprocess.run(args, capture_output=True, text=True, timeout=120, **kw)
+
+    def start(self) -> PostgresServer:
+        if not self._initialized:
+            self._init()
+        opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -c unix_socket_directories='' -c fsync=on"
+        res = self._run([postgres_bin("pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.log), "-w",
+                         "-t", "60", "start"])
+        if res.returncode != 0:
+            log = self.log.read_text()[-2000:] if self.log.exists() else ""
+            raise ServerError(f"PostgreSQL did not start on 127.0.0.1:{self.port}: {res.stdout}{res.stderr}{log}")
+        return self
+
+    def _init(self) -> None:
+        pwfile = self.root / "pw"
+        pwfile.write_text(self._password + "\n")
+        pwfile.chmod(0o600)
+        if _as_root():
+            import pwd
+
+            try:
+                pg = pwd.getpwnam("postgres")
+            except KeyError:
+                raise ServerError("running as root needs the 'postgres' user (Debian's postgresql package "
+                                  "creates it) to run the test server") from None
+            os.chown(self.root, pg.pw_uid, pg.pw_gid)
+            os.chown(pwfile, pg.pw_uid, pg.pw_gid)
+        res = self._run([postgres_bin("initdb"), "-D", str(self.data), "-U", self.USER, "--pwfile", str(pwfile),
+                         "--auth=scram-sha-256", "--encoding=UTF8", "--locale=C", "--no-sync"])
+        pwfile.unlink()
+        if res.returncode != 0:
+            raise ServerError(f"initdb failed: {res.stdout}{res.stderr}")
+        # the client's password file: only this user reads it (libpq refuses a laxer one)
+        self.passfile.write_text(f"127.0.0.1:{self.port}:*:{self.USER}:{self._password}\n")
+        self.passfile.chmod(0o600)
+        if _as_root():
+            os.chown(self.passfile, 0, 0)
+        self._initialized = True
+
+    def create_database(self, name: str) -> str:
+        """A new empty database; returns its URL."""
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.database_url(name)
+
+    def stop(self, mode: str = "fast") -> None:
+        if self._initialized and (self.data / "postmaster.pid").exists():
+            self._run([postgres_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"])
+
+    def close(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class RedisServer:
+    """One ``redis-server`` on 127.0.0.1:port, nothing persisted (no RDB, no AOF), files in a
+    temporary directory."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="xroute-redis-"))
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        exe = shutil.which("redis-server") or shutil.which("valkey-server")
+        if exe is None:
+            raise ServerError("redis-server not found on PATH: install Debian's redis-server package "
+                              "(scripts/setup.sh does)")
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.root), "--protected-mode", "yes",
+                                      "--daemonize", "no"], stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        import redis
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"redis-server exited with {self.proc.returncode}: "
+                                  f"{(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1) as r:
+                    if r.ping():
+                        return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise ServerError(f"redis-server did not answer on 127.0.0.1:{self.port} within 30 s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)

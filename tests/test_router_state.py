@@ -1,0 +1,356 @@
+"""The router's state (``router/state.py``, ``router/state_redis.py``): one suite run against both
+backends -- the embedded one and a real redis-server (``tests/servers.py``) -- then the embedded
+backend rebuilt from a real SQLite decision log, the Redis backend with its server stopped (fail
+closed, and fail open), and OS processes hammering one Redis without ever admitting more than a
+pool's capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import multiprocessing
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.engine import RoutingEngine
+from router.keys import Principal
+from router.state import (
+    Claim,
+    EmbeddedState,
+    FailOpenState,
+    Released,
+    Reserved,
+    RouterState,
+    StateSettings,
+    StateUnavailable,
+    decision_events,
+    hold_for,
+    open_state,
+)
+from router.state_redis import RedisState, redact
+from router.store import DECISION_COLUMNS, DecisionStore
+from tests.servers import RedisServer
+from tests.test_router_support import ROUTE, make_setup
+from xroute.schema.decision import RouteRequest
+
+_prefixes = (f"t{i}-{time.time_ns()}" for i in itertools.count())
+Make = Callable[[], RouterState]
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def make_state(request: pytest.FixtureRequest) -> Make:
+    """A factory (called inside the test's event loop) of a fresh, empty state of each backend."""
+    if request.param == "embedded":
+        return EmbeddedState
+    url = request.getfixturevalue("redis_server").url
+    prefix = next(_prefixes)  # every test its own keys on the shared server
+    return lambda: RedisState(url, prefix=prefix)
+
+
+def _run(make: Make, body: Callable[[RouterState], Awaitable[None]]) -> None:
+    async def main() -> None:
+        state = make()
+        try:
+            await body(state)
+        finally:
+            await state.close()
+
+    asyncio.run(main())
+
+
+def test_check_and_reserve_release_and_retries(make_state: Make) -> None:
+    async def body(s: RouterState) -> None:
+        cands = [("pool a", 2), ("pool:b", 1)]  # opaque keys: spaces and colons are fine
+        got = [await s.reserve(cands, f"r{i}", 60) for i in range(4)]
+        assert got == ["pool a", "pool a", "pool:b", None]
+        assert await s.in_flight() == {"pool a": 2, "pool:b": 1}
+        assert await s.reserve(cands, "r0", 60) == "pool a"  # a retry: its pool, nothing booked
+        assert await s.in_flight() == {"pool a": 2, "pool:b": 1}
+        assert await s.release("r1") == "pool a"
+        assert await s.release("r1") is None and await s.release("never") is None
+        assert await s.reserve(cands, "r3", 60) == "pool a"
+        # several slots at once, within capacity only
+        assert await s.reserve([("big", 3)], "w1", 60, slots=2) == "big"
+        assert await s.reserve([("big", 3)], "w2", 60, slots=2) is None
+        assert await s.reserve([("big", 3)], "w3", 60, slots=1) == "big"
+        assert (await s.in_flight())["big"] == 3
+        assert await s.reserve([("zero", 0)], "z", 60) is None
+        assert await s.expired() == {} or set((await s.expired()).values()) == {0}
+        for bad in (dict(slots=0), dict(hold_s=0.0), dict(hold_s=math.inf)):
+            with pytest.raises(ValueError):
+                await s.reserve([("p", 1)], "bad", **{"hold_s": 1.0, **bad})  # type: ignore[arg-type]
+
+    _run(make_state, body)
+
+
+def test_reservations_whose_release_never_comes_expire_and_are_counted(make_state: Make) -> None:
+    async def body(s: RouterState) -> None:
+        assert await s.reserve([("p", 1)], "lost", 0.2) == "p"
+        assert await s.reserve([("p", 2)], "kept", 60) == "p"
+        assert await s.reserve([("p", 2)], "released", 0.2) is None  # full: 2 slots held
+        assert await s.release("kept") == "p"
+        assert await s.reserve([("p", 2)], "released", 0.2) == "p"
+        assert await s.release("released") == "p"  # released in time: not counted as expired
+        await asyncio.sleep(0.35)
+        assert await s.in_flight() == {}
+        assert await s.expired() == {"p": 1}
+        assert await s.release("lost") is None  # too late: already expired
+        assert await s.reserve([("p", 1)], "next", 60) == "p"  # the slot is free again
+        st = await s.stats("p")
+        assert (st.in_flight, st.expired) == (1, 1)
+
+    _run(make_state, body)
+
+
+def _reference(alpha: float, xs: list[float]) -> tuple[float, float]:
+    mean = var = 0.0
+    for i, x in enumerate(xs):
+        if i == 0:
+            mean, var = x, 0.0
+        else:
+            d = x - mean
+            mean, var = mean + alpha * d, (1 - alpha) * (var + alpha * d * d)
+    return mean, math.sqrt(var)
+
+
+def test_outcome_statistics_follow_the_documented_estimator(make_state: Make) -> None:
+    ttft = [120.0, 80.0, 300.0, 95.5, 101.0, 99.0]
+    dur = [2000.0, 1500.0, 4100.0, 1800.0]
+    fails = [False, False, True, False, False, True]
+
+    async def body(s: RouterState) -> None:
+        empty = await s.stats("gpu")
+        assert (empty.outcomes, empty.ttft_ms_mean, empty.failure_rate) == (0, None, None)
+        for i, (t, f) in enumerate(zip(ttft, fails)):
+            await s.observe("gpu", ttft_ms=t, duration_ms=dur[i] if i < len(dur) else None, failed=f)
+        st = await s.stats("gpu")
+        assert (st.pool, st.outcomes, st.failures) == ("gpu", 6, 2)
+        m, sd = _reference(0.05, ttft)
+        assert st.ttft_ms_mean == pytest.approx(m, rel=1e-12) and st.ttft_ms_std == pytest.approx(sd, rel=1e-9)
+        m, sd = _reference(0.05, dur)
+        assert st.duration_ms_mean == pytest.approx(m, rel=1e-12) and st.duration_ms_std == pytest.approx(sd, rel=1e-9)
+        assert st.failure_rate == pytest.approx(_reference(0.05, [float(f) for f in fails])[0], rel=1e-12)
+        assert (await s.stats("other")).outcomes == 0  # per pool
+        with pytest.raises(ValueError):
+            await s.observe("gpu", ttft_ms=math.nan)
+
+    _run(make_state, body)
+
+
+def test_idempotency_keys_first_answer_wins(make_state: Make) -> None:
+    async def body(s: RouterState) -> None:
+        assert await s.claim("a:route:k1", 60) == Claim("new")
+        assert await s.claim("a:route:k1", 60) == Claim("pending")  # a concurrent retry
+        await s.complete("a:route:k1", b'{"decision_id":"d_1"}', 60)
+        assert await s.claim("a:route:k1", 60) == Claim("done", b'{"decision_id":"d_1"}')
+        await s.abandon("a:route:k1")  # completed: stays
+        assert (await s.claim("a:route:k1", 60)).answer == b'{"decision_id":"d_1"}'
+        assert await s.claim("a:route:k2", 60) == Claim("new")
+        await s.abandon("a:route:k2")  # the request failed: a retry decides anew
+        assert await s.claim("a:route:k2", 60) == Claim("new")
+        assert await s.claim("short", 0.2) == Claim("new")
+        await asyncio.sleep(0.3)
+        assert await s.claim("short", 0.2) == Claim("new")  # its TTL passed
+        with pytest.raises(ValueError):
+            await s.complete("x", b"", 60)
+
+    _run(make_state, body)
+
+
+def test_quotas_and_sessions_are_room_not_features(make_state: Make) -> None:
+    async def body(s: RouterState) -> None:
+        with pytest.raises(NotImplementedError):
+            await s.take_quota("a", 1, 10, 60)
+        with pytest.raises(NotImplementedError):
+            await s.get_session("s")
+        assert await s.healthy()
+        assert s.describe()["backend"] in ("embedded", "redis")
+
+    _run(make_state, body)
+
+
+def test_the_embedded_state_is_rebuilt_from_the_sqlite_decision_log(tmp_path: Path) -> None:
+    """Decisions reserve, feedback releases: after a restart, replaying the log's events gives the
+    in-flight work the router had, and a decision whose hold has passed is expired and counted."""
+    engine = RoutingEngine(make_setup(tmp_path / "setup").settings)
+    who = Principal("a", "tenant", "k")
+    req = RouteRequest.model_validate({**ROUTE, "max_output_tokens": 5})
+    now = time.time()
+    db = tmp_path / "d.db"
+
+    async def write() -> list[tuple[Any, ...]]:
+        log = DecisionStore(db)
+        log.start()
+        rows = [engine.decide(req, who, f"d_{i:03d}", now - 30 + i)[1] for i in range(10)]
+        old = engine.decide(req, who, "d_old", now - 7200)[1]  # its hold passed long ago
+        await asyncio.gather(*(log.record_decision(r) for r in [old, *rows]))
+        for r in rows[:4]:  # four outcomes came back
+            await log.record_feedback((r[0], "a", now - 5, 100.0, None, 5, 0, None))
+        await log.close()
+        return rows
+
+    rows = asyncio.run(write())
+    col = DECISION_COLUMNS.index
+    offering = {r[0]: r[col("offering_id")] for r in rows}
+    events = list(decision_events(db, since=now - 3 * 3600))
+    assert sum(isinstance(e, Reserved) for e in events) == 11 and sum(isinstance(e, Released) for e in events) == 4
+    first = events[0]
+    assert isinstance(first, Reserved) and first.reservation_id == "d_old" and first.slots == 1
+    assert first.until == pytest.approx(now - 7200 + hold_for(engine.decide(req, who, "x", now)[1][col("expected_latency_ms")] / 1000.0), abs=60)
+    state = EmbeddedState()
+    out = state.rebuild(events, now_wall=now)
+    assert out == {"reserved": 11, "released": 4, "held": 6, "expired": 1}
+    want: dict[str, int] = {}
+    for did in [r[0] for r in rows[4:]]:
+        want[offering[did]] = want.get(offering[did], 0) + 1
+    assert asyncio.run(state.in_flight()) == want
+    assert sum(asyncio.run(state.expired()).values()) == 1
+    # replaying twice books nothing more; a decision's feedback after the restart releases it
+    assert state.rebuild(events, now_wall=now)["held"] == 6
+    assert state.release_now(rows[5][0]) == offering[rows[5][0]]
+
+
+def test_redis_unreachable_fails_closed_then_recovers_and_fail_open_answers_locally() -> None:
+    server = RedisServer().start()
+    try:
+        async def main() -> None:
+            shared = RedisState(server.url, prefix=next(_prefixes), timeout_s=0.3)
+            assert await shared.reserve([("p", 1)], "before", 60) == "p"
+            failovers: list[str] = []
+            open_ = FailOpenState(RedisState(server.url, prefix=next(_prefixes), timeout_s=0.3), retry_s=0.2,
+                                  on_failover=failovers.append)
+            server.stop()
+            calls: list[Callable[[], Awaitable[Any]]] = [
+                lambda: shared.reserve([("p", 1)], "r", 60), lambda: shared.release("before"),
+                lambda: shared.in_flight(), lambda: shared.observe("p", 1.0), lambda: shared.stats("p"),
+                lambda: shared.claim("k", 60), lambda: shared.complete("k", b"x", 60)]
+            for call in calls:
+                t0 = time.monotonic()
+                with pytest.raises(StateUnavailable, match=r"shared state redis://127\.0\.0\.1:\d+/0"):
+                    await call()
+                assert time.monotonic() - t0 < 3.0  # refused fast, not hung
+            assert not await shared.healthy()
+            # fail open: the local view answers, once logged
+            assert await open_.reserve([("p", 1)], "o1", 60) == "p"
+            assert await open_.reserve([("p", 1)], "o2", 60) is None  # the local view's capacity
+            assert len(failovers) == 1 and open_.describe()["answering_locally"]
+            assert await open_.release("o1") == "p"
+            server.start()
+            assert await shared.healthy()
+            assert await shared.in_flight() == {}  # the server came back empty (no persistence)
+            assert await shared.reserve([("p", 1)], "after", 60) == "p"
+            await asyncio.sleep(0.25)  # past retry_s: the shared backend again
+            assert await open_.reserve([("q", 1)], "o3", 60) == "q"
+            assert not open_.describe()["answering_locally"] and await open_.in_flight() == {"q": 1}
+            await shared.close()
+            await open_.close()
+
+        asyncio.run(main())
+    finally:
+        server.close()
+
+
+def test_open_state_and_redacted_urls(redis_server: Any) -> None:
+    assert isinstance(open_state(StateSettings()), EmbeddedState)
+    shared = open_state(StateSettings(backend="redis", url=redis_server.url))
+    assert isinstance(shared, RedisState)
+    wrapped = open_state(StateSettings(backend="redis", url=redis_server.url, fail_open=True))
+    assert isinstance(wrapped, FailOpenState)
+    with pytest.raises(ValueError, match="state_url"):
+        open_state(StateSettings(backend="redis"))
+    assert redact("redis://user:s3cret@h:6380/2") == "redis://h:6380/2"
+    assert "s3cret" not in str(RedisState("redis://:s3cret@127.0.0.1:1/0").describe())
+    asyncio.run(shared.close())
+    asyncio.run(wrapped.close())
+
+
+def test_settings_name_the_field_and_the_router_reports_its_state(redis_server: Any, tmp_path: Path) -> None:
+    import httpx
+
+    from router.app import create_app
+    from router.testing import ServerThread
+    from xroute.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="state_url: needed with state_backend: redis"):
+        make_setup(tmp_path / "a", state_backend="redis")
+    with pytest.raises(ConfigError, match=r"field 'state_url'.*redis://"):
+        make_setup(tmp_path / "b", state_backend="redis", state_url="http://127.0.0.1:1")
+    setup = make_setup(tmp_path / "c", state_backend="redis", state_url=redis_server.url, state_prefix="t-status")
+    with ServerThread(create_app(setup.settings)) as url:
+        st = httpx.get(f"{url}/v1/admin/status", headers=setup.auth("admin"), timeout=10).json()["state"]
+    assert st["backend"] == "redis" and st["url"] == redis_server.url and st["prefix"] == "t-status:{router}:"
+
+
+# ---------------------------------------------------------------------------------------- processes
+CAPACITY = {"p1": 3, "p2": 2}
+
+
+def _hammer(url: str, prefix: str, worker: int, seconds: float, out: Any) -> None:
+    """One OS process: reserve on the ranked pools, hold a moment, release; records each admitted
+    interval [after reserve returned, before release was sent] on the system-wide monotonic clock."""
+    import random
+
+    async def main() -> tuple[list[tuple[str, float, float]], int]:
+        s = RedisState(url, prefix=prefix, timeout_s=5.0)
+        rng = random.Random(worker)
+        held: list[tuple[str, float, float]] = []
+        refused = 0
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            rid = f"w{worker}-{i}"
+            pool = await s.reserve(list(CAPACITY.items()), rid, 30)
+            if pool is None:
+                refused += 1
+                await asyncio.sleep(rng.random() * 0.002)
+                continue
+            t0 = time.monotonic()
+            await asyncio.sleep(rng.random() * 0.004)
+            t1 = time.monotonic()
+            assert await s.release(rid) == pool
+            held.append((pool, t0, t1))
+        await s.close()
+        return held, refused
+
+    out.put((worker, *asyncio.run(main())))
+
+
+@pytest.mark.slow
+def test_processes_hammering_one_redis_never_exceed_a_pools_capacity(redis_server: Any) -> None:
+    prefix = next(_prefixes)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_hammer, args=(redis_server.url, prefix, k, 3.0, q)) for k in range(6)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    intervals = [iv for _, held, _ in results for iv in held]
+    refused = sum(r for _, _, r in results)
+    assert len(intervals) > 300 and refused > 0, (len(intervals), refused)  # real contention
+    for pool, capacity in CAPACITY.items():
+        edges = sorted([(t0, 1) for p, t0, _ in intervals if p == pool] + [(t1, -1) for p, _, t1 in intervals
+                                                                             if p == pool], key=lambda e: (e[0], e[1]))
+        level = most = 0
+        for _, step in edges:
+            level += step
+            most = max(most, level)
+        assert most <= capacity, (pool, most, capacity)
+        assert most == capacity  # the pool was filled, not merely never reached
+
+    async def left() -> dict[str, int]:
+        s = RedisState(redis_server.url, prefix=prefix)
+        try:
+            return await s.in_flight()
+        finally:
+            await s.close()
+
+    assert asyncio.run(left()) == {}
