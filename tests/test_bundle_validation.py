@@ -374,3 +374,26 @@ def test_a_window_outside_the_bundle_says_what_it_spans(tiny: Path):
     with pytest.raises(BundleError, match=r"no requests between 2030-01-01 and the end; this bundle's requests "
                                           r"span 2024-01-01T00:00:\d\dZ \.\. 2024-01-01T00:\d\d:\d\dZ"):
         b.window("2030-01-01", None)
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the shared real data (../shared/data)")
+@pytest.mark.parametrize("variant", ["feb2024", "mar2024"])
+def test_the_vendored_variants_are_current_and_really_other_windows(tmp_path: Path, variant: str):
+    """The other windows of the shared data (another price date, other spot spans, another client
+    and tenant mix) rebuild byte for byte, and differ from the default where they say they do."""
+    from tools.build_default_bundle import VARIANTS, main
+
+    assert main(["--shared", str(SHARED), "--variant", variant, "--out", str(tmp_path / variant)]) == 0
+    shipped = REPO_ROOT / "data" / "bundles" / variant
+    for f in sorted(p.name for p in shipped.iterdir()):
+        assert (tmp_path / variant / f).read_bytes() == (shipped / f).read_bytes(), f"{variant}/{f} is stale"
+    b, d = load_bundle(shipped), load_bundle()
+    v = VARIANTS[variant]
+    assert not b.prices["usd_per_hour"].reset_index(drop=True).equals(d.prices["usd_per_hour"].reset_index(drop=True))
+    assert b.availability is not None and d.availability is not None and not b.availability.equals(d.availability)
+    share = b.workload["tenant"].value_counts() / d.workload["tenant"].value_counts()
+    for tenant, keep in v.keep:
+        assert share[tenant] == pytest.approx(keep, abs=0.02)
+    top = b.workload["origin"].value_counts(normalize=True)
+    for origin, weight in v.origin_weights:
+        assert top[origin] == pytest.approx(weight, abs=0.02)

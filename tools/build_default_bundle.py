@@ -75,6 +75,35 @@ PRICE_FILES: dict[str, str] = {
     "gcp": "prices/gcp_weekly_cyclenerd_2022-2026.csv",
 }
 
+@dataclass(frozen=True)
+class Variant:
+    """Another window of the shared data: the price snapshot nearest ``price_date``, other spans
+    of the real spot traces (``spot_salt`` re-hashes each offering's start in its trace), another
+    client geography (``origin_weights``, same origins) and traffic mix (``keep``: the share of each
+    tenant's requests kept, by a hash of the request id). The default variant is the shipped bundle."""
+
+    name: str = "default"
+    price_date: str = "2023-11-16"
+    spot_salt: str = ""
+    origin_weights: tuple[tuple[str, float], ...] = ()
+    keep: tuple[tuple[str, float], ...] = ()
+
+
+#: the vendored variants (tools/build_default_bundle.py --variant NAME --out data/bundles/NAME)
+VARIANTS: dict[str, Variant] = {
+    "default": Variant(),
+    "feb2024": Variant("feb2024", price_date="2024-02-20", spot_salt="feb2024",
+                       origin_weights=(("aws:us-east-2", 0.10), ("gcp:us-west4", 0.10), ("azure:uksouth", 0.35),
+                                       ("aws:eu-central-1", 0.30), ("azure:koreacentral", 0.05),
+                                       ("gcp:asia-southeast1", 0.10)),
+                       keep=(("code", 1.0), ("conv", 0.6))),
+    "mar2024": Variant("mar2024", price_date="2024-03-25", spot_salt="mar2024",
+                       origin_weights=(("aws:us-east-2", 0.15), ("gcp:us-west4", 0.10), ("azure:uksouth", 0.10),
+                                       ("aws:eu-central-1", 0.10), ("azure:koreacentral", 0.30),
+                                       ("gcp:asia-southeast1", 0.25)),
+                       keep=(("code", 0.5), ("conv", 1.0))),
+}
+
 CAPACITY_HEADROOM = 1.5
 SPOT_CAPACITY_DIVISOR = 4
 DEFAULT_SPOT_COMPRESSION = 12.0
@@ -120,7 +149,17 @@ def md_table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- workload
-def build_workload(shared: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+def origins_of(variant: Variant) -> tuple[tuple[str, float, str], ...]:
+    """The client origins with the variant's weights (the default's when it sets none)."""
+    if not variant.origin_weights:
+        return ORIGINS
+    w = dict(variant.origin_weights)
+    if set(w) != {o for o, _, _ in ORIGINS}:
+        raise SystemExit(f"variant {variant.name}: origin_weights must name exactly {[o for o, _, _ in ORIGINS]}")
+    return tuple((o, w[o], desc) for o, _, desc in ORIGINS)
+
+
+def build_workload(shared: Path, variant: Variant = VARIANTS["default"]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Both Azure traces merged by timestamp. Returns (table to write, typed frame for stats)."""
     parts = []
     for tenant, (rel, _, _) in TENANTS.items():
@@ -131,10 +170,15 @@ def build_workload(shared: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             "input_tokens": src["context_tokens"].astype(int), "output_tokens": src["generated_tokens"].astype(int),
         }))
     w = pd.concat(parts, ignore_index=True).sort_values(["ts", "request_id"], kind="mergesort").reset_index(drop=True)
-    cum = np.cumsum([wt for _, wt, _ in ORIGINS])
+    if variant.keep:
+        share = dict(variant.keep)
+        kept = [stable_uniform("keep", variant.name, rid) < share.get(t, 1.0) for rid, t in zip(w["request_id"], w["tenant"])]
+        w = w[np.array(kept)].reset_index(drop=True)
+    origins = origins_of(variant)
+    cum = np.cumsum([wt for _, wt, _ in origins])
     if not math.isclose(cum[-1], 1.0):
         raise SystemExit(f"origin weights sum to {cum[-1]}, not 1")
-    names = [o for o, _, _ in ORIGINS]
+    names = [o for o, _, _ in origins]
     w["origin"] = [names[int(np.searchsorted(cum, stable_uniform("origin", rid), side="right"))]
                    for rid in w["request_id"]]
     w["ttft_ms"] = w["tenant"].map({t: v[1] for t, v in TENANTS.items()})
@@ -166,7 +210,7 @@ class PricedType:
     snapshot: str
 
 
-def pick_prices(shared: Path) -> list[PricedType]:
+def pick_prices(shared: Path, day: pd.Timestamp = WORKLOAD_DAY) -> list[PricedType]:
     out: list[PricedType] = []
     frames = {rel: pd.read_csv(shared / rel) for rel in sorted(set(PRICE_FILES.values()))}
     specs = pd.read_csv(shared / "prices/instance_specs.csv")
@@ -180,7 +224,7 @@ def pick_prices(shared: Path) -> list[PricedType]:
                           & df["price_on_demand_usd_per_hour"].notna()]
                 if rows.empty:
                     continue  # the cloud does not sell this type in this region (in the price file)
-                days = (pd.to_datetime(rows["snapshot_date"]) - WORKLOAD_DAY).dt.days
+                days = (pd.to_datetime(rows["snapshot_date"]) - day).dt.days
                 # nearest snapshot; on a tie the earlier one (the price already in effect)
                 key = days.abs() * 2 + (days > 0)
                 r = rows.loc[key.sort_values(kind="mergesort").index[0]]
@@ -319,7 +363,7 @@ def assign_traces(spot_offerings: list[dict], traces: list[Trace], window_s: flo
 
 
 def build_availability(spot_offerings: list[dict], traces: list[Trace], t0: pd.Timestamp, t1: pd.Timestamp,
-                       compression: float) -> tuple[pd.DataFrame, list[dict]]:
+                       compression: float, salt: str = "") -> tuple[pd.DataFrame, list[dict]]:
     span = (t1 - t0).total_seconds()
     window = span * compression
     mapping = assign_traces(spot_offerings, traces, window)
@@ -328,7 +372,8 @@ def build_availability(spot_offerings: list[dict], traces: list[Trace], t0: pd.T
         oid = o["offering_id"]
         tr = mapping[oid]
         starts = valid_starts(tr, window)
-        i0 = int(starts[stable_u64("spot-offset", oid) % len(starts)])
+        h = stable_u64("spot-offset", oid) if not salt else stable_u64("spot-offset", salt, oid)
+        i0 = int(starts[h % len(starts)])
         sel = np.flatnonzero((tr.t >= tr.t[i0]) & (tr.t <= tr.t[i0] + window))
         t_rel, v = tr.t[sel] - tr.t[i0], tr.v[sel]
         change = np.concatenate([[True], v[1:] != v[:-1]])
@@ -440,7 +485,8 @@ def sla_feasibility(w: pd.DataFrame, serving: dict) -> list[list[object]]:
     return rows
 
 
-def build(shared: Path, out: Path, serving_path: Path, compression: float) -> dict:
+def build(shared: Path, out: Path, serving_path: Path, compression: float,
+          variant: Variant = VARIANTS["default"]) -> dict:
     if compression <= 0:
         raise SystemExit("--spot-compression must be > 0")
     serving = yaml.safe_load(serving_path.read_text())
@@ -449,11 +495,11 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float) -> di
         if f.is_file() and (f.suffix in (".csv", ".parquet") or f.name.endswith(".csv.gz")):
             f.unlink()
 
-    workload, w = build_workload(shared)
+    workload, w = build_workload(shared, variant)
     t0, t1 = w["ts"].iloc[0], w["ts"].iloc[-1]
     cap = capacity_rule(w, serving)
 
-    priced = pick_prices(shared)
+    priced = pick_prices(shared, pd.Timestamp(variant.price_date))
     offerings, prices = [], []
     price_ts = iso(t0.normalize() - pd.Timedelta(days=1))
     for p in priced:
@@ -476,9 +522,10 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float) -> di
         raise SystemExit(f"{serving_path}: no serving entry for accelerator(s) {', '.join(missing)}")
 
     spot = off[off["pricing_mode"] == "spot"].to_dict("records")
-    avail, avail_info = build_availability(spot, load_traces(shared), t0, t1, compression)
+    avail, avail_info = build_availability(spot, load_traces(shared), t0, t1, compression, variant.spot_salt)
 
-    locs = sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"])) | {o for o, _, _ in ORIGINS})
+    locs = sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"]))
+                  | {o for o, _, _ in origins_of(variant)})
     rtt = build_rtt(locs, shared)
 
     # column order exactly as the schema declares, then our extra provenance columns
@@ -496,7 +543,7 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float) -> di
 
     stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "w": w, "cap": cap,
              "t0": t0, "t1": t1, "compression": compression, "priced": priced, "serving": serving,
-             "locations": locs}
+             "locations": locs, "variant": variant}
     (out / "README.md").write_text(render_readme(stats))
     bundle = load_bundle(out)  # the builder's output must pass the product's own validation
     stats["bundle"] = bundle
@@ -513,7 +560,7 @@ def render_readme(s: dict) -> str:
         price_rows.append([p.provider, p.region, p.instance_type, p.accelerator, p.accelerator_count, fmt(p.on_demand),
                            fmt(p.spot) if p.spot is not None else "—", f"{p.source} {p.snapshot}"])
     origin_counts = w["origin"].value_counts()
-    origin_rows = [[o, f"{wt:.0%}", desc, int(origin_counts.get(o, 0))] for o, wt, desc in ORIGINS]
+    origin_rows = [[o, f"{wt:.0%}", desc, int(origin_counts.get(o, 0))] for o, wt, desc in origins_of(s["variant"])]
     tenants = [[t, int((w["tenant"] == t).sum()), f"{a:g}", f"{b:g}", int(w.loc[w["tenant"] == t, "max_output_tokens"].iloc[0]),
                 int(w.loc[w["tenant"] == t, "input_tokens"].mean()), int(w.loc[w["tenant"] == t, "output_tokens"].mean()),
                 int(w.loc[w["tenant"] == t, "output_tokens"].max())]
@@ -528,14 +575,28 @@ def render_readme(s: dict) -> str:
     self_rng = "; ".join(f"{p} {g.v.min():g}–{g.v.max():g} ms" for p, g in selfs.groupby("p") if p != "azure")
     span_min = cap["span_s"] / 60
     comp = s["compression"]
-    return f"""# Default telemetry bundle — provenance
+    v = s["variant"]
+    if v.name == "default":
+        title, cmd, vnote = "Default telemetry bundle", f"--out data/bundles/default --spot-compression {comp:g}", ""
+    else:
+        title = f"Telemetry bundle `{v.name}` (another window of the shared data)"
+        cmd = f"--variant {v.name} --out data/bundles/{v.name} --spot-compression {comp:g}"
+        vnote = (f"\n**Variant `{v.name}`** of the default bundle's recipe: prices from the snapshots nearest "
+                 f"**{v.price_date}** (the row each offering got is in the price table below), other spans of the "
+                 f"real spot traces (offsets re-hashed with salt `{v.spot_salt}`), clients weighted as in the origin "
+                 f"table, and of each tenant's requests the share " +
+                 ", ".join(f"{t} {f:.0%}" for t, f in v.keep) +
+                 " kept (by a hash of the request id). Pools are sized for this traffic (capacity rule below). "
+                 "The request hour is the same real trace; the text below describes the recipe, "
+                 "its tables this bundle.\n")
+    return f"""# {title} — provenance
 
 Written by `tools/build_default_bundle.py` (do not edit by hand; rebuild with
-`.venv/bin/python tools/build_default_bundle.py --shared ../shared/data --out data/bundles/default
---spot-compression {comp:g}`). Same inputs ⇒ byte-identical files. Format: `docs/telemetry.md`;
+`.venv/bin/python tools/build_default_bundle.py --shared ../shared/data {cmd}`). Same inputs ⇒
+byte-identical files. Format: `docs/telemetry.md`;
 schema: `xroute/schema/telemetry.py`. Everything below is real public data; the transformations are
 listed per table. Extra `source` columns (allowed by the schema) name the input of every row.
-
+{vnote}
 Window: **{iso(s['t0'])} → {iso(s['t1'])}** ({span_min:.1f} min), the real hour of Azure's LLM
 inference trace. {len(off)} offerings ({int((off.pricing_mode == 'on_demand').sum())} on-demand,
 {int((off.pricing_mode == 'spot').sum())} spot) in {len(set(off.provider + ':' + off.region))} regions of 3 clouds;
@@ -653,8 +714,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="service-time model (capacity rule and the SLA check)")
     ap.add_argument("--spot-compression", type=float, default=DEFAULT_SPOT_COMPRESSION,
                     help="real spot-trace seconds replayed per workload second (default 12)")
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="default",
+                    help="another window of the shared data: price date, spot spans, client and tenant mix")
     args = ap.parse_args(argv)
-    s = build(args.shared, args.out, args.serving, args.spot_compression)
+    s = build(args.shared, args.out, args.serving, args.spot_compression, VARIANTS[args.variant])
     off, b = s["offerings"], s["bundle"]
     size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
     print(f"wrote {args.out}: {len(off)} offerings, {len(b.workload)} requests, "
