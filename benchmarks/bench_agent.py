@@ -72,7 +72,7 @@ def pick_perturbation(bundle: Any, eval_cfg: Any) -> tuple[int, Any]:
 
 
 def markdown(title: str, runs: list[Any], tg: dict[str, Any]) -> str:
-    from models.train import markdown_table
+    from xroute.evaluate import markdown_table
 
     t = tg
     lines = [f"**{title}**", "", markdown_table(runs), ""]

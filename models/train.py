@@ -259,7 +259,7 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
     runs = [*ctx.baseline_runs, best.run]
     table = {r.name: r.metrics for r in runs}
     (out / "validation_table.json").write_text(json.dumps(table, indent=2, default=float))
-    (out / "validation_table.md").write_text(markdown_table(runs))
+    (out / "validation_table.md").write_text(ev.markdown_table(runs))
     ev.plot(runs, out / "cost_vs_p95_validation.png", title=f"validation window — {result['trial']}")
     validation.plot_curve(out / "learning_curve.png")
     for f in ("validation_table.json", "validation_table.md", "cost_vs_p95_validation.png", "learning_curve.png"):
@@ -271,17 +271,6 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
                         "baseline_val_mean_reward": bb.metrics["mean_reward"],
                         "val_reward_gain_vs_best_baseline": best.run.metrics["mean_reward"] - bb.metrics["mean_reward"],
                         "wall_s": result["wall_s"]})
-
-
-def markdown_table(runs: list[Any]) -> str:
-    head = "| policy | $/1k req | p50 ms | p95 ms | p99 ms | SLO % | failed | migr. | mean reward |\n"
-    head += "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
-    for r in runs:
-        m = r.metrics
-        head += (f"| {r.name} | {m['cost_per_1k_requests']:.4f} | {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} "
-                 f"| {m['latency_p99_ms']:.0f} | {100 * m['sla_attainment']:.2f} | {m['failed_requests']:.0f} "
-                 f"| {m['migrations']:.0f} | {m['mean_reward']:.5f} |\n")
-    return head
 
 
 # ------------------------------------------------------------------------------------------ warm start
@@ -412,7 +401,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
         mlflow.log_params({"bundle": str(bundle.path), "bundle_hash": bundle.content_hash,
                            **{f"split.{k}.{kk}": vv for k, v in splits.describe().items() for kk, vv in v.items()}})
         mlflow.log_dict(cfg.model_dump(mode="json"), "train_config.json")
-        mlflow.log_text(markdown_table(baseline_runs), "baselines_validation.md")
+        mlflow.log_text(ev.markdown_table(baseline_runs), "baselines_validation.md")
         out_dir = run_dir / "trials" / stamp
         ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train_bundle=splits.bundles["train"],
                            val_bundle=splits.bundles["validation"], bundle_hash=bundle.content_hash,
@@ -440,7 +429,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
                                 seeds=1, history=splits.history("test"))
         agent_run = test_runs[-1]
         agent_run.name = "dqn (challenger)"
-        mlflow.log_text(markdown_table(test_runs), "test_table.md")
+        mlflow.log_text(ev.markdown_table(test_runs), "test_table.md")
         mlflow.log_metrics({f"test_{k}": v for k, v in agent_run.metrics.items() if isinstance(v, (int, float))})
         mlflow.log_metrics({"best_val_mean_reward": best["val_mean_reward"]})
         ev.plot(test_runs, run_dir / "trials" / stamp / "cost_vs_p95_test.png", title="test window")

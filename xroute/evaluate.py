@@ -305,6 +305,44 @@ def as_results(runs: list[Any]) -> list[PolicyResult]:
     return out
 
 
+def markdown_table(results: list[Any]) -> str:
+    """The comparison as a Markdown table (mean ± half the 95 % interval; Δ = paired difference to
+    the best baseline), for docs and MLflow."""
+    results = as_results(results)
+    best = best_baseline(results)
+    head = ("| policy | reward | Δ reward | $/1k req | p50 ms | p95 ms | TTFT p95 ms | SLO % | Δ SLO pp | failed | "
+            "preempted |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    rows = []
+    for r in results:
+        m, ci, vb = r.metrics, r.ci, r.vs_best
+
+        def d(k: str, fmt: str, scale: float = 1.0, vb: dict[str, tuple[float, float, float]] = vb) -> str:
+            if k not in vb:
+                return "—"
+            mean, lo, hi = (x * scale for x in vb[k])
+            return _pm(mean, lo, hi, fmt)
+
+        rows.append(f"| {r.name}{' (best baseline)' if r is best else ''} | {_pm(m['mean_reward'], *ci['mean_reward'], '.4f')} "
+                    f"| {d('mean_reward', '+.4f')} | {_pm(m['cost_per_1k_requests'], *ci['cost_per_1k_requests'], '.4f')} "
+                    f"| {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} | {m['ttft_p95_ms']:.0f} "
+                    f"| {100 * m['sla_attainment']:.2f} | {d('sla_attainment', '+.2f', 100.0)} | {m['failed_requests']:.0f} "
+                    f"| {m['preempted']:.0f} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def results_from_report(report: dict[str, Any]) -> list[PolicyResult]:
+    """A saved report (``report_dict``'s JSON) back as results, for tables and plots."""
+    out = []
+    for name, p in report["policies"].items():
+        runs = [PolicyRun(name, dict(m), np.zeros(0), np.zeros(0)) for m in p["per_seed"]]
+        res = PolicyResult(name, runs, is_baseline=is_baseline(name))
+        res.metrics = {k: (float("nan") if v is None else v) for k, v in p.items() if isinstance(v, (int, float))}
+        res.ci = {k: tuple(float("nan") if x is None else x for x in v) for k, v in p["ci95"].items()}  # type: ignore[misc]
+        out.append(res)
+    compare_to_best(out)
+    return out
+
+
 def plot(results: list[Any], path: str | Path, title: str = "") -> None:
     """Four panels a reader compares: (1) each policy's paired difference in mean reward to the
     best baseline with its 95 % interval (off-scale policies drawn at the edge with their value);
