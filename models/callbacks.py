@@ -26,11 +26,15 @@ class WarmStartCallback(BaseCallback):
     (``models.warmstart``; labelled once per ``xroute train`` and shared by its trials); the
     target network is then synced."""
 
-    def __init__(self, data: Any, cfg: Any, gamma: float, seed: int, log_mlflow: bool = False):
+    def __init__(self, data: Any, cfg: Any, gamma: float, seed: int, log_mlflow: bool = False,
+                 validation: Any = None):
         super().__init__()
         self.data, self.cfg, self.gamma, self.seed = data, cfg, gamma, seed
+        #: the trial's ValidationCallback: its window chooses the fit's epoch (models.warmstart.fit)
+        self.validation = validation
         self.log_mlflow = log_mlflow
         self.losses: list[float] = []
+        self.report: Any = None
         self.seconds = 0.0
 
     def _on_training_start(self) -> None:
@@ -41,14 +45,31 @@ class WarmStartCallback(BaseCallback):
         level = min(self.gamma, 0.99) / (1.0 - min(self.gamma, 0.99)) * float(np.mean(data.greedy_reward))
         model: Any = self.model
         q_net = model.q_net
-        self.losses = ws.fit(q_net, data, level, c.epochs, c.batch_size, c.learning_rate, self.seed)
+        select = None
+        if self.validation is not None:
+            from models.policy import LearnedPolicy
+            from models.qnet import export_router
+            from xroute.evaluate import run_policy
+
+            val = self.validation
+
+            def select() -> float:
+                run = run_policy(val.val_env, LearnedPolicy(export_router(q_net)), val.eval_seed)
+                return float(run.metrics["mean_reward"])
+
+        self.report = ws.fit(q_net, data, level, c.epochs, c.batch_size, c.learning_rate, self.seed, c.holdout,
+                             select)
+        self.losses = self.report.train_loss
         model.q_net_target.load_state_dict(q_net.state_dict())
         self.seconds = time.perf_counter() - t0
         if self.log_mlflow:
             for i, loss in enumerate(self.losses):
-                _log_metrics({"warm_start_loss": loss}, i)
+                _log_metrics({"warm_start_loss": loss}, i + 1)
+            for i, (hl, hg, sv) in enumerate(zip(self.report.hold_loss, self.report.hold_gain, self.report.selection)):
+                _log_metrics({"warm_start_holdout_loss": hl, "warm_start_holdout_gain": hg,
+                              "warm_start_val_mean_reward": sv}, i)
             _log_metrics({"warm_start_fit_s": self.seconds, "warm_start_label_s": data.seconds,
-                          "warm_start_states": len(data),
+                          "warm_start_states": len(data), "warm_start_best_epoch": self.report.best_epoch,
                           "warm_start_positive_advantage": float((data.advantage > 1e-9).mean())}, 0)
 
     def _on_step(self) -> bool:

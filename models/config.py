@@ -55,12 +55,14 @@ class WarmStartConfig(Strict):
     of states on the train window are played out for ``horizon`` more requests under greedy and
     the network is regressed onto the differences in return."""
 
-    samples: int = Field(2_000, ge=0, description="states labelled (0 = no warm start)")
+    samples: int = Field(10_000, ge=0, description="states labelled (0 = no warm start)")
     horizon: int = Field(40, ge=0, description="requests played out by greedy after the candidate action")
     top_k: int = Field(6, ge=1, description="candidates: the best this many by expected reward ...")
     random_actions: int = Field(2, ge=0, description="... plus this many random valid offerings")
     stride: int = Field(8, ge=1, description="requests between two labelled states")
-    epochs: int = Field(20, ge=1)
+    epochs: int = Field(20, ge=1, description="most epochs of the fit; the epoch kept is chosen on the selection window")
+    holdout: float = Field(0.2, ge=0, lt=1, description="share of the labelled states held out to choose the epoch "
+                                                        "(by the realized advantage of the network's pick)")
     batch_size: int = Field(128, ge=1)
     learning_rate: float = Field(1e-3, gt=0)
     behaviour_epsilon: float = Field(0.1, ge=0, le=1, description="share of random valid actions on the walk")
@@ -70,8 +72,8 @@ class DQNConfig(Strict):
     """stable-baselines3 ``DQN`` arguments (same names). ``gamma`` and ``learning_rate`` are the
     defaults of trials whose search space does not set them."""
 
-    learning_rate: float = Field(1e-4, gt=0)
-    gamma: float = Field(0.3, ge=0, le=1)
+    learning_rate: float = Field(1e-5, gt=0)
+    gamma: float = Field(0.975, ge=0, le=1)
     buffer_size: int = Field(50_000, ge=1)
     learning_starts: int = Field(1_000, ge=0)
     batch_size: int = Field(64, ge=1)
@@ -80,7 +82,7 @@ class DQNConfig(Strict):
     gradient_steps: int = Field(1, ge=1)
     target_update_interval: int = Field(2_000, ge=1)
     exploration_fraction: float = Field(0.3, gt=0, le=1)
-    exploration_initial_eps: float = Field(0.1, ge=0, le=1)
+    exploration_initial_eps: float = Field(0.05, ge=0, le=1)
     exploration_final_eps: float = Field(0.02, ge=0, le=1)
     max_grad_norm: float = Field(10.0, gt=0)
 
@@ -89,7 +91,7 @@ class SearchConfig(Strict):
     """Ray Tune grid: one trial per combination of these values."""
 
     seeds: list[int] = Field(default_factory=lambda: [0, 1], min_length=1)
-    gamma: list[float] = Field(default_factory=lambda: [0.0, 0.3], description="empty = dqn.gamma")
+    gamma: list[float] = Field(default_factory=lambda: [0.95, 0.975], description="empty = dqn.gamma")
     learning_rate: list[float] = Field(default_factory=list, description="empty = dqn.learning_rate")
 
     @model_validator(mode="after")
@@ -120,14 +122,14 @@ class TrainConfig(Strict):
     telemetry: str | None = Field(None, description="bundle directory (default: the shipped bundle)")
     run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the repo root)")
     evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
-    total_timesteps: int = Field(60_000, ge=0, description="DQN environment steps per trial")
+    total_timesteps: int = Field(10_000, ge=0, description="DQN environment steps per trial")
     episode_requests: int = Field(1024, ge=1, description="requests per training episode (random windows)")
     max_offerings: int | None = Field(None, ge=1, description="observation padding while training "
                                                               "(default: the evaluate config's)")
     rate_scales: list[float] = Field(default_factory=lambda: [1.0], min_length=1,
                                      description="each training episode replays its window at one of these loads")
-    eval_every: int = Field(10_000, ge=1, description="validate (full validation window) every this many steps")
-    progress_every: int = Field(2_000, ge=1, description="report training reward and loss every this many steps")
+    eval_every: int = Field(2_500, ge=1, description="validate (full validation window) every this many steps")
+    progress_every: int = Field(1_000, ge=1, description="report training reward and loss every this many steps")
     seed: int = Field(0, description="seed of the splits' evaluation episodes and the warm start")
     split: SplitConfig = SplitConfig()
     net: NetConfig = NetConfig()

@@ -199,7 +199,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     callbacks = [validation, ProgressCallback(cfg.progress_every, validation, report=report,
                                               log_mlflow=mlrun is not None)]
     if ctx.warm_data is not None and len(ctx.warm_data):
-        callbacks.insert(0, WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None))
+        callbacks.insert(0, WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None,
+                                              validation=validation))
     t0 = time.perf_counter()
     try:
         model.learn(total_timesteps=cfg.total_timesteps, callback=callbacks)

@@ -145,10 +145,37 @@ def collect(env: Any, n_states: int, horizon: int, top_k: int, n_random: int, st
     return RolloutData(off, req, msk, acts, adv, wts, g_rew, time.perf_counter() - t0)
 
 
+@dataclass
+class FitReport:
+    """What the warm-start fit did: the training loss of each epoch, and on the held-out states the
+    loss and the *realized advantage of the candidate the network would pick* (its mean over the
+    states: 0 for the prior's pick, greedy's) before training (index 0) and after each epoch. The
+    network kept is the one of ``best_epoch`` (0: the prior alone, i.e. greedy)."""
+
+    train_loss: list[float]
+    hold_loss: list[float]
+    hold_gain: list[float]
+    best_epoch: int
+    hold_states: int
+    #: the selection measure (``select``'s value) at each epoch, 0 = the untrained prior
+    selection: list[float]
+
+
 def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: int, learning_rate: float,
-        seed: int) -> list[float]:
-    """Regress ``q_net`` (a ``models.qnet.MaskedQNetwork``) onto the rollout targets; returns the
-    mean loss of each epoch."""
+        seed: int, holdout: float = 0.2, select: Callable[[], float] | None = None) -> FitReport:
+    """Regress ``q_net`` (a ``models.qnet.MaskedQNetwork``) onto the rollout targets, keeping the
+    epoch that decides best.
+
+    The labels are realized returns: with decision-time features only, two states that look alike
+    can have very different outcomes (the output length is unknown), so the regression overfits
+    noise within a few epochs -- measured: 20 epochs on 3,000 states made the policy 11 % worse
+    than greedy on validation, 5 epochs 0.3 % better. And a one-step improvement labelled around
+    greedy's trajectories says little once the network deviates from greedy everywhere: the
+    held-out states' realized advantage of the network's pick (kept in the report, share
+    ``holdout``) stayed within noise while the policy lost 5 % on validation. So the epoch is chosen
+    by ``select`` -- the mean reward of the network as a policy on the selection window -- after
+    each epoch and before the first (the prior alone: greedy); without ``select``, by the held-out
+    advantage."""
     import torch as th
 
     gen = th.Generator().manual_seed(seed)
@@ -163,14 +190,36 @@ def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: in
         base = scorer.prior_scores(rows, req).gather(1, acts[:, :1]) if scorer.prior is not None else \
             th.tensor(data.greedy_reward)[:, None]
     target = base + level + adv
+    order = th.randperm(len(data), generator=gen)
+    n_hold = round(holdout * len(data)) if len(data) >= 10 else 0
+    hold, train = order[:n_hold], order[n_hold:]
     with th.no_grad():  # start the output at the targets' level, so the fit spends itself on the differences
         last = [m for m in scorer.mlp if isinstance(m, th.nn.Linear)][-1]
-        last.bias.add_(float((target - scorer(rows, req, mask).gather(1, acts))[wts > 0].mean()))
-    losses = []
-    for _ in range(epochs):
-        perm = th.randperm(len(data), generator=gen)
+        last.bias.add_(float((target[train] - scorer(rows[train], req[train], mask[train]).gather(1, acts[train]))
+                             [wts[train] > 0].mean()))
+
+    def held_out() -> tuple[float, float]:
+        if n_hold == 0:
+            return float("nan"), 0.0
+        with th.no_grad():
+            q = scorer(rows[hold], req[hold], mask[hold]).gather(1, acts[hold])
+            w = wts[hold]
+            loss = float(((q - target[hold]) ** 2 * w).sum() / w.sum().clamp(min=1.0))
+            pick = th.where(w > 0, q, th.full_like(q, -th.inf)).argmax(dim=1, keepdim=True)
+            return loss, float(adv[hold].gather(1, pick).mean())
+
+    def measure() -> tuple[float, float, float]:
+        loss, gain = held_out()
+        return loss, gain, (select() if select is not None else gain)
+
+    hl, hg, sel = measure()
+    report = FitReport([], [hl], [hg], 0, n_hold, [sel])
+    best_state = {k: v.clone() for k, v in scorer.state_dict().items()}
+    best_sel = sel
+    for epoch in range(1, epochs + 1):
+        perm = train[th.randperm(len(train), generator=gen)]
         total = 0.0
-        for i in range(0, len(data), batch_size):
+        for i in range(0, len(perm), batch_size):
             idx = perm[i: i + batch_size]
             q = scorer(rows[idx], req[idx], mask[idx]).gather(1, acts[idx])
             w = wts[idx]
@@ -179,5 +228,13 @@ def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: in
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(idx)
-        losses.append(total / len(data))
-    return losses
+        report.train_loss.append(total / max(len(perm), 1))
+        hl, hg, sel = measure()
+        report.hold_loss.append(hl)
+        report.hold_gain.append(hg)
+        report.selection.append(sel)
+        if (n_hold == 0 and select is None) or sel > best_sel:
+            best_sel, report.best_epoch = sel, epoch
+            best_state = {k: v.clone() for k, v in scorer.state_dict().items()}
+    scorer.load_state_dict(best_state)
+    return report

@@ -164,3 +164,11 @@ def test_registered_pyfunc_loads_in_a_fresh_process(trained: dict[str, Any], tmp
     assert got["idx"] == want and all(i >= 0 for i in want)
     del example
     assert np.isfinite(predict_frame(read_router(local), ex)["score"]).all()
+
+
+def test_the_code_defaults_are_the_shipped_train_config() -> None:
+    """``configs/train.yaml`` and ``models.config.TrainConfig``'s defaults say the same thing (they
+    once disagreed on gamma, the learning rate and the warm start's size)."""
+    from models.config import TrainConfig, load_train_config
+
+    assert TrainConfig().model_dump() == load_train_config(None).model_dump()
