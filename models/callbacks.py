@@ -94,6 +94,8 @@ class ValidationCallback(BaseCallback):
         self.val_env, self.every, self.eval_seed, self.meta = val_env, every, seed, meta
         self.report, self.log_mlflow = report, log_mlflow
         self.best: Checkpoint | None = None
+        #: the first checkpoint (step 0: the warm start alone, before any DQN step; the ablation's)
+        self.initial: Checkpoint | None = None
         self.curve: list[tuple[int, float]] = []
         self.train_curve: list[tuple[int, float]] = []
         self.last_reward = float("nan")
@@ -118,6 +120,8 @@ class ValidationCallback(BaseCallback):
             weights.meta.update({"step": step, "val_mean_reward": r,
                                  "val_sla_attainment": run.metrics["sla_attainment"]})
             self.best = Checkpoint(step, weights, run)
+        if self.initial is None:
+            self.initial = Checkpoint(step, weights, run)
         metrics = {"val_mean_reward": r, "val_sla_attainment": run.metrics["sla_attainment"],
                    "val_cost_per_1k_requests": run.metrics["cost_per_1k_requests"],
                    "val_latency_p95_ms": run.metrics["latency_p95_ms"]}
@@ -144,25 +148,55 @@ class ValidationCallback(BaseCallback):
     def finish(self, model: Any) -> None:
         self.validate(model)
 
-    def plot_curve(self, path: str | Path) -> None:
+    def plot_curve(self, path: str | Path, references: list[Any] | None = None, warm: Any = None) -> None:
+        """Three panels a reviewer compares: (1) the selection-window reward of every checkpoint with
+        the references -- each baseline's mean and 95 % interval over seeds (``references``:
+        ``xroute.evaluate.PolicyResult`` on the same window) -- and the checkpoint kept; (2) the warm
+        start's fit: the selection-window reward after each epoch (epoch 0 = the prior alone, greedy)
+        and the epoch kept; (3) the training episodes' reward, which includes exploration and the
+        other loads of the mix, so it is not comparable to (1)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, axw, axt) = plt.subplots(1, 3, figsize=(16, 4.5))
         if self.curve:
             s, r = zip(*self.curve)
-            ax.plot(s, r, "o-", label="validation mean reward (numpy export)")
+            ax.plot(s, r, "o-", color="tab:blue", label="DQN checkpoints (numpy export)")
+        refs = sorted((references or []), key=lambda x: -x.metrics["mean_reward"])[:3]
+        for k, ref in enumerate(refs):
+            m, (lo, hi) = ref.metrics["mean_reward"], ref.ci["mean_reward"]
+            c = ["tab:green", "tab:orange", "tab:gray"][k]
+            ax.axhline(m, color=c, ls="--", lw=1, label=f"{ref.name} (mean over {len(ref.runs)} seeds)")
+            if np.isfinite(lo):
+                ax.axhspan(lo, hi, color=c, alpha=0.15)
+        if self.best is not None:
+            ax.axvline(self.best.step, color="gray", ls=":", label=f"kept (step {self.best.step})")
+        ax.set_xlabel("DQN environment steps (0 = the warm start)")
+        ax.set_ylabel("mean reward per request, selection window")
+        ax.set_title("selection window: checkpoints vs the baselines")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        rep = getattr(warm, "report", None)
+        if rep is not None and rep.selection:
+            axw.plot(range(len(rep.selection)), rep.selection, "o-", color="tab:purple", label="selection-window reward")
+            axw.axvline(rep.best_epoch, color="gray", ls=":", label=f"kept (epoch {rep.best_epoch})")
+            if refs:
+                axw.axhline(refs[0].metrics["mean_reward"], color="tab:green", ls="--", lw=1, label=refs[0].name)
+            axw.set_xlabel("warm-start epoch (0 = the prior alone)")
+            axw.legend(fontsize=7)
+        else:
+            axw.text(0.5, 0.5, "no warm start", ha="center", va="center", transform=axw.transAxes)
+        axw.set_title("warm-start fit")
+        axw.grid(alpha=0.3)
         if self.train_curve:
             s, r = zip(*self.train_curve)
-            ax.plot(s, r, alpha=0.6, label="train episodes: mean reward per request")
-        if self.best is not None:
-            ax.axvline(self.best.step, color="gray", ls="--", label=f"selected (step {self.best.step})")
-        ax.set_xlabel("environment steps")
-        ax.set_ylabel("mean reward per request")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            axt.plot(s, r, color="tab:red", alpha=0.7)
+        axt.set_xlabel("DQN environment steps")
+        axt.set_ylabel("mean reward per request")
+        axt.set_title("training episodes (exploration, mixed loads)")
+        axt.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -28,8 +28,9 @@ def train(
                                                       "(default: the config's run_dir)")] = None,
     timesteps: Annotated[int | None, typer.Option(help="DQN steps per trial (overrides the config)")] = None,
 ) -> None:
-    """Train the DQN router: Ray Tune trials (seeds x gamma x learning rate) on the train window,
-    model selection on the validation window, the best registered in MLflow as alias 'challenger'."""
+    """Train the DQN router: Ray Tune trials (seeds x gamma x learning rate) on the training
+    bundles' train windows, selection on another bundle's validation window, the promotion gate on
+    every bundle's test window; the best registered in MLflow as alias 'challenger'."""
     from models.config import load_train_config
 
     overrides: dict[str, object] = {}
@@ -39,15 +40,25 @@ def train(
         overrides["total_timesteps"] = timesteps
     cfg = load_train_config(config, overrides)
 
+    from models.train import CHALLENGER as CHALLENGER_LABEL
+    from models.train import WARM_ONLY as WARM_LABEL
     from models.train import run_training
     from xroute import evaluate as ev
 
     summary = run_training(cfg, telemetry=telemetry, ray_address=ray_address, echo=typer.echo)
-    test = summary.splits["test"]
-    ev.print_table(summary.test_runs, title=f"test window ({test['requests']} requests, {test['start']} .. "
-                                            f"{test['end']}), rate x1")
+    first = summary.gate[0]
+    ev.print_table(first.results, title=f"gate scenario {first.label} (test window)")
+    from models import gate
+
+    typer.echo("\nthe gate (test windows no selection saw; Δ = paired difference to the scenario's best baseline, "
+               "95 % interval):")
+    typer.echo(gate.markdown(summary.gate, [CHALLENGER_LABEL, WARM_LABEL]))
+    d = summary.decision
+    typer.echo(f"gate {'PASSED' if d.passed else 'REFUSED'}: {d.reason}")
+    typer.echo(f"ablation: the warm start alone: pooled Δ reward {gate._fmt(summary.ablation.pooled)}")
     reg = cfg.mlflow.registered_model
-    typer.echo(f"model: models:/{reg}@challenger (v{summary.registered_version}); next: xroute promote")
+    typer.echo(f"model: models:/{reg}@challenger (v{summary.registered_version}); next: xroute promote"
+               + ("" if d.passed else " (it will refuse: the gate did not pass)"))
     uri = summary.tracking_uri
     if uri.startswith("sqlite:///"):
         typer.echo(f"MLflow UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
@@ -58,9 +69,10 @@ def promote(
     model: Annotated[str | None, typer.Option(help="registered model name (default: the train config's)")] = None,
     config: Annotated[Path | None, typer.Option(help="train config YAML (for the run dir and model name)")] = None,
 ) -> None:
-    """Move alias 'champion' to the 'challenger' version if it beats the best baseline's mean
-    reward on the validation window and its SLA attainment is not lower; otherwise say why and
-    exit non-zero."""
+    """Move alias 'champion' to the 'challenger' version if it passed the gate at training: on the
+    test windows no selection saw, the lower bound of its paired difference in mean reward to the
+    best baseline is above zero and it loses significantly nowhere; otherwise say why and exit
+    non-zero."""
     from models import registry
     from models.config import load_train_config
 

@@ -116,17 +116,44 @@ class MlflowConfig(Strict):
         None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db")
 
 
+class DataConfig(Strict):
+    """What ``xroute train`` learns from, selects on and is judged on. Bundles are names under
+    ``data/bundles/`` (the shipped ones: ``default``, ``feb2024``, ``mar2024``) or directories.
+    Training uses their ``train`` windows; checkpoint and trial selection the ``validation`` window
+    of ``selection`` (a bundle not trained on: another distribution); the promotion gate and the
+    report the ``test`` windows of ``gate``, which no selection saw. ``--telemetry`` (or
+    ``telemetry``) replaces every list with one bundle."""
+
+    train: list[str] = Field(default_factory=lambda: ["default", "feb2024"], min_length=1)
+    perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
+                                                             "this many times (20 % dropped, as many copies added)")
+    selection: str = Field("mar2024", description="bundle whose validation window selects checkpoints and trials")
+    selection_rate: float = Field(2.0, gt=0, description="load of the selection window (x arrivals)")
+    gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
+    gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
+    gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
+
+    @field_validator("gate_rates")
+    @classmethod
+    def _rates(cls, v: list[float]) -> list[float]:
+        if any(r <= 0 for r in v):
+            raise ValueError("every rate must be > 0")
+        return v
+
+
 class TrainConfig(Strict):
     """``configs/train.yaml``."""
 
-    telemetry: str | None = Field(None, description="bundle directory (default: the shipped bundle)")
+    telemetry: str | None = Field(None, description="one bundle directory for training, selection and the gate "
+                                                    "(default: the bundles of 'data')")
+    data: DataConfig = DataConfig()
     run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the repo root)")
     evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
     total_timesteps: int = Field(10_000, ge=0, description="DQN environment steps per trial")
     episode_requests: int = Field(1024, ge=1, description="requests per training episode (random windows)")
     max_offerings: int | None = Field(None, ge=1, description="observation padding while training "
                                                               "(default: the evaluate config's)")
-    rate_scales: list[float] = Field(default_factory=lambda: [1.0], min_length=1,
+    rate_scales: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0], min_length=1,
                                      description="each training episode replays its window at one of these loads")
     eval_every: int = Field(2_500, ge=1, description="validate (full validation window) every this many steps")
     progress_every: int = Field(1_000, ge=1, description="report training reward and loss every this many steps")

@@ -121,9 +121,10 @@ class PromoteDecision:
 
 
 def promote(registered_model: str) -> PromoteDecision:
-    """Move ``champion`` to the ``challenger`` version if, on the validation window, its mean
-    reward beats the best baseline's and its SLA attainment is not lower than that baseline's
-    (numbers recorded as version tags at training time). Never raises for a refusal."""
+    """Move ``champion`` to the ``challenger`` version if it passed the gate at training time
+    (``models.gate``: on test windows no selection saw, the lower bound of its paired difference
+    in mean reward to the best baseline is above zero, and it loses significantly nowhere; the
+    verdict is recorded as version tags). Never raises for a refusal."""
     from mlflow import MlflowClient
 
     client = MlflowClient()
@@ -131,26 +132,18 @@ def promote(registered_model: str) -> PromoteDecision:
     if ch is None:
         return PromoteDecision(False, f"model '{registered_model}' has no '{CHALLENGER}' version; run xroute train first")
     tags = ch.tags or {}
-    try:
-        r, sla = float(tags["val_mean_reward"]), float(tags["val_sla_attainment"])
-        br, bsla = float(tags["baseline_val_mean_reward"]), float(tags["baseline_val_sla_attainment"])
-        bname = tags.get("best_baseline", "best baseline")
-    except (KeyError, ValueError):
-        return PromoteDecision(False, f"{registered_model} v{ch.version}: validation metrics are missing from its tags "
-                                      "(val_mean_reward, val_sla_attainment, baseline_val_*); retrain it", ch.version)
+    if "gate_passed" not in tags:
+        return PromoteDecision(False, f"{registered_model} v{ch.version} carries no gate verdict (tags gate_*): it was "
+                                      "trained before the promotion gate existed; retrain it (xroute train)", ch.version)
     champ = _alias_version(client, registered_model, CHAMPION)
     if champ is not None and str(champ.version) == str(ch.version):
         return PromoteDecision(False, f"v{ch.version} is already the champion", ch.version)
-    if not r > br:
-        return PromoteDecision(False, f"challenger v{ch.version} mean reward {r:.6f} does not beat {bname} "
-                                      f"({br:.6f}) on the validation window", ch.version)
-    if sla < bsla:
-        return PromoteDecision(False, f"challenger v{ch.version} SLA attainment {100 * sla:.2f}% is lower than "
-                                      f"{bname}'s {100 * bsla:.2f}% on the validation window", ch.version)
+    if str(tags["gate_passed"]).lower() != "true":
+        return PromoteDecision(False, f"challenger v{ch.version} did not pass the gate: {tags.get('gate_reason', '')}",
+                               ch.version)
     client.set_registered_model_alias(registered_model, CHAMPION, ch.version)
     was = f" (was v{champ.version})" if champ is not None else ""
-    return PromoteDecision(True, f"champion -> v{ch.version}{was}: mean reward {r:.6f} > {bname} {br:.6f}, "
-                                 f"SLA {100 * sla:.2f}% >= {100 * bsla:.2f}%", ch.version)
+    return PromoteDecision(True, f"champion -> v{ch.version}{was}: {tags.get('gate_reason', '')}", ch.version)
 
 
 def download_model(uri: str, dst: str | Path | None = None) -> Path:

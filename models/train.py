@@ -2,19 +2,22 @@
 
 Flow (``run_training``):
 
-1. Load the bundle and cut its workload by time into train / validation / test windows
-   (``split_bundle``; fractions of the time span from ``configs/train.yaml``).
-2. Evaluate every baseline on the validation window once (the table each trial is compared to).
-3. Ray Tune runs one function trial per grid point (seeds x gamma x learning rate), at most
+1. The scenarios (``models.scenarios``): the train windows of several real bundles, each also with
+   a perturbed catalog, at several loads; a selection window of a bundle not trained on; the gate's
+   test windows of every bundle at two loads.
+2. Every baseline on the selection window (the table each trial is compared to).
+3. The warm start's rollout labels, collected once over the training mix (``models.warmstart``).
+4. Ray Tune runs one function trial per grid point (seeds x gamma x learning rate), at most
    ``ray.max_concurrent_trials`` at a time, one torch thread each. A trial (``run_trial``, which
-   runs without Ray too) warm-starts the Q-network (``models.warmstart``), trains ``MaskedDQN``
-   on random episodes of the train window, validates the numpy export on the whole validation
-   window every ``eval_every`` steps and keeps its best checkpoint. It logs params, learning
-   curves, the evaluation table against every baseline and plots to its own MLflow run.
-4. The best trial (by validation mean reward) is evaluated on the test window beside the
-   baselines, logged as an MLflow pyfunc model in its run, registered as
-   ``mlflow.registered_model`` and given the alias ``challenger``. ``xroute promote`` decides
-   about ``champion``.
+   runs without Ray too) fits the warm start (keeping the epoch that decides best on the selection
+   window), trains ``MaskedDQN`` on the training mix, validates the numpy export on the selection
+   window every ``eval_every`` steps and keeps its best checkpoint, and its warm start alone for the
+   ablation. It logs params, learning curves, tables and plots to its own MLflow run.
+5. The best trial (by selection-window reward) and its warm start alone are run beside every
+   baseline on the gate scenarios, paired by seed (``models.gate``); the verdict -- does it beat the
+   best baseline on data no selection saw, and lose nowhere? -- is recorded with the model, logged
+   as an MLflow pyfunc model, registered and given the alias ``challenger``. ``xroute promote``
+   moves ``champion`` only when the gate passed.
 
 Ray is only touched in ``_tune_trials``; everything else is plain functions.
 """
@@ -30,76 +33,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import pandas as pd
 
-from models.config import SplitConfig, TrainConfig
-from xroute.bundle import Bundle, load_bundle
+from models.config import TrainConfig
+from models.scenarios import (
+    SPLITS,
+    Scenario,
+    ScenarioMix,
+    Splits,
+    build_scenarios,
+    resolve_bundle,
+    split_bundle,
+)
+from xroute.bundle import Bundle
 from xroute.config import EnvConfig, EvaluateConfig
-from xroute.errors import BundleError, ConfigError, XrouteError
+from xroute.errors import ConfigError, XrouteError
 
-SPLITS = ("train", "validation", "test")
 Report = Callable[[dict[str, Any], "str | None"], None]
-
-
-# ------------------------------------------------------------------------------------------ data
-@dataclass
-class Splits:
-    """The three windows ``[start, end)`` of the workload and the bundles cut to them."""
-
-    windows: dict[str, tuple[pd.Timestamp, pd.Timestamp]]
-    bundles: dict[str, Bundle]
-
-    def history(self, name: str) -> pd.DataFrame | None:
-        """The requests of the windows before ``name``: their outputs are known when it starts, so
-        the routers' output estimators start from them."""
-        before = [self.bundles[w].workload for w in SPLITS[: SPLITS.index(name)]]
-        return pd.concat(before, ignore_index=True) if before else None
-
-    def describe(self) -> dict[str, dict[str, Any]]:
-        return {k: {"start": str(s), "end": str(e), "requests": len(self.bundles[k].workload)}
-                for k, (s, e) in self.windows.items()}
-
-
-def split_bundle(bundle: Bundle, split: SplitConfig) -> Splits:
-    """Cut the workload at fractions of its time span: train, then validation, then test."""
-    t0, t1 = bundle.time_span()
-    span = t1 - t0
-    c1 = t0 + span * split.train
-    c2 = c1 + span * split.validation
-    end = t1 + pd.Timedelta(microseconds=1)
-    windows = {"train": (t0, c1), "validation": (c1, c2), "test": (c2, end)}
-    bundles = {}
-    for name, (s, e) in windows.items():
-        try:
-            bundles[name] = bundle.window(s, e)
-        except BundleError:
-            raise ConfigError(f"train config: field 'split.{name}': the {name} window {s} .. {e} holds no "
-                              "requests; widen it") from None
-    return Splits(windows, bundles)
-
-
-def resolve_bundle(telemetry: str | Path | None, source: str) -> Bundle:
-    """The bundle at ``telemetry`` (default: the shipped one); a missing path is a ConfigError."""
-    if telemetry is not None and not Path(telemetry).expanduser().exists():
-        raise ConfigError(f"{source}: bundle directory '{telemetry}' not found")
-    return load_bundle(Path(telemetry).expanduser() if telemetry is not None else None)
-
-
-class RateMix(gym.Wrapper):
-    """Each episode replays its window at a load drawn from ``rate_scales`` (own generator)."""
-
-    def __init__(self, env: gym.Env, rate_scales: list[float], seed: int):
-        super().__init__(env)
-        self.rate_scales = list(rate_scales)
-        self.rng = np.random.default_rng(seed)
-
-    def reset(self, **kwargs: Any) -> Any:
-        base: Any = self.env.unwrapped
-        if len(self.rate_scales) > 1 or self.rate_scales[0] != base.rate_scale:
-            base.set_rate_scale(float(self.rng.choice(self.rate_scales)))
-        return self.env.reset(**kwargs)
+__all__ = ["SPLITS", "Splits", "resolve_bundle", "run_training", "split_bundle"]
 
 
 def train_env_config(cfg: TrainConfig, eval_cfg: EvaluateConfig, n_offerings: int) -> EnvConfig:
@@ -124,12 +76,12 @@ class TrialContext:
 
     cfg: TrainConfig
     eval_cfg: EvaluateConfig
-    train_bundle: Bundle
-    val_bundle: Bundle
+    train: list[Scenario]
+    selection: Scenario
     bundle_hash: str
-    baseline_runs: list[Any]  # xroute.evaluate.PolicyRun on the validation window
+    baseline_runs: list[Any]  # xroute.evaluate.PolicyResult on the selection window
     warm_data: Any = None  # models.warmstart.RolloutData, shared by all trials
-    val_history: Any = None  # pandas.DataFrame: the train window's requests (the estimator's start)
+    max_offerings: int = 0  # observation padding: the largest catalog of every scenario
     tracking_uri: str | None = None
     experiment_id: str | None = None
     parent_run_id: str | None = None
@@ -177,9 +129,9 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     name = trial_name(params)
     out = Path(ctx.out_dir or ".") / name
     out.mkdir(parents=True, exist_ok=True)
-    env_cfg = train_env_config(cfg, ctx.eval_cfg, len(ctx.train_bundle.offerings))
-    base_env = CloudRouteEnv(ctx.train_bundle, env_cfg)
-    env = RateMix(base_env, cfg.rate_scales, seed)
+    env_cfg = train_env_config(cfg, ctx.eval_cfg, ctx.max_offerings)
+    env = ScenarioMix([CloudRouteEnv(sc.bundle, env_cfg, history=sc.history) for sc in ctx.train], cfg.rate_scales,
+                      seed)
     d = cfg.dqn
     model = MaskedDQN(
         SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
@@ -191,16 +143,19 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
                        "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None},
     )
     mlrun = _start_trial_run(ctx, name, params)
-    val_env = CloudRouteEnv(ctx.val_bundle, eval_env_config(ctx.eval_cfg), history=ctx.val_history)
+    sel = ctx.selection
+    val_env = CloudRouteEnv(sel.bundle, eval_env_config(ctx.eval_cfg, sel.rate), history=sel.history)
     meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
             "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
     validation = ValidationCallback(val_env, cfg.eval_every, ctx.eval_cfg.seed, meta, report=report,
                                     log_mlflow=mlrun is not None)
     callbacks = [validation, ProgressCallback(cfg.progress_every, validation, report=report,
                                               log_mlflow=mlrun is not None)]
+    warm = None
     if ctx.warm_data is not None and len(ctx.warm_data):
-        callbacks.insert(0, WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None,
-                                              validation=validation))
+        warm = WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None,
+                                 validation=validation)
+        callbacks.insert(0, warm)
     t0 = time.perf_counter()
     try:
         model.learn(total_timesteps=cfg.total_timesteps, callback=callbacks)
@@ -209,15 +164,19 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         best = validation.best
         assert best is not None
         router_dir = save_router(best.weights, out / "router")
+        initial = validation.initial if validation.initial is not None else best
+        warm_dir = save_router(initial.weights, out / "router" / "warm_start_only")
         result = {
             "trial": name, **params, "best_step": best.step, "wall_s": round(wall, 1),
             **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
-            "router_dir": str(router_dir), "mlflow_run_id": meta["mlflow_run_id"],
+            "warm_start_val_mean_reward": initial.run.metrics["mean_reward"],
+            "warm_start_best_epoch": warm.report.best_epoch if warm is not None and warm.report is not None else None,
+            "router_dir": str(router_dir), "warm_dir": str(warm_dir), "mlflow_run_id": meta["mlflow_run_id"],
             "steps_per_s": round(cfg.total_timesteps / max(wall, 1e-9), 1),
         }
         (out / "router" / "trial.json").write_text(json.dumps(result, indent=2, default=str))
         if mlrun is not None:
-            _log_trial_artifacts(ctx, validation, best, out, result)
+            _log_trial_artifacts(ctx, validation, best, out, result, warm)
     finally:
         if mlrun is not None:
             import mlflow
@@ -252,7 +211,8 @@ def _start_trial_run(ctx: TrialContext, name: str, params: dict[str, Any]) -> An
     return run
 
 
-def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Path, result: dict[str, Any]) -> None:
+def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Path, result: dict[str, Any],
+                         warm: Any = None) -> None:
     import mlflow
 
     from xroute import evaluate as ev
@@ -262,7 +222,7 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
     (out / "validation_table.json").write_text(json.dumps(table, indent=2, default=float))
     (out / "validation_table.md").write_text(ev.markdown_table(runs))
     ev.plot(runs, out / "cost_vs_p95_validation.png", title=f"validation window — {result['trial']}")
-    validation.plot_curve(out / "learning_curve.png")
+    validation.plot_curve(out / "learning_curve.png", ctx.baseline_runs, warm)
     for f in ("validation_table.json", "validation_table.md", "cost_vs_p95_validation.png", "learning_curve.png"):
         mlflow.log_artifact(str(out / f))
     mlflow.log_artifacts(str(out / "router"), artifact_path="router_export")
@@ -275,14 +235,15 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
 
 
 # ------------------------------------------------------------------------------------------ warm start
-def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n_states: int, seed: int,
+def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Scenario], n_states: int, seed: int,
                   progress_output: bool = False) -> Any:
-    """Label ``n_states`` states of ``bundle`` for the warm start (one process, one thread)."""
+    """Label ``n_states`` states of the training mix for the warm start (one process, one thread)."""
     from envs.cloud_route import CloudRouteEnv
     from models import warmstart as ws
 
     c = cfg.warm_start
-    env = RateMix(CloudRouteEnv(bundle, env_cfg), cfg.rate_scales, seed)
+    mix = ScenarioMix([CloudRouteEnv(sc.bundle, env_cfg, history=sc.history) for sc in scenarios], cfg.rate_scales,
+                      seed)
     every = max(1, n_states // 5)
     t0 = time.perf_counter()
 
@@ -290,25 +251,11 @@ def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n_states
         if k % every == 0 and k < n_states:
             print(f"warm start: {k}/{n_states} states labelled ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    return ws.collect(env.unwrapped if len(cfg.rate_scales) == 1 else _RateMixView(env), n_states, c.horizon,
-                      c.top_k, c.random_actions, c.stride, c.behaviour_epsilon, np.random.default_rng(seed),
-                      progress if progress_output else None)
+    return ws.collect(mix.pick, n_states, c.horizon, c.top_k, c.random_actions, c.stride, c.behaviour_epsilon,
+                      np.random.default_rng(seed), progress if progress_output else None)
 
 
-class _RateMixView:
-    """What ``warmstart.collect`` needs of an env, with RateMix's per-episode load on reset."""
-
-    def __init__(self, wrapped: RateMix):
-        self._w = wrapped
-
-    def reset(self, **kw: Any) -> Any:
-        return self._w.reset(**kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._w.unwrapped, name)
-
-
-def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, use_ray: bool,
+def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Scenario], use_ray: bool,
                        echo: Callable[[str], None]) -> Any:
     """The shared warm-start data set, labelled in ``ray.max_concurrent_trials`` parallel chunks."""
     from models.warmstart import RolloutData
@@ -320,27 +267,28 @@ def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, use
     sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
     seeds = [cfg.seed * 1000 + 17 + i for i in range(k)]
     t0 = time.perf_counter()
-    echo(f"warm start: labelling {n} train-window states by {cfg.warm_start.horizon}-request rollouts "
+    echo(f"warm start: labelling {n} states of {len(scenarios)} training scenarios by {cfg.warm_start.horizon}-request "
+         "rollouts "
          f"({k} parallel task{'s' if k > 1 else ''}) ...")
     if use_ray:
         import ray
 
         task = ray.remote(num_cpus=cfg.ray.cpus_per_trial)(_collect_task)
-        ref_bundle = ray.put(bundle)
-        parts = ray.get([task.remote(cfg, env_cfg, ref_bundle, m, sd) for m, sd in zip(sizes, seeds)])
+        ref = ray.put(scenarios)
+        parts = ray.get([task.remote(cfg, env_cfg, ref, m, sd) for m, sd in zip(sizes, seeds)])
     else:
-        parts = [collect_chunk(cfg, env_cfg, bundle, m, sd) for m, sd in zip(sizes, seeds)]
+        parts = [collect_chunk(cfg, env_cfg, scenarios, m, sd) for m, sd in zip(sizes, seeds)]
     data = RolloutData.concat(parts)
     echo(f"warm start: {len(data)} states in {time.perf_counter() - t0:.0f} s; "
          f"{100 * float((data.advantage > 1e-9).mean()):.1f}% of candidates beat greedy's choice over the horizon")
     return data
 
 
-def _collect_task(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n: int, seed: int) -> Any:
+def _collect_task(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Scenario], n: int, seed: int) -> Any:
     import torch as th
 
     th.set_num_threads(1)
-    return collect_chunk(cfg, env_cfg, bundle, n, seed, progress_output=True)
+    return collect_chunk(cfg, env_cfg, scenarios, n, seed, progress_output=True)
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -348,8 +296,10 @@ def _collect_task(cfg: TrainConfig, env_cfg: EnvConfig, bundle: Bundle, n: int, 
 class TrainSummary:
     best: dict[str, Any]
     trials: list[dict[str, Any]]
-    splits: dict[str, dict[str, Any]]
-    test_runs: list[Any]
+    scenarios: dict[str, Any]
+    gate: list[Any]  # models.gate.ScenarioResult
+    decision: Any  # models.gate.GateDecision for the challenger
+    ablation: Any  # models.gate.GateDecision for its warm start alone
     model_uri: str | None
     registered_version: str | None
     tracking_uri: str
@@ -362,12 +312,15 @@ def grid(cfg: TrainConfig) -> list[dict[str, Any]]:
     return [{"seed": s, "gamma": g, "learning_rate": lr} for s in cfg.search.seeds for g in gammas for lr in lrs]
 
 
+CHALLENGER, WARM_ONLY = "dqn (challenger)", "warm start only"
+
+
 def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_address: str | None = None,
                  echo: Callable[[str], None] = print, use_ray: bool = True) -> TrainSummary:
     """The whole ``xroute train`` (see the module docstring)."""
     import mlflow
 
-    from models import registry
+    from models import gate, registry
     from models.baselines import BASELINES
     from xroute import evaluate as ev
 
@@ -377,43 +330,43 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
         check_ray_address(ray_address)
     run_dir = cfg.run_path()
     run_dir.mkdir(parents=True, exist_ok=True)
-    source = "--telemetry" if telemetry is not None else "train config: field 'telemetry'"
-    bundle = resolve_bundle(telemetry if telemetry is not None else cfg.telemetry, source)
+    sc = build_scenarios(cfg, telemetry)
     eval_cfg = cfg.evaluate_settings()
-    splits = split_bundle(bundle, cfg.split)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for k, v in splits.describe().items():
-        echo(f"{k:>10}: {v['requests']:>6} requests  {v['start']} .. {v['end']}")
+    echo(f"training: {', '.join(s.label for s in sc.train)} (train windows), loads x{', x'.join(map(str, cfg.rate_scales))}")
+    echo(f"selection: {sc.selection.label} validation window x{sc.selection.rate:g} "
+         f"({len(sc.selection.bundle.workload)} requests)")
+    echo(f"gate: {', '.join(s.label for s in sc.gate)} (test windows, {cfg.data.gate_seeds} seeds)")
+    bundle_hash = ",".join(f"{k}={v}" for k, v in sc.bundle_hashes.items())
 
     uri = registry.tracking_uri(run_dir, cfg.mlflow.tracking_uri)
     exp_id = registry.setup(uri, cfg.mlflow.experiment, run_dir)
     echo(f"MLflow: {uri} (experiment '{cfg.mlflow.experiment}')")
 
-    echo("baselines on the validation window ...")
-    val_env_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg)})
-    baseline_runs = ev.evaluate(splits.bundles["validation"], list(BASELINES), val_env_cfg, show_progress=False,
-                                seeds=1, history=splits.history("validation"))
+    echo("baselines on the selection window ...")
+    sel = sc.selection
+    sel_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, sel.rate)})
+    baseline_runs = ev.evaluate(sel.bundle, [b for b in BASELINES if b != "oracle"], sel_cfg, show_progress=False,
+                                seeds=cfg.data.gate_seeds, history=sel.history)
     bb = best_baseline(baseline_runs)
-    echo(f"best baseline on validation: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
+    echo(f"best baseline on the selection window: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
 
-    parent = mlflow.start_run(experiment_id=exp_id, run_name=f"train-{stamp}",
-                              tags={"xroute.bundle_hash": bundle.content_hash})
+    parent = mlflow.start_run(experiment_id=exp_id, run_name=f"train-{stamp}", tags={"xroute.bundle_hash": bundle_hash})
     try:
-        mlflow.log_params({"bundle": str(bundle.path), "bundle_hash": bundle.content_hash,
-                           **{f"split.{k}.{kk}": vv for k, v in splits.describe().items() for kk, vv in v.items()}})
+        mlflow.log_params({"bundles": bundle_hash[:490], "selection": sel.label,
+                           "gate": ",".join(s.label for s in sc.gate)[:490]})
+        mlflow.log_dict(sc.describe(), "scenarios.json")
         mlflow.log_dict(cfg.model_dump(mode="json"), "train_config.json")
-        mlflow.log_text(ev.markdown_table(baseline_runs), "baselines_validation.md")
+        mlflow.log_text(ev.markdown_table(baseline_runs), "baselines_selection.md")
         out_dir = run_dir / "trials" / stamp
-        ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train_bundle=splits.bundles["train"],
-                           val_bundle=splits.bundles["validation"], bundle_hash=bundle.content_hash,
-                           baseline_runs=baseline_runs, tracking_uri=uri, experiment_id=exp_id,
-                           val_history=splits.history("validation"),
-                           parent_run_id=parent.info.run_id, out_dir=str(out_dir),
-                           extra_params={f"split.{k}": f"{v['start']}..{v['end']}" for k, v in splits.describe().items()})
+        ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train=sc.train, selection=sel, bundle_hash=bundle_hash,
+                           baseline_runs=baseline_runs, max_offerings=sc.max_offerings, tracking_uri=uri,
+                           experiment_id=exp_id, parent_run_id=parent.info.run_id, out_dir=str(out_dir),
+                           extra_params={"selection": sel.label})
         points = grid(cfg)
-        env_cfg = train_env_config(cfg, eval_cfg, len(splits.bundles["train"].offerings))
+        env_cfg = train_env_config(cfg, eval_cfg, sc.max_offerings)
         with _ray_session(cfg, ray_address, use_ray):
-            ctx.warm_data = collect_warm_start(cfg, env_cfg, splits.bundles["train"], use_ray, echo)
+            ctx.warm_data = collect_warm_start(cfg, env_cfg, sc.train, use_ray, echo)
             echo(f"{len(points)} trials x {cfg.total_timesteps} DQN steps, "
                  f"at most {cfg.ray.max_concurrent_trials} at a time")
             if use_ray:
@@ -421,26 +374,35 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
             else:
                 trials = [run_trial(p, ctx) for p in points]
         best = max(trials, key=lambda t: t["val_mean_reward"])
-        echo(f"best trial: {best['trial']} (validation mean reward {best['val_mean_reward']:.5f}, "
-             f"checkpoint at step {best['best_step']})")
+        echo(f"best trial: {best['trial']} (selection-window mean reward {best['val_mean_reward']:.5f}, "
+             f"checkpoint at step {best['best_step']}; its warm start alone {best['warm_start_val_mean_reward']:.5f}; "
+             f"{bb.name} {bb.metrics['mean_reward']:.5f})")
 
-        # the test window: reported, never used for selection
-        test_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg)})
-        test_runs = ev.evaluate(splits.bundles["test"], [*BASELINES, best["router_dir"]], test_cfg, show_progress=False,
-                                seeds=1, history=splits.history("test"))
-        agent_run = test_runs[-1]
-        agent_run.name = "dqn (challenger)"
-        mlflow.log_text(ev.markdown_table(test_runs), "test_table.md")
-        mlflow.log_metrics({f"test_{k}": v for k, v in agent_run.metrics.items() if isinstance(v, (int, float))})
-        mlflow.log_metrics({"best_val_mean_reward": best["val_mean_reward"]})
-        ev.plot(test_runs, run_dir / "trials" / stamp / "cost_vs_p95_test.png", title="test window")
-        mlflow.log_artifact(str(run_dir / "trials" / stamp / "cost_vs_p95_test.png"))
+        # the gate: test windows no selection saw, paired by seed
+        routers = {CHALLENGER: best["router_dir"], WARM_ONLY: best["warm_dir"]}
+        gate_runs = gate.evaluate_gate(sc.gate, routers, eval_cfg, cfg.data.gate_seeds,
+                                       [b for b in BASELINES if b != "oracle"], echo)
+        decision = gate.decide(gate_runs, CHALLENGER)
+        ablation = gate.decide(gate_runs, WARM_ONLY)
+        echo(f"gate: {'PASSED' if decision.passed else 'refused'}: {decision.reason}")
+        table = gate.markdown(gate_runs, [CHALLENGER, WARM_ONLY])
+        mlflow.log_text(table, "gate.md")
+        for r in gate_runs:
+            slug = r.label.replace(" ", "_")
+            mlflow.log_text(ev.markdown_table(r.results), f"gate/{slug}.md")
+            png = out_dir / f"gate_{slug}.png"
+            ev.plot(r.results, png, title=f"gate: {r.label} (test window), {cfg.data.gate_seeds} seeds")
+            mlflow.log_artifact(str(png), "gate")
+        mlflow.log_metrics({"gate_reward_delta": decision.pooled[0], "gate_reward_delta_lo": decision.pooled[1],
+                            "warm_start_gate_reward_delta": ablation.pooled[0],
+                            "best_val_mean_reward": best["val_mean_reward"]})
     finally:
         mlflow.end_run()
 
-    model_uri, version = _log_and_register(cfg, best, bb, splits, uri, echo)
-    return TrainSummary(best=best, trials=trials, splits=splits.describe(), test_runs=test_runs, model_uri=model_uri,
-                        registered_version=version, tracking_uri=uri, wall_s=time.perf_counter() - t_start)
+    model_uri, version = _log_and_register(cfg, best, bb, decision, ablation, sel, uri, echo)
+    return TrainSummary(best=best, trials=trials, scenarios=sc.describe(), gate=gate_runs, decision=decision,
+                        ablation=ablation, model_uri=model_uri, registered_version=version, tracking_uri=uri,
+                        wall_s=time.perf_counter() - t_start)
 
 
 def _input_example(bundle: Bundle, eval_cfg: EvaluateConfig, k: int = 3) -> pd.DataFrame:
@@ -457,21 +419,22 @@ def _input_example(bundle: Bundle, eval_cfg: EvaluateConfig, k: int = 3) -> pd.D
     return example_frame(observations, env.n, ids)
 
 
-def _log_and_register(cfg: TrainConfig, best: dict[str, Any], bb: Any, splits: Splits, uri: str,
-                      echo: Callable[[str], None]) -> tuple[str | None, str | None]:
+def _log_and_register(cfg: TrainConfig, best: dict[str, Any], bb: Any, decision: Any, ablation: Any,
+                      sel: Scenario, uri: str, echo: Callable[[str], None]) -> tuple[str | None, str | None]:
     import mlflow
 
     from models import registry
 
     mlflow.set_tracking_uri(uri)
-    example = _input_example(splits.bundles["validation"], cfg.evaluate_settings())
+    example = _input_example(sel.bundle, cfg.evaluate_settings())
     run_id = best.get("mlflow_run_id")
     with mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run():
         info = registry.log_router_model(best["router_dir"], example)
     tags = {"val_mean_reward": best["val_mean_reward"], "val_sla_attainment": best["val_sla_attainment"],
             "best_baseline": bb.name, "baseline_val_mean_reward": bb.metrics["mean_reward"],
             "baseline_val_sla_attainment": bb.metrics["sla_attainment"], "trial": best["trial"],
-            "best_step": best["best_step"]}
+            "best_step": best["best_step"], "selection": sel.label, **decision.tags("gate"),
+            **{k: v for k, v in ablation.tags("warm_start_gate").items() if not k.endswith("_reason")}}
     version = registry.register(info.model_uri, cfg.mlflow.registered_model, registry.CHALLENGER, tags)
     echo(f"registered {cfg.mlflow.registered_model} v{version} -> alias '{registry.CHALLENGER}' "
          f"(models:/{cfg.mlflow.registered_model}@{registry.CHALLENGER})")

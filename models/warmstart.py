@@ -82,11 +82,20 @@ class RolloutData:
         return cls(**arrays, seconds=sum(p.seconds for p in parts))
 
 
-def collect(env: Any, n_states: int, horizon: int, top_k: int, n_random: int, stride: int,
+def collect(pick_env: Any, n_states: int, horizon: int, top_k: int, n_random: int, stride: int,
             behaviour_epsilon: float, rng: np.random.Generator,
             progress: Callable[[int], None] | None = None) -> RolloutData:
-    """Visit states of ``env`` (its episodes, epsilon-greedy) and label ``n_states`` of them."""
+    """Visit states (episodes, epsilon-greedy) and label ``n_states`` of them. ``pick_env(rng)``
+    gives each episode's environment (``models.scenarios.ScenarioMix.pick``); an environment
+    itself stands for one that gives always it."""
     t0 = time.perf_counter()
+    if not callable(pick_env):
+        one = pick_env
+
+        def pick_env(_rng: np.random.Generator) -> Any:
+            return one
+
+    env = pick_env(rng)
     k_max = top_k + n_random
     n_act = env.action_space.n
     off = np.zeros((n_states, n_act * N_OFFERING_FEATURES), np.float32)
@@ -140,6 +149,7 @@ def collect(env: Any, n_states: int, horizon: int, top_k: int, n_random: int, st
         obs, _, _, done, info = env.step(a)
         since += 1
         if done:
+            env = pick_env(rng)
             obs, info = env.reset(seed=int(rng.integers(2**31)))
             since = stride
     return RolloutData(off, req, msk, acts, adv, wts, g_rew, time.perf_counter() - t0)

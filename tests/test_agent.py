@@ -48,6 +48,8 @@ def write_agent_setup(root: Path, n_requests: int = 400, **train: Any) -> dict[s
         "warm_start": {"samples": 12, "horizon": 4, "top_k": 2, "random_actions": 1, "stride": 2, "epochs": 2},
         "dqn": {"learning_starts": 50, "batch_size": 16, "buffer_size": 2000, "target_update_interval": 100},
         "search": {"seeds": [0], "gamma": [0.5]},
+        "rate_scales": [1.0, 2.0],
+        "data": {"perturbed_copies": 1, "gate_rates": [1.0, 4.0], "gate_seeds": 2},
     }
     for k, v in train.items():
         cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
@@ -210,18 +212,16 @@ def test_fork_plays_out_alternatives_without_touching_the_env(tmp_path: Path) ->
 
 
 def _tiny_context(setup: dict[str, Any], seed_data: int = 5) -> Any:
-    from models.train import TrialContext, collect_warm_start, split_bundle, train_env_config
-    from xroute.bundle import load_bundle
+    from models.scenarios import build_scenarios
+    from models.train import TrialContext, collect_warm_start, train_env_config
 
     cfg: TrainConfig = setup["cfg"]
-    bundle = load_bundle(setup["bundle"])
-    splits = split_bundle(bundle, cfg.split)
+    sc = build_scenarios(cfg)
     eval_cfg = cfg.evaluate_settings()
-    env_cfg = train_env_config(cfg, eval_cfg, len(bundle.offerings))
-    data = collect_warm_start(cfg, env_cfg, splits.bundles["train"], use_ray=False, echo=lambda s: None)
-    return TrialContext(cfg=cfg, eval_cfg=eval_cfg, train_bundle=splits.bundles["train"],
-                        val_bundle=splits.bundles["validation"], bundle_hash=bundle.content_hash, baseline_runs=[],
-                        warm_data=data, out_dir="")
+    env_cfg = train_env_config(cfg, eval_cfg, sc.max_offerings)
+    data = collect_warm_start(cfg, env_cfg, sc.train, use_ray=False, echo=lambda s: None)
+    return TrialContext(cfg=cfg, eval_cfg=eval_cfg, train=sc.train, selection=sc.selection, bundle_hash="h",
+                        baseline_runs=[], warm_data=data, max_offerings=sc.max_offerings, out_dir="")
 
 
 def test_same_seed_gives_the_same_policy(tmp_path: Path) -> None:

@@ -85,11 +85,17 @@ def is_baseline(name: str) -> bool:
 
 
 def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
-               progress: Callable[[int], None] | None = None) -> PolicyRun:
-    """One pass of ``policy`` over ``env``'s episode for ``seed``."""
+               progress: Callable[[int], None] | None = None, compare_greedy: bool | None = None) -> PolicyRun:
+    """One pass of ``policy`` over ``env``'s episode for ``seed``. With ``compare_greedy`` (the
+    default for a learned policy) it also counts the decisions where greedy would have chosen
+    another offering (``differs_from_greedy``: the share of requests)."""
     obs, info = env.reset(seed=seed)
     policy.reset(env, seed)
+    if compare_greedy is None:
+        compare_greedy = hasattr(policy, "weights")
     n = env._end - env._pos
+    i0 = env._pos
+    differs = 0
     rewards = np.empty(n)
     costs = np.empty(n)
     lats = np.empty(n)
@@ -100,6 +106,8 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     for k in range(n):
         ts[k] = info["t"]
         a = policy.act(obs, info)
+        if compare_greedy:
+            differs += int(np.argmax(env.expected_rewards())) != a
         obs, r, _term, trunc, info = env.step(a)
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
                                                              info["sla_violation"])
@@ -120,6 +128,12 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         "sla_attainment": round(float(1.0 - viol.mean()), 6), "failed_requests": int(failed),
         "preempted": int(preempted), "migrations": int(migrations), "mean_reward": round(float(rewards.mean()), 6),
     }
+    if compare_greedy:
+        m["differs_from_greedy"] = round(differs / max(n, 1), 6)
+    tenants = env.bundle.workload["tenant"].to_numpy()[i0:i0 + n] if "tenant" in env.bundle.workload.columns else None
+    if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
+        for t in sorted(set(tenants)):
+            m[f"mean_reward[{t}]"] = round(float(rewards[tenants == t].mean()), 6)
     return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs))
 
 
@@ -204,7 +218,8 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
                 bar.update(task, description=label)
             label = getattr(pol, "display_name", None) or label
             res = PolicyResult(label, runs, wall_s=round(time.perf_counter() - t0, 2), is_baseline=is_baseline(label))
-            for k in METRICS:
+            extra = [k for k in runs[0].metrics if k not in METRICS and all(k in r.metrics for r in runs)]
+            for k in (*METRICS, *extra):
                 mean, lo, hi = t_interval(np.array([r.metrics[k] for r in runs], dtype=float))
                 res.metrics[k] = mean
                 res.ci[k] = (lo, hi)

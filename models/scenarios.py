@@ -1,0 +1,193 @@
+"""What ``xroute train`` learns from, selects on and is judged on.
+
+* **Bundles** by name (``data/bundles/<name>``: ``default``, ``feb2024``, ``mar2024`` -- real data of
+  three windows of the shared traces) or by directory, each cut by time into train / validation /
+  test windows (:func:`split_bundle`).
+* **Training**: the train windows of the ``data.train`` bundles, each also with its catalog
+  perturbed (offerings dropped, copies added, order shuffled), replayed at the loads of
+  ``rate_scales`` -- one drawn per episode (:class:`ScenarioMix`).
+* **Selection** (warm-start epoch, DQN checkpoint, trial): the validation window of
+  ``data.selection``, a bundle not trained on, at ``data.selection_rate``.
+* **Gate and report**: the test windows of the ``data.gate`` bundles at each of ``data.gate_rates``,
+  which no selection saw; the routers start from the outputs of the windows before (``history``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pandas as pd
+
+from models.config import SplitConfig, TrainConfig
+from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle
+from xroute.errors import BundleError, ConfigError
+
+SPLITS = ("train", "validation", "test")
+
+
+@dataclass
+class Splits:
+    """The three windows ``[start, end)`` of the workload and the bundles cut to them."""
+
+    windows: dict[str, tuple[pd.Timestamp, pd.Timestamp]]
+    bundles: dict[str, Bundle]
+
+    def history(self, name: str) -> pd.DataFrame | None:
+        """The requests of the windows before ``name``: their outputs are known when it starts, so
+        the routers' output estimators start from them."""
+        before = [self.bundles[w].workload for w in SPLITS[: SPLITS.index(name)]]
+        return pd.concat(before, ignore_index=True) if before else None
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        return {k: {"start": str(s), "end": str(e), "requests": len(self.bundles[k].workload)}
+                for k, (s, e) in self.windows.items()}
+
+
+def split_bundle(bundle: Bundle, split: SplitConfig) -> Splits:
+    """Cut the workload at fractions of its time span: train, then validation, then test."""
+    t0, t1 = bundle.time_span()
+    span = t1 - t0
+    c1 = t0 + span * split.train
+    c2 = c1 + span * split.validation
+    end = t1 + pd.Timedelta(microseconds=1)
+    windows = {"train": (t0, c1), "validation": (c1, c2), "test": (c2, end)}
+    bundles = {}
+    for name, (s, e) in windows.items():
+        try:
+            bundles[name] = bundle.window(s, e)
+        except BundleError:
+            raise ConfigError(f"train config: field 'split.{name}': the {name} window {s} .. {e} holds no "
+                              "requests; widen it") from None
+    return Splits(windows, bundles)
+
+
+def resolve_bundle(ref: str | Path | None, source: str) -> Bundle:
+    """A bundle by name (a directory under ``data/bundles/``) or path (default: the shipped one); a
+    missing one is a ConfigError naming ``source``."""
+    if ref is None:
+        return load_bundle(None)
+    p = Path(ref).expanduser()
+    if not p.exists() and "/" not in str(ref) and (DEFAULT_BUNDLE.parent / str(ref)).is_dir():
+        p = DEFAULT_BUNDLE.parent / str(ref)
+    if not p.exists():
+        shipped = sorted(d.name for d in DEFAULT_BUNDLE.parent.iterdir() if d.is_dir())
+        raise ConfigError(f"{source}: bundle '{ref}' not found (a directory, or one of the shipped bundles: "
+                          f"{', '.join(shipped)})")
+    return load_bundle(p)
+
+
+@dataclass
+class Scenario:
+    """One stream a policy is run on: a label, the window's bundle, the requests before it and a load."""
+
+    label: str
+    bundle: Bundle
+    history: pd.DataFrame | None
+    rate: float = 1.0
+
+
+@dataclass
+class Scenarios:
+    train: list[Scenario]  # rate is drawn per episode (TrainConfig.rate_scales)
+    selection: Scenario
+    gate: list[Scenario]
+    bundle_hashes: dict[str, str]
+
+    def describe(self) -> dict[str, Any]:
+        def one(s: Scenario) -> dict[str, Any]:
+            t0, t1 = s.bundle.time_span()
+            return {"label": s.label, "requests": len(s.bundle.workload), "start": str(t0), "end": str(t1),
+                    "offerings": len(s.bundle.offerings), "rate": s.rate}
+
+        return {"train": [one(s) for s in self.train], "selection": one(self.selection),
+                "gate": [one(s) for s in self.gate], "bundle_hashes": self.bundle_hashes}
+
+    @property
+    def max_offerings(self) -> int:
+        return max(len(s.bundle.offerings) for s in [*self.train, self.selection, *self.gate])
+
+
+def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Scenarios:
+    """The scenarios of ``cfg.data`` (or of one bundle: ``telemetry``, else ``cfg.telemetry``)."""
+    from xroute.catalog_tools import perturb_catalog
+
+    d = cfg.data
+    one = telemetry if telemetry is not None else cfg.telemetry
+    src = "--telemetry" if telemetry is not None else "train config: field 'telemetry'"
+    names: dict[str, str] = {}
+    if one is not None:
+        names = {"train": str(one), "selection": str(one), "gate": str(one)}
+    loaded: dict[str, Splits] = {}
+    hashes: dict[str, str] = {}
+
+    def splits(ref: str, field: str) -> Splits:
+        if ref not in loaded:
+            b = resolve_bundle(ref, field if one is None else src)
+            loaded[ref] = split_bundle(b, cfg.split)
+            hashes[_label(ref)] = b.content_hash
+        return loaded[ref]
+
+    train_refs = [names["train"]] if one is not None else d.train
+    train = []
+    for k, ref in enumerate(train_refs):
+        sp = splits(ref, f"train config: field 'data.train[{k}]'")
+        train.append(Scenario(_label(ref), sp.bundles["train"], sp.history("train")))
+        for c in range(d.perturbed_copies):
+            pb = perturb_catalog(sp.bundles["train"], 0.2, seed=1000 + 17 * k + c)
+            train.append(Scenario(f"{_label(ref)}~perturbed{c}", pb, None))
+    sel_ref = names.get("selection", d.selection)
+    sp = splits(sel_ref, "train config: field 'data.selection'")
+    selection = Scenario(_label(sel_ref), sp.bundles["validation"], sp.history("validation"), d.selection_rate)
+    gate = []
+    for k, ref in enumerate([names["gate"]] if one is not None else d.gate):
+        sp = splits(ref, f"train config: field 'data.gate[{k}]'")
+        for r in d.gate_rates:
+            gate.append(Scenario(f"{_label(ref)} x{r:g}", sp.bundles["test"], sp.history("test"), r))
+    return Scenarios(train, selection, gate, hashes)
+
+
+def _label(ref: str | Path) -> str:
+    return Path(str(ref)).name or str(ref)
+
+
+class ScenarioMix(gym.Env):  # type: ignore[type-arg]
+    """The training environment: each episode replays one of the training scenarios' environments
+    (uniformly) at a load drawn from ``rate_scales``, from the mix's own generator. Every
+    environment pads its observation to the same ``max_offerings``, so the spaces are one."""
+
+    metadata = {"render_modes": []}  # noqa: RUF012
+
+    def __init__(self, envs: list[Any], rate_scales: list[float], seed: int):
+        super().__init__()
+        if not envs:
+            raise ValueError("no training environment")
+        if len({repr(e.observation_space) + repr(e.action_space) for e in envs}) != 1:
+            raise ConfigError("train config: the training bundles' environments differ in their spaces "
+                              "(set max_offerings to cover every catalog)")
+        self.envs, self.rate_scales = list(envs), list(rate_scales)
+        self.observation_space, self.action_space = envs[0].observation_space, envs[0].action_space
+        self.rng = np.random.default_rng(seed)
+        self.current = envs[0]
+
+    def pick(self, rng: np.random.Generator | None = None) -> Any:
+        """The next episode's environment, its load set (not yet reset)."""
+        g = rng if rng is not None else self.rng
+        env = self.envs[int(g.integers(len(self.envs)))]
+        rate = float(g.choice(self.rate_scales))
+        if env.rate_scale != rate:
+            env.set_rate_scale(rate)
+        self.current = env
+        return env
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        env = self.pick()
+        return env.reset(seed=int(self.rng.integers(2**31)), options=options)
+
+    def step(self, action: int) -> Any:
+        return self.current.step(action)
