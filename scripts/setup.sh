@@ -18,6 +18,8 @@ if [ "${XROUTE_TEST_SERVERS:-0}" = 1 ]; then
   unset _need _sudo
 fi
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+echo "setup: installing xroute and its pinned dependencies into .venv (a few minutes the first time) ..."
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+echo "setup: done"
 export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0

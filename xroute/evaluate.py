@@ -199,8 +199,8 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
                     done[0] += k
                     if bar is not None:
                         bar.advance(task, k)
-                    if lines is not None:
-                        lines(label, s + 1, n_seeds, done[0], total, final=done[0] >= total)
+                    if lines is not None:  # a line every 10 s, and one when the policy's last seed ends
+                        lines(label, s + 1, n_seeds, done[0], total, final=done[0] >= total and s == n_seeds - 1)
 
                 if hasattr(pol, "on_progress"):  # the oracle plans the whole stream first: show it
                     def planning(name: str, p: int, n: int, d: int, tot: int, task: Any = task, label: str = label,
