@@ -47,15 +47,12 @@ class WarmStartCallback(BaseCallback):
         q_net = model.q_net
         select = None
         if self.validation is not None:
-            from models.policy import LearnedPolicy
             from models.qnet import export_router
-            from xroute.evaluate import run_policy
 
             val = self.validation
 
             def select() -> float:
-                run = run_policy(val.val_env, LearnedPolicy(export_router(q_net)), val.eval_seed)
-                return float(run.metrics["mean_reward"])
+                return float(val.selection.score(export_router(q_net))[0])
 
         self.report = ws.fit(q_net, data, level, c.epochs, c.batch_size, c.learning_rate, self.seed, c.holdout,
                              select)
@@ -67,7 +64,7 @@ class WarmStartCallback(BaseCallback):
                 _log_metrics({"warm_start_loss": loss}, i + 1)
             for i, (hl, hg, sv) in enumerate(zip(self.report.hold_loss, self.report.hold_gain, self.report.selection)):
                 _log_metrics({"warm_start_holdout_loss": hl, "warm_start_holdout_gain": hg,
-                              "warm_start_val_mean_reward": sv}, i)
+                              "warm_start_val_criterion": sv}, i)
             _log_metrics({"warm_start_fit_s": self.seconds, "warm_start_label_s": data.seconds,
                           "warm_start_states": len(data), "warm_start_best_epoch": self.report.best_epoch,
                           "warm_start_positive_advantage": float((data.advantage > 1e-9).mean())}, 0)
@@ -80,18 +77,39 @@ class WarmStartCallback(BaseCallback):
 class Checkpoint:
     step: int
     weights: Any  # models.policy.RouterWeights
-    run: Any  # xroute.evaluate.PolicyRun on the validation window
+    run: Any  # xroute.evaluate.PolicyRun on the first selection scenario
+    criterion: float = float("nan")  # Selection.score's value
+
+
+class Selection:
+    """The selection windows (one window at several loads) and greedy's reward on each, for the
+    same seed: a candidate's score is its **worst paired difference in mean reward to greedy** over
+    them. Selecting on the worst load rather than one keeps a candidate that gains at one load and
+    loses at another from being chosen (measured: selected on one load, the router lost at another
+    on the gate)."""
+
+    def __init__(self, envs: list[tuple[str, Any]], seed: int, greedy: Any):
+        from xroute.evaluate import run_policy
+
+        self.envs, self.seed = envs, seed
+        self.greedy = [float(run_policy(env, greedy, seed).metrics["mean_reward"]) for _, env in envs]
+
+    def score(self, weights: Any) -> tuple[float, list[Any]]:
+        from models.policy import LearnedPolicy
+        from xroute.evaluate import run_policy
+
+        runs = [run_policy(env, LearnedPolicy(weights), self.seed) for _, env in self.envs]
+        return min(float(r.metrics["mean_reward"]) - g for r, g in zip(runs, self.greedy)), runs
 
 
 class ValidationCallback(BaseCallback):
     """Every ``every`` steps (and before the first and after the last), export the Q-network to
-    numpy and replay the whole validation window with it; keep the best export (model
-    selection by validation mean reward)."""
+    numpy and score it on the selection windows (:class:`Selection`); keep the best export."""
 
-    def __init__(self, val_env: Any, every: int, seed: int, meta: dict[str, Any], report: Report | None = None,
+    def __init__(self, selection: Selection, every: int, meta: dict[str, Any], report: Report | None = None,
                  log_mlflow: bool = False):
         super().__init__()
-        self.val_env, self.every, self.eval_seed, self.meta = val_env, every, seed, meta
+        self.selection, self.every, self.meta = selection, every, meta
         self.report, self.log_mlflow = report, log_mlflow
         self.best: Checkpoint | None = None
         #: the first checkpoint (step 0: the warm start alone, before any DQN step; the ablation's)
@@ -102,34 +120,35 @@ class ValidationCallback(BaseCallback):
         self._last_step = -1
 
     def validate(self, model: Any) -> None:
-        from models.policy import LearnedPolicy
         from models.qnet import export_router
-        from xroute.evaluate import run_policy
 
         step = int(model.num_timesteps)
         if step == self._last_step:
             return
         self._last_step = step
         weights = export_router(model.q_net, dict(self.meta))
-        run = run_policy(self.val_env, LearnedPolicy(weights), self.eval_seed)
+        crit, runs = self.selection.score(weights)
+        run = runs[0]
         run.name = "dqn"
-        r = float(run.metrics["mean_reward"])
-        self.curve.append((step, r))
-        self.last_reward = r
-        if self.best is None or r > self.best.run.metrics["mean_reward"]:
-            weights.meta.update({"step": step, "val_mean_reward": r,
+        self.curve.append((step, crit))
+        self.last_reward = crit
+        if self.best is None or crit > self.best.criterion:
+            weights.meta.update({"step": step, "val_criterion": crit, "val_mean_reward": run.metrics["mean_reward"],
                                  "val_sla_attainment": run.metrics["sla_attainment"]})
-            self.best = Checkpoint(step, weights, run)
+            self.best = Checkpoint(step, weights, run, crit)
         if self.initial is None:
-            self.initial = Checkpoint(step, weights, run)
-        metrics = {"val_mean_reward": r, "val_sla_attainment": run.metrics["sla_attainment"],
+            self.initial = Checkpoint(step, weights, run, crit)
+        metrics = {"val_criterion": crit, "val_mean_reward": run.metrics["mean_reward"],
+                   "val_sla_attainment": run.metrics["sla_attainment"],
                    "val_cost_per_1k_requests": run.metrics["cost_per_1k_requests"],
                    "val_latency_p95_ms": run.metrics["latency_p95_ms"]}
+        for (label, _), r, g in zip(self.selection.envs, runs, self.selection.greedy):
+            metrics[f"val_delta_{label.replace(' ', '_')}"] = float(r.metrics["mean_reward"]) - g
         if self.log_mlflow:
             _log_metrics(metrics, step)
         if self.report is not None:
-            self.report({"timesteps": step, **metrics, "best_val_mean_reward": self.best.run.metrics["mean_reward"],
-                         "train_reward": self.train_reward()}, None)
+            self.report({"timesteps": step, **metrics, "best_val_criterion": self.best.criterion,
+                         "train_reward": self.train_reward(), "done_validation": 1}, None)
 
     def train_reward(self) -> float:
         buf = getattr(self.model, "ep_info_buffer", None) if self.model is not None else None
@@ -149,41 +168,44 @@ class ValidationCallback(BaseCallback):
         self.validate(model)
 
     def plot_curve(self, path: str | Path, references: list[Any] | None = None, warm: Any = None) -> None:
-        """Three panels a reviewer compares: (1) the selection-window reward of every checkpoint with
-        the references -- each baseline's mean and 95 % interval over seeds (``references``:
-        ``xroute.evaluate.PolicyResult`` on the same window) -- and the checkpoint kept; (2) the warm
-        start's fit: the selection-window reward after each epoch (epoch 0 = the prior alone, greedy)
-        and the epoch kept; (3) the training episodes' reward, which includes exploration and the
-        other loads of the mix, so it is not comparable to (1)."""
+        """Three panels a reviewer compares: (1) every checkpoint's selection score -- its worst paired
+        difference in mean reward to greedy over the selection loads; 0 is greedy -- with the other
+        baselines' differences on the first selection scenario (``references``: their results over
+        several seeds, mean and 95 % interval) and the checkpoint kept; (2) the warm start's fit:
+        the score after each epoch (epoch 0 = the prior alone, greedy) and the epoch kept; (3) the
+        training episodes' reward, which includes exploration and the mix's loads: not comparable."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, (ax, axw, axt) = plt.subplots(1, 3, figsize=(16, 4.5))
+        ax.axhline(0.0, color="tab:green", lw=1.5, label="greedy (the reference: Δ = 0)")
         if self.curve:
-            s, r = zip(*self.curve)
-            ax.plot(s, r, "o-", color="tab:blue", label="DQN checkpoints (numpy export)")
-        refs = sorted((references or []), key=lambda x: -x.metrics["mean_reward"])[:3]
-        for k, ref in enumerate(refs):
-            m, (lo, hi) = ref.metrics["mean_reward"], ref.ci["mean_reward"]
-            c = ["tab:green", "tab:orange", "tab:gray"][k]
-            ax.axhline(m, color=c, ls="--", lw=1, label=f"{ref.name} (mean over {len(ref.runs)} seeds)")
-            if np.isfinite(lo):
-                ax.axhspan(lo, hi, color=c, alpha=0.15)
+            st, r = zip(*self.curve)
+            ax.plot(st, r, "o-", color="tab:blue", label="checkpoints: worst Δ over the selection loads")
+        greedy = next((x for x in (references or []) if x.name == "greedy"), None)
+        others = sorted((x for x in (references or []) if x.name != "greedy"),
+                        key=lambda x: -x.metrics["mean_reward"])[:2]
+        for k, ref in enumerate(others if greedy is not None else []):
+            assert greedy is not None
+            d = ref.metrics["mean_reward"] - greedy.metrics["mean_reward"]
+            lo, hi = ref.ci["mean_reward"]
+            half = (hi - lo) / 2 if np.isfinite(lo) else 0.0
+            c = ["tab:orange", "tab:gray"][k]
+            ax.axhline(d, color=c, ls="--", lw=1, label=f"{ref.name} (Δ on {self.selection.envs[0][0]}, ±{half:.4f})")
         if self.best is not None:
             ax.axvline(self.best.step, color="gray", ls=":", label=f"kept (step {self.best.step})")
         ax.set_xlabel("DQN environment steps (0 = the warm start)")
-        ax.set_ylabel("mean reward per request, selection window")
-        ax.set_title("selection window: checkpoints vs the baselines")
+        ax.set_ylabel("Δ mean reward vs greedy, selection window")
+        ax.set_title("selection: checkpoints vs greedy and the baselines")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         rep = getattr(warm, "report", None)
         if rep is not None and rep.selection:
-            axw.plot(range(len(rep.selection)), rep.selection, "o-", color="tab:purple", label="selection-window reward")
+            axw.plot(range(len(rep.selection)), rep.selection, "o-", color="tab:purple", label="worst Δ vs greedy")
+            axw.axhline(0.0, color="tab:green", lw=1.5, label="greedy (the prior alone)")
             axw.axvline(rep.best_epoch, color="gray", ls=":", label=f"kept (epoch {rep.best_epoch})")
-            if refs:
-                axw.axhline(refs[0].metrics["mean_reward"], color="tab:green", ls="--", lw=1, label=refs[0].name)
             axw.set_xlabel("warm-start epoch (0 = the prior alone)")
             axw.legend(fontsize=7)
         else:
@@ -191,8 +213,8 @@ class ValidationCallback(BaseCallback):
         axw.set_title("warm-start fit")
         axw.grid(alpha=0.3)
         if self.train_curve:
-            s, r = zip(*self.train_curve)
-            axt.plot(s, r, color="tab:red", alpha=0.7)
+            st, r = zip(*self.train_curve)
+            axt.plot(st, r, color="tab:red", alpha=0.7)
         axt.set_xlabel("DQN environment steps")
         axt.set_ylabel("mean reward per request")
         axt.set_title("training episodes (exploration, mixed loads)")
@@ -229,7 +251,7 @@ class ProgressCallback(BaseCallback):
         if self.log_mlflow:
             _log_metrics(metrics, step)
         if self.report is not None:
-            self.report({"timesteps": step, **metrics, "val_mean_reward": self.validation.last_reward,
-                         "best_val_mean_reward": (self.validation.best.run.metrics["mean_reward"]
-                                                  if self.validation.best else float("nan"))}, None)
+            self.report({"timesteps": step, **metrics, "val_criterion": self.validation.last_reward,
+                         "best_val_criterion": (self.validation.best.criterion
+                                                if self.validation.best else float("nan"))}, None)
         return True

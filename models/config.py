@@ -39,6 +39,10 @@ class NetConfig(Strict):
                               description="hidden layer widths of the scorer MLP")
     context_dim: int = Field(16, ge=0, description="width of the masked-mean pooled context of all valid rows "
                                                    "(0 = score each row alone)")
+    margins: list[float] = Field(
+        default_factory=lambda: [0.0, 0.002, 0.005, 0.01], min_length=1,
+        description="trust-region margins tried on the selection window after training: the router leaves greedy's "
+                    "choice only where it expects more than the margin elsewhere; the best is kept (ties: the smaller)")
     reward_prior: bool = Field(True, description="add the fixed one-step expected reward computed from the row's "
                                                  "exp_* features (models.policy.RewardPrior); the MLP learns the "
                                                  "correction and starts at zero")
@@ -55,7 +59,7 @@ class WarmStartConfig(Strict):
     of states on the train window are played out for ``horizon`` more requests under greedy and
     the network is regressed onto the differences in return."""
 
-    samples: int = Field(10_000, ge=0, description="states labelled (0 = no warm start)")
+    samples: int = Field(16_000, ge=0, description="states labelled (0 = no warm start)")
     horizon: int = Field(40, ge=0, description="requests played out by greedy after the candidate action")
     top_k: int = Field(6, ge=1, description="candidates: the best this many by expected reward ...")
     random_actions: int = Field(2, ge=0, description="... plus this many random valid offerings")
@@ -90,8 +94,8 @@ class DQNConfig(Strict):
 class SearchConfig(Strict):
     """Ray Tune grid: one trial per combination of these values."""
 
-    seeds: list[int] = Field(default_factory=lambda: [0, 1], min_length=1)
-    gamma: list[float] = Field(default_factory=lambda: [0.95, 0.975], description="empty = dqn.gamma")
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2, 3], min_length=1)
+    gamma: list[float] = Field(default_factory=lambda: [0.95], description="empty = dqn.gamma")
     learning_rate: list[float] = Field(default_factory=list, description="empty = dqn.learning_rate")
 
     @model_validator(mode="after")
@@ -128,12 +132,15 @@ class DataConfig(Strict):
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: str = Field("mar2024", description="bundle whose validation window selects checkpoints and trials")
-    selection_rate: float = Field(2.0, gt=0, description="load of the selection window (x arrivals)")
+    selection_rates: list[float] = Field(
+        default_factory=lambda: [1.0, 4.0], min_length=1,
+        description="loads the selection window is replayed at; a candidate's score is its worst paired difference "
+                    "to greedy over them (robust to the load it was not selected for)")
     gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
     gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
     gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
 
-    @field_validator("gate_rates")
+    @field_validator("gate_rates", "selection_rates")
     @classmethod
     def _rates(cls, v: list[float]) -> list[float]:
         if any(r <= 0 for r in v):
@@ -149,7 +156,8 @@ class TrainConfig(Strict):
     data: DataConfig = DataConfig()
     run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the repo root)")
     evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
-    total_timesteps: int = Field(10_000, ge=0, description="DQN environment steps per trial")
+    total_timesteps: int = Field(0, ge=0, description="DQN fine-tuning steps per trial after the warm start (0: the "
+                                 "warm start alone, the default: docs/results.md has why)")
     episode_requests: int = Field(1024, ge=1, description="requests per training episode (random windows)")
     max_offerings: int | None = Field(None, ge=1, description="observation padding while training "
                                                               "(default: the evaluate config's)")

@@ -148,13 +148,18 @@ def _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_
 
 @njit  # not cache=True, as _prior_one
 def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, ib, cw, lw, sp,
-                   ccap, lcap, retry_ms):  # pragma: no cover
+                   ccap, lcap, retry_ms, margin):  # pragma: no cover
     """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
-    ``s += prior``)."""
+    ``s += prior``), and ``margin`` added to the prior's best row (:attr:`RouterWeights.margin`)."""
     s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
     p = _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms)
+    best = 0
     for i in range(s.shape[0]):
         s[i] += p[i]
+        if p[i] > p[best]:
+            best = i
+    if s.shape[0] > 0:
+        s[best] += np.float32(margin)
     return s
 
 
@@ -166,6 +171,10 @@ class RouterWeights:
     ctx: tuple[np.ndarray, np.ndarray] | None = None
     prior: RewardPrior | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    #: added to the score of the prior's best offering (greedy's choice): the router leaves greedy's
+    #: choice only where the network expects more than this much reward elsewhere (a trust region
+    #: around the baseline it was trained to improve; chosen on the selection window at training)
+    margin: float = 0.0
 
     def scores(self, rows: np.ndarray, request: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Scores of a batch: ``rows`` (B, N, F), ``request`` (B, R), ``mask`` (B, N) -> (B, N).
@@ -188,7 +197,11 @@ class RouterWeights:
                 h = np.maximum(h, 0.0)
         s = h[..., 0]
         if self.prior is not None:
-            s = s + self.prior.scores(rows, request)
+            p = self.prior.scores(rows, request)
+            s = s + p
+            if self.margin:
+                best = np.argmax(np.where(valid, p, -np.inf), axis=1)
+                s[np.arange(b), best] += np.float32(self.margin)
         keep = valid | ~valid.any(axis=1, keepdims=True)
         return np.where(keep, s, -np.inf)
 
@@ -203,7 +216,8 @@ class RouterWeights:
         request = np.ascontiguousarray(request, dtype=np.float32)
         if self.prior is None:
             return _mlp_one(rows, request, *self._mlp_args())  # type: ignore[no-any-return]
-        return _mlp_prior_one(rows, request, *self._mlp_args(), *self.prior.one_args)  # type: ignore[no-any-return]
+        args = (*self._mlp_args(), *self.prior.one_args, float(self.margin))
+        return _mlp_prior_one(rows, request, *args)  # type: ignore[no-any-return]
 
     def _mlp_args(self) -> tuple[Any, ...]:
         """The weights as :func:`_mlp_one` takes them (cached): the first and the context layer
@@ -280,7 +294,8 @@ def save_router(weights: RouterWeights, directory: str | Path) -> Path:
         "n_layers": len(weights.layers),
         "context_dim": 0 if weights.ctx is None else int(weights.ctx[0].shape[1]),
         "prior": None if weights.prior is None else asdict(weights.prior),
-        **{k: v for k, v in weights.meta.items() if k not in ("format", "n_layers", "context_dim", "prior")},
+        "margin": float(weights.margin),
+        **{k: v for k, v in weights.meta.items() if k not in ("format", "n_layers", "context_dim", "prior", "margin")},
     }
     (d / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     return d
@@ -319,7 +334,11 @@ def read_router(directory: str | Path) -> RouterWeights:
         prior = RewardPrior(**meta["prior"]) if meta.get("prior") else None
     except TypeError as e:
         raise ConfigError(f"{d / META_FILE}: field 'prior': {e}") from None
-    return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta)
+    try:
+        margin = float(meta.get("margin", 0.0))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{d / META_FILE}: field 'margin': not a number") from None
+    return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta, margin=margin)
 
 
 def load_policy(uri: str) -> LearnedPolicy:

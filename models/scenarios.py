@@ -6,8 +6,9 @@
 * **Training**: the train windows of the ``data.train`` bundles, each also with its catalog
   perturbed (offerings dropped, copies added, order shuffled), replayed at the loads of
   ``rate_scales`` -- one drawn per episode (:class:`ScenarioMix`).
-* **Selection** (warm-start epoch, DQN checkpoint, trial): the validation window of
-  ``data.selection``, a bundle not trained on, at ``data.selection_rate``.
+* **Selection** (warm-start epoch, DQN checkpoint, margin, trial): the validation window of
+  ``data.selection``, a bundle not trained on, at each of ``data.selection_rates``; a candidate's
+  score is its worst paired difference in mean reward to greedy over those loads.
 * **Gate and report**: the test windows of the ``data.gate`` bundles at each of ``data.gate_rates``,
   which no selection saw; the routers start from the outputs of the windows before (``history``).
 """
@@ -93,7 +94,7 @@ class Scenario:
 @dataclass
 class Scenarios:
     train: list[Scenario]  # rate is drawn per episode (TrainConfig.rate_scales)
-    selection: Scenario
+    selection: list[Scenario]  # one window at several loads
     gate: list[Scenario]
     bundle_hashes: dict[str, str]
 
@@ -103,12 +104,12 @@ class Scenarios:
             return {"label": s.label, "requests": len(s.bundle.workload), "start": str(t0), "end": str(t1),
                     "offerings": len(s.bundle.offerings), "rate": s.rate}
 
-        return {"train": [one(s) for s in self.train], "selection": one(self.selection),
+        return {"train": [one(s) for s in self.train], "selection": [one(s) for s in self.selection],
                 "gate": [one(s) for s in self.gate], "bundle_hashes": self.bundle_hashes}
 
     @property
     def max_offerings(self) -> int:
-        return max(len(s.bundle.offerings) for s in [*self.train, self.selection, *self.gate])
+        return max(len(s.bundle.offerings) for s in [*self.train, *self.selection, *self.gate])
 
 
 def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Scenarios:
@@ -141,7 +142,8 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
             train.append(Scenario(f"{_label(ref)}~perturbed{c}", pb, None))
     sel_ref = names.get("selection", d.selection)
     sp = splits(sel_ref, "train config: field 'data.selection'")
-    selection = Scenario(_label(sel_ref), sp.bundles["validation"], sp.history("validation"), d.selection_rate)
+    selection = [Scenario(f"{_label(sel_ref)} x{r:g}", sp.bundles["validation"], sp.history("validation"), r)
+                 for r in d.selection_rates]
     gate = []
     for k, ref in enumerate([names["gate"]] if one is not None else d.gate):
         sp = splits(ref, f"train config: field 'data.gate[{k}]'")

@@ -25,6 +25,7 @@ Ray is only touched in ``_tune_trials``; everything else is plain functions.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -77,7 +78,7 @@ class TrialContext:
     cfg: TrainConfig
     eval_cfg: EvaluateConfig
     train: list[Scenario]
-    selection: Scenario
+    selection: list[Scenario]
     bundle_hash: str
     baseline_runs: list[Any]  # xroute.evaluate.PolicyResult on the selection window
     warm_data: Any = None  # models.warmstart.RolloutData, shared by all trials
@@ -143,12 +144,15 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
                        "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None},
     )
     mlrun = _start_trial_run(ctx, name, params)
-    sel = ctx.selection
-    val_env = CloudRouteEnv(sel.bundle, eval_env_config(ctx.eval_cfg, sel.rate), history=sel.history)
+    from models.baselines import make_baseline
+    from models.callbacks import Selection
+
+    selection = Selection([(sc.label, CloudRouteEnv(sc.bundle, eval_env_config(ctx.eval_cfg, sc.rate),
+                                                    history=sc.history)) for sc in ctx.selection],
+                          ctx.eval_cfg.seed, make_baseline("greedy", ctx.eval_cfg))
     meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
             "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
-    validation = ValidationCallback(val_env, cfg.eval_every, ctx.eval_cfg.seed, meta, report=report,
-                                    log_mlflow=mlrun is not None)
+    validation = ValidationCallback(selection, cfg.eval_every, meta, report=report, log_mlflow=mlrun is not None)
     callbacks = [validation, ProgressCallback(cfg.progress_every, validation, report=report,
                                               log_mlflow=mlrun is not None)]
     warm = None
@@ -158,18 +162,30 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         callbacks.insert(0, warm)
     t0 = time.perf_counter()
     try:
+        # SB3's own logger writes into the trial's directory (its default is a fresh /tmp/SB3-<time>)
+        from stable_baselines3.common.logger import configure as sb3_logger
+
+        model.set_logger(sb3_logger(str(out / "sb3"), ["csv"]))
         model.learn(total_timesteps=cfg.total_timesteps, callback=callbacks)
         validation.finish(model)
         wall = time.perf_counter() - t0
         best = validation.best
         assert best is not None
-        router_dir = save_router(best.weights, out / "router")
         initial = validation.initial if validation.initial is not None else best
         warm_dir = save_router(initial.weights, out / "router" / "warm_start_only")
+        # the trust region around greedy's choice: the margin that scores best on the selection windows
+        margins = {}
+        for m in cfg.net.margins:
+            best.weights.margin = float(m)
+            margins[float(m)] = float(selection.score(best.weights)[0])
+        margin = max(margins, key=lambda m: (margins[m], -m))
+        best.weights.margin = margin
+        router_dir = save_router(best.weights, out / "router")
         result = {
             "trial": name, **params, "best_step": best.step, "wall_s": round(wall, 1),
             **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
-            "warm_start_val_mean_reward": initial.run.metrics["mean_reward"],
+            "val_criterion": margins[margin], "margin": margin, "margins": margins,
+            "val_criterion_no_margin": best.criterion, "warm_start_val_criterion": initial.criterion,
             "warm_start_best_epoch": warm.report.best_epoch if warm is not None and warm.report is not None else None,
             "router_dir": str(router_dir), "warm_dir": str(warm_dir), "mlflow_run_id": meta["mlflow_run_id"],
             "steps_per_s": round(cfg.total_timesteps / max(wall, 1e-9), 1),
@@ -183,8 +199,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
 
             mlflow.end_run()
     if report is not None:
-        report({"timesteps": cfg.total_timesteps, "val_mean_reward": validation.last_reward,
-                "best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
+        report({"timesteps": cfg.total_timesteps, "val_criterion": validation.last_reward,
+                "best_val_criterion": result["val_criterion"], "best_step": best.step, "margin": result["margin"],
                 "train_reward": validation.train_reward(), "done": 1}, str(out / "router"))
     return result
 
@@ -227,7 +243,8 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
         mlflow.log_artifact(str(out / f))
     mlflow.log_artifacts(str(out / "router"), artifact_path="router_export")
     bb = best_baseline(ctx.baseline_runs)
-    mlflow.log_metrics({"best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
+    mlflow.log_metrics({"best_val_criterion": result["val_criterion"], "margin": result["margin"],
+                        "best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
                         "val_sla_attainment": best.run.metrics["sla_attainment"],
                         "baseline_val_mean_reward": bb.metrics["mean_reward"],
                         "val_reward_gain_vs_best_baseline": best.run.metrics["mean_reward"] - bb.metrics["mean_reward"],
@@ -275,7 +292,14 @@ def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Sce
 
         task = ray.remote(num_cpus=cfg.ray.cpus_per_trial)(_collect_task)
         ref = ray.put(scenarios)
-        parts = ray.get([task.remote(cfg, env_cfg, ref, m, sd) for m, sd in zip(sizes, seeds)])
+        pending = [task.remote(cfg, env_cfg, ref, m, sd) for m, sd in zip(sizes, seeds)]
+        waiting = list(pending)
+        while waiting:  # progress from the driver: the tasks' own output stays in Ray's logs
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=30.0)
+            if waiting:
+                echo(f"warm start: {len(pending) - len(waiting)}/{len(pending)} tasks done "
+                     f"({time.perf_counter() - t0:.0f} s)")
+        parts = ray.get(pending)
     else:
         parts = [collect_chunk(cfg, env_cfg, scenarios, m, sd) for m, sd in zip(sizes, seeds)]
     data = RolloutData.concat(parts)
@@ -334,8 +358,8 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     eval_cfg = cfg.evaluate_settings()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     echo(f"training: {', '.join(s.label for s in sc.train)} (train windows), loads x{', x'.join(map(str, cfg.rate_scales))}")
-    echo(f"selection: {sc.selection.label} validation window x{sc.selection.rate:g} "
-         f"({len(sc.selection.bundle.workload)} requests)")
+    echo(f"selection: {', '.join(x.label for x in sc.selection)} (validation window, "
+         f"{len(sc.selection[0].bundle.workload)} requests)")
     echo(f"gate: {', '.join(s.label for s in sc.gate)} (test windows, {cfg.data.gate_seeds} seeds)")
     bundle_hash = ",".join(f"{k}={v}" for k, v in sc.bundle_hashes.items())
 
@@ -344,7 +368,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     echo(f"MLflow: {uri} (experiment '{cfg.mlflow.experiment}')")
 
     echo("baselines on the selection window ...")
-    sel = sc.selection
+    sel = sc.selection[0]
     sel_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, sel.rate)})
     baseline_runs = ev.evaluate(sel.bundle, [b for b in BASELINES if b != "oracle"], sel_cfg, show_progress=False,
                                 seeds=cfg.data.gate_seeds, history=sel.history)
@@ -353,13 +377,13 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
 
     parent = mlflow.start_run(experiment_id=exp_id, run_name=f"train-{stamp}", tags={"xroute.bundle_hash": bundle_hash})
     try:
-        mlflow.log_params({"bundles": bundle_hash[:490], "selection": sel.label,
+        mlflow.log_params({"bundles": bundle_hash[:490], "selection": ",".join(x.label for x in sc.selection),
                            "gate": ",".join(s.label for s in sc.gate)[:490]})
         mlflow.log_dict(sc.describe(), "scenarios.json")
         mlflow.log_dict(cfg.model_dump(mode="json"), "train_config.json")
         mlflow.log_text(ev.markdown_table(baseline_runs), "baselines_selection.md")
         out_dir = run_dir / "trials" / stamp
-        ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train=sc.train, selection=sel, bundle_hash=bundle_hash,
+        ctx = TrialContext(cfg=cfg, eval_cfg=eval_cfg, train=sc.train, selection=sc.selection, bundle_hash=bundle_hash,
                            baseline_runs=baseline_runs, max_offerings=sc.max_offerings, tracking_uri=uri,
                            experiment_id=exp_id, parent_run_id=parent.info.run_id, out_dir=str(out_dir),
                            extra_params={"selection": sel.label})
@@ -373,10 +397,10 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
                 trials = _tune_trials(cfg, ctx, points, run_dir / "tune", f"train-{stamp}", echo)
             else:
                 trials = [run_trial(p, ctx) for p in points]
-        best = max(trials, key=lambda t: t["val_mean_reward"])
-        echo(f"best trial: {best['trial']} (selection-window mean reward {best['val_mean_reward']:.5f}, "
-             f"checkpoint at step {best['best_step']}; its warm start alone {best['warm_start_val_mean_reward']:.5f}; "
-             f"{bb.name} {bb.metrics['mean_reward']:.5f})")
+        best = max(trials, key=lambda t: t["val_criterion"])
+        echo(f"best trial: {best['trial']} (worst Δ reward vs greedy over the selection loads {best['val_criterion']:+.5f}"
+             f" with margin {best['margin']:g}; {best['val_criterion_no_margin']:+.5f} without; checkpoint at step "
+             f"{best['best_step']}; its warm start alone {best['warm_start_val_criterion']:+.5f})")
 
         # the gate: test windows no selection saw, paired by seed
         routers = {CHALLENGER: best["router_dir"], WARM_ONLY: best["warm_dir"]}
@@ -395,11 +419,11 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
             mlflow.log_artifact(str(png), "gate")
         mlflow.log_metrics({"gate_reward_delta": decision.pooled[0], "gate_reward_delta_lo": decision.pooled[1],
                             "warm_start_gate_reward_delta": ablation.pooled[0],
-                            "best_val_mean_reward": best["val_mean_reward"]})
+                            "best_val_criterion": best["val_criterion"]})
     finally:
         mlflow.end_run()
 
-    model_uri, version = _log_and_register(cfg, best, bb, decision, ablation, sel, uri, echo)
+    model_uri, version = _log_and_register(cfg, best, bb, decision, ablation, sc.selection[0], uri, echo)
     return TrainSummary(best=best, trials=trials, scenarios=sc.describe(), gate=gate_runs, decision=decision,
                         ablation=ablation, model_uri=model_uri, registered_version=version, tracking_uri=uri,
                         wall_s=time.perf_counter() - t_start)
@@ -433,7 +457,8 @@ def _log_and_register(cfg: TrainConfig, best: dict[str, Any], bb: Any, decision:
     tags = {"val_mean_reward": best["val_mean_reward"], "val_sla_attainment": best["val_sla_attainment"],
             "best_baseline": bb.name, "baseline_val_mean_reward": bb.metrics["mean_reward"],
             "baseline_val_sla_attainment": bb.metrics["sla_attainment"], "trial": best["trial"],
-            "best_step": best["best_step"], "selection": sel.label, **decision.tags("gate"),
+            "best_step": best["best_step"], "margin": best["margin"], "val_criterion": best["val_criterion"],
+            "selection": sel.label, **decision.tags("gate"),
             **{k: v for k, v in ablation.tags("warm_start_gate").items() if not k.endswith("_reason")}}
     version = registry.register(info.model_uri, cfg.mlflow.registered_model, registry.CHALLENGER, tags)
     echo(f"registered {cfg.mlflow.registered_model} v{version} -> alias '{registry.CHALLENGER}' "
@@ -484,10 +509,12 @@ def _ray_session(cfg: TrainConfig, ray_address: str | None, use_ray: bool) -> It
     if not ray.is_initialized():
         try:
             if ray_address:
-                ray.init(address=ray_address, include_dashboard=False)
+                ray.init(address=ray_address, include_dashboard=False, logging_level=logging.ERROR,
+                         log_to_driver=False)
             else:
                 keep_ray_out_of_home()
-                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False)
+                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.ERROR,
+                         log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise XrouteError(f"--ray-address: cannot start or reach Ray at '{ray_address or 'local'}': {first}") from None
@@ -514,7 +541,8 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
     tuner = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent_trials),
-        run_config=tune.RunConfig(name=name, storage_path=str(storage.resolve()), verbose=1,
+        run_config=tune.RunConfig(name=name, storage_path=str(storage.resolve()), verbose=0,
+                                  callbacks=[_TrialLines(echo)],
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
     grid_results = tuner.fit()
@@ -538,6 +566,30 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
     if errors:
         echo(f"warning: {len(errors)} trial(s) failed; see {storage / name}")
     return trials
+
+
+class _TrialLines:
+    """One line per trial event a user acts on (Tune's own status tables are off: ``verbose=0``)."""
+
+    def __new__(cls, echo: Callable[[str], None]) -> Any:
+        from ray import tune
+
+        class Lines(tune.Callback):  # type: ignore[misc]
+            def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
+                                **info: Any) -> None:
+                if result.get("done_validation"):
+                    echo(f"trial {trial_name(trial.config)}: step {result.get('timesteps', 0)}, worst Δ reward vs "
+                         f"greedy on the selection windows {result.get('val_criterion', float('nan')):+.5f}")
+
+            def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+                r = trial.last_result or {}
+                echo(f"trial {trial_name(trial.config)} done: {r.get('best_val_criterion', float('nan')):+.5f} "
+                     f"(step {r.get('best_step', '?')}, margin {r.get('margin', '?')})")
+
+            def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+                echo(f"trial {trial_name(trial.config)} failed (see the Tune directory)")
+
+        return Lines()
 
 
 def _tune_trainable(config: dict[str, Any], ctx: TrialContext) -> None:

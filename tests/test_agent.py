@@ -20,7 +20,7 @@ from envs.features import N_OFFERING_FEATURES as NF
 from envs.features import N_REQUEST_FEATURES as NR
 from envs.features import OFFERING_HIGH, REQUEST_HIGH
 from models.config import TrainConfig, load_train_config
-from models.policy import LearnedPolicy, RewardPrior, read_router, save_router
+from models.policy import LearnedPolicy, RewardPrior, RouterWeights, read_router, save_router
 from models.qnet import INVALID_Q, MaskedDQN, SharedScorerDQNPolicy, export_router, random_valid_actions
 from tests.tinybundle import write_tiny_bundle
 from xroute.config import EvaluateConfig, RewardConfig, parse_config
@@ -266,7 +266,8 @@ def test_missing_bundle_is_a_config_error(tmp_path: Path) -> None:
 
 def test_default_train_config_is_valid_and_matches_the_evaluate_reward() -> None:
     cfg = load_train_config(REPO / "configs" / "train.yaml")
-    assert cfg.total_timesteps > 0 and cfg.split.test > 0
+    assert cfg.total_timesteps >= 0 and cfg.warm_start.samples > 0 and cfg.split.test > 0
+    assert cfg.data.selection not in cfg.data.train  # selected on a distribution it was not trained on
     assert isinstance(cfg.evaluate_settings().env.reward, RewardConfig)
 
 
@@ -288,3 +289,36 @@ def test_cli_train_errors_are_one_line_exit_2(tmp_path: Path, args: list[str]) -
     assert len(lines) == 1 and lines[0].startswith("xroute: error:"), r.stderr
     assert "Traceback" not in r.stderr
     assert any(k in lines[0] for k in ("total_timestep", "telemetry", "ray-address"))
+
+
+def test_the_margin_keeps_greedys_choice_unless_the_network_expects_more_elsewhere() -> None:
+    """``RouterWeights.margin``: added to the prior's best row in both scorers (batch and the
+    router's one-request path); a margin of 0 changes nothing, a large one gives greedy's choice;
+    saved and read back with the export."""
+    import tempfile
+
+    from models.policy import save_router
+
+    rng = np.random.default_rng(4)
+    dims = [NF + NR, 8, 1]
+    layers = [(rng.normal(0, 1.0, (a, b)).astype(np.float32), rng.normal(0, 0.5, b).astype(np.float32))
+              for a, b in zip(dims[:-1], dims[1:])]
+    w = RouterWeights(layers=layers, prior=RewardPrior(**PRIOR))
+    picks = {0.0: 0, 1e6: 0}
+    for trial in range(40):
+        rows = rng.uniform(0, 1, (12, NF)).astype(np.float32)
+        req = rng.uniform(0.2, 1.0, NR).astype(np.float32)
+        greedy = int(np.argmax(w.prior.scores(rows[None], req[None])[0]))
+        base = w.scores_one(rows, req)
+        for m in (0.0, 1e6):
+            w.margin = m
+            one = w.scores_one(rows, req)
+            batch = w.scores(rows[None], req[None], np.ones((1, 12)))[0]
+            assert int(np.argmax(one)) == int(np.argmax(batch))
+            assert one[greedy] == pytest.approx(base[greedy] + m, rel=1e-6, abs=1e-5)
+            picks[m] += int(np.argmax(one)) == greedy
+        w.margin = 0.0
+    assert picks[1e6] == 40 and picks[0.0] < 40  # the untrained correction does move some choices
+    w.margin = 0.005
+    with tempfile.TemporaryDirectory() as d:
+        assert read_router(save_router(w, d)).margin == 0.005
