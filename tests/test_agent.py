@@ -4,6 +4,7 @@ warm start is faithful, one seed gives one policy, and bad configs fail with one
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from dataclasses import asdict
@@ -302,7 +303,7 @@ def test_the_margin_keeps_greedys_choice_unless_the_network_expects_more_elsewhe
     rng = np.random.default_rng(4)
     dims = [NF + NR, 8, 1]
     layers = [(rng.normal(0, 1.0, (a, b)).astype(np.float32), rng.normal(0, 0.5, b).astype(np.float32))
-              for a, b in zip(dims[:-1], dims[1:])]
+              for a, b in itertools.pairwise(dims)]
     w = RouterWeights(layers=layers, prior=RewardPrior(**PRIOR))
     picks = {0.0: 0, 1e6: 0}
     for trial in range(40):
