@@ -306,7 +306,7 @@ def test_the_margin_keeps_greedys_choice_unless_the_network_expects_more_elsewhe
               for a, b in itertools.pairwise(dims)]
     w = RouterWeights(layers=layers, prior=RewardPrior(**PRIOR))
     picks = {0.0: 0, 1e6: 0}
-    for trial in range(40):
+    for _ in range(40):
         rows = rng.uniform(0, 1, (12, NF)).astype(np.float32)
         req = rng.uniform(0.2, 1.0, NR).astype(np.float32)
         greedy = int(np.argmax(w.prior.scores(rows[None], req[None])[0]))
