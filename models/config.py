@@ -64,7 +64,7 @@ class WarmStartConfig(Strict):
     top_k: int = Field(6, ge=1, description="candidates: the best this many by expected reward ...")
     random_actions: int = Field(2, ge=0, description="... plus this many random valid offerings")
     stride: int = Field(8, ge=1, description="requests between two labelled states")
-    epochs: int = Field(20, ge=1, description="most epochs of the fit; the epoch kept is chosen on the selection window")
+    epochs: int = Field(12, ge=1, description="most epochs of the fit; the epoch kept is chosen on the selection window")
     holdout: float = Field(0.2, ge=0, lt=1, description="share of the labelled states held out to choose the epoch "
                                                         "(by the realized advantage of the network's pick)")
     batch_size: int = Field(128, ge=1)

@@ -297,7 +297,7 @@ def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Sce
         while waiting:  # progress from the driver: the tasks' own output stays in Ray's logs
             _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=30.0)
             if waiting:
-                echo(f"warm start: {len(pending) - len(waiting)}/{len(pending)} tasks done "
+                echo(f"warm start: {len(pending) - len(waiting)} of {len(pending)} labelling tasks finished "
                      f"({time.perf_counter() - t0:.0f} s)")
         parts = ray.get(pending)
     else:
@@ -528,6 +528,8 @@ def _ray_session(cfg: TrainConfig, ray_address: str | None, use_ray: bool) -> It
 
 def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any]], storage: Path, name: str,
                  echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    import sys
+
     from ray import tune
 
     trainable = tune.with_resources(tune.with_parameters(_tune_trainable, ctx=ctx),
@@ -542,10 +544,16 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
         trainable, param_space=space,
         tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent_trials),
         run_config=tune.RunConfig(name=name, storage_path=str(storage.resolve()), verbose=0,
-                                  callbacks=[_TrialLines(echo)],
+                                  callbacks=[_TrialLines(_to(sys.stdout, echo))],
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
-    grid_results = tuner.fit()
+    # Tune prints its own header and hints whatever the verbosity: into a file beside its results,
+    # so the console shows only the lines a user acts on (``_TrialLines``, written to the real stdout)
+    import contextlib
+
+    (storage / name).mkdir(parents=True, exist_ok=True)
+    with open(storage / name / "tune_console.log", "a") as console, contextlib.redirect_stdout(console):
+        grid_results = tuner.fit()
     trials = []
     errors = []
     for i in range(len(grid_results)):
@@ -566,6 +574,18 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
     if errors:
         echo(f"warning: {len(errors)} trial(s) failed; see {storage / name}")
     return trials
+
+
+def _to(stream: Any, echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` bound to ``stream`` as it is now (typer's echo writes to whatever sys.stdout is at
+    call time; Tune's console output is redirected meanwhile)."""
+    if echo is not print and getattr(echo, "__module__", "").split(".")[0] != "typer":
+        return echo  # a caller's own sink (tests collect lines)
+
+    def out(msg: str) -> None:
+        print(msg, file=stream, flush=True)
+
+    return out
 
 
 class _TrialLines:
