@@ -544,7 +544,7 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
         trainable, param_space=space,
         tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent_trials),
         run_config=tune.RunConfig(name=name, storage_path=str(storage.resolve()), verbose=0,
-                                  callbacks=[_TrialLines(_to(sys.stdout, echo))],
+                                  callbacks=[_TrialLines()],
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
     # Tune prints its own header and hints whatever the verbosity: into a file beside its results,
@@ -552,8 +552,12 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
     import contextlib
 
     (storage / name).mkdir(parents=True, exist_ok=True)
-    with open(storage / name / "tune_console.log", "a") as console, contextlib.redirect_stdout(console):
-        grid_results = tuner.fit()
+    _CONSOLE.append(_to(sys.stdout, echo))
+    try:
+        with open(storage / name / "tune_console.log", "a") as console, contextlib.redirect_stdout(console):
+            grid_results = tuner.fit()
+    finally:
+        _CONSOLE.pop()
     trials = []
     errors = []
     for i in range(len(grid_results)):
@@ -577,22 +581,38 @@ def _tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any
 
 
 def _to(stream: Any, echo: Callable[[str], None]) -> Callable[[str], None]:
-    """``echo`` bound to ``stream`` as it is now (typer's echo writes to whatever sys.stdout is at
-    call time; Tune's console output is redirected meanwhile)."""
-    if echo is not print and getattr(echo, "__module__", "").split(".")[0] != "typer":
-        return echo  # a caller's own sink (tests collect lines)
+    """``echo`` writing to ``stream`` (the real stdout, taken before Tune's console output is
+    redirected): print and typer's echo write to whatever ``sys.stdout`` is at call time."""
+    import sys
 
     def out(msg: str) -> None:
-        print(msg, file=stream, flush=True)
+        saved = sys.stdout
+        sys.stdout = stream
+        try:
+            echo(msg)
+        finally:
+            sys.stdout = saved
 
     return out
+
+
+#: where ``_TrialLines`` writes while Tune runs (module state, not captured by the callback: Tune
+#: pickles its callbacks, and a console stream does not pickle)
+_CONSOLE: list[Callable[[str], None]] = []
+
+
+def _emit(msg: str) -> None:
+    if _CONSOLE:
+        _CONSOLE[-1](msg)
 
 
 class _TrialLines:
     """One line per trial event a user acts on (Tune's own status tables are off: ``verbose=0``)."""
 
-    def __new__(cls, echo: Callable[[str], None]) -> Any:
+    def __new__(cls) -> Any:
         from ray import tune
+
+        echo = _emit
 
         class Lines(tune.Callback):  # type: ignore[misc]
             def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],

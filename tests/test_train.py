@@ -82,6 +82,9 @@ def test_smoke_training_runs_tune_trials_and_tracks_them_in_mlflow(trained: dict
         for base in ("static", "cheapest", "greedy", "random", "dqn"):
             assert f"| {base}" in table
     assert any("best trial" in ln for ln in trained["lines"])
+    # one line per trial's end comes through Tune's callback (its own console tables go to a file)
+    assert sum(ln.startswith("trial s0-") and " done: " in ln for ln in trained["lines"]) == 2
+    assert list((root / "runs" / "tune").glob("*/tune_console.log"))
 
 
 def test_registry_alias_round_trip_and_promote(trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
