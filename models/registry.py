@@ -146,6 +146,32 @@ def promote(registered_model: str) -> PromoteDecision:
     return PromoteDecision(True, f"champion -> v{ch.version}{was}: {tags.get('gate_reason', '')}", ch.version)
 
 
+def model_version(uri: str) -> dict[str, str] | None:
+    """The registered model and version a ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` URI
+    points at now (``None`` for another form, e.g. a stage); what an OPE report records so that
+    ``promote --ope`` can tell which version it estimated."""
+    _quiet()
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(tracking_uri())
+    rest = uri.removeprefix("models:/")
+    try:
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            version = str(MlflowClient().get_model_version_by_alias(name, alias).version)
+        else:
+            name, _, version = rest.rpartition("/")
+            if not name or not version.isdigit():
+                return None
+            MlflowClient().get_model_version(name, version)
+    except MlflowException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--policy: cannot resolve '{uri}' in {mlflow.get_tracking_uri()}: {first}") from None
+    return {"registered_model": name, "version": version, "uri": uri}
+
+
 def download_model(uri: str, dst: str | Path | None = None) -> Path:
     """Local copy of ``models:/…`` or ``runs:/…`` (default store unless ``$MLFLOW_TRACKING_URI``)."""
     _quiet()
