@@ -6,6 +6,9 @@ stream and seeds) -- the log format's reader, and the promotion rule."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
 from xroute.schema.ope import DecisionLog, LogError, LoggedDecision, LogHeader, read_log, write_log
 
+REPO = Path(__file__).resolve().parent.parent
 CFG = EvaluateConfig()
 PRIOR = RewardPrior.from_env_config(CFG.env)
 #: light load: one request every ~25 s, so one decision barely changes what the next one sees
@@ -428,3 +432,118 @@ def test_the_promotion_rule() -> None:
         ope.promotion_check(_report((-0.3, -0.3), None), "m", "2", None, estimator="dm")
     with pytest.raises(ConfigError, match="field 'format'"):
         ope.promotion_check({"policies": {}}, "m", "2", None)
+
+
+@pytest.fixture()
+def mlflow_uri(mlflow_store: str) -> Any:
+    """The session's MLflow store as the process-wide tracking URI (restored afterwards)."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    before = utils._tracking_uri
+    mlflow.set_tracking_uri(mlflow_store)
+    yield mlflow_store
+    utils._tracking_uri = before
+
+
+def _register(uri: str, name: str, routers: list[Path]) -> Any:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    client.create_registered_model(name)
+    for d in routers:
+        mv = client.create_model_version(name, source=str(d))
+        client.set_model_version_tag(name, mv.version, "gate_passed", "True")
+        client.set_model_version_tag(name, mv.version, "gate_reason", "gate ok")
+    client.set_registered_model_alias(name, "champion", "1")
+    client.set_registered_model_alias(name, "challenger", str(len(routers)))
+    return client
+
+
+@pytest.mark.slow
+def test_registry_promote_applies_the_ope_rule(mlflow_uri: str, tmp_path: Path) -> None:
+    from models import registry
+
+    d = save_router(RouterWeights(layers=[(np.zeros((N_OFFERING_FEATURES + N_REQUEST_FEATURES, 1), np.float32),
+                                           np.zeros(1, np.float32))], prior=PRIOR), tmp_path / "r")
+    client = _register(mlflow_uri, "ope-rule", [d, d])
+    refused = registry.promote("ope-rule", ope=_report((-0.30, -0.36), -0.35, model="ope-rule"))
+    assert not refused.promoted and "passed the gate but not the OPE check" in refused.reason
+    assert "DR lower bound -0.3600 <= champion v1's DR estimate -0.3500" in refused.reason
+    assert str(client.get_model_version_by_alias("ope-rule", "champion").version) == "1"
+    done = registry.promote("ope-rule", ope=_report((-0.30, -0.32), -0.35, model="ope-rule"))
+    assert done.promoted and "lower bound -0.3200 > champion v1's DR estimate" in done.reason
+    assert str(client.get_model_version_by_alias("ope-rule", "champion").version) == "2"
+
+
+# ------------------------------------------------------------------------------ the commands
+def xroute(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "xroute.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env=env)
+
+
+def one_line_error(p: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_ope_and_promote_with_registered_routers(mlflow_store: str, tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    """A user's path: simulate a log, estimate the registered challenger and champion on it, and
+    let promote --ope refuse a challenger that would route worse."""
+    d = N_OFFERING_FEATURES + N_REQUEST_FEATURES
+    greedy_like = save_router(RouterWeights(layers=[(np.zeros((d, 1), np.float32), np.zeros(1, np.float32))],
+                                            prior=PRIOR), tmp_path / "champion")
+    w = np.zeros((d, 1), np.float32)
+    w[F["exp_latency"], 0] = 1.0  # prefers the slowest offering
+    slow = save_router(RouterWeights(layers=[(w, np.zeros(1, np.float32))]), tmp_path / "challenger")
+    _register(mlflow_store, "ope-cli", [greedy_like, slow])
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_store}
+    log = tmp_path / "log.parquet"
+    p = xroute("ope", "simulate", "--telemetry", str(tiny_bundle_dir), "--epsilon", "0.3", "--seeds", "2",
+               "--rate-scale", "0.01", "--out", str(log), env=env)
+    assert p.returncode == 0 and "wrote 800 decisions" in p.stdout, p.stderr
+    out = tmp_path / "ope.json"
+    p = xroute("ope", "--log", str(log), "--policy", "models:/ope-cli@challenger", "--policy",
+               "models:/ope-cli@champion", "--policy", "greedy", "--policy", "cheapest", "--output", str(out), env=env)
+    assert p.returncode == 0, p.stderr
+    assert "SNIPS" in p.stdout and "models:/ope-cli@challenger (v2)" in p.stdout
+    rep = json.loads(out.read_text())
+    assert rep["log"]["decisions"] == 800 and rep["log"]["pending"] == 0
+    pol = rep["policies"]
+    assert pol["models:/ope-cli@challenger"]["model"] == {"registered_model": "ope-cli", "version": "2",
+                                                          "uri": "models:/ope-cli@challenger"}
+    assert pol["models:/ope-cli@champion"]["model"]["version"] == "1"
+    for name in ("models:/ope-cli@champion", "greedy"):  # the zero network over the prior is greedy
+        assert pol[name]["dr"] == pol["models:/ope-cli@champion"]["dr"]
+    for r in pol.values():
+        assert r["dr"]["ci95"][0] <= r["dr"]["value"] <= r["dr"]["ci95"][1] and 0 < r["ess"] <= 800
+    msg = one_line_error(xroute("promote", "--model", "ope-cli", "--ope", str(out), env=env),
+                         "promote refused", "not the OPE check", "challenger v2's DR lower bound")
+    champ = pol["models:/ope-cli@champion"]["dr"]["value"]
+    assert f"<= champion v1's DR estimate {champ:.4f}" in msg
+    one_line_error(xroute("promote", "--model", "ope-cli", "--ope", str(out), "--ope-estimator", "mean", env=env),
+                   "--ope-estimator: 'mean' is not one of ips, snips, dr")
+    one_line_error(xroute("promote", "--model", "ope-cli", "--ope", str(tmp_path / "none.json"), env=env),
+                   "--ope: cannot read")
+
+
+def test_ope_command_errors_are_one_line(tiny_bundle_dir: Path, tmp_path: Path) -> None:
+    one_line_error(xroute("ope", "--policy", "greedy"), "--log: required")
+    log = tmp_path / "l.jsonl"
+    sim = _records(tmp_path, tiny_bundle_dir)
+    write_log(log, sim.header, sim.records)
+    one_line_error(xroute("ope", "--log", str(log)), "--policy: give at least one")
+    one_line_error(xroute("ope", "--log", str(log), "--policy", "round-robin"), "'round-robin' cannot be scored")
+    one_line_error(xroute("ope", "--log", str(tmp_path / "missing.parquet"), "--policy", "greedy"), "no such file")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(log.read_text().replace('"propensity":', '"propensity":-', 1))
+    one_line_error(xroute("ope", "--log", str(bad), "--policy", "greedy"), "line 2", "field 'propensity'")
+    one_line_error(xroute("ope", "simulate", "--out", str(tmp_path / "x.csv")), "--out", "*.parquet")
+    one_line_error(xroute("ope", "simulate", "--telemetry", str(tiny_bundle_dir), "--epsilon", "2", "--out",
+                          str(tmp_path / "x.parquet")), "--epsilon: must be in [0, 1]")
+
