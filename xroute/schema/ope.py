@@ -81,6 +81,7 @@ class Feedback(_Strict):
     output_tokens: int | None = Field(None, ge=0)
     sla_violation: bool | None = None
     failed: bool = False
+    error: str | None = Field(None, max_length=1000, description="the client's error text, as POST /v1/feedback")
 
 
 class LoggedDecision(_Strict):
@@ -271,7 +272,8 @@ def _arrow_schema() -> Any:
     import pyarrow as pa
 
     fb = pa.struct([("cost_usd", pa.float64()), ("latency_ms", pa.float64()), ("ttft_ms", pa.float64()),
-                    ("output_tokens", pa.int64()), ("sla_violation", pa.bool_()), ("failed", pa.bool_())])
+                    ("output_tokens", pa.int64()), ("sla_violation", pa.bool_()), ("failed", pa.bool_()),
+                    ("error", pa.string())])
     return pa.schema([
         ("decision_id", pa.string()), ("tenant", pa.string()), ("ts", pa.string()),
         ("action_set", pa.list_(pa.string())), ("offering_features", pa.list_(pa.list_(pa.float32()))),
