@@ -68,21 +68,35 @@ def train(
 def promote(
     model: Annotated[str | None, typer.Option(help="registered model name (default: the train config's)")] = None,
     config: Annotated[Path | None, typer.Option(help="train config YAML (for the run dir and model name)")] = None,
+    ope: Annotated[Path | None, typer.Option(help="an `xroute ope` report: also require the challenger's OPE lower "
+                                                  "bound on the logged traffic to beat the champion's estimate (the "
+                                                  "logged mean reward when the report has no champion)")] = None,
+    ope_estimator: Annotated[str, typer.Option(help="the estimator --ope compares: dr, snips or ips")] = "dr",
 ) -> None:
     """Move alias 'champion' to the 'challenger' version if it passed the gate at training: on the
     test windows no selection saw, the lower bound of its paired difference in mean reward to the
-    best baseline is above zero and it loses significantly nowhere; otherwise say why and exit
+    best baseline is above zero and it loses significantly nowhere (and, with --ope, if its
+    off-policy estimate on the router's log beats the champion's); otherwise say why and exit
     non-zero."""
     from models import registry
     from models.config import load_train_config
 
+    report = None
+    if ope is not None:
+        from models.ope import ESTIMATORS, load_report
+
+        if ope_estimator not in ESTIMATORS:
+            from xroute.errors import ConfigError
+
+            raise ConfigError(f"--ope-estimator: '{ope_estimator}' is not one of {', '.join(ESTIMATORS)}")
+        report = load_report(ope)
     cfg = load_train_config(config)
     name = model or cfg.mlflow.registered_model
     import mlflow
 
     registry._quiet()
     mlflow.set_tracking_uri(registry.tracking_uri(cfg.run_path(), cfg.mlflow.tracking_uri))
-    decision = registry.promote(name)
+    decision = registry.promote(name, ope=report, ope_estimator=ope_estimator, ope_source=str(ope))
     if not decision.promoted:
         raise PromotionRefused(f"promote refused: {decision.reason}")
     typer.echo(f"promoted: {decision.reason}")

@@ -120,11 +120,13 @@ class PromoteDecision:
     version: str | None = None
 
 
-def promote(registered_model: str) -> PromoteDecision:
+def promote(registered_model: str, ope: dict[str, Any] | None = None, ope_estimator: str = "dr",
+            ope_source: str = "the OPE report") -> PromoteDecision:
     """Move ``champion`` to the ``challenger`` version if it passed the gate at training time
     (``models.gate``: on test windows no selection saw, the lower bound of its paired difference
     in mean reward to the best baseline is above zero, and it loses significantly nowhere; the
-    verdict is recorded as version tags). Never raises for a refusal."""
+    verdict is recorded as version tags). With ``ope`` (an ``xroute ope`` report) it must also
+    pass ``models.ope.promotion_check`` on the logged traffic. Never raises for a refusal."""
     from mlflow import MlflowClient
 
     client = MlflowClient()
@@ -141,9 +143,45 @@ def promote(registered_model: str) -> PromoteDecision:
     if str(tags["gate_passed"]).lower() != "true":
         return PromoteDecision(False, f"challenger v{ch.version} did not pass the gate: {tags.get('gate_reason', '')}",
                                ch.version)
+    ope_why = ""
+    if ope is not None:
+        from models.ope import promotion_check
+
+        ok, why = promotion_check(ope, registered_model, str(ch.version), None if champ is None else str(champ.version),
+                                  ope_estimator, ope_source)
+        if not ok:
+            return PromoteDecision(False, f"challenger v{ch.version} passed the gate but not the OPE check: {why}",
+                                   ch.version)
+        ope_why = f"; {why}"
     client.set_registered_model_alias(registered_model, CHAMPION, ch.version)
     was = f" (was v{champ.version})" if champ is not None else ""
-    return PromoteDecision(True, f"champion -> v{ch.version}{was}: {tags.get('gate_reason', '')}", ch.version)
+    return PromoteDecision(True, f"champion -> v{ch.version}{was}: {tags.get('gate_reason', '')}{ope_why}", ch.version)
+
+
+def model_version(uri: str) -> dict[str, str] | None:
+    """The registered model and version a ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` URI
+    points at now (``None`` for another form, e.g. a stage); what an OPE report records so that
+    ``promote --ope`` can tell which version it estimated."""
+    _quiet()
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(tracking_uri())
+    rest = uri.removeprefix("models:/")
+    try:
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            version = str(MlflowClient().get_model_version_by_alias(name, alias).version)
+        else:
+            name, _, version = rest.rpartition("/")
+            if not name or not version.isdigit():
+                return None
+            MlflowClient().get_model_version(name, version)
+    except MlflowException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--policy: cannot resolve '{uri}' in {mlflow.get_tracking_uri()}: {first}") from None
+    return {"registered_model": name, "version": version, "uri": uri}
 
 
 def download_model(uri: str, dst: str | Path | None = None) -> Path:
