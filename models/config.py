@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from xroute.config import REPO_ROOT, EvaluateConfig, Strict, config_path, load_config, parse_config, read_yaml
+from xroute.config import EvaluateConfig, Strict, config_path, load_config, parse_config, read_yaml
 from xroute.errors import ConfigError
 
 
@@ -154,7 +154,8 @@ class TrainConfig(Strict):
     telemetry: str | None = Field(None, description="one bundle directory for training, selection and the gate "
                                                     "(default: the bundles of 'data')")
     data: DataConfig = DataConfig()
-    run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the repo root)")
+    run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the working "
+                                               "directory)")
     evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
     total_timesteps: int = Field(0, ge=0, description="DQN fine-tuning steps per trial after the warm start (0: the "
                                  "warm start alone, the default: docs/results.md has why)")
@@ -183,7 +184,7 @@ class TrainConfig(Strict):
 
     def run_path(self) -> Path:
         p = Path(self.run_dir).expanduser()
-        return (p if p.is_absolute() else REPO_ROOT / p).resolve()
+        return p.resolve()  # relative to the working directory, like every path a user gives
 
     def evaluate_settings(self) -> EvaluateConfig:
         path = config_path(self.evaluate_config)

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xroute.config import REPO_ROOT
 from xroute.errors import ConfigError, XrouteError
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
-DEFAULT_RUN_DIR = REPO_ROOT / "runs"
+#: relative to the working directory (where `xroute train` put its store)
+DEFAULT_RUN_DIR = Path("runs")
 #: what the pyfunc needs at load time (explicit: inferring them costs seconds per log_model)
 PIP_REQUIREMENTS_PACKAGES = ("mlflow", "numpy", "pandas", "gymnasium")
 

@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 
 from models.config import SplitConfig, TrainConfig
-from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle
+from xroute.bundle import Bundle, load_bundle
+from xroute.resources import bundles_dir, shipped_bundles
 from xroute.errors import BundleError, ConfigError
 
 SPLITS = ("train", "validation", "test")
@@ -72,12 +73,11 @@ def resolve_bundle(ref: str | Path | None, source: str) -> Bundle:
     if ref is None:
         return load_bundle(None)
     p = Path(ref).expanduser()
-    if not p.exists() and "/" not in str(ref) and (DEFAULT_BUNDLE.parent / str(ref)).is_dir():
-        p = DEFAULT_BUNDLE.parent / str(ref)
+    if not p.exists() and "/" not in str(ref) and str(ref) in shipped_bundles():
+        p = bundles_dir() / str(ref)
     if not p.exists():
-        shipped = sorted(d.name for d in DEFAULT_BUNDLE.parent.iterdir() if d.is_dir())
         raise ConfigError(f"{source}: bundle '{ref}' not found (a directory, or one of the shipped bundles: "
-                          f"{', '.join(shipped)})")
+                          f"{', '.join(shipped_bundles())})")
     return load_bundle(p)
 
 

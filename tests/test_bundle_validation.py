@@ -14,10 +14,11 @@ import pytest
 import yaml
 
 from tests.tinybundle import write_tiny_bundle
-from xroute.bundle import DEFAULT_BUNDLE, REPO_ROOT, load_bundle
+from xroute.bundle import DEFAULT_BUNDLE, load_bundle
 from xroute.errors import BundleError
 from xroute.schema.telemetry import TABLES
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED = REPO_ROOT.parent / "shared" / "data"
 
 

@@ -21,8 +21,10 @@ from xroute.errors import BundleError
 from xroute.schema.offering import Offering
 from xroute.schema.telemetry import REPLACED_COLUMNS, TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BUNDLE = REPO_ROOT / "data" / "bundles" / "default"
+from xroute.resources import bundles_dir
+
+#: the shipped bundle (``data/bundles/default`` in a checkout; package data in an install)
+DEFAULT_BUNDLE = bundles_dir() / "default"
 
 
 def _find_table_file(root: Path, name: str) -> Path | None:

@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xroute.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = REPO_ROOT / "configs"
+from xroute.resources import configs_dir
+
+#: the shipped configuration files (``configs/`` in a checkout; package data in an install)
+CONFIG_DIR = configs_dir()
 
 
 class Strict(BaseModel):
@@ -138,10 +140,11 @@ def load_config(model: type[M], path: str | Path | None) -> M:
     return parse_config(model, read_yaml(path), str(path))
 
 
-def config_path(name: str) -> Path:
-    """A file under ``configs/`` (absolute paths are returned unchanged)."""
-    p = Path(name)
-    return p if p.is_absolute() or p.exists() else CONFIG_DIR / name
+def config_path(name: str | Path) -> Path:
+    """A config file: ``name`` as the user gave it when it exists (an absolute path, or relative to
+    the working directory), else the shipped file of that name."""
+    p = Path(name).expanduser()
+    return p if p.is_absolute() or p.exists() else CONFIG_DIR / p
 
 
 class AcceleratorSpeed(Strict):
