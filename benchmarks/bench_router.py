@@ -257,12 +257,10 @@ def _stub(part: str) -> None:
     if part == "decision":
         answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
 
-        def constant(svc: Any, body: Any, who: Any, decision_id: str, t0: float) -> Any:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(0)
-            return answer, done, "constant", {"kind": "fallback", "reason": None}
+        async def constant(svc: Any, body: Any, who: Any, state: Any, idempotency: Any = None) -> bytes:
+            return answer
 
-        route.begin_route = constant  # type: ignore[assignment]
+        route.route_decision = constant  # type: ignore[assignment]
     elif part == "log":
         def not_written(self: Any, row: tuple[Any, ...]) -> Any:
             fut = asyncio.get_running_loop().create_future()

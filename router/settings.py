@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from router.state import STATS_ALPHA
+from router.state import HOLD_FACTOR, HOLD_FLOOR_S, HOLD_MAX_S, STATS_ALPHA
 from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
@@ -111,6 +111,17 @@ class RouterSettings(BaseSettings):
                               description="namespace of the router's keys on the server")
     state_stats_alpha: float = Field(STATS_ALPHA, gt=0, le=1, description="weight of a new outcome in each "
                                      "pool's exponentially weighted TTFT/duration statistics")
+    state_hold_factor: float = Field(
+        HOLD_FACTOR, gt=0, le=100, description="a reservation whose feedback never comes is released this many times "
+                                               "its expected latency after it was made (and counted as expired)")
+    state_hold_floor_s: float = Field(HOLD_FLOOR_S, ge=0, le=86_400, description="... at least this long")
+    state_hold_max_s: float = Field(HOLD_MAX_S, gt=0, le=7 * 86_400, description="... at most this long")
+    state_view_refresh_s: float = Field(
+        0.05, gt=0, le=60, description="how often the shared in-flight work per pool is read for the decisions' "
+                                       "features (this process's own work is counted at once)")
+    idempotency_ttl_s: float = Field(
+        300.0, gt=0, le=7 * 86_400, description="how long a request's Idempotency-Key is remembered (with its "
+                                                "answer: mind the memory at high rates)")
 
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")

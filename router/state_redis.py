@@ -241,6 +241,18 @@ class RedisState(RouterState):
                          math.sqrt(max(var_d, 0.0)) if dur_n and var_d is not None else None,
                          int(in_flight or 0), int(expired or 0))
 
+    async def durations(self, pools: Sequence[str]) -> dict[str, float]:
+        if not pools:
+            return {}
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for pool in pools:
+                    pipe.hmget(self.base + "stats:" + pool, "dur_mean", "dur_n")
+                got = await pipe.execute()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+        return {pool: float(mean) for pool, (mean, n) in zip(pools, got) if mean is not None and n and int(n) > 0}
+
     async def claim(self, key: str, ttl_s: float) -> Claim:
         got = await self._run(self._claim, [self.base + "idem:" + key], [max(1, math.ceil(ttl_s * 1000))])
         if got is None:
