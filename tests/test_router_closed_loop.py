@@ -134,6 +134,8 @@ def test_an_idempotency_key_returns_the_first_answer_and_books_nothing(tmp_path:
         rec = httpx.get(f"{url}/v1/decisions/{fb['decision_id']}", headers=setup.auth("a")).json()
         assert len(rec["feedback"]) == 1
         # a key whose first request is still being decided: 409 (the writer paused mid-commit)
+        held = sum(_in_flight(url, setup).values())
+        assert held == 1  # tenant b's (the first one's feedback released it)
         writer = _app(srv).services.store._proc.pid
         os.kill(writer, signal.SIGSTOP)
         try:
@@ -141,8 +143,9 @@ def test_an_idempotency_key_returns_the_first_answer_and_books_nothing(tmp_path:
             t = threading.Thread(target=lambda: out.append(_route(url, setup, key="slow")))
             t.start()
             deadline = time.monotonic() + 10
-            while sum(_in_flight(url, setup).values()) < 2 + 1 and time.monotonic() < deadline:
+            while sum(_in_flight(url, setup).values()) < held + 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
+            assert sum(_in_flight(url, setup).values()) == held + 1  # decided, waiting for its commit
             pending = _route(url, setup, key="slow")
             assert pending.status_code == 409 and pending.json()["error"] == "conflict"
         finally:
