@@ -189,6 +189,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         #: and its observed mean duration in seconds (0: none observed); zero in training and evaluation
         self.view_others = np.zeros((self.M, self.n), dtype=np.int64)
         self.view_service_s = np.zeros((self.M, self.n))
+        #: ... and the requests running + waiting its inference servers report (-1: not reported)
+        self.view_server_busy = np.full((self.M, self.n), -1.0)
         self.params_feat = np.minimum(np.log1p(pl.params_b) / 5.0, 2.0)
         self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
         self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
@@ -553,7 +555,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.ext_util_conc[m], self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt,
             self.cost_rate[m], self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, est_out, self.r_max_out,
             self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s, self.view_others[m],
-            self.view_service_s[m])
+            self.view_service_s[m], self.view_server_busy[m])
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
         self._recent.append(t)

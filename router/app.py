@@ -32,6 +32,7 @@ from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
+from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateSettings, StateUnavailable, decision_events, open_state
 from router.store import DecisionStore, GroupCommitLog
@@ -326,12 +327,15 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         state = await open_router_state(settings)
         if isinstance(state, EmbeddedState):
             await rebuild_embedded_state(state, store, settings)
-        app.services = Services(settings, engine, store, keys, metrics, models, state)
+        scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
+        app.services = Services(settings, engine, store, keys, metrics, models, state, scraper)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s),
                                      name="shared-view")]
+        if scraper is not None:
+            tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
         sys.setswitchinterval(settings.gil_switch_interval_s)
         gc.collect()

@@ -34,6 +34,8 @@ class Services:
     models: object  # router.app.ModelManager (kept loose to avoid an import cycle)
     #: in-flight work, outcome statistics, idempotency keys (router.state)
     state: RouterState
+    #: the pools' inference servers' own metrics (router.scrape.InferenceScraper), when configured
+    scraper: object | None = None
 
 
 @dataclass(slots=True)

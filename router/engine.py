@@ -124,6 +124,14 @@ class RoutingEngine:
             except ConstraintError as e:
                 raise ConfigError(f"router settings: {e}") from None
             self.tenants[name] = t.constraints
+        for i, server in enumerate(settings.inference_servers):
+            where = f"router settings: field 'inference_servers[{i}]"
+            if server.offering_id not in self.offering_ids:
+                close = difflib.get_close_matches(server.offering_id, self.offering_ids, n=3, cutoff=0.4)
+                raise ConfigError(f"{where}.offering_id': unknown offering '{server.offering_id}'"
+                                  + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            if server.model is not None and server.model not in env.model_index:
+                raise ConfigError(f"{where}.model': unknown model '{server.model}' (known: {', '.join(self.models)})")
         self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool, str]] = OrderedDict()
         self.freshness = Freshness(time.time())
         self.max_age = settings.max_telemetry_age_s
@@ -523,6 +531,27 @@ class RoutingEngine:
             ma = index.get(pool)
             if ma is not None:
                 svc[ma] = ms / 1000.0
+
+    def pool_key_of(self, offering_id: str, model: str | None = None) -> str:
+        """The shared state's key of ``offering_id``'s pool of ``model`` (default: the default model)."""
+        m = self.env.default_model if model is None else self.env.model_index[model]
+        return self.pool_keys[m][self.offering_ids.index(offering_id)]
+
+    def apply_server_metrics(self, loads: dict[str, tuple[float, float, float | None]]) -> None:
+        """The load the pools' inference servers report (``router.scrape``: per pool, requests
+        running, waiting, KV-cache usage or None) into the environment's ``view_server_busy``:
+        running + waiting, and at least the pool's slots when the KV cache is ``kv_cache_full``
+        (the server can take no more sequences); -1 for the pools not reported."""
+        busy = self.env.view_server_busy
+        busy[:] = -1.0
+        full = self.settings.kv_cache_full
+        for pool, (running, waiting, kv) in loads.items():
+            ma = self.pool_index.get(pool)
+            if ma is not None:
+                b = running + waiting
+                if kv is not None and kv >= full:
+                    b = max(b, float(self._slots_list[ma[0]][ma[1]]))
+                busy[ma] = b
 
     def pools_with_others(self) -> list[str]:
         """The pools where other work is held (whose observed durations the view needs)."""

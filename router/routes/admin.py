@@ -31,6 +31,7 @@ async def status(caller: AdminDep) -> dict[str, object]:
         "decisions_since_start": eng.decisions,
         "decision_log": st.describe(),
         "state": await state_status(svc.state),
+        "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,  # type: ignore[attr-defined]
     }
 
 
