@@ -89,6 +89,27 @@ def test_check_and_reserve_release_and_retries(make_state: Make) -> None:
     _run(make_state, body)
 
 
+def test_concurrent_calls_of_one_iteration_each_get_their_own_answer(make_state: Make) -> None:
+    """Calls made together (the Redis backend sends one event-loop iteration's calls as one
+    pipeline) are each checked against what the ones before them reserved; a reservation whose
+    caller is cancelled before the answer comes is not left held."""
+
+    async def body(s: RouterState) -> None:
+        got = await asyncio.gather(*(s.reserve([("p", 20), ("q", 5)], f"c{i}", 60) for i in range(30)))
+        assert got.count("p") == 20 and got.count("q") == 5 and got.count(None) == 5
+        assert got[:20] == ["p"] * 20  # in the order they were made
+        released = await asyncio.gather(*(s.release(f"c{i}") for i in range(30)))
+        assert released == got and await s.in_flight() == {}
+        task = asyncio.ensure_future(s.reserve([("p", 20)], "gone", 60))
+        await asyncio.sleep(0)  # queued (or, embedded, already done)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        # (in process the reservation was made before the cancel could come: the caller's to release)
+        assert await s.in_flight() == ({"p": 1} if s.sync else {})
+
+    _run(make_state, body)
+
+
 def test_reservations_whose_release_never_comes_expire_and_are_counted(make_state: Make) -> None:
     async def body(s: RouterState) -> None:
         assert await s.reserve([("p", 1)], "lost", 0.2) == "p"
