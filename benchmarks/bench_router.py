@@ -534,15 +534,16 @@ class _Server:
         return cls(proc, f"http://127.0.0.1:{port}{path}", _lua(work / f"{kind}.lua", kind))
 
     @classmethod
-    def route(cls, work: Path, bundle: Path | None, model: str, key: str, env: dict[str, str], label: str) -> _Server:
-        """``xroute serve`` with ``env``'s settings (or, for the pure stack and the ablations, the
-        same app served by this script)."""
+    def route(cls, work: Path, bundle: Path | None, model: str, key: str, env: dict[str, str], label: str,
+              extra: list[str] | None = None) -> _Server:
+        """``xroute serve`` with ``env``'s settings and ``extra`` options (or, for the pure stack
+        and the ablations, the same app served by this script)."""
         import httpx
 
         port = free_port()
         db = work / f"decisions-{label}.db"
         args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
-                "--keys-file", str(work / "keys.json"), "--model", model]
+                "--keys-file", str(work / "keys.json"), "--model", model, *(extra or [])]
         if bundle is not None:
             args += ["--telemetry", str(bundle)]
         if label == "route_pure_stack" or label in _ABLATIONS:  # the same app and settings, served by uvicorn
