@@ -692,6 +692,13 @@ def _fsync_ms(work: Path) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------- main
+def at_least(ap: argparse.ArgumentParser, *checks: tuple[str, float, float]) -> None:
+    """``ap.error`` for the first ``(option, value, lowest)`` whose value is below its lowest."""
+    for name, value, low in checks:
+        if value < low:
+            ap.error(f"{name} must be at least {low:g} (got {value:g})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of wrk per HTTP measurement")
@@ -705,9 +712,7 @@ def main() -> None:
     ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    for name, value, low in (("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1)):
-        if value < low:
-            ap.error(f"{name} must be at least {low} (got {value:g})")
+    at_least(ap, ("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1))
     if a.serve:
         _serve_app(a.serve, a.port, a.stack, a.stub)
         return

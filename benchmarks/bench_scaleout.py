@@ -169,10 +169,8 @@ def main() -> None:
     ap.add_argument("--shared-with", default="", help="what else ran on the machine (for the record)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "scaleout.json")
     a = ap.parse_args()
-    for name, value, low in (("--duration", a.duration, 1), ("--rounds", a.rounds, 1), ("--connections", a.connections, 1),
-                             ("--state-n", a.state_n, 1000), ("--redis-n", a.redis_n, 1000)):
-        if value < low:
-            ap.error(f"{name} must be at least {low} (got {value:g})")
+    br.at_least(ap, ("--duration", a.duration, 1), ("--rounds", a.rounds, 1), ("--connections", a.connections, 1),
+                ("--state-n", a.state_n, 1000), ("--redis-n", a.redis_n, 1000))
     if shutil.which("wrk") is None:
         sys.exit("bench_scaleout: error: wrk not found (sudo apt-get install wrk)")
     from router.state import EmbeddedState

@@ -27,8 +27,8 @@ def serve(
                                             "PGPASSWORD / PGPASSFILE / ~/.pgpass)")] = None,
     keys_file: Annotated[Path | None, typer.Option(help="API keys file (default runs/router/keys.json)")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
-    workers: Annotated[int, typer.Option(min=1, max=256, help="worker processes on one port; more than one needs "
-                                                              "state_backend: redis (they share its view)")] = 1,
+    workers: Annotated[int, typer.Option(help="worker processes on one port; more than one needs "
+                                              "state_backend: redis (they share its view)")] = 1,
 ) -> None:
     """Serve the routing API over HTTP (see docs/router.md)."""
     import os
@@ -41,6 +41,8 @@ def serve(
     from router.store_pg import is_postgres_url
     from xroute.errors import ConfigError
 
+    if not 1 <= workers <= 256:
+        raise ConfigError(f"--workers: must be from 1 to 256, got {workers}")
     pg = db is not None and is_postgres_url(db)
     options = {"telemetry": telemetry, "telemetry_live": live, "model_uri": model, "fallback_policy": fallback,
                "db_path": None if pg or db is None else Path(db), "db_url": db if pg else None,

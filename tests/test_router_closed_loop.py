@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import redis
 from router.app import create_app
 from router.state import EmbeddedState, pool_key
 from router.store import iter_decisions
-from router.testing import REPO_ROOT, ServerThread, free_port, start_subprocess
+from router.testing import REPO_ROOT, SERVING_YAML, ServerThread, free_port, start_subprocess
 from tests.servers import RedisServer
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 
@@ -260,23 +261,22 @@ def test_workers_need_a_shared_state(tmp_path: Path) -> None:
     setup = make_setup(tmp_path)
     env = {**os.environ, "XROUTE_ROUTER_ENV__SERVING_CONFIG": str(tmp_path / "serving.yaml"),
            "XROUTE_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
-    res = subprocess.run([sys.executable, "-m", "xroute.cli", "serve", "--workers", "2", "--telemetry",
-                          str(tmp_path / "bundle"), "--db", str(setup.settings.db_path), "--port", str(free_port())],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and res.stdout == ""
-    lines = res.stderr.strip().splitlines()
+    def serve(workers: str) -> list[str]:
+        res = subprocess.run([sys.executable, "-m", "xroute.cli", "serve", "--workers", workers, "--telemetry",
+                              str(tmp_path / "bundle"), "--db", str(setup.settings.db_path), "--port", str(free_port())],
+                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and res.stdout == ""
+        return res.stderr.strip().splitlines()
+
+    lines = serve("2")
     assert len(lines) == 1 and lines[0].startswith("xroute: error: --workers 2: the embedded state")
     assert "state_backend: redis" in lines[0]
+    assert serve("0") == ["xroute: error: --workers: must be from 1 to 256, got 0"]
 
 
 #: every accelerator one slot per replica: pools of 1 or 2 slots, so concurrent requests contend
-ONE_SLOT_SERVING = """\
-reference_accelerator: A10G
-accelerators:
-  A10G: {memory_gb: 24, prefill_tok_s: 6170, tpot_ms: 31.0, tpot_growth: 0.0, max_concurrency: 1, noise_sigma: 0.07}
-  L4: {memory_gb: 24, prefill_tok_s: 5970, tpot_ms: 62.0, tpot_growth: 0.0, max_concurrency: 1, noise_sigma: 0.07}
-  T4: {memory_gb: 16, prefill_tok_s: 3210, tpot_ms: 58.1, tpot_growth: 0.0, max_concurrency: 1, noise_sigma: 0.07}
-"""
+ONE_SLOT_SERVING = re.sub(r"tpot_growth: [\d.]+", "tpot_growth: 0.0", re.sub(r"max_concurrency: \d+", "max_concurrency: 1",
+                                                                          SERVING_YAML))
 
 
 @pytest.mark.slow

@@ -13,10 +13,11 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response
 
 from router.deps import CallerDep
-from router.logs import LOG, iso
+from router.logs import iso
 from router.routes.route import (
     IDEMPOTENCY_HEADER,
     abandon,
+    best_effort,
     claim,
     idempotency_digest,
     idempotency_key,
@@ -24,7 +25,6 @@ from router.routes.route import (
     remember,
     replayed,
 )
-from router.state import EmbeddedState, StateUnavailable
 from router.store import DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 
@@ -79,15 +79,9 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
     feedback is stored whatever happens here: an unreachable shared state leaves the reservation
     to its hold and the statistics without this outcome (logged)."""
     await release(svc, body.decision_id)
-    shared = svc.state
     if ref.feedback == 0:
-        try:
-            if isinstance(shared, EmbeddedState):
-                shared.observe_now(ref.pool, body.ttft_ms, body.latency_ms, body.failed)
-            else:
-                await shared.observe(ref.pool, body.ttft_ms, body.latency_ms, body.failed)
-        except StateUnavailable as e:
-            LOG.warning("outcome not added to the pool's statistics", extra={"fields": {"error": str(e)}})
+        await best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
+                          "outcome not added to the pool's statistics", pool=ref.pool)
     engine = svc.engine
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)

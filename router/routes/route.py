@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from router.deps import authenticate
 from router.engine import RouteFailure
 from router.logs import LOG, new_sorted_id
-from router.state import EmbeddedState, RouterState, StateUnavailable
+from router.state import EmbeddedState, RouterState
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 
 router = APIRouter(prefix="/v1", tags=["route"])
@@ -129,53 +129,49 @@ def replayed(stored: bytes, digest: bytes) -> bytes:
     return stored[16:]
 
 
+async def state_call(shared: RouterState, op: str, *args: Any) -> Any:
+    """``shared.<op>(*args)``; the embedded backend's in-process ``<op>_now``, without an await."""
+    if isinstance(shared, EmbeddedState):
+        return getattr(shared, f"{op}_now")(*args)
+    return await getattr(shared, op)(*args)
+
+
+async def best_effort(shared: RouterState, op: str, args: tuple[Any, ...], failed: str, **fields: Any) -> None:
+    """:func:`state_call`, logging (``failed``) instead of raising: for what a request does after
+    its outcome is decided (its own error, or its answer, is the one to report)."""
+    try:
+        await state_call(shared, op, *args)
+    except Exception as e:
+        LOG.warning(failed, extra={"fields": {**fields, "error": str(e)}})
+
+
 async def claim(shared: RouterState, key: str, ttl_s: float) -> bytes | None:
     """Claim ``key``: None when it is this request's now; the stored first answer when one exists;
     a 409 while another request holds it."""
-    got = shared.claim_now(key, ttl_s) if isinstance(shared, EmbeddedState) else await shared.claim(key, ttl_s)
+    got = await state_call(shared, "claim", key, ttl_s)
     if got.status == "pending":
         raise HTTPException(409, "a request with this Idempotency-Key is being processed; retry when it has answered")
-    return got.answer if got.status == "done" else None
+    return got.answer if got.status == "done" else None  # type: ignore[no-any-return]
 
 
 async def remember(shared: RouterState, key: str, stored: bytes, ttl_s: float) -> None:
-    """Store the answer under ``key``. The answer is durable already: if the state cannot be reached,
-    the key stays pending until its TTL (retries get 409), and this is logged."""
-    try:
-        if isinstance(shared, EmbeddedState):
-            shared.complete_now(key, stored, ttl_s)
-        else:
-            await shared.complete(key, stored, ttl_s)
-    except StateUnavailable as e:
-        LOG.warning("idempotency key not stored (its retries get 409 until it expires)", extra={"fields": {
-            "error": str(e)}})
+    """Store the answer under ``key``. The answer is durable already: if the state cannot be
+    reached, the key stays pending until its TTL (retries get 409, never a second booking)."""
+    await best_effort(shared, "complete", (key, stored, ttl_s), "idempotency key not stored (its retries get 409 "
+                      "until it expires)")
 
 
 async def abandon(shared: RouterState, key: str) -> None:
-    """Drop a claim whose request failed, so a retry decides anew (best effort: an unreachable state
-    lets it expire)."""
-    try:
-        if isinstance(shared, EmbeddedState):
-            shared.abandon_now(key)
-        else:
-            await shared.abandon(key)
-    except Exception as e:
-        LOG.warning("idempotency claim not dropped (it expires with its TTL)", extra={"fields": {"error": str(e)}})
+    """Drop a claim whose request failed, so a retry decides anew (an unreachable state lets it expire)."""
+    await best_effort(shared, "abandon", (key,), "idempotency claim not dropped (it expires with its TTL)")
 
 
 async def release(svc: Any, reservation_id: str) -> None:
-    """Free a reservation: this process's view and own count, then the shared state (best effort:
-    an unreachable state releases it when its hold passes, counted as expired)."""
+    """Free a reservation: this process's view and own count, then the shared state (an unreachable
+    state releases it when its hold passes, counted as expired)."""
     svc.engine.release_local(reservation_id, time.time())
-    shared = svc.state
-    try:
-        if isinstance(shared, EmbeddedState):
-            shared.release_now(reservation_id)
-        else:
-            await shared.release(reservation_id)
-    except Exception as e:
-        LOG.warning("reservation not released (it is released when its hold passes)", extra={"fields": {
-            "reservation": reservation_id, "error": str(e)}})
+    await best_effort(svc.state, "release", (reservation_id,), "reservation not released (it is released when "
+                      "its hold passes)", reservation=reservation_id)
 
 
 #: the request body as documented (``RouteRequest``'s schema is added to the document's components
