@@ -77,7 +77,7 @@ class InferenceScraper:
             resp = await client.get(url)
             resp.raise_for_status()
             load = parse_metrics(resp.text, *self.names)
-        except (httpx.HTTPError, ValueError) as e:
+        except Exception as e:  # whatever one server does wrong is that server's failure, not the scraper's
             why = f"{type(e).__name__}: {e}"[:200]
             if url not in self.failures:
                 LOG.warning("inference server metrics unreadable", extra={"fields": {"url": url, "error": why}})
@@ -107,7 +107,10 @@ class InferenceScraper:
     async def run(self) -> None:
         async with httpx.AsyncClient(timeout=self.timeout, headers={"User-Agent": "xroute-router"}) as client:
             while True:
-                await self.scrape_once(client)
+                try:
+                    await self.scrape_once(client)
+                except Exception as e:  # never stop scraping: the next round may succeed
+                    LOG.warning("inference server scrape failed", extra={"fields": {"error": f"{type(e).__name__}: {e}"}})
                 await asyncio.sleep(self.every)
 
     def describe(self) -> dict[str, Any]:
