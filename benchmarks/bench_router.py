@@ -499,7 +499,7 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return round(float(np.median(xs)), 3) if xs else None
 
     out: dict[str, Any] = {k: med(k) for k in ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req",
-                                                "children_cpu_us_per_req", "vs_trivial")}
+                                                "children_cpu_us_per_req", "redis_cpu_us_per_req", "vs_trivial")}
     out["p99_ms_max"] = max(r["p99_ms"] for r in runs)
     out["non_2xx"] = sum(r["non_2xx"] for r in runs)
     if runs and "vs_trivial" in runs[0]:

@@ -76,12 +76,16 @@ def _tree_cpu_s(pid: int) -> float:
     return total
 
 
-def _measure(server: br._Server, seconds: float, connections: int) -> dict[str, Any]:
+def _measure(server: br._Server, seconds: float, connections: int, redis_pid: int | None = None) -> dict[str, Any]:
+    """wrk against ``server``; the CPU its process tree used a request, and the Redis server's."""
     cpu0 = _tree_cpu_s(server.proc.pid)
+    r0 = _tree_cpu_s(redis_pid) if redis_pid is not None else 0.0
     out = br.run_wrk(server.url, server.script, seconds, connections=connections)
     cpu = _tree_cpu_s(server.proc.pid) - cpu0
     if out["requests"]:
         out["server_cpu_us_per_req"] = round(cpu / out["requests"] * 1e6, 1)
+        if redis_pid is not None:
+            out["redis_cpu_us_per_req"] = round((_tree_cpu_s(redis_pid) - r0) / out["requests"] * 1e6, 1)
     return out
 
 
@@ -110,7 +114,8 @@ def _others_cpu(seconds: float = 2.0) -> list[dict[str, Any]]:
     return [{"process": n, "cores": round(c, 2)} for n, c in sorted(used, key=lambda x: -x[1])[:6]]
 
 
-def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connections: int) -> dict[str, Any]:
+def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connections: int,
+               redis_pid: int | None = None) -> dict[str, Any]:
     from router.keys import add_key
 
     keys = work / "keys.json"
@@ -135,7 +140,8 @@ def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connecti
             order = ROWS[r % len(ROWS):] + ROWS[: r % len(ROWS)]
             for label, *_ in order:
                 trivial = _measure(ref, seconds, connections)
-                out = _measure(servers[label], seconds, connections)
+                out = _measure(servers[label], seconds, connections,
+                               redis_pid if label.startswith("redis") else None)
                 out["paired_trivial_rps"] = trivial["rps"]
                 out["vs_trivial"] = round(out["rps"] / trivial["rps"], 3)
                 runs[label].append(out)
@@ -191,7 +197,8 @@ def main() -> None:
         "redis": subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip(),
     }
     try:
-        res["http"] = bench_http(work, redis_server.url, a.duration, a.rounds, a.connections)
+        res["http"] = bench_http(work, redis_server.url, a.duration, a.rounds, a.connections,
+                                 redis_server.proc.pid if redis_server.proc is not None else None)
 
         async def state_ops() -> dict[str, Any]:
             shared = RedisState(redis_server.url, prefix="bench-ops")
@@ -217,13 +224,15 @@ def table(res: dict[str, Any]) -> str:
     lines = [f"machine: {res['machine']} ({res['cpu']}); load average {res['load_average_at_start'][0]:.2f} at start, "
              f"{res['load_average_at_end'][0]:.2f} at end; shared with: {res['shared_with'] or 'not stated'}", "",
              "| /v1/route (wrk " + res["server"]["wrk"] + ") | state | workers | req/s | per worker | vs trivial "
-             "| vs embedded 1w | server CPU us/req | p50 ms | p99 ms (max) | non-2xx |",
+             "| vs embedded 1w | router CPU us/req (Redis's) | p50 ms | p99 ms (max) | non-2xx |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, v in res["http"].items():
+        cpu = v.get("server_cpu_us_per_req", "")
+        if v.get("redis_cpu_us_per_req") is not None:
+            cpu = f"{cpu} ({v['redis_cpu_us_per_req']})"
         lines.append(f"| {label} ({v['policy']}) | {v['state']} | {v['workers']} | {v['rps']} | {v['per_worker_rps']} | "
                      f"{v['vs_trivial']} [{v['vs_trivial_range'][0]}-{v['vs_trivial_range'][1]}] | {v['vs_embedded_1w']} | "
-                     f"{v.get('server_cpu_us_per_req', '')} | {v['p50_ms']} | {v['p99_ms']} ({v['p99_ms_max']}) | "
-                     f"{v['non_2xx']} |")
+                     f"{cpu} | {v['p50_ms']} | {v['p99_ms']} ({v['p99_ms_max']}) | {v['non_2xx']} |")
     lines += ["", "| state operation | embedded p50 / p99 us | Redis (loopback) p50 / p99 us |", "|---|---:|---:|"]
     ops = res["state_ops"]
     for op in ops["embedded"]:

@@ -403,6 +403,39 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
     assert fused.env._events == general.env._events
 
 
+def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: Path) -> None:
+    """One process, the embedded state, no feedback: every reservation is its own (others = 0),
+    so until a pool's reservations reach their capacity the answers are the environment's view
+    alone -- what the router answered before the shared state -- byte for byte; the shared view
+    read back (``apply_shared_view``) changes nothing."""
+    setup = make_setup(tmp_path)
+    st = setup.settings
+    alone, shared = (RoutingEngine(st, source=ReplaySource(st.telemetry, st.replay_speed, st.replay_offset_s,
+                                                           start_wall=1000.0)) for _ in range(2))
+    shared.freshness = alone.freshness
+    clock = [1000.0]
+    state = EmbeddedState(clock=lambda: clock[0])
+    rng = np.random.default_rng(5)
+    answered = 0
+    for i in range(300):
+        req = RouteRequest.model_validate({**ROUTE, "origin": alone.origins[i % len(alone.origins)],
+                                           "input_tokens": int(rng.integers(10, 4000)),
+                                           "max_output_tokens": int(rng.integers(1, 600))})
+        wall = clock[0] = 1000.0 + 0.2 * i
+        got = []
+        for eng, st_ in ((alone, None), (shared, state)):
+            try:
+                got.append(eng.decide(req, A, f"d_{i}", wall, state=st_)[0])
+            except RouteFailure as e:
+                got.append((e.status, e.error))
+        assert got[0] == got[1], i
+        answered += isinstance(got[0], bytes)
+        if i % 10 == 0:
+            shared.apply_shared_view(state.in_flight_now(), {})
+            assert not shared.env.view_others.any()
+    assert answered > 250 and sum(state.in_flight_now().values()) > 20  # load, and reservations held
+
+
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
     """The router's lazy path (``set_live``, then ``_obs`` only when a policy reads features) gives
     exactly ``observe_live``'s mask, expectations and observation."""
