@@ -18,6 +18,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
+from starlette.routing import Match, Route
+from starlette.types import Scope
 
 from router.deps import authenticate
 from router.engine import RouteFailure
@@ -227,3 +229,19 @@ async def route(request: Request) -> Response:
     payload = await route_decision(caller.svc, body, caller.who, request.scope.setdefault("state", {}),
                                    idempotency_key(request))
     return Response(payload, media_type="application/json")
+
+
+class _Route(Route):
+    """A Starlette ``Route`` that names itself in the scope as FastAPI's routes do (``scope["route"]``:
+    the access log and the error counters label requests by its path)."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is not Match.NONE:
+            child["route"] = self
+        return match, child
+
+
+#: what the app serves: the same handler as a Starlette ``Route`` (``router.app``; ``router`` above
+#: holds its APIRoute for the OpenAPI document only)
+SERVED = _Route("/v1/route", route, methods=["POST"], name="route")
