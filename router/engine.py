@@ -499,6 +499,9 @@ class RoutingEngine:
             if h is not None and h[2] == until:
                 del own[rid]
                 self.own_held[h[0], h[1]] -= 1
+        if len(due) > 2 * len(own) + 1024:  # released long before their hold ends: drop them
+            self._own_due = [(u, r) for u, r in due if r in own and own[r][2] == u]
+            heapq.heapify(self._own_due)
 
     def release_local(self, reservation_id: str, wall: float) -> bool:
         """This process's side of a release (feedback came, or the answer was never sent): the
