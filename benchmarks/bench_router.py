@@ -257,12 +257,10 @@ def _stub(part: str) -> None:
     if part == "decision":
         answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
 
-        def constant(svc: Any, body: Any, who: Any, decision_id: str, t0: float) -> Any:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(0)
-            return answer, done, "constant", {"kind": "fallback", "reason": None}
+        async def constant(svc: Any, body: Any, who: Any, state: Any, idempotency: Any = None) -> bytes:
+            return answer
 
-        route.begin_route = constant  # type: ignore[assignment]
+        route.route_decision = constant  # type: ignore[assignment]
     elif part == "log":
         def not_written(self: Any, row: tuple[Any, ...]) -> Any:
             fut = asyncio.get_running_loop().create_future()
@@ -501,7 +499,7 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return round(float(np.median(xs)), 3) if xs else None
 
     out: dict[str, Any] = {k: med(k) for k in ("rps", "p50_ms", "p99_ms", "server_cpu_us_per_req",
-                                                "children_cpu_us_per_req", "vs_trivial")}
+                                                "children_cpu_us_per_req", "redis_cpu_us_per_req", "vs_trivial")}
     out["p99_ms_max"] = max(r["p99_ms"] for r in runs)
     out["non_2xx"] = sum(r["non_2xx"] for r in runs)
     if runs and "vs_trivial" in runs[0]:
@@ -536,15 +534,16 @@ class _Server:
         return cls(proc, f"http://127.0.0.1:{port}{path}", _lua(work / f"{kind}.lua", kind))
 
     @classmethod
-    def route(cls, work: Path, bundle: Path | None, model: str, key: str, env: dict[str, str], label: str) -> _Server:
-        """``xroute serve`` with ``env``'s settings (or, for the pure stack and the ablations, the
-        same app served by this script)."""
+    def route(cls, work: Path, bundle: Path | None, model: str, key: str, env: dict[str, str], label: str,
+              extra: list[str] | None = None) -> _Server:
+        """``xroute serve`` with ``env``'s settings and ``extra`` options (or, for the pure stack
+        and the ablations, the same app served by this script)."""
         import httpx
 
         port = free_port()
         db = work / f"decisions-{label}.db"
         args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
-                "--keys-file", str(work / "keys.json"), "--model", model]
+                "--keys-file", str(work / "keys.json"), "--model", model, *(extra or [])]
         if bundle is not None:
             args += ["--telemetry", str(bundle)]
         if label == "route_pure_stack" or label in _ABLATIONS:  # the same app and settings, served by uvicorn
@@ -693,6 +692,13 @@ def _fsync_ms(work: Path) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------- main
+def at_least(ap: argparse.ArgumentParser, *checks: tuple[str, float, float]) -> None:
+    """``ap.error`` for the first ``(option, value, lowest)`` whose value is below its lowest."""
+    for name, value, low in checks:
+        if value < low:
+            ap.error(f"{name} must be at least {low:g} (got {value:g})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of wrk per HTTP measurement")
@@ -706,9 +712,7 @@ def main() -> None:
     ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    for name, value, low in (("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1)):
-        if value < low:
-            ap.error(f"{name} must be at least {low} (got {value:g})")
+    at_least(ap, ("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1))
     if a.serve:
         _serve_app(a.serve, a.port, a.stack, a.stub)
         return

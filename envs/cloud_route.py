@@ -103,8 +103,9 @@ from xroute.bundle import Bundle, load_bundle, origins_reaching, to_seconds
 from xroute.config import EnvConfig, parse_config
 from xroute.errors import ConfigError
 
-#: view events: a request's completion becomes known; a retry after a preemption enters a pool
-_COMPLETE, _ADMIT = 0, 1
+#: view events: a request's completion becomes known; a retry after a preemption enters a pool; a
+#: live router's request reaches its expected end without feedback (``admit_live``)
+_COMPLETE, _ADMIT, _LIVE_END = 0, 1, 2
 #: a completion event's output tokens when the request was preempted (-1: completed, length unknown)
 _PREEMPTED = -2.0
 
@@ -184,6 +185,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.sigma = pl.sigma
         self.gpus_per_slot = np.where(pl.fits, pl.gpus / np.maximum(pl.conc, 1.0), 0.0)
         self.inv_slots = 1.0 / np.maximum(self.slots, 1)
+        #: a live router's shared view (``router.state``): per pool, the work other routers hold there
+        #: and its observed mean duration in seconds (0: none observed); zero in training and evaluation
+        self.view_others = np.zeros((self.M, self.n), dtype=np.int64)
+        self.view_service_s = np.zeros((self.M, self.n))
+        #: ... and the requests running + waiting its inference servers report (-1: not reported)
+        self.view_server_busy = np.full((self.M, self.n), -1.0)
         self.params_feat = np.minimum(np.log1p(pl.params_b) / 5.0, 2.0)
         self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
         self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
@@ -352,6 +359,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.shift = np.zeros(shape)
         self._events: list[tuple[float, int, int, tuple[Any, ...]]] = []
         self._seq = 0
+        #: a live router's requests in its view, by reference: (model, offering, slot, expected end,
+        #: the slot's correction at admission) until their completion is known (``admit_live``)
+        self._live: dict[Any, tuple[int, int, int, float, float]] = {}
         #: when the router last saw one of its requests preempted on each offering (passive health check)
         self.seen_down_at = np.full(self.n, -np.inf)
 
@@ -399,6 +409,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 elif tokens == _PREEMPTED:  # the router saw its request die there: the pool is down
                     self.seen_down_at[a] = now
                     self._refresh_at = -np.inf
+            elif kind == _LIVE_END:  # a live request's expected end, unless feedback completed it before
+                live = self._live.pop(d[0], None)
+                if live is not None:
+                    m, a, j, exp_end, shift0 = live
+                    kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j,
+                                          now, exp_end, shift0)
             else:  # _ADMIT
                 m, a, service, true_end, key, tokens, pos = d
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
@@ -427,7 +443,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
         d.update({k: getattr(self, k).copy() for k in self._COPIED_STATE})
         d.update(_tevents=list(self._tevents), _events=list(self._events), stats=dict(self.stats),
-                 _recent=deque(self._recent))
+                 _recent=deque(self._recent), _live=dict(self._live))
         return d
 
     def restore_state(self, d: dict[str, Any]) -> None:
@@ -438,6 +454,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             setattr(self, k, d[k].copy())
         self._tevents, self._events = list(d["_tevents"]), list(d["_events"])
         self.stats, self._recent = dict(d["stats"]), deque(d["_recent"])
+        self._live = dict(d.get("_live", {}))
 
     # ------------------------------------------------------------------ dynamics
     def _jittered_downs(self) -> list[np.ndarray]:
@@ -537,7 +554,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.C, self.c_mask, self.est_min[m], self.inflight[m], self.inv_replicas[m], self.conc_m1[m],
             self.ext_util_conc[m], self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt,
             self.cost_rate[m], self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, est_out, self.r_max_out,
-            self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s)
+            self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s, self.view_others[m],
+            self.view_service_s[m], self.view_server_busy[m])
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
         self._recent.append(t)
@@ -763,6 +781,50 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ``shift``): with no completion feedback yet, the request is taken to complete when
         expected."""
         self._push(end, _COMPLETE, (self.r_m, a, j, end, shift0, self.r_key, -1.0, -1))
+
+    def admit_live(self, m: int, a: int, t: float, service: float, ref: Any) -> float:
+        """A live router sent a request (its reference ``ref``, e.g. the decision id) of model
+        ``m`` to offering ``a`` at telemetry time ``t``, expected to take ``service`` seconds: its
+        view holds the slot expected to free first until the request's expected end (returned), or
+        until :meth:`complete_live` learns it ended before. Unlike :meth:`commit_live`, it reads
+        nothing of the current request, so it may come after other requests were made current."""
+        j, end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, t,
+                                            service)
+        self._live[ref] = (m, a, j, end, shift0)
+        self._push(end, _LIVE_END, (ref,))
+        return float(end)
+
+    def complete_live(self, ref: Any, now: float) -> bool:
+        """A live request admitted by :meth:`admit_live` ended at telemetry time ``now`` (feedback
+        came, or its answer was never sent): everything expected after it on its slot moves by the
+        error, as when the simulation observes a completion. False when its view entry is gone
+        already (its expected end passed, or it was completed)."""
+        live = self._live.pop(ref, None)
+        if live is None:
+            return False
+        m, a, j, exp_end, shift0 = live
+        kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now, exp_end,
+                              shift0)
+        return True
+
+    def shift_live_clock(self, dt: float) -> None:
+        """A live router's telemetry clock jumped by ``dt`` seconds (a replay wrap goes back by the
+        recorded window): the view moves with it -- every expected slot release, pending completion
+        and recent arrival -- so the work in flight stays in flight; telemetry-derived state
+        (prices, availability, the passive health check) is recomputed at the next request."""
+        for arr in (self.est_free, self.est_min, self.free_at, self.tmin):
+            arr += dt  # +-inf (padding, never used) stay what they are
+        self._events = [(t + dt, seq, kind, d) for t, seq, kind, d in self._events]
+        heapq.heapify(self._events)
+        self._tevents = [(t + dt, m, a, j) for t, m, a, j in self._tevents]
+        heapq.heapify(self._tevents)
+        self._live = {ref: (m, a, j, end + dt, s0) for ref, (m, a, j, end, s0) in self._live.items()}
+        self._recent = deque(x + dt for x in self._recent)
+        self.seen_down_at[:] = -np.inf
+        self._refresh_at = -np.inf
+        self._next_event = -np.inf
+        if hasattr(self, "t"):
+            self.t += dt
 
     def observe_output(self, model: str | None, tenant: str, output_tokens: int) -> None:
         """A completed request's output length (the router's feedback) for the estimator."""

@@ -51,13 +51,23 @@ def violation_probability(c, sigma):  # pragma: no cover
 @njit(cache=True)
 def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, ext_util_conc, inv_prefill, tpot_s,
                             tpot_growth_s, sigma, rtt, cost_rate, static_ok, hazard, slots, t, r_in, est_out,
-                            max_out, ttft_ms, tpot_ms, deadline_ms, queue_timeout_s, unseen_s):  # pragma: no cover
+                            max_out, ttft_ms, tpot_ms, deadline_ms, queue_timeout_s, unseen_s, others,
+                            others_service_s, server_busy):  # pragma: no cover
     """Expected outcome of the current request on every offering, from the router's view, into
     ``C`` (rows ``WAIT`` .. ``PVIOL``) and ``mask``. The arrays are the request's model's pools.
 
-    * wait: until the earliest expected slot release (``est_min``), 0 when one is free;
-    * batch: ``k`` = requests in flight per replica (at most the other slots) + external load;
-      time per output token ``tpot(k)``; service = input/prefill + est_out x tpot(k);
+    * in flight: ``b`` = this router's requests not yet seen complete (``inflight``) + ``others``,
+      the work other routers (or this one before a restart) hold on the pool in the shared state
+      (``router.state``); where the pool's inference servers report their load (``server_busy``
+      >= 0: requests running + waiting there, ``router.scrape``), ``b`` is at least that. Training
+      and evaluation pass zeros and -1: ``b`` is the router's own view;
+    * wait: until the earliest expected slot release (``est_min``), 0 when one is free; when
+      ``b`` exceeds the router's own requests, at least the queue's ``max(0, b - slots + 1) x S /
+      slots``, ``S`` the pool's observed mean duration (``others_service_s``; this request's
+      expected service where none is observed yet);
+    * batch: ``k`` = requests in flight per replica (at most the other slots) + external load
+      (utilization x slots per replica; not where the servers report their load, which includes
+      it); time per output token ``tpot(k)``; service = input/prefill + est_out x tpot(k);
     * TTFT = RTT + wait + prefill + one token; latency = RTT + wait + service;
     * SLO miss: the service-time factor f (lognormal, mean 1, sigma) exceeds the least slack of
       TTFT, TPOT (requests allowed more than one token) and the deadline (when given);
@@ -69,17 +79,27 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
     busy_valid = 0.0
     slots_valid = 0.0
     for i in range(n):
-        w = est_min[i] - t
-        if w < 0.0:
-            w = 0.0
-        b = float(inflight[i])
+        b = float(inflight[i] + others[i])
+        ext = ext_util_conc[i]
+        if server_busy[i] >= 0.0:
+            ext = 0.0
+            if server_busy[i] > b:
+                b = server_busy[i]
         k = b * inv_replicas[i]
         if k > conc_m1[i]:
             k = conc_m1[i]
-        k += ext_util_conc[i]
+        k += ext
         pf = r_in * inv_prefill[i]
         tp = tpot_s[i] + tpot_growth_s[i] * k
         s = pf + est_out * tp
+        w = est_min[i] - t
+        if w < 0.0:
+            w = 0.0
+        if b > inflight[i] and slots[i] > 0:
+            sv = others_service_s[i] if others_service_s[i] > 0.0 else s
+            q = (b - slots[i] + 1.0) * sv / slots[i]
+            if q > w:
+                w = q
         ttft = (w + pf + tp) * 1000.0 + rtt[i]
         lat = (w + s) * 1000.0 + rtt[i]
         C[WAIT, i] = w
@@ -332,7 +352,7 @@ def warm_up() -> None:
     C = np.zeros((N_OUT, n))
     mask = np.zeros(n, dtype=np.bool_)
     candidate_outcomes_into(C, mask, f, b, f, f, f, f, f, f, f, f, f, ok, f, b, 0.0, 1.0, 1.0, 2.0, 1.0, 1.0,
-                            np.nan, 1.0, 0.0)
+                            np.nan, 1.0, 0.0, b, f, -f)
     expected_rewards(C, mask, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
     expected_reward(1.0, 1.0, 0.5, 0.1, 0.1, 1.0, 1.0, 1.0, 5.0, 3.0)
     expected_reward(np.float32(1.0), np.float32(1.0), np.float32(0.5), np.float32(0.1), np.float32(0.1),

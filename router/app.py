@@ -32,8 +32,9 @@ from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
+from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
-from router.state import RouterState, StateSettings, open_state
+from router.state import EmbeddedState, RouterState, StateSettings, StateUnavailable, decision_events, open_state
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
 
@@ -199,6 +200,53 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
     return state
 
 
+async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
+    """After a restart, the embedded state from the decision log: the reservations whose hold has
+    not passed and whose feedback has not come (``router.state.decision_events``), and the
+    idempotency keys still within their TTL with their answers, the same bytes."""
+    from router.routes.feedback import feedback_answer
+    from router.routes.route import idempotency_digest
+    from xroute.schema.decision import FeedbackRequest
+
+    now = time.time()
+    target = settings.db_url.get_secret_value() if settings.db_url is not None else settings.db_path
+    events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
+    counts = state.rebuild(events, now_wall=now)
+    ttl = settings.idempotency_ttl_s
+    decisions, feedback = await store.keyed_since(now - ttl)
+    answers = [(key, idempotency_digest(request_json) + answer.encode(), created + ttl)
+               for key, request_json, answer, created in decisions]
+    for key, fid, did, at, latency, ttft, cost, out, failed, error in feedback:
+        body = FeedbackRequest(decision_id=did, latency_ms=latency, ttft_ms=ttft, cost_usd=cost, output_tokens=out,
+                               failed=bool(failed), error=error)
+        answers.append((key, idempotency_digest(body.model_dump_json()) + feedback_answer(fid, did, at), at + ttl))
+    counts["idempotency_keys"] = state.restore_answers(answers, now_wall=now)
+    LOG.info("shared state rebuilt from the decision log", extra={"fields": counts})
+
+
+async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every: float) -> None:
+    """Read the shared state's in-flight work (every ``every`` s) and observed durations (about
+    once a second) into the engine's view (``RoutingEngine.apply_shared_view``). While the state
+    cannot be read the last view stays (logged once per outage)."""
+    durations: dict[str, float] = {}
+    tick, down = 0, False
+    durations_every = max(1, round(1.0 / every))
+    while True:
+        try:
+            counts = await state.in_flight()
+            if tick % durations_every == 0:
+                durations = await state.durations(sorted(counts))
+            engine.apply_shared_view(counts, durations)
+            down = False
+        except StateUnavailable as e:
+            if not down:
+                LOG.warning("shared state unreadable; the decisions keep its last view", extra={"fields": {
+                    "error": str(e)}})
+            down = True
+        tick += 1
+        await asyncio.sleep(every)
+
+
 PUBLIC_PATHS = ("/healthz", "/readyz")
 
 
@@ -232,7 +280,8 @@ def _document_security(app: FastAPI) -> None:
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=[*route.router.routes, *app.routes])
             # the bodies routes read themselves (``POST /v1/route``'s, documented by its openapi_extra)
             _, defs = models_json_schema([(RouteRequest, "validation")], ref_template="#/components/schemas/{model}")
             for name, definition in defs.get("$defs", {}).items():
@@ -249,6 +298,12 @@ def _document_security(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def app_from_environment() -> FastAPI:
+    """The app with settings from the config file and the environment only: what each worker of
+    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``)."""
+    return create_app(load_settings())
 
 
 def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | None = None) -> FastAPI:
@@ -271,10 +326,17 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
-        app.services = Services(settings, engine, store, keys, metrics, models, state)
+        if isinstance(state, EmbeddedState):
+            await rebuild_embedded_state(state, store, settings)
+        scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
+        app.services = Services(settings, engine, store, keys, metrics, models, state, scraper)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
-                                     name="telemetry-refresh")]
+                                     name="telemetry-refresh"),
+                 asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s),
+                                     name="shared-view")]
+        if scraper is not None:
+            tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
         sys.setswitchinterval(settings.gil_switch_interval_s)
         gc.collect()
@@ -300,7 +362,10 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                   description="Routes LLM inference requests to cloud offerings (provider x region x instance "
                               "type x pricing mode) with the champion RL policy. Every route except /healthz and "
                               "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
-    for r in (route.router, decisions.router, decisions.admin_router, offerings.router, feedback.router,
+    # POST /v1/route: a Starlette Route of this app (below FastAPI's middleware and exception handlers
+    # like every route, ~60 us a request cheaper than an APIRoute); documented from its APIRoute
+    app.router.routes.append(route.SERVED)
+    for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router):
         app.include_router(r)
     errors.install(app)

@@ -27,27 +27,51 @@ def serve(
                                             "PGPASSWORD / PGPASSFILE / ~/.pgpass)")] = None,
     keys_file: Annotated[Path | None, typer.Option(help="API keys file (default runs/router/keys.json)")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
+    workers: Annotated[int, typer.Option(help="worker processes on one port; more than one needs "
+                                              "state_backend: redis (they share its view)")] = 1,
 ) -> None:
-    """Serve the routing API over HTTP (one process, one worker; see docs/router.md)."""
+    """Serve the routing API over HTTP (see docs/router.md)."""
+    import os
+
     import uvicorn
 
     from router.app import create_app
     from router.engine import RoutingEngine
     from router.settings import load_settings
     from router.store_pg import is_postgres_url
+    from xroute.errors import ConfigError
 
+    if not 1 <= workers <= 256:
+        raise ConfigError(f"--workers: must be from 1 to 256, got {workers}")
     pg = db is not None and is_postgres_url(db)
-    settings = load_settings(config, telemetry=telemetry, telemetry_live=live, model_uri=model, fallback_policy=fallback,
-                             db_path=None if pg or db is None else Path(db), db_url=db if pg else None,
-                             keys_file=keys_file, log_level=log_level)
+    options = {"telemetry": telemetry, "telemetry_live": live, "model_uri": model, "fallback_policy": fallback,
+               "db_path": None if pg or db is None else Path(db), "db_url": db if pg else None,
+               "keys_file": keys_file, "log_level": log_level}
+    settings = load_settings(config, **options)
+    if workers > 1 and settings.state_backend == "embedded":
+        raise ConfigError(f"--workers {workers}: the embedded state lives in one process, so each worker would see "
+                          "only its own decisions and could overfill the pools; set state_backend: redis with a "
+                          "state_url (XROUTE_ROUTER_STATE_BACKEND=redis XROUTE_ROUTER_STATE_URL=redis://host:port/0), "
+                          "or serve one worker")
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
     if settings.db_url is not None:  # so does a PostgreSQL log that cannot be reached
         from router.store_pg import check_reachable
 
         check_reachable(settings.db_url.get_secret_value())
-    app = create_app(settings, engine)
-    uvicorn.run(app, host=host, port=port, log_config=None, access_log=False, workers=1,
-                timeout_graceful_shutdown=10, server_header=False)
+    serving = {"host": host, "port": port, "log_config": None, "access_log": False, "timeout_graceful_shutdown": 10,
+               "server_header": False}
+    if workers == 1:
+        uvicorn.run(create_app(settings, engine), workers=1, **serving)  # type: ignore[arg-type]
+        return
+    # several workers: each builds the app from the config file and the environment, so this
+    # command's options go to them as the environment variables they override
+    del engine
+    if config is not None:
+        os.environ["XROUTE_ROUTER_CONFIG"] = str(config)
+    for field, value in options.items():
+        if value is not None:
+            os.environ[f"XROUTE_ROUTER_{field.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    uvicorn.run("router.app:app_from_environment", factory=True, workers=workers, **serving)  # type: ignore[arg-type]
 
 
 def export_feedback(

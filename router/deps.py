@@ -32,8 +32,10 @@ class Services:
     keys: KeyStore
     metrics: Metrics
     models: object  # router.app.ModelManager (kept loose to avoid an import cycle)
-    #: in-flight work, outcome statistics, idempotency keys (router.state); not yet read by the decision
-    state: RouterState | None = None
+    #: in-flight work, outcome statistics, idempotency keys (router.state)
+    state: RouterState
+    #: the pools' inference servers' own metrics (router.scrape.InferenceScraper), when configured
+    scraper: object | None = None
 
 
 @dataclass(slots=True)

@@ -1,18 +1,25 @@
-"""The decision path: request -> live features -> constraint mask -> policy -> chosen offering.
+"""The decision path: request -> live features -> constraint mask -> policy -> ranked offerings ->
+(the shared state reserves one) -> admitted.
 
 Features are the environment's own (``CloudRouteEnv.observe_live``), so the policy sees exactly
-what it was trained on; the router's view of each pool's load is the environment's pool model fed
-with the router's own decisions (``commit_live``). Everything here is synchronous and runs on the
-event-loop thread: ``observe_live`` ... ``commit_live`` of one request never interleaves with
-another's, and a decision takes tens of microseconds, so it is not worth a thread hop.
+what it was trained on. The router's view of each pool's load is the environment's pool model fed
+with this process's own decisions (``admit``: each holds a slot for its expected service time,
+until its expected end or until feedback says it ended), plus the work the shared state
+(``router.state``) holds there that is not this process's own -- other workers' and hosts', or
+this process's before a restart (``apply_shared_view``). Everything here is synchronous and runs
+on the event-loop thread; ranking (:meth:`RoutingEngine.rank`) and admitting
+(:meth:`RoutingEngine.admit`) are separate so that a reservation on a shared server can be awaited
+between them.
 """
 
 from __future__ import annotations
 
 import difflib
+import heapq
 import json
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from math import isfinite
 from typing import Any
 
@@ -27,6 +34,7 @@ from router.keys import Principal
 from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
 from router.settings import RouterSettings
+from router.state import EmbeddedState, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
@@ -44,6 +52,37 @@ class RouteFailure(Exception):
         self.fields = fields or []
         self.headers = headers or {}
         self.extra = extra or {}
+
+
+@dataclass(slots=True)
+class Ranked:
+    """A request ranked but not yet admitted (:meth:`RoutingEngine.rank`, then
+    :meth:`~RoutingEngine.admit` once the shared state reserved one of ``cands``): what the answer
+    and the log row need, copied out of the environment, so other requests may be ranked before
+    this one is admitted."""
+
+    req: RouteRequest
+    who: Principal
+    decision_id: str
+    wall: float
+    t: float
+    age: float
+    m: int
+    pinfo: dict[str, Any]
+    score_kind: str
+    ccounts: dict[str, int]
+    ctext: str
+    n_valid: int
+    n_not_preferred: int
+    env_counts: list[int]
+    #: offerings, the chosen one first, then the alternatives
+    cands: list[int]
+    #: (score, expected latency ms, expected cost USD) of each candidate
+    nums: list[float]
+    #: each candidate's expected service time, seconds
+    service: list[float]
+    bundle_hash: str
+    request_json: str | None = None
 
 
 class RoutingEngine:
@@ -85,6 +124,14 @@ class RoutingEngine:
             except ConstraintError as e:
                 raise ConfigError(f"router settings: {e}") from None
             self.tenants[name] = t.constraints
+        for i, server in enumerate(settings.inference_servers):
+            where = f"router settings: field 'inference_servers[{i}]"
+            if server.offering_id not in self.offering_ids:
+                close = difflib.get_close_matches(server.offering_id, self.offering_ids, n=3, cutoff=0.4)
+                raise ConfigError(f"{where}.offering_id': unknown offering '{server.offering_id}'"
+                                  + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            if server.model is not None and server.model not in env.model_index:
+                raise ConfigError(f"{where}.model': unknown model '{server.model}' (known: {', '.join(self.models)})")
         self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool, str]] = OrderedDict()
         self.freshness = Freshness(time.time())
         self.max_age = settings.max_telemetry_age_s
@@ -122,6 +169,19 @@ class RoutingEngine:
         self._out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(5 + 3 * self.k_alt))
         self._rows = np.zeros((self.n, N_OFFERING_FEATURES), dtype=np.float32)  # the scorer's input rows
         self._idx = np.zeros(self.n, dtype=np.int64)
+        # the shared state's keys of the pools, [model][offering] (``router.state.pool_key``), and back
+        self.pool_keys = [[pool_key(mn, o) for o in self.offering_ids] for mn in env.model_names]
+        self.pool_index = {k: (m, a) for m, row in enumerate(self.pool_keys) for a, k in enumerate(row)}
+        self._slots_list: list[list[int]] = env.slots.astype(int).tolist()
+        #: reservations this process made and still holds (``admit`` with a hold; released by
+        #: ``release_local``, or when their hold passes), per pool and by id; the shared view's
+        #: in-flight work beyond these is other routers' (``apply_shared_view``)
+        self.own_held = np.zeros((env.M, self.n), dtype=np.int64)
+        self._own: dict[str, tuple[int, int, float]] = {}
+        self._own_due: list[tuple[float, str]] = []
+        self.shared_in_flight = np.zeros_like(self.own_held)
+        #: telemetry seconds per wall second (a replay's speed; 1 live)
+        self._speed = 1.0 if settings.telemetry_live else settings.replay_speed
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -153,13 +213,12 @@ class RoutingEngine:
                 "stale": age > self.max_age}
 
     def now(self, wall: float) -> float:
-        """Telemetry time for ``wall``; on a replay wrap the pool-load view starts empty again (the
-        output-length estimator keeps what it learned)."""
+        """Telemetry time for ``wall``. On a replay wrap (telemetry time goes back by the recorded
+        window) the pool-load view moves back with it (``CloudRouteEnv.shift_live_clock``): the
+        work in flight stays in flight, the output-length estimator keeps what it learned."""
         t, gen = self.source.telemetry_time(wall)
         if gen != self.generation:
-            est = (self.env.est_w.copy(), self.env.est_s.copy(), self.env.est_n.copy())
-            self.env.reset(seed=0)
-            self.env.est_w, self.env.est_s, self.env.est_n = est
+            self.env.shift_live_clock(-float(getattr(self.source, "span", 0.0)) * (gen - self.generation))
             self.generation = gen
         return t
 
@@ -211,19 +270,37 @@ class RoutingEngine:
         return hit[1]
 
     # ------------------------------------------------------------------ the decision
-    def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float
+    def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
+               state: EmbeddedState | None = None, idempotency_key: str | None = None
                ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
-        """Place one request. Returns (response JSON, decision-log row, offering id, policy info).
+        """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
+        candidate with room in it, then :meth:`admit`. Returns (response JSON, decision-log row,
+        offering id, policy info). Without ``state`` nothing is reserved (the environment's view
+        alone, as before the shared state). The HTTP route does the same with any backend
+        (``router.routes.route``)."""
+        r = self.rank(req, who, decision_id, wall)
+        if state is None:
+            return self.admit(r, 0)
+        hold = self.hold_s(r)
+        pool = state.reserve_now(self.candidates(r), decision_id, hold)
+        if pool is None:
+            raise self.shared_full(r)
+        return self.admit(r, self.candidate_of(r, pool), hold, idempotency_key)
+
+    def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
+             request_json: str | None = None) -> Ranked:
+        """Rank the offerings for one request: the chosen one and up to ``alternatives`` next
+        best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`).
 
         Raises :class:`RouteFailure` for an unknown origin, constraints that exclude everything, or
         no allowed offering able to take the request now.
 
-        The greedy policy (the default fallback) decides in one compiled call after the
+        The greedy policy (the default fallback) ranks in one compiled call after the
         environment's candidate outcomes (``router.kernels.greedy_decide``); a learned scorer in
-        two around it (``valid_rows``: masks and its input rows; ``scored_decide``: ranking and
-        the slot taken); every other policy, and a scorer that fails or returns a non-finite
-        score, goes through :meth:`_choose` (which falls back). The compiled and general paths
-        give the same answers byte for byte (``tests/test_router_unit.py``).
+        two around it (``valid_rows``: masks and its input rows; ``scored_decide``: the ranking);
+        every other policy, and a scorer that fails or returns a non-finite score, goes through
+        :meth:`_choose` (which falls back). The compiled and general paths give the same answers
+        byte for byte (``tests/test_router_unit.py``).
         """
         origin = req.origin
         if origin not in self.origin_set:
@@ -259,13 +336,12 @@ class RoutingEngine:
         age = self.freshness.age(wall)
         active, pinfo = self.slot.current(age > self.max_age)
         ints, floats = self._out
-        n_alt = -1  # >= 0: decided by the compiled calls, their outputs in ints / floats
+        n_alt = -1  # >= 0: ranked by the compiled calls, their outputs in ints / floats
         if active.scorer is None:
             if self.fused_greedy and active.name == "greedy":
                 n_alt = kernels.greedy_decide(
                     env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.C,
-                    env.r_ref_cost, env.r_budget, *self._reward_args, self.k_alt, env.est_free[m_], env.est_min[m_],
-                    env.inflight[m_], env.shift[m_], env.t, ints, floats)
+                    env.r_ref_cost, env.r_budget, *self._reward_args, self.k_alt, ints, floats)
                 score_kind = "expected_reward"
         elif self.fused_learned:
             m = kernels.valid_rows(
@@ -280,26 +356,23 @@ class RoutingEngine:
                 except Exception:  # the general path below asks again, and falls back
                     s = None
                 if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
-                    n_alt = kernels.scored_decide(s, self._idx, self.k_alt, env.est_free[m_], env.est_min[m_],
-                                                  env.inflight[m_], env.shift[m_], env.t, env.C, ints, floats)
+                    n_alt = kernels.scored_decide(s, self._idx, self.k_alt, env.C, ints, floats)
             score_kind = "q_value"
         if n_alt >= 0:
-            # ii: [chosen, valid, not preferred, 4 env reason counts, slot, alternatives...]; nums:
-            # [expected slot release, its correction, then (score, latency, cost) of the chosen and of
-            # each alternative]
-            ii, nums = ints.tolist()[: 8 + n_alt], floats.tolist()[: 5 + 3 * n_alt]
+            # ii: [chosen, valid, not preferred, 4 env reason counts, alternatives...]; nums: (score,
+            # latency, cost) of the chosen and of each alternative
+            ii, nums = ints.tolist()[: 7 + n_alt], floats.tolist()[: 3 + 3 * n_alt]
             a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
+            env_counts = ii[3:7]
             if a < 0:
-                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, ii[3:7]))
-            env.admitted_live(a, ii[7], nums[0], nums[1])
-            nums = nums[1:]  # as the general path's: [unused, then the triples]
-            alt_idx = ii[8:]
+                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
+            cands = [a, *ii[7:]]
         else:
-            valid, n_valid, n_not_preferred, env_counts = kernels.combine(
+            valid, n_valid, n_not_preferred, env_counts_a = kernels.combine(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, codes)
+            env_counts = env_counts_a.tolist()
             if n_valid == 0:
-                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts.tolist()))
-            ii = [0, 0, 0, *env_counts.tolist()]  # the env reason counts where the fused path has them
+                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
             try:
                 a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
             except Exception as e:  # a model that fails at decision time: this request goes to the fallback
@@ -308,39 +381,185 @@ class RoutingEngine:
                 self.slot.failed(f"decision error: {type(e).__name__}: {e}")
                 active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
                 a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
-            c_lat, c_cost = env.c_lat, env.c_cost  # nums as the fused path's
-            nums = [0.0, score, c_lat.item(a), c_cost.item(a)]
-            for k, sc in zip(alt_idx, alt_scores):
-                nums += (sc, c_lat.item(k), c_cost.item(k))
-            nums[1:] = [_num(x) for x in nums[1:]]
-            env.commit_live(a)
+            c_lat, c_cost = env.c_lat, env.c_cost  # nums as the compiled path's
+            cands = [a, *alt_idx]
+            nums = []
+            for k, sc in zip(cands, [score, *alt_scores]):
+                nums += (_num(sc), _num(c_lat.item(k)), _num(c_cost.item(k)))
+        svc = env.c_service
+        return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
+                      n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
+                      request_json)
+
+    def candidates(self, r: Ranked) -> list[tuple[str, int]]:
+        """The ranked offerings as the shared state's ``(pool, capacity)`` candidates. A pool's
+        capacity is its slots plus the queue a request may wait in: ``slots + floor(queue_timeout_s
+        x slots / service)``, ``service`` this request's expected service there -- the most work in
+        flight with which the queue's expected wait, ``(in flight - slots + 1) x service / slots``,
+        stays within ``queue_timeout_s`` (the wait the environment's mask allows)."""
+        keys, slots, qt = self.pool_keys[r.m], self._slots_list[r.m], self.env.cfg.queue_timeout_s
+        out = []
+        for a, service in zip(r.cands, r.service):
+            n = slots[a]
+            out.append((keys[a], n + int(min(qt * n / max(service, 1e-6), 1e9))))
+        return out
+
+    def candidate_of(self, r: Ranked, pool: str) -> int:
+        """The position among ``r``'s candidates of the pool the state reserved."""
+        keys = self.pool_keys[r.m]
+        for k, a in enumerate(r.cands):
+            if keys[a] == pool:
+                return k
+        raise ValueError(f"the shared state reserved '{pool}', which is not a candidate")
+
+    def hold_s(self, r: Ranked) -> float:
+        """How long (wall-clock seconds) a reservation for ``r`` is held when no release comes:
+        ``state_hold_factor`` times the longest expected latency among its candidates, within the
+        floor and the ceiling (``router.state.hold_for``). Expectations are in telemetry time: a
+        replay at ``replay_speed`` s plays them out over that many times fewer wall seconds."""
+        st = self.settings
+        return hold_for(max(r.nums[1::3]) / 1000.0 / self._speed, st.state_hold_factor, st.state_hold_floor_s,
+                        st.state_hold_max_s)
+
+    def shared_full(self, r: Ranked) -> RouteFailure:
+        """The 429 for a request whose every candidate is at its capacity in the shared state
+        (counted as ``queue_full``); ``Retry-After``: the shortest expected time for one of them
+        to free a slot (service / slots), at least 1 s."""
+        counts = list(r.env_counts)
+        counts[3] += len(r.cands)
+        slots = self._slots_list[r.m]
+        soonest = min(service / max(slots[a], 1) for a, service in zip(r.cands, r.service))
+        retry = max(1, int(np.ceil(soonest / max(self.settings.replay_speed, 1e-9))))
+        return RouteFailure(429, "no_capacity", "no allowed offering can take the request now (the pools able to "
+                            "are at their capacity in the shared state)", headers={"Retry-After": str(min(retry, 3600))},
+                            extra={"excluded": self._counts(r.ccounts, r.n_not_preferred, counts)})
+
+    def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None
+              ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+        """The request ranked as ``r`` goes to its ``k``-th candidate (the first the shared state
+        had room on; the ones before it count as ``queue_full``): the router's view holds that
+        pool's slot for its expected service time (``CloudRouteEnv.admit_live``), and, with
+        ``hold_s`` (a reservation was made), this process counts the reservation as its own until
+        it is released or its hold passes. Returns (response JSON, decision-log row, offering id,
+        policy info). Reads nothing of the environment's current request, so other requests may
+        have been ranked in between."""
+        a = r.cands[k]
+        alt_idx = r.cands[k + 1:]
+        nums = r.nums[3 * k:]
+        env = self.env
+        env.admit_live(r.m, a, r.t, r.service[k], r.decision_id)
+        if hold_s is not None:
+            self._own_add(r.decision_id, r.m, a, hold_s)
         self.decisions += 1
+        env_counts = r.env_counts
+        if k:
+            env_counts = [*env_counts[:3], env_counts[3] + k]
         # {"reason":count,...}: the constraint layers' part is encoded once per constraint set
         # (``constraints_for``); the environment's reasons and not_preferred are plain identifiers
-        parts = [ctext] if ctext else []
-        if n_not_preferred:
-            parts.append(f'"not_preferred":{n_not_preferred}')
-        for reason, c in zip(_ENV_KEYS, ii[3:7]):
+        parts = [r.ctext] if r.ctext else []
+        if r.n_not_preferred:
+            parts.append(f'"not_preferred":{r.n_not_preferred}')
+        for reason, c in zip(_ENV_KEYS, env_counts):
             if c:
                 parts.append(f"{reason}{c}")
         # the alternatives' format arguments: (offering head, score, latency, cost) for each
         m = len(alt_idx)
         alt_args: list[Any] = [None] * (4 * m)
         head = self._alt_head
-        alt_args[0::4] = [head[k] for k in alt_idx]
-        alt_args[1::4], alt_args[2::4], alt_args[3::4] = nums[4::3], nums[5::3], nums[6::3]
-        exp_lat, exp_cost = nums[2], nums[3]
+        alt_args[0::4] = [head[i] for i in alt_idx]
+        alt_args[1::4], alt_args[2::4], alt_args[3::4] = nums[3::3], nums[4::3], nums[5::3]
+        exp_lat, exp_cost = nums[1], nums[2]
+        req, who, wall, t, age, pinfo = r.req, r.who, r.wall, r.t, r.age, r.pinfo
+        decision_id = r.decision_id
         text = _answer_format(m) % (
             decision_id, iso(wall), json_str(who.tenant), "null" if req.session_id is None else _dumps(req.session_id),
-            self.ref_json[a], exp_lat, exp_cost, nums[1], score_kind, *alt_args, self._policy_text(pinfo),
-            self.n - n_valid, ",".join(parts), self._tele_head, iso(t), round(age, 3),
+            self.ref_json[a], exp_lat, exp_cost, nums[0], r.score_kind, *alt_args, self._policy_text(pinfo),
+            self.n - r.n_valid + k, ",".join(parts), self._tele_head, iso(t), round(age, 3),
             "true" if age > self.max_age else "false")
         offering_id = self.offering_ids[a]
-        row = (decision_id, who.tenant, wall, t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
-               req.tpot_ms, req.deadline_ms, env.model_names[m_], req.session_id, offering_id, exp_lat, exp_cost,
-               pinfo["name"], pinfo["kind"], pinfo["version"], self.bundle_hash, req.model_dump_json(exclude_none=True),
-               text)
+        request_json = r.request_json if r.request_json is not None else req.model_dump_json(exclude_none=True)
+        row = (decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
+               req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
+               pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],
+               None if hold_s is None else wall + hold_s, idempotency_key, request_json, text)
         return text.encode(), row, offering_id, pinfo
+
+    # ------------------------------------------------------------------ the shared view
+    def _own_add(self, reservation_id: str, m: int, a: int, hold_s: float) -> None:
+        until = time.monotonic() + hold_s
+        self._own[reservation_id] = (m, a, until)
+        heapq.heappush(self._own_due, (until, reservation_id))
+        self.own_held[m, a] += 1
+
+    def _own_expire(self, now: float) -> None:
+        due, own = self._own_due, self._own
+        while due and due[0][0] <= now:
+            until, rid = heapq.heappop(due)
+            h = own.get(rid)
+            if h is not None and h[2] == until:
+                del own[rid]
+                self.own_held[h[0], h[1]] -= 1
+        if len(due) > 2 * len(own) + 1024:  # released long before their hold ends: drop them
+            self._own_due = [(u, r) for u, r in due if r in own and own[r][2] == u]
+            heapq.heapify(self._own_due)
+
+    def release_local(self, reservation_id: str, wall: float) -> bool:
+        """This process's side of a release (feedback came, or the answer was never sent): the
+        reservation is no longer its own, and its view learns the request ended now (the slot frees
+        and what is expected after it moves up). False when neither knew it (another process
+        decided it, or it had passed its expected end)."""
+        h = self._own.pop(reservation_id, None)
+        if h is not None:
+            self.own_held[h[0], h[1]] -= 1
+        return self.env.complete_live(reservation_id, self.now(wall)) or h is not None
+
+    def apply_shared_view(self, in_flight: dict[str, int], durations_ms: dict[str, float]) -> None:
+        """The shared state's in-flight work per pool (``RouterState.in_flight``) and observed mean
+        durations (``durations``), as the decisions use them: the work this process does not hold
+        itself -- ``max(0, shared - own)`` per pool -- goes into the environment's ``view_others``,
+        the durations (seconds) into ``view_service_s`` (``envs.kernels.candidate_outcomes_into``
+        documents the formula)."""
+        self._own_expire(time.monotonic())
+        shared = np.zeros_like(self.own_held)
+        index = self.pool_index
+        for pool, n in in_flight.items():
+            ma = index.get(pool)
+            if ma is not None:
+                shared[ma] = n
+        self.shared_in_flight = shared
+        np.maximum(shared - self.own_held, 0, out=self.env.view_others)
+        svc = self.env.view_service_s
+        svc[:] = 0.0
+        for pool, ms in durations_ms.items():
+            ma = index.get(pool)
+            if ma is not None:
+                svc[ma] = ms / 1000.0
+
+    def pool_key_of(self, offering_id: str, model: str | None = None) -> str:
+        """The shared state's key of ``offering_id``'s pool of ``model`` (default: the default model)."""
+        m = self.env.default_model if model is None else self.env.model_index[model]
+        return self.pool_keys[m][self.offering_ids.index(offering_id)]
+
+    def apply_server_metrics(self, loads: dict[str, tuple[float, float, float | None]]) -> None:
+        """The load the pools' inference servers report (``router.scrape``: per pool, requests
+        running, waiting, KV-cache usage or None) into the environment's ``view_server_busy``:
+        running + waiting, and at least the pool's slots when the KV cache is ``kv_cache_full``
+        (the server can take no more sequences); -1 for the pools not reported."""
+        busy = self.env.view_server_busy
+        busy[:] = -1.0
+        full = self.settings.kv_cache_full
+        for pool, (running, waiting, kv) in loads.items():
+            ma = self.pool_index.get(pool)
+            if ma is not None:
+                b = running + waiting
+                if kv is not None and kv >= full:
+                    b = max(b, float(self._slots_list[ma[0]][ma[1]]))
+                busy[ma] = b
+
+    def pools_with_others(self) -> list[str]:
+        """The pools where other work is held (whose observed durations the view needs)."""
+        keys = self.pool_keys
+        return [keys[m][a] for m, a in zip(*np.nonzero(self.env.view_others))]
 
     @staticmethod
     def _counts(ccounts: dict[str, int], n_not_preferred: int, env_counts: list[int]) -> dict[str, int]:
@@ -395,9 +614,10 @@ class RoutingEngine:
         return a, float(r[a]), others, r[others].tolist(), "expected_reward"
 
     # ------------------------------------------------------------------ state
-    def offerings_state(self, wall: float) -> dict[str, Any]:
+    def offerings_state(self, wall: float, reserved: dict[str, int] | None = None) -> dict[str, Any]:
         """Current price, availability and the router's view of each offering's pool of the
-        default model (for ``GET /v1/offerings``)."""
+        default model (for ``GET /v1/offerings``), with the shared state's reservations per pool
+        (``reserved``) when given."""
         t = self.now(wall)
         env = self.env
         env._advance(t)
@@ -409,9 +629,11 @@ class RoutingEngine:
         busy = np.minimum(env.inflight[m], env.slots[m])
         slots = env.slots[m]
         valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= env.cfg.queue_timeout_s)
+        keys = self.pool_keys[m]
         rows = [{"offering": self.refs[i], "usd_per_hour": _num(price_h[i] * env.gpu_count[i]) if np.isfinite(price_h[i])
                  else None, "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
-                 "busy_slots": int(busy[i]), "next_free_in_s": _num(nxt[i]), "external_util": _num(snap["util"][i])}
+                 "busy_slots": int(busy[i]), "reserved": None if reserved is None else reserved.get(keys[i], 0),
+                 "next_free_in_s": _num(nxt[i]), "external_util": _num(snap["util"][i])}
                 for i in range(self.n)]
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
                 "offerings": rows}

@@ -5,6 +5,7 @@ naming the field; an unexpected exception is logged and answered 500 without int
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from router.engine import RouteFailure
 from router.logs import LOG, request_id_var
+from router.state import StateUnavailable
 from router.store import StoreClosed
 
 CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
@@ -72,6 +74,25 @@ def store_closed_response(exc: Exception) -> JSONResponse:
                         status_code=503, headers={"Retry-After": "5"})
 
 
+def _state_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    return state_unavailable_response(exc)
+
+
+_last_state_error = [0.0]
+
+
+def state_unavailable_response(exc: Exception) -> JSONResponse:
+    """The shared state cannot be reached (fail closed): 503 naming it, ``Retry-After: 1`` (logged
+    at most once a second: an outage under load would otherwise log every request)."""
+    now = time.monotonic()
+    if now - _last_state_error[0] >= 1.0:
+        _last_state_error[0] = now
+        LOG.error("shared state unavailable", extra={"fields": {"error": str(exc)}})
+    return JSONResponse(error_body("state_unavailable", f"the shared router state cannot be reached, so no "
+                                   f"capacity can be reserved ({exc}); retry shortly"),
+                        status_code=503, headers={"Retry-After": "1"})
+
+
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return unexpected_response(request.url.path, exc)
 
@@ -86,4 +107,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, _http)
     app.add_exception_handler(RouteFailure, _route_failure)
     app.add_exception_handler(StoreClosed, _store_closed)
+    app.add_exception_handler(StateUnavailable, _state_unavailable)
     app.add_exception_handler(Exception, _unexpected)

@@ -62,32 +62,27 @@ def _finite(x):  # pragma: no cover
 
 @njit(cache=True)
 def _head(ints, chosen, n_valid, n_not_preferred, counts):  # pragma: no cover
-    """The first eight outputs of :func:`greedy_decide` / :func:`valid_rows`; the slot (``ints[7]``)
-    -1 until one is taken."""
+    """The first seven outputs of :func:`greedy_decide` / :func:`valid_rows`."""
     ints[0] = chosen
     ints[1] = n_valid
     ints[2] = n_not_preferred
     for c in range(4):
         ints[3 + c] = counts[c]
-    ints[7] = -1
 
 
 @njit  # not cache=True: it compiles envs.kernels' functions into itself (module docstring)
 def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, ref_cost, budget_ms, retry_ms,
-                  cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, est_free, est_min, inflight,
-                  shift, t, ints, floats):  # pragma: no cover
-    """The greedy policy's whole decision once the environment has computed the request's
+                  cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, ints, floats):  # pragma: no cover
+    """The greedy policy's whole ranking once the environment has computed the request's
     candidate outcomes ``C`` (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`,
     the expected rewards of the valid offerings (``envs.kernels.expected_rewards``), the best and
-    the next ``k`` (``envs.kernels.rank``), and the chosen pool admitted in the router's view for
-    the request's expected service time (``envs.kernels.view_admit``, in place on the request's
-    model's ``est_free``/``est_min``/``inflight``/``shift``). The same kernels the engine's general
-    path calls one by one, so the same floats.
+    the next ``k`` (``envs.kernels.rank``). The same kernels the engine's general path calls one
+    by one, so the same floats. (The chosen pool is admitted in the router's view afterwards,
+    once the shared state has reserved it: ``RoutingEngine.admit``.)
 
-    Writes into ``ints`` (int64, at least 8 + k) [chosen offering (-1: none valid, nothing taken),
-    valid count, not-preferred count, the four ``ENV_REASONS`` counts, slot taken, then the
-    alternatives' indices] and ``floats`` (float64, at least 5 + 3k) [expected release of the slot,
-    the slot's correction at admission, then (score, expected latency ms, expected cost USD) of the
+    Writes into ``ints`` (int64, at least 7 + k) [chosen offering (-1: none valid), valid count,
+    not-preferred count, the four ``ENV_REASONS`` counts, then the alternatives' indices] and
+    ``floats`` (float64, at least 3 + 3k) [(score, expected latency ms, expected cost USD) of the
     chosen offering and of each alternative, NaN/inf as 0.0], and returns the number of
     alternatives. (Output buffers rather than returned arrays: boxing each new array costs the call
     ~0.3 us.)"""
@@ -99,17 +94,13 @@ def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, r
     _head(ints, best, n_valid, n_not_preferred, counts)
     if best < 0:
         return 0
-    j, end, shift0 = env_kernels.view_admit(est_free, est_min, inflight, shift, best, t, C[env_kernels.SERVICE, best])
-    ints[7] = j
-    floats[0] = end
-    floats[1] = shift0
     for q in range(m + 1):
         i = best if q == 0 else alt[q - 1]
         if q > 0:
-            ints[7 + q] = i
-        floats[2 + 3 * q] = _finite(r[i])
-        floats[3 + 3 * q] = _finite(C[env_kernels.LAT, i])
-        floats[4 + 3 * q] = _finite(C[env_kernels.COST, i])
+            ints[6 + q] = i
+        floats[3 * q] = _finite(r[i])
+        floats[1 + 3 * q] = _finite(C[env_kernels.LAT, i])
+        floats[2 + 3 * q] = _finite(C[env_kernels.COST, i])
     return m
 
 
@@ -119,8 +110,8 @@ def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_
     """A learned scorer's inputs in one compiled call: :func:`combine`, then the valid offerings'
     indices (ascending) into ``idx`` and their observation rows into ``rows``
     (``envs.kernels.offering_rows``, as ``CloudRouteEnv.offering_features``). Returns how many;
-    writes ``ints`` [-1 when none, valid count, not-preferred count, the four ``ENV_REASONS``
-    counts], as :func:`greedy_decide`."""
+    writes ``ints`` [-1, valid count, not-preferred count, the four ``ENV_REASONS`` counts], as
+    :func:`greedy_decide`."""
     valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
     _head(ints, -1, n_valid, n_not_preferred, counts)
     m = 0
@@ -145,29 +136,24 @@ def _rank_finite(scores, k):  # pragma: no cover
 
 
 @njit  # not cache=True, as greedy_decide
-def scored_decide(scores, idx, k, est_free, est_min, inflight, shift, t, C, ints, floats):  # pragma: no cover
+def scored_decide(scores, idx, k, C, ints, floats):  # pragma: no cover
     """After :func:`valid_rows` and the scorer: the best of the ``scores`` of offerings ``idx``
-    and the next ``k`` (:func:`rank_scored`'s ranking), the chosen pool admitted in the router's
-    view as :func:`greedy_decide` admits it, and the same outputs. Returns the number of
-    alternatives, or -1 (nothing taken) when a score is NaN or infinite."""
+    and the next ``k`` (:func:`rank_scored`'s ranking), and the same outputs as
+    :func:`greedy_decide`. Returns the number of alternatives, or -1 when a score is NaN or
+    infinite."""
     best, alt = _rank_finite(scores, k)
     if best < 0:
         return -1
     m = alt.shape[0]
-    a = idx[best]
-    ints[0] = a
-    j, end, shift0 = env_kernels.view_admit(est_free, est_min, inflight, shift, a, t, C[env_kernels.SERVICE, a])
-    ints[7] = j
-    floats[0] = end
-    floats[1] = shift0
+    ints[0] = idx[best]
     for q in range(m + 1):
         r = best if q == 0 else alt[q - 1]
         i = idx[r]
         if q > 0:
-            ints[7 + q] = i
-        floats[2 + 3 * q] = scores[r]
-        floats[3 + 3 * q] = _finite(C[env_kernels.LAT, i])
-        floats[4 + 3 * q] = _finite(C[env_kernels.COST, i])
+            ints[6 + q] = i
+        floats[3 * q] = scores[r]
+        floats[1 + 3 * q] = _finite(C[env_kernels.LAT, i])
+        floats[2 + 3 * q] = _finite(C[env_kernels.COST, i])
     return m
 
 
@@ -199,13 +185,11 @@ def warm_up() -> None:
     f = np.ones(2)
     C = np.ones((env_kernels.N_OUT, 2))
     ints, floats = np.zeros(9, dtype=np.int64), np.zeros(8)
-    greedy_decide(ok, ok, ok, True, code, C, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 3.0, 1, np.zeros((2, 2)), np.zeros(2),
-                  np.zeros(2, dtype=np.int64), np.zeros((2, 2)), 0.0, ints, floats)
+    greedy_decide(ok, ok, ok, True, code, C, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 3.0, 1, ints, floats)
     rank_scored(np.ones(2, dtype=np.float32), np.arange(2), 1)  # a learned scorer's float32 scores
     rank_scored(np.ones(2), np.arange(2), 1)
     rows = np.zeros((2, N_OFFERING_FEATURES), dtype=np.float32)  # as CloudRouteEnv's arrays
     i2 = np.zeros(2, dtype=np.int64)
     valid_rows(ok, ok, ok, True, code, np.zeros((2, N_OFFERING_FEATURES)), f, C, f, 1.0, 1.0, 1.0, 1.0, rows, i2, ints)
     for scores in (np.ones(2, dtype=np.float32), np.ones(2)):
-        scored_decide(scores, i2, 1, np.zeros((2, 2)), np.zeros(2), np.zeros(2, dtype=np.int64), np.zeros((2, 2)), 0.0,
-                      C, ints, floats)
+        scored_decide(scores, i2, 1, C, ints, floats)

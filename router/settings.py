@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from router.state import STATS_ALPHA
+from router.state import HOLD_FACTOR, HOLD_FLOOR_S, HOLD_MAX_S, STATS_ALPHA
 from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
@@ -41,6 +41,35 @@ class TenantConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     constraints: Constraints = Constraints()
+
+
+class InferenceServer(BaseModel):
+    """A pool whose inference servers expose Prometheus metrics (``router.scrape``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offering_id: str = Field(min_length=1, description="the offering the servers run on (GET /v1/offerings)")
+    model: str | None = Field(None, description="the model they serve (default: the default model)")
+    endpoints: list[str] = Field(min_length=1, description="each server's metrics URL, e.g. http://10.0.0.5:8000/metrics")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _http(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"'{url}' is not an http:// or https:// URL")
+        return v
+
+
+class InferenceMetrics(BaseModel):
+    """The metric names an inference server exposes (vLLM's by default; its v0 called the KV-cache
+    gauge ``vllm:gpu_cache_usage_perc``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    running: str = "vllm:num_requests_running"
+    waiting: str = "vllm:num_requests_waiting"
+    kv_cache: str = "vllm:kv_cache_usage_perc"
 
 
 class RouterSettings(BaseSettings):
@@ -111,6 +140,30 @@ class RouterSettings(BaseSettings):
                               description="namespace of the router's keys on the server")
     state_stats_alpha: float = Field(STATS_ALPHA, gt=0, le=1, description="weight of a new outcome in each "
                                      "pool's exponentially weighted TTFT/duration statistics")
+    state_hold_factor: float = Field(
+        HOLD_FACTOR, gt=0, le=100, description="a reservation whose feedback never comes is released this many times "
+                                               "its expected latency after it was made (and counted as expired)")
+    state_hold_floor_s: float = Field(HOLD_FLOOR_S, ge=0, le=86_400, description="... at least this long")
+    state_hold_max_s: float = Field(HOLD_MAX_S, gt=0, le=7 * 86_400, description="... at most this long")
+    state_view_refresh_s: float = Field(
+        0.05, gt=0, le=60, description="how often the shared in-flight work per pool is read for the decisions' "
+                                       "features (this process's own work is counted at once)")
+    idempotency_ttl_s: float = Field(
+        300.0, gt=0, le=7 * 86_400, description="how long a request's Idempotency-Key is remembered (with its "
+                                                "answer: mind the memory at high rates)")
+
+    # inference servers' own metrics (router/scrape.py) ------------------------------------------
+    inference_servers: list[InferenceServer] = Field(
+        default_factory=list, description="pools whose inference servers are scraped for their running and waiting "
+                                          "requests and KV-cache usage")
+    inference_metrics: InferenceMetrics = Field(default_factory=InferenceMetrics,
+                                                description="the metric names the servers expose")
+    inference_scrape_s: float = Field(1.0, gt=0, le=3600, description="how often the servers are scraped")
+    inference_scrape_timeout_s: float = Field(0.5, gt=0, le=60, description="a server slower than this is skipped")
+    inference_stale_s: float = Field(5.0, gt=0, le=86_400, description="a pool none of whose servers answered for "
+                                                                       "this long reports nothing")
+    kv_cache_full: float = Field(0.95, gt=0, le=1, description="a pool whose servers' KV cache is this full has no "
+                                                               "free slot, whatever the counts say")
 
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")

@@ -36,7 +36,6 @@ Finch 2009). The failure rate is the same mean over 0/1. Counts are kept exactly
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -47,9 +46,11 @@ from typing import Any, Literal
 #: the default weight of a new outcome in the per-pool statistics (module docstring)
 STATS_ALPHA = 0.05
 #: :func:`hold_for`'s default: a reservation is held for this many times its expected time ...
-HOLD_FACTOR = 4.0
-#: ... and at least this long (seconds)
-HOLD_FLOOR_S = 30.0
+HOLD_FACTOR = 2.0
+#: ... at least this long (seconds) ...
+HOLD_FLOOR_S = 1.0
+#: ... and at most this long (seconds)
+HOLD_MAX_S = 3600.0
 
 
 class StateUnavailable(RuntimeError):
@@ -57,10 +58,12 @@ class StateUnavailable(RuntimeError):
     tell what the other routers have admitted, so it answers 503 rather than guess (fail closed)."""
 
 
-def hold_for(expected_s: float, factor: float = HOLD_FACTOR, floor_s: float = HOLD_FLOOR_S) -> float:
+def hold_for(expected_s: float, factor: float = HOLD_FACTOR, floor_s: float = HOLD_FLOOR_S,
+             max_s: float = HOLD_MAX_S) -> float:
     """How long to hold a reservation whose release may never come: ``factor`` times the work's
-    expected time, at least ``floor_s`` seconds."""
-    return max(floor_s, factor * max(expected_s, 0.0))
+    expected time (its expected latency: the wait and the service), at least ``floor_s`` and at
+    most ``max_s`` seconds."""
+    return min(max_s, max(floor_s, factor * max(expected_s, 0.0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,9 @@ class RouterState:
     backend with a server."""
 
     backend = ""
+    #: True when the backend also offers the operations as plain calls (``reserve_now``,
+    #: ``release_now``, ``claim_now``, ...): the embedded one, whose callers need not await
+    sync = False
 
     # -------------------------------------------------------------- in-flight work
     async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
@@ -146,6 +152,10 @@ class RouterState:
         raise NotImplementedError
 
     async def stats(self, pool: str) -> PoolStats:
+        raise NotImplementedError
+
+    async def durations(self, pools: Sequence[str]) -> dict[str, float]:
+        """The observed mean duration (ms) of each of ``pools`` that has one."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- idempotency
@@ -236,6 +246,7 @@ class EmbeddedState(RouterState):
     (:func:`decision_events`). ``clock`` is monotonic seconds (``time.monotonic``)."""
 
     backend = "embedded"
+    sync = True
 
     def __init__(self, alpha: float = STATS_ALPHA, clock: Callable[[], float] = time.monotonic):
         if not 0.0 < alpha <= 1.0:
@@ -319,6 +330,18 @@ class EmbeddedState(RouterState):
                          s.dur_mean if s.dur_n else None, math.sqrt(s.dur_var) if s.dur_n else None,
                          self._in_flight.get(pool, 0), self._expired.get(pool, 0))
 
+    def in_flight_now(self) -> dict[str, int]:
+        self.expire_now()
+        return {p: n for p, n in self._in_flight.items() if n}
+
+    def durations_now(self, pools: Sequence[str]) -> dict[str, float]:
+        out = {}
+        for pool in pools:
+            s = self._stats.get(pool)
+            if s is not None and s.dur_n:
+                out[pool] = s.dur_mean
+        return out
+
     def _idem_expire(self, now: float) -> None:
         due, idem = self._idem_due, self._idem
         while due and due[0][0] <= now:
@@ -359,8 +382,7 @@ class EmbeddedState(RouterState):
         return self.release_now(reservation_id)
 
     async def in_flight(self) -> dict[str, int]:
-        self.expire_now()
-        return {p: n for p, n in self._in_flight.items() if n}
+        return self.in_flight_now()
 
     async def expire(self) -> int:
         return self.expire_now()
@@ -375,6 +397,9 @@ class EmbeddedState(RouterState):
 
     async def stats(self, pool: str) -> PoolStats:
         return self.stats_now(pool)
+
+    async def durations(self, pools: Sequence[str]) -> dict[str, float]:
+        return self.durations_now(pools)
 
     async def claim(self, key: str, ttl_s: float) -> Claim:
         return self.claim_now(key, ttl_s)
@@ -407,6 +432,18 @@ class EmbeddedState(RouterState):
         out["expired"] = self.expire_now(now)
         out["held"] = len(self._held)
         return out
+
+    def restore_answers(self, answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None) -> int:
+        """Idempotency keys after a restart: each ``(key, answer, until)`` (``until`` wall clock)
+        completed again for what is left of its time (those past it are skipped). Returns how
+        many were restored."""
+        now_wall = time.time() if now_wall is None else now_wall
+        n = 0
+        for key, answer, until in answers:
+            if until > now_wall and answer:
+                self.complete_now(key, answer, until - now_wall)
+                n += 1
+        return n
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "reservations": len(self._held), "pools": len(self._in_flight)}
@@ -470,6 +507,9 @@ class FailOpenState(RouterState):
     async def stats(self, pool: str) -> PoolStats:
         return await self._call("stats", pool)  # type: ignore[no-any-return]
 
+    async def durations(self, pools: Sequence[str]) -> dict[str, float]:
+        return await self._call("durations", pools)  # type: ignore[no-any-return]
+
     async def claim(self, key: str, ttl_s: float) -> Claim:
         return await self._call("claim", key, ttl_s)  # type: ignore[no-any-return]
 
@@ -490,39 +530,56 @@ class FailOpenState(RouterState):
         await self.primary.close()
 
 
+def pool_key(model: str, offering_id: str) -> str:
+    """The state's key of a pool: the (model, offering) pair (``docs/env.md``, "Pools")."""
+    return f"{model}|{offering_id}"
+
+
+def _id_floor(since: float) -> str:
+    """The smallest decision id made at wall time ``since`` or later, less a minute (ids are
+    ``d_`` + 12 hex digits of milliseconds + random bits: ``router.logs.new_sorted_id``)."""
+    return f"d_{max(0, int((since - 60.0) * 1000.0)):012x}"
+
+
 def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str, Any]], float] | None = None,
                     pool_of: Callable[[dict[str, Any]], str] | None = None) -> Iterator[Reserved | Released]:
     """The reservation and release events the decision log implies from wall time ``since`` on,
     oldest first (for :meth:`EmbeddedState.rebuild` after a restart): each decision reserved one
-    slot of its pool (``pool_of(row)``, default the offering id) for ``hold_s(row)`` seconds
-    (default :func:`hold_for` of its expected latency); feedback released it. ``target``: a SQLite
-    file or a ``postgresql://`` URL."""
-    pool = pool_of or (lambda row: str(row["offering_id"]))
+    slot of its pool until its hold passed, each feedback released it. The pool and the hold's end
+    are the row's ``pool`` and ``hold_until``; rows written before those columns existed get
+    ``pool_of(row)`` (default :func:`pool_key` of its model and offering) and ``created_at +
+    hold_s(row)`` (default :func:`hold_for` of its expected latency). ``target``: a SQLite file or
+    a ``postgresql://`` URL. Rows are found by the decision id's time prefix (the primary key), so a
+    long log is not scanned."""
+    pool = pool_of or (lambda row: pool_key(str(row["model"]), str(row["offering_id"])))
     hold = hold_s or (lambda row: hold_for(float(row["expected_latency_ms"]) / 1000.0))
-    dsql = ("SELECT decision_id, created_at, offering_id, expected_latency_ms, request_json FROM decisions "
-            "WHERE created_at >= {p} ORDER BY created_at, decision_id")
+    dsql = ("SELECT decision_id, created_at, model, offering_id, expected_latency_ms, pool, hold_until FROM decisions "
+            "WHERE decision_id >= {p} AND created_at >= {p} ORDER BY created_at, decision_id")
     fsql = ("SELECT f.decision_id, MIN(f.received_at) FROM feedback f JOIN decisions d "
-            "ON d.decision_id = f.decision_id WHERE d.created_at >= {p} GROUP BY f.decision_id")
+            "ON d.decision_id = f.decision_id WHERE d.decision_id >= {p} AND d.created_at >= {p} "
+            "GROUP BY f.decision_id")
+    args = (_id_floor(since), since)
     if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
         import psycopg
 
         with psycopg.connect(target, connect_timeout=10) as conn:
-            drows = conn.execute(dsql.format(p="%s"), (since,)).fetchall()  # type: ignore[arg-type]
-            frows = conn.execute(fsql.format(p="%s"), (since,)).fetchall()  # type: ignore[arg-type]
+            drows = conn.execute(dsql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
+            frows = conn.execute(fsql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
     else:
         from router.store import connect
 
         conn3 = connect(Path(target), readonly=True)
         try:
-            drows = conn3.execute(dsql.format(p="?"), (since,)).fetchall()
-            frows = conn3.execute(fsql.format(p="?"), (since,)).fetchall()
+            drows = conn3.execute(dsql.format(p="?"), args).fetchall()
+            frows = conn3.execute(fsql.format(p="?"), args).fetchall()
         finally:
             conn3.close()
     timeline: list[tuple[float, int, Reserved | Released]] = []
-    for did, created, offering, expected_ms, request_json in drows:
-        row = {"decision_id": did, "created_at": created, "offering_id": offering,
-               "expected_latency_ms": expected_ms, "request": json.loads(request_json)}
-        timeline.append((float(created), 0, Reserved(str(did), pool(row), float(created) + hold(row))))
+    for did, created, model, offering, expected_ms, pool_col, hold_until in drows:
+        row = {"decision_id": did, "created_at": created, "model": model, "offering_id": offering,
+               "expected_latency_ms": expected_ms}
+        until = float(hold_until) if hold_until is not None else float(created) + hold(row)
+        timeline.append((float(created), 0, Reserved(str(did), str(pool_col) if pool_col else pool(row), until)))
     timeline += [(float(at), 1, Released(str(did))) for did, at in frows]
     timeline.sort(key=lambda t: (t[0], t[1]))
     for _, _, ev in timeline:

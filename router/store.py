@@ -72,6 +72,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,9 @@ CREATE TABLE IF NOT EXISTS decisions (
     policy_kind TEXT NOT NULL,
     policy_version TEXT,
     bundle_hash TEXT NOT NULL,
+    pool TEXT,
+    hold_until REAL,
+    idempotency_key TEXT,
     request_json TEXT NOT NULL,
     response_json BLOB NOT NULL,
     response_zdict INTEGER REFERENCES zdicts(zdict_id)
@@ -121,18 +125,24 @@ CREATE TABLE IF NOT EXISTS feedback (
     cost_usd REAL,
     output_tokens INTEGER,
     failed INTEGER NOT NULL,
-    error TEXT
+    error TEXT,
+    ttft_ms REAL,
+    idempotency_key TEXT
 );
 CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
 """
+#: columns added since the first release, with their types: a log written before gets them on
+#: start (``ALTER TABLE ... ADD COLUMN``; its old rows hold NULL there), in either backend
+ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT")),
+                 "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"))}
 
 DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "origin", "input_tokens",
                     "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "model", "session_id", "offering_id",
                     "expected_latency_ms",
                     "expected_cost_usd", "policy", "policy_kind", "policy_version", "bundle_hash",
-                    "request_json", "response_json")
+                    "pool", "hold_until", "idempotency_key", "request_json", "response_json")
 FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
-                    "error")
+                    "error", "ttft_ms", "idempotency_key")
 _INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}, response_zdict) "
                     f"VALUES ({', '.join('?' * (len(DECISION_COLUMNS) + 1))})")
 #: the dictionary size kept (deflate's window, the most older logs' ``zlib`` dictionaries use)
@@ -304,6 +314,17 @@ class GroupCommitLog:
         """The tenant of a stored decision (None when there is none)."""
         raise NotImplementedError
 
+    async def lookup(self, decision_id: str) -> DecisionRef | None:
+        """What feedback needs of a stored decision (None when there is none)."""
+        raise NotImplementedError
+
+    async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        """The decisions and feedback made from wall time ``since`` on under an idempotency key (to
+        restore the keys after a restart): ``(key, request_json, answer JSON text, created_at)`` and
+        ``(key, feedback_id, decision_id, received_at, latency_ms, ttft_ms, cost_usd, output_tokens,
+        failed, error)``."""
+        raise NotImplementedError
+
     async def healthy(self) -> bool:
         """Whether the log can record now (``/readyz``)."""
         return self.error is None and not self.closed
@@ -313,13 +334,47 @@ class GroupCommitLog:
         return {"backend": self.backend, "commits": self.commits, "rows": self.rows, "error": self.error}
 
 
+@dataclass(frozen=True, slots=True)
+class DecisionRef:
+    """A stored decision as feedback needs it: its tenant, model, pool (``router.state``'s key:
+    the row's ``pool``, or the model and offering for rows written before it existed) and how many
+    feedback rows it has."""
+
+    tenant: str
+    model: str
+    pool: str
+    feedback: int
+
+
+#: the columns :meth:`GroupCommitLog.lookup` reads (and how a backend builds its answer: :func:`decision_ref`)
+LOOKUP_SQL = ("SELECT d.tenant, d.model, d.offering_id, d.pool, (SELECT COUNT(*) FROM feedback f WHERE "
+              "f.decision_id = d.decision_id) FROM decisions d WHERE d.decision_id = {p}")
+#: the keyed decisions and feedback since a time (:meth:`GroupCommitLog.keyed_since`); decision ids are
+#: time-sorted, so the id bound (``router.state._id_floor``) finds them by the primary key
+KEYED_DECISIONS_SQL = ("SELECT idempotency_key, request_json, response_json{z}, created_at FROM decisions "
+                       "WHERE decision_id >= {p} AND created_at >= {p} AND idempotency_key IS NOT NULL")
+KEYED_FEEDBACK_COLUMNS = ("idempotency_key, feedback_id, decision_id, received_at, latency_ms, ttft_ms, cost_usd, "
+                          "output_tokens, failed, error")
+KEYED_FEEDBACK_SQL = (f"SELECT {KEYED_FEEDBACK_COLUMNS} FROM feedback "
+                      "WHERE received_at >= {p} AND idempotency_key IS NOT NULL")
+
+
+def decision_ref(row: tuple[Any, ...] | None) -> DecisionRef | None:
+    if row is None:
+        return None
+    tenant, model, offering_id, pool, n = row
+    from router.state import pool_key
+
+    return DecisionRef(str(tenant), str(model), str(pool) if pool else pool_key(str(model), str(offering_id)), int(n))
+
+
 def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:
     """What ``get_decision`` returns, from the stored answer, the stored request and the feedback
-    rows ``(feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error)``."""
+    rows ``(feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms)``."""
     response["request"] = json.loads(request_json)
     response["feedback"] = [
         {"feedback_id": r[0], "received_at": iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
-         "output_tokens": r[4], "failed": bool(r[5]), "error": r[6]} for r in feedback]
+         "output_tokens": r[4], "failed": bool(r[5]), "error": r[6], "ttft_ms": r[7]} for r in feedback]
     return response
 
 
@@ -372,6 +427,11 @@ class DecisionStore(GroupCommitLog):
             conn.execute("ALTER TABLE decisions ADD COLUMN response_zdict INTEGER REFERENCES zdicts(zdict_id)")
         if "codec" not in {r[1] for r in conn.execute("PRAGMA table_info(zdicts)")}:  # deflate only, before
             conn.execute("ALTER TABLE zdicts ADD COLUMN codec TEXT NOT NULL DEFAULT 'zlib'")
+        for table, added in ADDED_COLUMNS.items():  # before the state's pool, hold and idempotency columns
+            have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+            for name, kind in added:
+                if name not in have:
+                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
         self._zdict: bytes | None = None
         self._decoders: dict[int, Callable[[bytes], bytes]] = {}
         self._reader = connect(self.path, synchronous)
@@ -477,13 +537,31 @@ class DecisionStore(GroupCommitLog):
         if row is None:
             return None
         feedback = self._reader.execute(
-            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error "
+            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms "
             "FROM feedback WHERE decision_id = ? ORDER BY feedback_id", (decision_id,)).fetchall()
         return decision_record(json.loads(self._unpack(row[0], row[2])), row[1], feedback)
 
     async def owner(self, decision_id: str) -> str | None:
         row = self._reader.execute("SELECT tenant FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()
         return None if row is None else str(row[0])
+
+    async def lookup(self, decision_id: str) -> DecisionRef | None:
+        return decision_ref(self._reader.execute(LOOKUP_SQL.format(p="?"), (decision_id,)).fetchone())
+
+    async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        from router.state import _id_floor
+
+        args = (_id_floor(since), since)
+        rows = self._reader.execute(KEYED_DECISIONS_SQL.format(p="?", z=", response_zdict"), args).fetchall()
+        decisions = [(k, rj, self._unpack(blob, zid), at) for k, rj, blob, zid, at in rows]
+        # feedback from the newest back (its key is the row id: no scan of older rows)
+        feedback = []
+        for row in self._reader.execute(f"SELECT {KEYED_FEEDBACK_COLUMNS} FROM feedback ORDER BY feedback_id DESC"):
+            if row[3] < since - 60.0:
+                break
+            if row[0] is not None and row[3] >= since:
+                feedback.append(tuple(row))
+        return decisions, feedback[::-1]
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "path": str(self.path), "synchronous": self.synchronous,

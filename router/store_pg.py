@@ -39,13 +39,19 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from router.store import (
+    ADDED_COLUMNS,
     DECISION_COLUMNS,
     FEEDBACK_COLUMNS,
+    KEYED_DECISIONS_SQL,
+    KEYED_FEEDBACK_SQL,
+    LOOKUP_SQL,
+    DecisionRef,
     GroupCommitLog,
     Item,
     Result,
     StoreClosed,
     decision_record,
+    decision_ref,
     export_columns,
 )
 
@@ -86,7 +92,8 @@ CREATE TABLE IF NOT EXISTS feedback (
     error TEXT
 );
 CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
-"""
+""" + "".join(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {'DOUBLE PRECISION' if kind == 'REAL' else kind};\n"
+              for table, added in ADDED_COLUMNS.items() for name, kind in added)
 #: the advisory lock key under which the schema is created (routers starting together)
 _SCHEMA_LOCK = 0x78726F757465  # "xroute"
 
@@ -255,13 +262,24 @@ class PostgresLog(GroupCommitLog):
         if not rows:
             return None
         feedback = await self._read(
-            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error "
+            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms "
             "FROM feedback WHERE decision_id = %s ORDER BY feedback_id", (decision_id,))
         return decision_record(json.loads(rows[0][0]), rows[0][1], feedback)
 
     async def owner(self, decision_id: str) -> str | None:
         rows = await self._read("SELECT tenant FROM decisions WHERE decision_id = %s", (decision_id,))
         return None if not rows else str(rows[0][0])
+
+    async def lookup(self, decision_id: str) -> DecisionRef | None:
+        rows = await self._read(LOOKUP_SQL.format(p="%s"), (decision_id,))
+        return decision_ref(rows[0] if rows else None)
+
+    async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        from router.state import _id_floor
+
+        decisions = await self._read(KEYED_DECISIONS_SQL.format(p="%s", z=""), (_id_floor(since), since))
+        feedback = await self._read(KEYED_FEEDBACK_SQL.replace("{p}", "%s") + " ORDER BY feedback_id", (since,))
+        return [tuple(r) for r in decisions], [tuple(r) for r in feedback]
 
     async def healthy(self) -> bool:
         if self.closed:

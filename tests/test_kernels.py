@@ -14,7 +14,7 @@ from envs.kernels import BUSY, COST, LAT, PVIOL, RISK, SERVICE, TPOT, TTFT, WAIT
 from router import kernels as rkernels
 
 
-def _inputs(rng: np.random.Generator, n: int, deadline: bool) -> dict[str, object]:
+def _inputs(rng: np.random.Generator, n: int, deadline: bool, shared: bool = False) -> dict[str, object]:
     slots = rng.integers(0, 9, n)
     return {
         "est_min": np.where(rng.random(n) < 0.3, -np.inf, rng.normal(100.0, 2.0, n)),
@@ -40,18 +40,33 @@ def _inputs(rng: np.random.Generator, n: int, deadline: bool) -> dict[str, objec
         "deadline_ms": float(rng.uniform(2000, 30000)) if deadline else np.nan,
         "queue_timeout_s": 2.0,
         "unseen_s": float(rng.uniform(0, 10)),
+        # other routers' work on each pool (router.state), with its observed duration or none
+        "others": np.where(rng.random(n) < 0.5, rng.integers(0, 30, n), 0).astype(np.int64) if shared
+        else np.zeros(n, dtype=np.int64),
+        "others_service_s": np.where(rng.random(n) < 0.5, rng.uniform(0.1, 20.0, n), 0.0),
+        # the requests running + waiting the pools' inference servers report (-1: none)
+        "server_busy": np.where(rng.random(n) < 0.5, rng.uniform(0.0, 40.0, n), -1.0) if shared
+        else np.full(n, -1.0),
     }
 
 
 def _numpy_outcomes(d: dict[str, object]) -> tuple[np.ndarray, np.ndarray, float, float]:
     """The candidate outcomes written in numpy (and scipy's lognormal for the SLO miss)."""
     g = d.__getitem__
-    wait = np.maximum(g("est_min") - g("t"), 0.0)
-    busy = g("inflight").astype(np.float64)
-    k = np.minimum(busy * g("inv_replicas"), g("conc_m1")) + g("ext_util_conc")
+    own = g("inflight").astype(np.float64)
+    reported = g("server_busy") >= 0
+    busy = np.where(reported, np.maximum(own + g("others"), g("server_busy")), own + g("others"))
+    k = np.minimum(busy * g("inv_replicas"), g("conc_m1")) + np.where(reported, 0.0, g("ext_util_conc"))
     pf = g("r_in") * g("inv_prefill")
     tp = g("tpot_s") + g("tpot_growth_s") * k
     service = pf + g("est_out") * tp
+    wait = np.maximum(g("est_min") - g("t"), 0.0)
+    # the shared queue of other routers' work: max(0, b - slots + 1) x S / slots, S observed or this service
+    slots = g("slots").astype(np.float64)
+    s_obs = np.where(g("others_service_s") > 0, g("others_service_s"), service)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        queue = (busy - slots + 1.0) * s_obs / slots
+    wait = np.where((busy > own) & (slots > 0), np.maximum(wait, queue), wait)
     ttft = (wait + pf + tp) * 1000.0 + g("rtt")
     lat = (wait + service) * 1000.0 + g("rtt")
     slack = (g("ttft_ms") - g("rtt") - 1000 * wait) / ((pf + tp) * 1000.0)
@@ -82,14 +97,19 @@ def _outcomes(d: dict[str, object]) -> tuple[np.ndarray, np.ndarray, float, floa
 
 @pytest.mark.parametrize("seed", range(8))
 def test_candidate_outcomes_equal_numpy(seed: int) -> None:
+    """Seeds 4-7 add other routers' work (``others``) and the servers' reported load (``server_busy``)
+    on half the pools each: the queue's wait, the batch without the utilization term."""
     rng = np.random.default_rng(seed)
-    d = _inputs(rng, int(rng.integers(1, 130)), deadline=seed % 2 == 1)
+    d = _inputs(rng, int(rng.integers(1, 130)), deadline=seed % 2 == 1, shared=seed >= 4)
     C, mask, bv, sv = _outcomes(d)
     C2, mask2, bv2, sv2 = _numpy_outcomes(d)
     for row, name in enumerate(("wait", "busy", "service", "ttft", "lat", "tpot", "cost", "risk")):
         np.testing.assert_allclose(C[row], C2[row], rtol=1e-13, atol=0, err_msg=name)
     np.testing.assert_allclose(C[PVIOL], C2[PVIOL], rtol=1e-9, atol=1e-12, err_msg="pviol")
-    assert mask.tolist() == mask2.tolist() and (bv, sv) == (bv2, sv2)
+    # (reported loads are fractional: the kernel's running sum and numpy's dot may differ in the last bit)
+    assert mask.tolist() == mask2.tolist() and bv == pytest.approx(bv2, rel=1e-12) and sv == sv2
+    if seed >= 4:  # the shared queue did lengthen some waits (so the comparison above covers it)
+        assert (C[WAIT] > np.maximum(d["est_min"] - d["t"], 0.0)).any()  # type: ignore[operator]
 
 
 def test_the_violation_probability_is_the_lognormal_tail() -> None:
@@ -279,40 +299,30 @@ def test_the_router_view_moves_a_slot_chain_by_each_completion_error(seed: int) 
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_greedy_decide_is_combine_rewards_rank_and_admit(seed: int) -> None:
-    """The router's one-call greedy decision against the kernels it fuses, called one by one as
-    the engine's general path calls them: same choice, alternatives, counts and numbers, and the
-    same slot admitted in the view (nothing when no offering is valid)."""
+def test_greedy_decide_is_combine_rewards_and_rank(seed: int) -> None:
+    """The router's one-call greedy ranking against the kernels it fuses, called one by one as
+    the engine's general path calls them: same choice, alternatives, counts and numbers."""
     rng = np.random.default_rng(seed)
-    d = _inputs(rng, int(rng.integers(1, 60)), deadline=False)
+    d = _inputs(rng, int(rng.integers(1, 60)), deadline=False, shared=seed % 2 == 1)
     C, env_mask, _, _ = _outcomes(d)
     n = env_mask.shape[0]
     allowed, preferred = rng.random(n) < [0.8, 0.0][seed % 4 == 3], rng.random(n) < 0.4
     code = rng.integers(0, 4, n).astype(np.int64)
     w = (float(rng.uniform(1e-6, 1e-3)), float(rng.uniform(500, 9000)), 1500.0, 0.6, 0.4, 2.0, 5.0, 3.0)
     k = int(rng.integers(0, 5))
-    smax = 4
-    est = np.where(rng.random((n, smax)) < 0.5, -np.inf, rng.normal(100.0, 2.0, (n, smax)))
-    est_min, infl, shift = est.min(axis=1), rng.integers(0, 5, n).astype(np.int64), rng.normal(0, 1, (n, smax))
-    e2, m2, i2, s2 = est.copy(), est_min.copy(), infl.copy(), shift.copy()
-    ints, floats = np.full(8 + k + 2, 99, dtype=np.int64), np.full(5 + 3 * k + 2, 99.0)  # larger than needed
-    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, C, *w, k, est, est_min, infl, shift, 100.0,
-                               ints, floats)
-    ints, floats = ints[: 8 + m], floats[: 5 + 3 * m]
+    ints, floats = np.full(7 + k + 2, 99, dtype=np.int64), np.full(3 + 3 * k + 2, 99.0)  # larger than needed
+    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, C, *w, k, ints, floats)
+    ints, floats = ints[: 7 + m], floats[: 3 + 3 * m]
     valid, n_valid, n_np, counts = rkernels.combine(env_mask, allowed, preferred, True, code)
     r = kernels.expected_rewards(C, valid, *w)
     best, alt = kernels.rank(r, valid, k)
     assert ints[:7].tolist() == [best, n_valid, n_np, *counts.tolist()]
     if best < 0:
-        assert ints[7] == -1 and ints[8:].size == 0
-        assert np.array_equal(est, e2) and np.array_equal(infl, i2)
+        assert m == 0
         return
-    j, end, s0 = kernels.view_admit(e2, m2, i2, s2, best, 100.0, C[SERVICE, best])
-    assert (ints[7], floats[0], floats[1]) == (j, end, s0) and ints[8:].tolist() == alt.tolist()
+    assert ints[7:].tolist() == alt.tolist()
     chosen = [best, *alt.tolist()]
-    assert floats[2:].tolist() == np.column_stack([r[chosen], C[LAT, chosen], C[COST, chosen]]).ravel().tolist()
-    for got, want in ((est, e2), (est_min, m2), (infl, i2), (shift, s2)):
-        np.testing.assert_array_equal(got, want)
+    assert floats.tolist() == np.column_stack([r[chosen], C[LAT, chosen], C[COST, chosen]]).ravel().tolist()
 
 
 @pytest.mark.parametrize("seed", range(10))

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.store import iter_decisions
 from router.testing import free_port, start_subprocess
 from tests.test_router_support import ROUTE, make_setup
 
@@ -35,29 +36,36 @@ def _children(pid: int) -> set[int]:
 @pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
 def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path, synchronous: str) -> None:
     """Both log modes — NORMAL (WAL) skips the fsync, yet a killed process loses nothing
-    acknowledged; the writer process does not outlive the server."""
+    acknowledged; the writer process does not outlive the server. After the restart the embedded
+    state is rebuilt from the log: every logged decision holds one reservation (none twice), and
+    retrying each acknowledged request under its ``Idempotency-Key`` gets its first answer and
+    books nothing."""
     setup = make_setup(tmp_path)
     args, env = _serve_args(tmp_path)
     env["XROUTE_ROUTER_DB_SYNCHRONOUS"] = synchronous
+    env["XROUTE_ROUTER_STATE_HOLD_FLOOR_S"] = "600"  # nothing expires while the test runs
     port = free_port()
     proc = start_subprocess(args, env, port, tmp_path / "server.log")
     url = f"http://127.0.0.1:{port}"
-    acked: list[tuple[str, str]] = []
+    acked: list[tuple[str, str, str, bytes, dict[str, object]]] = []
     lock = threading.Lock()
     stop = threading.Event()
 
     def fire(k: int) -> None:
         with httpx.Client(base_url=url, timeout=5) as c:
+            i = 0
             while not stop.is_set():
+                i += 1
+                who, body, key = "a" if k % 2 else "b", {**ROUTE, "max_output_tokens": 5, "session_id": f"w{k}"}, f"w{k}-{i}"
                 try:
-                    r = c.post("/v1/route", json={**ROUTE, "max_output_tokens": 5, "session_id": f"w{k}"},
-                               headers=setup.auth("a" if k % 2 else "b"))
+                    r = c.post("/v1/route", json=body, headers={**setup.auth(who), "Idempotency-Key": key})
                 except httpx.HTTPError:
                     return  # the server died mid-request: that one was never acknowledged
                 if r.status_code == 200:
                     d = r.json()
                     with lock:
-                        acked.append((d["decision_id"], d["offering"]["offering_id"]))
+                        acked.append((d["decision_id"], d["offering"]["offering_id"], key, r.content,
+                                      {"who": who, "body": body}))
 
     threads = [threading.Thread(target=fire, args=(k,)) for k in range(8)]
     try:
@@ -83,10 +91,22 @@ def test_sigkill_under_load_loses_no_acknowledged_decision(tmp_path: Path, synch
     proc = start_subprocess(args, env, port, tmp_path / "server2.log")
     try:
         with httpx.Client(base_url=url, timeout=5) as c:
-            for did, offering_id in acked:
+            for did, offering_id, *_ in acked:
                 r = c.get(f"/v1/admin/decisions/{did}", headers=setup.auth("admin"))
                 assert r.status_code == 200, f"acknowledged decision {did} lost after SIGKILL"
                 assert r.json()["offering"]["offering_id"] == offering_id
+
+            def in_flight() -> int:
+                st = c.get("/v1/admin/status", headers=setup.auth("admin")).json()["state"]
+                return sum(st["in_flight"].values())
+
+            logged = list(iter_decisions(tmp_path / "decisions.db"))
+            assert len(logged) >= len(acked) and len({d["decision_id"] for d in logged}) == len(logged)
+            assert in_flight() == len(logged)  # each logged decision reserved once, none twice
+            for _, _, key, content, req in acked:  # every retry: the first answer, nothing booked
+                r = c.post("/v1/route", json=req["body"], headers={**setup.auth(str(req["who"])), "Idempotency-Key": key})
+                assert r.status_code == 200 and r.content == content
+            assert in_flight() == len(logged) == len(list(iter_decisions(tmp_path / "decisions.db")))
     finally:
         proc.terminate()
         proc.wait(timeout=20)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from router.app import create_app
 from router.engine import RoutingEngine
 from router.export import export_bundle
 from router.keys import Principal
-from router.store import DecisionStore, GroupCommitLog, StoreClosed, iter_decisions
+from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed, iter_decisions
 from router.store_pg import PostgresLog, check_reachable, redact
 from router.testing import ServerThread
 from tests.servers import PostgresServer
@@ -77,8 +78,8 @@ def test_both_backends_group_commit_read_and_export(target: str | Path, engine: 
         dup, fresh = rows[3], ("d_9999", *rows[4][1:])
         res = await asyncio.gather(log.record_decision(dup), log.record_decision(fresh), return_exceptions=True)
         assert isinstance(res[0], StoreClosed) and res[1] == 0
-        f1 = await log.record_feedback((ids[0], "a", 1.0, 900.0, None, 42, 0, None))
-        f2 = await log.record_feedback((ids[0], "a", 2.0, None, None, None, 1, "timeout"))
+        f1 = await log.record_feedback((ids[0], "a", 1.0, 900.0, None, 42, 0, None, 120.0, None))
+        f2 = await log.record_feedback((ids[0], "a", 2.0, None, None, None, 1, "timeout", None, None))
         assert f2 > f1 > 0
         rec = await log.get_decision(ids[0], "a")
         assert rec is not None and rec["decision_id"] == ids[0] and rec["request"]["origin"] == ROUTE["origin"]
@@ -102,6 +103,36 @@ def test_both_backends_group_commit_read_and_export(target: str | Path, engine: 
     assert int(bundle.workload["output_tokens"].iloc[0]) == 80  # the latest feedback has none: max_output_tokens
     readme = (tmp_path / "export" / "README.md").read_text()
     assert "passfile" not in readme and "pgpass" not in readme  # a URL is shown redacted
+
+
+def test_both_backends_look_up_decisions_and_read_back_keyed_rows(target: str | Path, engine: RoutingEngine) -> None:
+    """What feedback reads of a decision (tenant, model, pool, feedback so far), and the rows made
+    under an idempotency key since a time -- the answer exactly as sent -- for restoring the keys
+    after a restart; the new feedback column (TTFT) reads back."""
+    col = DECISION_COLUMNS.index
+    now = time.time()
+    rows = _rows(engine, 3)
+    kid = f"d_{int(now * 1000):012x}{7:020x}"  # a decision id as the router makes them (time-sorted)
+    keyed = list(rows[2])
+    keyed[col("decision_id")], keyed[col("created_at")], keyed[col("idempotency_key")] = kid, now, "a:route:k1"
+
+    async def run() -> None:
+        log = await _open(target)
+        await asyncio.gather(*(log.record_decision(r) for r in [*rows[:2], tuple(keyed)]))
+        await log.record_feedback((rows[0][0], "a", now, 900.0, None, None, 0, None, 120.0, None))
+        await log.record_feedback((kid, "a", now, 5.0, None, 3, 0, None, None, "a:feedback:k2"))
+        ref = await log.lookup(rows[0][0])
+        assert ref == DecisionRef("a", rows[0][col("model")], rows[0][col("pool")], 1)
+        assert (await log.lookup(rows[1][0])).feedback == 0 and await log.lookup("d_nope") is None  # type: ignore[union-attr]
+        assert (await log.get_decision(rows[0][0], "a"))["feedback"][0]["ttft_ms"] == 120.0  # type: ignore[index]
+        decisions, feedback = await log.keyed_since(now - 60)
+        assert [(d[0], d[1], d[2]) for d in decisions] == [("a:route:k1", keyed[col("request_json")], keyed[-1])]
+        assert [f[:4] for f in feedback] == [("a:feedback:k2", feedback[0][1], kid, now)]
+        assert feedback[0][4:] == (5.0, None, None, 3, 0, None)
+        assert await log.keyed_since(now + 3600) == ([], [])
+        await log.close()
+
+    asyncio.run(run())
 
 
 def test_close_commits_what_is_pending(target: str | Path, engine: RoutingEngine) -> None:

@@ -31,6 +31,7 @@ from router.state import (
     decision_events,
     hold_for,
     open_state,
+    pool_key,
 )
 from router.state_redis import RedisState, redact
 from router.store import DECISION_COLUMNS, DecisionStore
@@ -84,6 +85,27 @@ def test_check_and_reserve_release_and_retries(make_state: Make) -> None:
         for bad in (dict(slots=0), dict(hold_s=0.0), dict(hold_s=math.inf)):
             with pytest.raises(ValueError):
                 await s.reserve([("p", 1)], "bad", **{"hold_s": 1.0, **bad})  # type: ignore[arg-type]
+
+    _run(make_state, body)
+
+
+def test_concurrent_calls_of_one_iteration_each_get_their_own_answer(make_state: Make) -> None:
+    """Calls made together (the Redis backend sends one event-loop iteration's calls as one
+    pipeline) are each checked against what the ones before them reserved; a reservation whose
+    caller is cancelled before the answer comes is not left held."""
+
+    async def body(s: RouterState) -> None:
+        got = await asyncio.gather(*(s.reserve([("p", 20), ("q", 5)], f"c{i}", 60) for i in range(30)))
+        assert got.count("p") == 20 and got.count("q") == 5 and got.count(None) == 5
+        assert got[:20] == ["p"] * 20  # in the order they were made
+        released = await asyncio.gather(*(s.release(f"c{i}") for i in range(30)))
+        assert released == got and await s.in_flight() == {}
+        task = asyncio.ensure_future(s.reserve([("p", 20)], "gone", 60))
+        await asyncio.sleep(0)  # queued (or, embedded, already done)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        # (in process the reservation was made before the cancel could come: the caller's to release)
+        assert await s.in_flight() == ({"p": 1} if s.sync else {})
 
     _run(make_state, body)
 
@@ -174,45 +196,70 @@ def test_quotas_and_sessions_are_room_not_features(make_state: Make) -> None:
     _run(make_state, body)
 
 
+def _id_at(t: float, i: int) -> str:
+    """A decision id as ``router.logs.new_sorted_id`` makes them at wall time ``t``."""
+    return f"d_{int(t * 1000):012x}{i:020x}"
+
+
 def test_the_embedded_state_is_rebuilt_from_the_sqlite_decision_log(tmp_path: Path) -> None:
     """Decisions reserve, feedback releases: after a restart, replaying the log's events gives the
-    in-flight work the router had, and a decision whose hold has passed is expired and counted."""
+    in-flight work the router had, and a decision whose hold has passed is expired and counted.
+    Rows carry their pool and hold's end; rows of a log written before those columns get them
+    derived (the pool from model and offering, the hold from the expected latency)."""
     engine = RoutingEngine(make_setup(tmp_path / "setup").settings)
     who = Principal("a", "tenant", "k")
     req = RouteRequest.model_validate({**ROUTE, "max_output_tokens": 5})
     now = time.time()
     db = tmp_path / "d.db"
+    col = DECISION_COLUMNS.index
+    book = EmbeddedState()  # the state the router had (rows 0-4 reserved in it; 5-9 as an older router wrote them)
 
     async def write() -> list[tuple[Any, ...]]:
         log = DecisionStore(db)
         log.start()
-        rows = [engine.decide(req, who, f"d_{i:03d}", now - 30 + i)[1] for i in range(10)]
-        old = engine.decide(req, who, "d_old", now - 7200)[1]  # its hold passed long ago
+        rows = []
+        for i in range(10):
+            t = now - 30 + i
+            row = engine.decide(req, who, _id_at(t, i), t, state=book if i < 5 else None)[1]
+            if i < 5:
+                assert row[col("pool")] == book._held[row[0]][0] and row[col("hold_until")] > t
+                row = (*row[:col("hold_until")], now + 600, *row[col("hold_until") + 1:])  # a long hold
+            else:
+                assert row[col("pool")] is not None and row[col("hold_until")] is None
+                row = (*row[:col("pool")], None, *row[col("pool") + 1:])  # an old row: no pool either
+            rows.append(row)
+        old = engine.decide(req, who, _id_at(now - 7200, 99), now - 7200)[1]  # its hold passed long ago
         await asyncio.gather(*(log.record_decision(r) for r in [old, *rows]))
-        for r in rows[:4]:  # four outcomes came back
-            await log.record_feedback((r[0], "a", now - 5, 100.0, None, 5, 0, None))
+        for r in rows[3:7]:  # four outcomes came back
+            await log.record_feedback((r[0], "a", now - 5, 100.0, None, 5, 0, None, 40.0, None))
         await log.close()
         return rows
 
     rows = asyncio.run(write())
-    col = DECISION_COLUMNS.index
-    offering = {r[0]: r[col("offering_id")] for r in rows}
+    pool = {r[0]: pool_key(r[col("model")], r[col("offering_id")]) for r in rows}
     events = list(decision_events(db, since=now - 3 * 3600))
     assert sum(isinstance(e, Reserved) for e in events) == 11 and sum(isinstance(e, Released) for e in events) == 4
     first = events[0]
-    assert isinstance(first, Reserved) and first.reservation_id == "d_old" and first.slots == 1
-    assert first.until == pytest.approx(now - 7200 + hold_for(engine.decide(req, who, "x", now)[1][col("expected_latency_ms")] / 1000.0), abs=60)
+    assert isinstance(first, Reserved) and first.reservation_id == _id_at(now - 7200, 99) and first.slots == 1
+    expected_s = engine.decide(req, who, "x", now)[1][col("expected_latency_ms")] / 1000.0
+    assert first.until == pytest.approx(now - 7200 + hold_for(expected_s), abs=5)
+    assert {e.reservation_id: e.pool for e in events if isinstance(e, Reserved)} == {
+        **pool, first.reservation_id: first.pool}
+    assert [e.until for e in events if isinstance(e, Reserved) and e.reservation_id == rows[0][0]] == [now + 600]
+    # only rows from `since` on are read (found by the decision id's time prefix)
+    assert len(list(decision_events(db, since=now - 60))) == 10 + 4
     state = EmbeddedState()
     out = state.rebuild(events, now_wall=now)
-    assert out == {"reserved": 11, "released": 4, "held": 6, "expired": 1}
+    # held: rows 0-2 (long holds, no feedback); rows 7-9 derived holds of ~1-2 s passed by `now`: expired
+    assert out == {"reserved": 11, "released": 4, "held": 3, "expired": 4}
     want: dict[str, int] = {}
-    for did in [r[0] for r in rows[4:]]:
-        want[offering[did]] = want.get(offering[did], 0) + 1
+    for r in rows[:3]:
+        want[pool[r[0]]] = want.get(pool[r[0]], 0) + 1
     assert asyncio.run(state.in_flight()) == want
-    assert sum(asyncio.run(state.expired()).values()) == 1
+    assert sum(asyncio.run(state.expired()).values()) == 4
     # replaying twice books nothing more; a decision's feedback after the restart releases it
-    assert state.rebuild(events, now_wall=now)["held"] == 6
-    assert state.release_now(rows[5][0]) == offering[rows[5][0]]
+    assert state.rebuild(events, now_wall=now)["held"] == 3
+    assert state.release_now(rows[1][0]) == pool[rows[1][0]]
 
 
 def test_redis_unreachable_fails_closed_then_recovers_and_fail_open_answers_locally() -> None:

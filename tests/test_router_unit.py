@@ -20,7 +20,8 @@ from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
 from router.policies import ActivePolicy, resolve
 from router.routes.route import route_request
 from router.settings import load_settings
-from router.store import DECISION_COLUMNS, DecisionStore, StoreClosed, iter_decisions
+from router.state import EmbeddedState, pool_key
+from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed, iter_decisions
 from router.telemetry import ReplaySource
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
@@ -272,16 +273,27 @@ def test_replay_clock_maps_and_wraps(tmp_path: Path) -> None:
     assert t == pytest.approx(src.start + 5.0) and gen == 0
     t, gen = src.telemetry_time(1000.0 + (src.span - 5.0 + 1.0) / 10.0)
     assert t == pytest.approx(src.start + 1.0) and gen == 1
+    # a wrap keeps the work in flight: the view moves back with the clock (CloudRouteEnv.shift_live_clock),
+    # and the shared state is not touched
+    src = ReplaySource(setup.settings.telemetry, speed=10.0, offset_s=src.span - 1.0, start_wall=1000.0)
     eng = RoutingEngine(setup.settings, source=src)
+    state = EmbeddedState()
 
     def busy() -> int:  # requests in the router's view of the pools
         return int(eng.env.inflight.sum())
 
+    req = RouteRequest.model_validate({**ROUTE, "max_output_tokens": 1000})  # expected to take ~30 s
     for k in range(5):
-        _decide(eng, wall=1000.0 + k * 0.01)
-    assert busy() == 5
-    _decide(eng, wall=1000.0 + src.span / 10.0 + 0.5)  # wrapped: the load view starts empty again
-    assert eng.generation == 1 and busy() == 1
+        eng.decide(req, A, f"d_{k}", 1000.0 + k * 0.01, state=state)
+    assert busy() == 5 and eng.generation == 0
+    before = eng.env.est_free.copy()
+    eng.decide(req, A, "d_5", 1000.0 + 0.15, state=state)  # 1.5 s later: wrapped
+    assert eng.generation == 1 and busy() == 6  # still in flight
+    assert sum(state.in_flight_now().values()) == 6
+    moved = np.isfinite(before)  # the slots expected to free: moved back by the window
+    assert moved.sum() == 5 and np.allclose(eng.env.est_free[moved], before[moved] - src.span)
+    _decide(eng, wall=1000.0 + 6.0)  # 60 s later: the six have ended as expected
+    assert busy() == 1
 
 
 def test_stale_telemetry_forces_the_fallback_and_says_so(tmp_path: Path) -> None:
@@ -360,27 +372,68 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
     outcomes = {200: 0, 429: 0}
     kinds = set()
     wall0 = 1000.0
+    clock = [wall0]  # the shared state's clock: the requests' wall time, the same for both engines
+    # every other request reserves in an embedded shared state (whose capacity may send it to an
+    # alternative, or refuse it), the others use the environment's view alone
+    states = [EmbeddedState(clock=lambda: clock[0]) for _ in range(2)]
+    shared_full = 0
     for i in range(400):
         who = A if i % 3 else Principal("b", "tenant", "k2")
         req = RouteRequest.model_validate({**ROUTE, "origin": fused.origins[i % len(fused.origins)],
                                            "input_tokens": int(rng.integers(10, 4000)),
                                            "max_output_tokens": int(rng.integers(1, 2000)), **bodies[i % len(bodies)]})
-        wall = wall0 + 0.3 * i
+        wall = clock[0] = wall0 + 0.3 * i
         got = []
-        for eng in (fused, general):
+        for eng, state in zip((fused, general), states):
             try:
-                payload, row, oid, info = eng.decide(req, who, f"d_{i}", wall)
+                payload, row, oid, info = eng.decide(req, who, f"d_{i}", wall, state=state if i % 2 else None)
                 got.append((200, payload, row, oid))
                 kinds.add(json.loads(payload)["score_kind"])
             except RouteFailure as e:
                 got.append((e.status, e.error, e.headers, e.extra))
+                shared_full += "shared state" in e.message
         assert got[0] == got[1], i
         outcomes[got[0][0]] += 1
     assert outcomes[200] > 100 and outcomes[429] > 20  # both the answers and the full pools were compared
+    assert states[0].in_flight_now() == states[1].in_flight_now() and states[0].in_flight_now()
+    assert shared_full > 0  # the shared capacity refused some (both engines alike)
     assert kinds == {"expected_reward" if policy is None else "q_value"}
     for k in ("est_free", "est_min", "inflight", "shift"):
         assert np.array_equal(getattr(fused.env, k), getattr(general.env, k)), k
     assert fused.env._events == general.env._events
+
+
+def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: Path) -> None:
+    """One process, the embedded state, no feedback: every reservation is its own (others = 0),
+    so until a pool's reservations reach their capacity the answers are the environment's view
+    alone -- what the router answered before the shared state -- byte for byte; the shared view
+    read back (``apply_shared_view``) changes nothing."""
+    setup = make_setup(tmp_path)
+    st = setup.settings
+    alone, shared = (RoutingEngine(st, source=ReplaySource(st.telemetry, st.replay_speed, st.replay_offset_s,
+                                                           start_wall=1000.0)) for _ in range(2))
+    shared.freshness = alone.freshness
+    clock = [1000.0]
+    state = EmbeddedState(clock=lambda: clock[0])
+    rng = np.random.default_rng(5)
+    answered = 0
+    for i in range(300):
+        req = RouteRequest.model_validate({**ROUTE, "origin": alone.origins[i % len(alone.origins)],
+                                           "input_tokens": int(rng.integers(10, 4000)),
+                                           "max_output_tokens": int(rng.integers(1, 600))})
+        wall = clock[0] = 1000.0 + 0.2 * i
+        got = []
+        for eng, st_ in ((alone, None), (shared, state)):
+            try:
+                got.append(eng.decide(req, A, f"d_{i}", wall, state=st_)[0])
+            except RouteFailure as e:
+                got.append((e.status, e.error))
+        assert got[0] == got[1], i
+        answered += isinstance(got[0], bytes)
+        if i % 10 == 0:
+            shared.apply_shared_view(state.in_flight_now(), {})
+            assert not shared.env.view_others.any()
+    assert answered > 250 and sum(state.in_flight_now().values()) > 20  # load, and reservations held
 
 
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
@@ -470,7 +523,7 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
         conn0.commit()
         conn0.close()
         fb = FeedbackRequest(decision_id=ids[0], latency_ms=900.0, output_tokens=42)
-        await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None))
+        await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None, None, None))
         assert store.commits < 40  # grouped
         assert (await store.get_decision(ids[0], "a"))["feedback"][0]["latency_ms"] == 900.0  # type: ignore[index]
         assert await store.get_decision(ids[0], "b") is None
@@ -506,10 +559,16 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         model TEXT NOT NULL, session_id TEXT, offering_id TEXT NOT NULL,
         expected_latency_ms REAL NOT NULL, expected_cost_usd REAL NOT NULL, policy TEXT NOT NULL,
         policy_kind TEXT NOT NULL, policy_version TEXT, bundle_hash TEXT NOT NULL, request_json TEXT NOT NULL,
-        response_json TEXT NOT NULL);""")
+        response_json TEXT NOT NULL);
+        CREATE TABLE feedback (feedback_id INTEGER PRIMARY KEY AUTOINCREMENT, decision_id TEXT NOT NULL,
+        tenant TEXT NOT NULL, received_at REAL NOT NULL, latency_ms REAL, cost_usd REAL, output_tokens INTEGER,
+        failed INTEGER NOT NULL, error TEXT);""")
     req = RouteRequest.model_validate(ROUTE)
     old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
+    old_row = tuple(v for c, v in zip(DECISION_COLUMNS, old_row) if c not in ("pool", "hold_until", "idempotency_key"))
     legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_row))})", old_row)
+    legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
+                   "VALUES ('d_old', 'a', 1.0, 800.0, 0)")
     legacy.commit()
     legacy.close()
 
@@ -527,6 +586,10 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
             assert rec is not None
             rec.pop("request"), rec.pop("feedback")
             assert rec == json.loads(text)
+        # the old rows got the state's columns: no pool stored, so the lookup derives it; no TTFT
+        assert await store.lookup("d_old") == DecisionRef("a", old_row[DECISION_COLUMNS.index("model")], pool_key(
+            old_row[DECISION_COLUMNS.index("model")], old_row[DECISION_COLUMNS.index("offering_id")]), 1)
+        assert (await store.get_decision("d_old", "a"))["feedback"][0]["ttft_ms"] is None  # type: ignore[index]
         await store.close()
         return sent
 
@@ -598,7 +661,7 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         biggest = 0
         for i in range(60):
             rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0, "g", "fallback",
-                     None, "h", "{}", pad) for j in range(50)]
+                     None, "h", None, None, None, "{}", pad) for j in range(50)]
             await asyncio.gather(*(store.record_decision(r) for r in rows))
             wal = db.with_name(db.name + "-wal")
             biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)

@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter
 
 from router.deps import AdminDep
+from router.state import RouterState, StateUnavailable
 from xroute.schema.decision import ErrorResponse
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"],
@@ -29,8 +30,21 @@ async def status(caller: AdminDep) -> dict[str, object]:
                       "error": eng.freshness.last_error},
         "decisions_since_start": eng.decisions,
         "decision_log": st.describe(),
-        "state": svc.state.describe() if svc.state is not None else None,
+        "state": await state_status(svc.state),
+        "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,  # type: ignore[attr-defined]
     }
+
+
+async def state_status(state: RouterState) -> dict[str, object]:
+    """The shared state's description, its in-flight work and expired reservations per pool (or
+    the error that kept them from being read)."""
+    out: dict[str, object] = dict(state.describe())
+    try:
+        out["in_flight"] = await state.in_flight()
+        out["expired"] = await state.expired()
+    except StateUnavailable as e:
+        out["error"] = str(e)
+    return out
 
 
 @router.post("/model/reload", summary="Check the model URI now; swap if it points to a new version")

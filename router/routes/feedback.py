@@ -1,14 +1,31 @@
-"""``POST /v1/feedback``: what really happened to a routed request (stored durably for retraining; a
-completed request's output length also feeds the router's output-length estimator)."""
+"""``POST /v1/feedback``: what really happened to a routed request -- stored durably for retraining,
+then the closed loop: the decision's reservation is released, the pool's observed statistics
+learn the outcome (``router.state``), and a completed request's output length feeds the router's
+output-length estimator."""
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 from fastapi import APIRouter, HTTPException
+from fastapi.responses import Response
 
 from router.deps import CallerDep
 from router.logs import iso
+from router.routes.route import (
+    IDEMPOTENCY_HEADER,
+    abandon,
+    best_effort,
+    claim,
+    idempotency_digest,
+    idempotency_key,
+    release,
+    remember,
+    replayed,
+)
+from router.store import DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 
 router = APIRouter(prefix="/v1", tags=["feedback"])
@@ -16,17 +33,55 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
 
 @router.post("/feedback", response_model=FeedbackResponse, status_code=201,
              responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
-                        422: {"model": ErrorResponse}}, summary="Report the observed outcome of a decision")
-async def feedback(body: FeedbackRequest, caller: CallerDep) -> dict[str, object]:
+                        409: {"model": ErrorResponse}, 422: {"model": ErrorResponse},
+                        503: {"model": ErrorResponse}},
+             openapi_extra={"parameters": [IDEMPOTENCY_HEADER]}, summary="Report the observed outcome of a decision")
+async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
     who, svc = caller.who, caller.svc
-    if await svc.store.owner(body.decision_id) != who.tenant:
-        raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
-    now = time.time()
-    fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
-                                           body.output_tokens, int(body.failed), body.error))
-    if body.output_tokens is not None and not body.failed:  # a completed output's length teaches the estimator
-        d = await svc.store.get_decision(body.decision_id, who.tenant)
-        model = (d or {}).get("request", {}).get("model")
-        if model is None or model in svc.engine.models:
-            svc.engine.env.observe_output(model, who.tenant, body.output_tokens)
-    return {"feedback_id": fid, "decision_id": body.decision_id, "received_at": iso(now)}
+    idem = idempotency_key(caller.request)
+    key = digest = None
+    if idem is not None:
+        digest = idempotency_digest(body.model_dump_json())
+        key = f"{who.tenant}:feedback:{idem}"
+        first = await claim(svc.state, key, svc.settings.idempotency_ttl_s)
+        if first is not None:
+            return Response(replayed(first, digest), status_code=201, media_type="application/json")
+    try:
+        ref = await svc.store.lookup(body.decision_id)
+        if ref is None or ref.tenant != who.tenant:
+            raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
+        now = time.time()
+        fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
+                                               body.output_tokens, int(body.failed), body.error, body.ttft_ms, key))
+    except BaseException:
+        if key is not None:
+            await abandon(svc.state, key)
+        raise
+    answer = feedback_answer(fid, body.decision_id, now)
+    await close_the_loop(svc, body, ref)
+    if key is not None:
+        assert digest is not None
+        await remember(svc.state, key, digest + answer, svc.settings.idempotency_ttl_s)
+    return Response(answer, status_code=201, media_type="application/json")
+
+
+def feedback_answer(feedback_id: int, decision_id: str, received_at: float) -> bytes:
+    """The answer to a stored feedback (built again from its row when idempotency keys are
+    restored after a restart: the same bytes)."""
+    return json.dumps({"feedback_id": int(feedback_id), "decision_id": decision_id, "received_at": iso(received_at)},
+                      separators=(",", ":")).encode()
+
+
+async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> None:
+    """After the feedback is durable: release the decision's reservation (this process's view and
+    the shared state), fold the outcome into its pool's statistics (the decision's first feedback
+    only, so a repeated report does not count twice), and teach the output-length estimator. The
+    feedback is stored whatever happens here: an unreachable shared state leaves the reservation
+    to its hold and the statistics without this outcome (logged)."""
+    await release(svc, body.decision_id)
+    if ref.feedback == 0:
+        await best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
+                          "outcome not added to the pool's statistics", pool=ref.pool)
+    engine = svc.engine
+    if body.output_tokens is not None and not body.failed and ref.model in engine.models:
+        engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)

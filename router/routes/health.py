@@ -15,8 +15,9 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: environment loaded and decision log writable",
-            responses={503: {"description": "not ready (starting, or the decision log is down)"}})
+@router.get("/readyz", summary="Readiness: environment loaded, decision log writable, shared state reachable",
+            responses={503: {"description": "not ready (starting, the decision log is down, or the shared state "
+                                            "cannot be reached and fails closed)"}})
 async def readyz(request: Request) -> JSONResponse:
     svc = getattr(request.app, "services", None)
     if svc is None:
@@ -24,14 +25,17 @@ async def readyz(request: Request) -> JSONResponse:
     eng = svc.engine
     now = time.time()
     writer_ok = await svc.store.healthy()
+    state_ok = await svc.state.healthy()
+    ready = writer_ok and state_ok
     active, info = eng.slot.current(eng.freshness.age(now) > eng.max_age)
     body = {
-        "status": "ready" if writer_ok else "not_ready",
+        "status": "ready" if ready else "not_ready",
         "decision_log": "ok" if writer_ok else "down",
+        "state": "ok" if state_ok else "down",
         "policy": info,
         "model_error": eng.slot.last_error,
         "telemetry_age_s": round(eng.freshness.age(now), 3),
         "telemetry_error": eng.freshness.last_error,
         "offerings": eng.n,
     }
-    return JSONResponse(body, status_code=200 if writer_ok else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)

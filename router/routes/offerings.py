@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter
 
 from router.deps import CallerDep
+from router.state import StateUnavailable
 from xroute.schema.decision import ErrorResponse, OfferingsResponse
 
 router = APIRouter(prefix="/v1", tags=["offerings"])
@@ -15,4 +16,8 @@ router = APIRouter(prefix="/v1", tags=["offerings"])
 @router.get("/offerings", response_model=OfferingsResponse, responses={401: {"model": ErrorResponse}},  # type: ignore[dict-item]
             summary="Current state of every offering, and the known origins")
 async def offerings(caller: CallerDep) -> dict[str, object]:
-    return caller.svc.engine.offerings_state(time.time())
+    try:
+        reserved: dict[str, int] | None = await caller.svc.state.in_flight()
+    except StateUnavailable:
+        reserved = None
+    return caller.svc.engine.offerings_state(time.time(), reserved)

@@ -106,7 +106,9 @@ class FeedbackRequest(_Strict):
     """``POST /v1/feedback``: what actually happened to a routed request."""
 
     decision_id: Id
-    latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency")
+    latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency (the "
+                                     "pool's observed duration statistics)")
+    ttft_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed time to first token")
     cost_usd: float | None = Field(None, ge=0, le=1_000_000, description="observed cost")
     output_tokens: int | None = Field(None, ge=0, le=1_000_000, description="tokens actually generated")
     failed: bool = Field(False, description="the request failed (error, timeout, preempted without retry)")
@@ -114,8 +116,9 @@ class FeedbackRequest(_Strict):
 
     @model_validator(mode="after")
     def _says_something(self) -> FeedbackRequest:
-        if self.latency_ms is None and self.cost_usd is None and self.output_tokens is None and not self.failed:
-            raise ValueError("give at least one of latency_ms, cost_usd, output_tokens, failed=true")
+        if (self.latency_ms is None and self.ttft_ms is None and self.cost_usd is None and self.output_tokens is None
+                and not self.failed):
+            raise ValueError("give at least one of latency_ms, ttft_ms, cost_usd, output_tokens, failed=true")
         return self
 
 
@@ -129,6 +132,7 @@ class FeedbackRecord(BaseModel):
     feedback_id: int
     received_at: str
     latency_ms: float | None = None
+    ttft_ms: float | None = None
     cost_usd: float | None = None
     output_tokens: int | None = None
     failed: bool = False
@@ -148,7 +152,9 @@ class OfferingState(BaseModel):
     available: bool
     valid: bool = Field(description="can take a request now (available, capacity, queue)")
     slots: int
-    busy_slots: int
+    busy_slots: int = Field(description="this router's requests in flight there (its own view)")
+    reserved: int | None = Field(None, description="reservations held there in the shared state (every router "
+                                                   "sharing it); null while the state cannot be read")
     next_free_in_s: float
     external_util: float
 
