@@ -276,8 +276,13 @@ def _document_security(app: FastAPI) -> None:
     not by FastAPI security dependencies, which cost a dependency resolution each per request), and
     the schemas of the bodies a route validates itself."""
 
+    built_for: list[Any] = [None]
+
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
+        services = getattr(app, "services", None)
+        catalog = ((tuple(services.engine.origins), tuple(services.engine.servable_models()))
+                   if services is not None else None)
+        if app.openapi_schema is None or built_for[0] != catalog:
             from fastapi.openapi.utils import get_openapi
 
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
@@ -294,10 +299,29 @@ def _document_security(app: FastAPI) -> None:
             for path in PUBLIC_PATHS:
                 for op in schema["paths"].get(path, {}).values():
                     op["security"] = []
+            if catalog is not None:
+                _document_catalog(schema, *catalog)
             app.openapi_schema = schema
+            built_for[0] = catalog
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: tuple[str, ...]) -> None:
+    """What the served telemetry accepts, as enums of ``RouteRequest``: an origin the catalog lacks
+    or a model no pool holds is a 422 (``unknown_origin``, ``unknown_model``, ``model_unavailable``),
+    so the document says
+    which values are valid rather than leaving generated clients and fuzzers to guess. The document
+    is rebuilt when the telemetry's origins or models change (a live refresh)."""
+    props = schema.get("components", {}).get("schemas", {}).get("RouteRequest", {}).get("properties", {})
+    if "origin" in props:
+        props["origin"]["enum"] = list(origins)
+    model = props.get("model")
+    if model is not None:
+        for branch in model.get("anyOf", [model]):
+            if branch.get("type") == "string":
+                branch["enum"] = list(models)
 
 
 def app_from_environment() -> FastAPI:

@@ -206,6 +206,13 @@ class RoutingEngine:
         self.origin_set = frozenset(self.origins)
         self._static_key = None
 
+    def servable_models(self) -> list[str]:
+        """The models some offering holds replicas of (the others are known but answered 422
+        ``model_unavailable`` whatever the constraints), in :attr:`models`' order."""
+        env = self.env
+        held = {env.model_names[m] for m in range(len(env.model_names)) if (env.fits[m] & (env.slots[m] > 0)).any()}
+        return [m for m in self.models if m in held]
+
     # ------------------------------------------------------------------ helpers
     def telemetry_info(self, t: float, wall: float) -> dict[str, Any]:
         age = self.freshness.age(wall)

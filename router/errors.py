@@ -34,14 +34,41 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "body"
 
 
+#: what a JSON body route says when the body is not JSON at all (``POST /v1/route`` says the same)
+NOT_JSON = "expected a JSON body (Content-Type: application/json)"
+#: pydantic's error types for a body that is no object -- what FastAPI reports for a body sent
+#: without ``Content-Type: application/json`` (it then does not parse the bytes)
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "dict_type", "model_type"})
+
+
+def is_json(content_type: str | None) -> bool:
+    """``application/json`` or ``application/<anything>+json``, parameters ignored (what FastAPI
+    reads as JSON)."""
+    if content_type is None:
+        return False
+    mime = content_type.partition(";")[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+def _message(request: Request, err: dict[str, Any]) -> tuple[tuple[Any, ...], str]:
+    """One validation error's field and message, said for a user: an unknown field, JSON that
+    does not parse (with the character offset), a body without the JSON content type."""
+    loc, kind = tuple(err.get("loc", ())), err.get("type")
+    if kind == "json_invalid":
+        # FastAPI's loc is ("body", offset) and ctx the decoder's message
+        where = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+        reason = str((err.get("ctx") or {}).get("error") or "not valid JSON")
+        return ("body",), f"invalid JSON: {reason}" + (f" (character {where} of the body)" if where is not None else "")
+    if kind in _NOT_AN_OBJECT and loc == ("body",) and not is_json(request.headers.get("content-type")):
+        return loc, NOT_JSON
+    return loc, "unknown field" if kind == "extra_forbidden" else str(err.get("msg", "invalid"))
+
+
 def _validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     fields = []
     for err in exc.errors():
-        loc = tuple(err.get("loc", ()))
-        if err.get("type") == "json_invalid":
-            loc = ("body",)
-        msg = "unknown field" if err.get("type") == "extra_forbidden" else str(err.get("msg", "invalid"))
+        loc, msg = _message(request, err)
         fields.append({"field": _field(loc), "message": msg, "suggestions": []})
     summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields[:3])
     return JSONResponse(error_body("invalid_request", f"invalid request ({summary})", fields), status_code=422)

@@ -31,7 +31,8 @@ async def get_decision(decision_id: DecisionId, caller: CallerDep) -> dict[str, 
 admin_router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
 
-@admin_router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
+@admin_router.get("/decisions/{decision_id}", response_model=DecisionRecord,  # type: ignore[arg-type]
+                  responses={**_ERRORS, 403: {"model": ErrorResponse, "description": "the key is not an admin key"}},
                   summary="Read any tenant's decision (admin)")
 async def admin_get_decision(decision_id: DecisionId, caller: AdminDep) -> dict[str, object]:
     rec = await caller.svc.store.get_decision(decision_id, None)

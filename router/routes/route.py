@@ -26,6 +26,7 @@ from starlette.types import Scope
 
 from router.deps import authenticate
 from router.engine import RouteFailure
+from router.errors import NOT_JSON, is_json
 from router.logs import LOG, new_sorted_id
 from router.state import EmbeddedState, RouterState
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
@@ -184,24 +185,14 @@ async def release(svc: Any, reservation_id: str) -> None:
 _BODY = {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RouteRequest"}}}}
 
 
-def _is_json(content_type: str | None) -> bool:
-    """``application/json`` or ``application/<anything>+json``, parameters ignored (what FastAPI
-    reads as JSON)."""
-    if content_type is None:
-        return False
-    mime = content_type.partition(";")[0].strip().lower()
-    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
-
-
 def route_request(raw: bytes, content_type: str | None) -> RouteRequest:
     """The body as a :class:`RouteRequest`, parsed and validated in one pass (pydantic's JSON
     mode); anything else raises FastAPI's :class:`RequestValidationError` with every error located
     under ``body`` (``router.errors`` renders it as the 422 naming each field)."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
-    if not _is_json(content_type):
-        raise RequestValidationError([{"type": "content_type", "loc": ("body",), "input": None,
-                                       "msg": "expected a JSON body (Content-Type: application/json)"}])
+    if not is_json(content_type):
+        raise RequestValidationError([{"type": "content_type", "loc": ("body",), "input": None, "msg": NOT_JSON}])
     try:
         return RouteRequest.model_validate_json(raw)
     except ValidationError as e:

@@ -102,8 +102,16 @@ class RouteResponse(BaseModel):
     telemetry: TelemetryInfo
 
 
+_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens")
+
+
 class FeedbackRequest(_Strict):
-    """``POST /v1/feedback``: what actually happened to a routed request."""
+    """``POST /v1/feedback``: what actually happened to a routed request -- at least one observation
+    (said in the JSON schema too, as ``anyOf``, so generated clients and fuzzers agree)."""
+
+    model_config = ConfigDict(**_Strict.model_config, json_schema_extra={"anyOf": [
+        *({"required": [f], "properties": {f: {"type": "number"}}} for f in _OBSERVED),
+        {"required": ["failed"], "properties": {"failed": {"const": True}}}]})
 
     decision_id: Id
     latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency (the "
@@ -118,7 +126,7 @@ class FeedbackRequest(_Strict):
     def _says_something(self) -> FeedbackRequest:
         if (self.latency_ms is None and self.ttft_ms is None and self.cost_usd is None and self.output_tokens is None
                 and not self.failed):
-            raise ValueError("give at least one of latency_ms, ttft_ms, cost_usd, output_tokens, failed=true")
+            raise ValueError(f"give at least one of {', '.join(_OBSERVED)}, failed=true")
         return self
 
 
