@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException
 from fastapi import Path as PathParam
@@ -13,11 +13,11 @@ from xroute.schema.decision import DecisionRecord, ErrorResponse
 router = APIRouter(prefix="/v1", tags=["decisions"])
 
 DecisionId = Annotated[str, PathParam(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
-_ERRORS = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "description": "no such decision "
+_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "description": "no such decision "
                                                                                       "(for this tenant)"}}
 
 
-@router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,  # type: ignore[arg-type]
+@router.get("/decisions/{decision_id}", response_model=DecisionRecord, responses=_ERRORS,
             summary="Read a decision of the caller's tenant")
 async def get_decision(decision_id: DecisionId, caller: CallerDep) -> dict[str, object]:
     """Another tenant's decision is reported as not found, exactly like a missing one."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
 
 from xroute.schema.policy_ir import Constraints
 
@@ -103,15 +103,16 @@ class RouteResponse(BaseModel):
 
 
 _OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens")
+_ONE_OBSERVATION: list[JsonValue] = [{"required": ["failed"], "properties": {"failed": {"const": True}}}]
+for _f in reversed(_OBSERVED):
+    _ONE_OBSERVATION.insert(0, {"required": [_f], "properties": {_f: {"type": "number"}}})
 
 
 class FeedbackRequest(_Strict):
     """``POST /v1/feedback``: what actually happened to a routed request -- at least one observation
     (said in the JSON schema too, as ``anyOf``, so generated clients and fuzzers agree)."""
 
-    model_config = ConfigDict(**_Strict.model_config, json_schema_extra={"anyOf": [
-        *({"required": [f], "properties": {f: {"type": "number"}}} for f in _OBSERVED),
-        {"required": ["failed"], "properties": {"failed": {"const": True}}}]})
+    model_config = ConfigDict(**_Strict.model_config, json_schema_extra={"anyOf": _ONE_OBSERVATION})
 
     decision_id: Id
     latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency (the "
