@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from xroute.errors import BundleError
-from xroute.resources import bundles_dir
+from xroute.resources import bundles_dir, shipped_bundles
 from xroute.schema.offering import Offering
 from xroute.schema.telemetry import REPLACED_COLUMNS, TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
 
@@ -300,16 +300,21 @@ def read_table(root: str | Path, name: str) -> pd.DataFrame | None:
 
 
 def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None = None) -> Bundle:
-    """Read and validate the bundle at ``path`` (default: the shipped bundle).
+    """Read and validate the bundle at ``path`` (default: the shipped bundle) -- a directory,
+    resolved against the working directory, or the name of a shipped bundle (``default``,
+    ``feb2024``, ...) where no such directory exists.
 
     ``workload``: the request table to use when the directory has none (a collector's directory
     served live, see ``router.telemetry.LiveSource``); validated like a file.
 
     Raises :class:`BundleError` with file, row and column on the first problem found.
     """
-    root = Path(path) if path is not None else DEFAULT_BUNDLE
+    root = Path(path).expanduser() if path is not None else DEFAULT_BUNDLE
+    if not root.exists() and len(root.parts) == 1 and (bundles_dir() / root.name).is_dir():
+        root = bundles_dir() / root.name
     if not root.is_dir():
-        raise BundleError(str(root), "is not a directory holding a telemetry bundle")
+        raise BundleError(str(root), "is not a directory holding a telemetry bundle (nor the name of a shipped one: "
+                          f"{', '.join(shipped_bundles())})")
     frames: dict[str, pd.DataFrame | None] = {}
     fname: dict[str, str] = {}
     digest = hashlib.sha256()

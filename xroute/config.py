@@ -140,10 +140,10 @@ def load_config(model: type[M], path: str | Path | None) -> M:
 
 
 def config_path(name: str | Path) -> Path:
-    """A config file: ``name`` as the user gave it when it exists (an absolute path, or relative to
-    the working directory), else the shipped file of that name."""
+    """A config file: ``name`` as the user gave it (an absolute path, or relative to the working
+    directory); a bare file name that is not there is the shipped file of that name."""
     p = Path(name).expanduser()
-    return p if p.is_absolute() or p.exists() else CONFIG_DIR / p
+    return CONFIG_DIR / p if not p.exists() and len(p.parts) == 1 else p
 
 
 class AcceleratorSpeed(Strict):
