@@ -647,12 +647,16 @@ class _SqliteWriter:
         now = time.monotonic()
         if self._since_checkpoint < self.checkpoint_rows and now - self._last_checkpoint < self.checkpoint_s:
             return
+        try:
+            busy, frames, copied = self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:
+            return  # a failing disk: the next batch retries; commits are unaffected
+        if busy or copied < frames:
+            # the checkpointer thread held the checkpoint (a slow fsync on a busy disk): only a
+            # complete checkpoint lets the next commit rewind the WAL, so the next batch retries
+            return
         self._since_checkpoint = 0
         self._last_checkpoint = now
-        try:
-            self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.Error:
-            return  # busy or failing disk: the next round retries; commits are unaffected
         self.checkpoints += 1
         self.on_checkpoint(time.monotonic() - now)
 
