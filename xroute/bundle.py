@@ -18,10 +18,9 @@ import numpy as np
 import pandas as pd
 
 from xroute.errors import BundleError
+from xroute.resources import bundles_dir
 from xroute.schema.offering import Offering
 from xroute.schema.telemetry import REPLACED_COLUMNS, TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
-
-from xroute.resources import bundles_dir
 
 #: the shipped bundle (``data/bundles/default`` in a checkout; package data in an install)
 DEFAULT_BUNDLE = bundles_dir() / "default"

@@ -12,7 +12,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xroute.errors import ConfigError
-
 from xroute.resources import configs_dir
 
 #: the shipped configuration files (``configs/`` in a checkout; package data in an install)
