@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xroute.evaluate import METRICS
+from models.evaluate import METRICS
 
 
 def xroute(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
