@@ -1,4 +1,4 @@
-"""``xroute telemetry ...``: the collector's command line (a typer sub-app, mounted by ``xroute/cli.py``).
+"""``xroute telemetry ...``: the collector's command line (a typer sub-app, mounted by ``xroute_app/cli.py``).
 
     xroute telemetry collect --providers aws,azure,gcp --regions us-east-1,eastus,us-central1 \\
         --out telemetry/ --every 10m

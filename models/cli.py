@@ -1,4 +1,4 @@
-"""``xroute train`` and ``xroute promote`` (registered on the app in ``xroute/cli.py``).
+"""``xroute train`` and ``xroute promote`` (registered on the app in ``xroute_app/cli.py``).
 
 Plain functions with typer annotations; user errors raise ``XrouteError`` subclasses, which the
 ``xroute`` entry point prints as one line with exit code 2.

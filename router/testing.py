@@ -71,10 +71,10 @@ class ServerThread:
 
 def start_subprocess(args: list[str], env: dict[str, str], port: int, log: Path,
                      timeout: float = 90.0) -> subprocess.Popen[bytes]:
-    """``python -m xroute.cli serve --port PORT ARGS`` with ``env`` added; returns once /readyz answers."""
+    """``python -m xroute_app serve --port PORT ARGS`` with ``env`` added; returns once /readyz answers."""
     full_env = {**os.environ, **env}
     with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "xroute_app", "serve", "--port", str(port), *args],
                                 cwd=REPO_ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -109,12 +109,8 @@ def test_xroute_evaluate_runs_on_a_collected_bundle(env, tmp_path):
     collect_once(config(out))
     write_workload(out)
     report = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "xroute.cli", "evaluate", "--telemetry", str(out), "--policy", "cheapest",
+    r = subprocess.run([sys.executable, "-m", "xroute_app", "evaluate", "--telemetry", str(out), "--policy", "cheapest",
                         "--output", str(report), "--quiet"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    if r.returncode != 0 and "No module named xroute.cli.__main__" in r.stderr:
-        r = subprocess.run([str(Path(sys.executable).parent / "xroute"), "evaluate", "--telemetry", str(out), "--policy",
-                            "cheapest", "--output", str(report), "--quiet"], capture_output=True, text=True, cwd=ROOT,
-                           timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert report.is_file()
 

@@ -478,7 +478,7 @@ def test_registry_promote_applies_the_ope_rule(mlflow_uri: str, tmp_path: Path) 
 
 # ------------------------------------------------------------------------------ the commands
 def xroute(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "xroute.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "xroute_app", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=300, env=env)
 
 

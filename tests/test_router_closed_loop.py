@@ -262,7 +262,7 @@ def test_workers_need_a_shared_state(tmp_path: Path) -> None:
     env = {**os.environ, "XROUTE_ROUTER_ENV__SERVING_CONFIG": str(tmp_path / "serving.yaml"),
            "XROUTE_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
     def serve(workers: str) -> list[str]:
-        res = subprocess.run([sys.executable, "-m", "xroute.cli", "serve", "--workers", workers, "--telemetry",
+        res = subprocess.run([sys.executable, "-m", "xroute_app", "serve", "--workers", workers, "--telemetry",
                               str(tmp_path / "bundle"), "--db", str(setup.settings.db_path), "--port", str(free_port())],
                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and res.stdout == ""
