@@ -30,7 +30,7 @@ from rich.table import Table  # noqa: E402
 
 from cloud_adapters.collector import CollectConfig, collect_once  # noqa: E402
 from cloud_adapters.registry import get_adapter  # noqa: E402
-from cloud_adapters.testing import local_clouds  # noqa: E402
+from tests.clouds import local_clouds  # noqa: E402
 
 REGIONS = {
     "aws": ["us-east-1", "us-west-2", "eu-west-1", "us-east-2"],

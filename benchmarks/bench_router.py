@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from router.testing import free_port  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 ORIGINS_LUA = "{%s}"
 

@@ -28,7 +28,7 @@ from cloud_adapters.collector import (
     read_tables,
     recover,
 )
-from cloud_adapters.testing import Fault, local_clouds
+from tests.clouds import Fault, local_clouds
 from xroute.bundle import load_bundle
 from xroute.errors import BundleError, ConfigError
 

@@ -30,9 +30,9 @@ import redis
 from router.app import create_app
 from router.state import EmbeddedState, pool_key
 from router.store import iter_decisions
-from router.testing import REPO_ROOT, SERVING_YAML, ServerThread, free_port, start_subprocess
-from tests.servers import RedisServer
+from tests.servers import REPO_ROOT, RedisServer, ServerThread, free_port, start_subprocess
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
+from tests.tinybundle import SERVING_YAML
 
 
 def _setup(tmp: Path, **kw: Any) -> RouterSetup:
