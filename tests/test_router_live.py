@@ -141,7 +141,7 @@ def test_live_router_over_http_picks_up_a_collector_commit(tmp_path: Path) -> No
 def test_collector_output_served_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end: ``collect_once`` against the local AWS/Azure/GCP stand-ins writes a directory; the
     router serves it live (no workload table) and places a request from the collector's origin."""
-    from cloud_adapters.collector import collect_once
+    from cloud_adapters.collect.run import collect_once
     from tests.clouds import local_clouds
     from tests.test_cloud_collector import ORIGIN, config
 
