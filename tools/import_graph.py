@@ -20,7 +20,7 @@ from pathlib import Path
 import grimp
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("xroute", "envs", "models", "router", "cloud_adapters")
+PACKAGES = ("xroute_app", "router", "models", "envs", "cloud_adapters", "xroute")
 
 
 def _source_line(module: str, line: int) -> str:
@@ -70,8 +70,9 @@ def main() -> None:
     ap.add_argument("--unit", action="append", default=[], help="a subpackage or module shown as a node of its own")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    graph = grimp.build_graph(*PACKAGES, include_external_packages=False)
-    units = sorted([*PACKAGES, *args.unit], key=len, reverse=True)
+    packages = [p for p in PACKAGES if (ROOT / p).is_dir()]  # xroute_app: from issue 18 on
+    graph = grimp.build_graph(*packages, include_external_packages=False)
+    units = sorted([*packages, *args.unit], key=len, reverse=True)
 
     def unit(m: str) -> str:
         return next(u for u in units if m == u or m.startswith(u + "."))
