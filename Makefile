@@ -14,9 +14,10 @@ test:
 test-fast:  ## skips the slow tier (CI runs everything)
 	$(PY) -m pytest -q -m "not slow"
 
-lint:
+lint:  ## ruff, mypy, and the import contracts of pyproject.toml (docs/architecture.md, "Layers")
 	.venv/bin/ruff check .
 	.venv/bin/mypy
+	.venv/bin/lint-imports --no-logo
 
 bundle:  ## rebuild the shipped bundle from ../shared/data (deterministic)
 	$(PY) tools/build_default_bundle.py --shared ../shared/data --out data/bundles/default

@@ -72,7 +72,7 @@ def pick_perturbation(bundle: Any, eval_cfg: Any) -> tuple[int, Any]:
 
 
 def markdown(title: str, runs: list[Any], tg: dict[str, Any]) -> str:
-    from xroute.evaluate import markdown_table
+    from models.evaluate import markdown_table
 
     t = tg
     lines = [f"**{title}**", "", markdown_table(runs), ""]
@@ -94,10 +94,10 @@ def main() -> None:
     ap.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "agent.json"))
     args = ap.parse_args()
 
+    from models import evaluate as ev
     from models.baselines import BASELINES
     from models.config import load_train_config
     from models.train import resolve_bundle, split_bundle
-    from xroute import evaluate as ev
     cfg = load_train_config(args.config)
     bundle = resolve_bundle(args.telemetry or cfg.telemetry, "--telemetry")
     eval_cfg = cfg.evaluate_settings()

@@ -28,9 +28,10 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from cloud_adapters.collector import CollectConfig, collect_once  # noqa: E402
+from cloud_adapters.collect.config import CollectConfig  # noqa: E402
+from cloud_adapters.collect.run import collect_once  # noqa: E402
 from cloud_adapters.registry import get_adapter  # noqa: E402
-from cloud_adapters.testing import local_clouds  # noqa: E402
+from tests.clouds import local_clouds  # noqa: E402
 
 REGIONS = {
     "aws": ["us-east-1", "us-west-2", "eu-west-1", "us-east-2"],

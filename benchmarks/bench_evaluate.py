@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from envs.cloud_route import CloudRouteEnv
-from xroute import evaluate as ev
+from models import evaluate as ev
 from xroute.bundle import DEFAULT_BUNDLE, Bundle, load_bundle
 from xroute.config import EvaluateConfig
 

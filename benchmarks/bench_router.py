@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from router.testing import free_port  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 ORIGINS_LUA = "{%s}"
 
@@ -542,7 +542,7 @@ class _Server:
 
         port = free_port()
         db = work / f"decisions-{label}.db"
-        args = [sys.executable, "-m", "xroute.cli", "serve", "--port", str(port), "--db", str(db),
+        args = [sys.executable, "-m", "xroute_app", "serve", "--port", str(port), "--db", str(db),
                 "--keys-file", str(work / "keys.json"), "--model", model, *(extra or [])]
         if bundle is not None:
             args += ["--telemetry", str(bundle)]

@@ -1,4 +1,4 @@
-"""``xroute telemetry ...``: the collector's command line (a typer sub-app, mounted by ``xroute/cli.py``).
+"""``xroute telemetry ...``: the collector's command line (a typer sub-app, mounted by ``xroute_app/cli.py``).
 
     xroute telemetry collect --providers aws,azure,gcp --regions us-east-1,eastus,us-central1 \\
         --out telemetry/ --every 10m
@@ -72,7 +72,8 @@ def collect(
     quiet: Annotated[bool, typer.Option(help="no progress display")] = False,
 ) -> None:
     """Collect one snapshot (or one every --every) from the providers into the bundle at --out."""
-    from cloud_adapters.collector import CollectConfig, assign_regions, collect_every, parse_duration
+    from cloud_adapters.collect.config import CollectConfig, assign_regions, parse_duration
+    from cloud_adapters.collect.schedule import collect_every
 
     console = Console(stderr=True, quiet=quiet)
     try:

@@ -77,7 +77,7 @@ class WarmStartCallback(BaseCallback):
 class Checkpoint:
     step: int
     weights: Any  # models.policy.RouterWeights
-    run: Any  # xroute.evaluate.PolicyRun on the first selection scenario
+    run: Any  # models.evaluate.PolicyRun on the first selection scenario
     criterion: float = float("nan")  # Selection.score's value
 
 
@@ -89,14 +89,14 @@ class Selection:
     on the gate)."""
 
     def __init__(self, envs: list[tuple[str, Any]], seed: int, greedy: Any):
-        from xroute.evaluate import run_policy
+        from models.evaluate import run_policy
 
         self.envs, self.seed = envs, seed
         self.greedy = [float(run_policy(env, greedy, seed).metrics["mean_reward"]) for _, env in envs]
 
     def score(self, weights: Any) -> tuple[float, list[Any]]:
+        from models.evaluate import run_policy
         from models.policy import LearnedPolicy
-        from xroute.evaluate import run_policy
 
         runs = [run_policy(env, LearnedPolicy(weights), self.seed) for _, env in self.envs]
         return min(float(r.metrics["mean_reward"]) - g for r, g in zip(runs, self.greedy)), runs

@@ -1,4 +1,4 @@
-"""``xroute train`` and ``xroute promote`` (registered on the app in ``xroute/cli.py``).
+"""``xroute train`` and ``xroute promote`` (registered on the app in ``xroute_app/cli.py``).
 
 Plain functions with typer annotations; user errors raise ``XrouteError`` subclasses, which the
 ``xroute`` entry point prints as one line with exit code 2.
@@ -40,10 +40,10 @@ def train(
         overrides["total_timesteps"] = timesteps
     cfg = load_train_config(config, overrides)
 
+    from models import evaluate as ev
     from models.train import CHALLENGER as CHALLENGER_LABEL
     from models.train import WARM_ONLY as WARM_LABEL
     from models.train import run_training
-    from xroute import evaluate as ev
 
     summary = run_training(cfg, telemetry=telemetry, ray_address=ray_address, echo=typer.echo)
     first = summary.gate[0]

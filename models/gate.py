@@ -30,13 +30,13 @@ from xroute.config import EvaluateConfig
 @dataclass
 class ScenarioResult:
     label: str
-    results: list[Any]  # xroute.evaluate.PolicyResult
+    results: list[Any]  # models.evaluate.PolicyResult
     best_baseline: str
     #: policy name -> per-seed differences of mean reward to the best baseline
     deltas: dict[str, np.ndarray] = field(default_factory=dict)
 
     def interval(self, name: str) -> tuple[float, float, float]:
-        from xroute.evaluate import t_interval
+        from models.evaluate import t_interval
 
         return t_interval(self.deltas[name])
 
@@ -63,7 +63,7 @@ class GateDecision:
 def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: EvaluateConfig, seeds: int,
                   baselines: list[str], echo: Any = None) -> list[ScenarioResult]:
     """Every baseline and every router (name -> export directory) on every gate scenario."""
-    from xroute import evaluate as ev
+    from models import evaluate as ev
 
     out = []
     for s in scenarios:
@@ -92,7 +92,7 @@ def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: 
 
 def decide(results: list[ScenarioResult], candidate: str) -> GateDecision:
     """The gate's verdict for ``candidate`` (module docstring)."""
-    from xroute.evaluate import t_interval
+    from models.evaluate import t_interval
 
     per_seed = np.mean(np.stack([r.deltas[candidate] for r in results]), axis=0)
     pooled = t_interval(per_seed)

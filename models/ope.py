@@ -549,9 +549,9 @@ def simulate_log(bundle: Any, env_cfg: Any, epsilon: float, seeds: Sequence[int]
 
 def true_value(bundle: Any, env_cfg: Any, target: Target, seeds: Sequence[int]) -> float:
     """``target``'s mean reward run on-policy on the same stream and seeds
-    (``xroute.evaluate.run_policy``): the truth a simulated log's estimates aim at."""
+    (``models.evaluate.run_policy``): the truth a simulated log's estimates aim at."""
     from envs.cloud_route import CloudRouteEnv
-    from xroute.evaluate import run_policy
+    from models.evaluate import run_policy
 
     env = CloudRouteEnv(bundle, env_cfg)
     pol = OnPolicy(target)

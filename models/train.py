@@ -80,7 +80,7 @@ class TrialContext:
     train: list[Scenario]
     selection: list[Scenario]
     bundle_hash: str
-    baseline_runs: list[Any]  # xroute.evaluate.PolicyResult on the selection window
+    baseline_runs: list[Any]  # models.evaluate.PolicyResult on the selection window
     warm_data: Any = None  # models.warmstart.RolloutData, shared by all trials
     max_offerings: int = 0  # observation padding: the largest catalog of every scenario
     tracking_uri: str | None = None
@@ -231,7 +231,7 @@ def _log_trial_artifacts(ctx: TrialContext, validation: Any, best: Any, out: Pat
                          warm: Any = None) -> None:
     import mlflow
 
-    from xroute import evaluate as ev
+    from models import evaluate as ev
 
     runs = [*ctx.baseline_runs, best.run]
     table = {r.name: r.metrics for r in runs}
@@ -344,9 +344,9 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     """The whole ``xroute train`` (see the module docstring)."""
     import mlflow
 
+    from models import evaluate as ev
     from models import gate, registry
     from models.baselines import BASELINES
-    from xroute import evaluate as ev
 
     t_start = time.perf_counter()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -1,4 +1,4 @@
-"""``xroute serve`` and ``xroute export-feedback`` (registered in ``xroute/cli.py``).
+"""``xroute serve`` and ``xroute export-feedback`` (registered in ``xroute_app/cli.py``).
 
 Imports stay inside the functions: ``xroute --help`` must not pay for FastAPI, numpy or the env.
 """

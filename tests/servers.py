@@ -1,8 +1,10 @@
-"""Real servers for the tests, on free loopback ports, with every file in a temporary directory:
-PostgreSQL (Debian's ``postgresql`` package: ``initdb`` + ``pg_ctl``) and Redis (``redis-server``).
+"""Real servers for the tests and benchmarks, on free loopback ports, with every file in a temporary
+directory: PostgreSQL (Debian's ``postgresql`` package: ``initdb`` + ``pg_ctl``), Redis
+(``redis-server``), and the router itself -- uvicorn in a thread of this process
+(:class:`ServerThread`) or ``xroute serve`` as a subprocess (:func:`start_subprocess`).
 
-``scripts/setup.sh`` installs both when they are missing (what CI runs). No fake stands in: when a
-server cannot start, :class:`ServerError` says why and the tests that need it fail.
+``scripts/setup.sh`` installs PostgreSQL and Redis when they are missing (what CI runs). No fake
+stands in: when a server cannot start, :class:`ServerError` says why and the tests that need it fail.
 
 PostgreSQL refuses to run as root, and CI runs as root: there the server runs as the ``postgres``
 user that Debian's package creates (``runuser``), in a directory that user owns. Debian's server
@@ -20,13 +22,75 @@ import glob
 import os
 import secrets
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from router.testing import free_port
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """``with ServerThread(app) as url:`` — uvicorn serving ``app`` on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, app: Any, port: int | None = None, startup_timeout: float = 60.0):
+        import uvicorn
+
+        self.port = port or free_port()
+        self.config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, access_log=False,
+                                     lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.startup_timeout = startup_timeout
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the router failed to start (see the log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the router did not start in time")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_subprocess(args: list[str], env: dict[str, str], port: int, log: Path,
+                     timeout: float = 90.0) -> subprocess.Popen[bytes]:
+    """``python -m xroute_app serve --port PORT ARGS`` with ``env`` added; returns once /readyz answers."""
+    full_env = {**os.environ, **env}
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "xroute_app", "serve", "--port", str(port), *args],
+                                cwd=REPO_ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}; log: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError(f"router did not become ready; log: {log.read_text()[-2000:]}")
 
 
 class ServerError(RuntimeError):

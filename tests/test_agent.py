@@ -283,7 +283,7 @@ def test_cli_train_errors_are_one_line_exit_2(tmp_path: Path, args: list[str]) -
     (tmp_path / "neg.yaml").write_text("total_timesteps: -10\n")
     (tmp_path / "ok.yaml").write_text(f"run_dir: {tmp_path / 'runs'}\n")
     argv = [a.format(bad=tmp_path / "bad.yaml", neg=tmp_path / "neg.yaml", ok=tmp_path / "ok.yaml") for a in args]
-    r = subprocess.run([sys.executable, "-m", "xroute.cli", *argv], capture_output=True, text=True, cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "xroute_app", *argv], capture_output=True, text=True, cwd=REPO,
                        timeout=120)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -7,9 +7,9 @@ import pytest
 
 from envs.cloud_route import CloudRouteEnv
 from models.baselines import BASELINES, make_baseline
+from models.evaluate import run_policy
 from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
-from xroute.evaluate import run_policy
 
 NAMES = [n for n in BASELINES if n != "oracle"]
 

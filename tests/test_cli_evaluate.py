@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from xroute.evaluate import METRICS
+from models.evaluate import METRICS
 
 
 def xroute(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "xroute.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "xroute_app", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=300)
 
 

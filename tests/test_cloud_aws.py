@@ -20,7 +20,7 @@ import pytest
 from cloud_adapters.aws import AwsAdapter
 from cloud_adapters.base import PoolSelector
 from cloud_adapters.errors import CloudAuthError, CloudResponseError, CloudThrottledError, CloudUnavailableError
-from cloud_adapters.testing import FAKE_AWS_ENV, FIXTURES, Fault, aws_server, local_clouds, moto_url
+from tests.clouds import FAKE_AWS_ENV, FIXTURES, Fault, aws_server, local_clouds, moto_url
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
 FAST = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 2.0}

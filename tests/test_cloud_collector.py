@@ -17,18 +17,11 @@ import pytest
 from typer.testing import CliRunner
 
 from cloud_adapters.cli import telemetry_app
-from cloud_adapters.collector import (
-    JOURNAL,
-    MANIFEST,
-    CollectConfig,
-    _dir_lock,
-    _sigint_deferred,
-    collect_once,
-    commit,
-    read_tables,
-    recover,
-)
-from cloud_adapters.testing import Fault, local_clouds
+from cloud_adapters.collect.commit import JOURNAL, _sigint_deferred, commit, read_tables, recover
+from cloud_adapters.collect.config import CollectConfig
+from cloud_adapters.collect.lock import dir_lock
+from cloud_adapters.collect.run import MANIFEST, collect_once
+from tests.clouds import Fault, local_clouds
 from xroute.bundle import load_bundle
 from xroute.errors import BundleError, ConfigError
 
@@ -109,12 +102,8 @@ def test_xroute_evaluate_runs_on_a_collected_bundle(env, tmp_path):
     collect_once(config(out))
     write_workload(out)
     report = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "xroute.cli", "evaluate", "--telemetry", str(out), "--policy", "cheapest",
+    r = subprocess.run([sys.executable, "-m", "xroute_app", "evaluate", "--telemetry", str(out), "--policy", "cheapest",
                         "--output", str(report), "--quiet"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    if r.returncode != 0 and "No module named xroute.cli.__main__" in r.stderr:
-        r = subprocess.run([str(Path(sys.executable).parent / "xroute"), "evaluate", "--telemetry", str(out), "--policy",
-                            "cheapest", "--output", str(report), "--quiet"], capture_output=True, text=True, cwd=ROOT,
-                           timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert report.is_file()
 
@@ -220,7 +209,7 @@ def test_a_bad_existing_table_is_refused_and_left_alone(env, tmp_path):
 def test_a_second_collector_on_the_same_directory_is_refused(env, tmp_path):
     out = tmp_path / "b"
     out.mkdir()
-    with _dir_lock(out), pytest.raises(ConfigError, match="another collector is writing"):
+    with dir_lock(out), pytest.raises(ConfigError, match="another collector is writing"):
         collect_once(config(out))
 
 
@@ -307,12 +296,13 @@ def test_merge_upserts_offerings_in_place_and_keeps_user_columns(tiny_bundle_dir
     from datetime import UTC, datetime
 
     from cloud_adapters.base import InstanceOffer, PricePoint
-    from cloud_adapters.collector import _RegionResult, merge
+    from cloud_adapters.collect.merge import merge
+    from cloud_adapters.collect.region import RegionResult
 
     existing = read_tables(tiny_bundle_dir)
     ids = list(existing["offerings"]["offering_id"])
     now = datetime(2030, 1, 1, tzinfo=UTC)
-    rr = _RegionResult("aws", "us-east-1")
+    rr = RegionResult("aws", "us-east-1")
     rr.offers = [InstanceOffer("aws", "us-east-1", "g5.xlarge", "A10G", 1, 8.0, 16.0),
                  InstanceOffer("aws", "us-east-1", "g6.xlarge", "L4", 1, 4.0, 16.0)]
     old_ts = datetime(2020, 1, 1, tzinfo=UTC)
@@ -337,13 +327,13 @@ def test_merge_upserts_offerings_in_place_and_keeps_user_columns(tiny_bundle_dir
 def test_a_repeating_collector_survives_a_failed_run(env, tmp_path):
     import threading
 
-    from cloud_adapters.collector import collect_every
+    from cloud_adapters.collect.schedule import collect_every
 
     out = tmp_path / "b"
     out.mkdir()
     errors, reports = [], []
     cfg = config(out, providers=["azure"], regions={"azure": ["eastus"]})
-    with _dir_lock(out):
+    with dir_lock(out):
         with pytest.raises(ConfigError):  # a single run raises
             collect_every(cfg, 0.1, max_runs=1, on_error=errors.append)
         t = threading.Thread(target=collect_every, args=(cfg, 0.2),

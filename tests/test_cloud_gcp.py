@@ -11,7 +11,7 @@ import pytest
 
 from cloud_adapters.errors import CloudAuthError, CloudResponseError, CloudThrottledError, CloudUnavailableError
 from cloud_adapters.gcp import GcpAdapter
-from cloud_adapters.testing import FIXTURES, Fault, gcp_server
+from tests.clouds import FIXTURES, Fault, gcp_server
 from xroute.errors import ConfigError
 
 FAST = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 2.0}

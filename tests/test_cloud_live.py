@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cloud_adapters.collector import CollectConfig, collect_once, read_tables
+from cloud_adapters.collect.commit import read_tables
+from cloud_adapters.collect.config import CollectConfig
+from cloud_adapters.collect.run import collect_once
 from cloud_adapters.registry import get_adapter
 
 pytestmark = pytest.mark.live

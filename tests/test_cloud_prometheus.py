@@ -10,7 +10,7 @@ import pytest
 from cloud_adapters.base import PoolSelector
 from cloud_adapters.errors import CloudResponseError, CloudUnavailableError
 from cloud_adapters.prometheus import PrometheusSource
-from cloud_adapters.testing import FakeCloudServer, Fault, Response, Route, prometheus_server
+from tests.clouds import FakeCloudServer, Fault, Response, Route, prometheus_server
 from xroute.errors import ConfigError
 
 FAST = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 2.0}

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from router.testing import free_port
+from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -140,7 +140,7 @@ def low_load_log(tiny_bundle_dir: Path) -> ope.SimulatedLog:
 @pytest.mark.slow
 def test_at_low_load_dr_and_snips_cover_the_on_policy_value(tiny_bundle_dir: Path,
                                                              low_load_log: ope.SimulatedLog) -> None:
-    """The truth: each target run on-policy on the same stream and seeds (xroute.evaluate.run_policy)."""
+    """The truth: each target run on-policy on the same stream and seeds (models.evaluate.run_policy)."""
     assert low_load_log.skipped == 0  # the log and the on-policy runs cover the same requests
     lg = low_load_log.log()
     assert lg.n == 4000
@@ -200,7 +200,7 @@ def test_the_offline_baselines_decide_as_the_baselines_do(tiny_bundle_dir: Path)
     what the environment's baselines pick: their on-policy runs are identical."""
     from envs.cloud_route import CloudRouteEnv
     from models.baselines import make_baseline
-    from xroute.evaluate import run_policy
+    from models.evaluate import run_policy
 
     env = CloudRouteEnv(str(tiny_bundle_dir), CFG.env)
     for name in ("greedy", "cheapest", "lowest-latency"):
@@ -478,7 +478,7 @@ def test_registry_promote_applies_the_ope_rule(mlflow_uri: str, tmp_path: Path) 
 
 # ------------------------------------------------------------------------------ the commands
 def xroute(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "xroute.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "xroute_app", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=300, env=env)
 
 

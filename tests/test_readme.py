@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from router.testing import free_port
+from tests.servers import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BIN = Path(sys.executable).parent

@@ -30,9 +30,9 @@ import redis
 from router.app import create_app
 from router.state import EmbeddedState, pool_key
 from router.store import iter_decisions
-from router.testing import REPO_ROOT, SERVING_YAML, ServerThread, free_port, start_subprocess
-from tests.servers import RedisServer
+from tests.servers import REPO_ROOT, RedisServer, ServerThread, free_port, start_subprocess
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
+from tests.tinybundle import SERVING_YAML
 
 
 def _setup(tmp: Path, **kw: Any) -> RouterSetup:
@@ -262,7 +262,7 @@ def test_workers_need_a_shared_state(tmp_path: Path) -> None:
     env = {**os.environ, "XROUTE_ROUTER_ENV__SERVING_CONFIG": str(tmp_path / "serving.yaml"),
            "XROUTE_ROUTER_CONFIG": str(tmp_path / "router.yaml")}
     def serve(workers: str) -> list[str]:
-        res = subprocess.run([sys.executable, "-m", "xroute.cli", "serve", "--workers", workers, "--telemetry",
+        res = subprocess.run([sys.executable, "-m", "xroute_app", "serve", "--workers", workers, "--telemetry",
                               str(tmp_path / "bundle"), "--db", str(setup.settings.db_path), "--port", str(free_port())],
                              cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert res.returncode == 2 and res.stdout == ""

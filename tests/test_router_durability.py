@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router.store import iter_decisions
-from router.testing import free_port, start_subprocess
+from tests.servers import free_port, start_subprocess
 from tests.test_router_support import ROUTE, make_setup
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from schemathesis import checks as C
 
 from router.app import create_app
-from router.testing import ServerThread
+from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, LogCapture, RouterSetup, make_setup
 
 

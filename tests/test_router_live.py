@@ -17,7 +17,7 @@ from router.app import create_app
 from router.engine import RoutingEngine
 from router.keys import Principal
 from router.telemetry import LiveSource
-from router.testing import ServerThread
+from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, make_setup
 from xroute.errors import ConfigError
 from xroute.schema.decision import RouteRequest
@@ -141,8 +141,8 @@ def test_live_router_over_http_picks_up_a_collector_commit(tmp_path: Path) -> No
 def test_collector_output_served_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end: ``collect_once`` against the local AWS/Azure/GCP stand-ins writes a directory; the
     router serves it live (no workload table) and places a request from the collector's origin."""
-    from cloud_adapters.collector import collect_once
-    from cloud_adapters.testing import local_clouds
+    from cloud_adapters.collect.run import collect_once
+    from tests.clouds import local_clouds
     from tests.test_cloud_collector import ORIGIN, config
 
     out = tmp_path / "collected"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from router.app import create_app
-from router.testing import ServerThread, free_port
+from tests.servers import ServerThread, free_port
 from tests.test_router_support import ROUTE, make_setup, write_model
 
 FAKE = "tests.test_router_support:fake_loader"

@@ -22,8 +22,7 @@ from router.export import export_bundle
 from router.keys import Principal
 from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed, iter_decisions
 from router.store_pg import PostgresLog, check_reachable, redact
-from router.testing import ServerThread
-from tests.servers import PostgresServer
+from tests.servers import PostgresServer, ServerThread
 from tests.test_router_support import ROUTE, LogCapture, make_setup
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError

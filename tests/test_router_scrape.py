@@ -19,7 +19,7 @@ from router.app import create_app
 from router.engine import RoutingEngine
 from router.keys import Principal
 from router.scrape import ServerLoad, parse_metrics
-from router.testing import ServerThread
+from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, make_setup
 from xroute.errors import ConfigError
 from xroute.schema.decision import RouteRequest

@@ -320,7 +320,7 @@ def test_settings_name_the_field_and_the_router_reports_its_state(redis_server: 
     import httpx
 
     from router.app import create_app
-    from router.testing import ServerThread
+    from tests.servers import ServerThread
     from xroute.errors import ConfigError
 
     with pytest.raises(ConfigError, match="state_url: needed with state_backend: redis"):

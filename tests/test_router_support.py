@@ -16,8 +16,7 @@ from envs.features import F
 from router.keys import add_key
 from router.logs import JsonFormatter
 from router.settings import RouterSettings, load_settings
-from router.testing import write_serving_yaml
-from tests.tinybundle import write_tiny_bundle
+from tests.tinybundle import write_serving_yaml, write_tiny_bundle
 
 
 @dataclass

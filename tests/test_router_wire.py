@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from router.app import create_app
-from router.testing import ServerThread
+from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, LogCapture, RouterSetup, make_setup
 
 ONE_POOL = {"allow": [{"offering_ids": ["gcp:europe-west4:g2-standard-4:on_demand"]}]}

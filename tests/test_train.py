@@ -122,13 +122,13 @@ def test_cli_promote_refusal_and_evaluate_with_the_registered_model(trained: dic
     setup = trained["setup"]
     cfg = tmp_path / "train.yaml"
     cfg.write_text(setup["train_yaml"].read_text().replace("xroute-router-smoke", "no-such-model"))
-    r = subprocess.run([sys.executable, "-m", "xroute.cli", "promote", "--config", str(cfg)], env=env,
+    r = subprocess.run([sys.executable, "-m", "xroute_app", "promote", "--config", str(cfg)], env=env,
                        capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "promote refused" in r.stderr and "no-such-model" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     out = tmp_path / "ev.json"
     export = trained["summary"].best["router_dir"]
-    r = subprocess.run([sys.executable, "-m", "xroute.cli", "evaluate", "--telemetry", str(setup["bundle"]),
+    r = subprocess.run([sys.executable, "-m", "xroute_app", "evaluate", "--telemetry", str(setup["bundle"]),
                         "--policy", "greedy", "--policy", "models:/xroute-router-smoke@challenger",
                         "--policy", str(export), "--config", str(trained["root"] / "evaluate.yaml"),
                         "--output", str(out), "--quiet"],

@@ -74,3 +74,20 @@ def write_tiny_bundle(root: Path, n_requests: int = 400, preempt: bool = True, s
                 av.append({"ts": (t0 + pd.Timedelta(seconds=up)).isoformat(), "offering_id": oid, "available": 1})
         pd.DataFrame(av).sort_values(["offering_id", "ts"]).to_csv(root / "availability.csv", index=False)
     return root
+
+
+#: a serving model with the tiny bundle's accelerators (numbers shaped like configs/serving.yaml)
+SERVING_YAML = """\
+reference_accelerator: A10G
+accelerators:
+  A10G: {memory_gb: 24, prefill_tok_s: 6170, tpot_ms: 31.0, tpot_growth: 0.051, max_concurrency: 7, noise_sigma: 0.07}
+  L4: {memory_gb: 24, prefill_tok_s: 5970, tpot_ms: 62.0, tpot_growth: 0.051, max_concurrency: 7, noise_sigma: 0.07}
+  T4: {memory_gb: 16, prefill_tok_s: 3210, tpot_ms: 58.1, tpot_growth: 0.051, max_concurrency: 1, noise_sigma: 0.07}
+  A100: {memory_gb: 40, prefill_tok_s: 15400, tpot_ms: 12.0, tpot_growth: 0.034, max_concurrency: 20, noise_sigma: 0.07}
+  H100: {memory_gb: 80, prefill_tok_s: 28400, tpot_ms: 5.6, tpot_growth: 0.045, max_concurrency: 54, noise_sigma: 0.07}
+"""
+
+
+def write_serving_yaml(path: Path) -> Path:
+    path.write_text(SERVING_YAML)
+    return path.resolve()

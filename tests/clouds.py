@@ -1,4 +1,5 @@
 """Local stand-ins for the cloud APIs, for tests and the collection benchmark (loopback only).
+Test scaffolding: it lives with the tests and is not part of the installed package.
 
 :class:`FakeCloudServer` is a small threaded HTTP server that answers the real APIs' paths with
 recorded payloads in their real wire format (JSON, EC2's XML), pages included, and can be told to
@@ -29,13 +30,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "cloud"
+from tests.servers import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cloud"
 
 
 @dataclass

@@ -8,6 +8,9 @@ t-interval, and each policy's difference to the best baseline (the non-learned p
 best mean reward; the hindsight oracle is a reference, not a baseline) as the mean of the per-seed
 differences with its 95 % t-interval. The intervals cover the simulation's randomness on *this*
 request stream, not other traffic: how a policy generalizes is measured on other bundles.
+
+It lives with the policies it runs because training uses it too (the selection runs, the promotion
+gate, the reports of ``xroute train``); the ``xroute evaluate`` command only reads its options and calls it.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def evaluate(
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
 
-    from xroute import evaluate as ev
+    from models import evaluate as ev
     from xroute.bundle import load_bundle
     from xroute.config import EvaluateConfig, config_path, load_config
 
@@ -148,7 +148,7 @@ def ope(
     import time
 
     from models import ope as o
-    from xroute.evaluate import write_json
+    from models.evaluate import write_json
     from xroute.schema.ope import read_log
 
     cfg: Any = _evaluate_config(config)
@@ -181,8 +181,8 @@ def ope_simulate(
 ) -> None:
     """Write a simulated decision log: the bundle's requests routed epsilon-greedy around greedy,
     with exact propensities and realized rewards — to try `xroute ope` without a router."""
+    from models import evaluate as ev
     from models import ope as o
-    from xroute import evaluate as ev
     from xroute.bundle import load_bundle
     from xroute.schema.ope import SUFFIXES, write_log
 
