@@ -26,12 +26,13 @@ import pandas as pd
 from mlflow.pyfunc import PythonModel
 
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
+from models.policy import RouterWeights, read_router
 
 ARTIFACT_KEY = "router"
 
 
-def predict_frame(weights: Any, model_input: pd.DataFrame) -> pd.DataFrame:
-    """Route every row of ``model_input`` with ``weights`` (a ``models.policy.RouterWeights``)."""
+def predict_frame(weights: RouterWeights, model_input: pd.DataFrame) -> pd.DataFrame:
+    """Route every row of ``model_input`` with ``weights``."""
     missing = [c for c in ("offerings", "request", "mask") if c not in model_input.columns]
     if missing:
         raise ValueError(f"input is missing column(s) {', '.join(missing)}")
@@ -60,8 +61,6 @@ class RouterModel(PythonModel):
     """``mlflow.pyfunc`` wrapper of an exported router (artifact ``router``: the export directory)."""
 
     def load_context(self, context: Any) -> None:
-        from models.policy import read_router
-
         self.weights = read_router(context.artifacts[ARTIFACT_KEY])
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:

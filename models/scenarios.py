@@ -25,8 +25,8 @@ import pandas as pd
 
 from models.config import SplitConfig, TrainConfig
 from xroute.bundle import Bundle, load_bundle
-from xroute.resources import bundles_dir, shipped_bundles
 from xroute.errors import BundleError, ConfigError
+from xroute.resources import bundles_dir, shipped_bundles
 
 SPLITS = ("train", "validation", "test")
 

@@ -210,9 +210,9 @@ def _start_trial_run(ctx: TrialContext, name: str, params: dict[str, Any]) -> An
         return None
     import mlflow
 
-    from models.registry import _quiet
+    from models.loader import quiet_mlflow
 
-    _quiet()
+    quiet_mlflow()
     mlflow.set_tracking_uri(ctx.tracking_uri)
     tags = {"xroute.trial": name, "xroute.bundle_hash": ctx.bundle_hash}
     if ctx.parent_run_id:
@@ -344,7 +344,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     """The whole ``xroute train`` (see the module docstring)."""
     import mlflow
 
-    from models import gate, registry
+    from models import gate, loader, registry
     from models.baselines import BASELINES
     from xroute import evaluate as ev
 
@@ -363,7 +363,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     echo(f"gate: {', '.join(s.label for s in sc.gate)} (test windows, {cfg.data.gate_seeds} seeds)")
     bundle_hash = ",".join(f"{k}={v}" for k, v in sc.bundle_hashes.items())
 
-    uri = registry.tracking_uri(run_dir, cfg.mlflow.tracking_uri)
+    uri = loader.tracking_uri(run_dir, cfg.mlflow.tracking_uri)
     exp_id = registry.setup(uri, cfg.mlflow.experiment, run_dir)
     echo(f"MLflow: {uri} (experiment '{cfg.mlflow.experiment}')")
 

@@ -115,7 +115,7 @@ def test_export_round_trips_through_files_and_loads_without_torch(tmp_path: Path
     rows = obs["offerings"].reshape(16, 7, NF)
     assert np.array_equal(w.scores(rows, obs["request"], obs["mask"]), back.scores(rows, obs["request"], obs["mask"]))
     assert back.prior == RewardPrior(**PRIOR) and back.meta["note"] == "x"
-    code = ("import sys; from models.policy import load_policy; import numpy as np; "
+    code = ("import sys; from models.loader import load_policy; import numpy as np; "
             f"p = load_policy({str(d)!r}); p.reset(None, 0); "
             "o = {'offerings': np.ones(7*%d, np.float32), 'request': np.ones(%d, np.float32), "
             "'mask': np.ones(7, np.float32)}; p.act(o, {}); "

@@ -89,7 +89,8 @@ def test_smoke_training_runs_tune_trials_and_tracks_them_in_mlflow(trained: dict
 
 def test_registry_alias_round_trip_and_promote(trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from models import registry
-    from models.policy import LearnedPolicy, load_policy
+    from models.loader import load_policy
+    from models.policy import LearnedPolicy
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", trained["uri"])
     name = "xroute-router-smoke"
