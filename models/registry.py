@@ -1,13 +1,15 @@
 """Logging and registering the learned router in MLflow, and promotion: where a training run's
-experiment lives, the pyfunc model (``models.pyfunc``) logged, a new registered version with the
-``challenger`` alias, and ``xroute promote`` moving ``champion``. Fetching a model back (URIs,
-the default store) is ``models.loader``.
+experiment lives, the pyfunc model (``models.pyfunc``) logged with the code and requirements it
+needs, a new registered version with the ``challenger`` alias, and ``xroute promote`` moving
+``champion``. Fetching a model back (URIs, the default store) is
+``models.loader``.
 
 Imports neither torch nor stable-baselines3.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +18,11 @@ import mlflow
 import mlflow.pyfunc
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
 
 from models.loader import quiet_mlflow
 from models.ope import promotion_check
 from models.policy import read_router
-from models.pyfunc import ARTIFACT_KEY, RouterModel, predict_frame
+from models.pyfunc import ARTIFACT_KEY, MODEL_CODE, pip_requirements, predict_frame, signature, stage_code
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -49,24 +50,19 @@ def setup(uri: str, experiment: str, run_dir: str | Path) -> str:
         return str(exp.experiment_id)
 
 
-#: what the pyfunc needs at load time (explicit: inferring them costs seconds per log_model)
-PIP_REQUIREMENTS_PACKAGES = ("mlflow", "numpy", "pandas", "gymnasium")
-
-
-def pip_requirements() -> list[str]:
-    from importlib.metadata import version
-
-    return [f"{p}=={version(p)}" for p in PIP_REQUIREMENTS_PACKAGES]
-
-
 def log_router_model(router_dir: str | Path, input_example: Any, name: str = "router") -> Any:
-    """Log an exported router as a pyfunc model in the active run; returns MLflow's ModelInfo."""
-    output = predict_frame(read_router(router_dir), input_example)
-    signature = infer_signature(input_example, output)
-    return mlflow.pyfunc.log_model(name=name, python_model=RouterModel(), artifacts={ARTIFACT_KEY: str(router_dir)},
-                                   signature=signature, input_example=input_example,
-                                   pip_requirements=pip_requirements())
+    """Log an exported router as a pyfunc model in the active run; returns MLflow's ModelInfo.
 
+    The model carries its inference code (``models.pyfunc.stage_code``), is built from code at load
+    (``models.pyfunc.MODEL_CODE``, nothing pickled) and lists what that code needs
+    (``models.pyfunc.pip_requirements``), with its signature and ``input_example`` (which must score
+    here, with the export, before anything is logged): it loads with ``mlflow.pyfunc.load_model``
+    where xroute is not installed."""
+    predict_frame(read_router(router_dir), input_example)
+    with tempfile.TemporaryDirectory(prefix="xroute-code-") as staging:
+        return mlflow.pyfunc.log_model(name=name, python_model=str(MODEL_CODE), artifacts={ARTIFACT_KEY: str(router_dir)},
+                                       code_paths=stage_code(staging), signature=signature(),
+                                       input_example=input_example, pip_requirements=pip_requirements())
 
 
 def register(model_uri: str, registered_model: str, alias: str = CHALLENGER,
