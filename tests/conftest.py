@@ -42,7 +42,7 @@ def ray_local():
     """A local Ray instance on 2 CPUs, started once (trainings see it initialized and reuse it)."""
     import ray
 
-    from models.train import keep_ray_out_of_home
+    from models.tune import keep_ray_out_of_home
 
     if not ray.is_initialized():
         keep_ray_out_of_home()
