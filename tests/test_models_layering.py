@@ -62,3 +62,17 @@ def test_the_inference_and_registry_layer_imports_ours_at_module_level() -> None
         top = {id(n) for n in tree.body}
         late = [m for n, m in _imports(tree) if m.split(".")[0] in OURS and id(n) not in top]
         assert late == [], f"models/{stem}.py imports {late} inside a function"
+
+
+def test_what_the_router_and_evaluate_import_of_models_pulls_no_training_stack() -> None:
+    """The router loads ``models.loader:load_policy``, ``xroute evaluate`` the baselines and the
+    loader, ``xroute ope`` the OPE module: none of them may bring torch, SB3 or Ray (the core
+    install has none of them)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, models.loader, models.policy, models.baselines, models.ope, models.pyfunc, models.scenarios; "
+            "print(sorted(m for m in ('torch', 'stable_baselines3', 'ray') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=MODELS.parent, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
