@@ -97,7 +97,7 @@ def main() -> None:
     from models import evaluate as ev
     from models.baselines import BASELINES
     from models.config import load_train_config
-    from models.train import resolve_bundle, split_bundle
+    from models.scenarios import resolve_bundle, split_bundle
     cfg = load_train_config(args.config)
     bundle = resolve_bundle(args.telemetry or cfg.telemetry, "--telemetry")
     eval_cfg = cfg.evaluate_settings()

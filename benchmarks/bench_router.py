@@ -151,7 +151,7 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
     out: dict[str, Any] = {}
     policies: list[tuple[str, Any]] = [("greedy", None)]
     if model is not None:
-        from models.policy import load_policy
+        from models.loader import load_policy
 
         policies.append(("learned", load_policy(str(model))))
     for label, policy in policies:

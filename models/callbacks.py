@@ -1,24 +1,20 @@
 """stable-baselines3 callbacks of a training trial: the rollout warm start, validation with model
-selection, and progress reports (to Ray Tune and MLflow)."""
+selection, and progress reports (to Ray Tune and MLflow). Their learning curve is plotted by
+``models.tracking.plot_learning_curve``."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 
+from models.tracking import log_step_metrics
+
 Report = Callable[[dict[str, Any], "str | None"], None]
-
-
-def _log_metrics(metrics: dict[str, float], step: int) -> None:
-    import mlflow
-
-    mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None and np.isfinite(v)}, step=step)
 
 
 class WarmStartCallback(BaseCallback):
@@ -61,11 +57,11 @@ class WarmStartCallback(BaseCallback):
         self.seconds = time.perf_counter() - t0
         if self.log_mlflow:
             for i, loss in enumerate(self.losses):
-                _log_metrics({"warm_start_loss": loss}, i + 1)
+                log_step_metrics({"warm_start_loss": loss}, i + 1)
             for i, (hl, hg, sv) in enumerate(zip(self.report.hold_loss, self.report.hold_gain, self.report.selection)):
-                _log_metrics({"warm_start_holdout_loss": hl, "warm_start_holdout_gain": hg,
+                log_step_metrics({"warm_start_holdout_loss": hl, "warm_start_holdout_gain": hg,
                               "warm_start_val_criterion": sv}, i)
-            _log_metrics({"warm_start_fit_s": self.seconds, "warm_start_label_s": data.seconds,
+            log_step_metrics({"warm_start_fit_s": self.seconds, "warm_start_label_s": data.seconds,
                           "warm_start_states": len(data), "warm_start_best_epoch": self.report.best_epoch,
                           "warm_start_positive_advantage": float((data.advantage > 1e-9).mean())}, 0)
 
@@ -145,7 +141,7 @@ class ValidationCallback(BaseCallback):
         for (label, _), r, g in zip(self.selection.envs, runs, self.selection.greedy):
             metrics[f"val_delta_{label.replace(' ', '_')}"] = float(r.metrics["mean_reward"]) - g
         if self.log_mlflow:
-            _log_metrics(metrics, step)
+            log_step_metrics(metrics, step)
         if self.report is not None:
             self.report({"timesteps": step, **metrics, "best_val_criterion": self.best.criterion,
                          "train_reward": self.train_reward(), "done_validation": 1}, None)
@@ -166,65 +162,6 @@ class ValidationCallback(BaseCallback):
 
     def finish(self, model: Any) -> None:
         self.validate(model)
-
-    def plot_curve(self, path: str | Path, references: list[Any] | None = None, warm: Any = None) -> None:
-        """Three panels a reviewer compares: (1) every checkpoint's selection score -- its worst paired
-        difference in mean reward to greedy over the selection loads; 0 is greedy -- with the other
-        baselines' differences on the first selection scenario (``references``: their results over
-        several seeds, mean and 95 % interval) and the checkpoint kept; (2) the warm start's fit:
-        the score after each epoch (epoch 0 = the prior alone, greedy) and the epoch kept; (3) the
-        training episodes' reward, which includes exploration and the mix's loads: not comparable."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax, axw, axt) = plt.subplots(1, 3, figsize=(16, 4.5))
-        ax.axhline(0.0, color="tab:green", lw=1.5, label="greedy (the reference: Δ = 0)")
-        if self.curve:
-            st, r = zip(*self.curve)
-            ax.plot(st, r, "o-", color="tab:blue", label="checkpoints: worst Δ over the selection loads")
-        greedy = next((x for x in (references or []) if x.name == "greedy"), None)
-        others = sorted((x for x in (references or []) if x.name != "greedy"),
-                        key=lambda x: -x.metrics["mean_reward"])[:1]  # the next-best baseline: the scale stays readable
-        for k, ref in enumerate(others if greedy is not None else []):
-            assert greedy is not None
-            d = ref.metrics["mean_reward"] - greedy.metrics["mean_reward"]
-            lo, hi = ref.ci["mean_reward"]
-            half = (hi - lo) / 2 if np.isfinite(lo) else 0.0
-            c = ["tab:orange", "tab:gray"][k]
-            ax.axhline(d, color=c, ls="--", lw=1, label=f"{ref.name} (Δ on {self.selection.envs[0][0]}, ±{half:.4f})")
-        if self.best is not None:
-            ax.axvline(self.best.step, color="gray", ls=":", label=f"kept (step {self.best.step})")
-        ax.set_xlabel("DQN environment steps (0 = the warm start)")
-        ax.set_ylabel("Δ mean reward vs greedy, selection window")
-        ax.set_title("selection: checkpoints vs greedy and the baselines")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        rep = getattr(warm, "report", None)
-        if rep is not None and rep.selection:
-            axw.plot(range(len(rep.selection)), rep.selection, "o-", color="tab:purple", label="worst Δ vs greedy")
-            axw.axhline(0.0, color="tab:green", lw=1.5, label="greedy (the prior alone)")
-            axw.axvline(rep.best_epoch, color="gray", ls=":", label=f"kept (epoch {rep.best_epoch})")
-            axw.set_xlabel("warm-start epoch (0 = the prior alone)")
-            axw.legend(fontsize=7)
-        else:
-            axw.text(0.5, 0.5, "no warm start", ha="center", va="center", transform=axw.transAxes)
-        axw.set_title("warm-start fit")
-        axw.grid(alpha=0.3)
-        if self.train_curve:
-            st, r = zip(*self.train_curve)
-            axt.plot(st, r, color="tab:red", alpha=0.7)
-        else:
-            axt.text(0.5, 0.5, "no DQN fine-tuning\n(total_timesteps 0: the warm start alone)", ha="center",
-                     va="center", transform=axt.transAxes)
-        axt.set_xlabel("DQN environment steps")
-        axt.set_ylabel("mean reward per request")
-        axt.set_title("training episodes (exploration, mixed loads)")
-        axt.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
 
 
 class ProgressCallback(BaseCallback):
@@ -252,7 +189,7 @@ class ProgressCallback(BaseCallback):
         if loss is not None:
             metrics["td_loss"] = float(loss)
         if self.log_mlflow:
-            _log_metrics(metrics, step)
+            log_step_metrics(metrics, step)
         if self.report is not None:
             self.report({"timesteps": step, **metrics, "val_criterion": self.validation.last_reward,
                          "best_val_criterion": (self.validation.best.criterion

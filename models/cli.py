@@ -78,7 +78,7 @@ def promote(
     best baseline is above zero and it loses significantly nowhere (and, with --ope, if its
     off-policy estimate on the router's log beats the champion's); otherwise say why and exit
     non-zero."""
-    from models import registry
+    from models import loader, registry
     from models.config import load_train_config
 
     report = None
@@ -94,8 +94,8 @@ def promote(
     name = model or cfg.mlflow.registered_model
     import mlflow
 
-    registry._quiet()
-    mlflow.set_tracking_uri(registry.tracking_uri(cfg.run_path(), cfg.mlflow.tracking_uri))
+    loader.quiet_mlflow()
+    mlflow.set_tracking_uri(loader.tracking_uri(cfg.run_path(), cfg.mlflow.tracking_uri))
     decision = registry.promote(name, ope=report, ope_estimator=ope_estimator, ope_source=str(ope))
     if not decision.promoted:
         raise PromotionRefused(f"promote refused: {decision.reason}")

@@ -76,7 +76,7 @@ class PolicyResult:
 def resolve_policy(name: str, cfg: EvaluateConfig) -> Policy:
     """A baseline name, ``static:OFFERING_ID``, or a learned policy (``models:/NAME@ALIAS`` or a path)."""
     if name.startswith("models:/") or name.startswith("runs:/") or Path(name).exists():
-        from models.policy import load_policy  # the learned router; imports torch-free numpy code only
+        from models.loader import load_policy  # the learned router; imports torch-free numpy code only
 
         return load_policy(name)
     return make_baseline(name, cfg)

@@ -44,6 +44,7 @@ import numpy as np
 
 from envs.features import OFFERING_FEATURES, OFFERING_HIGH, OFFERING_LOW, REQUEST_FEATURES, REQUEST_HIGH, REQUEST_LOW, F
 from envs.features import R as RQ
+from models.loader import load_policy, model_version
 from models.policy import RewardPrior
 from xroute.errors import ConfigError
 from xroute.schema.ope import DecisionLog, Feedback, LogError, LoggedDecision, LogHeader, RewardWeights
@@ -232,9 +233,6 @@ def resolve_target(name: str, prior: RewardPrior, cfg: Any) -> tuple[Target, dic
     """A ``--policy`` as a target scored from the log, and the registry version it is (``None``
     for a baseline or a path). Learned routers resolve like ``xroute evaluate`` does."""
     if name.startswith(("models:/", "runs:/")) or Path(name).exists():
-        from models.policy import load_policy
-        from models.registry import model_version
-
         info = model_version(name) if name.startswith("models:/") else None
         pol = load_policy(f"models:/{info['registered_model']}/{info['version']}" if info else name)
         weights = pol.weights

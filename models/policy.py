@@ -19,6 +19,10 @@ correction to it, not the whole value.
 
 The action is the argmax over valid offerings, so the router is indifferent to the order of the
 offerings and scores any catalog size.
+
+This module is the inference path a registered model carries (``models.pyfunc.INFERENCE_MODULES``):
+it imports ``envs.features``, ``envs.kernels`` and ``xroute.errors`` of ours, and numpy and numba.
+Fetching a model from a URI is ``models.loader``.
 """
 
 from __future__ import annotations
@@ -340,16 +344,3 @@ def read_router(directory: str | Path) -> RouterWeights:
         raise ConfigError(f"{d / META_FILE}: field 'margin': not a number") from None
     return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta, margin=margin)
 
-
-def load_policy(uri: str) -> LearnedPolicy:
-    """A learned policy from a local export/model directory, ``models:/NAME@ALIAS`` (or
-    ``models:/NAME/VERSION``) or ``runs:/RUN_ID/PATH``. Imports neither torch nor SB3."""
-    if uri.startswith(("models:/", "runs:/")):
-        from models.registry import download_model
-
-        local = download_model(uri)
-        return LearnedPolicy(read_router(local), name=uri)
-    p = Path(uri)
-    if not p.exists():
-        raise ConfigError(f"--policy: '{uri}' is neither a baseline, a models:/ or runs:/ URI, nor an existing path")
-    return LearnedPolicy(read_router(p), name=p.name or uri)

@@ -15,23 +15,54 @@ column          type                meaning
 Output: a DataFrame with ``request_id`` (when given), ``offering_index`` (the chosen row; -1
 when no offering is valid), ``score`` (its score) and ``scores`` (every row's score, NaN where
 masked). Numpy only: no torch, no stable-baselines3.
+
+The model stands on its own: it carries the code its inference imports
+(:data:`INFERENCE_MODULES`, copied by :func:`stage_code` into the model's ``code/`` directory,
+which MLflow puts first on ``sys.path`` when it loads the model), is built at load by
+:data:`MODEL_CODE` (no pickle), records what that code needs from PyPI (:func:`pip_requirements`)
+and states its :func:`signature`. Only those modules are copied, not whole packages: ``envs``' own
+``__init__`` imports the environment (pandas tables, pydantic configs, gymnasium), which scoring
+never touches, so each package in the copy gets an ``__init__`` that only marks it. (So in a
+process that loads the model before it imports ``envs``, ``models`` or ``xroute`` itself, those
+names are the model's copies: MLflow's ``code_paths`` come first on ``sys.path``.)
 """
 
 from __future__ import annotations
 
+import shutil
+from importlib.metadata import PackageNotFoundError, requires, version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from mlflow.models import ModelSignature
 from mlflow.pyfunc import PythonModel
+from mlflow.types import ColSpec, Schema
+from mlflow.types.schema import Array
+from packaging.requirements import Requirement
 
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
+from models.policy import RouterWeights, read_router
 
 ARTIFACT_KEY = "router"
+#: every module of ours that loading and scoring the model imports: this one (:data:`MODEL_CODE`
+#: builds its :class:`RouterModel`), the numpy/numba scorer and what that imports. A test loads a
+#: registered model where only these exist (``tests/test_model_standalone.py``).
+INFERENCE_MODULES = ("models.pyfunc", "models.policy", "envs.features", "envs.kernels", "xroute.errors")
+#: what those modules import from PyPI besides MLflow, at the ranges xroute itself requires
+#: (``pyproject.toml``, read from the installed metadata); numba's ``np.dot`` needs SciPy's BLAS
+REQUIREMENTS = ("numpy", "numba", "scipy", "pandas")
+#: the file MLflow runs to build the model at load (``python_model`` of ``mlflow.pyfunc.log_model``)
+MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+#: the directory the modules are found under: the one holding the ``models`` package
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+_MARKER = ('"""Part of xroute carried by a registered router model: only the modules its inference imports '
+           '(models.pyfunc.INFERENCE_MODULES)."""\n')
 
 
-def predict_frame(weights: Any, model_input: pd.DataFrame) -> pd.DataFrame:
-    """Route every row of ``model_input`` with ``weights`` (a ``models.policy.RouterWeights``)."""
+def predict_frame(weights: RouterWeights, model_input: pd.DataFrame) -> pd.DataFrame:
+    """Route every row of ``model_input`` with ``weights``."""
     missing = [c for c in ("offerings", "request", "mask") if c not in model_input.columns]
     if missing:
         raise ValueError(f"input is missing column(s) {', '.join(missing)}")
@@ -60,8 +91,6 @@ class RouterModel(PythonModel):
     """``mlflow.pyfunc`` wrapper of an exported router (artifact ``router``: the export directory)."""
 
     def load_context(self, context: Any) -> None:
-        from models.policy import read_router
-
         self.weights = read_router(context.artifacts[ARTIFACT_KEY])
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
@@ -77,3 +106,49 @@ def example_frame(observations: list[dict[str, np.ndarray]], n: int, request_ids
         "request": [np.asarray(o["request"], dtype=float) for o in observations],
         "mask": [np.asarray(o["mask"][:n], dtype=float) for o in observations],
     })
+
+
+def signature() -> ModelSignature:
+    """The input and output columns of the module docstring (``request_id`` optional)."""
+    vec = Array("double")
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "request_id", required=False), ColSpec(vec, "offerings"),
+                       ColSpec(vec, "request"), ColSpec(vec, "mask")]),
+        outputs=Schema([ColSpec("string", "request_id", required=False), ColSpec("long", "offering_index"),
+                        ColSpec("double", "score"), ColSpec(vec, "scores")]))
+
+
+def stage_code(dst: str | Path) -> list[str]:
+    """Copy :data:`INFERENCE_MODULES` into ``dst`` as packages (``dst/envs/kernels.py`` ...), each
+    package with a marker ``__init__``; returns the package directories, MLflow's ``code_paths``
+    (it copies each under the model's ``code/`` and puts that first on ``sys.path`` at load)."""
+    root = Path(dst)
+    tops: list[str] = []
+    for name in INFERENCE_MODULES:
+        *pkgs, mod = name.split(".")
+        d = root.joinpath(*pkgs)
+        d.mkdir(parents=True, exist_ok=True)
+        for k in range(1, len(pkgs) + 1):
+            marker = root.joinpath(*pkgs[:k], "__init__.py")
+            if not marker.exists():
+                marker.write_text(_MARKER)
+        shutil.copyfile(SOURCE_ROOT.joinpath(*pkgs, f"{mod}.py"), d / f"{mod}.py")
+        if pkgs[0] not in tops:
+            tops.append(pkgs[0])
+    return [str(root / t) for t in sorted(tops)]
+
+
+def pip_requirements() -> list[str]:
+    """What the model needs from PyPI to load and score: the MLflow client it was logged with
+    (``mlflow-skinny``, pinned: the model format is MLflow's) and :data:`REQUIREMENTS` at the
+    ranges xroute's own metadata gives them."""
+    try:
+        ours = [Requirement(r) for r in requires("xroute") or []]
+    except PackageNotFoundError:
+        raise RuntimeError("logging a router model needs xroute installed (pip install -e .): its "
+                           "requirement ranges come from the package metadata") from None
+    ranges = {r.name: str(r) for r in ours if r.name in REQUIREMENTS and r.marker is None}
+    missing = [n for n in REQUIREMENTS if n not in ranges]
+    if missing:
+        raise RuntimeError(f"xroute's metadata does not require {', '.join(missing)}; reinstall it (pip install -e .)")
+    return [f"mlflow-skinny=={version('mlflow-skinny')}", *(ranges[n] for n in REQUIREMENTS)]

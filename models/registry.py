@@ -1,47 +1,31 @@
-"""MLflow plumbing of the learned router: where the store is, logging and registering the model,
-moving the ``challenger``/``champion`` aliases, and fetching a model for ``xroute evaluate``.
+"""Logging and registering the learned router in MLflow, and promotion: where a training run's
+experiment lives, the pyfunc model (``models.pyfunc``) logged with the code and requirements it
+needs, a new registered version with the ``challenger`` alias, and ``xroute promote`` moving
+``champion``. Fetching a model back (URIs, the default store) is
+``models.loader``.
 
-Default store (no server): tracking in ``sqlite:///<run_dir>/mlflow.db`` and artifacts under
-``<run_dir>/mlartifacts``; ``$MLFLOW_TRACKING_URI`` overrides it. Open the UI with::
-
-    mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --host 127.0.0.1
-
-This module imports neither torch nor stable-baselines3.
+Imports neither torch nor stable-baselines3.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xroute.errors import ConfigError, XrouteError
+import mlflow
+import mlflow.pyfunc
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from models.loader import quiet_mlflow
+from models.ope import promotion_check
+from models.policy import read_router
+from models.pyfunc import ARTIFACT_KEY, MODEL_CODE, pip_requirements, predict_frame, signature, stage_code
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
-#: relative to the working directory (where `xroute train` put its store)
-DEFAULT_RUN_DIR = Path("runs")
-#: what the pyfunc needs at load time (explicit: inferring them costs seconds per log_model)
-PIP_REQUIREMENTS_PACKAGES = ("mlflow", "numpy", "pandas", "gymnasium")
-
-
-def _quiet() -> None:
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
-
-
-def tracking_uri(run_dir: str | Path | None = None, configured: str | None = None) -> str:
-    """``$MLFLOW_TRACKING_URI``, else ``configured``, else the SQLite file under ``run_dir``."""
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    if configured:
-        return configured
-    d = Path(run_dir) if run_dir is not None else DEFAULT_RUN_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{d.resolve() / 'mlflow.db'}"
 
 
 def artifact_root(run_dir: str | Path) -> str:
@@ -51,9 +35,7 @@ def artifact_root(run_dir: str | Path) -> str:
 def setup(uri: str, experiment: str, run_dir: str | Path) -> str:
     """Point MLflow at ``uri`` and return the id of ``experiment`` (created with its artifacts
     under ``run_dir/mlartifacts`` when the store is the local default)."""
-    _quiet()
-    import mlflow
-
+    quiet_mlflow()
     mlflow.set_tracking_uri(uri)
     exp = mlflow.get_experiment_by_name(experiment)
     if exp is not None:
@@ -68,34 +50,25 @@ def setup(uri: str, experiment: str, run_dir: str | Path) -> str:
         return str(exp.experiment_id)
 
 
-def pip_requirements() -> list[str]:
-    from importlib.metadata import version
-
-    return [f"{p}=={version(p)}" for p in PIP_REQUIREMENTS_PACKAGES]
-
-
 def log_router_model(router_dir: str | Path, input_example: Any, name: str = "router") -> Any:
-    """Log an exported router as a pyfunc model in the active run; returns MLflow's ModelInfo."""
-    import mlflow
-    from mlflow.models import infer_signature
+    """Log an exported router as a pyfunc model in the active run; returns MLflow's ModelInfo.
 
-    from models.policy import read_router
-    from models.pyfunc import ARTIFACT_KEY, RouterModel, predict_frame
-
-    output = predict_frame(read_router(router_dir), input_example)
-    signature = infer_signature(input_example, output)
-    return mlflow.pyfunc.log_model(name=name, python_model=RouterModel(), artifacts={ARTIFACT_KEY: str(router_dir)},
-                                   signature=signature, input_example=input_example,
-                                   pip_requirements=pip_requirements())
+    The model carries its inference code (``models.pyfunc.stage_code``), is built from code at load
+    (``models.pyfunc.MODEL_CODE``, nothing pickled) and lists what that code needs
+    (``models.pyfunc.pip_requirements``), with its signature and ``input_example`` (which must score
+    here, with the export, before anything is logged): it loads with ``mlflow.pyfunc.load_model``
+    where xroute is not installed."""
+    predict_frame(read_router(router_dir), input_example)
+    with tempfile.TemporaryDirectory(prefix="xroute-code-") as staging:
+        return mlflow.pyfunc.log_model(name=name, python_model=str(MODEL_CODE), artifacts={ARTIFACT_KEY: str(router_dir)},
+                                       code_paths=stage_code(staging), signature=signature(),
+                                       input_example=input_example, pip_requirements=pip_requirements())
 
 
 def register(model_uri: str, registered_model: str, alias: str = CHALLENGER,
              tags: dict[str, Any] | None = None) -> str:
     """Register ``model_uri`` as a new version of ``registered_model``, tag it and point ``alias``
     at it. Returns the version."""
-    import mlflow
-    from mlflow import MlflowClient
-
     mv = mlflow.register_model(model_uri, registered_model)
     client = MlflowClient()
     for k, v in (tags or {}).items():
@@ -105,8 +78,6 @@ def register(model_uri: str, registered_model: str, alias: str = CHALLENGER,
 
 
 def _alias_version(client: Any, name: str, alias: str) -> Any | None:
-    from mlflow.exceptions import MlflowException
-
     try:
         return client.get_model_version_by_alias(name, alias)
     except MlflowException:
@@ -127,8 +98,6 @@ def promote(registered_model: str, ope: dict[str, Any] | None = None, ope_estima
     in mean reward to the best baseline is above zero, and it loses significantly nowhere; the
     verdict is recorded as version tags). With ``ope`` (an ``xroute ope`` report) it must also
     pass ``models.ope.promotion_check`` on the logged traffic. Never raises for a refusal."""
-    from mlflow import MlflowClient
-
     client = MlflowClient()
     ch = _alias_version(client, registered_model, CHALLENGER)
     if ch is None:
@@ -145,8 +114,6 @@ def promote(registered_model: str, ope: dict[str, Any] | None = None, ope_estima
                                ch.version)
     ope_why = ""
     if ope is not None:
-        from models.ope import promotion_check
-
         ok, why = promotion_check(ope, registered_model, str(ch.version), None if champ is None else str(champ.version),
                                   ope_estimator, ope_source)
         if not ok:
@@ -157,45 +124,3 @@ def promote(registered_model: str, ope: dict[str, Any] | None = None, ope_estima
     was = f" (was v{champ.version})" if champ is not None else ""
     return PromoteDecision(True, f"champion -> v{ch.version}{was}: {tags.get('gate_reason', '')}{ope_why}", ch.version)
 
-
-def model_version(uri: str) -> dict[str, str] | None:
-    """The registered model and version a ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` URI
-    points at now (``None`` for another form, e.g. a stage); what an OPE report records so that
-    ``promote --ope`` can tell which version it estimated."""
-    _quiet()
-    import mlflow
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    mlflow.set_tracking_uri(tracking_uri())
-    rest = uri.removeprefix("models:/")
-    try:
-        if "@" in rest:
-            name, alias = rest.split("@", 1)
-            version = str(MlflowClient().get_model_version_by_alias(name, alias).version)
-        else:
-            name, _, version = rest.rpartition("/")
-            if not name or not version.isdigit():
-                return None
-            MlflowClient().get_model_version(name, version)
-    except MlflowException as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--policy: cannot resolve '{uri}' in {mlflow.get_tracking_uri()}: {first}") from None
-    return {"registered_model": name, "version": version, "uri": uri}
-
-
-def download_model(uri: str, dst: str | Path | None = None) -> Path:
-    """Local copy of ``models:/…`` or ``runs:/…`` (default store unless ``$MLFLOW_TRACKING_URI``)."""
-    _quiet()
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    mlflow.set_tracking_uri(tracking_uri())
-    target = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix="xroute-model-"))
-    try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
-    except MlflowException as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--policy: cannot load '{uri}' from {mlflow.get_tracking_uri()}: {first}") from None
-    except OSError as e:
-        raise XrouteError(f"--policy: cannot download '{uri}': {e}") from None

@@ -11,6 +11,8 @@
   score is its worst paired difference in mean reward to greedy over those loads.
 * **Gate and report**: the test windows of the ``data.gate`` bundles at each of ``data.gate_rates``,
   which no selection saw; the routers start from the outputs of the windows before (``history``).
+* **Episodes**: the environment config a training episode runs with (:func:`train_env_config`)
+  and the one a window is evaluated with (:func:`eval_env_config`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,26 @@ import pandas as pd
 
 from models.config import SplitConfig, TrainConfig
 from xroute.bundle import Bundle, load_bundle
+from xroute.config import EnvConfig, EvaluateConfig
 from xroute.errors import BundleError, ConfigError
 from xroute.resources import bundles_dir, shipped_bundles
 
 SPLITS = ("train", "validation", "test")
+
+
+def train_env_config(cfg: TrainConfig, eval_cfg: EvaluateConfig, n_offerings: int) -> EnvConfig:
+    """The evaluate config's env (same reward, same dynamics) with training episodes and padding."""
+    pad = cfg.max_offerings or max(n_offerings, 1)
+    if pad < n_offerings:
+        raise ConfigError(f"train config: field 'max_offerings': the bundle has {n_offerings} offerings, more than {pad}")
+    return eval_cfg.env.model_copy(update={"episode_requests": cfg.episode_requests, "max_offerings": pad})
+
+
+def eval_env_config(eval_cfg: EvaluateConfig, rate_scale: float | None = None) -> EnvConfig:
+    upd: dict[str, Any] = {"episode_requests": None}
+    if rate_scale is not None:
+        upd["rate_scale"] = rate_scale
+    return eval_cfg.env.model_copy(update=upd)
 
 
 @dataclass

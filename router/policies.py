@@ -1,7 +1,7 @@
 """Which policy decides: the registered model (``models:/xroute-router@champion`` or a local export),
 or the configured baseline when no model can be loaded.
 
-The model is loaded by ``settings.model_loader`` (default ``models.policy:load_policy``, imported
+The model is loaded by ``settings.model_loader`` (default ``models.loader:load_policy``, imported
 lazily; when that module is missing the router serves the fallback and says why). A *version* names
 what is loaded: the registry version an alias points to, or a fingerprint of a local export, so
 the watcher can tell when to swap.
@@ -101,7 +101,7 @@ def resolve(uri: str) -> tuple[str, str]:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
             from mlflow import MlflowClient
 
-            from models.registry import tracking_uri
+            from models.loader import tracking_uri
 
             # the same store `xroute train` registers in: $MLFLOW_TRACKING_URI, else runs/mlflow.db
             mv = MlflowClient(tracking_uri=tracking_uri()).get_model_version_by_alias(name, alias)

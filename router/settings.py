@@ -91,7 +91,7 @@ class RouterSettings(BaseSettings):
     # policy ---------------------------------------------------------------------------------
     model_uri: str = Field("models:/xroute-router@champion",
                            description="MLflow model URI or local path; empty = always the fallback")
-    model_loader: str = Field("models.policy:load_policy", description="module:function(uri) -> policy")
+    model_loader: str = Field("models.loader:load_policy", description="module:function(uri) -> policy")
     model_poll_s: float = Field(30.0, ge=0, description="how often the alias (or file) is checked; 0 = never")
     model_load_timeout_s: float = Field(30.0, gt=0, description="at start, serve the fallback after this long")
     fallback_policy: str = Field("greedy", description="baseline used when no model is loaded or telemetry is stale")

@@ -2,13 +2,47 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@contextlib.contextmanager
+def _mlflow_tracking_uri_kept() -> Iterator[None]:
+    """``mlflow.set_tracking_uri`` (which training, registry.setup and the CLI call) sets both a
+    module global and ``$MLFLOW_TRACKING_URI`` for the whole process -- and xroute reads the
+    variable first. Put both back so one test's store never leaks into the next."""
+    before_env = os.environ.get("MLFLOW_TRACKING_URI")
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    before = getattr(utils, "_tracking_uri", None)
+    yield
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if utils is not None:
+        utils._tracking_uri = before
+    if before_env is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before_env
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mlflow_uri_per_module() -> Iterator[None]:
+    """Around a module's own module-scoped fixtures (e.g. one training shared by its tests)."""
+    with _mlflow_tracking_uri_kept():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_uri_per_test() -> Iterator[None]:
+    with _mlflow_tracking_uri_kept():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +76,7 @@ def ray_local():
     """A local Ray instance on 2 CPUs, started once (trainings see it initialized and reuse it)."""
     import ray
 
-    from models.train import keep_ray_out_of_home
+    from models.tune import keep_ray_out_of_home
 
     if not ray.is_initialized():
         keep_ray_out_of_home()

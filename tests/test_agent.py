@@ -115,7 +115,7 @@ def test_export_round_trips_through_files_and_loads_without_torch(tmp_path: Path
     rows = obs["offerings"].reshape(16, 7, NF)
     assert np.array_equal(w.scores(rows, obs["request"], obs["mask"]), back.scores(rows, obs["request"], obs["mask"]))
     assert back.prior == RewardPrior(**PRIOR) and back.meta["note"] == "x"
-    code = ("import sys; from models.policy import load_policy; import numpy as np; "
+    code = ("import sys; from models.loader import load_policy; import numpy as np; "
             f"p = load_policy({str(d)!r}); p.reset(None, 0); "
             "o = {'offerings': np.ones(7*%d, np.float32), 'request': np.ones(%d, np.float32), "
             "'mask': np.ones(7, np.float32)}; p.act(o, {}); "
@@ -213,8 +213,9 @@ def test_fork_plays_out_alternatives_without_touching_the_env(tmp_path: Path) ->
 
 
 def _tiny_context(setup: dict[str, Any], seed_data: int = 5) -> Any:
-    from models.scenarios import build_scenarios
-    from models.train import TrialContext, collect_warm_start, train_env_config
+    from models.scenarios import build_scenarios, train_env_config
+    from models.trial import TrialContext
+    from models.warmstart_labels import collect_warm_start
 
     cfg: TrainConfig = setup["cfg"]
     sc = build_scenarios(cfg)
@@ -226,7 +227,7 @@ def _tiny_context(setup: dict[str, Any], seed_data: int = 5) -> Any:
 
 
 def test_same_seed_gives_the_same_policy(tmp_path: Path) -> None:
-    from models.train import run_trial
+    from models.trial import run_trial
 
     setup = write_agent_setup(tmp_path)
     results = []
@@ -259,7 +260,7 @@ def test_bad_train_config_names_the_field(tmp_path: Path, data: dict[str, Any], 
 
 
 def test_missing_bundle_is_a_config_error(tmp_path: Path) -> None:
-    from models.train import resolve_bundle
+    from models.scenarios import resolve_bundle
 
     with pytest.raises(ConfigError, match=r"telemetry.*not found"):
         resolve_bundle(tmp_path / "nope", "train config: field 'telemetry'")

@@ -436,14 +436,11 @@ def test_the_promotion_rule() -> None:
 
 @pytest.fixture()
 def mlflow_uri(mlflow_store: str) -> Any:
-    """The session's MLflow store as the process-wide tracking URI (restored afterwards)."""
+    """The session's MLflow store as the process-wide tracking URI (conftest restores it after)."""
     import mlflow
-    from mlflow.tracking._tracking_service import utils
 
-    before = utils._tracking_uri
     mlflow.set_tracking_uri(mlflow_store)
-    yield mlflow_store
-    utils._tracking_uri = before
+    return mlflow_store
 
 
 def _register(uri: str, name: str, routers: list[Path]) -> Any:

@@ -19,16 +19,6 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _restore_mlflow_tracking_uri() -> Any:
-    """Training points the process-wide MLflow client at its store; put it back for other modules."""
-    from mlflow.tracking._tracking_service import utils
-
-    before = utils._tracking_uri
-    yield
-    utils._tracking_uri = before
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, mlflow_store: str, ray_local: Any) -> dict[str, Any]:
     """One tiny training (2 trials through Ray Tune) into the session's MLflow store."""
@@ -89,7 +79,8 @@ def test_smoke_training_runs_tune_trials_and_tracks_them_in_mlflow(trained: dict
 
 def test_registry_alias_round_trip_and_promote(trained: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from models import registry
-    from models.policy import LearnedPolicy, load_policy
+    from models.loader import load_policy
+    from models.policy import LearnedPolicy
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", trained["uri"])
     name = "xroute-router-smoke"

@@ -84,7 +84,7 @@ def evaluate(
     history = None
     if window is not None:
         from models.config import load_train_config
-        from models.train import SPLITS, split_bundle
+        from models.scenarios import SPLITS, split_bundle
 
         if window not in SPLITS:
             raise ConfigError(f"--window: '{window}' is not one of {', '.join(SPLITS)}")

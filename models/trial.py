@@ -1,0 +1,138 @@
+"""One training trial (``run_trial``): a DQN agent trained on the training mix and selected on the
+selection windows, without Ray (``models.tune`` runs one per grid point in Ray Tune).
+
+The trial fits the warm start (keeping the epoch that decides best on the selection window),
+trains ``MaskedDQN`` on the training mix, validates the numpy export on the selection window every
+``eval_every`` steps and keeps its best checkpoint, its best margin, and its warm start alone for
+the ablation; it logs to its own MLflow run (``models.tracking``). torch and stable-baselines3 are
+imported when a trial runs, not with this module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envs.cloud_route import CloudRouteEnv
+from models import tracking
+from models.baselines import make_baseline
+from models.config import TrainConfig
+from models.policy import RewardPrior, save_router
+from models.scenarios import Scenario, ScenarioMix, eval_env_config, train_env_config
+from xroute.config import EvaluateConfig
+
+Report = Callable[[dict[str, Any], "str | None"], None]
+
+
+@dataclass
+class TrialContext:
+    """What every trial needs; shipped once to the Ray object store (``tune.with_parameters``)."""
+
+    cfg: TrainConfig
+    eval_cfg: EvaluateConfig
+    train: list[Scenario]
+    selection: list[Scenario]
+    bundle_hash: str
+    baseline_runs: list[Any]  # models.evaluate.PolicyResult on the selection window
+    warm_data: Any = None  # models.warmstart.RolloutData, shared by all trials
+    max_offerings: int = 0  # observation padding: the largest catalog of every scenario
+    tracking_uri: str | None = None
+    experiment_id: str | None = None
+    parent_run_id: str | None = None
+    out_dir: str = ""
+    extra_params: dict[str, Any] = field(default_factory=dict)
+
+
+def trial_name(params: dict[str, Any]) -> str:
+    return f"s{params['seed']}-g{params['gamma']:g}-lr{params['learning_rate']:g}"
+
+
+def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None = None) -> dict[str, Any]:
+    """Train one DQN agent; returns its best validation metrics and the export directory.
+
+    ``params``: ``seed``, ``gamma``, ``learning_rate``. ``report(metrics, checkpoint_dir)`` is
+    called with progress (``checkpoint_dir`` only on the last call). Works without Ray."""
+    import torch as th
+
+    th.set_num_threads(1)
+    from models.callbacks import ProgressCallback, Selection, ValidationCallback, WarmStartCallback
+    from models.qnet import MaskedDQN, SharedScorerDQNPolicy
+
+    cfg, seed = ctx.cfg, int(params["seed"])
+    gamma, lr = float(params["gamma"]), float(params["learning_rate"])
+    name = trial_name(params)
+    out = Path(ctx.out_dir or ".") / name
+    out.mkdir(parents=True, exist_ok=True)
+    env_cfg = train_env_config(cfg, ctx.eval_cfg, ctx.max_offerings)
+    env = ScenarioMix([CloudRouteEnv(sc.bundle, env_cfg, history=sc.history) for sc in ctx.train], cfg.rate_scales,
+                      seed)
+    d = cfg.dqn
+    model = MaskedDQN(
+        SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
+        learning_starts=d.learning_starts, batch_size=d.batch_size, tau=d.tau, train_freq=d.train_freq,
+        gradient_steps=d.gradient_steps, target_update_interval=d.target_update_interval,
+        exploration_fraction=d.exploration_fraction, exploration_initial_eps=d.exploration_initial_eps,
+        exploration_final_eps=d.exploration_final_eps, max_grad_norm=d.max_grad_norm, seed=seed, device="cpu",
+        policy_kwargs={"net_arch": list(cfg.net.hidden), "context_dim": cfg.net.context_dim,
+                       "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None},
+    )
+    mlrun = tracking.start_trial_run(ctx, name, params)
+    selection = Selection([(sc.label, CloudRouteEnv(sc.bundle, eval_env_config(ctx.eval_cfg, sc.rate),
+                                                    history=sc.history)) for sc in ctx.selection],
+                          ctx.eval_cfg.seed, make_baseline("greedy", ctx.eval_cfg))
+    meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
+            "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
+    validation = ValidationCallback(selection, cfg.eval_every, meta, report=report, log_mlflow=mlrun is not None)
+    callbacks = [validation, ProgressCallback(cfg.progress_every, validation, report=report,
+                                              log_mlflow=mlrun is not None)]
+    warm = None
+    if ctx.warm_data is not None and len(ctx.warm_data):
+        warm = WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None,
+                                 validation=validation)
+        callbacks.insert(0, warm)
+    t0 = time.perf_counter()
+    try:
+        # SB3's own logger writes into the trial's directory (its default is a fresh /tmp/SB3-<time>)
+        from stable_baselines3.common.logger import configure as sb3_logger
+
+        model.set_logger(sb3_logger(str(out / "sb3"), ["csv"]))
+        model.learn(total_timesteps=cfg.total_timesteps, callback=callbacks)
+        validation.finish(model)
+        wall = time.perf_counter() - t0
+        best = validation.best
+        assert best is not None
+        initial = validation.initial if validation.initial is not None else best
+        warm_dir = save_router(initial.weights, out / "router" / "warm_start_only")
+        # the trust region around greedy's choice: the margin that scores best on the selection windows
+        margins = {}
+        for m in cfg.net.margins:
+            best.weights.margin = float(m)
+            margins[float(m)] = float(selection.score(best.weights)[0])
+        margin = max(margins, key=lambda m: (margins[m], -m))
+        best.weights.margin = margin
+        router_dir = save_router(best.weights, out / "router")
+        result = {
+            "trial": name, **params, "best_step": best.step, "wall_s": round(wall, 1),
+            **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
+            "val_criterion": margins[margin], "margin": margin, "margins": margins,
+            "val_criterion_no_margin": best.criterion, "warm_start_val_criterion": initial.criterion,
+            "warm_start_best_epoch": warm.report.best_epoch if warm is not None and warm.report is not None else None,
+            "router_dir": str(router_dir), "warm_dir": str(warm_dir), "mlflow_run_id": meta["mlflow_run_id"],
+            "steps_per_s": round(cfg.total_timesteps / max(wall, 1e-9), 1),
+        }
+        (out / "router" / "trial.json").write_text(json.dumps(result, indent=2, default=str))
+        if mlrun is not None:
+            tracking.log_trial_artifacts(ctx, validation, best, out, result, warm)
+    finally:
+        if mlrun is not None:
+            tracking.end_run()
+    if report is not None:
+        report({"timesteps": cfg.total_timesteps, "val_criterion": validation.last_reward,
+                "best_val_criterion": result["val_criterion"], "best_step": best.step, "margin": result["margin"],
+                "train_reward": validation.train_reward(), "done": 1}, str(out / "router"))
+    return result
+
