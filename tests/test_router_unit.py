@@ -810,3 +810,20 @@ def test_a_request_for_an_unknown_model_names_the_field_and_the_known_models(eng
     with pytest.raises(RouteFailure) as e:  # known, but no offering of this catalog can hold it: not a 429
         _decide(engine, model="llama-2-13b")
     assert e.value.status == 422 and e.value.error == "model_unavailable" and e.value.fields[0]["field"] == "body.model"
+
+
+def test_a_rule_says_in_its_json_schema_what_its_validators_enforce() -> None:
+    """A rule sets at least one field, each a non-empty list: the validators refuse ``{}`` and an
+    explicit ``null``, and the JSON Schema (hence the OpenAPI document) says both."""
+    import pydantic
+
+    from xroute.schema.policy_ir import RULE_FIELDS
+
+    schema = Rule.model_json_schema()
+    assert schema["minProperties"] == 1 and set(schema["properties"]) == set(RULE_FIELDS)
+    for name, prop in schema["properties"].items():
+        assert prop["type"] == "array" and prop["minItems"] == 1 and "anyOf" not in prop, name
+    for bad, where in (({}, "at least one"), ({"providers": None, "regions": ["x"]}, "providers")):
+        with pytest.raises(pydantic.ValidationError, match=where):
+            Rule.model_validate(bad)
+    assert Rule.model_validate({"regions": ["us-east-1"]}).regions == ["us-east-1"]

@@ -23,10 +23,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from xroute.errors import XrouteError
 from xroute.schema.offering import Offering
@@ -57,10 +57,22 @@ class ConstraintError(XrouteError):
         super().__init__(f"field '{field}': {problem}{hint}")
 
 
-class Rule(BaseModel):
-    """A set of offerings, by attribute. At least one field must be given."""
+def _rule_json_schema(schema: dict[str, Any]) -> None:
+    """Say in the JSON Schema what the validators enforce, so that generated clients and fuzzers
+    agree with the server: at least one field, and a field is a list when present (never null)."""
+    schema["minProperties"] = 1
+    for prop in schema.get("properties", {}).values():
+        alts = [a for a in prop.pop("anyOf", []) if a.get("type") != "null"]
+        if alts:
+            prop.update(alts[0])
+        prop.pop("default", None)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class Rule(BaseModel):
+    """A set of offerings, by attribute. At least one field must be given; an omitted field
+    matches everything (``null`` is refused rather than read as "omitted")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_rule_json_schema)
 
     providers: Values | None = Field(None, description="provider names, as in the catalog")
     regions: Values | None = Field(None, description="region names or location ids (provider:region)")
@@ -68,6 +80,13 @@ class Rule(BaseModel):
     accelerators: Values | None = Field(None, description="accelerator names (T4, A10G, ...)")
     pricing_modes: Values | None = Field(None, description="pricing modes, as in the catalog (on_demand, spot)")
     offering_ids: Values | None = None
+
+    @field_validator(*RULE_FIELDS, mode="before")
+    @classmethod
+    def _not_null(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("must be a list of values; omit the field to match every value")
+        return v
 
     @model_validator(mode="after")
     def _not_empty(self) -> Rule:
