@@ -619,21 +619,15 @@ class RoutingEngine:
         default model (for ``GET /v1/offerings``), with the shared state's reservations per pool
         (``reserved``) when given."""
         t = self.now(wall)
-        env = self.env
-        env._advance(t)
-        m = env.default_model
-        snap = env.replay.snapshot(t, env.cfg.risk_lookback_h * 3600.0)
-        price_h = snap["price"]
-        available = (snap["available"] > 0.5) & ~(env.seen_down_at > env.replay.avail.last_times(t))
-        nxt = np.maximum(env.est_min[m] - t, 0.0)
-        busy = np.minimum(env.inflight[m], env.slots[m])
-        slots = env.slots[m]
-        valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= env.cfg.queue_timeout_s)
+        m = self.env.default_model
+        p = self.env.live_pools(t, m)
+        usd, available, valid, slots = p["usd_per_hour"], p["available"], p["valid"], p["slots"]
+        busy, nxt, util = p["busy"], p["next_free_in_s"], p["external_util"]
         keys = self.pool_keys[m]
-        rows = [{"offering": self.refs[i], "usd_per_hour": _num(price_h[i] * env.gpu_count[i]) if np.isfinite(price_h[i])
-                 else None, "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
+        rows = [{"offering": self.refs[i], "usd_per_hour": _num(usd[i]) if np.isfinite(usd[i]) else None,
+                 "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
                  "busy_slots": int(busy[i]), "reserved": None if reserved is None else reserved.get(keys[i], 0),
-                 "next_free_in_s": _num(nxt[i]), "external_util": _num(snap["util"][i])}
+                 "next_free_in_s": _num(nxt[i]), "external_util": _num(util[i])}
                 for i in range(self.n)]
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
                 "offerings": rows}
