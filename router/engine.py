@@ -91,9 +91,10 @@ class Ranked:
     request_json: str | None = None
     #: the tenant's exploration probability
     epsilon: float = 0.0
-    #: what the decision log keeps for off-policy evaluation (``log_features``): the action set's
-    #: offerings (ascending), the request vector, their rows, the position of the policy's choice
-    ope: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None
+    #: what the decision log keeps for off-policy evaluation (``log_features``): the record
+    #: (``router.ope_log.pack``; its served offering the first candidate), the action set's size
+    #: and the position in it of the first candidate and of the policy's choice
+    ope: tuple[bytes, int, int, int] | None = None
 
 
 class RoutingEngine:
@@ -421,43 +422,46 @@ class RoutingEngine:
         ope = None
         if self.log_features:
             if m > 0 and valid is None:  # the fused learned path: its scorer's inputs
-                idx, rows = self._idx[:m].copy(), self._rows[:m].copy()
+                idx, rows = self._idx[:m], self._rows[:m]
             else:
                 if valid is None:  # the fused greedy path: the same compiled pass the learned one makes
                     m = kernels.valid_rows(
                         env_mask, allowed, allowed if pref is None else pref, pref is not None, codes,
                         env.static_feats[m_], env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot,
                         env.r_budget, env.r_ref_cost, self._rows, self._idx, self._ints_log)
-                    idx, rows = self._idx[:m].copy(), self._rows[:m].copy()
+                    idx, rows = self._idx[:m], self._rows[:m]
                 else:
                     idx = np.flatnonzero(valid)
                     rows = env.offering_features(idx)
                     s = None
                 req_f = env.request_features()
             assert req_f is not None
-            policy_choice = cands[0]
+            argmax = first = int(np.searchsorted(idx, cands[0]))
             if eps > 0.0:
-                cands, nums = self._explore(explore_key or decision_id, eps, idx, cands, nums, s, full)
-            ope = (idx, req_f, rows, int(np.searchsorted(idx, policy_choice)))
+                cands, nums, drawn = self._explore(explore_key or decision_id, eps, idx, cands, nums, s, full)
+                first = argmax if drawn < 0 else drawn
+            # (the record copies the rows and indices out of the buffers the next request reuses)
+            ope = (ope_log.pack(self._catalog_key, idx, first, argmax, req_f, rows), idx.shape[0], first, argmax)
         svc = env.c_service
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
                       request_json, eps, ope)
 
     def _explore(self, key: str, eps: float, idx: np.ndarray, cands: list[int], nums: list[float], s: Any,
-                 full: np.ndarray | None) -> tuple[list[int], list[float]]:
+                 full: np.ndarray | None) -> tuple[list[int], list[float], int]:
         """An exploring tenant's candidates: with probability ``eps`` (:func:`router.ope_log.draw`
         of ``key``) an offering drawn uniformly from the action set ``idx`` goes first, with its
         score (``s``: the fused scorer's scores of ``idx``; ``full``: the general path's of every
         offering; else the expected reward) and expectations, the policy's ranking after it (the
-        shared state falls back along it when the drawn pool has no room)."""
+        shared state falls back along it when the drawn pool has no room). Returns the candidates,
+        their numbers and the drawn offering's position in ``idx`` (-1: the policy's choice stands)."""
         u, v = ope_log.draw(key)
         if u >= eps:
-            return cands, nums
+            return cands, nums, -1
         j = min(int(v * idx.shape[0]), idx.shape[0] - 1)
         d = int(idx[j])
         if d == cands[0]:
-            return cands, nums
+            return cands, nums, -1
         if s is not None:
             score = float(s[j])
         elif full is not None:
@@ -471,7 +475,7 @@ class RoutingEngine:
             if c != d and len(rest) < self.k_alt:
                 rest.append(c)
                 out += nums[3 * q:3 * q + 3]
-        return [d, *rest], out
+        return [d, *rest], out, j
 
     def candidates(self, r: Ranked) -> list[tuple[str, int]]:
         """The ranked offerings as the shared state's ``(pool, capacity)`` candidates. A pool's
@@ -565,11 +569,11 @@ class RoutingEngine:
         features = None
         propensity = None if k else 1.0
         if r.ope is not None:
-            idx, req_f, rows, argmax = r.ope
-            pos = int(np.searchsorted(idx, a))
-            features = ope_log.pack(self._catalog_key, idx, pos, argmax, req_f, rows)
-            if not k:
-                propensity = ope_log.propensity(r.epsilon, idx.shape[0], pos == argmax)
+            features, size, first, argmax = r.ope
+            if k:
+                features = ope_log.serving(features, a)
+            else:
+                propensity = ope_log.propensity(r.epsilon, size, first == argmax)
         row = (decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
                req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
                pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],

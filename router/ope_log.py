@@ -74,8 +74,16 @@ def pack(key: bytes, idx: np.ndarray, chosen: int, argmax: int, request: np.ndar
     indices ``idx`` (ascending), the positions of the served offering and the policy's choice,
     the request vector and the rows (float32)."""
     m, f = rows.shape
-    return b"".join((_HEAD.pack(VERSION, m, chosen, argmax, f, request.shape[0], key),
-                     idx.astype("<u2").tobytes(), request.astype("<f4").tobytes(), rows.astype("<f4").tobytes()))
+    return b"".join((_HEAD.pack(VERSION, m, chosen, argmax, f, request.shape[0], key), idx.astype("<u2").tobytes(),
+                     request.astype("<f4", copy=False).tobytes(), rows.astype("<f4", copy=False).tobytes()))
+
+
+def serving(record: bytes, offering: int) -> bytes:
+    """``record`` (uncompressed) with ``offering`` (a catalog index in its action set) as the one
+    served."""
+    m = _HEAD.unpack_from(record)[1]
+    pos = int(np.searchsorted(np.frombuffer(record, "<u2", m, _HEAD.size), offering))
+    return record[:3] + struct.pack("<H", pos) + record[5:]
 
 
 def unpack(blob: bytes) -> Record:

@@ -27,6 +27,7 @@ from router.app import create_app
 from router.engine import RoutingEngine
 from router.keys import Principal
 from router.settings import EXPLORE_MAX
+from router.state import EmbeddedState
 from router.store import ADDED_COLUMNS, DECISION_COLUMNS, DecisionStore, GroupCommitLog, iter_decisions, read_catalogs
 from router.testing import REPO_ROOT, ServerThread
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
@@ -286,8 +287,8 @@ def test_the_draw_is_a_function_of_the_decision_so_a_replay_decides_the_same(tmp
             body = RouteRequest.model_validate({**ROUTE, "input_tokens": 100 + 37 * i})
             r = eng.rank(body, who, f"d_{i}", eng.source.start_wall, explore_key=f"{prefix}{i}")
             assert r.ope is not None
-            idx, _, _, argmax = r.ope
-            out.append((eng.offering_ids[r.cands[0]], int(np.searchsorted(idx, r.cands[0])), argmax))
+            _, _, first, argmax = r.ope
+            out.append((eng.offering_ids[r.cands[0]], first, argmax))
         return out
 
     first, replay, other = run("k"), run("k"), run("other-")
@@ -295,6 +296,31 @@ def test_the_draw_is_a_function_of_the_decision_so_a_replay_decides_the_same(tmp
     explored = [i for i, (_, pos, argmax) in enumerate(first) if pos != argmax]
     assert 10 < len(explored) < 60  # EXPLORE_MAX of 200, less the draws that hit the policy's choice
     assert explored != [i for i, (_, pos, argmax) in enumerate(other) if pos != argmax]
+
+
+def test_a_request_the_shared_state_moves_logs_what_it_served_and_no_propensity(tmp_path: Path) -> None:
+    """When the pool drawn (or chosen) has no room in the shared state, the request goes to the
+    next candidate, as any full pool's would: the record names the offering served, the policy's
+    choice stays what it was, and the propensity is NULL -- the probability of what was served is
+    not known (the export leaves such decisions out)."""
+    setup = make_setup(tmp_path, replay_speed=1e-6)
+    eng = RoutingEngine(setup.settings)
+    who = Principal("a", "tenant", "k")
+    req = RouteRequest.model_validate(ROUTE)
+    wall = eng.source.start_wall
+    state = EmbeddedState()
+    first = eng.candidates(eng.rank(req, who, "probe", wall))[0]  # ranked, not admitted
+    for i in range(first[1]):  # another router fills that pool (this one's view does not know yet)
+        assert state.reserve_now([first], f"other-{i}", 600.0) == first[0]
+    _, row, served, _ = eng.decide(req, who, "d_moved", wall, state=state)
+    rec = ope_log.unpack(row[DECISION_COLUMNS.index("features")])
+    offering_ids = eng.offering_ids
+    assert eng.pool_key_of(served) != first[0]
+    assert offering_ids[rec.action_idx[rec.chosen]] == served
+    assert eng.pool_key_of(offering_ids[rec.action_idx[rec.argmax]]) == first[0]
+    assert row[DECISION_COLUMNS.index("propensity")] is None
+    _, row, _, _ = eng.decide(req, who, "d_free", wall)  # without the shared state's refusal: known
+    assert row[DECISION_COLUMNS.index("propensity")] == 1.0
 
 
 # ------------------------------------------------------------------------------ migration
