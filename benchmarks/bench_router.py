@@ -29,13 +29,23 @@
    is read, and each window reports its decisions/s, the share of in-server route times over 10 ms,
    the checkpoints run between commits (how many, mean, share over 10 ms) and the log's size.
 
+4. ``--ope-ab`` (alone, instead of the above): what off-policy evaluation's logging costs, side by
+   side -- each decision's action set, features and propensity logged (``log_features``, the
+   default), not logged, and logged with the tenant exploring (``explore_epsilon`` 0.1): in process
+   (``RoutingEngine.decide`` on the shipped bundle, greedy and a learned scorer; ``--rounds``
+   interleaved rounds, medians of their p50/p99) and over HTTP (``POST /v1/route``, ``--rounds``
+   rounds in rotated order, each run paired with the trivial endpoint; medians), with the bytes a
+   decision takes in the log.
+
 Usage::
 
     sudo apt-get install wrk            # wrk 4.x; the HTTP parts are skipped without it
     .venv/bin/python benchmarks/bench_router.py                  # everything (~25 min)
     .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~9 min)
+    .venv/bin/python benchmarks/bench_router.py --ope-ab --duration 10     # OPE logging on vs off (~6 min)
 
-Writes ``benchmarks/results/router.json`` and prints a markdown table.
+Writes ``benchmarks/results/router.json`` (``router_ope.json`` with ``--ope-ab``) and prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -190,6 +200,146 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
         skip = min(1000, n // 10)  # the first decisions warm caches and compile: not measured
         out[label] = {"offerings": env.n, "features_to_argmax": _pct(core[skip:]), "engine_decide": _pct(full[skip:])}
     return out
+
+
+#: the OPE logging variants: label -> router settings through the environment (``--ope-ab``)
+OPE_VARIANTS = {"features_off": {"XROUTE_ROUTER_LOG_FEATURES": "false"},
+                "features_on": {},
+                "features_on_explore": {"XROUTE_ROUTER_TENANTS": json.dumps({"bench": {"explore_epsilon": 0.1}})}}
+
+
+def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -> dict[str, Any]:
+    """``RoutingEngine.decide`` with each of :data:`OPE_VARIANTS`' settings, greedy and learned:
+    ``rounds`` rounds of ``n`` decisions per engine, the engines interleaved within each round;
+    the medians of the rounds' p50 and p99."""
+    from router.engine import RoutingEngine
+    from router.keys import Principal
+    from router.policies import ActivePolicy
+    from router.settings import load_settings
+    from xroute.schema.decision import RouteRequest
+
+    empty = Path(tempfile.mkdtemp()) / "router.yaml"
+    empty.write_text("{}\n")
+    flags = {"features_off": {"log_features": False}, "features_on": {},
+             "features_on_explore": {"tenants": {"bench": {"explore_epsilon": 0.1}}}}
+    out: dict[str, Any] = {}
+    policies: list[tuple[str, Any]] = [("greedy", None)]
+    if model is not None:
+        from models.policy import load_policy
+
+        policies.append(("learned", load_policy(str(model))))
+    who = Principal("bench", "tenant", "k")
+    for label, policy in policies:
+        engines = {}
+        for v, kw in flags.items():
+            eng = RoutingEngine(load_settings(empty, telemetry=bundle, model_uri="", max_telemetry_age_s=1e9, **kw))
+            if policy is not None:
+                policy.reset(eng.env, 0)
+                eng.slot.install(ActivePolicy.make(policy, "learned", "model", "bench", str(model)))
+            engines[v] = eng
+        origins = next(iter(engines.values())).origins
+        reqs = [RouteRequest(origin=origins[i % len(origins)], input_tokens=200 + (i * 37) % 1800,
+                             max_output_tokens=10 + (i * 13) % 60, ttft_ms=2000.0, tpot_ms=100.0) for i in range(256)]
+        p50: dict[str, list[float]] = {v: [] for v in engines}
+        p99: dict[str, list[float]] = {v: [] for v in engines}
+        blob: dict[str, list[int]] = {v: [] for v in engines}
+        for r in range(rounds + 1):  # round 0 warms up (compiles, fills caches): not counted
+            for v, eng in engines.items():
+                wall0 = eng.source.start_wall + 0.02 * n * r  # type: ignore[attr-defined]
+                took = []
+                for i in range(n):
+                    t0 = time.perf_counter()
+                    _, row, _, _ = eng.decide(reqs[i % 256], who, f"d_{r}_{i}", wall0 + 0.02 * i)
+                    took.append(time.perf_counter() - t0)
+                    if r and i % 100 == 0:
+                        blob[v].append(len(row[-3]) if row[-3] is not None else 0)
+                if r:
+                    q = _pct(took)
+                    p50[v].append(q["p50_us"])
+                    p99[v].append(q["p99_us"])
+        out[label] = {v: {"p50_us": float(np.median(p50[v])), "p99_us": float(np.median(p99[v])),
+                          "p50_us_rounds": p50[v], "record_bytes": round(float(np.mean(blob[v])), 1),
+                          "offerings": engines[v].n} for v in engines}
+    return out
+
+
+def bench_ope_http(work: Path, seconds: float, rounds: int) -> dict[str, Any]:
+    """``POST /v1/route`` (greedy, shipped bundle) with each of :data:`OPE_VARIANTS`: the servers
+    up throughout, ``rounds`` rounds in rotated order, every run paired with the trivial endpoint;
+    medians (:func:`_median_of`), and the bytes each decision took in the log."""
+    if shutil.which("wrk") is None:
+        return {"skipped": "wrk not found: sudo apt-get install wrk"}
+    from router.keys import add_key
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    key = add_key(work / "keys.json", "bench")
+    ref = _Server.simple(work, "trivial", "auto", env)
+    servers: dict[str, _Server] = {}
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in OPE_VARIANTS}
+    try:
+        ref.warm_up()
+        for v, overrides in OPE_VARIANTS.items():
+            servers[v] = _Server.route(work, None, "", key, {**env, **overrides}, f"ope-{v}")
+            servers[v].warm_up()
+        order = list(OPE_VARIANTS)
+        for r in range(rounds):
+            for v in order[r % len(order):] + order[: r % len(order)]:
+                base = ref.measure(seconds)
+                got = servers[v].measure(seconds)
+                got["paired_trivial_rps"] = base["rps"]
+                got["vs_trivial"] = round(got["rps"] / base["rps"], 3)
+                runs[v].append(got)
+                print(f"  round {r + 1}/{rounds} {v}: {got['rps']} req/s, {got['vs_trivial']} of trivial, "
+                      f"{got.get('server_cpu_us_per_req')} us CPU/req (+{got.get('children_cpu_us_per_req')} writer)",
+                      file=sys.stderr, flush=True)
+    finally:
+        ref.stop()
+        for srv in servers.values():
+            srv.stop()
+    out: dict[str, Any] = {}
+    for v, srv in servers.items():
+        out[v] = {**_median_of(runs[v]), **_log_bytes(srv.db), "settings": OPE_VARIANTS[v] or "defaults"}
+    return out
+
+
+def _log_bytes(db: Path | None) -> dict[str, Any]:
+    """What a decision took in the SQLite log: its rows, the mean stored OPE record and answer, and
+    the file (database + WAL) per decision."""
+    import sqlite3
+
+    if db is None or not db.exists():
+        return {}
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        n, feat, answer = conn.execute("SELECT COUNT(*), AVG(COALESCE(LENGTH(features), 0)), AVG(LENGTH(response_json)) "
+                                       "FROM decisions").fetchone()
+        explored = conn.execute("SELECT AVG(propensity < 0.5) FROM decisions WHERE epsilon > 0").fetchone()[0]
+    finally:
+        conn.close()
+    files = sum(p.stat().st_size for p in db.parent.glob(db.name + "*"))
+    return {"decisions_logged": n, "record_bytes": round(feat or 0, 1), "answer_bytes": round(answer or 0, 1),
+            "log_bytes_per_decision": round(files / max(n, 1), 1),
+            "explored_share": None if explored is None else round(float(explored), 4)}
+
+
+def ope_table(res: dict[str, Any]) -> str:
+    lines = [f"machine: {res['machine']}; load average {res['load_average_at_start']} -> {res['load_average_at_end']}",
+             "", "| engine.decide (shipped bundle) | variant | p50 us | p99 us | stored record bytes (raw) |",
+             "|---|---|---:|---:|---:|"]
+    for pol, vs in res["inprocess"].items():
+        for v, x in vs.items():
+            lines.append(f"| {pol} | {v} | {x['p50_us']} | {x['p99_us']} | {x['record_bytes']} |")
+    http = res["http"]
+    if "skipped" in http:
+        return "\n".join([*lines, "", f"HTTP: {http['skipped']}"])
+    lines += ["", "| POST /v1/route (wrk -c10, one worker, greedy) | req/s | vs trivial [range] | server CPU us/req "
+              "(writer) | p50 ms | p99 ms | record / answer bytes stored | log bytes/decision |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for v, x in http.items():
+        lines.append(f"| {v} | {x['rps']} | {x['vs_trivial']} [{x['vs_trivial_range'][0]}-{x['vs_trivial_range'][1]}] "
+                     f"| {x.get('server_cpu_us_per_req')} ({x.get('children_cpu_us_per_req')}) | {x['p50_ms']} | "
+                     f"{x['p99_ms']} | {x['record_bytes']} / {x['answer_bytes']} | {x['log_bytes_per_decision']} |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- HTTP apps
@@ -711,12 +861,29 @@ def main() -> None:
     ap.add_argument("--stub", choices=["decision", "log"], help=argparse.SUPPRESS)
     ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--ope-ab", action="store_true", help="only: the OPE logging's cost, on vs off (module docstring)")
     a = ap.parse_args()
     at_least(ap, ("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1))
     if a.serve:
         _serve_app(a.serve, a.port, a.stack, a.stub)
         return
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    if a.ope_ab:
+        try:
+            model = learned_export(work / "learned")
+            res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+                   "load_average_at_start": os.getloadavg(),
+                   "inprocess": bench_ope_inprocess(REPO / "data" / "bundles" / "default", model, a.decisions,
+                                                    a.rounds),
+                   "http": bench_ope_http(work, a.duration, a.rounds), "load_average_at_end": os.getloadavg()}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        out = a.out if a.out != ap.get_default("out") else a.out.with_name("router_ope.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(ope_table(res))
+        print(f"\nwritten: {out}")
+        return
     try:
         b100 = make_bundle(work / "bundle100")
         model = learned_export(work / "learned")

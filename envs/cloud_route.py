@@ -113,6 +113,32 @@ __all__ = ["CloudRouteEnv", "load_serving"]
 
 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
+    """``xroute/CloudRoute-v0`` (the module docstring is the spec).
+
+    Beside the Gymnasium API (``reset``, ``step``), a live router (``router.engine``) reaches the
+    environment only through this interface -- never through an attribute whose name starts with
+    ``_`` -- so the simulation may change how it keeps its state:
+
+    * the catalog and its pools: ``catalog``, ``n``, ``N``, ``M``, ``model_names``,
+      ``model_index``, ``default_model``, ``origins``, ``slots`` and ``fits`` ((M, n));
+    * a request: ``set_live`` makes a live request current and returns its action mask;
+      ``request_features``, ``offering_features(idx)``, ``observation`` and
+      ``expected_rewards`` read it; the arrays its compiled decisions read are the current
+      request's, read-only and replaced by the next one: ``C`` (candidate outcomes, rows named in
+      ``envs.kernels``; ``c_wait``, ``c_service``, ``c_lat``, ``c_cost`` name some), ``c_mask``,
+      ``c_rtt``, ``r_m`` (its model), ``r_ttft``, ``r_tpot``, ``r_budget``, ``r_ref_cost``, and the
+      telemetry's ``static_feats``, ``inv_slots``, ``available``, ``price_s``;
+    * the router's view of the pools: ``admit_live`` (a request sent), ``complete_live`` (its end
+      learned), ``observe_output`` (a completion's output length), ``shift_live_clock`` (a replay
+      wrap); ``view_others``, ``view_service_s`` and ``view_server_busy`` ((M, n), written by the
+      router: the shared state's work of other routers, its observed durations, the servers'
+      reported load); ``live_pools(t, model)`` lists every pool as the router sees it;
+    * telemetry swaps: ``prepare_telemetry`` (off the event loop), ``apply_telemetry``;
+    * outcomes: ``outcome_reward`` -- the reward of an observed outcome, computed as the
+      simulation computes a simulated one (``reference_cost``, ``latency_budget``, ``slo_missed``,
+      ``envs.kernels.realized_reward``).
+    """
+
     metadata = {"render_modes": []}  # noqa: RUF012
 
     def __init__(self, bundle: Bundle | str | None = None, config: EnvConfig | dict[str, Any] | None = None,
@@ -538,12 +564,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         est_out = float(est.estimate(self.est_w, self.est_s, self.est_n, key, model, float(max_out), cfg.shrinkage,
                                      cfg.prior_fraction, est.UPPER))
         dl = float(deadline_ms)
-        budget = dl if dl == dl else ttft_ms + tpot_ms * max(est_out - 1.0, 0.0)
         self.r_m, self.r_key, self.r_origin, self.r_in, self.r_max_out = model, key, origin, float(n_in), float(max_out)
         self.r_ttft, self.r_tpot, self.r_deadline, self.r_est_out = float(ttft_ms), float(tpot_ms), dl, est_out
-        self.r_budget = max(float(budget), 1.0)
-        self.r_ref_cost = max(self._ref_cost_rate * (n_in * self._ref_prefill_s + est_out * self.ref.tpot_ms / 1000.0),
-                              1e-12)
+        self.r_budget = self.latency_budget(ttft_ms, tpot_ms, dl, est_out)
+        self.r_ref_cost = self.reference_cost(n_in, est_out)
         self.r_id, self.r_z = request_id, z
         rtt = self.rtt_ms[origin]
         if not hasattr(self, "C"):
@@ -670,22 +694,51 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self._occupy(m, a, j, start + service)
         return {"end": start + service, "first": first, "ran": service, "preempted": 0.0}
 
+    def reference_cost(self, input_tokens: float, output_tokens: float) -> float:
+        """The reward's cost yardstick: the request served alone on one replica of the reference
+        accelerator at ``reference_usd_per_replica_hour`` (USD; at least 1e-12)."""
+        return max(self._ref_cost_rate * (input_tokens * self._ref_prefill_s + output_tokens * self.ref.tpot_ms / 1000.0),
+                   1e-12)
+
+    @staticmethod
+    def latency_budget(ttft_ms: float, tpot_ms: float, deadline_ms: float, output_tokens: float) -> float:
+        """The reward's latency yardstick (ms, at least 1): the deadline when given (not NaN), else
+        TTFT + TPOT x (output - 1)."""
+        return float(max(deadline_ms if deadline_ms == deadline_ms else ttft_ms + tpot_ms * max(output_tokens - 1.0, 0.0),
+                         1.0))
+
+    @staticmethod
+    def slo_missed(ttft: float, latency: float, output_tokens: float, ttft_ms: float, tpot_ms: float,
+                   deadline_ms: float) -> tuple[float, bool]:
+        """(time per output token after the first, whether the SLO was missed) of an outcome: TTFT
+        over ``ttft_ms``, that time per token over ``tpot_ms`` (more than one token), or the latency
+        over the deadline (when given, not NaN)."""
+        out = output_tokens
+        tpot = (latency - ttft) / (out - 1.0) if out > 1 else 0.0
+        return tpot, bool(ttft > ttft_ms or (out > 1 and tpot > tpot_ms) or (deadline_ms == deadline_ms and
+                                                                             latency > deadline_ms))
+
+    def _reward(self, cost: float, ref_cost: float, latency: float, budget: float, violated: bool, failed: bool
+                ) -> float:
+        """``envs.kernels.realized_reward`` with this environment's reward weights."""
+        rw = self.cfg.reward
+        return float(kernels.realized_reward(cost, ref_cost, latency, budget, violated, failed, rw.cost_weight,
+                                             rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
+                                             rw.failure_latency_norm))
+
     def _resolve(self, a: int, dry: bool = False) -> dict[str, Any]:
         """Simulate serving the current request on offering ``a``: its realized outcome and reward.
         Updates the truth, the router's view (the decision, and the completion or the retry it
         will learn of) and the statistics -- or nothing at all when ``dry`` (the oracle's
         hindsight: the same outcome, leaving the environment as it was)."""
-        t, rw, m = self.t, self.cfg.reward, self.r_m
+        t, m = self.t, self.r_m
         out = float(self.req_out[self._pos])  # the realized outcome: simulation only
-        ref_cost = max(self._ref_cost_rate * (self.r_in * self._ref_prefill_s + out * self.ref.tpot_ms / 1000.0), 1e-12)
+        ref_cost = self.reference_cost(self.r_in, out)
         dl = self.r_deadline
-        budget = dl if dl == dl else self.r_ttft + self.r_tpot * max(out - 1.0, 0.0)
-        budget = max(budget, 1.0)
+        budget = self.latency_budget(self.r_ttft, self.r_tpot, dl, out)
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
-            reward = kernels.realized_reward(0.0, ref_cost, 0.0, budget, True, True, rw.cost_weight, rw.latency_weight,
-                                             rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
-                                             rw.failure_latency_norm)
+            reward = self._reward(0.0, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
                     "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None}
         if not dry:  # the router records the decision with the expected service time
@@ -718,17 +771,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     self._push(r1["end"], _ADMIT, (m, f, self.C[SERVICE, f], r2["end"], self.r_key, out, self._pos))
         if failed:
             self.stats["failed"] += not dry
-            reward = kernels.realized_reward(cost, ref_cost, 0.0, budget, True, True, rw.cost_weight,
-                                             rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
-                                             rw.failure_latency_norm)
+            reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
                     "migrated_to": None}
-        tpot = (latency - ttft) / (out - 1.0) if out > 1 else 0.0
-        viol = bool(ttft > self.r_ttft or (out > 1 and tpot > self.r_tpot) or (dl == dl and latency > dl))
-        reward = kernels.realized_reward(cost, ref_cost, latency, budget, viol, False, rw.cost_weight,
-                                         rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
-                                         rw.failure_latency_norm)
+        tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
+        reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
                 "preempted": preempted, "migrated_to": migrated_to}
@@ -826,6 +874,47 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if hasattr(self, "t"):
             self.t += dt
 
+    def live_pools(self, t: float, model: int) -> dict[str, np.ndarray]:
+        """A live router's listing of every offering's pool of ``model`` (an index into
+        ``model_names``) at telemetry time ``t``, from what it knows: the view learns what happened
+        up to ``t`` (as when a request is made current; nothing else changes). Arrays over the
+        ``n`` offerings: ``usd_per_hour`` (one instance, NaN where unpriced), ``available`` (the
+        telemetry, less the pools the router saw preempt its own requests), ``external_util``,
+        ``slots``, ``busy`` (its requests in flight, at most the slots), ``next_free_in_s`` (until
+        the first expected slot release, 0 when one is free) and ``valid`` (available, priced,
+        with slots, and a slot expected within ``queue_timeout_s``)."""
+        self._advance(t)
+        snap = self.replay.snapshot(t, self.cfg.risk_lookback_h * 3600.0)
+        price_h = snap["price"]
+        available = (snap["available"] > 0.5) & ~(self.seen_down_at > self.replay.avail.last_times(t))
+        nxt = np.maximum(self.est_min[model] - t, 0.0)
+        slots = self.slots[model]
+        valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= self.cfg.queue_timeout_s)
+        return {"usd_per_hour": price_h * self.gpu_count, "available": available, "external_util": snap["util"],
+                "slots": slots, "busy": np.minimum(self.inflight[model], slots), "next_free_in_s": nxt, "valid": valid}
+
+    def outcome_reward(self, input_tokens: float, output_tokens: float, ttft_ms: float, tpot_ms: float,
+                       deadline_ms: float | None, cost_usd: float, observed_latency_ms: float | None,
+                       observed_ttft_ms: float | None, failed: bool) -> tuple[float, bool]:
+        """The reward (``envs.kernels.realized_reward``, with this environment's weights) and
+        whether the SLO was missed, of an outcome a live router was told of (feedback): a request
+        of ``input_tokens`` with the SLO ``ttft_ms``/``tpot_ms``/``deadline_ms`` that produced
+        ``output_tokens`` at ``cost_usd``, its first token after ``observed_ttft_ms`` and its end
+        after ``observed_latency_ms`` -- the reference cost, the latency budget and the SLO check
+        exactly as the simulation computes them for a simulated outcome. A ``failed`` request is
+        charged as the simulation charges one (its latencies are not read)."""
+        out = float(output_tokens)
+        dl = np.nan if deadline_ms is None else float(deadline_ms)
+        ref_cost = self.reference_cost(float(input_tokens), out)
+        budget = self.latency_budget(float(ttft_ms), float(tpot_ms), dl, out)
+        if failed:
+            return self._reward(float(cost_usd), ref_cost, 0.0, budget, True, True), True
+        if observed_latency_ms is None or observed_ttft_ms is None:
+            raise ValueError("a completed request's reward needs its observed latency and TTFT")
+        latency, ttft = float(observed_latency_ms), float(observed_ttft_ms)
+        _, viol = self.slo_missed(ttft, latency, out, float(ttft_ms), float(tpot_ms), dl)
+        return self._reward(float(cost_usd), ref_cost, latency, budget, viol, False), viol
+
     def observe_output(self, model: str | None, tenant: str, output_tokens: int) -> None:
         """A completed request's output length (the router's feedback) for the estimator."""
         m = self.default_model if model is None else self.model_index[model]
@@ -846,9 +935,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         preemptions). Leaves the environment unchanged."""
         rw, m = self.cfg.reward, self.r_m
         out = float(self.req_out[self._pos])
-        ref_cost = max(self._ref_cost_rate * (self.r_in * self._ref_prefill_s + out * self.ref.tpot_ms / 1000.0), 1e-12)
+        ref_cost = self.reference_cost(self.r_in, out)
         dl = self.r_deadline
-        budget = max(dl if dl == dl else self.r_ttft + self.r_tpot * max(out - 1.0, 0.0), 1.0)
+        budget = self.latency_budget(self.r_ttft, self.r_tpot, dl, out)
         r, end = kernels.exact_outcomes(
             self.tmin[m], self.tbusy[m], self.inv_replicas[m], self.conc_m1[m], self.ext_util_conc[m],
             self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], self.c_rtt, self.cost_rate[m],

@@ -204,6 +204,21 @@ class Uniform:
         return np.repeat(1.0 / np.maximum(sizes, 1), sizes)
 
 
+@dataclass
+class Explore:
+    """Stochastic: ``base`` with probability 1 - ``epsilon``, an offering of the set drawn uniformly
+    otherwise -- a router exploring around its policy (``router.ope_log``); ``--policy
+    NAME:epsilon=EPS``."""
+
+    name: str
+    base: Target
+    epsilon: float
+
+    def probabilities(self, rows: np.ndarray, request: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        return ((1.0 - self.epsilon) * self.base.probabilities(rows, request, offsets)
+                + self.epsilon * Uniform().probabilities(rows, request, offsets))
+
+
 def prior_scorer(prior: RewardPrior) -> Scorer:
     return lambda rows, request, mask: prior.scores(rows, request)
 
@@ -231,7 +246,18 @@ def reward_weights(env_cfg: Any) -> RewardWeights:
 
 def resolve_target(name: str, prior: RewardPrior, cfg: Any) -> tuple[Target, dict[str, Any] | None]:
     """A ``--policy`` as a target scored from the log, and the registry version it is (``None``
-    for a baseline or a path). Learned routers resolve like ``xroute evaluate`` does."""
+    for a baseline or a path). Learned routers resolve like ``xroute evaluate`` does;
+    ``NAME:epsilon=EPS`` is ``NAME`` exploring with probability EPS (:class:`Explore`; no
+    registry version: it is not the model ``promote --ope`` judges)."""
+    base, sep, eps = name.rpartition(":epsilon=")
+    if sep:
+        try:
+            epsilon = float(eps)
+        except ValueError:
+            epsilon = -1.0
+        if not 0.0 <= epsilon <= 1.0:
+            raise ConfigError(f"--policy: '{name}': epsilon must be a number from 0 to 1, got '{eps}'")
+        return Explore(name, resolve_target(base, prior, cfg)[0], epsilon), None
     if name.startswith(("models:/", "runs:/")) or Path(name).exists():
         info = model_version(name) if name.startswith("models:/") else None
         pol = load_policy(f"models:/{info['registered_model']}/{info['version']}" if info else name)

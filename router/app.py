@@ -180,6 +180,8 @@ async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: 
             sqlite.use_dictionary(engine.response_dictionary())
         store = sqlite
     store.start()
+    if settings.log_features:  # the decisions' OPE records name their offerings by index into it
+        await store.register_catalog(engine.catalog_key, engine.offering_ids)
     return store
 
 

@@ -1,4 +1,4 @@
-"""``xroute serve`` and ``xroute export-feedback`` (registered in ``xroute_app/cli.py``).
+"""``xroute serve``, ``xroute export-feedback`` and ``xroute export-ope`` (registered in ``xroute_app/cli.py``).
 
 Imports stay inside the functions: ``xroute --help`` must not pay for FastAPI, numpy or the env.
 """
@@ -94,3 +94,44 @@ def export_feedback(
     out = export_bundle(source, telemetry or settings.telemetry, output, tenant, overwrite)
     typer.echo(f"exported {out['decisions']} decisions ({out['with_feedback']} with feedback) to {out['output']}"
                + (f"; skipped {out['skipped_other_bundle']} made on another bundle" if out["skipped_other_bundle"] else ""))
+
+
+def _wall_time(option: str, value: str | None) -> float | None:
+    """An ISO-8601 time (UTC unless it names its offset) as epoch seconds."""
+    if value is None:
+        return None
+    from datetime import UTC, datetime
+
+    from xroute.errors import ConfigError
+
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(f"{option}: '{value}' is not an ISO-8601 time (e.g. 2026-01-31T12:00:00Z)") from None
+    return (t if t.tzinfo is not None else t.replace(tzinfo=UTC)).timestamp()
+
+
+def export_ope(
+    output: Annotated[Path, typer.Option(help="the log to write: *.parquet, *.jsonl or *.jsonl.gz (docs/ope.md)")],
+    db: Annotated[str | None, typer.Option(help="decision log: a SQLite file or a postgresql:// URL (default: the "
+                                            "router's db_url, else db_path setting)")] = None,
+    config: Annotated[Path | None, typer.Option(help="router config YAML (its env config names the reward)")] = None,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant's decisions")] = None,
+    since: Annotated[str | None, typer.Option(help="only decisions made at or after this time (ISO-8601, UTC "
+                                               "unless it says)")] = None,
+    until: Annotated[str | None, typer.Option(help="only decisions made before this time")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing output file")] = False,
+) -> None:
+    """Write the decisions that have feedback as a decision log for off-policy evaluation: each with
+    the offerings it chose among, the features its policy saw, its propensity and its reward; then
+    `xroute ope --log OUTPUT --policy ...`."""
+    from router.engine import env_config
+    from router.export import export_ope as write
+    from router.settings import load_settings
+
+    settings = load_settings(config)
+    source: Path | str = (db if db is not None else settings.db_url.get_secret_value() if settings.db_url is not None
+                          else settings.db_path)
+    out = write(source, output, env_config(settings), tenant, _wall_time("--since", since),
+                _wall_time("--until", until), overwrite)
+    typer.echo(f"exported {out['decisions']} decisions to {out['output']}; left out: {out['left_out']}")

@@ -29,7 +29,7 @@ from envs import kernels as env_kernels
 from envs.cloud_route import CloudRouteEnv
 from envs.features import N_OFFERING_FEATURES
 from models.baselines import make_baseline
-from router import kernels
+from router import kernels, ope_log
 from router.keys import Principal
 from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
@@ -38,8 +38,14 @@ from router.state import EmbeddedState, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
-from xroute.schema.decision import RouteRequest
+from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import CatalogIndex, CompiledConstraints, ConstraintError, Constraints, compile_constraints
+
+
+def env_config(settings: RouterSettings) -> EnvConfig:
+    """The environment config the router serves with: the evaluate defaults with the settings'
+    ``env`` overrides, every request one step (no episodes)."""
+    return parse_config(EnvConfig, {**settings.env, "episode_requests": None}, "router settings: field 'env'")
 
 
 class RouteFailure(Exception):
@@ -83,6 +89,12 @@ class Ranked:
     service: list[float]
     bundle_hash: str
     request_json: str | None = None
+    #: the tenant's exploration probability
+    epsilon: float = 0.0
+    #: what the decision log keeps for off-policy evaluation (``log_features``): the record
+    #: (``router.ope_log.pack``; its served offering the first candidate), the action set's size
+    #: and the position in it of the first candidate and of the policy's choice
+    ope: tuple[bytes, int, int, int] | None = None
 
 
 class RoutingEngine:
@@ -101,7 +113,7 @@ class RoutingEngine:
         self.source = source
         bundle = self.source.bundle()
         self.bundle_hash = bundle.content_hash
-        env_cfg = parse_config(EnvConfig, {**settings.env, "episode_requests": None}, "router settings: field 'env'")
+        env_cfg = env_config(settings)
         self.env = env = CloudRouteEnv(bundle, env_cfg, all_models=True)
         env.reset(seed=0)
         self.generation = 0
@@ -112,12 +124,18 @@ class RoutingEngine:
              "instance_type": o.instance_type, "pricing_mode": o.pricing_mode, "accelerator": o.accelerator}
             for o in self.catalog]
         self.offering_ids = [o.offering_id for o in self.catalog]
+        #: the key the decision log keeps this catalog's offering ids under (``router.ope_log``)
+        self.catalog_key = ope_log.catalog_key(self.offering_ids)
+        self._catalog_key = bytes.fromhex(self.catalog_key)
         self.origins: list[str] = list(env.origins)
         self.origin_set = frozenset(self.origins)
         self.models: list[str] = [env.model_names[env.default_model]] + [
             m for k, m in enumerate(env.model_names) if k != env.default_model]
         self.index = CatalogIndex(self.catalog)
         self.tenants: dict[str, Constraints] = {}
+        #: exploring tenants' probabilities (``tenants.<name>.explore_epsilon`` > 0)
+        self.epsilon = {name: t.explore_epsilon for name, t in settings.tenants.items() if t.explore_epsilon > 0}
+        self.log_features = settings.log_features
         for name, t in settings.tenants.items():
             try:
                 compile_constraints([(f"tenants.{name}.constraints", t.constraints)], self.index)
@@ -169,6 +187,7 @@ class RoutingEngine:
         self._out = (np.zeros(8 + self.k_alt, dtype=np.int64), np.zeros(5 + 3 * self.k_alt))
         self._rows = np.zeros((self.n, N_OFFERING_FEATURES), dtype=np.float32)  # the scorer's input rows
         self._idx = np.zeros(self.n, dtype=np.int64)
+        self._ints_log = np.zeros(7, dtype=np.int64)  # ``valid_rows``' counts when only the log needs its rows
         # the shared state's keys of the pools, [model][offering] (``router.state.pool_key``), and back
         self.pool_keys = [[pool_key(mn, o) for o in self.offering_ids] for mn in env.model_names]
         self.pool_index = {k: (m, a) for m, row in enumerate(self.pool_keys) for a, k in enumerate(row)}
@@ -285,7 +304,7 @@ class RoutingEngine:
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
         alone, as before the shared state). The HTTP route does the same with any backend
         (``router.routes.route``)."""
-        r = self.rank(req, who, decision_id, wall)
+        r = self.rank(req, who, decision_id, wall, explore_key=idempotency_key)
         if state is None:
             return self.admit(r, 0)
         hold = self.hold_s(r)
@@ -295,9 +314,15 @@ class RoutingEngine:
         return self.admit(r, self.candidate_of(r, pool), hold, idempotency_key)
 
     def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-             request_json: str | None = None) -> Ranked:
+             request_json: str | None = None, explore_key: str | None = None) -> Ranked:
         """Rank the offerings for one request: the chosen one and up to ``alternatives`` next
         best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`).
+
+        With ``log_features`` the action set -- the valid offerings, the ones the policy ranked --
+        and the rows and request vector of it are kept for the decision log; for an exploring
+        tenant the chosen one is, with its ``explore_epsilon``, an offering drawn uniformly from
+        that set (``router.ope_log``: the draw is a function of ``explore_key``, the request's
+        idempotency key, else of ``decision_id``), the policy's choice then coming next.
 
         Raises :class:`RouteFailure` for an unknown origin, constraints that exclude everything, or
         no allowed offering able to take the request now.
@@ -344,6 +369,11 @@ class RoutingEngine:
         active, pinfo = self.slot.current(age > self.max_age)
         ints, floats = self._out
         n_alt = -1  # >= 0: ranked by the compiled calls, their outputs in ints / floats
+        m = -1  # >= 0: the fused learned path's action set is in self._idx[:m], its rows in self._rows[:m]
+        s: Any = None
+        req_f: np.ndarray | None = None
+        valid: np.ndarray | None = None
+        full: np.ndarray | None = None
         if active.scorer is None:
             if self.fused_greedy and active.name == "greedy":
                 n_alt = kernels.greedy_decide(
@@ -358,8 +388,9 @@ class RoutingEngine:
             if m == 0:
                 n_alt = 0  # no capacity (ints[0] is -1)
             else:
+                req_f = env.request_features()
                 try:
-                    s = active.scorer(self._rows[:m], env.request_features())
+                    s = active.scorer(self._rows[:m], req_f)
                 except Exception:  # the general path below asks again, and falls back
                     s = None
                 if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
@@ -380,23 +411,78 @@ class RoutingEngine:
             env_counts = env_counts_a.tolist()
             if n_valid == 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
+            m = -1
             try:
-                a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
+                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid)
             except Exception as e:  # a model that fails at decision time: this request goes to the fallback
                 if active is self.slot.fallback:
                     raise
                 self.slot.failed(f"decision error: {type(e).__name__}: {e}")
                 active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
-                a, score, alt_idx, alt_scores, score_kind = self._choose(active, valid)
+                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid)
             c_lat, c_cost = env.c_lat, env.c_cost  # nums as the compiled path's
             cands = [a, *alt_idx]
             nums = []
             for k, sc in zip(cands, [score, *alt_scores]):
                 nums += (_num(sc), _num(c_lat.item(k)), _num(c_cost.item(k)))
+        eps = self.epsilon.get(who.tenant, 0.0) if self.epsilon else 0.0
+        ope = None
+        if self.log_features:
+            if m > 0 and valid is None:  # the fused learned path: its scorer's inputs
+                idx, rows = self._idx[:m], self._rows[:m]
+            else:
+                if valid is None:  # the fused greedy path: the same compiled pass the learned one makes
+                    m = kernels.valid_rows(
+                        env_mask, allowed, allowed if pref is None else pref, pref is not None, codes,
+                        env.static_feats[m_], env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot,
+                        env.r_budget, env.r_ref_cost, self._rows, self._idx, self._ints_log)
+                    idx, rows = self._idx[:m], self._rows[:m]
+                else:
+                    idx = np.flatnonzero(valid)
+                    rows = env.offering_features(idx)
+                    s = None
+                req_f = env.request_features()
+            assert req_f is not None
+            argmax = first = int(np.searchsorted(idx, cands[0]))
+            if eps > 0.0:
+                cands, nums, drawn = self._explore(explore_key or decision_id, eps, idx, cands, nums, s, full)
+                first = argmax if drawn < 0 else drawn
+            # (the record copies the rows and indices out of the buffers the next request reuses)
+            ope = (ope_log.pack(self._catalog_key, idx, first, argmax, req_f, rows), idx.shape[0], first, argmax)
         svc = env.c_service
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
-                      request_json)
+                      request_json, eps, ope)
+
+    def _explore(self, key: str, eps: float, idx: np.ndarray, cands: list[int], nums: list[float], s: Any,
+                 full: np.ndarray | None) -> tuple[list[int], list[float], int]:
+        """An exploring tenant's candidates: with probability ``eps`` (:func:`router.ope_log.draw`
+        of ``key``) an offering drawn uniformly from the action set ``idx`` goes first, with its
+        score (``s``: the fused scorer's scores of ``idx``; ``full``: the general path's of every
+        offering; else the expected reward) and expectations, the policy's ranking after it (the
+        shared state falls back along it when the drawn pool has no room). Returns the candidates,
+        their numbers and the drawn offering's position in ``idx`` (-1: the policy's choice stands)."""
+        u, v = ope_log.draw(key)
+        if u >= eps:
+            return cands, nums, -1
+        j = min(int(v * idx.shape[0]), idx.shape[0] - 1)
+        d = int(idx[j])
+        if d == cands[0]:
+            return cands, nums, -1
+        if s is not None:
+            score = float(s[j])
+        elif full is not None:
+            score = float(full[d])
+        else:
+            score = float(self.env.expected_rewards()[d])
+        env = self.env
+        out = [_num(score), _num(env.c_lat.item(d)), _num(env.c_cost.item(d))]
+        rest: list[int] = []
+        for q, c in enumerate(cands):
+            if c != d and len(rest) < self.k_alt:
+                rest.append(c)
+                out += nums[3 * q:3 * q + 3]
+        return [d, *rest], out, j
 
     def candidates(self, r: Ranked) -> list[tuple[str, int]]:
         """The ranked offerings as the shared state's ``(pool, capacity)`` candidates. A pool's
@@ -485,11 +571,41 @@ class RoutingEngine:
             "true" if age > self.max_age else "false")
         offering_id = self.offering_ids[a]
         request_json = r.request_json if r.request_json is not None else req.model_dump_json(exclude_none=True)
+        # the propensity of what was served: unknown when the shared state moved the request off the
+        # first candidate (that pool had no room)
+        features = None
+        propensity = None if k else 1.0
+        if r.ope is not None:
+            features, size, first, argmax = r.ope
+            if k:
+                features = ope_log.serving(features, a)
+            else:
+                propensity = ope_log.propensity(r.epsilon, size, first == argmax)
         row = (decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
                req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
                pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],
-               None if hold_s is None else wall + hold_s, idempotency_key, request_json, text)
+               None if hold_s is None else wall + hold_s, idempotency_key, propensity, r.epsilon, features,
+               request_json, text)
         return text.encode(), row, offering_id, pinfo
+
+    def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:
+        """The realized reward of the outcome ``body`` reports for the decision ``ref``
+        (``router.store.DecisionRef``) and whether it missed its SLO, as the simulation computes
+        them (``CloudRouteEnv.outcome_reward``, ``envs.kernels.realized_reward``). The cost is the
+        observed one, else the decision's expected cost (clients rarely know a request's cost); a
+        failed request's is the observed one, else 0, and its output length the observed one, else
+        the request's maximum. ``(None, None)`` when a completed request's feedback lacks its
+        latency, TTFT or output length: there is nothing to score it on."""
+        if body.failed:
+            out = body.output_tokens if body.output_tokens is not None else ref.max_output_tokens
+            cost = body.cost_usd if body.cost_usd is not None else 0.0
+        elif body.latency_ms is None or body.ttft_ms is None or body.output_tokens is None:
+            return None, None
+        else:
+            out = body.output_tokens
+            cost = body.cost_usd if body.cost_usd is not None else ref.expected_cost_usd
+        return self.env.outcome_reward(ref.input_tokens, out, ref.ttft_ms, ref.tpot_ms, ref.deadline_ms, cost,
+                                       body.latency_ms, body.ttft_ms, body.failed)
 
     # ------------------------------------------------------------------ the shared view
     def _own_add(self, reservation_id: str, m: int, a: int, hold_s: float) -> None:
@@ -591,10 +707,10 @@ class RoutingEngine:
                            headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
 
     def _choose(self, active: ActivePolicy, valid: np.ndarray
-                ) -> tuple[int, float, list[int], list[float], str]:
+                ) -> tuple[int, float, list[int], list[float], str, np.ndarray]:
         """(chosen offering, its score, the next ``alternatives`` offerings and their scores, score
-        kind) under ``active``, among the ``valid`` offerings (the current request is the env's, set
-        by ``set_live``)."""
+        kind, every offering's score: NaN where not valid) under ``active``, among the ``valid``
+        offerings (the current request is the env's, set by ``set_live``)."""
         k_alt = self.k_alt
         env = self.env
         if active.scorer is not None:
@@ -606,11 +722,13 @@ class RoutingEngine:
             if picked.size == 0:
                 raise ValueError("the model returned non-finite scores")
             ks, ss = picked.tolist(), vals.tolist()
-            return ks[0], ss[0], ks[1:], ss[1:], "q_value"
+            full = np.full(self.n, np.nan)
+            full[idx] = s
+            return ks[0], ss[0], ks[1:], ss[1:], "q_value", full
         r = env.expected_rewards()
         if active.name == "greedy":
             best, alt = env_kernels.rank(r, valid, k_alt)
-            return int(best), float(r[best]), alt.tolist(), r[alt].tolist(), "expected_reward"
+            return int(best), float(r[best]), alt.tolist(), r[alt].tolist(), "expected_reward", r
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = valid
         a = int(active.policy.act({**env.observation(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
@@ -618,7 +736,7 @@ class RoutingEngine:
         if not (0 <= a < self.n and valid[a]):  # a policy that ignores the mask: best valid expectation instead
             a = int(best)
         others = [int(k) for k in [int(best), *alt.tolist()] if k != a][:k_alt]
-        return a, float(r[a]), others, r[others].tolist(), "expected_reward"
+        return a, float(r[a]), others, r[others].tolist(), "expected_reward", r
 
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float, reserved: dict[str, int] | None = None) -> dict[str, Any]:
@@ -626,21 +744,15 @@ class RoutingEngine:
         default model (for ``GET /v1/offerings``), with the shared state's reservations per pool
         (``reserved``) when given."""
         t = self.now(wall)
-        env = self.env
-        env._advance(t)
-        m = env.default_model
-        snap = env.replay.snapshot(t, env.cfg.risk_lookback_h * 3600.0)
-        price_h = snap["price"]
-        available = (snap["available"] > 0.5) & ~(env.seen_down_at > env.replay.avail.last_times(t))
-        nxt = np.maximum(env.est_min[m] - t, 0.0)
-        busy = np.minimum(env.inflight[m], env.slots[m])
-        slots = env.slots[m]
-        valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= env.cfg.queue_timeout_s)
+        m = self.env.default_model
+        p = self.env.live_pools(t, m)
+        usd, available, valid, slots = p["usd_per_hour"], p["available"], p["valid"], p["slots"]
+        busy, nxt, util = p["busy"], p["next_free_in_s"], p["external_util"]
         keys = self.pool_keys[m]
-        rows = [{"offering": self.refs[i], "usd_per_hour": _num(price_h[i] * env.gpu_count[i]) if np.isfinite(price_h[i])
-                 else None, "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
+        rows = [{"offering": self.refs[i], "usd_per_hour": _num(usd[i]) if np.isfinite(usd[i]) else None,
+                 "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
                  "busy_slots": int(busy[i]), "reserved": None if reserved is None else reserved.get(keys[i], 0),
-                 "next_free_in_s": _num(nxt[i]), "external_util": _num(snap["util"][i])}
+                 "next_free_in_s": _num(nxt[i]), "external_util": _num(util[i])}
                 for i in range(self.n)]
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
                 "offerings": rows}

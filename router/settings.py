@@ -35,12 +35,21 @@ from xroute.schema.policy_ir import Constraints
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("router_settings_file", default=None)
 
 
+#: the largest exploration probability a tenant may be given (``tenants.<name>.explore_epsilon``)
+EXPLORE_MAX = 0.2
+
+
 class TenantConfig(BaseModel):
     """Per-tenant settings; ``constraints`` apply to every request of the tenant."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     constraints: Constraints = Constraints()
+    explore_epsilon: float = Field(
+        0.0, ge=0.0, le=EXPLORE_MAX,
+        description="exploration for off-policy evaluation (docs/ope.md): with this probability a request goes to an "
+                    "offering drawn uniformly from the ones it may go to, instead of the policy's choice; 0 = never "
+                    f"(the default), at most {EXPLORE_MAX}")
 
 
 class InferenceServer(BaseModel):
@@ -120,6 +129,10 @@ class RouterSettings(BaseSettings):
     gil_switch_interval_s: float = Field(
         0.0005, gt=0, le=0.1, description="sys.setswitchinterval while serving: the writer thread gets the GIL "
                                          "back within this time instead of Python's default 5 ms")
+    log_features: bool = Field(
+        True, description="store with each decision the offerings it chose among, the features its policy saw and "
+                          "the propensity of its choice (what xroute export-ope writes for xroute ope); false keeps "
+                          "the log smaller and the decisions cheaper, and allows no exploration")
     keys_file: Path = Field(Path("runs/router/keys.json"), description="hashed API keys (python -m router.keys)")
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="tenant name -> defaults")
     metrics_public: bool = Field(False, description="serve /metrics without a key (else an admin key)")
@@ -190,6 +203,15 @@ class RouterSettings(BaseSettings):
             raise ValueError("state_url: needed with state_backend: redis (redis://host:port/db)")
         return self
 
+    @model_validator(mode="after")
+    def _exploration_is_logged(self) -> RouterSettings:
+        if not self.log_features:
+            for name, t in self.tenants.items():
+                if t.explore_epsilon > 0:
+                    raise ValueError(f"tenants.{name}.explore_epsilon: exploration needs log_features: true (an "
+                                     "explored decision not logged with its propensity teaches nothing)")
+        return self
+
     @field_validator("telemetry_live")
     @classmethod
     def _live_needs_a_directory(cls, v: bool, info: ValidationInfo) -> bool:
@@ -239,7 +261,10 @@ def load_settings(config: Path | str | None = None, **overrides: Any) -> RouterS
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = str(err["msg"])
+        if not err["loc"] and msg.startswith("Value error, ") and ": " in msg:  # a check across fields names its own
+            loc, msg = msg.removeprefix("Value error, ").split(": ", 1)
         where = str(path) if path is not None else "router settings"
-        raise ConfigError(f"{where} (or XROUTE_ROUTER_* / options): field '{loc}': {err['msg']}") from None
+        raise ConfigError(f"{where} (or XROUTE_ROUTER_* / options): field '{loc}': {msg}") from None
     finally:
         _FILE_DATA.reset(token)

@@ -105,6 +105,9 @@ CREATE TABLE IF NOT EXISTS decisions (
     pool TEXT,
     hold_until REAL,
     idempotency_key TEXT,
+    propensity REAL,
+    epsilon REAL,
+    features BLOB,
     request_json TEXT NOT NULL,
     response_json BLOB NOT NULL,
     response_zdict INTEGER REFERENCES zdicts(zdict_id)
@@ -127,22 +130,37 @@ CREATE TABLE IF NOT EXISTS feedback (
     failed INTEGER NOT NULL,
     error TEXT,
     ttft_ms REAL,
-    idempotency_key TEXT
+    idempotency_key TEXT,
+    reward REAL,
+    sla_violation INTEGER
 );
 CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
+CREATE TABLE IF NOT EXISTS catalogs (
+    catalog_key TEXT PRIMARY KEY,
+    offering_ids TEXT NOT NULL
+);
 """
 #: columns added since the first release, with their types: a log written before gets them on
-#: start (``ALTER TABLE ... ADD COLUMN``; its old rows hold NULL there), in either backend
-ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT")),
-                 "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"))}
+#: start (``ALTER TABLE ... ADD COLUMN``; its old rows hold NULL there), in either backend. The
+#: decisions' OPE columns (``router.ope_log``): the propensity of the offering served (NULL: unknown),
+#: the tenant's exploration probability, the action set with the features its policy saw; the
+#: feedback's realized reward (``envs.kernels.realized_reward``; NULL: the feedback did not say
+#: enough) and whether the SLO was missed
+ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
+                               ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB")),
+                 "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
+                              ("sla_violation", "INTEGER"))}
 
 DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "origin", "input_tokens",
                     "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "model", "session_id", "offering_id",
                     "expected_latency_ms",
                     "expected_cost_usd", "policy", "policy_kind", "policy_version", "bundle_hash",
-                    "pool", "hold_until", "idempotency_key", "request_json", "response_json")
+                    "pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features", "request_json",
+                    "response_json")
 FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
-                    "error", "ttft_ms", "idempotency_key")
+                    "error", "ttft_ms", "idempotency_key", "reward", "sla_violation")
+#: where a decision row holds its OPE record (compressed by the SQLite writer)
+_FEATURES = DECISION_COLUMNS.index("features")
 _INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}, response_zdict) "
                     f"VALUES ({', '.join('?' * (len(DECISION_COLUMNS) + 1))})")
 #: the dictionary size kept (deflate's window, the most older logs' ``zlib`` dictionaries use)
@@ -150,6 +168,8 @@ ZDICT_MAX = 32768
 #: Zstandard level for the answers (on the shipped catalog's ~1.9 kB answers: level 3 -> ~460 bytes in
 #: ~7.5 us; deflate at 6 -> ~360 bytes in ~25 us; zstd 6 -> ~390 bytes in ~14 us)
 ZSTD_LEVEL = 3
+#: ... and for the decisions' OPE records (``router.ope_log``; float32 rows: no dictionary, the fastest level)
+FEATURES_ZSTD_LEVEL = 1
 
 #: batches sent to the writer process before the first is acknowledged. Two, so the
 #: writer starts the next commit as soon as one ends instead of waiting for the server to read the
@@ -325,6 +345,11 @@ class GroupCommitLog:
         failed, error)``."""
         raise NotImplementedError
 
+    async def register_catalog(self, key: str, offering_ids: list[str]) -> None:
+        """Keep the catalog's offering ids under ``key`` (``router.ope_log.catalog_key``: the
+        decisions' OPE records refer to offerings by their index in it), once per catalog."""
+        raise NotImplementedError
+
     async def healthy(self) -> bool:
         """Whether the log can record now (``/readyz``)."""
         return self.error is None and not self.closed
@@ -337,18 +362,28 @@ class GroupCommitLog:
 @dataclass(frozen=True, slots=True)
 class DecisionRef:
     """A stored decision as feedback needs it: its tenant, model, pool (``router.state``'s key:
-    the row's ``pool``, or the model and offering for rows written before it existed) and how many
-    feedback rows it has."""
+    the row's ``pool``, or the model and offering for rows written before it existed), how many
+    feedback rows it has, and what the reward of its outcome needs of the request (its tokens and
+    objectives) and of the decision (its expected cost)."""
 
     tenant: str
     model: str
     pool: str
     feedback: int
+    input_tokens: int = 0
+    max_output_tokens: int = 0
+    ttft_ms: float = 0.0
+    tpot_ms: float = 0.0
+    deadline_ms: float | None = None
+    expected_cost_usd: float = 0.0
 
 
 #: the columns :meth:`GroupCommitLog.lookup` reads (and how a backend builds its answer: :func:`decision_ref`)
 LOOKUP_SQL = ("SELECT d.tenant, d.model, d.offering_id, d.pool, (SELECT COUNT(*) FROM feedback f WHERE "
-              "f.decision_id = d.decision_id) FROM decisions d WHERE d.decision_id = {p}")
+              "f.decision_id = d.decision_id), d.input_tokens, d.max_output_tokens, d.ttft_ms, d.tpot_ms, "
+              "d.deadline_ms, d.expected_cost_usd FROM decisions d WHERE d.decision_id = {p}")
+#: how a backend keeps a catalog (:meth:`GroupCommitLog.register_catalog`; both accept the syntax)
+REGISTER_CATALOG_SQL = "INSERT INTO catalogs (catalog_key, offering_ids) VALUES ({p}, {p}) ON CONFLICT DO NOTHING"
 #: the keyed decisions and feedback since a time (:meth:`GroupCommitLog.keyed_since`); decision ids are
 #: time-sorted, so the id bound (``router.state._id_floor``) finds them by the primary key
 KEYED_DECISIONS_SQL = ("SELECT idempotency_key, request_json, response_json{z}, created_at FROM decisions "
@@ -362,10 +397,12 @@ KEYED_FEEDBACK_SQL = (f"SELECT {KEYED_FEEDBACK_COLUMNS} FROM feedback "
 def decision_ref(row: tuple[Any, ...] | None) -> DecisionRef | None:
     if row is None:
         return None
-    tenant, model, offering_id, pool, n = row
+    tenant, model, offering_id, pool, n, n_in, max_out, ttft, tpot, deadline, cost = row
     from router.state import pool_key
 
-    return DecisionRef(str(tenant), str(model), str(pool) if pool else pool_key(str(model), str(offering_id)), int(n))
+    return DecisionRef(str(tenant), str(model), str(pool) if pool else pool_key(str(model), str(offering_id)), int(n),
+                       int(n_in), int(max_out), float(ttft), float(tpot), None if deadline is None else float(deadline),
+                       float(cost))
 
 
 def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:
@@ -545,6 +582,9 @@ class DecisionStore(GroupCommitLog):
         row = self._reader.execute("SELECT tenant FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()
         return None if row is None else str(row[0])
 
+    async def register_catalog(self, key: str, offering_ids: list[str]) -> None:
+        self._reader.execute(REGISTER_CATALOG_SQL.format(p="?"), (key, json.dumps(offering_ids)))
+
     async def lookup(self, decision_id: str) -> DecisionRef | None:
         return decision_ref(self._reader.execute(LOOKUP_SQL.format(p="?"), (decision_id,)).fetchone())
 
@@ -581,6 +621,7 @@ class _SqliteWriter:
         self.conn.execute("PRAGMA wal_autocheckpoint=0")
         self.conn.execute(f"PRAGMA journal_size_limit={64 * 2**20}")
         self.zdict = None if zdict is None else _zstd_dictionary(self.conn, zdict)
+        self._compress_features = zstandard.ZstdCompressor(level=FEATURES_ZSTD_LEVEL).compress
         self.checkpoint_rows, self.checkpoint_s, self.on_checkpoint = checkpoint_rows, checkpoint_s, on_checkpoint
         self._since_checkpoint = 0
         self._last_checkpoint = time.monotonic()
@@ -592,12 +633,15 @@ class _SqliteWriter:
         self.commits = self.rows = self.checkpoints = 0
 
     def _pack(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A decision row as stored: the response (last field, JSON text) compressed when a
-        dictionary is set, plus the dictionary id."""
+        """A decision row as stored: with compression on (a dictionary is set), the OPE record
+        compressed and the response (last field, JSON text) compressed against the dictionary,
+        plus the dictionary id."""
         zd = self.zdict
         if zd is None:
             return (*row, None)
-        return (*row[:-1], zd[1](row[-1].encode()), zd[0])
+        f = row[_FEATURES]
+        return (*row[:_FEATURES], None if f is None else self._compress_features(f), *row[_FEATURES + 1:-1],
+                zd[1](row[-1].encode()), zd[0])
 
     def write(self, batch: list[tuple[str, tuple[Any, ...]]]) -> list[int | str]:
         """Insert and commit ``batch`` in one transaction: each row's id, or the error (text) its
@@ -670,36 +714,71 @@ class _SqliteWriter:
         self.conn.close()
 
 
-def export_columns(placeholder: str, by_tenant: bool) -> tuple[str, list[str]]:
+def export_columns(placeholder: str, by_tenant: bool, ope: bool = False, since: bool = False,
+                   until: bool = False) -> tuple[str, list[str]]:
     """The export's query (every decision with its latest feedback, oldest first; ``placeholder``
-    is the backend's parameter marker) and the names of its columns."""
-    sql = (f"SELECT {', '.join('d.' + c for c in DECISION_COLUMNS if c != 'response_json')}, "
-           "f.latency_ms, f.cost_usd, f.output_tokens, f.failed, f.error, f.received_at "
+    is the backend's parameter marker) and the names of its columns. ``ope``: also each decision's
+    OPE record (``features``) and its feedback's TTFT, reward and SLO verdict. Parameters, in this
+    order, for those given: the tenant, the earliest and the latest-excluded ``created_at``."""
+    skip = {"response_json"} if ope else {"response_json", "features"}
+    dcols = [c for c in DECISION_COLUMNS if c not in skip]
+    fcols = ["latency_ms", "cost_usd", "output_tokens", "failed", "error", "received_at"]
+    names = ["observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
+    if ope:
+        fcols += ["ttft_ms", "reward", "sla_violation"]
+        names += ["observed_ttft_ms", "reward", "sla_violation"]
+    sql = (f"SELECT {', '.join('d.' + c for c in dcols)}, {', '.join('f.' + c for c in fcols)} "
            "FROM decisions d LEFT JOIN feedback f ON f.feedback_id = "
            "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
-    if by_tenant:
-        sql += f" WHERE d.tenant = {placeholder}"
+    where = [w for w, on in ((f"d.tenant = {placeholder}", by_tenant), (f"d.created_at >= {placeholder}", since),
+                             (f"d.created_at < {placeholder}", until)) if on]
+    if where:
+        sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY d.created_at, d.decision_id"
-    cols = [c for c in DECISION_COLUMNS if c != "response_json"] + [
-        "observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
-    return sql, cols
+    return sql, dcols + names
 
 
-def iter_decisions(target: Path | str, tenant: str | None = None) -> Iterator[dict[str, Any]]:
+def export_params(tenant: str | None, since: float | None, until: float | None) -> tuple[Any, ...]:
+    """:func:`export_columns`' parameters."""
+    return tuple(v for v in (tenant, since, until) if v is not None)
+
+
+def iter_decisions(target: Path | str, tenant: str | None = None, since: float | None = None,
+                   until: float | None = None, ope: bool = False) -> Iterator[dict[str, Any]]:
     """Every decision (oldest first) with its latest feedback, read-only (for export), from a
-    SQLite file or a ``postgresql://`` URL."""
+    SQLite file or a ``postgresql://`` URL; ``since``/``until``: wall-time bounds on when it was
+    made; ``ope``: with the OPE columns (:func:`export_columns`)."""
     if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
         from router import store_pg
 
-        yield from store_pg.iter_decisions(target, tenant)
+        yield from store_pg.iter_decisions(target, tenant, since, until, ope)
         return
-    sql, cols = export_columns("?", tenant is not None)
+    sql, cols = export_columns("?", tenant is not None, ope, since is not None, until is not None)
     conn = connect(Path(target), readonly=True)
     try:
-        for row in conn.execute(sql, (tenant,) if tenant is not None else ()):
+        for row in conn.execute(sql, export_params(tenant, since, until)):
             yield dict(zip(cols, row))
     finally:
         conn.close()
+
+
+def read_catalogs(target: Path | str) -> dict[str, list[str]]:
+    """The catalogs the log keeps (:meth:`GroupCommitLog.register_catalog`): key -> offering ids."""
+    sql = "SELECT catalog_key, offering_ids FROM catalogs"
+    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+        import psycopg
+
+        with psycopg.connect(target, connect_timeout=10) as pg:
+            rows = pg.execute(sql).fetchall()
+    else:
+        conn = connect(Path(target), readonly=True)
+        try:
+            rows = conn.execute(sql).fetchall()
+        except sqlite3.OperationalError:  # a log from before the table: no catalog kept
+            rows = []
+        finally:
+            conn.close()
+    return {str(k): list(json.loads(ids)) for k, ids in rows}
 
 
 def _decoder(data: bytes, codec: str) -> Callable[[bytes], bytes]:

@@ -45,6 +45,7 @@ from router.store import (
     KEYED_DECISIONS_SQL,
     KEYED_FEEDBACK_SQL,
     LOOKUP_SQL,
+    REGISTER_CATALOG_SQL,
     DecisionRef,
     GroupCommitLog,
     Item,
@@ -53,8 +54,11 @@ from router.store import (
     decision_record,
     decision_ref,
     export_columns,
+    export_params,
 )
 
+#: PostgreSQL's names of the SQLite types ``ADDED_COLUMNS`` uses
+_PG_TYPES = {"REAL": "DOUBLE PRECISION", "BLOB": "BYTEA"}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
     decision_id TEXT PRIMARY KEY,
@@ -92,7 +96,11 @@ CREATE TABLE IF NOT EXISTS feedback (
     error TEXT
 );
 CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
-""" + "".join(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {'DOUBLE PRECISION' if kind == 'REAL' else kind};\n"
+CREATE TABLE IF NOT EXISTS catalogs (
+    catalog_key TEXT PRIMARY KEY,
+    offering_ids TEXT NOT NULL
+);
+""" + "".join(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {_PG_TYPES.get(kind, kind)};\n"
               for table, added in ADDED_COLUMNS.items() for name, kind in added)
 #: the advisory lock key under which the schema is created (routers starting together)
 _SCHEMA_LOCK = 0x78726F757465  # "xroute"
@@ -281,6 +289,9 @@ class PostgresLog(GroupCommitLog):
         feedback = await self._read(KEYED_FEEDBACK_SQL.replace("{p}", "%s") + " ORDER BY feedback_id", (since,))
         return [tuple(r) for r in decisions], [tuple(r) for r in feedback]
 
+    async def register_catalog(self, key: str, offering_ids: list[str]) -> None:
+        await self._read(REGISTER_CATALOG_SQL.format(p="%s") + " RETURNING catalog_key", (key, json.dumps(offering_ids)))
+
     async def healthy(self) -> bool:
         if self.closed:
             return False
@@ -297,10 +308,12 @@ class PostgresLog(GroupCommitLog):
         return {**super().describe(), "url": self.where}
 
 
-def iter_decisions(url: str, tenant: str | None = None) -> Iterator[dict[str, Any]]:
-    """Every decision (oldest first) with its latest feedback (for export), read in pages."""
-    sql, cols = export_columns("%s", tenant is not None)
+def iter_decisions(url: str, tenant: str | None = None, since: float | None = None, until: float | None = None,
+                   ope: bool = False) -> Iterator[dict[str, Any]]:
+    """Every decision (oldest first) with its latest feedback (for export), read in pages
+    (``router.store.iter_decisions``)."""
+    sql, cols = export_columns("%s", tenant is not None, ope, since is not None, until is not None)
     with psycopg.connect(url, connect_timeout=10) as conn, conn.cursor(name="xroute_export") as cur:
-        cur.execute(sql, (tenant,) if tenant is not None else ())  # type: ignore[arg-type]
+        cur.execute(sql, export_params(tenant, since, until))  # type: ignore[arg-type]
         for row in cur:
             yield dict(zip(cols, row))

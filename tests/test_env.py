@@ -186,3 +186,28 @@ def test_step_functions_hold_the_last_row_and_start_with_the_first(tiny_bundle_d
             before = rows[rows["t"] <= t]
             expect = (before if len(before) else rows.iloc[:1])["available"].iloc[-1]
             assert got[i] == expect, (oid, t)
+
+
+def test_the_reward_of_an_observed_outcome_is_the_simulations_reward(tiny_bundle_dir):
+    """``outcome_reward`` (what the router computes from feedback) given what a step observed --
+    the realized output, cost, latency, TTFT, failure -- is exactly the step's reward and SLO
+    verdict: one computation for simulated and observed outcomes."""
+    env = CloudRouteEnv(str(tiny_bundle_dir), rate_scale=8.0)
+    obs, info = env.reset(seed=3)
+    rng = np.random.default_rng(0)
+    seen = {"failed": 0, "missed": 0, "met": 0}
+    for _ in range(300):
+        valid = np.flatnonzero(info["action_mask"])
+        a = int(rng.choice(valid)) if valid.size and rng.random() < 0.9 else env.n  # some invalid: failed
+        req = (env.r_in, float(env.req_out[env._pos]), env.r_ttft, env.r_tpot,
+               None if env.r_deadline != env.r_deadline else env.r_deadline)
+        obs, r, _, done, info = env.step(a)
+        got, missed = env.outcome_reward(*req, info["cost_usd"], None if info["failed"] else info["latency_ms"],
+                                         None if info["failed"] else info["ttft_ms"], info["failed"])
+        assert got == r and missed == info["sla_violation"]
+        seen["failed" if info["failed"] else "missed" if missed else "met"] += 1
+        if done:
+            break
+    assert min(seen.values()) > 0, seen  # every kind of outcome was compared
+    with pytest.raises(ValueError, match="observed latency and TTFT"):
+        env.outcome_reward(100, 10, 1000.0, 50.0, None, 0.0, None, 10.0, False)

@@ -195,6 +195,25 @@ def test_a_target_identical_to_the_logging_policy_gets_exactly_the_logged_mean(t
     assert r.agreement == 1.0 and r.ess == pytest.approx(lg.n)
 
 
+def test_a_target_exploring_as_the_logging_policy_did_weighs_every_decision_one(tiny_bundle_dir: Path) -> None:
+    """``greedy:epsilon=EPS`` is the router's exploring policy: on a log written by exactly that
+    policy every importance weight is 1 (so IPS is the logged mean); its probabilities over each
+    set sum to 1; a bad epsilon is one line naming the policy."""
+    eps = 0.3
+    lg = ope.simulate_log(str(tiny_bundle_dir), LOW_LOAD, eps, [0]).log()
+    explore = target(f"greedy:epsilon={eps}")
+    pi = explore.probabilities(lg.rows, lg.request, lg.offsets)
+    assert np.allclose(np.add.reduceat(pi, lg.offsets[:-1]), 1.0)
+    assert np.allclose(pi[lg.chosen_flat], lg.propensity, rtol=0, atol=1e-12)
+    r = ope.evaluate_target(lg, explore, ope.q_hat(lg, PRIOR))
+    assert r.ips.value == pytest.approx(float(lg.reward.mean()), abs=1e-12) and r.ess == pytest.approx(lg.n)
+    assert (lg.propensity < 1 - eps).any()  # the log explored: the weights of plain greedy are not all one
+    assert ope.resolve_target("greedy:epsilon=0.3", PRIOR, CFG)[1] is None
+    for bad in ("greedy:epsilon=1.5", "greedy:epsilon=x", "greedy:epsilon=nan"):
+        with pytest.raises(ConfigError, match=f"--policy: '{bad}': epsilon must be a number from 0 to 1"):
+            target(bad)
+
+
 def test_the_offline_baselines_decide_as_the_baselines_do(tiny_bundle_dir: Path) -> None:
     """Scored from the logged rows, greedy (the argmax of the reward prior) and cheapest pick
     what the environment's baselines pick: their on-policy runs are identical."""

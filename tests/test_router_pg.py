@@ -77,8 +77,9 @@ def test_both_backends_group_commit_read_and_export(target: str | Path, engine: 
         dup, fresh = rows[3], ("d_9999", *rows[4][1:])
         res = await asyncio.gather(log.record_decision(dup), log.record_decision(fresh), return_exceptions=True)
         assert isinstance(res[0], StoreClosed) and res[1] == 0
-        f1 = await log.record_feedback((ids[0], "a", 1.0, 900.0, None, 42, 0, None, 120.0, None))
-        f2 = await log.record_feedback((ids[0], "a", 2.0, None, None, None, 1, "timeout", None, None))
+        f1 = await log.record_feedback((ids[0], "a", 1.0, 900.0, None, 42, 0, None, 120.0, None, -0.5, 0))
+        f2 = await log.record_feedback((ids[0], "a", 2.0, None, None, None, 1, "timeout", None, None, None,
+                                                   None))
         assert f2 > f1 > 0
         rec = await log.get_decision(ids[0], "a")
         assert rec is not None and rec["decision_id"] == ids[0] and rec["request"]["origin"] == ROUTE["origin"]
@@ -118,10 +119,11 @@ def test_both_backends_look_up_decisions_and_read_back_keyed_rows(target: str | 
     async def run() -> None:
         log = await _open(target)
         await asyncio.gather(*(log.record_decision(r) for r in [*rows[:2], tuple(keyed)]))
-        await log.record_feedback((rows[0][0], "a", now, 900.0, None, None, 0, None, 120.0, None))
-        await log.record_feedback((kid, "a", now, 5.0, None, 3, 0, None, None, "a:feedback:k2"))
+        await log.record_feedback((rows[0][0], "a", now, 900.0, None, None, 0, None, 120.0, None, None, None))
+        await log.record_feedback((kid, "a", now, 5.0, None, 3, 0, None, None, "a:feedback:k2", None, None))
         ref = await log.lookup(rows[0][0])
-        assert ref == DecisionRef("a", rows[0][col("model")], rows[0][col("pool")], 1)
+        assert ref == DecisionRef("a", rows[0][col("model")], rows[0][col("pool")], 1, *(rows[0][col(c)] for c in (
+            "input_tokens", "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "expected_cost_usd")))
         assert (await log.lookup(rows[1][0])).feedback == 0 and await log.lookup("d_nope") is None  # type: ignore[union-attr]
         assert (await log.get_decision(rows[0][0], "a"))["feedback"][0]["ttft_ms"] == 120.0  # type: ignore[index]
         decisions, feedback = await log.keyed_since(now - 60)

@@ -231,7 +231,7 @@ def test_the_embedded_state_is_rebuilt_from_the_sqlite_decision_log(tmp_path: Pa
         old = engine.decide(req, who, _id_at(now - 7200, 99), now - 7200)[1]  # its hold passed long ago
         await asyncio.gather(*(log.record_decision(r) for r in [old, *rows]))
         for r in rows[3:7]:  # four outcomes came back
-            await log.record_feedback((r[0], "a", now - 5, 100.0, None, 5, 0, None, 40.0, None))
+            await log.record_feedback((r[0], "a", now - 5, 100.0, None, 5, 0, None, 40.0, None, None, None))
         await log.close()
         return rows
 
@@ -323,7 +323,7 @@ def test_settings_name_the_field_and_the_router_reports_its_state(redis_server: 
     from tests.servers import ServerThread
     from xroute.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="state_url: needed with state_backend: redis"):
+    with pytest.raises(ConfigError, match="field 'state_url': needed with state_backend: redis"):
         make_setup(tmp_path / "a", state_backend="redis")
     with pytest.raises(ConfigError, match=r"field 'state_url'.*redis://"):
         make_setup(tmp_path / "b", state_backend="redis", state_url="http://127.0.0.1:1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -523,7 +524,8 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
         conn0.commit()
         conn0.close()
         fb = FeedbackRequest(decision_id=ids[0], latency_ms=900.0, output_tokens=42)
-        await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None, None, None))
+        await store.record_feedback((fb.decision_id, "a", 1.0, fb.latency_ms, None, fb.output_tokens, 0, None, None, None,
+                                    None, None))
         assert store.commits < 40  # grouped
         assert (await store.get_decision(ids[0], "a"))["feedback"][0]["latency_ms"] == 900.0  # type: ignore[index]
         assert await store.get_decision(ids[0], "b") is None
@@ -565,7 +567,8 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         failed INTEGER NOT NULL, error TEXT);""")
     req = RouteRequest.model_validate(ROUTE)
     old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
-    old_row = tuple(v for c, v in zip(DECISION_COLUMNS, old_row) if c not in ("pool", "hold_until", "idempotency_key"))
+    old_row = tuple(v for c, v in zip(DECISION_COLUMNS, old_row) if c not in ("pool", "hold_until", "idempotency_key", "propensity",
+                                                                        "epsilon", "features"))
     legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_row))})", old_row)
     legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
                    "VALUES ('d_old', 'a', 1.0, 800.0, 0)")
@@ -587,8 +590,12 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
             rec.pop("request"), rec.pop("feedback")
             assert rec == json.loads(text)
         # the old rows got the state's columns: no pool stored, so the lookup derives it; no TTFT
-        assert await store.lookup("d_old") == DecisionRef("a", old_row[DECISION_COLUMNS.index("model")], pool_key(
-            old_row[DECISION_COLUMNS.index("model")], old_row[DECISION_COLUMNS.index("offering_id")]), 1)
+        old = await store.lookup("d_old")
+        assert old is not None and old.input_tokens == ROUTE["input_tokens"]  # what the reward needs, read back
+        assert dataclasses.replace(old, input_tokens=0, max_output_tokens=0, ttft_ms=0.0, tpot_ms=0.0,
+                                   expected_cost_usd=0.0) == DecisionRef(
+            "a", old_row[DECISION_COLUMNS.index("model")], pool_key(old_row[DECISION_COLUMNS.index("model")],
+                                                                    old_row[DECISION_COLUMNS.index("offering_id")]), 1)
         assert (await store.get_decision("d_old", "a"))["feedback"][0]["ttft_ms"] is None  # type: ignore[index]
         await store.close()
         return sent
@@ -661,7 +668,7 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         biggest = 0
         for i in range(60):
             rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0, "g", "fallback",
-                     None, "h", None, None, None, "{}", pad) for j in range(50)]
+                     None, "h", None, None, None, None, None, None, "{}", pad) for j in range(50)]
             await asyncio.gather(*(store.record_decision(r) for r in rows))
             wal = db.with_name(db.name + "-wal")
             biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)

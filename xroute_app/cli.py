@@ -10,7 +10,7 @@ import typer
 
 from cloud_adapters.cli import telemetry_app
 from models.cli import promote, train
-from router.cli import export_feedback, serve
+from router.cli import export_feedback, export_ope, serve
 from xroute.errors import ConfigError, XrouteError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
@@ -129,7 +129,8 @@ def ope(
     policy: Annotated[list[str] | None, typer.Option(
         "--policy", "-p", help="policy to estimate (repeatable): models:/NAME@ALIAS, runs:/…, an exported router "
                                "directory, or a baseline scored from the logged features: greedy, cheapest, "
-                               "lowest-latency, least-loaded, random")] = None,
+                               "lowest-latency, least-loaded, random; any of them exploring as the router does: "
+                               "NAME:epsilon=0.1")] = None,
     output: Annotated[Path | None, typer.Option(help="JSON report path (default reports/ope-<UTC time>.json)")] = None,
     config: Annotated[Path | None, typer.Option(help="evaluate config YAML: the reward when the log's header has "
                                                      "none (default configs/evaluate.yaml)")] = None,
@@ -211,6 +212,7 @@ app.command()(train)
 app.command()(promote)
 app.command()(serve)
 app.command(name="export-feedback")(export_feedback)
+app.command(name="export-ope")(export_ope)
 app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision log (docs/ope.md).")
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
 

@@ -1,4 +1,5 @@
-"""``POST /v1/feedback``: what really happened to a routed request -- stored durably for retraining,
+"""``POST /v1/feedback``: what really happened to a routed request -- stored durably with its realized
+reward (``RoutingEngine.feedback_reward``: what off-policy evaluation learns from) for retraining,
 then the closed loop: the decision's reservation is released, the pool's observed statistics
 learn the outcome (``router.state``), and a completed request's output length feeds the router's
 output-length estimator."""
@@ -51,8 +52,10 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
         if ref is None or ref.tenant != who.tenant:
             raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
         now = time.time()
+        reward, missed = svc.engine.feedback_reward(ref, body)
         fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
-                                               body.output_tokens, int(body.failed), body.error, body.ttft_ms, key))
+                                               body.output_tokens, int(body.failed), body.error, body.ttft_ms, key,
+                                               reward, None if missed is None else int(missed)))
     except BaseException:
         if key is not None:
             await abandon(svc.state, key)

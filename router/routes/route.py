@@ -79,7 +79,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             return replayed(first, digest)
     reserved = False
     try:
-        r = engine.rank(body, who, decision_id, time.time(), request_json)
+        r = engine.rank(body, who, decision_id, time.time(), request_json, key)
         hold = engine.hold_s(r)
         cands = engine.candidates(r)
         if isinstance(shared, EmbeddedState):  # in process: no await between ranking and admitting
