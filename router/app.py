@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router import errors
+from router.backends import StateSettings, decision_events, open_state
 from router.deps import Services
 from router.engine import RoutingEngine
 from router.keys import KeyStore
@@ -34,7 +35,7 @@ from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
-from router.state import EmbeddedState, RouterState, StateSettings, StateUnavailable, decision_events, open_state
+from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
 
@@ -204,7 +205,7 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
 
 async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
     """After a restart, the embedded state from the decision log: the reservations whose hold has
-    not passed and whose feedback has not come (``router.state.decision_events``), and the
+    not passed and whose feedback has not come (``router.backends.decision_events``), and the
     idempotency keys still within their TTL with their answers, the same bytes."""
     from router.routes.feedback import feedback_answer
     from router.routes.route import idempotency_digest

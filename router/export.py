@@ -20,8 +20,8 @@ from typing import Any
 import pandas as pd
 import psycopg
 
+from router.backends import iter_decisions
 from router.logs import iso
-from router.store import iter_decisions
 from router.store_pg import is_postgres_url, one_line, redact
 from xroute.bundle import DEFAULT_BUNDLE, load_bundle
 from xroute.errors import ConfigError

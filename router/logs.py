@@ -189,3 +189,9 @@ def configure_logging(level: str = "INFO") -> None:
         lg.setLevel(level.upper())
         lg.propagate = False
     logging.getLogger("uvicorn.access").disabled = True  # the router writes its own access log
+
+
+def id_floor(since: float) -> str:
+    """The smallest decision id made at wall time ``since`` or later, less a minute (ids are
+    ``d_`` + 12 hex digits of milliseconds + random bits: :func:`new_sorted_id`)."""
+    return f"d_{max(0, int((since - 60.0) * 1000.0)):012x}"

@@ -19,7 +19,7 @@ What the decision loop reads and writes:
 
 Backends: :class:`EmbeddedState` (the default; in this process, no server; durable through the
 decision log -- :meth:`EmbeddedState.rebuild` replays the reservations and releases the log
-implies, :func:`decision_events`) and ``router.state_redis.RedisState`` (Redis or Valkey: any
+implies, ``router.backends.decision_events``) and ``router.state_redis.RedisState`` (Redis or Valkey: any
 number of router processes and hosts share one view; every operation that must be atomic across
 processes is one server-side script). When Redis cannot be reached its operations raise
 :class:`StateUnavailable` -- the API's 503 (fail closed, the default); :class:`FailOpenState`
@@ -38,9 +38,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 #: the default weight of a new outcome in the per-pool statistics (module docstring)
@@ -243,7 +242,7 @@ class EmbeddedState(RouterState):
     """The state in this process (no server): dictionaries, and heaps of deadlines expired lazily.
 
     Durable through the decision log: after a restart, :meth:`rebuild` replays the log's events
-    (:func:`decision_events`). ``clock`` is monotonic seconds (``time.monotonic``)."""
+    (``router.backends.decision_events``). ``clock`` is monotonic seconds (``time.monotonic``)."""
 
     backend = "embedded"
     sync = True
@@ -533,79 +532,3 @@ class FailOpenState(RouterState):
 def pool_key(model: str, offering_id: str) -> str:
     """The state's key of a pool: the (model, offering) pair (``docs/env.md``, "Pools")."""
     return f"{model}|{offering_id}"
-
-
-def _id_floor(since: float) -> str:
-    """The smallest decision id made at wall time ``since`` or later, less a minute (ids are
-    ``d_`` + 12 hex digits of milliseconds + random bits: ``router.logs.new_sorted_id``)."""
-    return f"d_{max(0, int((since - 60.0) * 1000.0)):012x}"
-
-
-def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str, Any]], float] | None = None,
-                    pool_of: Callable[[dict[str, Any]], str] | None = None) -> Iterator[Reserved | Released]:
-    """The reservation and release events the decision log implies from wall time ``since`` on,
-    oldest first (for :meth:`EmbeddedState.rebuild` after a restart): each decision reserved one
-    slot of its pool until its hold passed, each feedback released it. The pool and the hold's end
-    are the row's ``pool`` and ``hold_until``; rows written before those columns existed get
-    ``pool_of(row)`` (default :func:`pool_key` of its model and offering) and ``created_at +
-    hold_s(row)`` (default :func:`hold_for` of its expected latency). ``target``: a SQLite file or
-    a ``postgresql://`` URL. Rows are found by the decision id's time prefix (the primary key), so a
-    long log is not scanned."""
-    pool = pool_of or (lambda row: pool_key(str(row["model"]), str(row["offering_id"])))
-    hold = hold_s or (lambda row: hold_for(float(row["expected_latency_ms"]) / 1000.0))
-    dsql = ("SELECT decision_id, created_at, model, offering_id, expected_latency_ms, pool, hold_until FROM decisions "
-            "WHERE decision_id >= {p} AND created_at >= {p} ORDER BY created_at, decision_id")
-    fsql = ("SELECT f.decision_id, MIN(f.received_at) FROM feedback f JOIN decisions d "
-            "ON d.decision_id = f.decision_id WHERE d.decision_id >= {p} AND d.created_at >= {p} "
-            "GROUP BY f.decision_id")
-    args = (_id_floor(since), since)
-    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
-        import psycopg
-
-        with psycopg.connect(target, connect_timeout=10) as conn:
-            drows = conn.execute(dsql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
-            frows = conn.execute(fsql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
-    else:
-        from router.store import connect
-
-        conn3 = connect(Path(target), readonly=True)
-        try:
-            drows = conn3.execute(dsql.format(p="?"), args).fetchall()
-            frows = conn3.execute(fsql.format(p="?"), args).fetchall()
-        finally:
-            conn3.close()
-    timeline: list[tuple[float, int, Reserved | Released]] = []
-    for did, created, model, offering, expected_ms, pool_col, hold_until in drows:
-        row = {"decision_id": did, "created_at": created, "model": model, "offering_id": offering,
-               "expected_latency_ms": expected_ms}
-        until = float(hold_until) if hold_until is not None else float(created) + hold(row)
-        timeline.append((float(created), 0, Reserved(str(did), str(pool_col) if pool_col else pool(row), until)))
-    timeline += [(float(at), 1, Released(str(did))) for did, at in frows]
-    timeline.sort(key=lambda t: (t[0], t[1]))
-    for _, _, ev in timeline:
-        yield ev
-
-
-@dataclass
-class StateSettings:
-    """What :func:`open_state` needs (``router.settings.RouterSettings`` has these fields)."""
-
-    backend: Literal["embedded", "redis"] = "embedded"
-    url: str | None = None
-    fail_open: bool = False
-    timeout_s: float = 0.5
-    prefix: str = "xroute"
-    alpha: float = STATS_ALPHA
-
-
-def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:
-    """The backend ``cfg`` names (a Redis one wrapped in :class:`FailOpenState` with ``fail_open``)."""
-    if cfg.backend == "embedded":
-        return EmbeddedState(cfg.alpha)
-    from router.state_redis import RedisState
-
-    if not cfg.url:
-        raise ValueError("the redis state backend needs a URL (state_url)")
-    shared = RedisState(cfg.url, prefix=cfg.prefix, timeout_s=cfg.timeout_s, alpha=cfg.alpha)
-    return FailOpenState(shared, EmbeddedState(cfg.alpha), on_failover=on_failover) if cfg.fail_open else shared
-

@@ -78,7 +78,7 @@ from typing import Any
 
 import zstandard
 
-from router.logs import iso
+from router.logs import id_floor, iso
 from xroute.errors import ConfigError
 
 SCHEMA = """
@@ -385,7 +385,7 @@ LOOKUP_SQL = ("SELECT d.tenant, d.model, d.offering_id, d.pool, (SELECT COUNT(*)
 #: how a backend keeps a catalog (:meth:`GroupCommitLog.register_catalog`; both accept the syntax)
 REGISTER_CATALOG_SQL = "INSERT INTO catalogs (catalog_key, offering_ids) VALUES ({p}, {p}) ON CONFLICT DO NOTHING"
 #: the keyed decisions and feedback since a time (:meth:`GroupCommitLog.keyed_since`); decision ids are
-#: time-sorted, so the id bound (``router.state._id_floor``) finds them by the primary key
+#: time-sorted, so the id bound (``router.logs.id_floor``) finds them by the primary key
 KEYED_DECISIONS_SQL = ("SELECT idempotency_key, request_json, response_json{z}, created_at FROM decisions "
                        "WHERE decision_id >= {p} AND created_at >= {p} AND idempotency_key IS NOT NULL")
 KEYED_FEEDBACK_COLUMNS = ("idempotency_key, feedback_id, decision_id, received_at, latency_ms, ttft_ms, cost_usd, "
@@ -589,9 +589,8 @@ class DecisionStore(GroupCommitLog):
         return decision_ref(self._reader.execute(LOOKUP_SQL.format(p="?"), (decision_id,)).fetchone())
 
     async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-        from router.state import _id_floor
 
-        args = (_id_floor(since), since)
+        args = (id_floor(since), since)
         rows = self._reader.execute(KEYED_DECISIONS_SQL.format(p="?", z=", response_zdict"), args).fetchall()
         decisions = [(k, rj, self._unpack(blob, zid), at) for k, rj, blob, zid, at in rows]
         # feedback from the newest back (its key is the row id: no scan of older rows)
@@ -743,18 +742,11 @@ def export_params(tenant: str | None, since: float | None, until: float | None) 
     return tuple(v for v in (tenant, since, until) if v is not None)
 
 
-def iter_decisions(target: Path | str, tenant: str | None = None, since: float | None = None,
-                   until: float | None = None, ope: bool = False) -> Iterator[dict[str, Any]]:
-    """Every decision (oldest first) with its latest feedback, read-only (for export), from a
-    SQLite file or a ``postgresql://`` URL; ``since``/``until``: wall-time bounds on when it was
-    made; ``ope``: with the OPE columns (:func:`export_columns`)."""
-    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
-        from router import store_pg
-
-        yield from store_pg.iter_decisions(target, tenant, since, until, ope)
-        return
+def iter_sqlite_decisions(path: Path, tenant: str | None = None, since: float | None = None,
+                          until: float | None = None, ope: bool = False) -> Iterator[dict[str, Any]]:
+    """:func:`router.backends.iter_decisions` for a SQLite file."""
     sql, cols = export_columns("?", tenant is not None, ope, since is not None, until is not None)
-    conn = connect(Path(target), readonly=True)
+    conn = connect(Path(path), readonly=True)
     try:
         for row in conn.execute(sql, export_params(tenant, since, until)):
             yield dict(zip(cols, row))

@@ -38,6 +38,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from router.logs import id_floor
 from router.store import (
     ADDED_COLUMNS,
     DECISION_COLUMNS,
@@ -283,9 +284,8 @@ class PostgresLog(GroupCommitLog):
         return decision_ref(rows[0] if rows else None)
 
     async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-        from router.state import _id_floor
 
-        decisions = await self._read(KEYED_DECISIONS_SQL.format(p="%s", z=""), (_id_floor(since), since))
+        decisions = await self._read(KEYED_DECISIONS_SQL.format(p="%s", z=""), (id_floor(since), since))
         feedback = await self._read(KEYED_FEEDBACK_SQL.replace("{p}", "%s") + " ORDER BY feedback_id", (since,))
         return [tuple(r) for r in decisions], [tuple(r) for r in feedback]
 
@@ -311,7 +311,7 @@ class PostgresLog(GroupCommitLog):
 def iter_decisions(url: str, tenant: str | None = None, since: float | None = None, until: float | None = None,
                    ope: bool = False) -> Iterator[dict[str, Any]]:
     """Every decision (oldest first) with its latest feedback (for export), read in pages
-    (``router.store.iter_decisions``)."""
+    (``router.backends.iter_decisions``)."""
     sql, cols = export_columns("%s", tenant is not None, ope, since is not None, until is not None)
     with psycopg.connect(url, connect_timeout=10) as conn, conn.cursor(name="xroute_export") as cur:
         cur.execute(sql, export_params(tenant, since, until))  # type: ignore[arg-type]

@@ -28,8 +28,8 @@ import pytest
 import redis
 
 from router.app import create_app
+from router.backends import iter_decisions
 from router.state import EmbeddedState, pool_key
-from router.store import iter_decisions
 from tests.servers import REPO_ROOT, RedisServer, ServerThread, free_port, start_subprocess
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 from tests.tinybundle import SERVING_YAML

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.store import iter_decisions
+from router.backends import iter_decisions
 from tests.servers import free_port, start_subprocess
 from tests.test_router_support import ROUTE, make_setup
 

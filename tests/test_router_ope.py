@@ -24,11 +24,12 @@ import pytest
 from envs import kernels
 from router import ope_log
 from router.app import create_app
+from router.backends import iter_decisions
 from router.engine import RoutingEngine
 from router.keys import Principal
 from router.settings import EXPLORE_MAX
 from router.state import EmbeddedState
-from router.store import ADDED_COLUMNS, DECISION_COLUMNS, DecisionStore, GroupCommitLog, iter_decisions, read_catalogs
+from router.store import ADDED_COLUMNS, DECISION_COLUMNS, DecisionStore, GroupCommitLog, read_catalogs
 from tests.servers import REPO_ROOT, ServerThread
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 from xroute.errors import ConfigError

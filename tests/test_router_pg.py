@@ -17,10 +17,11 @@ import httpx
 import pytest
 
 from router.app import create_app
+from router.backends import iter_decisions
 from router.engine import RoutingEngine
 from router.export import export_bundle
 from router.keys import Principal
-from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed, iter_decisions
+from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed
 from router.store_pg import PostgresLog, check_reachable, redact
 from tests.servers import PostgresServer, ServerThread
 from tests.test_router_support import ROUTE, LogCapture, make_setup

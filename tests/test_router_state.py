@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from router.backends import StateSettings, decision_events, open_state
 from router.engine import RoutingEngine
 from router.keys import Principal
 from router.state import (
@@ -26,11 +27,8 @@ from router.state import (
     Released,
     Reserved,
     RouterState,
-    StateSettings,
     StateUnavailable,
-    decision_events,
     hold_for,
-    open_state,
     pool_key,
 )
 from router.state_redis import RedisState, redact

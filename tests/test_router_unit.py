@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from fastapi.exceptions import RequestValidationError
 
+from router.backends import iter_decisions
 from router.engine import RouteFailure, RoutingEngine
 from router.export import export_bundle
 from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
@@ -22,7 +23,7 @@ from router.policies import ActivePolicy, resolve
 from router.routes.route import route_request
 from router.settings import load_settings
 from router.state import EmbeddedState, pool_key
-from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed, iter_decisions
+from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed
 from router.telemetry import ReplaySource
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
