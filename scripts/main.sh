@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # xroute's main job on the embedded defaults (shipped telemetry, local Ray, MLflow in runs/mlflow.db):
-#   1. set up .venv            2. train the DQN router in parallel Ray Tune trials (5-7 min on 2 cores)
-#   3. promote it to champion if it beats the best baseline on the validation window
+#   1. set up .venv            2. train the learned router in parallel Ray Tune trials on three shipped
+#      bundles, select on one it never trained on, judge it on test windows no selection saw (the gate)
+#   3. promote it to champion only if it passed the gate (else the champion stays; greedy serves)
 #   4. compare it with every baseline and the hindsight oracle on the held-out test window
 #   5. start the router on the champion and route one request
 set -euo pipefail
