@@ -20,6 +20,8 @@ fi
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 echo "setup: installing xroute and its pinned dependencies into .venv (a few minutes the first time) ..."
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+# (PYTHONWARNINGS: setuptools prints a 30-line "Editable installation" notice, information only, for
+# every editable install whose packages map folders -- ours do: configs/ and data/bundles/)
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 echo "setup: done"
 export MLFLOW_DISABLE_TELEMETRY=true RAY_USAGE_STATS_ENABLED=0

@@ -27,13 +27,33 @@ def _run(args: list[str], cwd: Path, timeout: int = 900, env: dict[str, str] | N
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The wheel, built from the checkout, and what the build printed."""
+    root = tmp_path_factory.mktemp("wheel")
+    r = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(root), str(REPO)], cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return next(root.glob("xroute-*.whl")), r.stdout + r.stderr
+
+
+def test_the_wheel_ships_every_bundle_and_config_without_a_packaging_warning(built: tuple[Path, str]) -> None:
+    """Each folder of data/bundles must be listed in pyproject's packages (else setuptools warns,
+    and a future setuptools drops it): the wheel holds every file the checkout ships there."""
+    import zipfile
+
+    wheel, log = built
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = [p for p in (REPO / "data" / "bundles").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    want = {f"xroute/resources/bundles/{p.relative_to(REPO / 'data' / 'bundles').as_posix()}" for p in shipped}
+    want |= {f"xroute/resources/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
+    assert len(want) > 15 and want <= names, sorted(want - names)
+    assert "absent from the `packages` configuration" not in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory, built: tuple[Path, str]) -> Path:
     """A fresh venv with the built wheel and the core dependencies only (pinned by constraints.txt)."""
     root = tmp_path_factory.mktemp("install")
-    dist = root / "dist"
-    r = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(REPO)], cwd=root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    wheel = next(dist.glob("xroute-*.whl"))
+    wheel = built[0]
     v = root / "venv"
     r = _run([sys.executable, "-m", "venv", str(v)], cwd=root)
     assert r.returncode == 0, r.stderr
