@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import hashlib
+import math
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -203,39 +206,101 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
     return state
 
 
-async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
-    """After a restart, the embedded state from the decision log: the reservations whose hold has
-    not passed and whose feedback has not come (``router.backends.decision_events``), and the
-    idempotency keys still within their TTL with their answers, the same bytes."""
+async def _logged_answers(store: GroupCommitLog, settings: RouterSettings, now: float,
+                          before: float | None = None) -> list[tuple[str, bytes, float]]:
+    """The idempotency keys the decision log holds that are still within their TTL at ``now``,
+    with their answers -- the same bytes -- and until when (wall clock); ``before``: only those
+    answered before that wall time."""
     from router.routes.feedback import feedback_answer
     from router.routes.route import idempotency_digest
     from xroute.schema.decision import FeedbackRequest
 
-    now = time.time()
-    target = settings.db_url.get_secret_value() if settings.db_url is not None else settings.db_path
-    events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
-    counts = state.rebuild(events, now_wall=now)
     ttl = settings.idempotency_ttl_s
+    cut = math.inf if before is None else before
     decisions, feedback = await store.keyed_since(now - ttl)
     answers = [(key, idempotency_digest(request_json) + answer.encode(), created + ttl)
-               for key, request_json, answer, created in decisions]
+               for key, request_json, answer, created in decisions if created < cut]
     for key, fid, did, at, latency, ttft, cost, out, failed, error in feedback:
+        if at >= cut:
+            continue
         body = FeedbackRequest(decision_id=did, latency_ms=latency, ttft_ms=ttft, cost_usd=cost, output_tokens=out,
                                failed=bool(failed), error=error)
         answers.append((key, idempotency_digest(body.model_dump_json()) + feedback_answer(fid, did, at), at + ttl))
-    counts["idempotency_keys"] = state.restore_answers(answers, now_wall=now)
+    return answers
+
+
+def _log_target(settings: RouterSettings) -> Any:
+    return settings.db_url.get_secret_value() if settings.db_url is not None else settings.db_path
+
+
+async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
+    """After a restart, the embedded state from the decision log: the reservations whose hold has
+    not passed and whose feedback has not come (``router.backends.decision_events``), and the
+    idempotency keys still within their TTL with their answers, the same bytes."""
+    now = time.time()
+    target = _log_target(settings)
+    events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
+    counts = state.rebuild(events, now_wall=now)
+    counts["idempotency_keys"] = state.restore_answers(await _logged_answers(store, settings, now), now_wall=now)
     LOG.info("shared state rebuilt from the decision log", extra={"fields": counts})
 
 
-async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every: float) -> None:
+def log_identity(settings: RouterSettings) -> str:
+    """Which decision log this router writes, as the shared state's restore claims it: a
+    PostgreSQL log by its server and database (every router writing it restores it once), a
+    SQLite file by this host and its path (each router its own)."""
+    if settings.db_url is not None:
+        from router.store_pg import redact
+
+        who = "postgresql:" + redact(settings.db_url.get_secret_value())
+    else:
+        who = f"sqlite:{socket.gethostname()}:{settings.db_path.resolve()}"
+    return hashlib.blake2b(who.encode(), digest_size=8).hexdigest()
+
+
+class SharedStateSync:
+    """Notices a shared state that lost its data (a new :class:`router.state.Epoch`) and restores
+    this router's decision log into it (``RouterState.restore``: the reservations made before the
+    epoch began whose hold has not passed and whose feedback has not come, and the idempotency
+    keys within their TTL). Run at start and about once a second with the shared view; a restore
+    that fails is tried again at the next check."""
+
+    def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings):
+        self.state, self.store, self.settings = state, store, settings
+        self.known: str | None = None
+        self.log_id = log_identity(settings)
+        self.restores = 0
+
+    async def check(self) -> None:
+        epoch = await self.state.epoch()
+        if epoch is None or epoch.id == self.known:
+            return
+        now = time.time()
+        target = _log_target(self.settings)
+        events = await asyncio.to_thread(lambda: list(decision_events(
+            target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
+        answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
+        counts = await self.state.restore(epoch, self.log_id, events, answers, now)
+        self.known = epoch.id
+        if counts is not None:
+            self.restores += 1
+            LOG.info("shared state restored from the decision log", extra={"fields": {
+                **counts, "epoch": epoch.id, "epoch_began": iso(epoch.started)}})
+
+
+async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every: float,
+                               sync: SharedStateSync | None = None) -> None:
     """Read the shared state's in-flight work (every ``every`` s) and observed durations (about
     once a second) into the engine's view (``RoutingEngine.apply_shared_view``). While the state
-    cannot be read the last view stays (logged once per outage)."""
+    cannot be read the last view stays (logged once per outage). ``sync``: checked about once a
+    second (:class:`SharedStateSync`)."""
     durations: dict[str, float] = {}
     tick, down = 0, False
     durations_every = max(1, round(1.0 / every))
     while True:
         try:
+            if sync is not None and tick % durations_every == 0:
+                await sync.check()
             counts = await state.in_flight()
             if tick % durations_every == 0:
                 durations = await state.durations(sorted(counts))
@@ -246,6 +311,9 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
                 LOG.warning("shared state unreadable; the decisions keep its last view", extra={"fields": {
                     "error": str(e)}})
             down = True
+        except Exception as e:  # e.g. the log unreadable during a restore: tried again next time
+            LOG.warning("shared state not restored; trying again", extra={"fields": {
+                "error": f"{type(e).__name__}: {e}"[:300]}})
         tick += 1
         await asyncio.sleep(every)
 
@@ -353,14 +421,21 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
+        sync = None
         if isinstance(state, EmbeddedState):
             await rebuild_embedded_state(state, store, settings)
+        else:
+            sync = SharedStateSync(state, store, settings)
+            try:
+                await sync.check()  # before the first decision, when the server answers now
+            except StateUnavailable:
+                pass  # (the shared view's loop tries again)
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
         app.services = Services(settings, engine, store, keys, metrics, models, state, scraper)
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
-                 asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s),
+                 asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
                                      name="shared-view")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))

@@ -22,7 +22,8 @@ from router.state import STATS_ALPHA, EmbeddedState, FailOpenState, Released, Re
 
 
 def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str, Any]], float] | None = None,
-                    pool_of: Callable[[dict[str, Any]], str] | None = None) -> Iterator[Reserved | Released]:
+                    pool_of: Callable[[dict[str, Any]], str] | None = None,
+                    before: float | None = None) -> Iterator[Reserved | Released]:
     """The reservation and release events the decision log implies from wall time ``since`` on,
     oldest first (for :meth:`EmbeddedState.rebuild` after a restart): each decision reserved one
     slot of its pool until its hold passed, each feedback released it. The pool and the hold's end
@@ -30,7 +31,8 @@ def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str
     ``pool_of(row)`` (default :func:`pool_key` of its model and offering) and ``created_at +
     hold_s(row)`` (default :func:`hold_for` of its expected latency). ``target``: a SQLite file or
     a ``postgresql://`` URL. Rows are found by the decision id's time prefix (the primary key), so a
-    long log is not scanned."""
+    long log is not scanned. ``before``: only the decisions made before that wall time (and their
+    releases) -- what a shared state that began then lost (``RouterState.restore``)."""
     pool = pool_of or (lambda row: pool_key(str(row["model"]), str(row["offering_id"])))
     hold = hold_s or (lambda row: hold_for(float(row["expected_latency_ms"]) / 1000.0))
     dsql = ("SELECT decision_id, created_at, model, offering_id, expected_latency_ms, pool, hold_until FROM decisions "
@@ -53,12 +55,16 @@ def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str
         finally:
             conn3.close()
     timeline: list[tuple[float, int, Reserved | Released]] = []
+    kept: set[str] = set()
     for did, created, model, offering, expected_ms, pool_col, hold_until in drows:
+        if before is not None and float(created) >= before:
+            continue
+        kept.add(str(did))
         row = {"decision_id": did, "created_at": created, "model": model, "offering_id": offering,
                "expected_latency_ms": expected_ms}
         until = float(hold_until) if hold_until is not None else float(created) + hold(row)
         timeline.append((float(created), 0, Reserved(str(did), str(pool_col) if pool_col else pool(row), until)))
-    timeline += [(float(at), 1, Released(str(did))) for did, at in frows]
+    timeline += [(float(at), 1, Released(str(did))) for did, at in frows if str(did) in kept]
     timeline.sort(key=lambda t: (t[0], t[1]))
     for _, _, ev in timeline:
         yield ev

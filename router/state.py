@@ -93,6 +93,16 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True)
+class Epoch:
+    """One lifetime of a shared state on its server (:meth:`RouterState.epoch`): ``id`` changes
+    when the server lost its data (restarted without persistence, flushed); ``started`` is when
+    that lifetime began (wall seconds, the server's clock)."""
+
+    id: str
+    started: float
+
+
+@dataclass(frozen=True, slots=True)
 class Reserved:
     """A decision log event: ``reservation_id`` took ``slots`` on ``pool`` until ``until`` (wall clock)."""
 
@@ -169,6 +179,25 @@ class RouterState:
 
     async def abandon(self, key: str) -> None:
         """Drop a claim whose request failed (unless it was completed), so a retry decides anew."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- a server that lost its data
+    async def epoch(self) -> Epoch | None:
+        """The shared state's current :class:`Epoch`, begun by this call when the server has none
+        (it is new, or lost its data); None for a state that lives in this process (the embedded
+        one is rebuilt from the decision log at start instead)."""
+        return None
+
+    async def restore(self, epoch: Epoch, log_id: str, events: Iterable[Reserved | Released],
+                      answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
+                      ) -> dict[str, int] | None:
+        """Put back into ``epoch`` what the server lost and one decision log knows: the
+        reservations of ``events`` whose hold has not passed (released where the log has their
+        feedback; capacity is not checked: they were admitted) and the idempotency ``answers``
+        (``(key, answer, until)``, ``until`` wall clock) a key does not already hold. Done once per
+        epoch and log (``log_id``): returns counts, or None when another router restored this log
+        into this epoch already. Reservations already held are left as they are, so a restore that
+        overlaps the live decisions books nothing twice."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- the next issues' room
@@ -517,6 +546,14 @@ class FailOpenState(RouterState):
 
     async def abandon(self, key: str) -> None:
         await self._call("abandon", key)
+
+    async def epoch(self) -> Epoch | None:
+        return await self.primary.epoch()  # (the local view has no epoch; an outage raises)
+
+    async def restore(self, epoch: Epoch, log_id: str, events: Iterable[Reserved | Released],
+                      answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
+                      ) -> dict[str, int] | None:
+        return await self.primary.restore(epoch, log_id, events, answers, now_wall)
 
     async def healthy(self) -> bool:
         return True  # it always answers (module docstring: what that costs)

@@ -5,7 +5,7 @@ Every operation that must be atomic across processes is one Lua script run serve
 (``EVALSHA``; a server that lacks a script, e.g. after a restart, gets it with ``SCRIPT LOAD`` and
 the call again): check-and-reserve over the ranked candidates, release, the expiry of reservations
 past their hold (run at the start of every reserve and read), the statistics' update, and the
-idempotency claim. Time inside the scripts is the server's (``TIME``), so routers whose clocks
+idempotency claim, the epoch and the restore after a restart. Time inside the scripts is the server's (``TIME``), so routers whose clocks
 disagree still expire reservations alike.
 
 The script calls made during one event-loop iteration go to the server as one pipeline (redis-py's,
@@ -17,7 +17,17 @@ Keys, all under ``<prefix>:{router}:`` (one hash tag, so a Redis Cluster keeps t
 as the multi-key scripts need): ``inflight`` (hash pool -> slots), ``held`` (hash reservation id ->
 ``slots:pool``), ``due`` (sorted set reservation id -> deadline in ms), ``expired`` (hash pool ->
 count), ``stats:<pool>`` (hash of the estimator's fields), ``idem:<key>`` (string with a TTL; empty
-while pending). Memory: O(pools + reservations held + idempotency keys within their TTL).
+while pending), ``epoch`` (this lifetime of the data: see below), ``restored:<epoch>:<log>`` (which
+decision logs were restored into it). Memory: O(pools + reservations held + idempotency keys
+within their TTL).
+
+A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is
+gone. The routers notice within about a second (``router.app``: each reads the epoch with its
+shared view), one begins a new epoch (:meth:`RedisState.epoch`, recording the server's time), and
+each decision log is replayed into it once (:meth:`RedisState.restore`, claimed per epoch and log):
+the reservations of decisions made before the epoch began whose hold has not passed and whose
+feedback has not come, and the idempotency keys still within their TTL. Decisions made after it
+began were reserved in it live; a reservation already held is never booked twice.
 
 Unreachable or slow server (a connection refused, or no answer within ``timeout_s``): every
 operation raises :class:`router.state.StateUnavailable` (the API's 503; or the embedded view with
@@ -30,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+import secrets
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,7 +53,19 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.state import STATS_ALPHA, Claim, PoolStats, RouterState, StateUnavailable, _check_reserve, _finite
+from router.logs import iso
+from router.state import (
+    STATS_ALPHA,
+    Claim,
+    Epoch,
+    PoolStats,
+    Released,
+    Reserved,
+    RouterState,
+    StateUnavailable,
+    _check_reserve,
+    _finite,
+)
 
 _NOW = """
 local t = redis.call('TIME')
@@ -138,6 +162,40 @@ if ARGV[2] ~= '' then ewm('ttft', tonumber(ARGV[2])) end
 if ARGV[3] ~= '' then ewm('dur', tonumber(ARGV[3])) end
 return 1
 """
+# KEYS: epoch; ARGV: a random id. The epoch, begun now ("<server seconds>.<micros>:<id>") when absent
+EPOCH = """
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+local t = redis.call('TIME')
+v = t[1] .. '.' .. string.format('%06d', tonumber(t[2])) .. ':' .. ARGV[1]
+redis.call('SET', KEYS[1], v)
+return v
+"""
+# KEYS: inflight, held, due; ARGV: groups of 5 -- 'R', reservation id, pool, slots, hold ms left
+# (a reservation, unless that id is held already) or 'X', reservation id, '', 0, 0 (its release)
+RESTORE = _NOW + """
+local reserved, released = 0, 0
+for i = 1, #ARGV, 5 do
+  local rid = ARGV[i + 1]
+  local v = redis.call('HGET', KEYS[2], rid)
+  if ARGV[i] == 'R' then
+    if not v then
+      local slots = tonumber(ARGV[i + 3])
+      redis.call('HINCRBY', KEYS[1], ARGV[i + 2], slots)
+      redis.call('HSET', KEYS[2], rid, slots .. ':' .. ARGV[i + 2])
+      redis.call('ZADD', KEYS[3], now + tonumber(ARGV[i + 4]), rid)
+      reserved = reserved + 1
+    end
+  elseif v then
+    local sep = string.find(v, ':', 1, true)
+    redis.call('HINCRBY', KEYS[1], string.sub(v, sep + 1), -tonumber(string.sub(v, 1, sep - 1)))
+    redis.call('HDEL', KEYS[2], rid)
+    redis.call('ZREM', KEYS[3], rid)
+    released = released + 1
+  end
+end
+return {reserved, released}
+"""
 # KEYS: the key; ARGV: ttl ms. nil: claimed now; '': another request holds it; else its answer
 CLAIM = """
 if redis.call('SET', KEYS[1], '', 'NX', 'PX', ARGV[1]) then return false end
@@ -189,6 +247,8 @@ class RedisState(RouterState):
         self._stats = self._r.register_script(STATS)
         self._claim = self._r.register_script(CLAIM)
         self._abandon = self._r.register_script(ABANDON)
+        self._epoch = self._r.register_script(EPOCH)
+        self._restore = self._r.register_script(RESTORE)
         #: the script calls of the current event-loop iteration, and the pipelines in flight
         self._batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
         self._flush_scheduled = False
@@ -326,6 +386,50 @@ class RedisState(RouterState):
 
     async def abandon(self, key: str) -> None:
         await self._run(self._abandon, [self.base + "idem:" + key], [])
+
+    async def epoch(self) -> Epoch:
+        got = (await self._run(self._epoch, [self.base + "epoch"], [secrets.token_hex(8)])).decode()
+        return Epoch(got, float(got.partition(":")[0]))
+
+    async def restore(self, epoch: Epoch, log_id: str, events: Iterable[Reserved | Released],
+                      answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
+                      ) -> dict[str, int] | None:
+        now_wall = time.time() if now_wall is None else now_wall
+        done = f"{self.base}restored:{epoch.id}:{log_id}"
+        try:
+            if not await self._r.set(done, iso(time.time()), nx=True, ex=7 * 86400):
+                return None
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+        out = {"reserved": 0, "released": 0, "idempotency_keys": 0}
+        try:
+            args: list[Any] = []
+            for ev in [*events, None]:
+                if isinstance(ev, Reserved) and ev.until > now_wall:
+                    args += ["R", ev.reservation_id, ev.pool, ev.slots, max(1, math.ceil((ev.until - now_wall) * 1000))]
+                elif isinstance(ev, Released):
+                    args += ["X", ev.reservation_id, "", 0, 0]
+                if args and (ev is None or len(args) >= 1000):
+                    r, x = await self._run(self._restore, self._keys[:3], args)
+                    out["reserved"] += int(r)
+                    out["released"] += int(x)
+                    args = []
+            async with self._r.pipeline(transaction=False) as pipe:
+                for key, answer, until in answers:
+                    if until > now_wall and answer:
+                        pipe.set(self.base + "idem:" + key, bytes(answer), px=max(1, math.ceil((until - now_wall) * 1000)),
+                                 nx=True)
+                got = await pipe.execute()
+            out["idempotency_keys"] = sum(1 for g in got if g)
+        except BaseException as e:  # let the next try do it all again (it books nothing twice)
+            try:
+                await self._r.delete(done)
+            except (RedisError, OSError):
+                pass
+            if isinstance(e, (RedisConnectionError, RedisTimeoutError, OSError)):
+                raise self._down(e) from None
+            raise
+        return out
 
     async def healthy(self) -> bool:
         try:

@@ -2,7 +2,8 @@
 shared state, feedback releases it and teaches the pool's statistics, an ``Idempotency-Key``
 retry gets the first answer's bytes and books nothing, a failure after the decision releases what
 it reserved, a restart rebuilds the embedded state from the decision log, a Redis outage answers
-503 naming the state (and recovers), and several router processes on one Redis never admit more
+503 naming the state (and recovers), a Redis that restarts empty is restored from every router's
+log, and several router processes on one Redis never admit more
 than a pool's capacity.
 
 The in-process servers replay at 1e-6 telemetry seconds per second, so the pools' load comes from
@@ -254,6 +255,49 @@ def test_a_redis_outage_answers_503_naming_the_state_and_recovers(tmp_path: Path
         assert back.status_code == 200 and httpx.get(f"{url}/readyz").status_code == 200
         held = redis.Redis.from_url(own_redis.url).hget(f"outage-{fail_open}:{{router}}:held", back.json()["decision_id"])
         assert held is not None and held.decode().endswith(back.json()["offering"]["offering_id"])
+
+
+def test_a_redis_that_restarts_empty_is_restored_from_every_routers_log(tmp_path: Path, own_redis: RedisServer) -> None:
+    """Two routers with their own SQLite logs on one Redis; it restarts without persistence. Within
+    a few seconds the in-flight work is back -- each router's held decisions, not those with
+    feedback -- a keyed retry gets its first answer and books nothing, and decisions and feedback
+    after the restart count as before."""
+    setups = [_setup(tmp_path / name, state_backend="redis", state_url=own_redis.url, state_prefix="restart")
+              for name in ("a", "b")]
+    with ServerThread(create_app(setups[0].settings)) as url_a, ServerThread(create_app(setups[1].settings)) as url_b:
+        urls = [url_a, url_b]
+        # (keys differ: the routers share the idempotency keys as well)
+        answers = {u: [_route(u, st, key=f"keyed-{j}" if i == 0 else None) for i in range(3)]
+                   for j, (u, st) in enumerate(zip(urls, setups))}
+        assert all(a.status_code == 200 for got in answers.values() for a in got)
+        fb = {"decision_id": answers[url_b][2].json()["decision_id"], "latency_ms": 400.0}
+        assert httpx.post(f"{url_b}/v1/feedback", json=fb, headers=setups[1].auth("a")).status_code == 201
+        before = _in_flight(url_a, setups[0])
+        assert sum(before.values()) == 5 and _in_flight(url_b, setups[1]) == before
+
+        own_redis.stop()
+        own_redis.start()  # the same port, nothing kept
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                if _in_flight(url_a, setups[0]) == before:
+                    break
+            except (httpx.HTTPError, KeyError):
+                pass
+            time.sleep(0.1)
+        assert _in_flight(url_a, setups[0]) == before == _in_flight(url_b, setups[1])
+        epoch = redis.Redis.from_url(own_redis.url).get("restart:{router}:epoch")
+        assert epoch is not None
+        for j, (u, st) in enumerate(zip(urls, setups)):
+            retry = _route(u, st, key=f"keyed-{j}")
+            assert retry.status_code == 200 and retry.content == answers[u][0].content
+        assert _in_flight(url_a, setups[0]) == before
+        after = _route(url_a, setups[0])  # a decision after the restart books as ever; feedback frees it
+        assert after.status_code == 200 and sum(_in_flight(url_a, setups[0]).values()) == 6
+        for a in (after, answers[url_a][1]):
+            fb = {"decision_id": a.json()["decision_id"], "latency_ms": 400.0}
+            assert httpx.post(f"{url_a}/v1/feedback", json=fb, headers=setups[0].auth("a")).status_code == 201
+        assert sum(_in_flight(url_b, setups[1]).values()) == 4
 
 
 def test_workers_need_a_shared_state(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio
 
 from router.backends import StateSettings, decision_events, open_state
 from router.engine import RoutingEngine
@@ -399,3 +400,53 @@ def test_processes_hammering_one_redis_never_exceed_a_pools_capacity(redis_serve
             await s.close()
 
     assert asyncio.run(left()) == {}
+
+
+def test_a_redis_that_lost_its_data_begins_a_new_epoch_and_each_log_is_restored_once(redis_server: Any) -> None:
+    """The epoch is begun by the first reader and stays until the data goes; ``restore`` books the
+    log's reservations whose hold has not passed, applies its releases, leaves a reservation already
+    held alone, restores idempotency answers without overwriting a live one -- once per epoch and
+    log; after a flush (what a restart without persistence leaves) a new epoch takes it again."""
+    prefix = next(_prefixes)
+
+    async def main() -> None:
+        s = RedisState(redis_server.url, prefix=prefix)
+        raw = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            first = await s.epoch()
+            assert await s.epoch() == first and abs(first.started - time.time()) < 5
+            assert await s.reserve([("p", 5)], "live", 60) == "p"  # made in this epoch: the log has it too
+            now = time.time()
+            events = [Reserved("d1", "p", now + 30), Reserved("d2", "p", now + 30), Reserved("old", "p", now - 1),
+                      Reserved("live", "p", now + 30), Released("d2"), Reserved("d3", "q", now + 30, slots=2)]
+            answers = [("k1", b"first answer", now + 60), ("gone", b"x", now - 1), ("k2", b"from the log", now + 60)]
+            await s.complete("k2", b"live answer", 60)
+            got = await s.restore(first, "log-a", events, answers, now)
+            assert got == {"reserved": 3, "released": 1, "idempotency_keys": 1}
+            assert await s.in_flight() == {"p": 2, "q": 2}  # live + d1, d3's two slots; old and d2 not
+            assert (await s.claim("k1", 60)).answer == b"first answer"
+            assert (await s.claim("k2", 60)).answer == b"live answer"
+            assert (await s.claim("gone", 60)).status == "new"
+            assert await s.restore(first, "log-a", events, answers, now) is None  # once per epoch and log
+            assert await s.restore(first, "log-b", [Reserved("b1", "p", now + 30)], [], now) == {
+                "reserved": 1, "released": 0, "idempotency_keys": 0}
+            # the release of a restored reservation is the live one's
+            assert await s.release("d1") == "p" and await s.in_flight() == {"p": 2, "q": 2}
+            await raw.delete(*[k async for k in raw.scan_iter(match=f"{prefix}:*")])  # the data is gone
+            second = await s.epoch()
+            assert second != first and second.started >= first.started
+            assert await s.restore(second, "log-a", events, answers, now) == {  # "live" is the log's too now
+                "reserved": 4, "released": 1, "idempotency_keys": 2}
+            assert await s.in_flight() == {"p": 2, "q": 2}
+        finally:
+            await raw.aclose()
+            await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_state_in_this_process_has_no_epoch() -> None:
+    async def main() -> None:
+        assert await EmbeddedState().epoch() is None
+
+    asyncio.run(main())
