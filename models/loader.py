@@ -13,6 +13,7 @@ when a URI is fetched, so a local export loads without it.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -25,10 +26,14 @@ DEFAULT_RUN_DIR = Path("runs")
 
 
 def quiet_mlflow() -> None:
-    """MLflow's usage telemetry off and GitPython's missing-git warning silent (unless the user
-    set either)."""
+    """MLflow's usage telemetry off, GitPython's missing-git warning silent, and MLflow's own INFO
+    lines (creating the store's tables, validating an input example) not printed -- unless the
+    user set ``MLFLOW_DISABLE_TELEMETRY``, ``GIT_PYTHON_REFRESH`` or ``MLFLOW_LOGGING_LEVEL``."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    if "MLFLOW_LOGGING_LEVEL" not in os.environ:
+        os.environ["MLFLOW_LOGGING_LEVEL"] = "WARNING"  # read when mlflow is first imported
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # and if it was imported already
 
 
 def tracking_uri(run_dir: str | Path | None = None, configured: str | None = None) -> str:

@@ -9,6 +9,8 @@ Imports neither torch nor stable-baselines3.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +71,8 @@ def register(model_uri: str, registered_model: str, alias: str = CHALLENGER,
              tags: dict[str, Any] | None = None) -> str:
     """Register ``model_uri`` as a new version of ``registered_model``, tag it and point ``alias``
     at it. Returns the version."""
-    mv = mlflow.register_model(model_uri, registered_model)
+    with contextlib.redirect_stderr(io.StringIO()):  # its "Successfully registered"/"Created version" prints
+        mv = mlflow.register_model(model_uri, registered_model)
     client = MlflowClient()
     for k, v in (tags or {}).items():
         client.set_model_version_tag(registered_model, mv.version, k, str(v))
