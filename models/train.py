@@ -63,7 +63,8 @@ def grid(cfg: TrainConfig) -> list[dict[str, Any]]:
     return [{"seed": s, "gamma": g, "learning_rate": lr} for s in cfg.search.seeds for g in gammas for lr in lrs]
 
 
-CHALLENGER, WARM_ONLY = "dqn (challenger)", "warm start only"
+#: the gate's rows: the trained router (warm start, then DQN steps when total_timesteps > 0) and its ablation
+CHALLENGER, WARM_ONLY = "learned (challenger)", "warm start only"
 
 
 def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_address: str | None = None,

@@ -47,9 +47,9 @@ def test_smoke_training_runs_tune_trials_and_tracks_them_in_mlflow(trained: dict
     assert [g.label for g in s.gate] == ["bundle x1", "bundle x4"]  # the one bundle's test window, two loads
     for g in s.gate:
         names = {r.name for r in g.results}
-        assert names >= {"greedy", "static", "dqn (challenger)", "warm start only"} and "oracle" not in names
-        assert len(g.deltas["dqn (challenger)"]) == 2  # paired by seed
-    assert s.decision.candidate == "dqn (challenger)" and s.ablation.candidate == "warm start only"
+        assert names >= {"greedy", "static", "learned (challenger)", "warm start only"} and "oracle" not in names
+        assert len(g.deltas["learned (challenger)"]) == 2  # paired by seed
+    assert s.decision.candidate == "learned (challenger)" and s.ablation.candidate == "warm start only"
     lo, hi = s.decision.pooled[1], s.decision.pooled[2]
     assert lo <= s.decision.pooled[0] <= hi
     assert s.decision.passed == (lo > 0 and not s.decision.losses)
