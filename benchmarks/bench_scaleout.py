@@ -13,12 +13,17 @@ their decision-log writers). Then the state operations' own latency, both backen
 Targets (issue 17): with Redis state, per worker >= 3,000 decisions/s at p99 <= 10 ms; the state
 operations' p99 embedded <= 20 us, Redis over loopback <= 1 ms.
 
+``--pin`` (Linux, 2+ cores): what one worker does with a core of its own -- the router's event-loop
+process (every thread of it) on core 0, everything else (its decision-log writer, redis-server,
+wrk, the trivial endpoint's pair, this script) on core 1; the one-worker rows only.
+
 Usage::
 
-    .venv/bin/python benchmarks/bench_scaleout.py [--duration 8 --rounds 3 --connections 10]
+    .venv/bin/python benchmarks/bench_scaleout.py [--duration 8 --rounds 3 --connections 10] [--pin]
         [--shared-with "another engineer's test runs"]
 
-Prints a markdown table and writes ``benchmarks/results/scaleout.json``.
+Prints a markdown table and writes ``benchmarks/results/scaleout.json`` (``scaleout_pinned.json``
+with ``--pin``).
 """
 
 from __future__ import annotations
@@ -114,20 +119,33 @@ def _others_cpu(seconds: float = 2.0) -> list[dict[str, Any]]:
     return [{"process": n, "cores": round(c, 2)} for n, c in sorted(used, key=lambda x: -x[1])[:6]]
 
 
+#: ``--pin``: the router's event loop on this core, everything else on the other
+ROUTER_CORE, OTHERS_CORE = 0, 1
+
+
+def _pin_process(pid: int, core: int) -> None:
+    """Every thread of ``pid`` (not its child processes) onto ``core``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
+
+
 def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connections: int,
-               redis_pid: int | None = None) -> dict[str, Any]:
+               redis_pid: int | None = None, pin: bool = False) -> dict[str, Any]:
     from router.keys import add_key
 
     keys = work / "keys.json"
     key = add_key(keys, "bench")
     learned = str(br.learned_export(work / "learned-http") or "")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    rows = [r for r in ROWS if r[2] == 1] if pin else ROWS
     ref = br._Server.simple(work, "trivial", "auto", env)
     servers: dict[str, br._Server] = {}
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in ROWS}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in rows}
     try:
         ref.warm_up()
-        for label, backend, workers, policy in ROWS:
+        if pin:
+            _pin_process(ref.proc.pid, ROUTER_CORE)
+        for label, backend, workers, policy in rows:
             row_env = dict(env)
             if backend == "redis":
                 row_env.update(XROUTE_ROUTER_STATE_BACKEND="redis", XROUTE_ROUTER_STATE_URL=redis_url,
@@ -136,8 +154,10 @@ def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connecti
             servers[label] = br._Server.route(work, None, model, key, row_env, label,
                                               ["--workers", str(workers)] if workers > 1 else None)
             servers[label].warm_up()
+            if pin:  # (its log writer, started with it, stays on the other core)
+                _pin_process(servers[label].proc.pid, ROUTER_CORE)
         for r in range(rounds):
-            order = ROWS[r % len(ROWS):] + ROWS[: r % len(ROWS)]
+            order = rows[r % len(rows):] + rows[: r % len(rows)]
             for label, *_ in order:
                 trivial = _measure(ref, seconds, connections)
                 out = _measure(servers[label], seconds, connections,
@@ -152,12 +172,12 @@ def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connecti
             srv.stop()
         ref.stop()
     results: dict[str, Any] = {}
-    for label, backend, workers, _policy in ROWS:
+    for label, backend, workers, _policy in rows:
         row = br._median_of(runs[label])
         row.update(state=backend, workers=workers, policy=servers[label].policy,
                    per_worker_rps=round(row["rps"] / workers, 1))
         results[label] = row
-    for label, backend, _workers, policy in ROWS:
+    for label, backend, _workers, policy in rows:
         base = results[f"embedded_1w_{policy}"]["rps"]
         results[label]["vs_embedded_1w"] = round(results[label]["rps"] / base, 3)
         if backend == "redis":
@@ -173,8 +193,16 @@ def main() -> None:
     ap.add_argument("--state-n", type=int, default=20000, help="calls per state operation, embedded (>= 1000)")
     ap.add_argument("--redis-n", type=int, default=5000, help="calls per state operation, Redis (>= 1000)")
     ap.add_argument("--shared-with", default="", help="what else ran on the machine (for the record)")
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "scaleout.json")
+    ap.add_argument("--pin", action="store_true", help="one worker with a core of its own (module docstring)")
+    ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/scaleout.json "
+                                                              "(scaleout_pinned.json with --pin)")
     a = ap.parse_args()
+    if a.out is None:
+        a.out = REPO / "benchmarks" / "results" / ("scaleout_pinned.json" if a.pin else "scaleout.json")
+    if a.pin:
+        if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+            sys.exit("bench_scaleout: error: --pin needs Linux and at least 2 usable cores")
+        os.sched_setaffinity(0, {OTHERS_CORE})  # inherited by redis-server, wrk and the servers until re-pinned
     br.at_least(ap, ("--duration", a.duration, 1), ("--rounds", a.rounds, 1), ("--connections", a.connections, 1),
                 ("--state-n", a.state_n, 1000), ("--redis-n", a.redis_n, 1000))
     if shutil.which("wrk") is None:
@@ -197,8 +225,10 @@ def main() -> None:
         "redis": subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip(),
     }
     try:
+        res["pinned"] = (f"router event loop on core {ROUTER_CORE}; its log writer, redis-server, wrk and the bench "
+                         f"on core {OTHERS_CORE}") if a.pin else None
         res["http"] = bench_http(work, redis_server.url, a.duration, a.rounds, a.connections,
-                                 redis_server.proc.pid if redis_server.proc is not None else None)
+                                 redis_server.proc.pid if redis_server.proc is not None else None, a.pin)
 
         async def state_ops() -> dict[str, Any]:
             shared = RedisState(redis_server.url, prefix="bench-ops")
@@ -222,7 +252,8 @@ def main() -> None:
 
 def table(res: dict[str, Any]) -> str:
     lines = [f"machine: {res['machine']} ({res['cpu']}); load average {res['load_average_at_start'][0]:.2f} at start, "
-             f"{res['load_average_at_end'][0]:.2f} at end; shared with: {res['shared_with'] or 'not stated'}", "",
+             f"{res['load_average_at_end'][0]:.2f} at end; shared with: {res['shared_with'] or 'not stated'}"
+             + (f"; pinned: {res['pinned']}" if res.get("pinned") else ""), "",
              "| /v1/route (wrk " + res["server"]["wrk"] + ") | state | workers | req/s | per worker | vs trivial "
              "| vs embedded 1w | router CPU us/req (Redis's) | p50 ms | p99 ms (max) | non-2xx |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
