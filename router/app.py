@@ -229,16 +229,12 @@ async def _logged_answers(store: GroupCommitLog, settings: RouterSettings, now: 
     return answers
 
 
-def _log_target(settings: RouterSettings) -> Any:
-    return settings.db_url.get_secret_value() if settings.db_url is not None else settings.db_path
-
-
 async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
     """After a restart, the embedded state from the decision log: the reservations whose hold has
     not passed and whose feedback has not come (``router.backends.decision_events``), and the
     idempotency keys still within their TTL with their answers, the same bytes."""
     now = time.time()
-    target = _log_target(settings)
+    target = settings.log_target
     events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
     counts = state.rebuild(events, now_wall=now)
     counts["idempotency_keys"] = state.restore_answers(await _logged_answers(store, settings, now), now_wall=now)
@@ -269,21 +265,22 @@ class SharedStateSync:
         self.state, self.store, self.settings = state, store, settings
         self.known: str | None = None
         self.log_id = log_identity(settings)
-        self.restores = 0
 
     async def check(self) -> None:
         epoch = await self.state.epoch()
         if epoch is None or epoch.id == self.known:
             return
         now = time.time()
-        target = _log_target(self.settings)
+        if epoch.started <= now - self.settings.state_hold_max_s:  # (the usual case at start: a server up for
+            self.known = epoch.id  # longer than any hold lost nothing a log could give back -- skip reading it)
+            return
+        target = self.settings.log_target
         events = await asyncio.to_thread(lambda: list(decision_events(
             target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
         answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
         counts = await self.state.restore(epoch, self.log_id, events, answers, now)
         self.known = epoch.id
         if counts is not None:
-            self.restores += 1
             LOG.info("shared state restored from the decision log", extra={"fields": {
                 **counts, "epoch": epoch.id, "epoch_began": iso(epoch.started)}})
 
@@ -295,7 +292,7 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
     cannot be read the last view stays (logged once per outage). ``sync``: checked about once a
     second (:class:`SharedStateSync`)."""
     durations: dict[str, float] = {}
-    tick, down = 0, False
+    tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
         try:
@@ -305,15 +302,17 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
             if tick % durations_every == 0:
                 durations = await state.durations(sorted(counts))
             engine.apply_shared_view(counts, durations)
-            down = False
+            down = failing = False
         except StateUnavailable as e:
             if not down:
                 LOG.warning("shared state unreadable; the decisions keep its last view", extra={"fields": {
                     "error": str(e)}})
             down = True
         except Exception as e:  # e.g. the log unreadable during a restore: tried again next time
-            LOG.warning("shared state not restored; trying again", extra={"fields": {
-                "error": f"{type(e).__name__}: {e}"[:300]}})
+            if not failing:  # (logged once until a refresh succeeds)
+                LOG.warning("shared view not refreshed (or the state not restored); trying again", extra={"fields": {
+                    "error": f"{type(e).__name__}: {e}"[:300]}})
+            failing = True
         tick += 1
         await asyncio.sleep(every)
 

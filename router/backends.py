@@ -35,13 +35,14 @@ def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str
     releases) -- what a shared state that began then lost (``RouterState.restore``)."""
     pool = pool_of or (lambda row: pool_key(str(row["model"]), str(row["offering_id"])))
     hold = hold_s or (lambda row: hold_for(float(row["expected_latency_ms"]) / 1000.0))
-    dsql = ("SELECT decision_id, created_at, model, offering_id, expected_latency_ms, pool, hold_until FROM decisions "
-            "WHERE decision_id >= {p} AND created_at >= {p} ORDER BY created_at, decision_id")
+    upto = "" if before is None else " AND d.created_at < {p}"
+    dsql = ("SELECT decision_id, created_at, model, offering_id, expected_latency_ms, pool, hold_until FROM decisions d "
+            "WHERE decision_id >= {p} AND created_at >= {p}" + upto + " ORDER BY created_at, decision_id")
     fsql = ("SELECT f.decision_id, MIN(f.received_at) FROM feedback f JOIN decisions d "
-            "ON d.decision_id = f.decision_id WHERE d.decision_id >= {p} AND d.created_at >= {p} "
-            "GROUP BY f.decision_id")
-    args = (id_floor(since), since)
-    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+            "ON d.decision_id = f.decision_id WHERE d.decision_id >= {p} AND d.created_at >= {p}" + upto
+            + " GROUP BY f.decision_id")
+    args: tuple[Any, ...] = (id_floor(since), since) if before is None else (id_floor(since), since, before)
+    if store.is_postgres_url(target):
         import psycopg  # (the PostgreSQL client only where a PostgreSQL log is read)
 
         with psycopg.connect(target, connect_timeout=10) as conn:
@@ -55,16 +56,12 @@ def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str
         finally:
             conn3.close()
     timeline: list[tuple[float, int, Reserved | Released]] = []
-    kept: set[str] = set()
     for did, created, model, offering, expected_ms, pool_col, hold_until in drows:
-        if before is not None and float(created) >= before:
-            continue
-        kept.add(str(did))
         row = {"decision_id": did, "created_at": created, "model": model, "offering_id": offering,
                "expected_latency_ms": expected_ms}
         until = float(hold_until) if hold_until is not None else float(created) + hold(row)
         timeline.append((float(created), 0, Reserved(str(did), str(pool_col) if pool_col else pool(row), until)))
-    timeline += [(float(at), 1, Released(str(did))) for did, at in frows if str(did) in kept]
+    timeline += [(float(at), 1, Released(str(did))) for did, at in frows]
     timeline.sort(key=lambda t: (t[0], t[1]))
     for _, _, ev in timeline:
         yield ev
@@ -100,9 +97,9 @@ def iter_decisions(target: Path | str, tenant: str | None = None, since: float |
     """Every decision (oldest first) with its latest feedback, read-only (for export), from a
     SQLite file or a ``postgresql://`` URL; ``since``/``until``: wall-time bounds on when it was
     made; ``ope``: with the OPE columns (``router.store.export_columns``)."""
-    from router import store_pg
+    if store.is_postgres_url(target):
+        from router import store_pg
 
-    if store_pg.is_postgres_url(target):
         yield from store_pg.iter_decisions(str(target), tenant, since, until, ope)
     else:
         yield from store.iter_sqlite_decisions(Path(target), tenant, since, until, ope)

@@ -38,7 +38,7 @@ def serve(
     from router.app import create_app
     from router.engine import RoutingEngine
     from router.settings import load_settings
-    from router.store_pg import is_postgres_url
+    from router.store import is_postgres_url
     from xroute.errors import ConfigError
 
     if not 1 <= workers <= 256:
@@ -89,8 +89,7 @@ def export_feedback(
     from router.settings import load_settings
 
     settings = load_settings(config)
-    source: Path | str = (db if db is not None else settings.db_url.get_secret_value() if settings.db_url is not None
-                          else settings.db_path)
+    source: Path | str = db if db is not None else settings.log_target
     out = export_bundle(source, telemetry or settings.telemetry, output, tenant, overwrite)
     typer.echo(f"exported {out['decisions']} decisions ({out['with_feedback']} with feedback) to {out['output']}"
                + (f"; skipped {out['skipped_other_bundle']} made on another bundle" if out["skipped_other_bundle"] else ""))
@@ -130,8 +129,7 @@ def export_ope(
     from router.settings import load_settings
 
     settings = load_settings(config)
-    source: Path | str = (db if db is not None else settings.db_url.get_secret_value() if settings.db_url is not None
-                          else settings.db_path)
+    source: Path | str = db if db is not None else settings.log_target
     out = write(source, output, env_config(settings), tenant, _wall_time("--since", since),
                 _wall_time("--until", until), overwrite)
     typer.echo(f"exported {out['decisions']} decisions to {out['output']}; left out: {out['left_out']}")

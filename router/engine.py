@@ -198,7 +198,6 @@ class RoutingEngine:
         self.own_held = np.zeros((env.M, self.n), dtype=np.int64)
         self._own: dict[str, tuple[int, int, float]] = {}
         self._own_due: list[tuple[float, str]] = []
-        self.shared_in_flight = np.zeros_like(self.own_held)
         #: telemetry seconds per wall second (a replay's speed; 1 live)
         self._speed = 1.0 if settings.telemetry_live else settings.replay_speed
 
@@ -297,21 +296,20 @@ class RoutingEngine:
 
     # ------------------------------------------------------------------ the decision
     def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-               state: EmbeddedState | None = None, idempotency_key: str | None = None
-               ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+               state: EmbeddedState | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
         """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
         candidate with room in it, then :meth:`admit`. Returns (response JSON, decision-log row,
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
         alone, as before the shared state). The HTTP route does the same with any backend
         (``router.routes.route``)."""
-        r = self.rank(req, who, decision_id, wall, explore_key=idempotency_key)
+        r = self.rank(req, who, decision_id, wall)
         if state is None:
             return self.admit(r, 0)
         hold = self.hold_s(r)
         pool = state.reserve_now(self.candidates(r), decision_id, hold)
         if pool is None:
             raise self.shared_full(r)
-        return self.admit(r, self.candidate_of(r, pool), hold, idempotency_key)
+        return self.admit(r, self.candidate_of(r, pool), hold)
 
     def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
              request_json: str | None = None, explore_key: str | None = None) -> Ranked:
@@ -522,9 +520,8 @@ class RoutingEngine:
         counts[3] += len(r.cands)
         slots = self._slots_list[r.m]
         soonest = min(service / max(slots[a], 1) for a, service in zip(r.cands, r.service))
-        retry = max(1, int(np.ceil(soonest / max(self.settings.replay_speed, 1e-9))))
         return RouteFailure(429, "no_capacity", "no allowed offering can take the request now (the pools able to "
-                            "are at their capacity in the shared state)", headers={"Retry-After": str(min(retry, 3600))},
+                            "are at their capacity in the shared state)", headers={"Retry-After": self._retry_after(soonest)},
                             extra={"excluded": self._counts(r.ccounts, r.n_not_preferred, counts)})
 
     def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None
@@ -649,7 +646,6 @@ class RoutingEngine:
             ma = index.get(pool)
             if ma is not None:
                 shared[ma] = n
-        self.shared_in_flight = shared
         np.maximum(shared - self.own_held, 0, out=self.env.view_others)
         svc = self.env.view_service_s
         svc[:] = 0.0
@@ -679,11 +675,6 @@ class RoutingEngine:
                     b = max(b, float(self._slots_list[ma[0]][ma[1]]))
                 busy[ma] = b
 
-    def pools_with_others(self) -> list[str]:
-        """The pools where other work is held (whose observed durations the view needs)."""
-        keys = self.pool_keys
-        return [keys[m][a] for m, a in zip(*np.nonzero(self.env.view_others))]
-
     @staticmethod
     def _counts(ccounts: dict[str, int], n_not_preferred: int, env_counts: list[int]) -> dict[str, int]:
         """Why offerings were excluded: the constraint layers', then not preferred, then the
@@ -701,10 +692,14 @@ class RoutingEngine:
         shortest queue wait among the allowed available offerings."""
         env = self.env
         ok = allowed & env.available & env.fits[env.r_m] & (env.slots[env.r_m] > 0) & np.isfinite(env.c_wait)
-        wait = env.c_wait[ok] if ok.any() else None
-        retry = max(1, int(np.ceil(float(wait.min()) / max(self.settings.replay_speed, 1e-9)))) if wait is not None else 60
+        retry = self._retry_after(float(env.c_wait[ok].min())) if ok.any() else "60"
         raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
-                           headers={"Retry-After": str(min(retry, 3600))}, extra={"excluded": counts})
+                           headers={"Retry-After": retry}, extra={"excluded": counts})
+
+    def _retry_after(self, telemetry_s: float) -> str:
+        """``Retry-After`` for a wait of ``telemetry_s`` telemetry seconds: wall seconds at this
+        clock's speed (a replay's ``replay_speed``; 1 live), from 1 to 3600."""
+        return str(min(max(1, int(np.ceil(telemetry_s / max(self._speed, 1e-9)))), 3600))
 
     def _choose(self, active: ActivePolicy, valid: np.ndarray
                 ) -> tuple[int, float, list[int], list[float], str, np.ndarray]:

@@ -22,7 +22,8 @@ import psycopg
 
 from router.backends import iter_decisions
 from router.logs import iso
-from router.store_pg import is_postgres_url, one_line, redact
+from router.store import is_postgres_url
+from router.store_pg import one_line, redact
 from xroute.bundle import DEFAULT_BUNDLE, load_bundle
 from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, WORKLOAD

@@ -183,6 +183,12 @@ class RouterSettings(BaseSettings):
     access_log: bool = Field(True, description="one JSON line per request")
     log_level: str = "INFO"
 
+    @property
+    def log_target(self) -> Path | str:
+        """The decision log this router writes: the PostgreSQL URL (``db_url``), else the SQLite
+        file (``db_path``) -- what ``router.backends`` readers take."""
+        return self.db_url.get_secret_value() if self.db_url is not None else self.db_path
+
     @field_validator("db_url")
     @classmethod
     def _postgres_url(cls, v: SecretStr | None) -> SecretStr | None:

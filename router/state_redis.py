@@ -290,19 +290,25 @@ class RedisState(RouterState):
             results = [self._down(e)] * len(batch)
         except Exception as e:  # anything else: never leave a request waiting
             results = [e] * len(batch)
-        for (script, _, args, fut), r in zip(batch, results):
-            if fut.done():  # the request went away meanwhile: a reservation made for it is freed
-                if script is self._reserve and isinstance(r, bytes):
-                    freed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-                    freed.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it
-                    self._batch.append((self._release, self._keys, [args[0]], freed))
-                    if not self._flush_scheduled:
-                        self._flush_scheduled = True
-                        asyncio.get_running_loop().call_soon(self._flush)
+        for (script, keys, args, fut), r in zip(batch, results):
+            if fut.done():  # the request went away meanwhile: what it took is given back --
+                if script is self._reserve and isinstance(r, bytes):  # a reservation made for it,
+                    self._undo(self._release, self._keys, [args[0]])
+                elif script is self._claim and r is None:  # an idempotency key it claimed (else 409s for the TTL)
+                    self._undo(self._abandon, keys, [])
             elif isinstance(r, BaseException):
                 fut.set_exception(r)
             else:
                 fut.set_result(r)
+
+    def _undo(self, script: Any, keys: list[str], args: list[Any]) -> None:
+        """Queue ``script`` with the next pipeline, its answer awaited by nobody."""
+        freed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        freed.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._batch.append((script, keys, args, freed))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     async def _pipeline(self, batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]]) -> list[Any]:
         async with self._r.pipeline(transaction=False) as pipe:
@@ -404,16 +410,15 @@ class RedisState(RouterState):
         out = {"reserved": 0, "released": 0, "idempotency_keys": 0}
         try:
             args: list[Any] = []
-            for ev in [*events, None]:
+            for ev in events:
                 if isinstance(ev, Reserved) and ev.until > now_wall:
                     args += ["R", ev.reservation_id, ev.pool, ev.slots, max(1, math.ceil((ev.until - now_wall) * 1000))]
                 elif isinstance(ev, Released):
                     args += ["X", ev.reservation_id, "", 0, 0]
-                if args and (ev is None or len(args) >= 1000):
-                    r, x = await self._run(self._restore, self._keys[:3], args)
-                    out["reserved"] += int(r)
-                    out["released"] += int(x)
-                    args = []
+            for i in range(0, len(args), 1000):  # 200 events a script call, in order
+                r, x = await self._run(self._restore, self._keys[:3], args[i:i + 1000])
+                out["reserved"] += int(r)
+                out["released"] += int(x)
             async with self._r.pipeline(transaction=False) as pipe:
                 for key, answer, until in answers:
                     if until > now_wall and answer:

@@ -74,7 +74,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import zstandard
 
@@ -742,6 +742,11 @@ def export_params(tenant: str | None, since: float | None, until: float | None) 
     return tuple(v for v in (tenant, since, until) if v is not None)
 
 
+def is_postgres_url(target: object) -> TypeGuard[str]:
+    """Whether a decision-log target names PostgreSQL (else it is a SQLite file)."""
+    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
+
+
 def iter_sqlite_decisions(path: Path, tenant: str | None = None, since: float | None = None,
                           until: float | None = None, ope: bool = False) -> Iterator[dict[str, Any]]:
     """:func:`router.backends.iter_decisions` for a SQLite file."""
@@ -757,7 +762,7 @@ def iter_sqlite_decisions(path: Path, tenant: str | None = None, since: float | 
 def read_catalogs(target: Path | str) -> dict[str, list[str]]:
     """The catalogs the log keeps (:meth:`GroupCommitLog.register_catalog`): key -> offering ids."""
     sql = "SELECT catalog_key, offering_ids FROM catalogs"
-    if isinstance(target, str) and target.startswith(("postgresql://", "postgres://")):
+    if is_postgres_url(target):
         import psycopg
 
         with psycopg.connect(target, connect_timeout=10) as pg:

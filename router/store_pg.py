@@ -112,10 +112,6 @@ _INSERT_FEEDBACK = (f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
                     f"VALUES ({', '.join(['%s'] * len(FEEDBACK_COLUMNS))}) RETURNING feedback_id")
 
 
-def is_postgres_url(target: object) -> bool:
-    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
-
-
 def redact(url: str) -> str:
     """``url`` as it may be shown or logged: user, host, port and database only (never a password,
     nor any other parameter)."""

@@ -75,8 +75,9 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         key = f"{who.tenant}:route:{idempotency}"
         first = await claim(shared, key, svc.settings.idempotency_ttl_s)
         if first is not None:
-            state["decision_id"] = first[16:50].decode("ascii", "replace")  # '{"decision_id":"d_...'
-            return replayed(first, digest)
+            payload = replayed(first, digest)  # (a different body: the 422 names no decision)
+            state["decision_id"] = payload[16:50].decode("ascii", "replace")  # '{"decision_id":"d_<32 hex>"'
+            return payload
     reserved = False
     try:
         r = engine.rank(body, who, decision_id, time.time(), request_json, key)
