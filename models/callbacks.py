@@ -94,7 +94,8 @@ class Selection:
         from models.evaluate import run_policy
         from models.policy import LearnedPolicy
 
-        runs = [run_policy(env, LearnedPolicy(weights), self.seed) for _, env in self.envs]
+        # (only the reward is compared: no per-step greedy comparison, run_policy's default for a learned policy)
+        runs = [run_policy(env, LearnedPolicy(weights), self.seed, compare_greedy=False) for _, env in self.envs]
         return min(float(r.metrics["mean_reward"]) - g for r, g in zip(runs, self.greedy)), runs
 
 

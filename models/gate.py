@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from models.scenarios import Scenario
+from models.scenarios import Scenario, eval_env_config
 from xroute.config import EvaluateConfig
 
 
@@ -67,8 +67,7 @@ def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: 
 
     out = []
     for s in scenarios:
-        cfg = eval_cfg.model_copy(update={"env": eval_cfg.env.model_copy(
-            update={"rate_scale": s.rate, "episode_requests": None})})
+        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate)})
         res = ev.evaluate(s.bundle, [*baselines, *routers.values()], cfg, show_progress=False, seeds=seeds,
                           history=s.history)
         names = {d: n for n, d in routers.items()}
@@ -76,9 +75,8 @@ def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: 
             if r.name in names:
                 r.name = names[r.name]
                 r.is_baseline = False
-        best = ev.best_baseline(res)
+        best = ev.best_baseline(res)  # (ev.evaluate compared every result to it already)
         assert best is not None
-        ev.compare_to_best(res)
         sr = ScenarioResult(s.label, res, best.name)
         for r in res:
             sr.deltas[r.name] = np.array([a.metrics["mean_reward"] - b.metrics["mean_reward"]

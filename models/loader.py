@@ -48,7 +48,8 @@ def tracking_uri(run_dir: str | Path | None = None, configured: str | None = Non
     return f"sqlite:///{d.resolve() / 'mlflow.db'}"
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """An exception's first line (its type when it has no text): what one-line errors quote."""
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
@@ -73,7 +74,7 @@ def model_version(uri: str) -> dict[str, str] | None:
                 return None
             MlflowClient().get_model_version(name, version)
     except MlflowException as e:
-        raise ConfigError(f"--policy: cannot resolve '{uri}' in {mlflow.get_tracking_uri()}: {_first_line(e)}") from None
+        raise ConfigError(f"--policy: cannot resolve '{uri}' in {mlflow.get_tracking_uri()}: {first_line(e)}") from None
     return {"registered_model": name, "version": version, "uri": uri}
 
 
@@ -88,7 +89,7 @@ def download_model(uri: str, dst: str | Path | None = None) -> Path:
     try:
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
     except MlflowException as e:
-        raise ConfigError(f"--policy: cannot load '{uri}' from {mlflow.get_tracking_uri()}: {_first_line(e)}") from None
+        raise ConfigError(f"--policy: cannot load '{uri}' from {mlflow.get_tracking_uri()}: {first_line(e)}") from None
     except OSError as e:
         raise XrouteError(f"--policy: cannot download '{uri}': {e}") from None
 

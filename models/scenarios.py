@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 
 from models.config import SplitConfig, TrainConfig
-from xroute.bundle import Bundle, load_bundle
+from xroute.bundle import Bundle, bundle_root, load_bundle
 from xroute.config import EnvConfig, EvaluateConfig
 from xroute.errors import BundleError, ConfigError
-from xroute.resources import bundles_dir, shipped_bundles
+from xroute.resources import shipped_bundles
 
 SPLITS = ("train", "validation", "test")
 
@@ -90,9 +90,7 @@ def resolve_bundle(ref: str | Path | None, source: str) -> Bundle:
     missing one is a ConfigError naming ``source``."""
     if ref is None:
         return load_bundle(None)
-    p = Path(ref).expanduser()
-    if not p.exists() and "/" not in str(ref) and str(ref) in shipped_bundles():
-        p = bundles_dir() / str(ref)
+    p = bundle_root(ref)
     if not p.exists():
         raise ConfigError(f"{source}: bundle '{ref}' not found (a directory, or one of the shipped bundles: "
                           f"{', '.join(shipped_bundles())})")

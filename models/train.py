@@ -92,7 +92,8 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     echo("baselines on the selection window ...")
     sel = sc.selection[0]
     sel_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, sel.rate)})
-    baseline_runs = ev.evaluate(sel.bundle, [b for b in BASELINES if b != "oracle"], sel_cfg, show_progress=False,
+    baselines = [b for b in BASELINES if b != "oracle"]  # (the hindsight oracle is no baseline to beat)
+    baseline_runs = ev.evaluate(sel.bundle, baselines, sel_cfg, show_progress=False,
                                 seeds=cfg.data.gate_seeds, history=sel.history)
     bb = tracking.best_baseline(baseline_runs)
     echo(f"best baseline on the selection window: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
@@ -122,7 +123,7 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
         # the gate: test windows no selection saw, paired by seed
         routers = {CHALLENGER: best["router_dir"], WARM_ONLY: best["warm_dir"]}
         gate_runs = gate.evaluate_gate(sc.gate, routers, eval_cfg, cfg.data.gate_seeds,
-                                       [b for b in BASELINES if b != "oracle"], echo)
+                                       baselines, echo)
         decision = gate.decide(gate_runs, CHALLENGER)
         ablation = gate.decide(gate_runs, WARM_ONLY)
         echo(f"gate: {'PASSED' if decision.passed else 'refused'}: {decision.reason}")

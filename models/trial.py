@@ -110,6 +110,9 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         # the trust region around greedy's choice: the margin that scores best on the selection windows
         margins = {}
         for m in cfg.net.margins:
+            if float(m) == 0.0:  # what the checkpoint was selected with: its score is known
+                margins[0.0] = float(best.criterion)
+                continue
             best.weights.margin = float(m)
             margins[float(m)] = float(selection.score(best.weights)[0])
         margin = max(margins, key=lambda m: (margins[m], -m))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import TrainConfig
+from models.loader import first_line
 from models.trial import TrialContext, run_trial, trial_name
 from xroute.errors import ConfigError, XrouteError
 
@@ -67,8 +68,8 @@ def ray_session(cfg: TrainConfig, ray_address: str | None, use_ray: bool) -> Ite
                 ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.ERROR,
                          log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise XrouteError(f"--ray-address: cannot start or reach Ray at '{ray_address or 'local'}': {first}") from None
+            raise XrouteError(f"--ray-address: cannot start or reach Ray at '{ray_address or 'local'}': "
+                              f"{first_line(e)}") from None
         started = True
     try:
         yield
@@ -121,6 +122,7 @@ def tune_trials(cfg: TrainConfig, ctx: TrialContext, points: list[dict[str, Any]
             info = json.loads((Path(d) / "trial.json").read_text())
         # the checkpoint (not the worker's scratch directory) is where the export lives for good
         info["router_dir"] = r.checkpoint.to_directory(str(storage / name / "exports" / info["trial"]))
+        info["warm_dir"] = str(Path(info["router_dir"]) / "warm_start_only")  # (saved inside it: trial.py)
         trials.append(info)
     if not trials:
         first = str(errors[0]).strip().splitlines()[-1] if errors else "no trial reported a result"

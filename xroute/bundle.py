@@ -299,6 +299,18 @@ def read_table(root: str | Path, name: str) -> pd.DataFrame | None:
     return None if f is None else validate_table(_read_table(f, table), table, f.name)
 
 
+def bundle_root(ref: str | Path | None) -> Path:
+    """The directory a bundle reference names: ``None`` the default shipped bundle; a path as the
+    user gave it (relative to the working directory); a bare name that is no directory there, the
+    shipped bundle of that name."""
+    if ref is None:
+        return DEFAULT_BUNDLE
+    root = Path(ref).expanduser()
+    if not root.exists() and len(root.parts) == 1 and (bundles_dir() / root.name).is_dir():
+        return bundles_dir() / root.name
+    return root
+
+
 def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None = None) -> Bundle:
     """Read and validate the bundle at ``path`` (default: the shipped bundle) -- a directory,
     resolved against the working directory, or the name of a shipped bundle (``default``,
@@ -309,9 +321,7 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
 
     Raises :class:`BundleError` with file, row and column on the first problem found.
     """
-    root = Path(path).expanduser() if path is not None else DEFAULT_BUNDLE
-    if not root.exists() and len(root.parts) == 1 and (bundles_dir() / root.name).is_dir():
-        root = bundles_dir() / root.name
+    root = bundle_root(path)
     if not root.is_dir():
         raise BundleError(str(root), "is not a directory holding a telemetry bundle (nor the name of a shipped one: "
                           f"{', '.join(shipped_bundles())})")
