@@ -225,7 +225,7 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
     out: dict[str, Any] = {}
     policies: list[tuple[str, Any]] = [("greedy", None)]
     if model is not None:
-        from models.policy import load_policy
+        from models.loader import load_policy
 
         policies.append(("learned", load_policy(str(model))))
     who = Principal("bench", "tenant", "k")
@@ -492,17 +492,22 @@ def _ms(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def proc_stat(pid: int) -> tuple[str, float]:
+    """Process ``pid``'s name and the CPU seconds (user + system) it used so far, from /proc."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    fields = raw.rpartition(")")[2].split()
+    return raw[raw.index("(") + 1: raw.rindex(")")], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct child processes of ``pid`` (every thread's), from /proc."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
 def _cpu_s(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) used so far by process ``pid`` and by its child processes
     (the decision-log writer), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def one(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-
-    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    return one(pid), sum(one(c) for c in children)
+    return proc_stat(pid)[1], sum(proc_stat(c)[1] for c in child_pids(pid))
 
 
 def run_wrk(url: str, script: Path, seconds: float, connections: int = 10, pid: int | None = None) -> dict[str, Any]:

@@ -56,13 +56,13 @@ ROWS = [("embedded_1w_greedy", "embedded", 1, "greedy"), ("embedded_1w_learned",
 
 
 def _tree(pid: int) -> list[int]:
+    """``pid`` and every descendant process."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
         try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
+            todo += br.child_pids(p)
         except OSError:
             pass
     return out
@@ -70,14 +70,12 @@ def _tree(pid: int) -> list[int]:
 
 def _tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and every descendant (workers, log writers)."""
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for p in _tree(pid):
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+            total += br.proc_stat(p)[1]
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick
     return total
 
 
@@ -96,7 +94,6 @@ def _measure(server: br._Server, seconds: float, connections: int, redis_pid: in
 
 def _others_cpu(seconds: float = 2.0) -> list[dict[str, Any]]:
     """What else used the CPUs over ``seconds`` (the top processes not under this one)."""
-    tick = os.sysconf("SC_CLK_TCK")
     mine = set(_tree(os.getpid()))
 
     def snap() -> dict[int, tuple[str, float]]:
@@ -104,10 +101,7 @@ def _others_cpu(seconds: float = 2.0) -> list[dict[str, Any]]:
         for d in Path("/proc").iterdir():
             if d.name.isdigit() and int(d.name) not in mine:
                 try:
-                    raw = (d / "stat").read_text()
-                    name = raw[raw.index("(") + 1: raw.rindex(")")]
-                    f = raw.rpartition(")")[2].split()
-                    out[int(d.name)] = (name, (int(f[11]) + int(f[12])) / tick)
+                    out[int(d.name)] = br.proc_stat(int(d.name))
                 except (OSError, ValueError):
                     pass
         return out

@@ -436,11 +436,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     self.seen_down_at[a] = now
                     self._refresh_at = -np.inf
             elif kind == _LIVE_END:  # a live request's expected end, unless feedback completed it before
-                live = self._live.pop(d[0], None)
-                if live is not None:
-                    m, a, j, exp_end, shift0 = live
-                    kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j,
-                                          now, exp_end, shift0)
+                self.complete_live(d[0], now)
             else:  # _ADMIT
                 m, a, service, true_end, key, tokens, pos = d
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
@@ -862,7 +858,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         (prices, availability, the passive health check) is recomputed at the next request."""
         for arr in (self.est_free, self.est_min, self.free_at, self.tmin):
             arr += dt  # +-inf (padding, never used) stay what they are
-        self._events = [(t + dt, seq, kind, d) for t, seq, kind, d in self._events]
+        # (a completion's own expected end moves too: view_complete reads its error against it)
+        self._events = [(t + dt, seq, kind, (*d[:3], d[3] + dt, *d[4:]) if kind == _COMPLETE else d)
+                        for t, seq, kind, d in self._events]
         heapq.heapify(self._events)
         self._tevents = [(t + dt, m, a, j) for t, m, a, j in self._tevents]
         heapq.heapify(self._tevents)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -12,6 +12,9 @@ from cloud_adapters.cli import telemetry_app
 from models.cli import promote, train
 from router.cli import export_feedback, export_ope, serve
 from xroute.errors import ConfigError, XrouteError
+
+if TYPE_CHECKING:
+    from xroute.config import EvaluateConfig
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="xroute: reinforcement-learning cross-cloud router.")
@@ -64,7 +67,6 @@ def evaluate(
 
     from models import evaluate as ev
     from xroute.bundle import load_bundle
-    from xroute.config import EvaluateConfig, config_path, load_config
 
     if rate_scale <= 0:
         raise ConfigError(f"--rate-scale: must be > 0, got {rate_scale}")
@@ -72,8 +74,7 @@ def evaluate(
         raise ConfigError(f"--seeds: must be at least 1, got {seeds}")
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
-    cfg_file = config if config is not None else config_path("evaluate.yaml")
-    cfg = load_config(EvaluateConfig, cfg_file if Path(cfg_file).exists() or config is not None else None)
+    cfg = _evaluate_config(config)
     upd: dict[str, object] = {"env": cfg.env.model_copy(update={"rate_scale": rate_scale, "episode_requests": None})}
     if seed is not None:
         upd["seed"] = seed
@@ -115,7 +116,8 @@ def evaluate(
 ope_app = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
 
 
-def _evaluate_config(config: Path | None) -> object:
+def _evaluate_config(config: Path | None) -> EvaluateConfig:
+    """``--config``, else the evaluate config of the working directory's configs/ or the shipped one."""
     from xroute.config import EvaluateConfig, config_path, load_config
 
     cfg_file = config if config is not None else config_path("evaluate.yaml")
@@ -152,7 +154,7 @@ def ope(
     from models.evaluate import write_json
     from xroute.schema.ope import read_log
 
-    cfg: Any = _evaluate_config(config)
+    cfg = _evaluate_config(config)
     lg = read_log(log)
     o.check_layout(lg)
     if lg.n == 0:
@@ -195,7 +197,7 @@ def ope_simulate(
         raise ConfigError(f"--rate-scale: must be > 0, got {rate_scale}")
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
-    cfg: Any = _evaluate_config(config)
+    cfg = _evaluate_config(config)
     env_cfg = cfg.env.model_copy(update={"rate_scale": rate_scale, "episode_requests": None})
     bundle = load_bundle(telemetry)
     if sample is not None:
