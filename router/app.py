@@ -29,6 +29,9 @@ from router import errors
 from router.backends import StateSettings, decision_events, open_state
 from router.deps import Services
 from router.engine import RoutingEngine
+from router.gateway import routes as gateway_routes
+from router.gateway.openai_api import ChatBody, CompletionBody
+from router.gateway.service import Gateway
 from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
@@ -356,9 +359,11 @@ def _document_security(app: FastAPI) -> None:
             from fastapi.openapi.utils import get_openapi
 
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
-                                 routes=[*route.router.routes, *app.routes])
-            # the bodies routes read themselves (``POST /v1/route``'s, documented by its openapi_extra)
-            _, defs = models_json_schema([(RouteRequest, "validation")], ref_template="#/components/schemas/{model}")
+                                 routes=[*route.router.routes, *gateway_routes.docs.routes, *app.routes])
+            # the bodies routes read themselves (``POST /v1/route``'s and the gateway's, documented by their
+            # openapi_extra)
+            _, defs = models_json_schema([(RouteRequest, "validation"), (ChatBody, "validation"),
+                                          (CompletionBody, "validation")], ref_template="#/components/schemas/{model}")
             for name, definition in defs.get("$defs", {}).items():
                 schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
             schema.setdefault("components", {})["securitySchemes"] = {
@@ -430,7 +435,9 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             except StateUnavailable:
                 pass  # (the shared view's loop tries again)
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
-        app.services = Services(settings, engine, store, keys, metrics, models, state, scraper)
+        services = Services(settings, engine, store, keys, metrics, models, state, scraper)
+        gateway = services.gateway = Gateway(services)
+        app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
@@ -452,6 +459,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await gateway.close()  # its outcomes still being recorded, before the log closes
             await store.close()
             await state.close()
             sys.setswitchinterval(switch)
@@ -466,6 +474,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     # POST /v1/route: a Starlette Route of this app (below FastAPI's middleware and exception handlers
     # like every route, ~60 us a request cheaper than an APIRoute); documented from its APIRoute
     app.router.routes.append(route.SERVED)
+    app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router):
         app.include_router(r)
@@ -473,5 +482,6 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     _document_security(app)
     inner = functools.partial(FastAPI.__call__, app)
     app.front = RequestContext(inner, max_body_bytes=settings.max_body_bytes, metrics=metrics,
-                               access_log=settings.access_log)
+                               access_log=settings.access_log,
+                               path_limits=dict.fromkeys(gateway_routes.PATHS, settings.gateway.max_body_bytes))
     return app

@@ -37,6 +37,7 @@ def serve(
 
     from router.app import create_app
     from router.engine import RoutingEngine
+    from router.gateway.service import check_settings
     from router.settings import load_settings
     from router.store import is_postgres_url
     from xroute.errors import ConfigError
@@ -54,6 +55,7 @@ def serve(
                           "state_url (XROUTE_ROUTER_STATE_BACKEND=redis XROUTE_ROUTER_STATE_URL=redis://host:port/0), "
                           "or serve one worker")
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
+    check_settings(settings, engine)  # so do the gateway's upstreams, their keys and tokenizers
     if settings.db_url is not None:  # so does a PostgreSQL log that cannot be reached
         from router.store_pg import check_reachable
 

@@ -36,6 +36,8 @@ class Services:
     state: RouterState
     #: the pools' inference servers' own metrics (router.scrape.InferenceScraper), when configured
     scraper: object | None = None
+    #: the OpenAI-compatible gateway (router.gateway.service.Gateway), set once built
+    gateway: object | None = None
 
 
 @dataclass(slots=True)

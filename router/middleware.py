@@ -34,9 +34,12 @@ def traceparent_of(value: bytes) -> bytes | None:
 
 
 class RequestContext:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics | None = None, access_log: bool = True):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics | None = None, access_log: bool = True,
+                 path_limits: dict[str, int] | None = None):
         self.app = app
         self.max_body = max_body_bytes
+        #: paths with a body limit of their own (the gateway's chat and completion bodies)
+        self.path_limits = path_limits or {}
         self.metrics = metrics
         self.access_log = access_log
 
@@ -67,11 +70,13 @@ class RequestContext:
                 message["headers"] = [*message.get("headers", ()), *extra]
             await send(message)
 
+        limit = self.path_limits.get(scope["path"], self.max_body) if self.path_limits else self.max_body
         try:
-            if length is not None and (not length.isdigit() or int(length) > self.max_body):
-                await _too_large(send_with_headers, self.max_body, rid_s)
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                await _too_large(send_with_headers, limit, rid_s)
             else:
-                await self.app(scope, receive if length is not None else self._limited(receive), send_with_headers)
+                await self.app(scope, receive if length is not None else self._limited(receive, limit),
+                               send_with_headers)
         finally:
             dt = time.perf_counter() - t0
             route: Any = scope.get("route")
@@ -84,9 +89,8 @@ class RequestContext:
                        state.get("decision_id"), trace[3:35].decode() if trace is not None else None)
             request_id_var.reset(token)
 
-    def _limited(self, receive: Receive) -> Receive:
+    def _limited(self, receive: Receive, limit: int) -> Receive:
         seen = 0
-        limit = self.max_body
 
         async def wrapped() -> Message:
             nonlocal seen

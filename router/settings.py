@@ -39,6 +39,24 @@ _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 EXPLORE_MAX = 0.2
 
 
+class TenantGateway(BaseModel):
+    """A tenant's defaults for the OpenAI-compatible gateway (``router.gateway``, ``docs/gateway.md``):
+    its SLOs and origin when a request's headers give none, and whether its prompts and completions
+    are kept."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float | None = Field(None, ge=1, le=3_600_000, description="SLO: time to first token, ms (default: "
+                                  "gateway.ttft_ms)")
+    tpot_ms: float | None = Field(None, gt=0, le=60_000, description="SLO: time per output token, ms (default: "
+                                  "gateway.tpot_ms)")
+    deadline_ms: float | None = Field(None, ge=1, le=86_400_000, description="SLO: end-to-end deadline, ms")
+    origin: str | None = Field(None, min_length=1, max_length=128, description="where this tenant's requests come "
+                               "from, a location id (default: gateway.origin)")
+    store_prompts: bool = Field(False, description="keep this tenant's prompts and completions in the transcript "
+                                "store (gateway.transcripts_path); off by default, and never in any log")
+
+
 class TenantConfig(BaseModel):
     """Per-tenant settings; ``constraints`` apply to every request of the tenant."""
 
@@ -50,6 +68,7 @@ class TenantConfig(BaseModel):
         description="exploration for off-policy evaluation (docs/ope.md): with this probability a request goes to an "
                     "offering drawn uniformly from the ones it may go to, instead of the policy's choice; 0 = never "
                     f"(the default), at most {EXPLORE_MAX}")
+    gateway: TenantGateway = Field(default_factory=TenantGateway, description="the tenant's gateway defaults")
 
 
 class InferenceServer(BaseModel):
@@ -68,6 +87,81 @@ class InferenceServer(BaseModel):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"'{url}' is not an http:// or https:// URL")
         return v
+
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+
+
+class Upstream(BaseModel):
+    """The inference servers of one pool (an offering, for one model) that the gateway forwards to:
+    their OpenAI-compatible base URLs and where their API key comes from -- an environment variable
+    or a file (a mounted secret), never the config itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offering_id: str = Field(min_length=1, description="the offering the servers run on (GET /v1/offerings)")
+    model: str | None = Field(None, description="the model they serve, as configs/models.yaml names it (default: "
+                                                "the default model)")
+    base_urls: list[str] = Field(min_length=1, description="each server's OpenAI-compatible base URL, e.g. "
+                                                           "http://10.0.0.5:8000/v1")
+    served_model: str | None = Field(None, min_length=1, description="the model's name on those servers (vLLM's "
+                                     "--served-model-name; default: the model's id)")
+    api_key_env: str | None = Field(None, pattern=_ENV_NAME, description="the environment variable holding the "
+                                    "servers' API key (sent as Authorization: Bearer)")
+    api_key_file: Path | None = Field(None, description="... or a file holding it (e.g. a mounted secret)")
+
+    @field_validator("base_urls")
+    @classmethod
+    def _http(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"'{url}' is not an http:// or https:// URL")
+        return [url.rstrip("/") for url in v]
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> Upstream:
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("give api_key_env or api_key_file, not both")
+        return self
+
+
+class GatewaySettings(BaseModel):
+    """The OpenAI-compatible gateway (``router.gateway``; ``docs/gateway.md``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    origin: str | None = Field(None, min_length=1, max_length=128, description="where requests come from (the "
+                               "location this gateway runs in) unless the tenant or an X-Xroute-Origin header says")
+    ttft_ms: float = Field(2000.0, ge=1, le=3_600_000, description="SLO: time to first token (ms) of a request whose "
+                           "headers and tenant give none; also its budget for retries")
+    tpot_ms: float = Field(100.0, gt=0, le=60_000, description="SLO: time per output token (ms), likewise")
+    deadline_ms: float | None = Field(None, ge=1, le=86_400_000, description="SLO: end-to-end deadline (ms), likewise")
+    default_max_tokens: int = Field(512, ge=1, le=1_000_000, description="the output budget the routing decision "
+                                    "assumes for a request without max_tokens / max_completion_tokens (the request is "
+                                    "forwarded without one)")
+    connect_timeout_s: float = Field(2.0, gt=0, le=600, description="connecting to an inference server (and "
+                                     "waiting for a pooled connection)")
+    first_token_timeout_s: float = Field(30.0, gt=0, le=3600, description="a stream whose first token has not "
+                                         "come this long after it was sent fails (and is retried within the TTFT "
+                                         "budget)")
+    idle_timeout_s: float = Field(30.0, gt=0, le=3600, description="a stream silent this long between two tokens "
+                                  "ends with an error event")
+    response_timeout_s: float = Field(600.0, gt=0, le=86_400, description="a request that is not streamed: its "
+                                      "whole answer")
+    max_attempts: int = Field(3, ge=1, le=10, description="offerings tried per request (each at most once; a retry "
+                              "only before the first token and within the TTFT budget)")
+    max_connections: int = Field(1000, ge=1, le=100_000, description="open connections to the inference servers, "
+                                 "all together")
+    max_keepalive: int = Field(256, ge=0, le=100_000, description="idle connections kept open for reuse")
+    upstream_down_s: float = Field(5.0, ge=0, le=3600, description="a server that refused a connection is skipped "
+                                   "this long while its pool has others")
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, le=2**30, description="larger chat/completion bodies get 413 "
+                                "(the other routes keep max_body_bytes)")
+    tokenizers: dict[str, Path] = Field(default_factory=dict, description="model -> a local tokenizer.json (Hugging "
+                                        "Face tokenizers format; needs xroute[tokenizers]) to count prompt tokens; "
+                                        "other models: the estimate in docs/gateway.md")
+    transcripts_path: Path = Field(Path("runs/router/transcripts.db"), description="where the prompts and "
+                                   "completions of tenants with store_prompts are kept (SQLite)")
 
 
 class InferenceMetrics(BaseModel):
@@ -177,6 +271,13 @@ class RouterSettings(BaseSettings):
                                                                        "this long reports nothing")
     kv_cache_full: float = Field(0.95, gt=0, le=1, description="a pool whose servers' KV cache is this full has no "
                                                                "free slot, whatever the counts say")
+
+    # the OpenAI-compatible gateway (router/gateway/) ----------------------------------------------
+    upstreams: list[Upstream] = Field(
+        default_factory=list, description="the pools' inference servers the gateway forwards to (POST "
+                                          "/v1/chat/completions, /v1/completions)")
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings, description="the gateway's SLO defaults, "
+                                     "timeouts, retries and limits")
 
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")

@@ -145,11 +145,15 @@ CREATE TABLE IF NOT EXISTS catalogs (
 #: decisions' OPE columns (``router.ope_log``): the propensity of the offering served (NULL: unknown),
 #: the tenant's exploration probability, the action set with the features its policy saw; the
 #: feedback's realized reward (``envs.kernels.realized_reward``; NULL: the feedback did not say
-#: enough) and whether the SLO was missed
+#: enough) and whether the SLO was missed; what the gateway measured itself (``router.gateway``):
+#: the time per output token, the prompt tokens the server counted and those it had cached, the
+#: gateway request the attempt belonged to (its X-Request-ID: every attempt of one request shares
+#: it) and the attempt's number
 ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
                                ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB")),
                  "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
-                              ("sla_violation", "INTEGER"))}
+                              ("sla_violation", "INTEGER"), ("tpot_ms", "REAL"), ("prompt_tokens", "INTEGER"),
+                              ("cached_tokens", "INTEGER"), ("request_id", "TEXT"), ("attempt", "INTEGER"))}
 
 DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "origin", "input_tokens",
                     "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "model", "session_id", "offering_id",
@@ -158,7 +162,12 @@ DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "orig
                     "pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features", "request_json",
                     "response_json")
 FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
-                    "error", "ttft_ms", "idempotency_key", "reward", "sla_violation")
+                    "error", "ttft_ms", "idempotency_key", "reward", "sla_violation", "tpot_ms", "prompt_tokens",
+                    "cached_tokens", "request_id", "attempt")
+#: what ``GET /v1/decisions/{id}`` shows of each feedback row (:func:`decision_record`)
+RECORD_FEEDBACK_SQL = ("SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms, "
+                       "tpot_ms, prompt_tokens, cached_tokens, request_id, attempt "
+                       "FROM feedback WHERE decision_id = {p} ORDER BY feedback_id")
 #: where a decision row holds its OPE record (compressed by the SQLite writer)
 _FEATURES = DECISION_COLUMNS.index("features")
 _INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}, response_zdict) "
@@ -264,7 +273,10 @@ class GroupCommitLog:
         return self._submit("decision", row)
 
     def record_feedback(self, row: tuple[Any, ...]) -> asyncio.Future[int]:
-        """As :meth:`record_decision`; the awaited result is the feedback row's id."""
+        """As :meth:`record_decision`; the awaited result is the feedback row's id. ``row`` follows
+        ``FEEDBACK_COLUMNS``; a shorter one (a client's report) gets NULL for the columns it lacks."""
+        if len(row) < len(FEEDBACK_COLUMNS):
+            row = (*row, *(None,) * (len(FEEDBACK_COLUMNS) - len(row)))
         return self._submit("feedback", row)
 
     def _flush(self) -> None:
@@ -407,11 +419,12 @@ def decision_ref(row: tuple[Any, ...] | None) -> DecisionRef | None:
 
 def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:
     """What ``get_decision`` returns, from the stored answer, the stored request and the feedback
-    rows ``(feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms)``."""
+    rows (``RECORD_FEEDBACK_SQL``'s columns)."""
     response["request"] = json.loads(request_json)
     response["feedback"] = [
         {"feedback_id": r[0], "received_at": iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
-         "output_tokens": r[4], "failed": bool(r[5]), "error": r[6], "ttft_ms": r[7]} for r in feedback]
+         "output_tokens": r[4], "failed": bool(r[5]), "error": r[6], "ttft_ms": r[7], "tpot_ms": r[8],
+         "prompt_tokens": r[9], "cached_tokens": r[10], "request_id": r[11], "attempt": r[12]} for r in feedback]
     return response
 
 
@@ -573,9 +586,7 @@ class DecisionStore(GroupCommitLog):
                 (decision_id, tenant)).fetchone()
         if row is None:
             return None
-        feedback = self._reader.execute(
-            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms "
-            "FROM feedback WHERE decision_id = ? ORDER BY feedback_id", (decision_id,)).fetchall()
+        feedback = self._reader.execute(RECORD_FEEDBACK_SQL.format(p="?"), (decision_id,)).fetchall()
         return decision_record(json.loads(self._unpack(row[0], row[2])), row[1], feedback)
 
     async def owner(self, decision_id: str) -> str | None:

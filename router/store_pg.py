@@ -46,6 +46,7 @@ from router.store import (
     KEYED_DECISIONS_SQL,
     KEYED_FEEDBACK_SQL,
     LOOKUP_SQL,
+    RECORD_FEEDBACK_SQL,
     REGISTER_CATALOG_SQL,
     DecisionRef,
     GroupCommitLog,
@@ -266,9 +267,7 @@ class PostgresLog(GroupCommitLog):
                                     "AND tenant = %s", (decision_id, tenant))
         if not rows:
             return None
-        feedback = await self._read(
-            "SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms "
-            "FROM feedback WHERE decision_id = %s ORDER BY feedback_id", (decision_id,))
+        feedback = await self._read(RECORD_FEEDBACK_SQL.format(p="%s"), (decision_id,))
         return decision_record(json.loads(rows[0][0]), rows[0][1], feedback)
 
     async def owner(self, decision_id: str) -> str | None:

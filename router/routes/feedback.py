@@ -53,9 +53,7 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
             raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
         now = time.time()
         reward, missed = svc.engine.feedback_reward(ref, body)
-        fid = await svc.store.record_feedback((body.decision_id, who.tenant, now, body.latency_ms, body.cost_usd,
-                                               body.output_tokens, int(body.failed), body.error, body.ttft_ms, key,
-                                               reward, None if missed is None else int(missed)))
+        fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed))
     except BaseException:
         if key is not None:
             await abandon(svc.state, key)
@@ -66,6 +64,16 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
         assert digest is not None
         await remember(svc.state, key, digest + answer, svc.settings.idempotency_ttl_s)
     return Response(answer, status_code=201, media_type="application/json")
+
+
+def feedback_row(body: FeedbackRequest, tenant: str, received_at: float, key: str | None, reward: float | None,
+                 missed: bool | None, measured: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    """The decision log's feedback row (``router.store.FEEDBACK_COLUMNS``) of an outcome: what a
+    report says, its idempotency key, its realized reward and SLO verdict, then ``measured``, what
+    the gateway measured itself (tpot_ms, prompt_tokens, cached_tokens, request_id, attempt; absent
+    for a client's report)."""
+    return (body.decision_id, tenant, received_at, body.latency_ms, body.cost_usd, body.output_tokens, int(body.failed),
+            body.error, body.ttft_ms, key, reward, None if missed is None else int(missed), *measured)
 
 
 def feedback_answer(feedback_id: int, decision_id: str, received_at: float) -> bytes:

@@ -1,0 +1,417 @@
+"""One attempt's exchange with an inference server: the request sent, the answer read and relayed,
+and what was measured -- the outcome the closed loop learns.
+
+Streams are relayed as they arrive: each chunk read from the server is cut into its SSE events,
+and the events go on to the client in one write. Until the first token, each event is parsed (to
+see the first token: generated text, reasoning or a tool call); after it only the events that may
+carry ``usage`` or an ``error`` are (a byte search first), so relaying costs a few microseconds
+per chunk. ``stream_options.include_usage`` is always asked of the server (the usage is how the
+gateway learns the output and cached tokens); the usage-only last chunk goes to the client only
+when it asked for it. The model name the server answers under (``served_model``) is put back to
+the one the client asked for.
+
+Measured, per attempt, from the attempt's start (its decision): the time to the first token, the
+end-to-end latency, the time per output token after the first ((latency - TTFT) / (output - 1)),
+and from the server's ``usage`` the prompt, output (``completion_tokens``) and cached
+(``prompt_tokens_details.cached_tokens``) tokens. A stream without usage counts one token per
+chunk that carries output (what vLLM sends without speculative decoding). A request that is not
+streamed has no TTFT (the server answers all at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.gateway.openai_api import chunk_texts, has_token, sse_error
+from router.gateway.upstream import Endpoint, Guard, Upstreams
+
+#: server answers that another offering may do better with, before the first token
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: the most of an error answer kept (it goes back to the client, never to a log)
+ERROR_BODY_MAX = 65_536
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one attempt came to."""
+
+    #: None: it succeeded; else a short code (``upstream_503``, ``connect_error``,
+    #: ``first_token_timeout``, ``idle_timeout``, ``upstream_disconnected``, ``upstream_error_event``,
+    #: ``client_disconnected``, ``upstream_400``, ...) -- never the server's message
+    error: str | None = None
+    #: the server's HTTP status (None: no answer)
+    status: int | None = None
+    #: another offering may be tried (nothing was sent to the client yet)
+    retryable: bool = False
+    #: the failure is the client's (it went away, or the server refused its request as invalid):
+    #: the pool's statistics do not count it
+    client_fault: bool = False
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    output_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    #: a status / body / headers to answer the client with when the attempts end here
+    answer_status: int | None = None
+    answer_body: bytes | None = None
+    retry_after: str | None = None
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.ttft_s is None or self.latency_s is None or not self.output_tokens or self.output_tokens < 2:
+            return None
+        return max(0.0, (self.latency_s - self.ttft_s) * 1000.0 / (self.output_tokens - 1))
+
+
+def _usage(outcome: Outcome, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    for name, attr in (("completion_tokens", "output_tokens"), ("prompt_tokens", "prompt_tokens")):
+        v = usage.get(name)
+        if isinstance(v, int) and v >= 0:
+            setattr(outcome, attr, v)
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        outcome.cached_tokens = details["cached_tokens"]
+
+
+def _http_failure(outcome: Outcome, e: BaseException) -> None:
+    """An exception of the HTTP client as the outcome's code."""
+    if isinstance(e, httpx.ConnectTimeout | httpx.ConnectError):
+        outcome.error = "connect_error"
+    elif isinstance(e, httpx.PoolTimeout):
+        outcome.error = "pool_timeout"
+    elif isinstance(e, httpx.ReadError | httpx.RemoteProtocolError | httpx.ReadTimeout):
+        outcome.error = "upstream_disconnected"
+    else:
+        outcome.error = "upstream_error"
+
+
+class Exchange:
+    """One attempt against one server (:class:`Endpoint`). ``body`` is what the server is sent;
+    ``client_model`` the name the client used; ``want_usage`` whether the client asked for the
+    usage chunk; ``keep_text`` whether the completion's text is kept (a tenant that stores its
+    transcripts). ``on_end`` is called once, when a relayed stream has ended (completed, broken
+    off, or the client went away)."""
+
+    def __init__(self, upstreams: Upstreams, ep: Endpoint, kind: str, body: bytes, client_model: str,
+                 want_usage: bool, guard: Guard, started: float, keep_text: bool = False):
+        self.upstreams, self.ep, self.kind, self.body = upstreams, ep, kind, body
+        self.guard, self.started = guard, started
+        self.want_usage, self.keep_text = want_usage, keep_text
+        self.outcome = Outcome()
+        self.response: httpx.Response | None = None
+        self._it: AsyncIterator[bytes] | None = None
+        self._rest = b""
+        self._out: list[bytes] = []
+        self._held = False
+        self.token_events = 0
+        self.first = False  # the first token came
+        self.done = False  # the server's [DONE] came
+        self.ended = False  # nothing more goes to the client ([DONE], an error event)
+        self.texts: dict[int, list[str]] = {}
+        self.answer: bytes | None = None  # a request that was not streamed: the answer sent
+        self.on_end: Callable[[], None] | None = None
+        self._rename: tuple[bytes, bytes] | None = None
+        if ep.served_model != client_model:
+            self._rename = (b'"model":' + json.dumps(ep.served_model).encode(),
+                            b'"model":' + json.dumps(client_model).encode())
+
+    # ---------------------------------------------------------------------------------- the request
+    def _request(self) -> httpx.Request:
+        return self.upstreams.client.build_request("POST", self.ep.url(self.kind), content=self.body,
+                                                   headers=self.ep.headers)
+
+    def _elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def _hold(self) -> None:
+        self._held = True
+        self.ep.in_flight += 1
+
+    def _let_go(self) -> None:
+        if self._held:
+            self._held = False
+            self.ep.in_flight -= 1
+
+    async def _refused(self, response: httpx.Response) -> None:
+        """A server answer that is no success: the outcome says what the client would get."""
+        o = self.outcome
+        o.status = response.status_code
+        o.error = f"upstream_{response.status_code}"
+        o.retryable = response.status_code in RETRYABLE_STATUS
+        o.client_fault = not o.retryable and 400 <= response.status_code < 500
+        o.retry_after = response.headers.get("retry-after")
+        if response.is_stream_consumed:  # (not streamed: read already)
+            body = response.content
+        else:
+            body = b""
+            async for piece in response.aiter_raw():
+                body += piece
+                if len(body) >= ERROR_BODY_MAX:
+                    break
+        o.answer_status, o.answer_body = response.status_code, body[:ERROR_BODY_MAX]
+
+    async def _failed(self, e: BaseException | None = None) -> bool:
+        """End a failed attempt: its time, the server's connection closed, the server let go."""
+        o = self.outcome
+        if e is not None:
+            _http_failure(o, e)
+            o.retryable = True
+            if o.error == "connect_error":
+                self.upstreams.mark_down(self.ep)
+        if o.latency_s is None:
+            o.latency_s = self._elapsed()
+        self.guard.stop()
+        await self._close()
+        self._let_go()
+        return False
+
+    # ---------------------------------------------------------------------------------- not streamed
+    async def complete(self, timeout_s: float) -> bool:
+        """Send the request and read the whole answer (within ``timeout_s``); True when it succeeded
+        (``answer`` holds it), else the outcome says why."""
+        o = self.outcome
+        self._hold()
+        self.guard.arm(timeout_s, "response")
+        try:
+            response = await self.upstreams.client.send(self._request())
+            self.guard.stop()
+            o.latency_s = self._elapsed()
+            if response.status_code != 200:
+                await self._refused(response)
+                return await self._failed()
+            body = response.content
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                _usage(o, answer.get("usage"))
+                if self.keep_text:
+                    for c in answer.get("choices") or ():
+                        if isinstance(c, dict):
+                            msg = c.get("message")
+                            text = msg.get("content") if isinstance(msg, dict) else c.get("text")
+                            i = c.get("index", 0)
+                            if isinstance(text, str):
+                                self.texts.setdefault(i if isinstance(i, int) else 0, []).append(text)
+            self.answer = body if self._rename is None else body.replace(*self._rename, 1)
+            self.ended = self.done = True
+            self._let_go()
+            return True
+        except asyncio.CancelledError:
+            reason = self.guard.take()
+            if reason is None:
+                self._let_go()
+                raise
+            o.error = reason
+            o.client_fault = reason == "client_disconnected"
+            o.retryable = False  # the whole answer's time ran out, or the client left
+            return await self._failed()
+        except httpx.HTTPError as e:
+            return await self._failed(e)
+        finally:
+            self.guard.stop()
+
+    # ---------------------------------------------------------------------------------- streamed
+    async def open_stream(self, first_token_s: float) -> bool:
+        """Send the request and read until the first token (within ``first_token_s``) or the end of
+        a stream that has none; True when that happened (what was read waits for :meth:`relay`),
+        else the outcome says why (nothing has gone to the client: it may be retried)."""
+        o = self.outcome
+        self._hold()
+        self.guard.arm(first_token_s, "first_token")
+        try:
+            self.response = response = await self.upstreams.client.send(self._request(), stream=True)
+            if response.status_code != 200:
+                await self._refused(response)
+                return await self._failed()
+            it = self._it = response.aiter_raw()
+            while not self.first and not self.ended:
+                try:
+                    chunk = await it.__anext__()
+                except StopAsyncIteration:
+                    self._it = None
+                    break
+                self._feed(chunk)
+            self.guard.stop()
+            if not self.first:
+                if o.error == "upstream_error_event":  # the server failed before any token: retry elsewhere
+                    o.retryable = True
+                    return await self._failed()
+                if not self.done:  # the stream ended before any token and without [DONE]: the server went away
+                    o.error, o.retryable = "upstream_disconnected", True
+                    return await self._failed()
+            return True
+        except asyncio.CancelledError:
+            reason = self.guard.take()
+            if reason is None:
+                self._close_soon()
+                self._let_go()
+                raise
+            o.error = reason
+            o.client_fault = reason == "client_disconnected"
+            o.retryable = not o.client_fault
+            return await self._failed()
+        except httpx.HTTPError as e:
+            return await self._failed(e)
+        finally:
+            self.guard.stop()
+
+    async def relay(self, idle_s: float) -> AsyncIterator[bytes]:
+        """The stream for the client: what :meth:`open_stream` read, then the rest as it comes. A
+        server that falls silent for ``idle_s``, goes away, or ends without ``[DONE]`` ends the
+        stream with an error event (never a silent truncation). Closed early (the client went
+        away): the server's request is closed, which stops it."""
+        o = self.outcome
+        finished = False
+        try:
+            if self._out:
+                yield b"".join(self._out)
+                self._out.clear()
+            it = self._it
+            if it is not None:
+                guard = self.guard
+                guard.arm(idle_s, "idle")
+                try:
+                    while True:
+                        try:
+                            chunk = await it.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        guard.extend(idle_s)
+                        if self.ended:
+                            continue  # after [DONE] or an error event: read the stream to its end, send nothing
+                        self._feed(chunk)
+                        if self._out:
+                            data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+                            self._out.clear()
+                            yield data
+                except asyncio.CancelledError:
+                    reason = guard.take()
+                    if reason is None:
+                        raise
+                    if not self.ended:
+                        o.error = reason
+                        yield sse_error(reason, f"the inference server sent nothing for {idle_s:g} s; the stream "
+                                                "is incomplete")
+                except httpx.HTTPError as e:
+                    if not self.ended:
+                        _http_failure(o, e)
+                        yield sse_error(o.error or "upstream_error", "the inference server's stream broke off; the "
+                                                                     "stream is incomplete")
+                finally:
+                    guard.stop()
+            if not self.ended and o.error is None:
+                o.error = "upstream_disconnected"
+                yield sse_error(o.error, "the inference server ended the stream early; the stream is incomplete")
+            self.ended = finished = True
+            if o.latency_s is None:
+                o.latency_s = self._elapsed()
+            await self._close()  # read to its end: the connection goes back to the pool
+        finally:
+            if not finished:  # the client went away (or the server is shutting down)
+                if o.error is None:
+                    o.error, o.client_fault = "client_disconnected", True
+                self._close_soon()
+            if o.latency_s is None:
+                o.latency_s = self._elapsed()
+            self.ended = True
+            self._let_go()
+            self.end()
+
+    def end(self) -> None:
+        """Call ``on_end`` (once)."""
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback()
+
+    # ---------------------------------------------------------------------------------- events
+    def _feed(self, chunk: bytes) -> None:
+        """Cut ``chunk`` (after what remained of the previous one) into SSE events and handle each."""
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buf = self._rest + chunk if self._rest else chunk
+        parts = buf.split(b"\n\n")
+        self._rest = parts.pop()
+        for ev in parts:
+            if ev and not self.ended:
+                self._event(ev)
+
+    def _event(self, ev: bytes) -> None:
+        o = self.outcome
+        if not ev.startswith(b"data:"):
+            self._out.append(ev + b"\n\n")  # a comment or another field: as it came
+            return
+        data = ev[5:].strip()
+        if data == b"[DONE]":
+            self.done = self.ended = True
+            if o.latency_s is None:
+                o.latency_s = self._elapsed()
+            self._out.append(b"data: [DONE]\n\n")
+            return
+        drop = False
+        if (not self.first or self.keep_text or b'"usage":{' in data or b'"usage": {' in data
+                or b'"error"' in data):
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                if "error" in obj and not obj.get("choices"):
+                    o.error = "upstream_error_event"
+                    self.ended = True
+                    if o.latency_s is None:
+                        o.latency_s = self._elapsed()
+                    if not self.first:
+                        return  # before the first token: retried, the client sees none of it
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    _usage(o, usage)
+                    drop = not self.want_usage and not obj.get("choices")
+                if not self.first and has_token(obj):
+                    self.first = True
+                    o.ttft_s = self._elapsed()
+                if self.keep_text:
+                    chunk_texts(obj, self.texts)
+        if self.first and not drop and b'"choices":[]' not in data:
+            self.token_events += 1
+        if drop:
+            return
+        if self._rename is not None:
+            data = data.replace(*self._rename, 1)
+        self._out.append(b"data: " + data + b"\n\n")
+
+    # ---------------------------------------------------------------------------------- the end
+    def finish_counts(self) -> None:
+        """Fill what the server's usage did not say: the output tokens from the chunks."""
+        o = self.outcome
+        if o.output_tokens is None and (self.first or self.done) and o.answer_status is None:
+            o.output_tokens = self.token_events
+
+    async def _close(self) -> None:
+        response = self.response
+        if response is not None:
+            self.response = None
+            try:
+                await response.aclose()
+            except Exception:  # closing a broken connection: nothing more to learn
+                pass
+
+    def _close_soon(self) -> None:
+        """Close the server's request from a task of its own (the caller may be being cancelled):
+        a stream not read to its end closes the connection, which tells the server to stop."""
+        if self.response is not None:
+            task = asyncio.get_running_loop().create_task(self._close())
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Task[None]] = set()

@@ -1,0 +1,412 @@
+"""The gateway's request path: an OpenAI request becomes a routing request, is decided by the
+router's own decision path, forwarded to the chosen pool's server, retried on the next offering
+when that fails before the first token, relayed to the client, and its measured outcome closes the
+loop.
+
+Each attempt is one decision of ``router.routes.route.route_decision`` -- the same ranking,
+admission, reservation and durable decision-log row as ``POST /v1/route``, with the tenant's
+constraints and policies -- for a routing request whose constraints allow only the offerings that
+have servers for the model (``upstreams``) and deny the ones already tried, and whose TTFT (and
+deadline) is what is left of the request's. Its outcome closes the loop as ``POST /v1/feedback``
+does (``router.routes.feedback``): the reservation is released, the pool's statistics and the
+output-length estimator learn it, and its feedback row -- with its realized reward and SLO verdict
+for off-policy evaluation, and what the gateway measured (TTFT, TPOT, output, prompt and cached
+tokens, the request id and the attempt's number) -- goes to the decision log. A failure that is
+the client's (it went away; the server refused its request as invalid) releases the reservation
+and is recorded, but teaches the pool nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import Gauge
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from router.engine import RouteFailure
+from router.gateway.exchange import Exchange, Outcome
+from router.gateway.openai_api import Kind, openai_error, parse_body
+from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, prompt_chars, prompt_parts
+from router.gateway.transcripts import TranscriptStore
+from router.gateway.upstream import Guard, Upstreams, upstream_pools, watch_disconnect
+from router.logs import LOG, request_id_var
+from router.metrics import LoopCounter, LoopHistogram
+from router.routes.feedback import close_the_loop, feedback_row
+from router.routes.route import release, route_decision
+from router.store import DecisionRef
+from xroute.errors import ConfigError
+from xroute.schema.decision import FeedbackRequest, RouteRequest
+from xroute.schema.policy_ir import Constraints, Rule
+
+#: SLO headers: routing field -> header
+SLO_HEADERS = {"ttft_ms": "x-xroute-ttft-ms", "tpot_ms": "x-xroute-tpot-ms", "deadline_ms": "x-xroute-deadline-ms"}
+ORIGIN_HEADER = "x-xroute-origin"
+SESSION_HEADER = "x-session-id"
+_HEADER_NAMES = {"ttft_ms": "X-Xroute-TTFT-Ms", "tpot_ms": "X-Xroute-TPOT-Ms", "deadline_ms": "X-Xroute-Deadline-Ms",
+                 "origin": "X-Xroute-Origin", "session_id": "X-Session-Id"}
+_TTFT_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
+
+
+def _invalid(field_name: str, message: str) -> RequestValidationError:
+    loc = ("header", _HEADER_NAMES[field_name]) if field_name in _HEADER_NAMES else ("body", field_name)
+    return RequestValidationError([{"type": "value_error", "loc": loc, "msg": message, "input": None}])
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request, read: what is routed and what is forwarded."""
+
+    kind: Kind
+    raw: bytes
+    data: dict[str, Any]
+    client_model: str
+    model: str
+    stream: bool
+    want_usage: bool
+    tenant: str
+    route: dict[str, Any]
+    store: bool
+    request_id: str | None
+    arrived: float
+    bodies: dict[str, bytes] = field(default_factory=dict)
+
+    def body_for(self, served_model: str) -> bytes:
+        """What a server that knows the model as ``served_model`` is sent: the client's body with
+        that name and, streamed, ``stream_options.include_usage`` (the client's bytes when they
+        already say so)."""
+        body = self.bodies.get(served_model)
+        if body is None:
+            opts = self.data.get("stream_options")
+            asked = isinstance(opts, dict) and opts.get("include_usage") is True
+            if served_model == self.client_model and (not self.stream or asked):
+                body = self.raw
+            else:
+                d = dict(self.data)
+                d["model"] = served_model
+                if self.stream:
+                    d["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+                body = json.dumps(d, separators=(",", ":"), ensure_ascii=False).encode()
+            self.bodies[served_model] = body
+        return body
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One decision of a call and where it went."""
+
+    number: int
+    decision_id: str
+    offering_id: str
+    ref: DecisionRef
+    exchange: Exchange | None = None
+
+
+class GatewayMetrics:
+    def __init__(self, registry: Any):
+        self.requests = LoopCounter("xroute_gateway_requests_total", "Gateway requests by route and answer (ok, or "
+                                    "the error code)", ("kind", "outcome"), registry)
+        self.attempts = LoopCounter("xroute_gateway_attempts_total", "Attempts on an offering's servers by outcome "
+                                    "(ok, or the failure)", ("offering_id", "outcome"), registry)
+        self.ttft = LoopHistogram("xroute_gateway_ttft_seconds", "Streams: from the request's arrival to its first "
+                                  "token, as the client sees it", _TTFT_BUCKETS, registry)
+        self.overhead = LoopHistogram("xroute_gateway_overhead_seconds", "From the request's arrival until its first "
+                                      "attempt is sent: reading, counting, deciding, logging the decision",
+                                      _OVERHEAD_BUCKETS, registry)
+        self.open_streams = 0
+        Gauge("xroute_gateway_open_streams", "Streams being relayed now", registry=registry).set_function(
+            lambda: self.open_streams)
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream: however it ends -- completed, or cancelled because the client went away
+    -- its exchange is closed and its attempt finished."""
+
+    def __init__(self, exchange: Exchange, idle_s: float, headers: dict[str, str], metrics: GatewayMetrics):
+        super().__init__(exchange.relay(idle_s), media_type="text/event-stream", headers=headers)
+        self.exchange = exchange
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.metrics.open_streams += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.metrics.open_streams -= 1
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()  # a stream the client left at a yield: its finally runs now (no await in it)
+            self.exchange.end()
+
+
+def check_settings(settings: Any, engine: Any) -> PromptCounter:
+    """The gateway's settings against the served catalog and models -- the upstreams, their keys,
+    the tokenizers, the origins -- as ``xroute serve`` checks them before listening (a
+    ``ConfigError`` names the field)."""
+    upstream_pools(settings, engine.offering_ids, engine.models)
+    counter = PromptCounter(settings.gateway.tokenizers, engine.models)
+    origins = [("gateway.origin", settings.gateway.origin)]
+    origins += [(f"tenants.{name}.gateway.origin", t.gateway.origin) for name, t in settings.tenants.items()]
+    for where, origin in origins:
+        if origin is not None and origin not in engine.origin_set:
+            raise ConfigError(f"router settings: field '{where}': unknown origin '{origin}' (GET /v1/offerings lists "
+                              "them)")
+    return counter
+
+
+class Gateway:
+    """Built by the app's lifespan (``Services.gateway``); closed at shutdown."""
+
+    def __init__(self, svc: Any):
+        settings = svc.settings
+        self.svc = svc
+        self.cfg = cfg = settings.gateway
+        engine = svc.engine
+        self.counter = check_settings(settings, engine)
+        self.upstreams = Upstreams(settings, engine.offering_ids, engine.models)
+        self.tenant_cfg = {name: t.gateway for name, t in settings.tenants.items()}
+        self.transcripts = (TranscriptStore(cfg.transcripts_path)
+                            if any(t.store_prompts for t in self.tenant_cfg.values()) else None)
+        self.allow = {m: Rule(offering_ids=sorted(offs)) for m, offs in self.upstreams.offerings.items()}
+        self.metrics = GatewayMetrics(svc.metrics.registry)
+        self.started = int(time.time())
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------------------ reading a request
+    def models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``: the models of ``configs/models.yaml`` that some pool serves."""
+        return [{"id": m, "object": "model", "created": self.started, "owned_by": "xroute",
+                 "offerings": sorted(self.upstreams.offerings[m])}
+                for m in self.svc.engine.models if m in self.upstreams.offerings]
+
+    async def read(self, raw: bytes, content_type: str | None, headers: Any, tenant: str, kind: Kind) -> Call:
+        """The call a request makes (raises the router's 4xx errors, naming the field)."""
+        arrived = time.perf_counter()
+        data, view = parse_body(raw, content_type, kind)
+        engine = self.svc.engine
+        model = view.model
+        if model not in self.upstreams.offerings:
+            known = [m for m in engine.models if m in self.upstreams.offerings]
+            why = (f"no inference server is configured for model '{model}'" if model in engine.models
+                   else f"unknown model '{model}'")
+            raise RouteFailure(404, "model_not_found", f"{why}; GET /v1/models lists the models served",
+                               [{"field": "body.model", "message": why, "suggestions": known}])
+        tcfg = self.tenant_cfg.get(tenant)
+        cfg = self.cfg
+        route: dict[str, Any] = {"model": model}
+        for name, header in SLO_HEADERS.items():
+            value = headers.get(header)
+            if value is not None:
+                try:
+                    x = float(value)
+                except ValueError:
+                    raise _invalid(name, "must be a number of milliseconds") from None
+                if not math.isfinite(x):
+                    raise _invalid(name, "must be a finite number of milliseconds")
+                route[name] = x
+            else:
+                own = getattr(tcfg, name, None) if tcfg is not None else None
+                route[name] = own if own is not None else getattr(cfg, name)
+        origin = headers.get(ORIGIN_HEADER) or (tcfg.origin if tcfg is not None else None) or cfg.origin
+        if origin is None:
+            raise _invalid("origin", "no origin: send this header, or set gateway.origin (or the tenant's) in the "
+                                     "router settings")
+        if origin not in engine.origin_set:
+            raise _invalid("origin", f"unknown origin '{origin}'; known origins: GET /v1/offerings")
+        route["origin"] = origin
+        session = headers.get(SESSION_HEADER)
+        if session is not None:
+            route["session_id"] = session
+        if kind == "chat":
+            texts, fixed = chat_texts(data)
+            budget = getattr(view, "max_completion_tokens", None) or view.max_tokens
+        else:
+            texts, fixed = prompt_parts(data.get("prompt"))
+            budget = view.max_tokens
+        counter = self.counter
+        if counter.method(model) == "tokenizer" and prompt_chars(texts) > LONG_PROMPT_CHARS:
+            n_in = await asyncio.to_thread(counter.count, model, texts, fixed)
+        else:
+            n_in = counter.count(model, texts, fixed)
+        route["input_tokens"] = min(n_in, 2_000_000)
+        route["max_output_tokens"] = min((budget or cfg.default_max_tokens) * view.n, 1_000_000)
+        try:
+            RouteRequest.model_validate(route)  # every field checked once, named as the client gave it
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else "body"
+            if name == "max_output_tokens":
+                name = "max_tokens"
+            raise _invalid(name, str(err["msg"])) from None
+        opts = view.stream_options
+        return Call(kind, raw, data, model, model, view.stream, bool(opts and opts.include_usage), tenant, route,
+                    bool(tcfg is not None and tcfg.store_prompts), request_id_var.get(), arrived)
+
+    def routing_request(self, call: Call, elapsed_ms: float, tried: list[str]) -> RouteRequest:
+        """The routing request of the next attempt: what is left of the TTFT budget (and deadline),
+        only the offerings with servers for the model, none tried already."""
+        fields = dict(call.route)
+        fields["ttft_ms"] = max(1.0, fields["ttft_ms"] - elapsed_ms)
+        if fields.get("deadline_ms") is not None:
+            fields["deadline_ms"] = max(1.0, fields["deadline_ms"] - elapsed_ms)
+        deny = [Rule(offering_ids=list(tried))] if tried else []
+        fields["constraints"] = Constraints(allow=[self.allow[call.model]], deny=deny)
+        values: dict[str, Any] = {k: fields.get(k) for k in RouteRequest.model_fields}
+        return RouteRequest.model_construct(**values)
+
+    # ------------------------------------------------------------------------------ serving
+    async def serve(self, call: Call, caller: Any, receive: Receive, scope_state: dict[str, Any]) -> Response:
+        """Decide, forward, retry, answer (module docstring)."""
+        guard = Guard()
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, guard))
+        try:
+            return await self._attempts(call, caller, guard, scope_state)
+        finally:
+            watcher.cancel()
+
+    async def _attempts(self, call: Call, caller: Any, guard: Guard, scope_state: dict[str, Any]) -> Response:
+        svc, who, cfg = self.svc, caller.who, self.cfg
+        t0 = call.arrived
+        tried: list[str] = []
+        failed: list[Attempt] = []
+        last: Outcome | None = None
+        while not guard.disconnected:
+            elapsed_ms = (time.perf_counter() - t0) * 1000.0
+            if tried and (len(tried) >= cfg.max_attempts or elapsed_ms >= call.route["ttft_ms"] - 1.0
+                          or len(tried) >= len(self.allow[call.model].offering_ids or ())):
+                break
+            body = self.routing_request(call, elapsed_ms, tried)
+            started = time.perf_counter()
+            try:
+                payload = await route_decision(svc, body, who, scope_state)
+            except RouteFailure:
+                if not tried:
+                    raise
+                break  # no other offering may take it now: the last failure is the answer
+            answer = json.loads(payload)
+            offering_id = answer["offering"]["offering_id"]
+            tried.append(offering_id)
+            ref = DecisionRef(who.tenant, call.model, svc.engine.pool_key_of(offering_id, call.model), 0,
+                              body.input_tokens, body.max_output_tokens, body.ttft_ms, body.tpot_ms, body.deadline_ms,
+                              float(answer["expected_cost_usd"]))
+            att = Attempt(len(tried), answer["decision_id"], offering_id, ref)
+            ep = self.upstreams.pick(call.model, offering_id)
+            ex = att.exchange = Exchange(self.upstreams, ep, call.kind, call.body_for(ep.served_model),
+                                         call.client_model, call.want_usage, guard, started, keep_text=call.store)
+            if att.number == 1:
+                self.metrics.overhead.observe(time.perf_counter() - t0)
+            try:
+                if call.stream:
+                    ok = await ex.open_stream(cfg.first_token_timeout_s)
+                else:
+                    ok = await ex.complete(cfg.response_timeout_s)
+            except BaseException as e:  # cancelled, or a failure of ours: the attempt still closes its loop
+                if ex.outcome.error is None:
+                    ex.outcome.error = "cancelled" if isinstance(e, asyncio.CancelledError) else "gateway_error"
+                    ex.outcome.client_fault = True
+                self.finish(call, att)
+                raise
+            if ok:
+                headers = {"x-xroute-decision-id": att.decision_id, "x-xroute-offering": offering_id,
+                           "x-xroute-attempts": str(att.number)}
+                self.metrics.requests.inc(call.kind, "ok")
+                if call.stream:
+                    if ex.first:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                    ex.on_end = lambda att=att: self.finish(call, att)
+                    return RelayResponse(ex, cfg.idle_timeout_s,
+                                         {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                                         self.metrics)
+                self.finish(call, att)
+                assert ex.answer is not None
+                return Response(ex.answer, media_type="application/json", headers=headers)
+            self.finish(call, att)
+            failed.append(att)
+            last = ex.outcome
+            if not last.retryable:
+                break
+        return self.failed(call, failed, last)
+
+    def failed(self, call: Call, attempts: list[Attempt], last: Outcome | None) -> Response:
+        """The answer when no attempt succeeded: the server's own answer when the request was the
+        client's fault, else an error naming the failure, with every attempt."""
+        tried = [{"decision_id": a.decision_id, "offering_id": a.offering_id,
+                  "error": a.exchange.outcome.error if a.exchange is not None else None} for a in attempts]
+        headers = {"x-xroute-attempts": str(len(attempts))}
+        if attempts:
+            headers["x-xroute-decision-id"] = attempts[-1].decision_id
+        if last is None or last.error == "client_disconnected":
+            self.metrics.requests.inc(call.kind, "client_disconnected")
+            return openai_error(499, "client_disconnected", "the client closed the request", attempts=tried,
+                                headers=headers)
+        if last.client_fault and last.answer_status is not None:
+            self.metrics.requests.inc(call.kind, f"upstream_{last.answer_status}")
+            return Response(last.answer_body or b"", status_code=last.answer_status, media_type="application/json",
+                            headers=headers)
+        error = last.error or "upstream_error"
+        if error == "upstream_429":
+            status, code = 429, "upstream_rate_limited"
+            headers["retry-after"] = last.retry_after or "1"
+        elif error.endswith("_timeout") and error != "pool_timeout":
+            status, code = 504, "upstream_timeout"
+        else:
+            status, code = 502, "upstream_unavailable"
+        self.metrics.requests.inc(call.kind, code)
+        n = len(attempts)
+        return openai_error(status, code, f"no inference server answered the request ({n} attempt{'s' * (n != 1)}; "
+                            f"the last: {error})", attempts=tried, headers=headers)
+
+    # ------------------------------------------------------------------------------ closing the loop
+    def finish(self, call: Call, att: Attempt) -> None:
+        """The attempt is over: close its loop in a task of its own (after the answer, and safe from
+        the request's cancellation)."""
+        task = asyncio.get_running_loop().create_task(self._close_loop(call, att))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _close_loop(self, call: Call, att: Attempt) -> None:
+        svc = self.svc
+        ex = att.exchange
+        assert ex is not None
+        ex.finish_counts()
+        o = ex.outcome
+        self.metrics.attempts.inc(att.offering_id, o.error or "ok")
+        failed = o.error is not None
+        latency_ms = None if o.latency_s is None else min(o.latency_s * 1000.0, 86_400_000.0)
+        ttft_ms = None if o.ttft_s is None else min(o.ttft_s * 1000.0, 86_400_000.0)
+        out = None if o.output_tokens is None else min(o.output_tokens, 1_000_000)
+        fb = FeedbackRequest.model_construct(decision_id=att.decision_id, latency_ms=latency_ms, ttft_ms=ttft_ms,
+                                             cost_usd=None, output_tokens=out, failed=failed, error=o.error)
+        reward = missed = None
+        try:
+            if o.client_fault:
+                await release(svc, att.decision_id)
+            else:
+                reward, missed = svc.engine.feedback_reward(att.ref, fb)
+                await close_the_loop(svc, fb, att.ref)
+            measured = (o.tpot_ms, o.prompt_tokens, o.cached_tokens, call.request_id, att.number)
+            await svc.store.record_feedback(feedback_row(fb, call.tenant, time.time(), None, reward, missed, measured))
+            if call.store and self.transcripts is not None:
+                await self.transcripts.put(att.decision_id, call.request_id, call.tenant, time.time(), call.kind,
+                                           call.raw, ex.texts)
+        except Exception as e:  # the answer has gone: say what was not recorded (never a body)
+            LOG.warning("gateway outcome not recorded", extra={"fields": {
+                "decision_id": att.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """At shutdown: the loops still closing get ``timeout_s`` to finish (before the decision
+        log closes), then the connections and the transcript store close."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        await self.upstreams.close()
+        if self.transcripts is not None:
+            await asyncio.to_thread(self.transcripts.close)
+

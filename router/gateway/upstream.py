@@ -1,0 +1,213 @@
+"""The pools' inference servers as the gateway reaches them: their base URLs per offering and
+model (``upstreams`` in the router settings), their API keys, one pooled HTTP client, and the
+guard that bounds each phase of a request.
+
+API keys come from an environment variable (``api_key_env``) or a file (``api_key_file``, e.g. a
+mounted secret), read once at start; a missing one is a config error naming the field, never the
+value. They are sent as ``Authorization: Bearer`` and never logged (nothing here logs a header).
+
+One ``httpx.AsyncClient`` for every server: HTTP/1.1 keep-alive connections pooled per server
+(``max_connections`` open in all, ``max_keepalive`` idle kept), the connect phase bounded by
+``connect_timeout_s`` (so is the wait for a pooled connection), no proxies from the environment,
+no redirects, and no compression (``Accept-Encoding: identity``: the streams are relayed as they
+come). The read phases are bounded by :class:`Guard` instead of httpx's per-read timeout, so the
+first token and the gaps between tokens have their own limits: one timer per request, moved
+forward by a float assignment per chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from xroute.errors import ConfigError
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    """One inference server of one pool."""
+
+    base_url: str
+    served_model: str
+    headers: dict[str, str]
+    offering_id: str
+    in_flight: int = 0
+    down_until: float = 0.0
+    urls: dict[str, str] = field(default_factory=dict)
+
+    def url(self, kind: str) -> str:
+        return self.urls[kind]
+
+
+def api_key(upstream: Any, where: str) -> str | None:
+    """The key an upstream's ``api_key_env`` / ``api_key_file`` names (None when it names none)."""
+    if upstream.api_key_env is not None:
+        value = os.environ.get(upstream.api_key_env, "").strip()
+        if not value:
+            raise ConfigError(f"{where}.api_key_env': the environment variable '{upstream.api_key_env}' is not set")
+        return value
+    if upstream.api_key_file is not None:
+        try:
+            value = upstream.api_key_file.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{where}.api_key_file': cannot read '{upstream.api_key_file}' ({e.strerror})") from None
+        if not value:
+            raise ConfigError(f"{where}.api_key_file': '{upstream.api_key_file}' is empty")
+        return value
+    return None
+
+
+def upstream_pools(settings: Any, offering_ids: list[str], models: list[str]) -> dict[tuple[str, str], list[Endpoint]]:
+    """The servers of ``settings.upstreams`` per (model, offering), checked against the catalog
+    and the models, with their keys read (a ``ConfigError`` names the field at fault)."""
+    import difflib
+
+    pools: dict[tuple[str, str], list[Endpoint]] = {}
+    default_model = models[0]
+    for i, up in enumerate(settings.upstreams):
+        where = f"router settings: field 'upstreams[{i}]"
+        if up.offering_id not in offering_ids:
+            close = difflib.get_close_matches(up.offering_id, offering_ids, n=3, cutoff=0.4)
+            raise ConfigError(f"{where}.offering_id': unknown offering '{up.offering_id}'"
+                              + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        model = up.model or default_model
+        if model not in models:
+            raise ConfigError(f"{where}.model': unknown model '{model}' (known: {', '.join(models)})")
+        key = api_key(up, where)
+        headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        if key is not None:
+            headers["authorization"] = f"Bearer {key}"
+        pool = pools.setdefault((model, up.offering_id), [])
+        for base in up.base_urls:
+            pool.append(Endpoint(base, up.served_model or model, headers, up.offering_id,
+                                 urls={"chat": f"{base}/chat/completions", "completion": f"{base}/completions"}))
+    return pools
+
+
+class Upstreams:
+    """The servers per (model, offering) (:func:`upstream_pools`) and the HTTP client."""
+
+    def __init__(self, settings: Any, offering_ids: list[str], models: list[str]):
+        gw = settings.gateway
+        self.pools = upstream_pools(settings, offering_ids, models)
+        self._turn: dict[tuple[str, str], int] = {}
+        #: model -> the offerings some server of it runs on
+        self.offerings: dict[str, list[str]] = {}
+        for model, offering in self.pools:
+            self.offerings.setdefault(model, []).append(offering)
+        self.down_s = gw.upstream_down_s
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=gw.connect_timeout_s, read=None, write=gw.first_token_timeout_s,
+                                  pool=gw.connect_timeout_s),
+            limits=httpx.Limits(max_connections=gw.max_connections, max_keepalive_connections=gw.max_keepalive),
+            trust_env=False, follow_redirects=False)
+
+    def pick(self, model: str, offering_id: str) -> Endpoint:
+        """The server of the pool to send to: the one with the fewest requests in flight from this
+        gateway among those not marked down (all of them when every one is), ties taken in turn."""
+        pool = self.pools[(model, offering_id)]
+        if len(pool) == 1:
+            return pool[0]
+        now = time.monotonic()
+        up = [e for e in pool if e.down_until <= now] or pool
+        turn = self._turn.get((model, offering_id), 0)
+        self._turn[(model, offering_id)] = turn + 1
+        n = len(up)
+        return min((up[(turn + k) % n] for k in range(n)), key=lambda e: e.in_flight)
+
+    def mark_down(self, ep: Endpoint) -> None:
+        """A server that refused a connection: skipped for ``upstream_down_s`` while its pool has others."""
+        ep.down_until = time.monotonic() + self.down_s
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class Guard:
+    """Cancels the task it watches when a phase's deadline passes or the client goes away, and
+    says why (``reason``). Code awaiting the upstream catches ``CancelledError``: with a reason it
+    is this guard's (``uncancel`` and handle it), without one the cancellation is someone else's
+    (let it go). ``deadline`` may be moved forward by assignment (the timer re-arms itself when it
+    fires early); one timer handle per request."""
+
+    __slots__ = ("_handle", "_loop", "deadline", "disconnected", "phase", "reason", "task")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.task: asyncio.Task[Any] | None = None
+        self.deadline = math.inf
+        self.phase: str | None = None
+        self.reason: str | None = None
+        self.disconnected = False
+        self._handle: asyncio.TimerHandle | None = None
+
+    def arm(self, seconds: float, phase: str, task: asyncio.Task[Any] | None = None) -> None:
+        """Watch ``task`` (default: the current one) until :meth:`stop`; ``phase`` times out in ``seconds``."""
+        self.task = task or asyncio.current_task()
+        self.phase = phase
+        self.deadline = self._loop.time() + seconds
+        if self.disconnected:
+            self._cancel("client_disconnected")
+            return
+        if self._handle is None or self._handle.when() > self.deadline:
+            if self._handle is not None:
+                self._handle.cancel()
+            self._handle = self._loop.call_at(self.deadline, self._fire)
+
+    def extend(self, seconds: float) -> None:
+        """The current phase's deadline, ``seconds`` from now (the timer catches up when it fires)."""
+        self.deadline = self._loop.time() + seconds
+
+    def stop(self) -> None:
+        """Watch nothing (between phases, and at the end)."""
+        self.task = None
+        self.phase = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def client_gone(self) -> None:
+        """The client disconnected: cancel the watched phase now, or the next one as it starts."""
+        self.disconnected = True
+        if self.task is not None:
+            self._cancel("client_disconnected")
+
+    def take(self) -> str | None:
+        """The reason of this guard's cancellation, once (the caller has caught the CancelledError):
+        the current task is uncancelled; None when the cancellation was not this guard's."""
+        reason, self.reason = self.reason, None
+        if reason is not None:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        return reason
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self.task is None or self.phase is None:
+            return
+        if self._loop.time() < self.deadline:  # moved forward since: wait for the new deadline
+            self._handle = self._loop.call_at(self.deadline, self._fire)
+            return
+        self._cancel(f"{self.phase}_timeout")
+
+    def _cancel(self, reason: str) -> None:
+        task = self.task
+        self.stop()
+        if task is not None and not task.done() and self.reason is None:
+            self.reason = reason
+            task.cancel()
+
+
+async def watch_disconnect(receive: Any, guard: Guard) -> None:
+    """Wait for the client's ``http.disconnect`` (the body has been read) and tell ``guard``."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            guard.client_gone()
+            return
