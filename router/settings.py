@@ -152,7 +152,8 @@ class GatewaySettings(BaseModel):
                               "only before the first token and within the TTFT budget)")
     max_connections: int = Field(1000, ge=1, le=100_000, description="open connections to the inference servers, "
                                  "all together")
-    max_keepalive: int = Field(256, ge=0, le=100_000, description="idle connections kept open for reuse")
+    keepalive_s: float = Field(15.0, gt=0, le=3600, description="an idle connection to a server is kept this "
+                               "long for reuse")
     upstream_down_s: float = Field(5.0, ge=0, le=3600, description="a server that refused a connection is skipped "
                                    "this long while its pool has others")
     max_body_bytes: int = Field(8 * 2**20, ge=1024, le=2**30, description="larger chat/completion bodies get 413 "

@@ -486,7 +486,8 @@ class DecisionStore(GroupCommitLog):
         self._decoders: dict[int, Callable[[bytes], bytes]] = {}
         self._reader = connect(self.path, synchronous)
         self._proc: Any = None
-        self._pipe: Any = None
+        self._pipe: Any = None  # the writer's acknowledgements (read on the loop)
+        self._batches: Any = None  # the batches (written blocking; never polled)
         self.checkpoints = 0
 
     def use_dictionary(self, data: bytes) -> int:
@@ -513,17 +514,23 @@ class DecisionStore(GroupCommitLog):
         assert self._loop is not None
         self._conn.close()  # from now on the writer process writes
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of the server is forked
+        # two connections, one per direction: the loop polls the acknowledgements' (which makes that
+        # socket non-blocking), while the batches go out on one that stays blocking -- a batch larger
+        # than the socket's buffer (a few hundred decisions with their OPE records) is then written
+        # whole, waiting for the writer to read on, instead of failing with EAGAIN half-written
         self._pipe, child = ctx.Pipe()
+        self._batches, child_batches = ctx.Pipe()
         self._proc = ctx.Process(target=_writer_process, name="decision-log-writer", daemon=True,
-                                 args=(child, str(self.path), self.synchronous, self._zdict, self.checkpoint_rows,
-                                       self.checkpoint_s))
+                                 args=(child_batches, child, str(self.path), self.synchronous, self._zdict,
+                                       self.checkpoint_rows, self.checkpoint_s))
         self._proc.start()
         child.close()
+        child_batches.close()
         self._loop.add_reader(self._pipe.fileno(), self._on_ack)
 
     def _send(self, batch: list[Item]) -> None:
         try:
-            self._pipe.send_bytes(_dumps([(kind, row) for kind, row, _ in batch]))
+            self._batches.send_bytes(_dumps([(kind, row) for kind, row, _ in batch]))
         except (OSError, ValueError) as e:
             self._writer_gone(f"{type(e).__name__}: {e}")
 
@@ -561,11 +568,12 @@ class DecisionStore(GroupCommitLog):
             try:
                 if self._loop is not None:
                     self._loop.remove_reader(self._pipe.fileno())
-                self._pipe.send_bytes(_dumps(None))
+                self._batches.send_bytes(_dumps(None))
             except (OSError, ValueError):
                 pass
             await asyncio.to_thread(proc.join, 30)
             self._pipe.close()
+            self._batches.close()
         else:
             try:
                 self._conn.close()
@@ -806,18 +814,19 @@ def _decoder(data: bytes, codec: str) -> Callable[[bytes], bytes]:
     raise sqlite3.DatabaseError(f"decision log: unknown compression codec {codec!r}")
 
 
-def _writer_process(pipe: Any, path: str, synchronous: str, zdict: bytes | None, checkpoint_rows: int,
-                    checkpoint_s: float) -> None:  # pragma: no cover - runs in the child (covered via the server tests)
+def _writer_process(batches: Any, pipe: Any, path: str, synchronous: str, zdict: bytes | None,
+                    checkpoint_rows: int, checkpoint_s: float) -> None:  # pragma: no cover - runs in the child (covered via the server tests)
     """Commit the batches the server sends, answer each after its COMMIT (module docstring).
 
     A separate interpreter, so the compression, the inserts and the commit never compete with the
-    server's event loop for the GIL. Exits when the server closes the pipe (or dies)."""
+    server's event loop for the GIL. Reads the batches on ``batches``, answers on ``pipe``. Exits
+    when the server closes the pipe (or dies)."""
     checkpoint_seconds: list[float] = []  # since the last acknowledgement (each ran after one)
     writer = _SqliteWriter(Path(path), synchronous, zdict, checkpoint_rows, checkpoint_s, checkpoint_seconds.append)
     try:
         while True:
             try:
-                msg = pickle.loads(pipe.recv_bytes())
+                msg = pickle.loads(batches.recv_bytes())
             except (EOFError, OSError):
                 break
             if msg is None:

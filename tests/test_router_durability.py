@@ -147,3 +147,39 @@ def test_memory_is_flat_under_sustained_load(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_batch_larger_than_the_writers_socket_buffer_is_committed_whole(tmp_path: Path) -> None:
+    """Under uvloop (what ``xroute serve`` runs), polling the writer's acknowledgements made its
+    socket non-blocking, and a batch larger than the socket's buffer -- a few hundred decisions of
+    one loop iteration, with their OPE records -- failed half-written with EAGAIN, taking the log
+    down (every later request 503). Batches now go out on a connection of their own."""
+    import asyncio
+    import sqlite3
+
+    import uvloop
+
+    from router.store import DECISION_COLUMNS, DecisionStore
+
+    def row(i: int) -> tuple[object, ...]:  # (each its own bytes: pickle would send one shared object once)
+        values = {"decision_id": f"d_{i:06d}", "tenant": "a", "created_at": 1.0, "telemetry_ts": 1.0,
+                  "origin": "o", "input_tokens": 1, "max_output_tokens": 1, "ttft_ms": 1.0, "tpot_ms": 1.0,
+                  "model": "m", "offering_id": "x", "expected_latency_ms": 1.0, "expected_cost_usd": 0.0,
+                  "policy": "greedy", "policy_kind": "fallback", "bundle_hash": "h", "features": os.urandom(8192),
+                  "request_json": '{"pad":"' + f"{i:06d}" * 700 + '"}', "response_json": "{}"}
+        return tuple(values.get(c) for c in DECISION_COLUMNS)
+
+    async def main() -> tuple[int, str | None]:
+        store = DecisionStore(tmp_path / "d.db", "NORMAL", 100)  # two batches go out at once: the second while the writer works
+        store.start()
+        try:
+            await asyncio.gather(*(store.record_decision(row(i)) for i in range(400)))  # 4 batches of ~1.2 MB
+            return store.rows, store.error
+        finally:
+            await store.close()
+
+    rows, error = uvloop.run(main())
+    assert (rows, error) == (400, None)
+    con = sqlite3.connect(tmp_path / "d.db")
+    assert con.execute("SELECT COUNT(*) FROM decisions").fetchone()[0] == 400
+    con.close()

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from router.gateway.openai_api import chunk_texts, has_token, sse_error
 from router.gateway.upstream import Endpoint, Guard, Upstreams
@@ -81,13 +81,15 @@ def _usage(outcome: Outcome, usage: Any) -> None:
         outcome.cached_tokens = details["cached_tokens"]
 
 
+#: what the HTTP client raises when a server cannot be reached or breaks off (its connect timeout is a TimeoutError)
+CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError)
+
+
 def _http_failure(outcome: Outcome, e: BaseException) -> None:
     """An exception of the HTTP client as the outcome's code."""
-    if isinstance(e, httpx.ConnectTimeout | httpx.ConnectError):
-        outcome.error = "connect_error"
-    elif isinstance(e, httpx.PoolTimeout):
-        outcome.error = "pool_timeout"
-    elif isinstance(e, httpx.ReadError | httpx.RemoteProtocolError | httpx.ReadTimeout):
+    if isinstance(e, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        outcome.error = "connect_error"  # (also: no pooled connection came free within the connect timeout)
+    elif isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientOSError):
         outcome.error = "upstream_disconnected"
     else:
         outcome.error = "upstream_error"
@@ -106,7 +108,7 @@ class Exchange:
         self.guard, self.started = guard, started
         self.want_usage, self.keep_text = want_usage, keep_text
         self.outcome = Outcome()
-        self.response: httpx.Response | None = None
+        self.response: aiohttp.ClientResponse | None = None
         self._it: AsyncIterator[bytes] | None = None
         self._rest = b""
         self._out: list[bytes] = []
@@ -124,9 +126,10 @@ class Exchange:
                             b'"model":' + json.dumps(client_model).encode())
 
     # ---------------------------------------------------------------------------------- the request
-    def _request(self) -> httpx.Request:
-        return self.upstreams.client.build_request("POST", self.ep.url(self.kind), content=self.body,
-                                                   headers=self.ep.headers)
+    async def _post(self) -> aiohttp.ClientResponse:
+        """Send the request; the response once its headers have come."""
+        return await self.upstreams.session.post(self.ep.url(self.kind), data=self.body, headers=self.ep.headers,
+                                                 allow_redirects=False)
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -140,23 +143,15 @@ class Exchange:
             self._held = False
             self.ep.in_flight -= 1
 
-    async def _refused(self, response: httpx.Response) -> None:
+    async def _refused(self, response: aiohttp.ClientResponse) -> None:
         """A server answer that is no success: the outcome says what the client would get."""
         o = self.outcome
-        o.status = response.status_code
-        o.error = f"upstream_{response.status_code}"
-        o.retryable = response.status_code in RETRYABLE_STATUS
-        o.client_fault = not o.retryable and 400 <= response.status_code < 500
+        o.status = response.status
+        o.error = f"upstream_{response.status}"
+        o.retryable = response.status in RETRYABLE_STATUS
+        o.client_fault = not o.retryable and 400 <= response.status < 500
         o.retry_after = response.headers.get("retry-after")
-        if response.is_stream_consumed:  # (not streamed: read already)
-            body = response.content
-        else:
-            body = b""
-            async for piece in response.aiter_raw():
-                body += piece
-                if len(body) >= ERROR_BODY_MAX:
-                    break
-        o.answer_status, o.answer_body = response.status_code, body[:ERROR_BODY_MAX]
+        o.answer_status, o.answer_body = response.status, await response.content.read(ERROR_BODY_MAX)
 
     async def _failed(self, e: BaseException | None = None) -> bool:
         """End a failed attempt: its time, the server's connection closed, the server let go."""
@@ -169,7 +164,7 @@ class Exchange:
         if o.latency_s is None:
             o.latency_s = self._elapsed()
         self.guard.stop()
-        await self._close()
+        self._close()
         self._let_go()
         return False
 
@@ -181,13 +176,14 @@ class Exchange:
         self._hold()
         self.guard.arm(timeout_s, "response")
         try:
-            response = await self.upstreams.client.send(self._request())
-            self.guard.stop()
-            o.latency_s = self._elapsed()
-            if response.status_code != 200:
+            self.response = response = await self._post()
+            if response.status != 200:
                 await self._refused(response)
                 return await self._failed()
-            body = response.content
+            body = await response.read()
+            self.guard.stop()
+            o.latency_s = self._elapsed()
+            self._close()
             try:
                 answer = json.loads(body)
             except ValueError:
@@ -215,7 +211,7 @@ class Exchange:
             o.client_fault = reason == "client_disconnected"
             o.retryable = False  # the whole answer's time ran out, or the client left
             return await self._failed()
-        except httpx.HTTPError as e:
+        except CLIENT_ERRORS as e:
             return await self._failed(e)
         finally:
             self.guard.stop()
@@ -229,11 +225,11 @@ class Exchange:
         self._hold()
         self.guard.arm(first_token_s, "first_token")
         try:
-            self.response = response = await self.upstreams.client.send(self._request(), stream=True)
-            if response.status_code != 200:
+            self.response = response = await self._post()
+            if response.status != 200:
                 await self._refused(response)
                 return await self._failed()
-            it = self._it = response.aiter_raw()
+            it = self._it = response.content.iter_any().__aiter__()
             while not self.first and not self.ended:
                 try:
                     chunk = await it.__anext__()
@@ -253,14 +249,14 @@ class Exchange:
         except asyncio.CancelledError:
             reason = self.guard.take()
             if reason is None:
-                self._close_soon()
+                self._close()
                 self._let_go()
                 raise
             o.error = reason
             o.client_fault = reason == "client_disconnected"
             o.retryable = not o.client_fault
             return await self._failed()
-        except httpx.HTTPError as e:
+        except CLIENT_ERRORS as e:
             return await self._failed(e)
         finally:
             self.guard.stop()
@@ -302,7 +298,7 @@ class Exchange:
                         o.error = reason
                         yield sse_error(reason, f"the inference server sent nothing for {idle_s:g} s; the stream "
                                                 "is incomplete")
-                except httpx.HTTPError as e:
+                except CLIENT_ERRORS as e:
                     if not self.ended:
                         _http_failure(o, e)
                         yield sse_error(o.error or "upstream_error", "the inference server's stream broke off; the "
@@ -315,12 +311,11 @@ class Exchange:
             self.ended = finished = True
             if o.latency_s is None:
                 o.latency_s = self._elapsed()
-            await self._close()  # read to its end: the connection goes back to the pool
         finally:
             if not finished:  # the client went away (or the server is shutting down)
                 if o.error is None:
                     o.error, o.client_fault = "client_disconnected", True
-                self._close_soon()
+            self._close()
             if o.latency_s is None:
                 o.latency_s = self._elapsed()
             self.ended = True
@@ -396,22 +391,13 @@ class Exchange:
         if o.output_tokens is None and (self.first or self.done) and o.answer_status is None:
             o.output_tokens = self.token_events
 
-    async def _close(self) -> None:
-        response = self.response
+    def _close(self) -> None:
+        """Done with the server's response: read to its end, its connection goes back to the pool;
+        not (an error, a timeout, the client left), the connection is closed -- which tells the
+        server to stop generating."""
+        response, self.response = self.response, None
         if response is not None:
-            self.response = None
-            try:
-                await response.aclose()
-            except Exception:  # closing a broken connection: nothing more to learn
-                pass
-
-    def _close_soon(self) -> None:
-        """Close the server's request from a task of its own (the caller may be being cancelled):
-        a stream not read to its end closes the connection, which tells the server to stop."""
-        if self.response is not None:
-            task = asyncio.get_running_loop().create_task(self._close())
-            _closing.add(task)
-            task.add_done_callback(_closing.discard)
-
-
-_closing: set[asyncio.Task[None]] = set()
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()

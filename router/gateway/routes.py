@@ -12,6 +12,7 @@ messages and fields), rendered by the app's own exception handlers and put in Op
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -47,11 +48,11 @@ def _gateway(caller: Any) -> Any:
 
 
 async def _serve(request: Request, kind: Kind) -> Response:
+    arrived = time.perf_counter()
     try:
         caller = await authenticate(request)
         gw = _gateway(caller)
-        call = await gw.read(await request.body(), request.headers.get("content-type"), request.headers,
-                             caller.who.tenant, kind)
+        call = await gw.read(await request.body(), request.scope["headers"], caller.who.tenant, kind, arrived)
         return await gw.serve(call, caller, request.receive, request.scope.setdefault("state", {}))  # type: ignore[no-any-return]
     except Exception as exc:
         return await _error(request, exc)

@@ -47,9 +47,11 @@ from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import Constraints, Rule
 
 #: SLO headers: routing field -> header
-SLO_HEADERS = {"ttft_ms": "x-xroute-ttft-ms", "tpot_ms": "x-xroute-tpot-ms", "deadline_ms": "x-xroute-deadline-ms"}
-ORIGIN_HEADER = "x-xroute-origin"
-SESSION_HEADER = "x-session-id"
+SLO_HEADERS = {"ttft_ms": b"x-xroute-ttft-ms", "tpot_ms": b"x-xroute-tpot-ms", "deadline_ms": b"x-xroute-deadline-ms"}
+ORIGIN_HEADER = b"x-xroute-origin"
+SESSION_HEADER = b"x-session-id"
+#: the request headers the gateway reads (one pass over the raw headers)
+READ_HEADERS = frozenset({*SLO_HEADERS.values(), ORIGIN_HEADER, SESSION_HEADER, b"content-type"})
 _HEADER_NAMES = {"ttft_ms": "X-Xroute-TTFT-Ms", "tpot_ms": "X-Xroute-TPOT-Ms", "deadline_ms": "X-Xroute-Deadline-Ms",
                  "origin": "X-Xroute-Origin", "session_id": "X-Session-Id"}
 _TTFT_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -74,6 +76,8 @@ class Call:
     want_usage: bool
     tenant: str
     route: dict[str, Any]
+    #: the routing request as validated (the first attempt's, its TTFT set when it is made)
+    first: RouteRequest
     store: bool
     request_id: str | None
     arrived: float
@@ -175,7 +179,10 @@ class Gateway:
         self.tenant_cfg = {name: t.gateway for name, t in settings.tenants.items()}
         self.transcripts = (TranscriptStore(cfg.transcripts_path)
                             if any(t.store_prompts for t in self.tenant_cfg.values()) else None)
-        self.allow = {m: Rule(offering_ids=sorted(offs)) for m, offs in self.upstreams.offerings.items()}
+        # each model's offerings with servers, as an allow rule (none when that is every offering: the
+        # rule would only lengthen each decision's logged request)
+        self.allow = {m: Rule(offering_ids=sorted(offs)) if len(set(offs)) < engine.n else None
+                      for m, offs in self.upstreams.offerings.items()}
         self.metrics = GatewayMetrics(svc.metrics.registry)
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
@@ -187,10 +194,11 @@ class Gateway:
                  "offerings": sorted(self.upstreams.offerings[m])}
                 for m in self.svc.engine.models if m in self.upstreams.offerings]
 
-    async def read(self, raw: bytes, content_type: str | None, headers: Any, tenant: str, kind: Kind) -> Call:
+    async def read(self, raw: bytes, raw_headers: list[tuple[bytes, bytes]], tenant: str, kind: Kind,
+                   arrived: float) -> Call:
         """The call a request makes (raises the router's 4xx errors, naming the field)."""
-        arrived = time.perf_counter()
-        data, view = parse_body(raw, content_type, kind)
+        headers = {k: v.decode("latin-1") for k, v in raw_headers if k in READ_HEADERS}
+        data, view = parse_body(raw, headers.get(b"content-type"), kind)
         engine = self.svc.engine
         model = view.model
         if model not in self.upstreams.offerings:
@@ -239,7 +247,7 @@ class Gateway:
         route["input_tokens"] = min(n_in, 2_000_000)
         route["max_output_tokens"] = min((budget or cfg.default_max_tokens) * view.n, 1_000_000)
         try:
-            RouteRequest.model_validate(route)  # every field checked once, named as the client gave it
+            first = RouteRequest.model_validate(route)  # every field checked once, named as the client gave it
         except ValidationError as e:
             err = e.errors()[0]
             name = str(err["loc"][0]) if err["loc"] else "body"
@@ -248,17 +256,25 @@ class Gateway:
             raise _invalid(name, str(err["msg"])) from None
         opts = view.stream_options
         return Call(kind, raw, data, model, model, view.stream, bool(opts and opts.include_usage), tenant, route,
-                    bool(tcfg is not None and tcfg.store_prompts), request_id_var.get(), arrived)
+                    first, bool(tcfg is not None and tcfg.store_prompts), request_id_var.get(), arrived)
 
     def routing_request(self, call: Call, elapsed_ms: float, tried: list[str]) -> RouteRequest:
         """The routing request of the next attempt: what is left of the TTFT budget (and deadline),
         only the offerings with servers for the model, none tried already."""
+        ttft = max(1.0, call.route["ttft_ms"] - elapsed_ms)
+        deadline = call.route.get("deadline_ms")
+        if deadline is not None:
+            deadline = max(1.0, deadline - elapsed_ms)
+        allow = self.allow[call.model]
+        if not tried and allow is None:  # the request as validated (no constraints of the gateway's own)
+            first = call.first
+            first.ttft_ms, first.deadline_ms = ttft, deadline
+            return first
         fields = dict(call.route)
-        fields["ttft_ms"] = max(1.0, fields["ttft_ms"] - elapsed_ms)
-        if fields.get("deadline_ms") is not None:
-            fields["deadline_ms"] = max(1.0, fields["deadline_ms"] - elapsed_ms)
+        fields["ttft_ms"], fields["deadline_ms"] = ttft, deadline
         deny = [Rule(offering_ids=list(tried))] if tried else []
-        fields["constraints"] = Constraints(allow=[self.allow[call.model]], deny=deny)
+        fields["constraints"] = Constraints(allow=[allow] if allow is not None else [], deny=deny) if (
+            allow is not None or deny) else None
         values: dict[str, Any] = {k: fields.get(k) for k in RouteRequest.model_fields}
         return RouteRequest.model_construct(**values)
 
@@ -281,7 +297,7 @@ class Gateway:
         while not guard.disconnected:
             elapsed_ms = (time.perf_counter() - t0) * 1000.0
             if tried and (len(tried) >= cfg.max_attempts or elapsed_ms >= call.route["ttft_ms"] - 1.0
-                          or len(tried) >= len(self.allow[call.model].offering_ids or ())):
+                          or len(tried) >= len(self.upstreams.offerings[call.model])):
                 break
             body = self.routing_request(call, elapsed_ms, tried)
             started = time.perf_counter()
