@@ -93,7 +93,9 @@ async def _streams(url: str, headers: dict[str, str], body: bytes, workers: int,
 
     ttft: list[float] = []
     total: list[float] = []
+    overhead: list[float] = []  # the gateway's own measure of what it added (its x-xroute-overhead-ms header)
     errors: dict[str, int] = {}
+    stream = b'"stream": true' in body or b'"stream":true' in body
     start = time.perf_counter()
     stop = start + seconds
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -111,11 +113,16 @@ async def _streams(url: str, headers: dict[str, str], body: bytes, workers: int,
                             errors[str(r.status)] = errors.get(str(r.status), 0) + 1
                             await asyncio.sleep(0.05)
                             continue
-                        async for line in r.content:
-                            if first is None and b"tok0" in line:
-                                first = time.perf_counter()
-                            if line.startswith(b"data: [DONE]"):
-                                break
+                        added = r.headers.get("x-xroute-overhead-ms")
+                        if not stream:
+                            await r.read()
+                            first = time.perf_counter()
+                        else:
+                            async for line in r.content:
+                                if first is None and b"tok0" in line:
+                                    first = time.perf_counter()
+                                if line.startswith(b"data: [DONE]"):
+                                    break
                 except Exception as e:
                     errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
                     continue
@@ -123,10 +130,15 @@ async def _streams(url: str, headers: dict[str, str], body: bytes, workers: int,
                 if first is not None and t0 >= start + warmup_s:
                     ttft.append((first - t0) * 1000.0)
                     total.append((end - t0) * 1000.0)
+                    if added is not None:
+                        overhead.append(float(added))
 
         await asyncio.gather(*(worker() for _ in range(workers)))
-    return {"ttft": _pct(ttft), "duration": _pct(total), "errors": errors,
-            "streams_per_s": round(len(ttft) / max(seconds - warmup_s, 1e-9), 1)}
+    out = {"ttft": _pct(ttft), "duration": _pct(total), "errors": errors,
+           "streams_per_s": round(len(ttft) / max(seconds - warmup_s, 1e-9), 1)}
+    if overhead:
+        out["gateway_overhead"] = _pct(overhead)
+    return out
 
 
 async def _hold(url: str, headers: dict[str, str], body: bytes, n: int, pid: int, writer_pid: int | None
@@ -226,10 +238,10 @@ async def _client_cost(url: str, n: int) -> dict[str, float]:
 class Gateway:
     """``xroute serve`` with every offering of the shipped bundle an upstream on the stand-in."""
 
-    def __init__(self, work: Path, standin: str, key_file: Path, name: str):
+    def __init__(self, work: Path, standin: str, key_file: Path, name: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.proc = start_subprocess(["--config", str(_config(work, standin, name)), "--keys-file", str(key_file)],
-                                     {}, self.port, work / f"{name}.log")
+                                     env or {}, self.port, work / f"{name}.log")
         self.url = f"http://127.0.0.1:{self.port}"
         writers = br.child_pids(self.proc.pid)
         self.writer = writers[0] if writers else None
@@ -257,6 +269,8 @@ def main() -> None:
     ap.add_argument("--rps-conns", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--hold", type=int, default=500, help="streams held open for the memory figure")
+    ap.add_argument("--db-synchronous", choices=["FULL", "NORMAL"], default="FULL",
+                    help="the decision log's fsync per group commit (the router's default: FULL)")
     ap.add_argument("--parts", default="client,streams,rps,memory", help="comma-separated: which parts to run")
     ap.add_argument("--output", type=Path, default=REPO / "benchmarks" / "results" / "gateway.json")
     args = ap.parse_args()
@@ -314,8 +328,9 @@ def main() -> None:
             gw.stop()
             gateways.remove(gw)
 
-        gw = Gateway(work, standin, key_file, "gateway")
+        gw = Gateway(work, standin, key_file, "gateway", {"XROUTE_ROUTER_DB_SYNCHRONOUS": args.db_synchronous})
         gateways.append(gw)
+        out["db_synchronous"] = args.db_synchronous
 
         if "streams" in parts:  # -----------------------------------------------------------------
             _admin(standin, ttft_s=args.ttft_ms / 1000, tpot_s=args.tpot_ms / 1000, output_tokens=args.stream_tokens)
@@ -356,6 +371,10 @@ def main() -> None:
                 row = {name: br.run_wrk(url, lua, args.rps_s, args.rps_conns, pid) for name, url, lua, pid in pairs}
                 print(f"rps round {r}: {row}", flush=True)
                 rps_rounds.append(row)
+            plain_body = json.dumps(req).encode()
+            out["not_streamed_overhead"] = asyncio.run(_streams(f"{gw.url}/v1/chat/completions", auth, plain_body,
+                                                                args.rps_conns, args.rps_s))
+            print(f"not streamed, the gateway's own overhead: {out['not_streamed_overhead']}", flush=True)
             out["not_streamed"] = {"rounds": rps_rounds, "connections": args.rps_conns,
                                    "gateway_rps": float(np.median([x["gateway"]["rps"] for x in rps_rounds])),
                                    "direct_rps": float(np.median([x["direct"]["rps"] for x in rps_rounds]))}
@@ -383,6 +402,11 @@ def table(out: dict[str, Any]) -> str:
         for q, goal in (("p50_ms", "<= 1 ms"), ("p99_ms", "<= 5 ms")):
             lines.append(f"| TTFT {q[:3]}, {s['concurrent']} concurrent streams (ms) | {med['direct' + q]:.2f} | "
                          f"{med['gateway' + q]:.2f} | {s['added_ttft_' + q]:+.2f} | {goal} |")
+        ov = [x["gateway"].get("gateway_overhead", {}) for x in s["rounds"]]
+        if all(ov):
+            for q in ("p50_ms", "p99_ms"):
+                lines.append(f"| the gateway's own overhead before the first token, {q[:3]} (ms; x-xroute-overhead-ms) | "
+                             f"| {float(np.median([o[q] for o in ov])):.2f} | | |")
         last = s["rounds"][-1]
         lines.append(f"| streams completed per second | {last['direct']['streams_per_s']} | "
                      f"{last['gateway']['streams_per_s']} | | |")
@@ -399,6 +423,11 @@ def table(out: dict[str, Any]) -> str:
             lines.append(f"| not streamed, latency {k[:3]} (ms) | {med['direct' + k]:.2f} | {med['gateway' + k]:.2f} | "
                          f"{med['gateway' + k] - med['direct' + k]:+.2f} | |")
         lines.append(f"| gateway event-loop CPU per request, not streamed (us) | | {cpu:.0f} | | |")
+        nso = out.get("not_streamed_overhead", {}).get("gateway_overhead")
+        if nso:
+            for q in ("p50_ms", "p99_ms"):
+                lines.append(f"| the gateway's own overhead, not streamed, {q[:3]} (ms; {r['connections']} clients) | | "
+                             f"{nso[q]:.2f} | | |")
     m = out.get("memory")
     if m:
         lines.append(f"| memory per open stream (KiB; {m['opened']} held, {m['errors']} refused) | | "

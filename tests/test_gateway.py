@@ -167,6 +167,7 @@ def test_a_streamed_chat_is_relayed_measured_and_closes_the_loop(gw: Gw) -> None
             extra_headers={"X-Request-ID": rid}) as raw:
         assert raw.headers["content-type"].startswith("text/event-stream")
         decision_id, offering = raw.headers["x-xroute-decision-id"], raw.headers["x-xroute-offering"]
+        overhead_ms = float(raw.headers["x-xroute-overhead-ms"])  # what the gateway added, the server's 150 ms not
         chunks = list(raw.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == " ".join(f"tok{i}" for i in range(8))
@@ -177,6 +178,7 @@ def test_a_streamed_chat_is_relayed_measured_and_closes_the_loop(gw: Gw) -> None
     assert att["decision_id"] == decision_id and att["offering_id"] == offering and att["attempt"] == 1
     assert att["failed"] == 0 and att["error"] is None and att["output_tokens"] == 8
     assert 150.0 <= att["ttft_ms"] < 1000.0  # the stand-in's 150 ms, measured by the gateway
+    assert 0.0 < overhead_ms < att["ttft_ms"] - 100.0
     assert att["latency_ms"] >= att["ttft_ms"] + 7 * 20.0
     assert 15.0 <= att["tpot_ms"] < 200.0
     words = sum(len(m["content"].split()) for m in _chat())

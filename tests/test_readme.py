@@ -7,6 +7,7 @@ directory (so nothing depends on the checkout's ``runs/`` or ``reports/``), with
 - the serving block, verbatim but for the port (a free one instead of 8080, so parallel runs and a
   router already on 8080 cannot collide): keys, the router, one routed request, its feedback, the
   export -- which must count the feedback;
+- the gateway's config and ``openai`` client block, against a vLLM-like stand-in;
 - the Python block;
 - the quick evaluation line;
 - every other ``xroute`` command of a ``bash`` block with ``--help`` appended: click refuses an
@@ -83,8 +84,51 @@ def test_the_serving_walkthrough_runs_as_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_the_gateway_config_and_client_run_as_written(tmp_path: Path) -> None:
+    """The gateway's YAML, with its servers' base URLs pointed at a vLLM-like stand-in (that wants
+    the key the YAML names), served by ``xroute serve --config``; then the ``openai`` block, verbatim
+    but for the port and the key it reads from the environment."""
+    import secrets
+
+    import yaml
+
+    from tests.servers import ServerThread, start_subprocess
+    from tests.vllm_standin import StandIn, StandInConfig
+
+    text = README.read_text()
+    start = text.index("### Calling your models through xroute")
+    config = yaml.safe_load(re.search(r"^```yaml\n(.*?)^```", text[start:], re.S | re.M).group(1))  # type: ignore[union-attr]
+    client = block_after("### Calling your models through xroute", "python")
+    assert "8080" in client, "the gateway block's port moved: update this test"
+    server_key = secrets.token_hex(8)
+    standin = StandIn(StandInConfig(api_key=server_key))
+    with ServerThread(standin) as upstream:
+        for up in config["upstreams"]:
+            assert up["api_key_env"] == "VLLM_API_KEY"
+            up["base_urls"] = [f"{upstream}/v1" for _ in up["base_urls"]]
+        config["db_path"] = str(tmp_path / "decisions.db")
+        (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
+        keys = tmp_path / "keys.json"
+        key = subprocess.run([str(BIN / "python"), "-m", "router.keys", "add", "--tenant", "acme", "--keys-file",
+                              str(keys)], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        port = free_port()
+        env = {**user_env(), "VLLM_API_KEY": server_key}
+        proc = start_subprocess(["--config", str(tmp_path / "router.yaml"), "--keys-file", str(keys), "--model", ""],
+                                env, port, tmp_path / "serve.log")
+        try:
+            r = subprocess.run([str(BIN / "python"), "-c", client.replace("8080", str(port))], cwd=tmp_path,
+                               env={**user_env(), "XROUTE_KEY": key}, capture_output=True, text=True, timeout=120)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == " ".join(f"tok{i}" for i in range(32))  # the stand-in's 32 tokens, streamed
+    assert standin.requests and standin.requests[-1]["authorization"] == f"Bearer {server_key}"
+
+
+@pytest.mark.slow
 def test_the_python_block_runs_as_written(tmp_path: Path) -> None:
-    (code,) = blocks("python")
+    code = block_after("### The environment, for your own agents", "python")
     r = run(code + "\nprint('mask', int(info['action_mask'].sum()), 'of', len(info['action_mask']))\n",
             tmp_path, timeout=300, shell="python")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -120,6 +120,8 @@ class Exchange:
         self.texts: dict[int, list[str]] = {}
         self.answer: bytes | None = None  # a request that was not streamed: the answer sent
         self.on_end: Callable[[], None] | None = None
+        #: when the request went to the server, and when its first token (streamed) or answer came back
+        self.sent = self.received = 0.0
         self._rename: tuple[bytes, bytes] | None = None
         if ep.served_model != client_model:
             self._rename = (b'"model":' + json.dumps(ep.served_model).encode(),
@@ -128,6 +130,7 @@ class Exchange:
     # ---------------------------------------------------------------------------------- the request
     async def _post(self) -> aiohttp.ClientResponse:
         """Send the request; the response once its headers have come."""
+        self.sent = time.perf_counter()
         return await self.upstreams.session.post(self.ep.url(self.kind), data=self.body, headers=self.ep.headers,
                                                  allow_redirects=False)
 
@@ -182,7 +185,8 @@ class Exchange:
                 return await self._failed()
             body = await response.read()
             self.guard.stop()
-            o.latency_s = self._elapsed()
+            self.received = time.perf_counter()
+            o.latency_s = self.received - self.started
             self._close()
             try:
                 answer = json.loads(body)
@@ -238,6 +242,8 @@ class Exchange:
                     break
                 self._feed(chunk)
             self.guard.stop()
+            if not self.received:  # (a stream that ended without a token: its end)
+                self.received = time.perf_counter()
             if not self.first:
                 if o.error == "upstream_error_event":  # the server failed before any token: retry elsewhere
                     o.retryable = True
@@ -322,6 +328,14 @@ class Exchange:
             self._let_go()
             self.end()
 
+    def abandon(self) -> None:
+        """Give up a successful exchange that will not be answered (its decision could not be made
+        durable, or the request was cancelled): the server's connection closed, the server let go."""
+        self._close()
+        self._let_go()
+        if self.outcome.latency_s is None:
+            self.outcome.latency_s = self._elapsed()
+
     def end(self) -> None:
         """Call ``on_end`` (once)."""
         callback, self.on_end = self.on_end, None
@@ -373,7 +387,8 @@ class Exchange:
                     drop = not self.want_usage and not obj.get("choices")
                 if not self.first and has_token(obj):
                     self.first = True
-                    o.ttft_s = self._elapsed()
+                    self.received = time.perf_counter()
+                    o.ttft_s = self.received - self.started
                 if self.keep_text:
                     chunk_texts(obj, self.texts)
         if self.first and not drop and b'"choices":[]' not in data:

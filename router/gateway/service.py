@@ -41,7 +41,7 @@ from router.logs import LOG, request_id_var
 from router.metrics import LoopCounter, LoopHistogram
 from router.routes.feedback import close_the_loop, feedback_row
 from router.routes.route import release, route_decision
-from router.store import DecisionRef
+from router.store import DecisionRef, StoreClosed
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import Constraints, Rule
@@ -122,9 +122,11 @@ class GatewayMetrics:
                                     "(ok, or the failure)", ("offering_id", "outcome"), registry)
         self.ttft = LoopHistogram("xroute_gateway_ttft_seconds", "Streams: from the request's arrival to its first "
                                   "token, as the client sees it", _TTFT_BUCKETS, registry)
-        self.overhead = LoopHistogram("xroute_gateway_overhead_seconds", "From the request's arrival until its first "
-                                      "attempt is sent: reading, counting, deciding, logging the decision",
-                                      _OVERHEAD_BUCKETS, registry)
+        self.overhead = LoopHistogram("xroute_gateway_overhead_seconds", "What the gateway added before the first "
+                                      "token (streams) or the answer: from the request's arrival to its start, less "
+                                      "the server's own time from the request sent to the first token (or answer) "
+                                      "received -- reading, counting, deciding, logging, relaying (and failed "
+                                      "attempts)", _OVERHEAD_BUCKETS, registry)
         self.open_streams = 0
         Gauge("xroute_gateway_open_streams", "Streams being relayed now", registry=registry).set_function(
             lambda: self.open_streams)
@@ -301,8 +303,11 @@ class Gateway:
                 break
             body = self.routing_request(call, elapsed_ms, tried)
             started = time.perf_counter()
+            commit: list[asyncio.Future[int]] = []
             try:
-                payload = await route_decision(svc, body, who, scope_state)
+                # the decision-log write runs while the request goes to its server: awaited before any
+                # answer reaches the client (the decision is durable before it is acknowledged)
+                payload = await route_decision(svc, body, who, scope_state, durable=commit)
             except RouteFailure:
                 if not tried:
                     raise
@@ -315,28 +320,37 @@ class Gateway:
                               float(answer["expected_cost_usd"]))
             att = Attempt(len(tried), answer["decision_id"], offering_id, ref)
             ep = self.upstreams.pick(call.model, offering_id)
+            ok = False
             ex = att.exchange = Exchange(self.upstreams, ep, call.kind, call.body_for(ep.served_model),
                                          call.client_model, call.want_usage, guard, started, keep_text=call.store)
-            if att.number == 1:
-                self.metrics.overhead.observe(time.perf_counter() - t0)
             try:
                 if call.stream:
                     ok = await ex.open_stream(cfg.first_token_timeout_s)
                 else:
                     ok = await ex.complete(cfg.response_timeout_s)
-            except BaseException as e:  # cancelled, or a failure of ours: the attempt still closes its loop
-                if ex.outcome.error is None:
-                    ex.outcome.error = "cancelled" if isinstance(e, asyncio.CancelledError) else "gateway_error"
+                await commit[0]  # (StoreClosed: the log cannot record; the client gets its 503)
+            except BaseException as e:  # cancelled, the log failed, or a failure of ours: the loop still closes
+                ex.abandon()
+                if ex.outcome.error is None or ok:
+                    ex.outcome.error = ("cancelled" if isinstance(e, asyncio.CancelledError) else
+                                        "decision_log_unavailable" if isinstance(e, StoreClosed) else "gateway_error")
                     ex.outcome.client_fault = True
+                if not commit[0].done():
+                    commit[0].cancel()  # (the row goes on to the log; nobody waits for it)
+                elif not commit[0].cancelled():
+                    commit[0].exception()  # (retrieved: the log's failure is the client's 503)
                 self.finish(call, att)
                 raise
             if ok:
+                now = time.perf_counter()
+                overhead = now - t0 - (ex.received - ex.sent)
+                self.metrics.overhead.observe(overhead)
                 headers = {"x-xroute-decision-id": att.decision_id, "x-xroute-offering": offering_id,
-                           "x-xroute-attempts": str(att.number)}
+                           "x-xroute-attempts": str(att.number), "x-xroute-overhead-ms": f"{overhead * 1000.0:.3f}"}
                 self.metrics.requests.inc(call.kind, "ok")
                 if call.stream:
                     if ex.first:
-                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                        self.metrics.ttft.observe(now - t0)
                     ex.on_end = lambda att=att: self.finish(call, att)
                     return RelayResponse(ex, cfg.idle_timeout_s,
                                          {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},

@@ -53,8 +53,13 @@ def end_route(svc: Any, offering_id: str, pinfo: dict[str, Any], t0: float) -> N
     m.route_seconds.observe(time.perf_counter() - t0)
 
 
-async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, idempotency: str | None = None) -> bytes:
+async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, idempotency: str | None = None,
+                         durable: list[Any] | None = None) -> bytes:
     """Decide, reserve, record the decision durably (group commit), then return the answer's JSON.
+
+    ``durable`` (a list, without an idempotency key; the gateway's): the decision-log write is not
+    awaited but appended to it -- the caller forwards the request while the commit runs and awaits
+    it before anything reaches its client, releasing the reservation if it fails.
 
     With an ``Idempotency-Key`` (``idempotency``), the key is claimed first: a key already
     answered returns that answer's bytes and books nothing (a different body under the same key is
@@ -92,7 +97,11 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         reserved = True
         payload, row, offering_id, pinfo = engine.admit(r, engine.candidate_of(r, pool), hold, key)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
-        await svc.store.record_decision(row)
+        if durable is None:
+            await svc.store.record_decision(row)
+        else:
+            assert key is None, "a deferred commit cannot complete an idempotency key"
+            durable.append(svc.store.record_decision(row))
     except BaseException:
         if reserved:
             await release(svc, decision_id)
