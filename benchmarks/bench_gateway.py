@@ -361,11 +361,15 @@ def main() -> None:
             _admin(standin, ttft_s=0.0, tpot_s=0.0, output_tokens=16)
             req = {"model": MODEL, "messages": messages, "max_tokens": 16}
             lua_d, lua_g = _wrk_lua(work / "direct.lua", req, None), _wrk_lua(work / "gw.lua", req, key)
+            # the same server's POST /v1/route, a decision alone (what the gateway adds to it: forwarding, measuring)
+            lua_r = _wrk_lua(work / "route.lua", {"origin": ORIGIN, "input_tokens": 120, "max_output_tokens": 16,
+                                                  "ttft_ms": 2000, "tpot_ms": 100, "model": MODEL}, key)
             br.run_wrk(f"{gw.url}/v1/chat/completions", lua_g, 3, args.rps_conns)  # warm-up
             rps_rounds = []
             for r in range(args.rounds):
                 pairs = [("direct", f"{standin}/v1/chat/completions", lua_d, None),
-                         ("gateway", f"{gw.url}/v1/chat/completions", lua_g, gw.proc.pid)]
+                         ("gateway", f"{gw.url}/v1/chat/completions", lua_g, gw.proc.pid),
+                         ("route", f"{gw.url}/v1/route", lua_r, gw.proc.pid)]
                 if r % 2:
                     pairs.reverse()
                 row = {name: br.run_wrk(url, lua, args.rps_s, args.rps_conns, pid) for name, url, lua, pid in pairs}
@@ -423,6 +427,11 @@ def table(out: dict[str, Any]) -> str:
             lines.append(f"| not streamed, latency {k[:3]} (ms) | {med['direct' + k]:.2f} | {med['gateway' + k]:.2f} | "
                          f"{med['gateway' + k] - med['direct' + k]:+.2f} | |")
         lines.append(f"| gateway event-loop CPU per request, not streamed (us) | | {cpu:.0f} | | |")
+        if all("route" in x for x in r["rounds"]):
+            rcpu = float(np.median([x["route"].get("server_cpu_us_per_req", np.nan) for x in r["rounds"]]))
+            rrps = float(np.median([x["route"]["rps"] for x in r["rounds"]]))
+            lines.append(f"| the same server's POST /v1/route (a decision alone): req/s, CPU per request (us) | | "
+                         f"{rrps:.0f}, {rcpu:.0f} | {cpu - rcpu:+.0f} us | |")
         nso = out.get("not_streamed_overhead", {}).get("gateway_overhead")
         if nso:
             for q in ("p50_ms", "p99_ms"):
