@@ -96,6 +96,17 @@ from gymnasium import spaces
 from envs import estimator as est
 from envs import features as fz
 from envs import kernels
+from envs.budget import (
+    NO_BUDGET,
+    NOT_REFUSED,
+    REFUSED,
+    REFUSED_BUDGET,
+    BudgetBook,
+    LiveBudget,
+    budget_features,
+    check_tenants,
+)
+from envs.capacity import CapacityQuotas
 from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
@@ -104,8 +115,9 @@ from xroute.config import EnvConfig, parse_config
 from xroute.errors import ConfigError
 
 #: view events: a request's completion becomes known; a retry after a preemption enters a pool; a
-#: live router's request reaches its expected end without feedback (``admit_live``)
-_COMPLETE, _ADMIT, _LIVE_END = 0, 1, 2
+#: live router's request reaches its expected end without feedback (``admit_live``); a request's end
+#: settles its tenant budget (``envs.budget``)
+_COMPLETE, _ADMIT, _LIVE_END, _SETTLE = 0, 1, 2, 3
 #: a completion event's output tokens when the request was preempted (-1: completed, length unknown)
 _PREEMPTED = -2.0
 
@@ -226,6 +238,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
         self.gpu_count = np.array([o.replicas_per_instance for o in self.catalog], dtype=float)
         self.replay = TelemetryReplay(self.bundle, self.gpu_count)
+        #: cloud capacity quotas (``envs.capacity``): offerings no quota leaves room for one more instance of
+        self.capacity = CapacityQuotas(self.bundle, self.catalog)
+        self.quota_blocked = np.zeros(self.n, dtype=bool)
         self.origins, self.rtt_ms = self._origins_rtt(self.bundle)
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
         self._ref_prefill_s = 1.0 / ref.prefill_tok_s
@@ -251,6 +266,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.req_key = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(self.req_model, tenants)],
                                 dtype=np.int64)
         self.req_ids = w["request_id"].to_numpy()
+        self.req_tenant = tenants
         #: the realized outcome: read by the simulation of service (``_resolve``) and the oracle only
         self.req_out = w["output_tokens"].to_numpy(dtype=float)
         self.n_requests = len(w)
@@ -262,6 +278,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             ok = hm >= 0
             keys = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(hm[ok], ht[ok])], dtype=np.int64)
             self.history = (hm[ok], keys, history["output_tokens"].to_numpy(dtype=float)[ok])
+        check_tenants(self.cfg.tenants, set(self.models_cfg.models))
+        #: the tenants' budgets (``envs.budget``), when the config sets any
+        self.budget: BudgetBook | None = None
+        if self.cfg.tenants:
+            book = BudgetBook(self.cfg.tenants, self.cfg.budget_period_s, tenants, self.req_model, self.model_names,
+                              self.arrival_raw)
+            self.budget = book if book.any() else None
         self.set_rate_scale(self.cfg.rate_scale)
 
     def _model_column(self, w: pd.DataFrame) -> np.ndarray:
@@ -311,12 +334,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ConfigError(f"{bundle.path}: field 'capacity_replicas' changed; restart the router to resize its pools")
         origins, rtt_ms = self._origins_rtt(bundle)
         return {"bundle": bundle, "replay": TelemetryReplay(bundle, self.gpu_count), "origins": origins,
-                "rtt_ms": rtt_ms}
+                "rtt_ms": rtt_ms, "capacity": CapacityQuotas(bundle, self.catalog)}
 
     def apply_telemetry(self, prepared: dict[str, Any]) -> None:
         """Swap in :meth:`prepare_telemetry`'s result. The pools keep their load; the next request
         re-reads prices and availability from the new tables."""
         self.bundle, self.replay = prepared["bundle"], prepared["replay"]
+        self.capacity = prepared.get("capacity") or CapacityQuotas(self.bundle, self.catalog)
         self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
         self._true_down = self._jittered_downs()
@@ -329,6 +353,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ConfigError(f"env config: field 'rate_scale': must be > 0, got {rate_scale}")
         self.rate_scale = rate_scale
         self.arrival = self.t0 + (self.arrival_raw - self.t0) / rate_scale
+        book = getattr(self, "budget", None)
+        if book is not None:
+            book.set_arrival(self.arrival)
 
     # ------------------------------------------------------------------ gym API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -352,7 +379,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._refresh_at = -np.inf
         self._next_event = -np.inf
         self._recent: deque[float] = deque()
-        self.stats = {"preempted": 0, "failed": 0}
+        self.stats = {"preempted": 0, "failed": 0, "refused_budget": 0, "refused_rate_limit": 0,
+                      "excluded_budget": 0, "excluded_quota": 0}
+        if self.budget is not None:
+            self.budget.begin(start, float(self.arrival[start]))
         self._prepare()
         return self._obs(), self._info()
 
@@ -437,6 +467,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     self._refresh_at = -np.inf
             elif kind == _LIVE_END:  # a live request's expected end, unless feedback completed it before
                 self.complete_live(d[0], now)
+            elif kind == _SETTLE:  # a request ended: its budget counts what it really used
+                if self.budget is not None:
+                    pos, periods, reserved_usd, tokens, usd = d
+                    self.budget.settle(pos, now, periods, reserved_usd, tokens, usd)
             else:  # _ADMIT
                 m, a, service, true_end, key, tokens, pos = d
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
@@ -456,7 +490,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
                      "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "ext_util_conc", "_true_down",
                      "r_m", "r_key", "r_origin", "r_in", "r_max_out", "r_ttft", "r_tpot", "r_deadline", "r_est_out",
-                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq")
+                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_refused",
+                     "r_bfeat", "r_excl_budget", "r_excl_quota", "quota_blocked", "r_over")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
                      "C", "c_mask", "seen_down_at")
 
@@ -466,11 +501,16 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         d.update({k: getattr(self, k).copy() for k in self._COPIED_STATE})
         d.update(_tevents=list(self._tevents), _events=list(self._events), stats=dict(self.stats),
                  _recent=deque(self._recent), _live=dict(self._live))
+        if self.budget is not None:
+            d["_budget"] = self.budget.save()
         return d
 
     def restore_state(self, d: dict[str, Any]) -> None:
         for k, v in d.items():
-            setattr(self, k, v)
+            if k != "_budget":
+                setattr(self, k, v)
+        if self.budget is not None and "_budget" in d:
+            self.budget.restore(d["_budget"])
         # the snapshot stays reusable: give the environment its own copies of what it mutates
         for k in self._COPIED_STATE:
             setattr(self, k, d[k].copy())
@@ -534,24 +574,36 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.static_feats = st
         # the parts of the mask and of the expectations that only change with telemetry
         priced = np.isfinite(self.price_s)
-        self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits
+        self.quota_blocked = self.capacity.blocked(t) if self.capacity.active else np.zeros(self.n, dtype=bool)
+        self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits & ~self.quota_blocked
         self.cost_rate = np.where(priced, self.price_s, 0.0)[None, :] * self.gpus_per_slot
         self._refresh_at = t + self.cfg.feature_refresh_s
         self._next_event = self.replay.next_event_after(t)
+        if self.capacity.active:
+            k = int(np.searchsorted(self.capacity.event_times, t, side="right"))
+            if k < self.capacity.event_times.size:
+                self._next_event = min(self._next_event, float(self.capacity.event_times[k]))
 
     def _prepare(self) -> None:
         """Make the stream's next request the current one and compute its candidate outcomes.
         Reads only what the client sends (never ``req_out``)."""
         i = self._pos
-        self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
+        t = float(self.arrival[i])
+        budget, refuse = NO_BUDGET, NOT_REFUSED
+        if self.budget is not None and self.budget.buckets_of[i]:
+            self._advance(t)  # (the ends the budget learns of up to t)
+            budget, refuse = self.budget.check(i, t, float(self.req_in[i] + self.req_max_out[i]))
+        self._set_request(t, int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
                           self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
-                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]))
+                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), budget, refuse)
 
     def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
-                     deadline_ms: float, model: int, key: int, request_id: Any, z: float) -> None:
+                     deadline_ms: float, model: int, key: int, request_id: Any, z: float,
+                     budget: LiveBudget = NO_BUDGET, refuse: int = NOT_REFUSED) -> None:
         """Make a request current: the router learns what happened up to ``t``, estimates the
         output length, and computes the request's expectations on every offering in one compiled
-        pass (``envs.kernels.candidate_outcomes_into``)."""
+        pass (``envs.kernels.candidate_outcomes_into``); then its tenant's ``budget`` masks what it
+        cannot afford, or ``refuse`` masks everything (``envs.budget``)."""
         self._advance(t)
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
@@ -578,9 +630,33 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.view_service_s[m], self.view_server_busy[m])
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
+        self.r_excl_quota = int((self.quota_blocked & self.fits[m] & (self.slots[m] > 0)).sum()) \
+            if self.capacity.active else 0
+        self._apply_budget(budget, refuse)
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
+
+    def _apply_budget(self, budget: LiveBudget, refuse: int) -> None:
+        """The current request's budget: its features, and the offerings it cannot afford masked
+        (an expected cost over the USD left); refused (everything masked) when ``refuse`` says so
+        or no valid offering is affordable."""
+        self.r_bfeat = budget_features(budget)
+        self.r_excl_budget = 0
+        self.r_refused = refuse
+        #: the offerings the budget masked (None: none)
+        self.r_over: np.ndarray | None = None
+        if refuse != NOT_REFUSED:
+            self.r_excl_budget = int(self.c_mask.sum())
+            self.c_mask[:] = False
+        elif budget.usd_limit >= 0:
+            over = self.c_mask & (self.C[COST] > budget.usd_left)
+            if over.any():
+                self.r_excl_budget = int(over.sum())
+                self.r_over = over
+                self.c_mask &= ~over
+                if not self.c_mask.any():
+                    self.r_refused = REFUSED_BUDGET
 
     # the candidate outcomes as named arrays (views of rows of ``C``)
     @property
@@ -643,6 +719,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.params_feat[self.r_m],
             min(len(self._recent) / 100.0, 3.0),
             self.c_load,
+            *self.r_bfeat,
         ], dtype=np.float32)
 
     def _info(self) -> dict[str, Any]:
@@ -732,11 +809,18 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ref_cost = self.reference_cost(self.r_in, out)
         dl = self.r_deadline
         budget = self.latency_budget(self.r_ttft, self.r_tpot, dl, out)
+        refused = REFUSED[self.r_refused] or None
+        if not dry:
+            self.stats["excluded_budget"] += self.r_excl_budget
+            self.stats["excluded_quota"] += self.r_excl_quota
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
+            if refused is not None and not dry:
+                self.stats[f"refused_{refused}"] += 1
             reward = self._reward(0.0, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
-                    "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None}
+                    "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None,
+                    "refused": refused}
         if not dry:  # the router records the decision with the expected service time
             j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, t, self.C[SERVICE, a])
@@ -765,36 +849,45 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     ttft = self.c_rtt[f] + 1000.0 * (r2["first"] - t)
                 if not dry:  # the router learns of the retry when the preemption happens
                     self._push(r1["end"], _ADMIT, (m, f, self.C[SERVICE, f], r2["end"], self.r_key, out, self._pos))
+        if not dry and self.budget is not None and self.budget.buckets_of[self._pos]:
+            # the tenant's budget: the expected cost reserved now, what it really used when it ends
+            end = r1["end"] if failed or migrated_to is None else r2["end"]
+            periods = self.budget.admit(self._pos, self.r_in + self.r_max_out, float(self.C[COST, a]))
+            self._push(end, _SETTLE, (self._pos, periods, float(self.C[COST, a]),
+                                      self.r_in + (0.0 if failed else out), float(cost)))
         if failed:
             self.stats["failed"] += not dry
             reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
-                    "migrated_to": None}
+                    "migrated_to": None, "refused": None}
         tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
         reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
-                "preempted": preempted, "migrated_to": migrated_to}
+                "preempted": preempted, "migrated_to": migrated_to, "refused": None}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                      tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                     request_id: Any = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+                     request_id: Any = None, budget: LiveBudget | None = None
+                     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
         self.set_live(t, origin, input_tokens, max_output_tokens, ttft_ms, tpot_ms, deadline_ms, model, tenant,
-                      request_id)
+                      request_id, budget)
         return self._obs(), self._info()
 
     def set_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                  tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                 request_id: Any = None) -> np.ndarray:
+                 request_id: Any = None, budget: LiveBudget | None = None) -> np.ndarray:
         """:meth:`observe_live` without building the observation: makes the live request current
         (its expectations, as ``observe_live``) and returns its action mask over the ``n``
-        offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
-        an unknown origin, ``ValueError`` for an unknown model."""
+        offerings (``c_mask``; read-only, overwritten by the next request). ``budget``: its
+        tenant's budget as the router's quota state has it (``envs.budget``: the features, and the
+        offerings it cannot afford masked); None = no budget. Raises ``KeyError`` for an unknown
+        origin, ``ValueError`` for an unknown model."""
         if origin not in self.origin_index:
             raise KeyError(origin)
         m = self.default_model if model is None else self.model_index.get(model, -1)
@@ -804,7 +897,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.reset(seed=0)
         self._set_request(t, self.origin_index[origin], input_tokens, max_output_tokens, ttft_ms, tpot_ms,
                           np.nan if deadline_ms is None else float(deadline_ms), m, self.estimator_key(m, tenant),
-                          request_id, 0.0)
+                          request_id, 0.0, NO_BUDGET if budget is None else budget)
         return self.c_mask
 
     def commit_live(self, a: int) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from envs.cloud_route import CloudRouteEnv
-from envs.features import F, offering_matrix
+from envs.features import F, R, offering_matrix
 from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
 
@@ -132,6 +132,34 @@ class Greedy(_Base):
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         r = self.env.expected_rewards()
         return int(np.argmax(r))
+
+
+class BudgetPacing(_Base):
+    """Greedy with its tenant's budget paced over the period (``envs.budget``): each offering's
+    expected reward less ``lambda`` times its weighted expected cost, ``lambda = gain x max(0,
+    period_left - budget_left) / max(budget_left, 0.05)`` -- zero while the USD left is at least
+    the share of the period left (on pace: greedy itself), growing as spending runs ahead of it, so
+    cheaper offerings win before the budget runs out rather than requests being refused after.
+    Reads only the request's budget features (decision-time state). ``gain``: tuned on the training
+    windows (``EvaluateConfig.pacing_gain``; ``tools/tune_pacing.py``)."""
+
+    name = "budget-pacing"
+
+    def __init__(self, gain: float = 1.0):
+        self.gain = gain
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        env = self.env
+        r = env.expected_rewards()
+        req = obs["request"]
+        left, period = float(req[R["budget_left"]]), float(req[R["period_left"]])
+        behind = period - left
+        if behind <= 0.0 or self.gain <= 0.0:
+            return int(np.argmax(r))
+        lam = self.gain * behind / max(left, 0.05)
+        rw = env.cfg.reward
+        cost_n = np.minimum(env.c_cost / max(env.r_ref_cost, 1e-12), rw.cost_norm_cap)
+        return int(np.argmax(r - lam * rw.cost_weight * cost_n))
 
 
 class RoundRobin(_Base):
@@ -270,6 +298,7 @@ BASELINES: dict[str, Callable[[EvaluateConfig], Policy]] = {
     "lowest-latency": lambda c: LowestLatency(),
     "least-loaded": lambda c: LeastLoaded(),
     "greedy": lambda c: Greedy(),
+    "budget-pacing": lambda c: BudgetPacing(c.pacing_gain),
     "round-robin": lambda c: RoundRobin(),
     "random": lambda c: Random(),
     "oracle": lambda c: Oracle(c),

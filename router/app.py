@@ -37,6 +37,7 @@ from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
+from router.quotas import quota_events
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.scrape import InferenceScraper
@@ -44,6 +45,7 @@ from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
+from xroute.schema.quota import DAY_S, day_index
 
 API_VERSION = "1.0.0"
 
@@ -203,7 +205,8 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
 
     url = settings.state_url.get_secret_value() if settings.state_url is not None else None
     state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
-                                     settings.state_prefix, settings.state_stats_alpha), on_failover=failover)
+                                     settings.state_prefix, settings.state_stats_alpha, settings.state_hold_max_s),
+                       on_failover=failover)
     if not await state.healthy():
         LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
     return state
@@ -232,13 +235,32 @@ async def _logged_answers(store: GroupCommitLog, settings: RouterSettings, now: 
     return answers
 
 
-async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
+async def logged_quota_events(engine: RoutingEngine, settings: RouterSettings, now: float,
+                              before: float | None = None) -> list[Any]:
+    """The tenant quota reservations (and settles) of the decision log that still count at
+    ``now``: those of the current UTC day, and of the last ``state_hold_max_s`` (a concurrency
+    slot or a window may reach back past midnight); none when no tenant has quotas
+    (``router.quotas.quota_events``)."""
+    plan = engine.quota_plan
+    if not plan:
+        return []
+    since = min(now - settings.state_hold_max_s, day_index(now) * DAY_S)
+    target = settings.log_target
+    return await asyncio.to_thread(lambda: list(quota_events(
+        target, since, lambda tenant, model: [b.key for b in plan.buckets(tenant, model)], before)))
+
+
+async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings,
+                                 engine: RoutingEngine | None = None) -> None:
     """After a restart, the embedded state from the decision log: the reservations whose hold has
-    not passed and whose feedback has not come (``router.backends.decision_events``), and the
-    idempotency keys still within their TTL with their answers, the same bytes."""
+    not passed and whose feedback has not come (``router.backends.decision_events``), the tenant
+    quota counters (``logged_quota_events``), and the idempotency keys still within their TTL with
+    their answers, the same bytes."""
     now = time.time()
     target = settings.log_target
     events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
+    if engine is not None:
+        events += await logged_quota_events(engine, settings, now)
     counts = state.rebuild(events, now_wall=now)
     counts["idempotency_keys"] = state.restore_answers(await _logged_answers(store, settings, now), now_wall=now)
     LOG.info("shared state rebuilt from the decision log", extra={"fields": counts})
@@ -264,8 +286,9 @@ class SharedStateSync:
     keys within their TTL). Run at start and about once a second with the shared view; a restore
     that fails is tried again at the next check."""
 
-    def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings):
-        self.state, self.store, self.settings = state, store, settings
+    def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings,
+                 engine: RoutingEngine | None = None):
+        self.state, self.store, self.settings, self.engine = state, store, settings, engine
         self.known: str | None = None
         self.log_id = log_identity(settings)
 
@@ -278,8 +301,10 @@ class SharedStateSync:
             self.known = epoch.id  # longer than any hold lost nothing a log could give back -- skip reading it)
             return
         target = self.settings.log_target
-        events = await asyncio.to_thread(lambda: list(decision_events(
+        events: list[Any] = await asyncio.to_thread(lambda: list(decision_events(
             target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
+        if self.engine is not None:
+            events += await logged_quota_events(self.engine, self.settings, now, before=epoch.started)
         answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
         counts = await self.state.restore(epoch, self.log_id, events, answers, now)
         self.known = epoch.id
@@ -295,6 +320,7 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
     cannot be read the last view stays (logged once per outage). ``sync``: checked about once a
     second (:class:`SharedStateSync`)."""
     durations: dict[str, float] = {}
+    quota_keys = engine.quota_plan.keys()
     tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
@@ -305,6 +331,8 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
             if tick % durations_every == 0:
                 durations = await state.durations(sorted(counts))
             engine.apply_shared_view(counts, durations)
+            if quota_keys:  # the tenant quotas' usage, for the decisions' budgets (router.quotas.QuotaView)
+                engine.quota_view.apply(await state.quota_usage(quota_keys))
             down = failing = False
         except StateUnavailable as e:
             if not down:
@@ -427,9 +455,11 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         state = await open_router_state(settings)
         sync = None
         if isinstance(state, EmbeddedState):
-            await rebuild_embedded_state(state, store, settings)
+            await rebuild_embedded_state(state, store, settings, engine)
+            engine.quota_usage = state.quota_usage_now  # (exact, in process)
         else:
-            sync = SharedStateSync(state, store, settings)
+            engine.quota_usage = engine.quota_view.get  # (read with the shared view)
+            sync = SharedStateSync(state, store, settings, engine)
             try:
                 await sync.check()  # before the first decision, when the server answers now
             except StateUnavailable:

@@ -19,6 +19,7 @@ import heapq
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import isfinite
 from typing import Any
@@ -33,6 +34,8 @@ from router import kernels, ope_log
 from router.keys import Principal
 from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
+from router.quota_ledger import QuotaUsage
+from router.quotas import QuotaPlan, QuotaView, budget_failure, live_budget, quota_failure
 from router.settings import RouterSettings
 from router.state import EmbeddedState, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
@@ -40,6 +43,7 @@ from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import CatalogIndex, CompiledConstraints, ConstraintError, Constraints, compile_constraints
+from xroute.schema.quota import QuotaBucket
 
 
 def env_config(settings: RouterSettings) -> EnvConfig:
@@ -151,6 +155,11 @@ class RoutingEngine:
             if server.model is not None and server.model not in env.model_index:
                 raise ConfigError(f"{where}.model': unknown model '{server.model}' (known: {', '.join(self.models)})")
         self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool, str]] = OrderedDict()
+        #: the tenants' quotas as buckets (``router.quotas``); what a decision reads of them -- the
+        #: embedded state's counters, or the shared view (``quota_view``) -- is set by the app
+        self.quota_plan = QuotaPlan(settings.tenants, self.models)
+        self.quota_usage: Callable[[Sequence[str]], dict[str, QuotaUsage]] | None = None
+        self.quota_view = QuotaView()
         self.freshness = Freshness(time.time())
         self.max_age = settings.max_telemetry_age_s
         self.k_alt = settings.alternatives
@@ -172,7 +181,8 @@ class RoutingEngine:
         self._alt_head = [f'{{"offering":{r},"score":' for r in self.ref_json]
         self._tele_head = f'{{"source":{_dumps(self.source_name)},"clock":{_dumps(self.clock)},"telemetry_time":"'
         self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
-        self._static_key: tuple[int, int] | None = None
+        self._static_key: tuple[int, int, int] | None = None
+        self._quota_only = np.zeros(self.n, dtype=bool)
         self._static_code = np.zeros(self.n, dtype=np.int64)
         rw = env_cfg.reward
         self._reward_args = (float(env.cfg.retry_overhead_ms), float(rw.cost_weight), float(rw.latency_weight),
@@ -277,14 +287,30 @@ class RoutingEngine:
         its telemetry snapshot (new arrays), anything else is a full queue. ``no_capacity``: the
         pool holds no replica of the model (or the model does not fit on the offering)."""
         env = self.env
-        key = (id(env.available), model)
+        key = (id(env.available), id(env.quota_blocked), model)
         if key != self._static_key:
             code = np.full(self.n, 3, dtype=np.int64)
-            code[~np.isfinite(env.price_s)] = 2
-            code[(env.slots[model] <= 0) | ~env.fits[model]] = 1
+            priced = np.isfinite(env.price_s)
+            code[~priced] = 2
+            holds = (env.slots[model] > 0) & env.fits[model]
+            code[~holds] = 1
+            # cloud quota (no room for one more instance): counted apart as ``quota`` (``_quota_counts``)
+            code[env.quota_blocked & holds & priced] = 1
             code[~env.available] = 0
+            self._quota_only = env.quota_blocked & holds & priced & env.available
             self._static_code, self._static_key = code, key
         return self._static_code
+
+    def _quota_counts(self, env_counts: list[int], allowed: np.ndarray) -> list[int]:
+        """The environment's exclusion counts (``router.kernels.ENV_REASONS``) with the tenant
+        budget's and the cloud quotas' own: ``quota`` (counted by the kernels as ``no_capacity``)
+        and ``budget`` (an expected cost over the USD left; counted as ``queue_full``)."""
+        env = self.env
+        q = int((allowed & self._quota_only).sum()) if env.capacity.active else 0
+        b = int((allowed & env.r_over).sum()) if env.r_over is not None else 0
+        if q or b:
+            return [env_counts[0], env_counts[1] - q, env_counts[2], env_counts[3] - b, q, b]
+        return [*env_counts, 0, 0]
 
     def _policy_text(self, pinfo: dict[str, Any]) -> str:
         hit = self._policy_json.get(id(pinfo))
@@ -298,7 +324,7 @@ class RoutingEngine:
     def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
                state: EmbeddedState | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
         """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
-        candidate with room in it, then :meth:`admit`. Returns (response JSON, decision-log row,
+        candidate with room in it and the tenant's quotas, then :meth:`admit`. Returns (response JSON, decision-log row,
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
         alone, as before the shared state). The HTTP route does the same with any backend
         (``router.routes.route``)."""
@@ -309,7 +335,15 @@ class RoutingEngine:
         pool = state.reserve_now(self.candidates(r), decision_id, hold)
         if pool is None:
             raise self.shared_full(r)
-        return self.admit(r, self.candidate_of(r, pool), hold)
+        k = self.candidate_of(r, pool)
+        charge = self.quota_charge(r, k)
+        if charge is not None:
+            verdict = state.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
+            if not verdict.ok:
+                state.release_now(decision_id)
+                self.release_local(decision_id, wall)
+                raise self.quota_exceeded(charge[0], verdict)
+        return self.admit(r, k, hold, quota=None if charge is None else charge[1:])
 
     def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
              request_json: str | None = None, explore_key: str | None = None) -> Ranked:
@@ -346,9 +380,14 @@ class RoutingEngine:
                                  "suggestions": []}], extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
+        budget, binding, buckets = None, -1, None
+        if self.quota_plan and self.quota_usage is not None:  # the tenant's budget as the decision sees it
+            buckets = self.quota_plan.buckets(who.tenant, req.model or self.models[0])
+            if buckets:
+                budget, binding = live_budget(buckets, self.quota_usage([b.key for b in buckets]), wall)
         try:
             env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
-                                    req.deadline_ms, req.model, who.tenant, decision_id)
+                                    req.deadline_ms, req.model, who.tenant, decision_id, budget)
         except ValueError:
             close = difflib.get_close_matches(str(req.model), self.models, n=3, cutoff=0.4)
             raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
@@ -361,6 +400,12 @@ class RoutingEngine:
                                [{"field": "body.model", "message": f"no allowed offering has replicas of "
                                  f"'{env.model_names[m_]}' (it needs more accelerator memory, or the constraints "
                                  "exclude the offerings that hold it)", "suggestions": []}])
+        if budget is not None and env.r_over is not None and binding >= 0 and not (env_mask & allowed).any() \
+                and (env.r_over & allowed).any():  # its tenant's USD left pays for no allowed offering
+            assert buckets is not None
+            cheapest = float(env.c_cost[env.r_over & allowed].min())
+            raise RouteFailure(**budget_failure(buckets[binding], budget, cheapest, wall,
+                                                {**ccounts, "budget": int((env.r_over & allowed).sum())}))
         codes = self._static_codes(m_)
         pref = compiled.preferred
         age = self.freshness.age(wall)
@@ -399,14 +444,14 @@ class RoutingEngine:
             # latency, cost) of the chosen and of each alternative
             ii, nums = ints.tolist()[: 7 + n_alt], floats.tolist()[: 3 + 3 * n_alt]
             a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
-            env_counts = ii[3:7]
+            env_counts = self._quota_counts(ii[3:7], allowed)
             if a < 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
             cands = [a, *ii[7:]]
         else:
             valid, n_valid, n_not_preferred, env_counts_a = kernels.combine(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, codes)
-            env_counts = env_counts_a.tolist()
+            env_counts = self._quota_counts(env_counts_a.tolist(), allowed)
             if n_valid == 0:
                 self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
             m = -1
@@ -482,6 +527,24 @@ class RoutingEngine:
                 out += nums[3 * q:3 * q + 3]
         return [d, *rest], out, j
 
+    # ------------------------------------------------------------------ tenant quotas
+    def quota_charge(self, r: Ranked, k: int = 0) -> tuple[list[QuotaBucket], int, float] | None:
+        """What the request ranked as ``r``, sent to its ``k``-th candidate, counts in its tenant's
+        quotas: its buckets, ``input_tokens + max_output_tokens`` and that offering's expected
+        cost; None when no quota applies to it."""
+        if not self.quota_plan:
+            return None
+        req = r.req
+        buckets = self.quota_plan.buckets(r.who.tenant, self.env.model_names[r.m])
+        if not buckets:
+            return None
+        return buckets, int(req.input_tokens + req.max_output_tokens), float(r.nums[3 * k + 2])
+
+    @staticmethod
+    def quota_exceeded(buckets: Sequence[QuotaBucket], verdict: Any) -> RouteFailure:
+        """The 429 (or 422) of a request the state refused (``RouterState.quota_reserve``'s verdict)."""
+        return RouteFailure(**quota_failure(buckets[verdict.bucket], verdict))
+
     def candidates(self, r: Ranked) -> list[tuple[str, int]]:
         """The ranked offerings as the shared state's ``(pool, capacity)`` candidates. A pool's
         capacity is its slots plus the queue a request may wait in: ``slots + floor(queue_timeout_s
@@ -524,15 +587,16 @@ class RoutingEngine:
                             "are at their capacity in the shared state)", headers={"Retry-After": self._retry_after(soonest)},
                             extra={"excluded": self._counts(r.ccounts, r.n_not_preferred, counts)})
 
-    def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None
-              ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+    def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None,
+              quota: tuple[int, float] | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
         """The request ranked as ``r`` goes to its ``k``-th candidate (the first the shared state
         had room on; the ones before it count as ``queue_full``): the router's view holds that
         pool's slot for its expected service time (``CloudRouteEnv.admit_live``), and, with
         ``hold_s`` (a reservation was made), this process counts the reservation as its own until
         it is released or its hold passes. Returns (response JSON, decision-log row, offering id,
         policy info). Reads nothing of the environment's current request, so other requests may
-        have been ranked in between."""
+        have been ranked in between. ``quota``: the tokens and USD its tenant's quotas reserved
+        (the decision log's ``quota_tokens``, ``quota_usd``; ``router.quotas.quota_events``)."""
         a = r.cands[k]
         alt_idx = r.cands[k + 1:]
         nums = r.nums[3 * k:]
@@ -543,7 +607,7 @@ class RoutingEngine:
         self.decisions += 1
         env_counts = r.env_counts
         if k:
-            env_counts = [*env_counts[:3], env_counts[3] + k]
+            env_counts = [*env_counts[:3], env_counts[3] + k, *env_counts[4:]]
         # {"reason":count,...}: the constraint layers' part is encoded once per constraint set
         # (``constraints_for``); the environment's reasons and not_preferred are plain identifiers
         parts = [r.ctext] if r.ctext else []
@@ -582,7 +646,7 @@ class RoutingEngine:
                req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
                pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],
                None if hold_s is None else wall + hold_s, idempotency_key, propensity, r.epsilon, features,
-               request_json, text)
+               None if quota is None else int(quota[0]), None if quota is None else float(quota[1]), request_json, text)
         return text.encode(), row, offering_id, pinfo
 
     def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:
@@ -678,11 +742,12 @@ class RoutingEngine:
     @staticmethod
     def _counts(ccounts: dict[str, int], n_not_preferred: int, env_counts: list[int]) -> dict[str, int]:
         """Why offerings were excluded: the constraint layers', then not preferred, then the
-        environment's ``ENV_REASONS`` (the answer's ``excluded.by_reason``, in this order)."""
+        environment's ``ENV_REASONS`` and the quotas' (:data:`REASONS`; the answer's
+        ``excluded.by_reason``, in this order)."""
         counts = dict(ccounts)
         if n_not_preferred:
             counts["not_preferred"] = n_not_preferred
-        for reason, c in zip(kernels.ENV_REASONS, env_counts):
+        for reason, c in zip(REASONS, env_counts):
             if c:
                 counts[reason] = c
         return counts
@@ -754,7 +819,10 @@ class RoutingEngine:
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
-_ENV_KEYS = tuple(f'"{r}":' for r in kernels.ENV_REASONS)
+#: why the environment masks an allowed offering: ``router.kernels.ENV_REASONS``, then the cloud
+#: quotas' ``quota`` (no room for one more instance) and the tenant budget's ``budget``
+REASONS = (*kernels.ENV_REASONS, "quota", "budget")
+_ENV_KEYS = tuple(f'"{r}":' for r in REASONS)
 _ANSWER_FORMATS: dict[int, str] = {}
 
 

@@ -31,6 +31,7 @@ from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import Constraints
+from xroute.schema.quota import TenantQuotas
 
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("router_settings_file", default=None)
 
@@ -69,6 +70,9 @@ class TenantConfig(BaseModel):
                     "offering drawn uniformly from the ones it may go to, instead of the policy's choice; 0 = never "
                     f"(the default), at most {EXPLORE_MAX}")
     gateway: TenantGateway = Field(default_factory=TenantGateway, description="the tenant's gateway defaults")
+    quotas: TenantQuotas | None = Field(
+        None, description="the tenant's quotas (docs/quotas.md): max_concurrent, tokens_per_minute, requests_per_day, "
+                          "usd_per_day, and the same per model under models; over one, a request gets 429")
 
 
 class InferenceServer(BaseModel):

@@ -183,10 +183,8 @@ def test_idempotency_keys_first_answer_wins(make_state: Make) -> None:
     _run(make_state, body)
 
 
-def test_quotas_and_sessions_are_room_not_features(make_state: Make) -> None:
+def test_sessions_are_room_not_features(make_state: Make) -> None:
     async def body(s: RouterState) -> None:
-        with pytest.raises(NotImplementedError):
-            await s.take_quota("a", 1, 10, 60)
         with pytest.raises(NotImplementedError):
             await s.get_session("s")
         assert await s.healthy()

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xroute.errors import ConfigError
 from xroute.resources import configs_dir
+from xroute.schema.quota import DAY_S, TenantQuotas
 
 #: the shipped configuration files (``configs/`` in a checkout; package data in an install)
 CONFIG_DIR = configs_dir()
@@ -71,6 +72,12 @@ class EnvConfig(Strict):
                                 "see the instant); requests sent meanwhile are preempted at once. 0 = no lag")
     estimator: EstimatorConfig = EstimatorConfig()
     reward: RewardConfig = RewardConfig()
+    tenants: dict[str, TenantQuotas] = Field(
+        default_factory=dict, description="tenant budgets and rate limits of the simulated world (envs.budget): "
+                                          "the workload's tenant column picks the tenant; a scenario setting")
+    budget_period_s: float = Field(
+        DAY_S, gt=0, description="the budgets' period, seconds since the epoch in multiples of it (86400: the "
+                                 "router's UTC day; a scenario may shorten it so a short stream sees periods end)")
 
 
 class OracleConfig(Strict):
@@ -93,6 +100,9 @@ class EvaluateConfig(Strict):
     seed: int = Field(0, description="first seed; seed k of --seeds N is seed + k")
     seeds: int = Field(5, ge=1, le=1000, description="seeds per policy (service-time noise, spot preemption "
                                                     "instants); metrics are reported as mean and 95 % interval")
+    pacing_gain: float = Field(
+        1.0, ge=0, description="the budget-pacing baseline's gain (models.baselines.BudgetPacing), tuned on the "
+                               "training windows (tools/tune_pacing.py)")
     oracle: OracleConfig = OracleConfig()
     env: EnvConfig = EnvConfig(episode_requests=None)
 

@@ -28,6 +28,7 @@ from router.routes.route import (
 )
 from router.store import DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
+from xroute.schema.quota import settled_amounts
 
 router = APIRouter(prefix="/v1", tags=["feedback"])
 
@@ -88,11 +89,19 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
     the shared state), fold the outcome into its pool's statistics (the decision's first feedback
     only, so a repeated report does not count twice), and teach the output-length estimator. The
     feedback is stored whatever happens here: an unreachable shared state leaves the reservation
-    to its hold and the statistics without this outcome (logged)."""
+    to its hold and the statistics without this outcome (logged). The decision's tenant quota
+    reservation (when one applied) is reconciled with what the feedback reports
+    (``xroute.schema.quota.settled_amounts``): its concurrency slot is freed, its tokens and USD
+    become the real ones."""
     await release(svc, body.decision_id)
     if ref.feedback == 0:
         await best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
                           "outcome not added to the pool's statistics", pool=ref.pool)
+        if ref.quota_tokens is not None and ref.quota_usd is not None:  # its tenant's quotas: what it really used
+            tokens, usd = settled_amounts(ref.quota_tokens, ref.quota_usd, ref.input_tokens, body.output_tokens,
+                                          body.cost_usd, body.failed)
+            await best_effort(svc.state, "quota_settle", (body.decision_id, tokens, usd), "quota not reconciled "
+                              "with the feedback (it counts what was reserved)", decision=body.decision_id)
     engine = svc.engine
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)

@@ -30,6 +30,7 @@ from router.errors import NOT_JSON, is_json
 from router.logs import LOG, new_sorted_id
 from router.state import EmbeddedState, RouterState
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
+from xroute.schema.quota import TooManyRequests
 
 router = APIRouter(prefix="/v1", tags=["route"])
 
@@ -38,10 +39,14 @@ _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API 
            422: {"model": ErrorResponse, "description": "a field is invalid (named in `fields`), an unknown "
                  "origin (with close matches), `invalid_constraints`: a constraint names a value the served catalog "
                  "lacks (close matches in `suggestions`; `GET /v1/offerings` lists the catalog), `no_offering`: "
-                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body"},
+                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body, "
+                 "`quota_too_small`: input + max_output_tokens alone is over the tenant's tokens_per_minute"},
            409: {"model": ErrorResponse, "description": "a request with the same Idempotency-Key is being decided"},
-           429: {"model": ErrorResponse, "description": "no allowed offering can take the request now "
-                 "(spot pools down, queues full, pools at their capacity in the shared state); see Retry-After"},
+           429: {"model": TooManyRequests, "description": "`quota_exceeded`: the tenant is over one of its quotas "
+                 "(`limit` names it: max_concurrent, tokens_per_minute, requests_per_day or usd_per_day, for the "
+                 "tenant or for the model; docs/quotas.md), or `no_capacity`: no allowed offering can take the request "
+                 "now (spot pools down, queues full, pools at their capacity in the shared state, offerings at their "
+                 "cloud quota; `excluded` says why); see Retry-After"},
            503: {"model": ErrorResponse, "description": "the decision log cannot record decisions, or the shared "
                  "state cannot be reached; see Retry-After"}}
 
@@ -64,9 +69,11 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     With an ``Idempotency-Key`` (``idempotency``), the key is claimed first: a key already
     answered returns that answer's bytes and books nothing (a different body under the same key is
     a 422), a key being decided by another request is a 409. The ranked offerings are reserved in
-    the shared state (the first with room; none: 429); a failure after that -- the log cannot
-    record (503), an unexpected error, the request cancelled -- releases the reservation and the
-    key, so a retry decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
+    the shared state (the first with room; none: 429), then the tenant's quotas, with that
+    offering's expected cost (``RouterState.quota_reserve``; over a limit: 429 ``quota_exceeded``,
+    and the pool's reservation is given back); a failure after that -- the log cannot record (503),
+    an unexpected error, the request cancelled -- releases the reservations and the key, so a retry
+    decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
     ``RoutingEngine.rank``, the shared state and the decision log raise (``router.errors``
     renders them)."""
     t0 = time.perf_counter()
@@ -84,6 +91,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             state["decision_id"] = payload[16:50].decode("ascii", "replace")  # '{"decision_id":"d_<32 hex>"'
             return payload
     reserved = False
+    quota = None
     try:
         r = engine.rank(body, who, decision_id, time.time(), request_json, key)
         hold = engine.hold_s(r)
@@ -95,7 +103,17 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         if pool is None:
             raise engine.shared_full(r)
         reserved = True
-        payload, row, offering_id, pinfo = engine.admit(r, engine.candidate_of(r, pool), hold, key)
+        k = engine.candidate_of(r, pool)
+        charge = engine.quota_charge(r, k)
+        if charge is not None:  # the tenant's quotas: checked and counted at once, in the shared state
+            buckets, tokens, usd = charge
+            verdict = await state_call(shared, "quota_reserve", decision_id, buckets, tokens, usd, hold)
+            if not verdict.ok:
+                raise engine.quota_exceeded(buckets, verdict)
+            quota = (tokens, usd)
+            if not isinstance(shared, EmbeddedState):
+                engine.quota_view.add_own(buckets, tokens, usd)
+        payload, row, offering_id, pinfo = engine.admit(r, k, hold, key, quota)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if durable is None:
             await svc.store.record_decision(row)
@@ -105,6 +123,9 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     except BaseException:
         if reserved:
             await release(svc, decision_id)
+        if quota is not None:
+            await best_effort(shared, "quota_release", (decision_id,), "quota reservation not released (its "
+                              "concurrency slot frees when its hold passes)", reservation=decision_id)
         if key is not None:
             await abandon(shared, key)
         raise

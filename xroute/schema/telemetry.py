@@ -180,6 +180,10 @@ QUOTAS = Table(
         Column("unit", "str", doc="vcpus | gpus | instances"),
         Column("limit", "float", minimum=0.0),
         Column("usage", "float", required=False, minimum=0.0),
+        Column("covers", "str", required=False,
+               doc="the offerings whose instances count against it: ';'-separated offering_id patterns with * "
+               "and ? wildcards (written by the adapter that collected it); empty: not known, the quota masks "
+               "nothing"),
     ),
 )
 
