@@ -38,7 +38,7 @@ from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
 from router.quotas import quota_events
-from router.routes import admin, decisions, feedback, health, offerings, route
+from router.routes import admin, decisions, feedback, health, offerings, quotas, route
 from router.routes import metrics as metrics_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
@@ -506,7 +506,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.append(route.SERVED)
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
-              health.router, admin.router, metrics_routes.router):
+              health.router, admin.router, metrics_routes.router, quotas.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)
