@@ -647,7 +647,6 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         #: the offerings the budget masked (None: none)
         self.r_over: np.ndarray | None = None
         if refuse != NOT_REFUSED:
-            self.r_excl_budget = int(self.c_mask.sum())
             self.c_mask[:] = False
         elif budget.usd_limit >= 0:
             over = self.c_mask & (self.C[COST] > budget.usd_left)
@@ -973,7 +972,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         telemetry, less the pools the router saw preempt its own requests), ``external_util``,
         ``slots``, ``busy`` (its requests in flight, at most the slots), ``next_free_in_s`` (until
         the first expected slot release, 0 when one is free) and ``valid`` (available, priced,
-        with slots, and a slot expected within ``queue_timeout_s``)."""
+        with slots, a slot expected within ``queue_timeout_s``, and room for one more instance under
+        its cloud quotas: ``envs.capacity``)."""
         self._advance(t)
         snap = self.replay.snapshot(t, self.cfg.risk_lookback_h * 3600.0)
         price_h = snap["price"]
@@ -981,6 +981,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         nxt = np.maximum(self.est_min[model] - t, 0.0)
         slots = self.slots[model]
         valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= self.cfg.queue_timeout_s)
+        if self.capacity.active:  # no room for one more instance under a cloud quota
+            valid &= ~self.capacity.blocked(t)
         return {"usd_per_hour": price_h * self.gpu_count, "available": available, "external_util": snap["util"],
                 "slots": slots, "busy": np.minimum(self.inflight[model], slots), "next_free_in_s": nxt, "valid": valid}
 

@@ -33,7 +33,8 @@ from xroute.bundle import Bundle
 from xroute.config import EvaluateConfig
 
 METRICS = ("requests", "cost_usd", "cost_per_1k_requests", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-           "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward")
+           "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward",
+           "refused_budget", "refused_rate_limit", "excluded_budget", "excluded_quota")
 #: the metrics compared pairwise to the best baseline (higher is better for reward and SLA)
 PAIRED = ("mean_reward", "cost_per_1k_requests", "latency_p95_ms", "sla_attainment", "failed_requests")
 
@@ -130,6 +131,12 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         "ttft_p95_ms": round(float(np.percentile(tt, 95)), 2) if tt.size else float("nan"),
         "sla_attainment": round(float(1.0 - viol.mean()), 6), "failed_requests": int(failed),
         "preempted": int(preempted), "migrations": int(migrations), "mean_reward": round(float(rewards.mean()), 6),
+        # the tenant budgets and cloud quotas (envs.budget, envs.capacity): requests refused for a tenant's
+        # USD budget or its rate limits (failed requests, counted in failed_requests too), and offerings
+        # excluded per request for a budget and for a cloud capacity quota
+        "refused_budget": int(env.stats["refused_budget"]), "refused_rate_limit": int(env.stats["refused_rate_limit"]),
+        "excluded_budget": round(env.stats["excluded_budget"] / max(n, 1), 4),
+        "excluded_quota": round(env.stats["excluded_quota"] / max(n, 1), 4),
     }
     if compare_greedy:
         m["differs_from_greedy"] = round(differs / max(n, 1), 6)
@@ -138,6 +145,30 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         for t in sorted(set(tenants)):
             m[f"mean_reward[{t}]"] = round(float(rewards[tenants == t].mean()), 6)
     return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs))
+
+
+def tune_pacing_gain(windows: list[tuple[Bundle, pd.DataFrame | None]], cfg: EvaluateConfig, gains: list[float],
+                     rate_scales: list[float], seeds: int = 1) -> tuple[float, list[dict[str, Any]]]:
+    """The budget-pacing baseline's gain (``models.baselines.BudgetPacing``) with the best mean
+    reward over ``windows`` (bundles with the history before each) at each of ``rate_scales`` and
+    ``seeds`` seeds -- meant for the training windows only, so the baseline a trained router is
+    compared with is tuned on no data it is judged on. Ties go to the smaller gain (the one
+    closer to greedy). Returns the gain and one row per gain (its mean reward, refusals)."""
+    from envs.cloud_route import CloudRouteEnv
+    from models.baselines import BudgetPacing
+    from xroute.config import EnvConfig
+
+    envs = [CloudRouteEnv(b, EnvConfig.model_validate({**cfg.env.model_dump(), "rate_scale": r,
+                                                       "episode_requests": None}), history=h)
+            for b, h in windows for r in rate_scales]
+    rows = []
+    for g in sorted(gains):
+        runs = [run_policy(env, BudgetPacing(g), cfg.seed + s).metrics for env in envs for s in range(seeds)]
+        rows.append({"gain": g, "mean_reward": float(np.mean([m["mean_reward"] for m in runs])),
+                     "refused_budget": int(sum(m["refused_budget"] for m in runs)),
+                     "refused_rate_limit": int(sum(m["refused_rate_limit"] for m in runs))})
+    best = max(rows, key=lambda r: (round(r["mean_reward"], 9), -r["gain"]))
+    return float(best["gain"]), rows
 
 
 def t_interval(x: np.ndarray) -> tuple[float, float, float]:
@@ -284,7 +315,7 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
     t = Table(title=title, caption=f"mean over {n_seeds} seed(s) ± half the 95 % interval; Δ = paired difference to "
                                    f"the best baseline ({best.name if best else 'none'})")
     cols = ["policy", "reward", "Δ reward", "$/1k req", "Δ $/1k", "p95 ms", "Δ p95", "TTFT p95", "SLO %", "Δ SLO pp",
-            "failed", "preempt."]
+            "failed", "refused", "quota excl.", "preempt."]
     for c in cols:
         t.add_column(c, justify="left" if c == "policy" else "right")
     for r in results:
@@ -301,7 +332,8 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
                   _pm(m["cost_per_1k_requests"], *ci["cost_per_1k_requests"], ".4f"), d("cost_per_1k_requests", "+.4f"),
                   f"{m['latency_p95_ms']:.0f}", d("latency_p95_ms", "+.0f"), f"{m['ttft_p95_ms']:.0f}",
                   f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
-                  f"{m['preempted']:.0f}")
+                  f"{m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f}",
+                  f"{m.get('excluded_quota', 0):.2f}", f"{m['preempted']:.0f}")
     Console(width=180).print(t)
 
 
@@ -329,7 +361,7 @@ def markdown_table(results: list[Any]) -> str:
     results = as_results(results)
     best = best_baseline(results)
     head = ("| policy | reward | Δ reward | $/1k req | p50 ms | p95 ms | TTFT p95 ms | SLO % | Δ SLO pp | failed | "
-            "preempted |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "refused | preempted |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     rows = []
     for r in results:
         m, ci, vb = r.metrics, r.ci, r.vs_best
@@ -344,7 +376,7 @@ def markdown_table(results: list[Any]) -> str:
                     f"| {d('mean_reward', '+.4f')} | {_pm(m['cost_per_1k_requests'], *ci['cost_per_1k_requests'], '.4f')} "
                     f"| {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} | {m['ttft_p95_ms']:.0f} "
                     f"| {100 * m['sla_attainment']:.2f} | {d('sla_attainment', '+.2f', 100.0)} | {m['failed_requests']:.0f} "
-                    f"| {m['preempted']:.0f} |")
+                    f"| {m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f} | {m['preempted']:.0f} |")
     return head + "\n".join(rows) + "\n"
 
 

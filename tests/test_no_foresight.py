@@ -24,7 +24,12 @@ from xroute.config import EnvConfig, EvaluateConfig
 
 START, LENGTH = 3000, 320
 STEPS = (60, 200, 319)
-POLICIES = ("static", "cheapest", "lowest-latency", "least-loaded", "greedy", "round-robin", "random", "learned")
+POLICIES = ("static", "cheapest", "lowest-latency", "least-loaded", "greedy", "budget-pacing", "round-robin", "random",
+            "learned")
+#: tenant budgets that bind within the checked steps (``envs.budget``): the budget left, the time left in
+#: the period and the tokens left in the window are decision-time state every policy reads; a request's
+#: end (its real tokens and cost) reaches them only when it has ended
+BUDGETS = {"budget_period_s": 60.0, "tenants": {"code": {"usd_per_day": 0.00008}, "conv": {"tokens_per_minute": 250000}}}
 
 
 def _learned() -> LearnedPolicy:
@@ -41,8 +46,8 @@ def _policy(name: str) -> Any:
     return _learned() if name == "learned" else make_baseline(name, EvaluateConfig())
 
 
-def _env(bundle: Any) -> CloudRouteEnv:
-    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0)
+def _env(bundle: Any, budgets: bool = False) -> CloudRouteEnv:
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0, **(BUDGETS if budgets else {}))
 
 
 def _future_changed(env: CloudRouteEnv, k: int, rng: np.random.Generator, in_flight: set[int]) -> None:
@@ -87,13 +92,30 @@ def bundle(shipped_bundle: Any) -> Any:
     return shipped_bundle
 
 
+@pytest.mark.parametrize("budgets", [False, True], ids=["no-budgets", "budgets"])
 @pytest.mark.parametrize("name", POLICIES)
-def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str) -> None:
+def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str, budgets: bool) -> None:
     for k in STEPS:
-        base, pending = _run(_env(bundle), _policy(name), k)
-        changed, _ = _run(_env(bundle), _policy(name), k, change_at=k, in_flight=pending)
+        base, pending = _run(_env(bundle, budgets), _policy(name), k)
+        changed, _ = _run(_env(bundle, budgets), _policy(name), k, change_at=k, in_flight=pending)
         assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
         assert pending, "some requests are in flight at each checked step (the test stretches them)"
+
+
+def test_the_budgets_bind_within_the_checked_steps(bundle: Any) -> None:
+    """The budget variant above is not vacuous: budgets mask offerings and refuse requests, and
+    the budget features move, before the last checked step."""
+    env = _env(bundle, budgets=True)
+    obs, info = env.reset(seed=4, options={"start": START, "end": START + LENGTH})
+    policy = _policy("greedy")
+    policy.reset(env, 4)
+    feats = []
+    for _ in range(STEPS[-1]):
+        feats.append(obs["request"][-3:].copy())
+        obs, _, _, _, info = env.step(int(policy.act(obs, info)))
+    f = np.array(feats)
+    assert env.stats["refused_budget"] > 0 and env.stats["refused_rate_limit"] > 0 and env.stats["excluded_budget"] > 0
+    assert f[:, 0].min() < 0.1 and f[:, 1].min() < 1.0 and f[:, 2].min() < 0.1
 
 
 def test_the_future_does_change_the_outcomes_and_the_oracle(bundle: Any) -> None:

@@ -101,7 +101,7 @@ class EvaluateConfig(Strict):
     seeds: int = Field(5, ge=1, le=1000, description="seeds per policy (service-time noise, spot preemption "
                                                     "instants); metrics are reported as mean and 95 % interval")
     pacing_gain: float = Field(
-        1.0, ge=0, description="the budget-pacing baseline's gain (models.baselines.BudgetPacing), tuned on the "
+        3.0, ge=0, description="the budget-pacing baseline's gain (models.baselines.BudgetPacing), tuned on the "
                                "training windows (tools/tune_pacing.py)")
     oracle: OracleConfig = OracleConfig()
     env: EnvConfig = EnvConfig(episode_requests=None)
