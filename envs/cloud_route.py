@@ -123,6 +123,8 @@ _PREEMPTED = -2.0
 
 __all__ = ["CloudRouteEnv", "load_serving"]
 
+_NO_BUDGET_FEATURES = budget_features(NO_BUDGET)
+
 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     """``xroute/CloudRoute-v0`` (the module docstring is the spec).
@@ -641,11 +643,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """The current request's budget: its features, and the offerings it cannot afford masked
         (an expected cost over the USD left); refused (everything masked) when ``refuse`` says so
         or no valid offering is affordable."""
-        self.r_bfeat = budget_features(budget)
-        self.r_excl_budget = 0
-        self.r_refused = refuse
         #: the offerings the budget masked (None: none)
         self.r_over: np.ndarray | None = None
+        self.r_excl_budget = 0
+        self.r_refused = refuse
+        if budget is NO_BUDGET and refuse == NOT_REFUSED:  # (the common case: no budget, nothing to do)
+            self.r_bfeat = _NO_BUDGET_FEATURES
+            return
+        self.r_bfeat = budget_features(budget)
         if refuse != NOT_REFUSED:
             self.c_mask[:] = False
         elif budget.usd_limit >= 0:

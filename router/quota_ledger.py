@@ -84,7 +84,9 @@ class _Bucket:
     held: dict[str, float] = field(default_factory=dict)  # reservation id -> until (concurrency)
     due: list[tuple[float, str]] = field(default_factory=list)
     window: deque[tuple[float, str]] = field(default_factory=deque)  # (admitted at, id), oldest first
-    tokens: dict[str, int] = field(default_factory=dict)  # id -> tokens, while in the window
+    #: id -> (admitted at, tokens) while in the window; a released id is dropped here only (its window
+    #: entry, no longer matching, is skipped when it leaves)
+    tokens: dict[str, tuple[float, int]] = field(default_factory=dict)
     tokens_sum: int = 0
     days: dict[int, list[float]] = field(default_factory=dict)  # day -> [requests, usd]
 
@@ -97,10 +99,13 @@ class _Bucket:
         if len(due) > 2 * len(held) + 1024:
             self.due = [(u, r) for u, r in due if held.get(r) == u]
             heapq.heapify(self.due)
-        win, cut = self.window, now - window_s
+        win, cut, tokens = self.window, now - window_s, self.tokens
         while win and win[0][0] <= cut:
-            _, rid = win.popleft()
-            self.tokens_sum -= self.tokens.pop(rid, 0)
+            t, rid = win.popleft()
+            got = tokens.get(rid)
+            if got is not None and got[0] == t:
+                del tokens[rid]
+                self.tokens_sum -= got[1]
 
     def day(self, d: int) -> list[float]:
         got = self.days.get(d)
@@ -117,9 +122,10 @@ class _Bucket:
             return math.inf
         excess = self.tokens_sum + need - limit
         for t, rid in self.window:
-            if excess <= 0:
-                break
-            excess -= self.tokens.get(rid, 0)
+            got = self.tokens.get(rid)
+            if got is None or got[0] != t:
+                continue
+            excess -= got[1]
             if excess <= 0:
                 return t + window_s - now
         return 0.0
@@ -201,8 +207,8 @@ class QuotaLedger:
                 b.window.append((at, rid))
                 if len(b.window) > 1 and b.window[-2][0] > at:  # (a rebuild books in log order; keep it sorted)
                     b.window = deque(sorted(b.window))
-                b.tokens[rid] = tokens
-                b.tokens_sum += tokens
+                b.tokens[rid] = (at, int(tokens))
+                b.tokens_sum += int(tokens)
             day = b.day(d)
             day[0] += 1
             day[1] += usd
@@ -220,9 +226,10 @@ class QuotaLedger:
         for key in r.keys:
             b = self._bucket(key)
             b.held.pop(reservation_id, None)
-            if tokens is not None and reservation_id in b.tokens:
-                b.tokens_sum += int(tokens) - b.tokens[reservation_id]
-                b.tokens[reservation_id] = int(tokens)
+            got = b.tokens.get(reservation_id)
+            if tokens is not None and got is not None:
+                b.tokens_sum += int(tokens) - got[1]
+                b.tokens[reservation_id] = (got[0], int(tokens))
             if usd is not None and r.day in b.days:
                 b.days[r.day][1] += float(usd) - r.usd
         return True
@@ -236,10 +243,9 @@ class QuotaLedger:
         for key in r.keys:
             b = self._bucket(key)
             b.held.pop(reservation_id, None)
-            tok = b.tokens.pop(reservation_id, None)
-            if tok is not None:
-                b.tokens_sum -= tok
-                b.window = deque(x for x in b.window if x[1] != reservation_id)
+            got = b.tokens.pop(reservation_id, None)
+            if got is not None:  # (its window entry is skipped when it leaves: _Bucket.evict)
+                b.tokens_sum -= got[1]
             day = b.days.get(r.day)
             if day is not None:
                 day[0] -= 1

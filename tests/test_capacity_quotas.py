@@ -5,6 +5,7 @@ evaluate``'s counts) and in the router, whose answers count them as ``quota``.""
 from __future__ import annotations
 
 from pathlib import Path
+
 import httpx
 import numpy as np
 import pandas as pd

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from envs.budget import budget_features, LiveBudget
+from envs.budget import LiveBudget, budget_features
 from envs.cloud_route import CloudRouteEnv
 from envs.features import R
 from envs.kernels import COST

@@ -184,7 +184,7 @@ def test_the_backends_agree_on_random_sequences(redis_server: Any) -> None:
     quotas = TenantQuotas.model_validate({"max_concurrent": 6, "tokens_per_minute": 20_000, "requests_per_day": 40,
                                           "usd_per_day": 2.0, "models": {"x": {"max_concurrent": 3, "usd_per_day": 1.0}}})
     ops: list[tuple[Any, ...]] = []
-    for i in range(300):
+    for _ in range(300):
         r = rng.random()
         rid = f"r{rng.randrange(60)}"
         if r < 0.55:

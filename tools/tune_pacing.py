@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.config import load_train_config  # noqa: E402
-from models.evaluate import tune_pacing_gain  # noqa: E402
-from models.scenarios import resolve_bundle, split_bundle  # noqa: E402
-from xroute.config import EvaluateConfig, config_path, load_config  # noqa: E402
+from models.config import load_train_config
+from models.evaluate import tune_pacing_gain
+from models.scenarios import resolve_bundle, split_bundle
+from xroute.config import EvaluateConfig, config_path, load_config
 
 
 def main() -> None:

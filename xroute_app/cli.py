@@ -40,7 +40,7 @@ def _ts(value: str | None, option: str) -> str | None:
 @app.command()
 def evaluate(
     policy: Annotated[list[str], typer.Option("--policy", "-p", help="policy name (repeatable): static, "
-                                              "static:OFFERING_ID, cheapest, lowest-latency, least-loaded, greedy, "
+                                              "static:OFFERING_ID, cheapest, lowest-latency, least-loaded, greedy, budget-pacing, "
                                               "round-robin, random, oracle, models:/NAME@ALIAS or a model path")],
     telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the shipped bundle)")] = None,
     start: Annotated[str | None, typer.Option(help="first request time (ISO-8601, inclusive)")] = None,
