@@ -653,7 +653,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.r_bfeat = budget_features(budget)
         if refuse != NOT_REFUSED:
             self.c_mask[:] = False
-        elif budget.usd_limit >= 0:
+        elif budget.usd_limit >= 0 and budget.usd_left < self.C[COST].max():  # (else nothing is over)
             over = self.c_mask & (self.C[COST] > budget.usd_left)
             if over.any():
                 self.r_excl_budget = int(over.sum())

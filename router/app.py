@@ -205,8 +205,7 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
 
     url = settings.state_url.get_secret_value() if settings.state_url is not None else None
     state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
-                                     settings.state_prefix, settings.state_stats_alpha, settings.state_hold_max_s),
-                       on_failover=failover)
+                                     settings.state_prefix, settings.state_stats_alpha), on_failover=failover)
     if not await state.healthy():
         LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
     return state

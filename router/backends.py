@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from router import store
 from router.logs import id_floor
+from router.quota_ledger import RECORD_S
 from router.state import (
-    HOLD_MAX_S,
     STATS_ALPHA,
     EmbeddedState,
     FailOpenState,
@@ -87,8 +87,8 @@ class StateSettings:
     timeout_s: float = 0.5
     prefix: str = "xroute"
     alpha: float = STATS_ALPHA
-    #: how long a tenant quota reservation's record waits for its feedback (``state_hold_max_s``)
-    record_ttl_s: float = HOLD_MAX_S
+    #: how long after its hold a tenant quota reservation's record waits for its feedback
+    record_ttl_s: float = RECORD_S
 
 
 def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:

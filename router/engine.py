@@ -336,7 +336,7 @@ class RoutingEngine:
         if pool is None:
             raise self.shared_full(r)
         k = self.candidate_of(r, pool)
-        charge = self.quota_charge(r, k)
+        charge = self.quota_charge(r)
         if charge is not None:
             verdict = state.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
             if not verdict.ok:
@@ -382,9 +382,9 @@ class RoutingEngine:
         env = self.env
         budget, binding, buckets = None, -1, None
         if self.quota_plan and self.quota_usage is not None:  # the tenant's budget as the decision sees it
-            buckets = self.quota_plan.buckets(who.tenant, req.model or self.models[0])
+            buckets, keys = self.quota_plan.budgeted(who.tenant, req.model or self.models[0])
             if buckets:
-                budget, binding = live_budget(buckets, self.quota_usage([b.key for b in buckets]), wall)
+                budget, binding = live_budget(buckets, self.quota_usage(keys), wall)
         try:
             env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
                                     req.deadline_ms, req.model, who.tenant, decision_id, budget)
@@ -529,9 +529,9 @@ class RoutingEngine:
 
     # ------------------------------------------------------------------ tenant quotas
     def quota_charge(self, r: Ranked, k: int = 0) -> tuple[list[QuotaBucket], int, float] | None:
-        """What the request ranked as ``r``, sent to its ``k``-th candidate, counts in its tenant's
-        quotas: its buckets, ``input_tokens + max_output_tokens`` and that offering's expected
-        cost; None when no quota applies to it."""
+        """What the request ranked as ``r`` counts in its tenant's quotas: its buckets, ``input_tokens
+        + max_output_tokens`` and the expected cost of its ``k``-th candidate (the route charges the
+        policy's choice, ``k = 0``, reserved with the pool in one step); None when no quota applies."""
         if not self.quota_plan:
             return None
         req = r.req

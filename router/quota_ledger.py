@@ -13,8 +13,9 @@ The limits are ``xroute.schema.quota``'s. Per bucket (a tenant, or a (tenant, mo
 Every bucket counts every request in it, whichever of its limits are set (usage is usage; a limit
 added later applies to what is already counted). A reservation (by id: the decision's) records
 what it counted where, so a settle or a release undoes exactly that, once. Its record is kept
-until it is settled or released, or ``record_ttl_s`` has passed (the state's longest hold): a
-feedback after that leaves the counts as reserved.
+until it is settled or released, or ``record_ttl_s`` (:data:`RECORD_S`) after its hold has passed:
+a feedback later than that leaves the counts as reserved (memory stays O(requests of the last
+hold + minute), whether or not clients report).
 
 Time is wall-clock seconds (``clock``); the day is the UTC day (``xroute.schema.quota.DAY_S``).
 """
@@ -29,6 +30,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from xroute.schema.quota import DAY_S, LIMITS, WINDOW_S, QuotaBucket, day_index
+
+#: how long after its hold a reservation's record waits for its feedback (seconds)
+RECORD_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +147,7 @@ class _Reservation:
 class QuotaLedger:
     """The quota counters of one process (module docstring). Not thread-safe: the event loop's."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, record_ttl_s: float = 3600.0,
+    def __init__(self, clock: Callable[[], float] = time.time, record_ttl_s: float = RECORD_S,
                  window_s: float = WINDOW_S):
         self.clock = clock
         self.record_ttl_s = record_ttl_s
@@ -192,7 +196,7 @@ class QuotaLedger:
             if usd_limit >= 0 and spent + usd > usd_limit:
                 return QuotaVerdict(False, i, LIMITS[3], usd_limit, spent, usd, (d + 1) * DAY_S - now)
         self._book(reservation_id, [qb.key for qb in buckets], tokens, usd, now, d, now + hold_s,
-                   now + max(self.record_ttl_s, hold_s))
+                   now + hold_s + self.record_ttl_s)
         return QuotaVerdict(True)
 
     def _book(self, rid: str, keys: Sequence[str], tokens: int, usd: float, at: float, d: int, until: float,
@@ -277,7 +281,7 @@ class QuotaLedger:
                 if ev.reservation_id in self._res or not ev.keys:
                     continue
                 self._book(ev.reservation_id, ev.keys, ev.tokens, ev.usd, ev.at, day_index(ev.at), ev.until,
-                           now + self.record_ttl_s, now)
+                           max(ev.until, now) + self.record_ttl_s, now)
                 out["quota_reserved"] += 1
             elif self.settle(ev.reservation_id, ev.tokens, ev.usd):
                 out["quota_settled"] += 1

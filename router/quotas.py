@@ -56,6 +56,7 @@ class QuotaPlan:
                                       f"'{m}' (known: {', '.join(models)})")
             self.quotas[name] = q
         self._cache: dict[tuple[str, str], list[QuotaBucket]] = {}
+        self._budgeted: dict[tuple[str, str], tuple[list[QuotaBucket], list[str]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.quotas)
@@ -66,6 +67,16 @@ class QuotaPlan:
         got = self._cache.get(key)
         if got is None:
             got = self._cache[key] = buckets_for(self.quotas.get(tenant), tenant, model)
+        return got
+
+    def budgeted(self, tenant: str, model: str) -> tuple[list[QuotaBucket], list[str]]:
+        """The buckets of :meth:`buckets` with a USD or a token limit (what a decision's budget
+        reads: :func:`live_budget`), and their keys."""
+        key = (tenant, model)
+        got = self._budgeted.get(key)
+        if got is None:
+            bs = [b for b in self.buckets(tenant, model) if b.limits[1] >= 0 or b.limits[3] >= 0]
+            got = self._budgeted[key] = (bs, [b.key for b in bs])
         return got
 
     def keys(self) -> list[str]:

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from router.quota_ledger import QuotaLedger, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
+from router.quota_ledger import RECORD_S, QuotaLedger, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
 from xroute.schema.quota import WINDOW_S, QuotaBucket
 
 #: the default weight of a new outcome in the per-pool statistics (module docstring)
@@ -307,7 +307,7 @@ class EmbeddedState(RouterState):
     sync = True
 
     def __init__(self, alpha: float = STATS_ALPHA, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, record_ttl_s: float = HOLD_MAX_S,
+                 wall_clock: Callable[[], float] = time.time, record_ttl_s: float = RECORD_S,
                  quota_window_s: float = WINDOW_S):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")

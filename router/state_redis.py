@@ -54,9 +54,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.logs import iso
-from router.quota_ledger import QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
+from router.quota_ledger import RECORD_S, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
 from router.state import (
-    HOLD_MAX_S,
     STATS_ALPHA,
     Claim,
     Epoch,
@@ -324,7 +323,7 @@ for i = 0, nb - 1 do
   end
 end
 local hold = tonumber(ARGV[5])
-book(KEYS[1], rid, table.concat(names, '\\n'), tokens, usd, now, day, now + hold, math.max(tonumber(ARGV[6]), hold))
+book(KEYS[1], rid, table.concat(names, '\\n'), tokens, usd, now, day, now + hold, hold + tonumber(ARGV[6]))
 return {1}
 """
 # KEYS: the record; ARGV: prefix, id, tokens or '' (as reserved), usd or ''
@@ -379,8 +378,9 @@ for i = 3, #ARGV, 8 do
   local rec = base .. 'qr:' .. rid
   if ARGV[i] == 'R' then
     if redis.call('EXISTS', rec) == 0 then
+      local left = tonumber(ARGV[i + 7])
       book(rec, rid, ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), now - tonumber(ARGV[i + 5]),
-           ARGV[i + 6], now + tonumber(ARGV[i + 7]), ttl)
+           ARGV[i + 6], now + left, math.max(left, 0) + ttl)
       booked = booked + 1
     end
   else
@@ -412,7 +412,7 @@ class RedisState(RouterState):
     backend = "redis"
 
     def __init__(self, url: str, prefix: str = "xroute", timeout_s: float = 0.5, alpha: float = STATS_ALPHA,
-                 max_connections: int = 64, record_ttl_s: float = HOLD_MAX_S, quota_window_s: float = WINDOW_S):
+                 max_connections: int = 64, record_ttl_s: float = RECORD_S, quota_window_s: float = WINDOW_S):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.where = redact(url)

@@ -364,6 +364,34 @@ def test_a_budget_masks_what_it_cannot_pay_for_then_refuses(tmp_path: Path) -> N
         assert _usage(url, setup)["t:a"]["usd_day"] <= budget
 
 
+@pytest.mark.parametrize("backend", ["embedded", "redis"])
+def test_a_request_no_pool_can_take_counts_in_no_quota(tmp_path: Path, backend: str, redis_server: Any) -> None:
+    """The pool's reservation and the quotas' are made together (on Redis in one round trip): a
+    request refused for capacity (429 no_capacity) gives its quota reservation back, and one refused
+    for a quota gives its pool back."""
+    from tests.test_router_closed_loop import ONE_SLOT_SERVING
+
+    shared = {"state_backend": "redis", "state_url": redis_server.url, "state_prefix": next(_prefixes)} \
+        if backend == "redis" else {}
+    setup = make_setup(tmp_path, replay_speed=1e-6, tenants={"a": {"quotas": {"requests_per_day": 1000}},
+                                                            "b": {"quotas": {"max_concurrent": 0}}},
+                       env={"serving_config": str(tmp_path / "serving.yaml"), "queue_timeout_s": 0.001}, **shared)
+    (tmp_path / "serving.yaml").write_text(ONE_SLOT_SERVING)
+    only = {"constraints": {"allow": [{"offering_ids": ["aws:us-east-1:g5.xlarge:on_demand"]}]}}
+    with ServerThread(create_app(setup.settings)) as url:
+        codes = [_route(url, setup, **only).status_code for _ in range(4)]
+        assert codes[0] == 200 and codes[-1] == 429 and set(codes) == {200, 429}, codes
+        refused = _route(url, setup, **only)
+        assert refused.status_code == 429 and refused.json()["error"] == "no_capacity"
+        assert _usage(url, setup)["t:a"]["requests_day"] == codes.count(200)  # refused ones count nowhere
+        status = httpx.get(f"{url}/v1/admin/status", headers=setup.auth("admin"), timeout=10).json()["state"]
+        before = sum(status["in_flight"].values())
+        quota = _route(url, setup, who="b")  # b may have none in flight: its pool is given back
+        assert quota.status_code == 429 and quota.json()["limit"]["name"] == "max_concurrent"
+        status = httpx.get(f"{url}/v1/admin/status", headers=setup.auth("admin"), timeout=10).json()["state"]
+        assert sum(status["in_flight"].values()) == before
+
+
 def test_quota_state_survives_a_router_restart(tmp_path: Path) -> None:
     setup = _setup(tmp_path, {"requests_per_day": 3, "max_concurrent": 2})
     with ServerThread(create_app(setup.settings)) as url:

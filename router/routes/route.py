@@ -12,6 +12,7 @@ once by the engine (no response-model serialization)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import time
@@ -28,6 +29,7 @@ from router.deps import authenticate
 from router.engine import RouteFailure
 from router.errors import NOT_JSON, is_json
 from router.logs import LOG, new_sorted_id
+from router.quota_ledger import QuotaVerdict
 from router.state import EmbeddedState, RouterState
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 from xroute.schema.quota import TooManyRequests
@@ -69,9 +71,10 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     With an ``Idempotency-Key`` (``idempotency``), the key is claimed first: a key already
     answered returns that answer's bytes and books nothing (a different body under the same key is
     a 422), a key being decided by another request is a 409. The ranked offerings are reserved in
-    the shared state (the first with room; none: 429), then the tenant's quotas, with that
-    offering's expected cost (``RouterState.quota_reserve``; over a limit: 429 ``quota_exceeded``,
-    and the pool's reservation is given back); a failure after that -- the log cannot record (503),
+    the shared state (the first with room; none: 429) and the tenant's quotas, with the expected
+    cost of the policy's choice (``RouterState.quota_reserve``; over a limit: 429
+    ``quota_exceeded``, and the pool's reservation is given back) -- on a shared server in one round
+    trip; a failure after that -- the log cannot record (503),
     an unexpected error, the request cancelled -- releases the reservations and the key, so a retry
     decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
     ``RoutingEngine.rank``, the shared state and the decision log raise (``router.errors``
@@ -96,23 +99,41 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         r = engine.rank(body, who, decision_id, time.time(), request_json, key)
         hold = engine.hold_s(r)
         cands = engine.candidates(r)
+        # the tenant's quotas, with the expected cost of the policy's choice: checked and counted at
+        # once in the shared state -- on a server, in the same round trip as the pool's reservation
+        charge = engine.quota_charge(r)
+        pool: str | None
+        verdict: QuotaVerdict | None = None
         if isinstance(shared, EmbeddedState):  # in process: no await between ranking and admitting
             pool = shared.reserve_now(cands, decision_id, hold)
-        else:
+            if charge is not None and pool is not None:
+                verdict = shared.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
+        elif charge is None:
             pool = await shared.reserve(cands, decision_id, hold)
+        else:
+            got: tuple[Any, Any] = await asyncio.gather(
+                shared.reserve(cands, decision_id, hold),
+                shared.quota_reserve(decision_id, charge[0], charge[1], charge[2], hold), return_exceptions=True)
+            got_pool, got_quota = got
+            if isinstance(got_quota, QuotaVerdict) and got_quota.ok:
+                quota = (charge[1], charge[2])  # (given back below if the pool's reservation failed)
+            if isinstance(got_pool, str):
+                reserved = True
+            for e in (got_pool, got_quota):
+                if isinstance(e, BaseException):
+                    raise e
+            assert not isinstance(got_pool, BaseException) and isinstance(got_quota, QuotaVerdict)
+            pool, verdict = got_pool, got_quota
         if pool is None:
             raise engine.shared_full(r)
         reserved = True
-        k = engine.candidate_of(r, pool)
-        charge = engine.quota_charge(r, k)
-        if charge is not None:  # the tenant's quotas: checked and counted at once, in the shared state
-            buckets, tokens, usd = charge
-            verdict = await state_call(shared, "quota_reserve", decision_id, buckets, tokens, usd, hold)
+        if verdict is not None and charge is not None:
             if not verdict.ok:
-                raise engine.quota_exceeded(buckets, verdict)
-            quota = (tokens, usd)
+                raise engine.quota_exceeded(charge[0], verdict)
+            quota = (charge[1], charge[2])
             if not isinstance(shared, EmbeddedState):
-                engine.quota_view.add_own(buckets, tokens, usd)
+                engine.quota_view.add_own(charge[0], charge[1], charge[2])
+        k = engine.candidate_of(r, pool)
         payload, row, offering_id, pinfo = engine.admit(r, k, hold, key, quota)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if durable is None:
