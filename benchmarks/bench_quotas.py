@@ -6,7 +6,10 @@
    run's length), ``quota_settle``, ``quota_release``, ``quota_usage`` -- on the embedded state in
    this process and on a real ``redis-server`` over loopback (one Lua script per call, redis-py's
    asyncio client). Targets (issue 22): check-and-reserve p99 <= 0.5 ms embedded, <= 1 ms on Redis.
-2. In process: ``RoutingEngine.decide`` (rank, pool reservation, quota reservation, admit) on the
+2. Redis: a request's state calls as the route and the feedback make them -- reserve a pool and
+   (quotas on) the quotas in one event-loop iteration, then release (and settle) -- 32 concurrent
+   lifecycles, quotas on and off in interleaved rounds: this process's CPU per request (redis-py),
+   the server's (the Lua scripts), and the rate. In process: ``RoutingEngine.decide`` (rank, pool reservation, quota reservation, admit) on the
    shipped bundle with the embedded state, the tenant with and without quotas, interleaved rounds.
 3. HTTP (``--http``; needs wrk): ``POST /v1/route`` of ``xroute serve`` (one worker, greedy,
    shipped bundle) with the tenant's quotas on and off -- on the embedded state and on Redis --
@@ -70,6 +73,61 @@ async def bench_ops(state: RouterState, n: int) -> dict[str, dict[str, float]]:
     out["quota_settle"] = await _time(n // 2, lambda i: state.quota_settle(f"r{i}", 1200, 8e-6))
     out["quota_release"] = await _time(n // 2, lambda i: state.quota_release(f"r{n // 2 + i}"))
     out["quota_usage"] = await _time(n // 2, lambda i: state.quota_usage([b.key for b in BUCKETS]))
+    return out
+
+
+CANDIDATES = [(f"pool-{i}", 1_000_000) for i in range(3)]
+
+
+async def _lifecycles(state: RouterState, tag: str, quotas: bool, tasks: int, per_task: int) -> int:
+    """``tasks`` concurrent request lifecycles on ``state``, as the route and the feedback make
+    them: reserve a pool (and the quotas, in the same round trip: ``reserve_with_quota``), then
+    release it, and fold the outcome into the pool's statistics (and settle the quotas, in the same
+    round trip)."""
+    async def one(t: int) -> None:
+        for i in range(per_task):
+            rid = f"{tag}-{t}-{i}"
+            if quotas:  # what the route and the feedback do
+                await state.reserve_with_quota(CANDIDATES, rid, 300, BUCKETS, 2000, 1e-5)
+                await state.release(rid)
+                await asyncio.gather(state.observe("pool-0", 100.0, 900.0), state.quota_settle(rid, 1200, 8e-6))
+            else:
+                await state.reserve(CANDIDATES, rid, 300)
+                await state.release(rid)
+                await state.observe("pool-0", 100.0, 900.0)
+
+    await asyncio.gather(*(one(t) for t in range(tasks)))
+    return tasks * per_task
+
+
+def bench_lifecycles(url: str, server_pid: int, rounds: int, tasks: int = 32, per_task: int = 300) -> dict[str, Any]:
+    """Redis: the CPU a request's state calls cost with quotas on and off -- this process's (the
+    router's side: redis-py) and the server's (the scripts) per request, and the wall-clock rate --
+    ``tasks`` concurrent lifecycles (:func:`_lifecycles`), ``rounds`` interleaved rounds, medians.
+    CPU time, unlike a rate, hardly moves with what else the shared cores run."""
+    from bench_router import proc_stat
+
+    from router.state_redis import RedisState
+
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+
+    async def go(v: str, r: int) -> dict[str, float]:
+        state = RedisState(url, prefix=f"life-{v}")
+        try:
+            await _lifecycles(state, f"w{r}", v == "on", tasks, 20)  # warm the connections and scripts
+            c0, s0, w0 = time.process_time(), proc_stat(server_pid)[1], time.perf_counter()
+            n = await _lifecycles(state, f"r{r}", v == "on", tasks, per_task)
+            c1, s1, w1 = time.process_time(), proc_stat(server_pid)[1], time.perf_counter()
+        finally:
+            await state.close()
+        return {"client_cpu_us_per_req": (c1 - c0) / n * 1e6, "server_cpu_us_per_req": (s1 - s0) / n * 1e6,
+                "req_per_s": n / (w1 - w0)}
+
+    for r in range(rounds):
+        for v in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            runs[v].append(asyncio.run(go(v, r)))
+    out: dict[str, Any] = {v: {k: round(float(np.median([x[k] for x in xs])), 1) for k in xs[0]} for v, xs in runs.items()}
+    out["tasks"], out["per_task"] = tasks, per_task
     return out
 
 
@@ -205,6 +263,8 @@ def main() -> None:
 
         res["redis"] = asyncio.run(run_redis())
         res["redis_server"] = "redis-server on 127.0.0.1 (loopback), no persistence"
+        assert server.proc is not None
+        res["lifecycles"] = bench_lifecycles(server.url, server.proc.pid, a.rounds)
         res["decide"] = bench_decide(a.decide_n, a.rounds)
         if a.http:
             if shutil.which("wrk") is None:
@@ -232,6 +292,12 @@ def table(res: dict[str, Any]) -> str:
     for op in res["embedded"]:
         e, r = res["embedded"][op], res["redis"][op]
         lines.append(f"| {op} | {e['p50_us']} / {e['p99_us']} | {r['p50_us']} / {r['p99_us']} |")
+    lc = res["lifecycles"]
+    lines += ["", f"| Redis: {lc['tasks']} concurrent lifecycles (reserve, release, observe) | client CPU us/req | "
+                  "server CPU us/req | req/s |", "|---|---:|---:|---:|"]
+    for v in ("off", "on"):
+        x = lc[v]
+        lines.append(f"| quotas {v} | {x['client_cpu_us_per_req']} | {x['server_cpu_us_per_req']} | {x['req_per_s']} |")
     d = res["decide"]
     lines += ["", "| RoutingEngine.decide (embedded state) | p50 us | p99 us |", "|---|---:|---:|",
               f"| quotas off | {d['off']['p50_us']} | {d['off']['p99_us']} |",

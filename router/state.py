@@ -220,6 +220,21 @@ class RouterState:
         concurrency slot is held until :meth:`quota_settle`, :meth:`quota_release` or ``hold_s``."""
         raise NotImplementedError
 
+    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
+                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
+        """:meth:`reserve` and :meth:`quota_reserve` of one request at once (a shared server gets
+        both in one round trip). Each result, or the exception its call raised: the caller gives
+        back whichever succeeded when the other did not."""
+        out: list[Any] = []
+        for call in (lambda: self.reserve(candidates, reservation_id, hold_s),
+                     lambda: self.quota_reserve(reservation_id, buckets, tokens, usd, hold_s)):
+            try:
+                out.append(await call())
+            except Exception as e:
+                out.append(e)
+        return out[0], out[1]
+
     async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
         """The reservation's feedback: its concurrency slot is freed and what it counts becomes
         ``tokens`` (while in the sliding window) and ``usd`` (in its day); None keeps what was
@@ -617,6 +632,12 @@ class FailOpenState(RouterState):
     async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
                             hold_s: float) -> QuotaVerdict:
         return await self._call("quota_reserve", reservation_id, buckets, tokens, usd, hold_s)  # type: ignore[no-any-return]
+
+    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
+                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
+        # one call after the other, each failing over on its own (the local view answers in an outage)
+        return await RouterState.reserve_with_quota(self, candidates, reservation_id, hold_s, buckets, tokens, usd)
 
     async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
         if self.fallback.quota_settle_now(reservation_id, tokens, usd):  # reserved during an outage: here

@@ -262,10 +262,11 @@ local function book(rec, rid, keys, tokens, usd, at, day, till, ttl)
       redis.call('INCRBY', base .. b .. ':ws', tokens)
     end
     local d = base .. b .. ':d'
-    redis.call('HINCRBY', d, 'n:' .. day, 1)
     redis.call('HINCRBYFLOAT', d, 'usd:' .. day, f(usd))
-    redis.call('HDEL', d, 'n:' .. (day - 2), 'usd:' .. (day - 2))
-    redis.call('PEXPIRE', d, 3 * 86400000)
+    if redis.call('HINCRBY', d, 'n:' .. day, 1) == 1 then  -- a new day: forget the day before yesterday
+      redis.call('HDEL', d, 'n:' .. (day - 2), 'usd:' .. (day - 2))
+      redis.call('PEXPIRE', d, 3 * 86400000)
+    end
   end
   redis.call('HSET', rec, 'k', keys, 'tok', tokens, 'usd', f(usd), 'day', day)
   redis.call('PEXPIRE', rec, ttl)
@@ -290,6 +291,8 @@ for i = 0, nb - 1 do
     local n = redis.call('ZCARD', base .. b .. ':c')
     if n + 1 > cc then return {0, i, 'max_concurrent', f(cc), f(n), '1', '1000'} end
   end
+  local d = base .. b .. ':d'
+  local days = (rpd >= 0 or ul >= 0) and redis.call('HMGET', d, 'n:' .. day, 'usd:' .. day) or {}
   if tpm >= 0 then
     local s = tonumber(redis.call('GET', base .. b .. ':ws') or '0')
     if s + tokens > tpm then
@@ -312,13 +315,12 @@ for i = 0, nb - 1 do
       return {0, i, 'tokens_per_minute', f(tpm), f(s), f(tokens), f(retry)}
     end
   end
-  local d = base .. b .. ':d'
   if rpd >= 0 then
-    local n = tonumber(redis.call('HGET', d, 'n:' .. day) or '0')
+    local n = tonumber(days[1] or '0')
     if n + 1 > rpd then return {0, i, 'requests_per_day', f(rpd), f(n), '1', f((day + 1) * 86400000 - now)} end
   end
   if ul >= 0 then
-    local u = tonumber(redis.call('HGET', d, 'usd:' .. day) or '0')
+    local u = tonumber(days[2] or '0')
     if u + usd > ul then return {0, i, 'usd_per_day', f(ul), f(u), f(usd), f((day + 1) * 86400000 - now)} end
   end
 end
@@ -451,13 +453,17 @@ class RedisState(RouterState):
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """One script call, sent with the others of this event-loop iteration (module docstring)."""
+        return await self._submit(script, keys, args)
+
+    def _submit(self, script: Any, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one script call with this event-loop iteration's; its future."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._batch.append((script, keys, args, fut))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)  # after every request of this iteration has queued its call
-        return await fut
+        return fut
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -510,14 +516,42 @@ class RedisState(RouterState):
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
-    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
-                      slots: int = 1) -> str | None:
+    def _reserve_args(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> list[Any]:
         _check_reserve(candidates, hold_s, slots)
         args: list[Any] = [reservation_id, max(1, math.ceil(hold_s * 1000)), slots]
         for pool, capacity in candidates:
             args += (pool, int(capacity))
-        got = await self._run(self._reserve, self._keys, args)
+        return args
+
+    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> str | None:
+        got = await self._run(self._reserve, self._keys, self._reserve_args(candidates, reservation_id, hold_s, slots))
         return None if got is None else got.decode()  # type: ignore[no-any-return]
+
+    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
+                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
+        """Both scripts queued in this event-loop iteration -- one pipeline, one round trip --
+        without a task per call. A caller cancelled meanwhile cancels both futures, so what they
+        reserve is given back when the answers arrive (``_send``)."""
+        pool_f = self._submit(self._reserve, self._keys, self._reserve_args(candidates, reservation_id, hold_s))
+        quota_f = self._submit(self._q_reserve, [self.base + "qr:" + reservation_id],
+                               self._quota_args(reservation_id, buckets, tokens, usd, hold_s))
+        out: list[Any] = []
+        try:
+            for fut, parse in ((pool_f, lambda g: None if g is None else g.decode()), (quota_f, self._verdict)):
+                try:
+                    out.append(parse(await fut))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    out.append(e)
+        except asyncio.CancelledError:
+            pool_f.cancel()
+            quota_f.cancel()
+            raise
+        return out[0], out[1]
 
     async def release(self, reservation_id: str) -> str | None:
         got = await self._run(self._release, self._keys, [reservation_id])
@@ -590,13 +624,22 @@ class RedisState(RouterState):
     # -------------------------------------------------------------- tenant quotas (router.quota_ledger)
     async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
                             hold_s: float) -> QuotaVerdict:
+        got = await self._run(self._q_reserve, [self.base + "qr:" + reservation_id],
+                              self._quota_args(reservation_id, buckets, tokens, usd, hold_s))
+        return self._verdict(got)
+
+    def _quota_args(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                    hold_s: float) -> list[Any]:
         if not (hold_s > 0 and math.isfinite(hold_s)):
             raise ValueError(f"hold_s must be a positive number of seconds, got {hold_s!r}")
         args: list[Any] = [self.base, reservation_id, int(tokens), repr(float(usd)), max(1, math.ceil(hold_s * 1000)),
                            self.record_ttl_ms, len(buckets)]
         for b in buckets:
-            args += [b.key, *(repr(float(x)) for x in b.limits)]
-        got = await self._run(self._q_reserve, [self.base + "qr:" + reservation_id], args)
+            args += [b.key, *b.limits]
+        return args
+
+    @staticmethod
+    def _verdict(got: Any) -> QuotaVerdict:
         if int(got[0]) == 1:
             return QuotaVerdict(True)
         retry = float(got[6])

@@ -6,6 +6,7 @@ output-length estimator."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from router.routes.route import (
     remember,
     replayed,
 )
+from router.state import EmbeddedState
 from router.store import DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 from xroute.schema.quota import settled_amounts
@@ -95,13 +97,19 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
     become the real ones."""
     await release(svc, body.decision_id)
     if ref.feedback == 0:
-        await best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
-                          "outcome not added to the pool's statistics", pool=ref.pool)
+        calls = [best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
+                             "outcome not added to the pool's statistics", pool=ref.pool)]
         if ref.quota_tokens is not None and ref.quota_usd is not None:  # its tenant's quotas: what it really used
             tokens, usd = settled_amounts(ref.quota_tokens, ref.quota_usd, ref.input_tokens, body.output_tokens,
                                           body.cost_usd, body.failed)
-            await best_effort(svc.state, "quota_settle", (body.decision_id, tokens, usd), "quota not reconciled "
-                              "with the feedback (it counts what was reserved)", decision=body.decision_id)
+            calls.append(best_effort(svc.state, "quota_settle", (body.decision_id, tokens, usd), "quota not "
+                                     "reconciled with the feedback (it counts what was reserved)",
+                                     decision=body.decision_id))
+        if len(calls) > 1 and not isinstance(svc.state, EmbeddedState):  # (a server: one round trip for both)
+            await asyncio.gather(*calls)
+        else:
+            for call in calls:
+                await call
     engine = svc.engine
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)

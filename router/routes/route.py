@@ -12,7 +12,6 @@ once by the engine (no response-model serialization)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import re
 import time
@@ -111,10 +110,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         elif charge is None:
             pool = await shared.reserve(cands, decision_id, hold)
         else:
-            got: tuple[Any, Any] = await asyncio.gather(
-                shared.reserve(cands, decision_id, hold),
-                shared.quota_reserve(decision_id, charge[0], charge[1], charge[2], hold), return_exceptions=True)
-            got_pool, got_quota = got
+            got_pool, got_quota = await shared.reserve_with_quota(cands, decision_id, hold, *charge)
             if isinstance(got_quota, QuotaVerdict) and got_quota.ok:
                 quota = (charge[1], charge[2])  # (given back below if the pool's reservation failed)
             if isinstance(got_pool, str):
