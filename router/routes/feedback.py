@@ -79,6 +79,18 @@ def feedback_row(body: FeedbackRequest, tenant: str, received_at: float, key: st
             body.error, body.ttft_ms, key, reward, None if missed is None else int(missed), *measured)
 
 
+async def settle_quota(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> None:
+    """Reconcile the decision's tenant quota reservation with what ``body`` reports
+    (``xroute.schema.quota.settled_amounts``), when one applied; logged, not raised, when the state
+    cannot be reached (it then counts what was reserved)."""
+    if ref.quota_tokens is None or ref.quota_usd is None:
+        return
+    tokens, usd = settled_amounts(ref.quota_tokens, ref.quota_usd, ref.input_tokens, body.output_tokens,
+                                  body.cost_usd, body.failed)
+    await best_effort(svc.state, "quota_settle", (body.decision_id, tokens, usd), "quota not reconciled with the "
+                      "feedback (it counts what was reserved)", decision=body.decision_id)
+
+
 def feedback_answer(feedback_id: int, decision_id: str, received_at: float) -> bytes:
     """The answer to a stored feedback (built again from its row when idempotency keys are
     restored after a restart: the same bytes)."""
@@ -100,11 +112,7 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
         calls = [best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
                              "outcome not added to the pool's statistics", pool=ref.pool)]
         if ref.quota_tokens is not None and ref.quota_usd is not None:  # its tenant's quotas: what it really used
-            tokens, usd = settled_amounts(ref.quota_tokens, ref.quota_usd, ref.input_tokens, body.output_tokens,
-                                          body.cost_usd, body.failed)
-            calls.append(best_effort(svc.state, "quota_settle", (body.decision_id, tokens, usd), "quota not "
-                                     "reconciled with the feedback (it counts what was reserved)",
-                                     decision=body.decision_id))
+            calls.append(settle_quota(svc, body, ref))
         if len(calls) > 1 and not isinstance(svc.state, EmbeddedState):  # (a server: one round trip for both)
             await asyncio.gather(*calls)
         else:

@@ -77,7 +77,8 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     an unexpected error, the request cancelled -- releases the reservations and the key, so a retry
     decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
     ``RoutingEngine.rank``, the shared state and the decision log raise (``router.errors``
-    renders them)."""
+    renders them). ``state`` also gets ``quota``: the tokens and USD the tenant's quotas reserved
+    for the decision (None: no quota applied)."""
     t0 = time.perf_counter()
     decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
@@ -130,6 +131,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             if not isinstance(shared, EmbeddedState):
                 engine.quota_view.add_own(charge[0], charge[1], charge[2])
         k = engine.candidate_of(r, pool)
+        state["quota"] = quota  # (what the tenant's quotas reserved: the gateway's feedback settles it)
         payload, row, offering_id, pinfo = engine.admit(r, k, hold, key, quota)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if durable is None:
