@@ -96,12 +96,14 @@ from gymnasium import spaces
 from envs import estimator as est
 from envs import features as fz
 from envs import kernels
+from envs import policies as pol
 from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
 from xroute.bundle import Bundle, load_bundle, origins_reaching, to_seconds
-from xroute.config import EnvConfig, parse_config
+from xroute.config import EnvConfig, load_policies, parse_config
 from xroute.errors import ConfigError
+from xroute.schema.policy_ir import PolicySet
 
 #: view events: a request's completion becomes known; a retry after a preemption enters a pool; a
 #: live router's request reaches its expected end without feedback (``admit_live``)
@@ -163,6 +165,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._all_models = all_models
         self._init_static()
         self._init_stream(history)
+        self._pol = pol.PolicyOutcome.empty(self.n, 0)
+        self._zero_bias = np.zeros(self.n)  # (writeable: numba types a read-only array apart, one more compilation)
+        self.r_has_bias = False
+        self.policies: pol.CompiledPolicies | None = None
+        ps = cfg.policies if isinstance(cfg.policies, PolicySet) or cfg.policies is None else load_policies(cfg.policies)
+        self.set_policies(ps)
         self.observation_space = spaces.Dict({
             "offerings": spaces.Box(np.tile(fz.OFFERING_LOW, self.N), np.tile(fz.OFFERING_HIGH, self.N),
                                     dtype=np.float32),
@@ -246,6 +254,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             else np.full(len(w), np.nan)
         self.req_model = self._model_column(w)
         tenants = w["tenant"].astype(str).to_numpy() if "tenant" in w.columns else np.full(len(w), "", dtype=object)
+        #: who sent each request and its class (``request_class``; empty: none), for the policies' targets
+        self.req_tenant = tenants
+        self.req_class = (w["request_class"].fillna("").astype(str).str.strip().to_numpy()
+                          if "request_class" in w.columns else np.full(len(w), "", dtype=object))
         self._tenant_keys: dict[str, int] = {}
         self.est_w, self.est_s, self.est_n = est.new_tables(self.M)
         self.req_key = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(self.req_model, tenants)],
@@ -295,6 +307,52 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                                    {s for s, _ in rtt} | set(bundle.workload["origin"]))
         return origins, np.array([[rtt[(org, off.location)] for off in self.catalog] for org in origins])
 
+    def set_policies(self, policies: PolicySet | pol.CompiledPolicies | None) -> None:
+        """The policies every request is routed under (``envs.policies``; None: none): each
+        request's action mask excludes what they exclude, ``r_bias`` holds their prefer weights,
+        and the stream's tenant, model, class and origin select the policies that apply. A live
+        router swaps a new compiled set in between two decisions."""
+        if isinstance(policies, PolicySet):
+            policies = pol.CompiledPolicies(policies, self.catalog)
+        if policies is not None and policies.n != self.n:
+            raise ConfigError(f"policies compiled for {policies.n} offerings, the catalog has {self.n}")
+        self.policies = policies
+        self._pol = policies.outcome_buffers() if policies is not None else pol.PolicyOutcome.empty(self.n, 0)
+        self._pol_dirty = False
+        self.r_has_bias = False
+        self._req_ctx: np.ndarray | None = None
+        self._req_contexts: list[pol.PolicyContext] = []
+
+    def _stream_contexts(self) -> None:
+        """Each stream request's policy context, compiled once (a stream names a handful of
+        distinct ones): on the first request made current under a new policy set."""
+        policies = self.policies
+        assert policies is not None
+        ids: dict[tuple[Any, ...], int] = {}
+        ctx = np.empty(self.n_requests, dtype=np.int64)
+        rows = zip(self.req_tenant.tolist(), self.req_model.tolist(), self.req_class.tolist(), self.req_ttft.tolist(),
+                   self.req_tpot.tolist(), self.req_deadline.tolist(), self.req_origin.tolist())
+        for i, row in enumerate(rows):
+            k = ids.get(row)
+            if k is None:
+                tenant, model, explicit, ttft, tpot, dl, origin = row
+                cls = policies.request_class(str(explicit), ttft, tpot, None if dl != dl else dl)
+                k = ids[row] = len(self._req_contexts)
+                self._req_contexts.append(policies.context(str(tenant), self.model_names[model], cls,
+                                                           self.origins[origin]))
+            ctx[i] = k
+        self._req_ctx = ctx
+
+    def policy_context(self, tenant: str, model: int, request_class: str | None, ttft_ms: float, tpot_ms: float,
+                       deadline_ms: float | None, origin: str) -> pol.PolicyContext | None:
+        """The compiled policies of a request context (None without policies): its class is
+        ``request_class`` when given, else its SLO tier."""
+        p = self.policies
+        if p is None:
+            return None
+        cls = p.request_class(request_class, ttft_ms, tpot_ms, deadline_ms)
+        return p.context(tenant, self.model_names[model], cls, origin)
+
     def prepare_telemetry(self, bundle: Bundle) -> dict[str, Any]:
         """New telemetry (prices, availability, utilization, RTT) for the *same* catalog, made
         ready without touching the environment (a live router builds it off its event loop);
@@ -319,6 +377,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.bundle, self.replay = prepared["bundle"], prepared["replay"]
         self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
+        self._req_ctx = None  # (the stream's contexts name origins by index)
         self._true_down = self._jittered_downs()
         self._refresh_at = -np.inf
         self._next_event = -np.inf
@@ -456,9 +515,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
                      "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "ext_util_conc", "_true_down",
                      "r_m", "r_key", "r_origin", "r_in", "r_max_out", "r_ttft", "r_tpot", "r_deadline", "r_est_out",
-                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq")
+                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq",
+                     "r_has_bias", "usd_h", "_pol_dirty")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
-                     "C", "c_mask", "seen_down_at")
+                     "C", "c_mask", "seen_down_at", "_pol")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
@@ -536,6 +596,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         priced = np.isfinite(self.price_s)
         self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits
         self.cost_rate = np.where(priced, self.price_s, 0.0)[None, :] * self.gpus_per_slot
+        #: each offering's price per instance-hour now (NaN unpriced): what max_usd_per_hour reads
+        self.usd_h = np.where(priced, p * self.gpu_count, np.nan)
         self._refresh_at = t + self.cfg.feature_refresh_s
         self._next_event = self.replay.next_event_after(t)
 
@@ -543,15 +605,24 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Make the stream's next request the current one and compute its candidate outcomes.
         Reads only what the client sends (never ``req_out``)."""
         i = self._pos
+        ctx = None
+        if self.policies is not None:
+            if self._req_ctx is None:
+                self._stream_contexts()
+            assert self._req_ctx is not None
+            ctx = self._req_contexts[self._req_ctx[i]]
         self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
                           self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
-                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]))
+                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), ctx)
 
     def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
-                     deadline_ms: float, model: int, key: int, request_id: Any, z: float) -> None:
+                     deadline_ms: float, model: int, key: int, request_id: Any, z: float,
+                     ctx: pol.PolicyContext | None = None, pre: np.ndarray | None = None) -> None:
         """Make a request current: the router learns what happened up to ``t``, estimates the
         output length, and computes the request's expectations on every offering in one compiled
-        pass (``envs.kernels.candidate_outcomes_into``)."""
+        pass (``envs.kernels.candidate_outcomes_into``), then applies the policies of its context
+        ``ctx`` (``envs.policies``; ``pre``: a router's own constraint layers, see
+        ``CompiledPolicies.apply``)."""
         self._advance(t)
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
@@ -578,6 +649,24 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.view_service_s[m], self.view_server_busy[m])
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
+        policies = self.policies
+        out = self._pol
+        if policies is not None and ctx is not None and not ctx.empty:
+            policies.apply(ctx, self._all_true if pre is None else pre, self.usd_h, rtt, self.C[kernels.BUSY],
+                           self.slots[m], self.c_mask, out)
+            self.r_has_bias = ctx.has_prefer and not policies.lexicographic
+            self._pol_dirty = True
+        else:
+            if self._pol_dirty:  # the previous request's outcome: back to "everything allowed"
+                out.allowed[:] = True
+                out.reason[:] = -1
+                out.bias[:] = 0.0
+                out.counts[:] = 0
+                out.bias_counts[:] = 0
+                out.excluded = out.not_preferred = 0
+                self._pol_dirty = False
+            out.ctx = ctx
+            self.r_has_bias = False
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
@@ -645,10 +734,38 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.c_load,
         ], dtype=np.float32)
 
+    @property
+    def _all_true(self) -> np.ndarray:
+        a = self.__dict__.get("_all_true_arr")
+        if a is None:
+            a = self.__dict__["_all_true_arr"] = np.ones(self.n, dtype=bool)
+        return a  # type: ignore[no-any-return]
+
+    # the current request's policy outcome (``envs.policies``), read-only, replaced by the next request
+    @property
+    def r_bias(self) -> np.ndarray:
+        """The prefer policies' weight of each offering for the current request (reward units;
+        zeros when no prefer policy applies, or with ``prefer_mode: lexicographic``, where the mask
+        does it): every policy adds it to its score."""
+        return self._pol.bias if self.r_has_bias else self._zero_bias
+
+    @property
+    def r_allowed(self) -> np.ndarray:
+        """Offerings the policies allow for the current request (whatever the pools' state)."""
+        return self._pol.allowed
+
+    @property
+    def r_policy(self) -> pol.PolicyOutcome:
+        """The current request's policy outcome: allowed, reason (rank), bias, exclusion counts."""
+        return self._pol
+
     def _info(self) -> dict[str, Any]:
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = self.c_mask
-        return {"action_mask": mask, "request_id": self.r_id, "t": self.t}
+        info = {"action_mask": mask, "request_id": self.r_id, "t": self.t}
+        if self.r_has_bias:
+            info["policy_bias"] = self._pol.bias
+        return info
 
     def action_mask(self) -> np.ndarray:
         """Valid actions for the current request (for ``sb3_contrib``-style masking)."""
@@ -780,17 +897,19 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                      tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                     request_id: Any = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+                     request_id: Any = None, request_class: str | None = None
+                     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
         self.set_live(t, origin, input_tokens, max_output_tokens, ttft_ms, tpot_ms, deadline_ms, model, tenant,
-                      request_id)
+                      request_id, request_class)
         return self._obs(), self._info()
 
     def set_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                  tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                 request_id: Any = None) -> np.ndarray:
+                 request_id: Any = None, request_class: str | None = None, pre: np.ndarray | None = None
+                 ) -> np.ndarray:
         """:meth:`observe_live` without building the observation: makes the live request current
         (its expectations, as ``observe_live``) and returns its action mask over the ``n``
         offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
@@ -802,9 +921,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ValueError(model)
         if not hasattr(self, "free_at"):
             self.reset(seed=0)
+        ctx = None if self.policies is None else self.policy_context(
+            tenant, m, request_class, float(ttft_ms), float(tpot_ms), deadline_ms, origin)
         self._set_request(t, self.origin_index[origin], input_tokens, max_output_tokens, ttft_ms, tpot_ms,
                           np.nan if deadline_ms is None else float(deadline_ms), m, self.estimator_key(m, tenant),
-                          request_id, 0.0)
+                          request_id, 0.0, ctx, pre)
         return self.c_mask
 
     def commit_live(self, a: int) -> dict[str, float]:

@@ -106,8 +106,17 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     viol = np.empty(n, dtype=bool)
     ts = np.empty(n)
     failed = migrations = preempted = 0
+    pol = env.policies  # the routing policies (envs.policies): what each excludes, request by request
+    excluded = np.zeros(pol.R if pol is not None else 0, dtype=np.int64)
+    affected = np.zeros_like(excluded)
     for k in range(n):
         ts[k] = info["t"]
+        if pol is not None:
+            out = env.r_policy
+            if out.excluded:
+                c = out.counts[: pol.R]
+                excluded += c
+                affected += c > 0
         a = policy.act(obs, info)
         if compare_greedy:
             differs += int(np.argmax(env.expected_rewards())) != a
@@ -133,6 +142,10 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     }
     if compare_greedy:
         m["differs_from_greedy"] = round(differs / max(n, 1), 6)
+    if pol is not None:  # per routing policy: offerings it excluded per request, share of requests it excluded any
+        for r, name in enumerate(pol.names):
+            m[f"policy_excluded[{name}]"] = round(float(excluded[r]) / max(n, 1), 4)
+            m[f"policy_affected[{name}]"] = round(float(affected[r]) / max(n, 1), 6)
     tenants = env.bundle.workload["tenant"].to_numpy()[i0:i0 + n] if "tenant" in env.bundle.workload.columns else None
     if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
         for t in sorted(set(tenants)):
@@ -260,6 +273,7 @@ def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig
         "bundle": str(bundle.path), "bundle_hash": bundle.content_hash, "seed": cfg.seed,
         "seeds": len(results[0].runs) if results else 0, "rate_scale": cfg.env.rate_scale,
         "best_baseline": best.name if best else None, **extra,
+        "routing_policies": _policies_summary(cfg.env.policies),
         "policies": {r.name: {**{k: clean(v) for k, v in r.metrics.items()},
                               "ci95": {k: [clean(lo), clean(hi)] for k, (lo, hi) in r.ci.items()},
                               "vs_best_baseline": {k: {"mean": clean(m), "ci95": [clean(lo), clean(hi)]}
@@ -267,6 +281,17 @@ def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig
                               "per_seed": [run.metrics for run in r.runs]}
                      for r in results},
     }
+
+
+def _policies_summary(policies: Any) -> dict[str, Any] | None:
+    """The routing policies the run was under, for the report: their names and version (or the
+    file they were read from)."""
+    if policies is None:
+        return None
+    if isinstance(policies, str):
+        return {"source": policies}
+    return {"version": policies.version, "prefer_mode": policies.prefer_mode,
+            "names": [p.name for p in policies.policies]}
 
 
 def _pm(mean: float, lo: float, hi: float, fmt: str) -> str:
@@ -303,6 +328,27 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
                   f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
                   f"{m['preempted']:.0f}")
     Console(width=180).print(t)
+    rows = policy_exclusions(results)
+    if rows:
+        p = Table(title="routing policies: offerings excluded per request (share of requests with any excluded)")
+        p.add_column("policy", justify="left")
+        for name in rows[0][1]:
+            p.add_column(name, justify="right")
+        for name, cells in rows:
+            p.add_row(name, *cells.values())
+        Console(width=180).print(p)
+
+
+def policy_exclusions(results: list[PolicyResult]) -> list[tuple[str, dict[str, str]]]:
+    """Per evaluated policy, each routing policy's exclusions (``policy_excluded[..]``,
+    ``policy_affected[..]`` metrics) as table cells; empty without routing policies."""
+    out = []
+    for r in results:
+        names = [k[len("policy_excluded["):-1] for k in r.metrics if k.startswith("policy_excluded[")]
+        if names:
+            out.append((r.name, {n: f"{r.metrics[f'policy_excluded[{n}]']:.2f} "
+                                    f"({100 * r.metrics[f'policy_affected[{n}]']:.1f} %)" for n in names}))
+    return out
 
 
 def as_results(runs: list[Any]) -> list[PolicyResult]:

@@ -37,8 +37,11 @@ from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
+from router.policy_store import PolicyStore, PolicyStoreError
+from router.policy_sync import PolicySync
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
+from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
@@ -422,6 +425,21 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = await open_decision_log(settings, metrics, engine)
+        # the routing policies: the versioned store on the decision log's backend, its files applied
+        # and its head installed before the first decision (a store that cannot be opened, or a bad
+        # policy file, stops the start: the router never decides without the policies it should have)
+        try:
+            policy_store = await asyncio.to_thread(PolicyStore, settings.log_target)
+        except PolicyStoreError:
+            await store.close()
+            raise
+        policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
+        try:
+            await policy_sync.start()
+        except BaseException:
+            await store.close()
+            policy_store.close()
+            raise
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
@@ -435,14 +453,15 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             except StateUnavailable:
                 pass  # (the shared view's loop tries again)
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
-        services = Services(settings, engine, store, keys, metrics, models, state, scraper)
+        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync)
         gateway = services.gateway = Gateway(services)
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
-                                     name="shared-view")]
+                                     name="shared-view"),
+                 asyncio.create_task(policy_sync.run(), name="policy-sync")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
@@ -452,6 +471,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
             "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
+            "routing_policies": engine.policy_version,
             "decision_log": store.describe().get("url") or str(settings.db_path)}})
         try:
             yield
@@ -462,6 +482,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await gateway.close()  # its outcomes still being recorded, before the log closes
             await store.close()
             await state.close()
+            policy_store.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
@@ -476,7 +497,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.append(route.SERVED)
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
-              health.router, admin.router, metrics_routes.router):
+              health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

@@ -61,6 +61,10 @@ def evaluate(
     config: Annotated[Path | None, typer.Option(help="evaluate config YAML (default configs/evaluate.yaml)")] = None,
     seed: Annotated[int | None, typer.Option(help="first seed (default from config)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress")] = False,
+    policies: Annotated[Path | None, typer.Option(help="routing policies (docs/policies.md): a policy YAML file or "
+                                                  "directory; every policy is evaluated under them and the report "
+                                                  "counts what each excluded (default: the config's env.policies)")
+                        ] = None,
 ) -> None:
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
@@ -75,7 +79,12 @@ def evaluate(
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
     cfg = _evaluate_config(config)
-    upd: dict[str, object] = {"env": cfg.env.model_copy(update={"rate_scale": rate_scale, "episode_requests": None})}
+    env_upd: dict[str, object] = {"rate_scale": rate_scale, "episode_requests": None}
+    if policies is not None:
+        from xroute.config import load_policies
+
+        env_upd["policies"] = load_policies(policies)
+    upd: dict[str, object] = {"env": cfg.env.model_copy(update=env_upd)}
     if seed is not None:
         upd["seed"] = seed
     if seeds is not None:

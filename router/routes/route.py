@@ -34,11 +34,13 @@ from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 router = APIRouter(prefix="/v1", tags=["route"])
 
 _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API key"},
+           403: {"model": ErrorResponse, "description": "unknown_tenant: the key's tenant is not declared on this "
+                 "router (docs/policies.md)"},
            413: {"model": ErrorResponse, "description": "request body too large"},
            422: {"model": ErrorResponse, "description": "a field is invalid (named in `fields`), an unknown "
                  "origin (with close matches), `invalid_constraints`: a constraint names a value the served catalog "
                  "lacks (close matches in `suggestions`; `GET /v1/offerings` lists the catalog), `no_offering`: "
-                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body"},
+                 "the constraints and routing policies together exclude every offering, `idempotency_key_reused`: the key came with another body"},
            409: {"model": ErrorResponse, "description": "a request with the same Idempotency-Key is being decided"},
            429: {"model": ErrorResponse, "description": "no allowed offering can take the request now "
                  "(spot pools down, queues full, pools at their capacity in the shared state); see Retry-After"},

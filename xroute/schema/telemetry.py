@@ -143,6 +143,8 @@ WORKLOAD = Table(
                doc="REALIZED tokens generated: the outcome, for simulating service only"),
         Column("session_id", "str", required=False),
         Column("tenant", "str", required=False),
+        Column("request_class", "str", required=False,
+               doc="the request's class as the client names it (e.g. an SLO tier); policies may target it"),
     ),
 )
 
