@@ -330,7 +330,8 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
     Console(width=180).print(t)
     rows = policy_exclusions(results)
     if rows:
-        p = Table(title="routing policies: offerings excluded per request (share of requests with any excluded)")
+        p = Table(title="routing policies: exclusions", caption="offerings each excluded per request (share of "
+                                                                  "requests it excluded any)")
         p.add_column("policy", justify="left")
         for name in rows[0][1]:
             p.add_column(name, justify="right")

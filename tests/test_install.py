@@ -45,6 +45,7 @@ def test_the_wheel_ships_every_bundle_and_config_without_a_packaging_warning(bui
     shipped = [p for p in (REPO / "data" / "bundles").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     want = {f"xroute/resources/bundles/{p.relative_to(REPO / 'data' / 'bundles').as_posix()}" for p in shipped}
     want |= {f"xroute/resources/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
+    want |= {f"xroute/resources/configs/policies/{p.name}" for p in (REPO / "configs" / "policies").glob("*.yaml")}
     assert len(want) > 15 and want <= names, sorted(want - names)
     assert "absent from the `packages` configuration" not in log, log[-3000:]
 

@@ -11,6 +11,7 @@ import typer
 from cloud_adapters.cli import telemetry_app
 from models.cli import promote, train
 from router.cli import export_feedback, export_ope, serve
+from router.policy_cli import policies_app
 from xroute.errors import ConfigError, XrouteError
 
 if TYPE_CHECKING:
@@ -226,6 +227,8 @@ app.command(name="export-feedback")(export_feedback)
 app.command(name="export-ope")(export_ope)
 app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision log (docs/ope.md).")
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
+app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
+                                                  "(docs/policies.md).")
 
 
 def main() -> None:

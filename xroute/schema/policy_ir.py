@@ -473,13 +473,13 @@ def _check_values(values: Sequence[str], known: set[str], path: str, what: str) 
 
 
 def check_policy_set(ps: PolicySet, cat: PolicyCatalog, prefix: str = "") -> None:
-    """Check every value of ``ps`` against a router's catalog, models and origins: a value that is
-    not there (or a wildcard that matches none of them) is an error naming its field with close
-    matches, not a rule that silently matches nothing. (Compiling never checks: a set written for
-    one catalog compiles against another, its unknown values matching nothing.)"""
+    """Check the values of ``ps``'s policies against a router's catalog and models: an offering
+    attribute (or a model) that is not there, or a wildcard that matches none, is an error naming
+    its field with close matches, not a rule that silently matches nothing. Named region sets and
+    the targets' tenants, classes and origins are definitions that outlive one catalog: they are
+    not checked (a member no offering has matches nothing). Compiling never checks: a set written
+    for one catalog compiles against another, its unknown values matching nothing."""
     pre = f"{prefix}." if prefix else ""
-    for name, members in ps.region_sets.items():
-        _check_values(members, cat.known("regions"), f"{pre}region_sets.{name}", "region or location")
     for i, p in enumerate(ps.policies):
         where = f"{pre}policies[{i}]"
         for field in ATTRIBUTE_FIELDS:
@@ -491,5 +491,3 @@ def check_policy_set(ps: PolicySet, cat: PolicyCatalog, prefix: str = "") -> Non
                 _check_values(values, cat.known(field), f"{where}.constraints.{field}", what)
         if p.target.models is not None and cat.models:
             _check_values(p.target.models, cat.models, f"{where}.target.models", "model")
-        if p.target.origins is not None and cat.origins:
-            _check_values(p.target.origins, cat.origins, f"{where}.target.origins", "origin")
