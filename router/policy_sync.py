@@ -33,18 +33,23 @@ def cli_principal() -> str:
         return "cli:unknown"
 
 
-def apply_policy_files(store: PolicyStore, paths: Sequence[Path | str], principal: str,
-                       check: Any = None) -> PolicySet | None:
-    """Read the policy files (``xroute.config.load_policies``: a ``ConfigError`` naming the file and
-    field), check their values with ``check(ps, prefix)`` (a router's catalog), and apply them to
-    the store when they changed (``PolicyStore.apply_files``). Returns the new head set, or None."""
+def read_policy_files(paths: Sequence[Path | str], check: Any = None) -> PolicySet:
+    """The policy files' set (``xroute.config.load_policies``: a ``ConfigError`` naming the file and
+    the field), its values checked with ``check(ps, prefix)`` (a router's catalog) when given."""
     files = load_policies(*paths)
     if check is not None:
         try:
             check(files, "policy_files")
         except ConstraintError as e:
             raise ConfigError(f"{', '.join(map(str, paths))}: {e}") from None
-    return store.apply_files(principal, files, [str(p) for p in paths])
+    return files
+
+
+def apply_policy_files(store: PolicyStore, paths: Sequence[Path | str], principal: str,
+                       check: Any = None) -> PolicySet | None:
+    """:func:`read_policy_files`, applied to the store when they changed since they were last
+    applied (``PolicyStore.apply_files``). Returns the new head set, or None."""
+    return store.apply_files(principal, read_policy_files(paths, check), [str(p) for p in paths])
 
 
 class PolicySync:
@@ -119,4 +124,4 @@ class PolicySync:
                 "poll_s": self.poll_s}
 
 
-__all__ = ["PolicyStoreError", "PolicySync", "apply_policy_files", "cli_principal"]
+__all__ = ["PolicyStoreError", "PolicySync", "apply_policy_files", "cli_principal", "read_policy_files"]
