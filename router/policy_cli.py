@@ -35,7 +35,7 @@ def _check_against(telemetry: Path | None):  # type: ignore[no-untyped-def]
     from xroute.config import EnvConfig
     from xroute.schema.policy_ir import PolicyCatalog, check_policy_set
 
-    env = CloudRouteEnv(telemetry, EnvConfig(episode_requests=1), all_models=True)
+    env = CloudRouteEnv(None if telemetry is None else str(telemetry), EnvConfig(episode_requests=1), all_models=True)
     cat = PolicyCatalog(env.catalog, env.model_names, env.origins)
     return lambda ps, prefix="": check_policy_set(ps, cat, prefix)
 

@@ -6,6 +6,10 @@ later spot preemption really happens -- is permuted (and, in a stronger variant,
 still in flight at the current step run twice as long). A policy that decides only on what a
 router knows must take exactly the same decisions up to and including the current step. The
 oracle, which plans with hindsight, is checked to *change* its decisions: the test can tell.
+
+The routing policies (``envs.policies``) are decision-time state too: with a policy set whose
+numeric constraints read the price, the RTT and the pools' headroom, and whose prefer weights bias
+every score, the decisions still depend on nothing realized.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
 from models.baselines import make_baseline
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights
 from xroute.config import EnvConfig, EvaluateConfig
+from xroute.schema.policy_ir import PolicySet
 
 START, LENGTH = 3000, 320
 STEPS = (60, 200, 319)
@@ -41,8 +46,16 @@ def _policy(name: str) -> Any:
     return _learned() if name == "learned" else make_baseline(name, EvaluateConfig())
 
 
-def _env(bundle: Any) -> CloudRouteEnv:
-    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0)
+#: routing policies that read decision-time numbers: price, RTT from the origin, headroom in the router's view
+ROUTING = PolicySet.model_validate({"policies": [
+    {"name": "ceiling", "effect": "deny", "constraints": {"max_usd_per_hour": 6.0}},
+    {"name": "near", "effect": "deny", "target": {"tenants": ["code"]}, "constraints": {"max_rtt_ms": 150.0}},
+    {"name": "roomy", "effect": "prefer", "weight": 0.05, "constraints": {"min_headroom": 0.5}},
+    {"name": "no-spot-full", "effect": "deny", "constraints": {"pricing_modes": ["spot"], "min_headroom": 0.25}}]})
+
+
+def _env(bundle: Any, routed: bool = False) -> CloudRouteEnv:
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0, policies=ROUTING if routed else None)
 
 
 def _future_changed(env: CloudRouteEnv, k: int, rng: np.random.Generator, in_flight: set[int]) -> None:
@@ -87,11 +100,12 @@ def bundle(shipped_bundle: Any) -> Any:
     return shipped_bundle
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["no-routing-policies", "routing-policies"])
 @pytest.mark.parametrize("name", POLICIES)
-def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str) -> None:
+def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str, routed: bool) -> None:
     for k in STEPS:
-        base, pending = _run(_env(bundle), _policy(name), k)
-        changed, _ = _run(_env(bundle), _policy(name), k, change_at=k, in_flight=pending)
+        base, pending = _run(_env(bundle, routed), _policy(name), k)
+        changed, _ = _run(_env(bundle, routed), _policy(name), k, change_at=k, in_flight=pending)
         assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
         assert pending, "some requests are in flight at each checked step (the test stretches them)"
 

@@ -17,7 +17,6 @@ from envs.cloud_route import CloudRouteEnv
 from envs.features import F, offering_matrix
 from envs.kernels import BUSY
 from models.baselines import BASELINES
-from models.evaluate import run_policy
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights
 from tests.policy_cases import random_policy_set, reference
 from xroute.bundle import load_bundle
@@ -259,7 +258,7 @@ def test_an_explicit_request_class_column_selects_the_target(tmp_path: Path) -> 
     _, info = env.reset(seed=0)
     spot = np.array([o.is_spot for o in env.catalog])
     golds = 0
-    for k in range(60):
+    for _ in range(60):
         gold = env.req_class[env._pos] == "gold"
         golds += gold
         assert not (gold and (info["action_mask"][: env.n] & spot).any())

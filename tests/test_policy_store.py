@@ -6,7 +6,6 @@ apply, append-only enforced by the database, durability across a kill."""
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import sqlite3
 import subprocess

@@ -240,7 +240,7 @@ def _changes_apply_atomically_on_the_other_router(urls: list[str], setup: Router
         with httpx.Client(base_url=a, timeout=10) as c:
             sets[c.get("/v1/admin/policies", headers=admin).json()["version"]] = set()
             names: set[str] = set()
-            for k, (op, name, body) in enumerate([
+            for op, name, body in ([
                     ("put", "no-spot", {"effect": "deny", "constraints": {"pricing_modes": ["spot"]}}),
                     ("put", "no-t4", {"effect": "deny", "constraints": {"accelerators": ["T4"]}}),
                     ("delete", "no-spot", None),

@@ -46,8 +46,8 @@ def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
     base.update(overrides)
     # the tenants the keys name are declared (an undeclared tenant's key is refused: 403 unknown_tenant)
     base["tenants"] = {"a": {}, "b": {}, **(overrides.get("tenants") or {})}
-    cfg = tmp / "router.yaml"
-    cfg.write_text("{}\n")
+    cfg = tmp / "router.yaml"  # (what subprocess routers read: the declared tenants)
+    cfg.write_text(json.dumps({"tenants": base["tenants"]}) + "\n")
     return RouterSetup(load_settings(cfg, **base), keys, tmp)
 
 

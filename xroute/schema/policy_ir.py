@@ -1,5 +1,12 @@
 """Routing constraints as data — the policy IR. Defined here only.
 
+Two parts. **Routing policies** (:class:`Policy`, :class:`PolicySet`: named, versioned; a
+``target`` selecting requests, an ``effect`` -- allow, deny, prefer with a weight --, attribute and
+numeric ``constraints`` over offerings, a ``priority``; named region sets and SLO tiers): what
+``docs/policies.md`` documents, written in YAML (``xroute.config.load_policies``) and through the
+router's admin API, compiled to masks and biases by ``envs.policies``. And below them the
+**request layer** a route body (and a tenant's defaults) may add, which can only narrow:
+
 A :class:`Constraints` value holds three lists of :class:`Rule`:
 
 * ``allow``: if any allow rule is given, an offering must match at least one of them;
