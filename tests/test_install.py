@@ -104,9 +104,10 @@ def test_serve_a_router_exported_earlier(venv: Path, tmp_path: Path) -> None:
     key = r.stdout.strip().splitlines()[-1]
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
+    (tmp_path / "router.yaml").write_text("tenants: {t: {}}\n")  # the key's tenant, declared
     proc = subprocess.Popen([str(bin_ / "xroute"), "serve", "--host", "127.0.0.1", "--port", str(port), "--model",
-                             str(export), "--keys-file", "keys.json", "--db", "d.db"], cwd=tmp_path, stdout=log,
-                            stderr=subprocess.STDOUT)
+                             str(export), "--keys-file", "keys.json", "--db", "d.db", "--config", "router.yaml"],
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
