@@ -228,7 +228,8 @@ def bench_http(work: Path, bundle: Path, seconds: float, rounds: int) -> dict[st
     catalog = CloudRouteEnv(str(bundle), EnvConfig(episode_requests=1)).catalog
     pol_dir = work / "policies"
     pol_dir.mkdir(exist_ok=True)
-    (pol_dir / "bench.yaml").write_text(yaml.safe_dump(policy_set(catalog).model_dump(mode="json", exclude_none=True)))
+    (pol_dir / "bench.yaml").write_text(yaml.safe_dump(policy_set(catalog).model_dump(mode="json", exclude_none=True,
+                                                                                           exclude={"version"})))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     ref = br._Server.simple(work, "trivial", "auto", env)
     servers: dict[str, br._Server] = {}

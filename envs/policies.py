@@ -42,6 +42,8 @@ _KIND = {"deny": DENY, "allow": ALLOW, "prefer": PREFER}
 REASON_PREFIX = "policy:"
 #: contexts kept per compiled set (each a few arrays over the catalog)
 CONTEXT_CACHE = 4096
+#: exclusion and bias counts kept as their JSON text (per compiled set)
+TEXT_CACHE = 16384
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,14 +76,29 @@ class PolicyContext:
     has_prefer: bool
     #: nothing applies: every offering allowed, no bias
     empty: bool
+    #: the same, packed as :func:`apply_policies` takes them (fewer arguments: numba's dispatch
+    #: costs ~0.2 us an argument): [static deny rank, allow hit] (2, n); [has allow, allow miss];
+    #: [kind, rank] (K, 2); [max usd, max rtt, min headroom, weight] (K, 4)
+    static: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((2, 0), dtype=np.int64))
+    meta: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(2, dtype=np.int64))
+    dyn_int: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    dyn_float: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 4)))
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "static", np.ascontiguousarray(np.stack([self.static_deny, self.allow_hit.astype(np.int64)])))
+        set_(self, "meta", np.array([int(self.has_allow), self.allow_miss], dtype=np.int64))
+        set_(self, "dyn_int", np.ascontiguousarray(np.stack([self.dyn_kind, self.dyn_rank], axis=1)
+                                                   .reshape(-1, 2).astype(np.int64)))
+        set_(self, "dyn_float", np.ascontiguousarray(np.stack([self.dyn_max_usd, self.dyn_max_rtt, self.dyn_min_head,
+                                                               self.dyn_weight], axis=1).reshape(-1, 4)))
 
     def __repr__(self) -> str:
         return f"PolicyContext(class={self.request_class!r}, applied={list(self.applied)})"
 
-    def args(self) -> tuple[np.ndarray | bool | int, ...]:
+    def args(self) -> tuple[np.ndarray, ...]:
         """:func:`apply_policies`' arguments after ``pre``."""
-        return (self.static_deny, self.has_allow, self.allow_hit, self.allow_miss, self.dyn_match, self.dyn_kind,
-                self.dyn_rank, self.dyn_max_usd, self.dyn_max_rtt, self.dyn_min_head, self.dyn_weight)
+        return self.static, self.meta, self.dyn_match, self.dyn_int, self.dyn_float
 
 
 @dataclass
@@ -92,22 +109,31 @@ class PolicyOutcome:
     allowed: np.ndarray
     reason: np.ndarray
     bias: np.ndarray
-    counts: np.ndarray
-    bias_counts: np.ndarray
+    #: (2, R) int64: exclusions among ``pre`` per policy rank, and the allowed offerings among ``pre``
+    #: each prefer policy raised (``counts`` and ``bias_counts`` are its rows)
+    counts2: np.ndarray
     #: offerings the policies excluded among ``pre`` (the sum of ``counts``)
     excluded: int = 0
     #: valid offerings dropped by the lexicographic prefer filter
     not_preferred: int = 0
     ctx: PolicyContext | None = field(default=None, repr=False)
 
+    @property
+    def counts(self) -> np.ndarray:
+        return self.counts2[0]
+
+    @property
+    def bias_counts(self) -> np.ndarray:
+        return self.counts2[1]
+
     @classmethod
     def empty(cls, n: int, r: int) -> PolicyOutcome:
-        return cls(np.ones(n, dtype=np.bool_), np.full(n, -1, dtype=np.int64), np.zeros(n), np.zeros(max(r, 1),
-                   dtype=np.int64), np.zeros(max(r, 1), dtype=np.int64))
+        return cls(np.ones(n, dtype=np.bool_), np.full(n, -1, dtype=np.int64), np.zeros(n),
+                   np.zeros((2, max(r, 1)), dtype=np.int64))
 
     def copy(self) -> PolicyOutcome:
-        return PolicyOutcome(self.allowed.copy(), self.reason.copy(), self.bias.copy(), self.counts.copy(),
-                             self.bias_counts.copy(), self.excluded, self.not_preferred, self.ctx)
+        return PolicyOutcome(self.allowed.copy(), self.reason.copy(), self.bias.copy(), self.counts2.copy(),
+                             self.excluded, self.not_preferred, self.ctx)
 
 
 def _attribute_match(p: Policy, ps: PolicySet, attrs: dict[str, list[str]], n: int) -> np.ndarray:
@@ -156,6 +182,7 @@ class CompiledPolicies:
         for k, p in enumerate(self.policies):
             self.match[k] = _attribute_match(p, ps, attrs, n)
         self._contexts: dict[tuple[str, str, str, str], PolicyContext] = {}
+        self._texts: dict[bytes, str] = {}
 
     @property
     def R(self) -> int:
@@ -227,8 +254,8 @@ class CompiledPolicies:
         allowed offerings in place. ``pre``: the offerings a caller's own earlier layers still
         allow (a router's tenant and request constraints; all True otherwise): only those are
         counted, and only those compete in the lexicographic filter."""
-        out.excluded = apply_policies(pre, *ctx.args(), usd_h, rtt, busy, slots, mask, out.allowed,  # type: ignore[call-arg]
-                                      out.reason, out.bias, out.counts, out.bias_counts)
+        out.excluded = apply_policies(pre, ctx.static, ctx.meta, ctx.dyn_match, ctx.dyn_int, ctx.dyn_float, usd_h, rtt,
+                                      busy, slots, mask, out.allowed, out.reason, out.bias, out.counts2)
         out.not_preferred = prefer_filter(mask, pre, out.bias) if self.lexicographic and ctx.has_prefer else 0
         out.ctx = ctx
         return out
@@ -247,22 +274,36 @@ class CompiledPolicies:
                 "biased_by": biased}
 
     def counts_text(self, out: PolicyOutcome) -> str:
-        """``out``'s exclusions as the members of a JSON object (``"policy:<name>":count,...``)."""
+        """``out``'s exclusions as the members of a JSON object (``"policy:<name>":count,...``);
+        cached by the counts (a context's exclusions repeat request after request)."""
         if not out.excluded:
             return ""
-        keys = self.reason_keys
         c = out.counts
-        return ",".join(f"{keys[k]}{c[k]}" for k in np.flatnonzero(c[: self.R]).tolist())
+        key = c.tobytes()
+        hit = self._texts.get(key)
+        if hit is None:
+            keys = self.reason_keys
+            if len(self._texts) >= TEXT_CACHE:
+                self._texts.clear()
+            hit = self._texts[key] = ",".join(f"{keys[k]}{c[k]}" for k in np.flatnonzero(c[: self.R]).tolist())
+        return hit
 
     def counts_dict(self, out: PolicyOutcome) -> dict[str, int]:
         c = out.counts
         return {self.reasons[k]: int(c[k]) for k in np.flatnonzero(c[: self.R]).tolist()}
 
     def biased_text(self, out: PolicyOutcome) -> str:
-        """The prefer policies that raised some allowed offering, with how many: JSON members."""
-        keys = self.name_keys
+        """The prefer policies that raised some allowed offering, with how many: JSON members
+        (cached as :meth:`counts_text`)."""
         c = out.bias_counts
-        return ",".join(f"{keys[k]}{c[k]}" for k in np.flatnonzero(c[: self.R]).tolist())
+        key = b"b" + c.tobytes()
+        hit = self._texts.get(key)
+        if hit is None:
+            keys = self.name_keys
+            if len(self._texts) >= TEXT_CACHE:
+                self._texts.clear()
+            hit = self._texts[key] = ",".join(f"{keys[k]}{c[k]}" for k in np.flatnonzero(c[: self.R]).tolist())
+        return hit
 
 
 def _meets(ctx: PolicyContext, q: int, usd_h: float, rtt: float, headroom: float) -> bool:
@@ -284,27 +325,31 @@ def headroom(busy: float, slots: float) -> float:
 
 
 @njit(cache=True)
-def apply_policies(pre, static_deny, has_allow, allow_hit, allow_miss, dyn_match, dyn_kind, dyn_rank, dyn_max_usd,
-                   dyn_max_rtt, dyn_min_head, dyn_weight, usd_h, rtt, busy, slots, mask, allowed, reason, bias,
-                   counts, bias_counts):  # pragma: no cover
+def apply_policies(pre, static, meta, dyn_match, dyn_int, dyn_float, usd_h, rtt, busy, slots, mask, allowed, reason,
+                   bias, counts2):  # pragma: no cover
     """One decision's policies in one pass over the offerings (module docstring): writes
     ``allowed`` (bool), ``reason`` (the excluding policy's rank, -1 allowed), ``bias`` (the summed
-    prefer weights of an allowed offering, 0 for an excluded one), ``counts`` (exclusions among
-    ``pre`` per rank) and ``bias_counts`` (allowed offerings among ``pre`` each prefer policy
-    raised), ANDs ``mask`` with ``allowed``, and returns the number excluded among ``pre``.
+    prefer weights of an allowed offering, 0 for an excluded one), ``counts2[0]`` (exclusions among
+    ``pre`` per rank) and ``counts2[1]`` (allowed offerings among ``pre`` each prefer policy
+    raised), ANDs ``mask`` with ``allowed``, and returns the number excluded among ``pre``. The
+    context's arrays come packed (:class:`PolicyContext`): ``static`` [first attribute-only deny's
+    rank or -1, allow hit], ``meta`` [has allow, allow miss rank], ``dyn_int`` [kind, rank] and
+    ``dyn_float`` [max usd, max rtt, min headroom, weight] of each policy checked per decision.
 
     A numeric limit that is NaN is not set; an offering meets ``max_usd_per_hour`` when its price
     is known and at most the limit, ``max_rtt_ms`` when its RTT is at most the limit,
     ``min_headroom`` when ``(slots - busy) / slots`` (0 without slots) is at least the limit."""
     n = mask.shape[0]
-    K = dyn_kind.shape[0]
-    for k in range(counts.shape[0]):
-        counts[k] = 0
-        bias_counts[k] = 0
+    K = dyn_int.shape[0]
+    for k in range(counts2.shape[1]):
+        counts2[0, k] = 0
+        counts2[1, k] = 0
+    has_allow = meta[0] != 0
+    allow_miss = meta[1]
     n_out = 0
     for i in range(n):
-        r = static_deny[i]
-        hit = allow_hit[i]
+        r = static[0, i]
+        hit = static[1, i] != 0
         b = 0.0
         if K > 0:
             head = 0.0
@@ -315,53 +360,55 @@ def apply_policies(pre, static_deny, has_allow, allow_hit, allow_miss, dyn_match
             for k in range(K):
                 if not dyn_match[k, i]:
                     continue
-                lim = dyn_max_usd[k]
+                lim = dyn_float[k, 0]
                 meets = lim != lim or usd_h[i] <= lim
-                lim = dyn_max_rtt[k]
+                lim = dyn_float[k, 1]
                 if meets and lim == lim and not rtt[i] <= lim:
                     meets = False
-                lim = dyn_min_head[k]
+                lim = dyn_float[k, 2]
                 if meets and lim == lim and not head >= lim:
                     meets = False
-                kind = dyn_kind[k]
+                kind = dyn_int[k, 0]
                 if kind == 0:  # deny: the matching offerings that break a limit
-                    if not meets and (r < 0 or dyn_rank[k] < r):
-                        r = dyn_rank[k]
+                    if not meets and (r < 0 or dyn_int[k, 1] < r):
+                        r = dyn_int[k, 1]
                 elif kind == 1:  # allow
                     if meets:
                         hit = True
                 elif meets:  # prefer
-                    b += dyn_weight[k]
+                    b += dyn_float[k, 3]
+                    if pre[i]:  # (counted below if the offering stays allowed)
+                        counts2[1, dyn_int[k, 1]] += 1
         if r < 0 and has_allow and not hit:
             r = allow_miss
         reason[i] = r
         if r < 0:
             allowed[i] = True
             bias[i] = b
-            if K > 0 and pre[i]:
-                for k in range(K):  # (a second pass over the few prefer policies, for the record)
-                    if dyn_kind[k] == 2 and dyn_match[k, i]:
-                        lim = dyn_max_usd[k]
-                        ok = lim != lim or usd_h[i] <= lim
-                        lim = dyn_max_rtt[k]
-                        if ok and lim == lim and not rtt[i] <= lim:
-                            ok = False
-                        lim = dyn_min_head[k]
-                        if ok and lim == lim:
-                            h = 0.0
-                            if slots[i] > 0:
-                                h = (slots[i] - busy[i]) / slots[i]
-                            if not h >= lim:
-                                ok = False
-                        if ok:
-                            bias_counts[dyn_rank[k]] += 1
         else:
             allowed[i] = False
             bias[i] = 0.0
             mask[i] = False
             if pre[i]:
-                counts[r] += 1
+                counts2[0, r] += 1
                 n_out += 1
+                if K > 0:  # its prefer counts were taken before its exclusion was known: give them back
+                    for k in range(K):
+                        if dyn_int[k, 0] == 2 and dyn_match[k, i]:
+                            lim = dyn_float[k, 0]
+                            ok = lim != lim or usd_h[i] <= lim
+                            lim = dyn_float[k, 1]
+                            if ok and lim == lim and not rtt[i] <= lim:
+                                ok = False
+                            lim = dyn_float[k, 2]
+                            if ok and lim == lim:
+                                h = 0.0
+                                if slots[i] > 0:
+                                    h = (slots[i] - busy[i]) / slots[i]
+                                if not h >= lim:
+                                    ok = False
+                            if ok:
+                                counts2[1, dyn_int[k, 1]] -= 1
     return n_out
 
 
@@ -393,9 +440,7 @@ def warm_up() -> None:
     n = 2
     ok = np.ones(n, dtype=np.bool_)
     f = np.ones(n)
-    i64 = np.full(n, -1, dtype=np.int64)
-    e = np.zeros(0)
-    apply_policies(ok, i64, False, ok.copy(), -1, np.zeros((0, n), dtype=np.bool_), np.zeros(0, dtype=np.int64),
-                   np.zeros(0, dtype=np.int64), e, e, e, e, f, f, f, np.ones(n, dtype=np.int64), ok.copy(), ok.copy(),
-                   i64.copy(), f.copy(), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    apply_policies(ok, np.zeros((2, n), dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros((0, n), dtype=np.bool_),
+                   np.zeros((0, 2), dtype=np.int64), np.zeros((0, 4)), f, f, f, np.ones(n, dtype=np.int64), ok.copy(),
+                   ok.copy(), np.full(n, -1, dtype=np.int64), f.copy(), np.zeros((2, 1), dtype=np.int64))
     prefer_filter(ok.copy(), ok, f)

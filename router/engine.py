@@ -107,6 +107,9 @@ class Ranked:
     ope: tuple[bytes, int, int, int] | None = None
     #: the routing policies' part of the answer (``"policies":{...}``, JSON)
     ptext: str = "{}"
+    #: the routing policies' exclusion counts (their compiled set, a copy of the counts by rank),
+    #: made a dictionary only when an error needs it (:meth:`RoutingEngine._all_counts`)
+    pcounts: tuple[Any, np.ndarray] | None = None
 
 
 class RoutingEngine:
@@ -428,18 +431,20 @@ class RoutingEngine:
         pout = env.r_policy
         pctx = pout.ctx
         n_pol_pref = 0
+        pcounts = None
         if pctx is not None and not pctx.empty:
             allowed = allowed & pout.allowed
             n_pol_pref = pout.not_preferred
             if pout.excluded:
                 ptext = self.policies.counts_text(pout)
                 ctext = f"{ctext},{ptext}" if ctext else ptext
-                ccounts = {**ccounts, **self.policies.counts_dict(pout)}
+                pcounts = (self.policies, pout.counts.copy())
                 if not allowed.any():
                     raise RouteFailure(422, "no_offering", "the routing policies, the tenant's defaults and the "
                                        "request's constraints exclude every offering",
                                        [{"field": "body", "message": "excludes every offering (see excluded.by_reason "
-                                         "and POST /v1/explain)", "suggestions": []}], extra={"excluded": ccounts})
+                                         "and POST /v1/explain)", "suggestions": []}],
+                                       extra={"excluded": self._all_counts(ccounts, pcounts)})
         bias = env.r_bias
         has_bias = env.r_has_bias
         ptext_answer = self._policies_text(pctx, pout)
@@ -492,7 +497,8 @@ class RoutingEngine:
             a, n_valid, n_not_preferred = ii[0], ii[1], ii[2] + n_pol_pref
             env_counts = ii[3:7]
             if a < 0:
-                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
+                self._no_capacity(allowed, self._counts(self._all_counts(ccounts, pcounts), n_not_preferred,
+                                                        env_counts))
             cands = [a, *ii[7:]]
         else:
             valid, n_valid, n_not_preferred, env_counts_a = kernels.combine(
@@ -500,7 +506,8 @@ class RoutingEngine:
             env_counts = env_counts_a.tolist()
             n_not_preferred += n_pol_pref
             if n_valid == 0:
-                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
+                self._no_capacity(allowed, self._counts(self._all_counts(ccounts, pcounts), n_not_preferred,
+                                                        env_counts))
             m = -1
             pbias = bias if has_bias else None
             try:
@@ -543,7 +550,7 @@ class RoutingEngine:
         svc = env.c_service
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
-                      request_json, eps, ope, ptext_answer)
+                      request_json, eps, ope, ptext_answer, pcounts)
 
     def _explore(self, key: str, eps: float, idx: np.ndarray, cands: list[int], nums: list[float], s: Any,
                  full: np.ndarray | None) -> tuple[list[int], list[float], int]:
@@ -615,7 +622,8 @@ class RoutingEngine:
         soonest = min(service / max(slots[a], 1) for a, service in zip(r.cands, r.service))
         return RouteFailure(429, "no_capacity", "no allowed offering can take the request now (the pools able to "
                             "are at their capacity in the shared state)", headers={"Retry-After": self._retry_after(soonest)},
-                            extra={"excluded": self._counts(r.ccounts, r.n_not_preferred, counts)})
+                            extra={"excluded": self._counts(self._all_counts(r.ccounts, r.pcounts), r.n_not_preferred,
+                                                            counts)})
 
     def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None
               ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
@@ -767,6 +775,14 @@ class RoutingEngine:
                 if kv is not None and kv >= full:
                     b = max(b, float(self._slots_list[ma[0]][ma[1]]))
                 busy[ma] = b
+
+    @staticmethod
+    def _all_counts(ccounts: dict[str, int], pcounts: tuple[Any, np.ndarray] | None) -> dict[str, int]:
+        """The constraint layers' exclusion counts, then the routing policies' (``Ranked.pcounts``)."""
+        if pcounts is None:
+            return ccounts
+        compiled, counts = pcounts
+        return {**ccounts, **{compiled.reasons[k]: int(counts[k]) for k in np.flatnonzero(counts[: compiled.R])}}
 
     @staticmethod
     def _counts(ccounts: dict[str, int], n_not_preferred: int, env_counts: list[int]) -> dict[str, int]:

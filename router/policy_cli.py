@@ -96,7 +96,7 @@ def apply(policies: PoliciesOpt = None, db: DbOpt = None, config: ConfigOpt = No
 @policies_app.command()
 def show(db: DbOpt = None, config: ConfigOpt = None,
          version: Annotated[int | None, typer.Option(help="a past version (default: the current one)")] = None) -> None:
-    """Print the policy set in force (or a past version) as YAML."""
+    """Print the policy set in force (or a past version) as a policy file."""
     import yaml
 
     from router.policy_store import PolicyStore
@@ -106,7 +106,10 @@ def show(db: DbOpt = None, config: ConfigOpt = None,
         ps = store.at(version)
     finally:
         store.close()
-    typer.echo(yaml.safe_dump(ps.model_dump(mode="json", exclude_none=True), sort_keys=False), nl=False)
+    # a policy file as written (the store's version as a comment): `xroute policies apply` takes it back
+    typer.echo(f"# policy set version {ps.version}")
+    typer.echo(yaml.safe_dump(ps.model_dump(mode="json", exclude_none=True, exclude={"version"}), sort_keys=False),
+               nl=False)
 
 
 @policies_app.command()
