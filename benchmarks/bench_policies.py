@@ -11,7 +11,8 @@
    process (``RoutingEngine.decide``, greedy fallback, the variants' engines interleaved in rounds;
    decisions/s and p50/p99), and over HTTP (``xroute serve``, one worker each, ``wrk`` on loopback,
    ``--rounds`` rounds in rotated order, every run paired with a trivial endpoint as
-   ``bench_router.py`` does) -- the ratio on/off per round, median and range.
+   ``bench_router.py`` does) -- the ratio on/off per round, median and range, and the ratio of
+   the server's CPU time per request (off / on: less moved by other load on a shared machine).
 
 To add a variant (e.g. quotas on, or policies and quotas on): add an entry to :data:`VARIANTS` --
 its router settings (``XROUTE_ROUTER_*`` for ``xroute serve``; the same keys for the in-process
@@ -291,12 +292,12 @@ def table(res: dict[str, Any]) -> str:
         lines += ["", f"HTTP: {http['skipped']}"]
     else:
         lines += ["", "POST /v1/route over HTTP (wrk -c10, one worker; each run paired with a trivial endpoint):", "",
-                  "| variant | req/s | p50 ms | p99 ms | CPU µs/req | throughput ratio to off (median, range) |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| variant | req/s | p50 ms | p99 ms | CPU µs/req | throughput ratio to off (median, range) "
+                  "| CPU/req ratio off/this (median) |", "|---|---:|---:|---:|---:|---|---:|"]
         for v, x in http.items():
             r = x["throughput_ratio_to_off"]
             lines.append(f"| {v} | {x['rps']} | {x['p50_ms']} | {x['p99_ms']} | {x.get('server_cpu_us_per_req')} "
-                         f"| {r['median']} ({r['min']}-{r['max']}) |")
+                         f"| {r['median']} ({r['min']}-{r['max']}) | {x.get('cpu_per_request_ratio_off_to_this')} |")
     return "\n".join(lines)
 
 

@@ -233,7 +233,7 @@ class RoutingEngine:
         keys = ('"alternatives":[{"offering":"score":"expected_latency_ms":"expected_cost_usd":"decision_id":"d_'
                 '"created_at":"tenant":"session_id":null,"score_kind":"q_value""expected_reward""excluded":{"total":'
                 '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"policy:"}],"policy":'
-                '"policies":{"version":"request_class":"applied":[')
+                '"policies":{"version":"request_class":"biased":{')
         fallback = self._policy_text(self.slot.fallback.info)
         return (keys + "".join(self.ref_json) + fallback + self._tele_head).encode()
 
@@ -292,11 +292,12 @@ class RoutingEngine:
 
     def _policies_text(self, ctx: env_policies.PolicyContext | None, out: env_policies.PolicyOutcome) -> str:
         """The answer's ``policies`` object: the set's version, the request class, the policies
-        that applied and, when prefer policies did, how many allowed offerings each raised."""
+        and, when prefer policies applied, how many allowed offerings each raised (which policies
+        applied is ``POST /v1/explain``'s: with tens of policies the list would double the answer)."""
         if ctx is None:
-            return self._policies_head + '"request_class":null,"applied":[],"biased":{}}'
+            return self._policies_head + '"request_class":null,"biased":{}}'
         cls = _dumps(ctx.request_class) if ctx.request_class else "null"
-        text = f'{self._policies_head}"request_class":{cls},"applied":{ctx.applied_json},"biased":{{'
+        text = f'{self._policies_head}"request_class":{cls},"biased":{{'
         if ctx.has_prefer and not self.policies.lexicographic:
             return text + self.policies.biased_text(out) + "}}"
         return text + "}}"

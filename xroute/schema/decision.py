@@ -86,7 +86,6 @@ class PoliciesApplied(BaseModel):
 
     version: int = Field(description="the policy set's version the decision saw (0: none stored)")
     request_class: str | None = Field(description="the request's class: its request_class, else its SLO tier")
-    applied: list[str] = Field(description="the policies whose target the request matched, highest priority first")
     biased: dict[str, int] = Field(
         description="per prefer policy, how many allowed offerings it raised (its weight is in their scores)")
 
