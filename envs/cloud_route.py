@@ -135,6 +135,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
       wrap); ``view_others``, ``view_service_s`` and ``view_server_busy`` ((M, n), written by the
       router: the shared state's work of other routers, its observed durations, the servers'
       reported load); ``live_pools(t, model)`` lists every pool as the router sees it;
+    * routing policies (``envs.policies``, ``docs/policies.md``): ``set_policies`` (a compiled set,
+      swapped between two decisions), ``policies``; the current request's outcome: ``r_allowed``
+      (what the policies allow, ANDed into ``c_mask``), ``r_bias`` (prefer weights, zeros unless
+      ``r_has_bias``), ``r_policy`` (reasons and exclusion counts); ``set_live``'s ``request_class``
+      and ``pre`` (the router's own constraint layers);
     * telemetry swaps: ``prepare_telemetry`` (off the event loop), ``apply_telemetry``;
     * outcomes: ``outcome_reward`` -- the reward of an observed outcome, computed as the
       simulation computes a simulated one (``reference_cost``, ``latency_budget``, ``slo_missed``,

@@ -110,7 +110,7 @@ class Static(_Base):
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         env = self.env
         if env.policies is not None and not env.r_allowed[self.idx]:  # a policy forbids the deployment here
-            return Cheapest.choose(env, obs, info)
+            return Cheapest.choose(env.n, obs, info, env.cfg.reward.cost_weight)
         return self.idx
 
 
@@ -121,11 +121,13 @@ class Cheapest(_Base):
     name = "cheapest"
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        return self.choose(self.env, obs, info)
+        bias = policy_bias(info, self.n)  # (present only in an environment: self.env is set then)
+        return self.choose(self.n, obs, info, self.env.cfg.reward.cost_weight if bias is not None else 1.0)
 
     @staticmethod
-    def choose(env: CloudRouteEnv, obs: Obs, info: dict[str, Any]) -> int:
-        n = env.n
+    def choose(n: int, obs: Obs, info: dict[str, Any], cost_weight: float) -> int:
+        """Cheapest's choice among the first ``n`` offerings; with a prefer bias, by
+        ``cost_weight x cost_norm - bias``."""
         m = info["action_mask"]
         x = offering_matrix(obs)
         feasible = m[:n] & (x[:n, F["exp_violation"]] < 0.5)
@@ -133,7 +135,7 @@ class Cheapest(_Base):
         cost = x[:n, F["exp_cost"]]
         bias = policy_bias(info, n)
         if bias is not None:
-            cost = env.cfg.reward.cost_weight * cost.astype(np.float64) - bias
+            cost = cost_weight * cost.astype(np.float64) - bias
         return _masked_argmin(cost, use, x[:n, F["exp_latency"]])
 
 

@@ -203,10 +203,13 @@ POLICY_FILE_KEYS = ("region_sets", "slo_tiers", "prefer_mode", "policies")
 
 def policy_files(path: str | Path) -> list[Path]:
     """The policy YAML files ``path`` names: a file, or every ``*.yaml``/``*.yml`` of a directory
-    (sorted); a bare name that is not there is the shipped ``configs/policies/<name>``."""
+    (sorted); a relative path that is not there is the shipped one (``configs/policies``,
+    ``configs/policies/<name>``, or ``<name>`` of that directory)."""
     p = Path(path).expanduser()
-    if not p.exists() and len(p.parts) <= 2:
-        shipped = CONFIG_DIR / "policies" / p if p.parts[0] != "policies" else CONFIG_DIR / p
+    if not p.exists() and not p.is_absolute():  # a shipped one: NAME, policies/NAME, configs/policies[/NAME]
+        parts = p.parts[1:] if p.parts[:1] == ("configs",) else p.parts
+        parts = parts[1:] if parts[:1] == ("policies",) else parts
+        shipped = CONFIG_DIR.joinpath("policies", *parts)
         p = shipped if shipped.exists() else p
     if p.is_dir():
         files = sorted([*p.glob("*.yaml"), *p.glob("*.yml")])

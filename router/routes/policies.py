@@ -25,6 +25,7 @@ from xroute.schema.policy_ir import ConstraintError, Policy, PolicyBody, PolicyS
 
 router = APIRouter(prefix="/v1/admin", tags=["policies"],
                    responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},  # type: ignore[dict-item]
+                              413: {"model": ErrorResponse, "description": "request body too large"},
                               503: {"model": ErrorResponse, "description": "the policy store cannot be reached"}})
 explain_router = APIRouter(prefix="/v1", tags=["policies"])
 
@@ -159,6 +160,7 @@ async def read_audit(
 
 
 @explain_router.post("/explain", responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},  # type: ignore[dict-item]
+                                            413: {"model": ErrorResponse, "description": "request body too large"},
                                             422: {"model": ErrorResponse}},
                      summary="Why each offering is or is not eligible for a request")
 async def explain(body: RouteRequest, caller: CallerDep,
