@@ -38,6 +38,8 @@ class Services:
     scraper: object | None = None
     #: the OpenAI-compatible gateway (router.gateway.service.Gateway), set once built
     gateway: object | None = None
+    #: what /readyz answers, probed in the background (router.readiness.Readiness)
+    readiness: object | None = None
 
 
 @dataclass(slots=True)

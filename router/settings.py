@@ -259,6 +259,11 @@ class RouterSettings(BaseSettings):
     idempotency_ttl_s: float = Field(
         300.0, gt=0, le=7 * 86_400, description="how long a request's Idempotency-Key is remembered (with its "
                                                 "answer: mind the memory at high rates)")
+    state_restore_window_s: float = Field(
+        1.0, ge=0, le=600, description="after the Redis state came back empty, a keyed request whose key it lacks "
+                                       "is answered 503 state_restoring (not decided anew) until this long after the "
+                                       "new epoch began -- every router notices within state_view_refresh_s and "
+                                       "announces its restore -- and until every restore announced has ended")
 
     # inference servers' own metrics (router/scrape.py) ------------------------------------------
     inference_servers: list[InferenceServer] = Field(
@@ -283,6 +288,8 @@ class RouterSettings(BaseSettings):
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
     access_log: bool = Field(True, description="one JSON line per request")
+    ready_probe_s: float = Field(0.5, gt=0, le=60, description="how often the decision log and the shared state "
+                                                             "are probed for /readyz, whatever the traffic")
     log_level: str = "INFO"
 
     @property

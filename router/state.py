@@ -57,6 +57,13 @@ class StateUnavailable(RuntimeError):
     tell what the other routers have admitted, so it answers 503 rather than guess (fail closed)."""
 
 
+class StateRestoring(StateUnavailable):
+    """The shared state lost its data (a new :class:`Epoch`) and the routers' decision logs are not
+    all back in it yet: an idempotency key it lacks may have been answered before, so a keyed
+    request is not decided anew -- the API's 503 with ``Retry-After``, never a second decision. Not
+    an outage: a fail-open state does not answer it locally either."""
+
+
 def hold_for(expected_s: float, factor: float = HOLD_FACTOR, floor_s: float = HOLD_FLOOR_S,
              max_s: float = HOLD_MAX_S) -> float:
     """How long to hold a reservation whose release may never come: ``factor`` times the work's
@@ -124,6 +131,9 @@ class RouterState:
     backend with a server."""
 
     backend = ""
+    #: the server's failure as last seen (an operation or :meth:`healthy`; None: it answered), for
+    #: ``/readyz`` between two probes; always None for a state in this process
+    error: str | None = None
     #: True when the backend also offers the operations as plain calls (``reserve_now``,
     #: ``release_now``, ``claim_now``, ...): the embedded one, whose callers need not await
     sync = False
@@ -199,6 +209,17 @@ class RouterState:
         into this epoch already. Reservations already held are left as they are, so a restore that
         overlaps the live decisions books nothing twice."""
         raise NotImplementedError
+
+    async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
+        """Say, before reading the decision log ``log_id``, that this router is restoring it into
+        ``epoch``: until :meth:`end_restore` (or a deadline, should this router die), no router
+        decides a keyed request whose key the state lacks (:class:`StateRestoring`). Nothing to say
+        for a state in this process."""
+
+    async def end_restore(self, epoch: Epoch, log_id: str, restored: bool) -> None:
+        """The restore :meth:`begin_restore` announced is over; ``restored``: this router's part in
+        ``epoch`` is done (its log is back, or had nothing the epoch lacked), so keyed requests may
+        be decided here once every other restore has ended."""
 
     # -------------------------------------------------------------- the next issues' room
     async def take_quota(self, tenant: str, amount: float, limit: float, window_s: float) -> bool:
@@ -500,6 +521,8 @@ class FailOpenState(RouterState):
         if self.clock() >= self._down_until:
             try:
                 result = await getattr(self.primary, name)(*args)
+            except StateRestoring:  # the server answers: not an outage to answer locally
+                raise
             except StateUnavailable as e:
                 if self._down_until == -math.inf or self.clock() - self._down_until > self.retry_s:
                     self.failovers += 1
@@ -554,6 +577,12 @@ class FailOpenState(RouterState):
                       answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
                       ) -> dict[str, int] | None:
         return await self.primary.restore(epoch, log_id, events, answers, now_wall)
+
+    async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
+        await self.primary.begin_restore(epoch, log_id)
+
+    async def end_restore(self, epoch: Epoch, log_id: str, restored: bool) -> None:
+        await self.primary.end_restore(epoch, log_id, restored)
 
     async def healthy(self) -> bool:
         return True  # it always answers (module docstring: what that costs)

@@ -25,8 +25,9 @@ from router.routes.route import (
     release,
     remember,
     replayed,
+    settle,
 )
-from router.store import DecisionRef
+from router.store import CommitInDoubt, DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 
 router = APIRouter(prefix="/v1", tags=["feedback"])
@@ -34,8 +35,13 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
 
 @router.post("/feedback", response_model=FeedbackResponse, status_code=201,
              responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
-                        409: {"model": ErrorResponse}, 422: {"model": ErrorResponse},
-                        503: {"model": ErrorResponse}},
+                        409: {"model": ErrorResponse},
+                        422: {"model": ErrorResponse, "description": "the body is not JSON (not UTF-8, does not "
+                              "parse, or sent without a JSON content type: `fields` names `body`), a field is "
+                              "invalid (named in `fields`), no observation given, or `idempotency_key_reused`"},
+                        503: {"model": ErrorResponse, "description": "`unavailable`: the decision log cannot "
+                              "record; `state_unavailable` (keyed) or `state_restoring` (keyed, the shared state came "
+                              "back empty and is being restored); see Retry-After"}},
              openapi_extra={"parameters": [IDEMPOTENCY_HEADER]}, summary="Report the observed outcome of a decision")
 async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
     who, svc = caller.who, caller.svc
@@ -54,6 +60,11 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
         now = time.time()
         reward, missed = svc.engine.feedback_reward(ref, body)
         fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed))
+    except CommitInDoubt:
+        if key is not None:  # stored or not? the key waits for the log to say (router.routes.route.settle)
+            assert digest is not None and ref is not None
+            settle_feedback(svc, key, digest, body, ref, now)
+        raise
     except BaseException:
         if key is not None:
             await abandon(svc.state, key)
@@ -74,6 +85,23 @@ def feedback_row(body: FeedbackRequest, tenant: str, received_at: float, key: st
     for a client's report)."""
     return (body.decision_id, tenant, received_at, body.latency_ms, body.cost_usd, body.output_tokens, int(body.failed),
             body.error, body.ttft_ms, key, reward, None if missed is None else int(missed), *measured)
+
+
+def settle_feedback(svc: Any, key: str, digest: bytes, body: FeedbackRequest, ref: DecisionRef, at: float) -> None:
+    """A keyed feedback whose commit is in doubt: found in the log (by its key, received at ``at``),
+    the key gets the answer the client missed and the loop closes; else the key is dropped."""
+
+    async def found() -> bytes | None:
+        _, rows = await svc.store.keyed_since(at - 1.0)
+        for row in rows:
+            if row[0] == key and row[2] == body.decision_id:
+                return digest + feedback_answer(int(row[1]), body.decision_id, float(row[3]))
+        return None
+
+    async def then() -> None:
+        await close_the_loop(svc, body, ref)
+
+    settle(svc, key, body.decision_id, None, found, then)
 
 
 def feedback_answer(feedback_id: int, decision_id: str, received_at: float) -> bytes:

@@ -2,18 +2,51 @@
 
 Defined here only: the HTTP API (``router/``), the decision log and ``xroute export-feedback``
 all use these models. Requests are strict (unknown fields are errors, numbers must be finite) so
-every bad field comes back as a 4xx naming it.
+every bad field comes back as a 4xx naming it -- and take exactly what their published JSON Schema
+says: an ``integer`` is a JSON number without a fractional part (``12``; ``12.0`` is the same
+integer in JSON Schema 2020-12, which OpenAPI 3.1 uses), a ``number`` a JSON number, a ``boolean``
+``true`` or ``false``; never a string or a boolean read as a number (``"12"``, ``true``) as
+pydantic's lax mode would.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    Strict,
+    StringConstraints,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from xroute.schema.policy_ir import Constraints
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+
+
+def _json_integer(v: object) -> object:
+    """JSON Schema's ``integer``: a number with no fractional part (an int, or a float such as
+    12.0), never a string or a boolean."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise PydanticCustomError("int_from_float", "Input should be a valid integer, got a number with a "
+                                                        "fractional part")
+        return int(v)
+    return v
+
+
+#: request fields, as their JSON Schema types say (module docstring)
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+JsonNumber = Annotated[float, Strict()]
+JsonBool = Annotated[bool, Strict()]
 
 
 class _Strict(BaseModel):
@@ -26,14 +59,14 @@ class RouteRequest(_Strict):
 
     origin: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
         description="location id the request comes from (provider:region, see GET /v1/offerings)")
-    input_tokens: int = Field(ge=0, le=2_000_000, description="prompt length in tokens")
-    max_output_tokens: int = Field(
+    input_tokens: JsonInt = Field(ge=0, le=2_000_000, description="prompt length in tokens")
+    max_output_tokens: JsonInt = Field(
         ge=1, le=1_000_000, description="output token budget (max_tokens); the expected length is estimated from "
                                         "past completions of the tenant and model, capped at this budget")
-    ttft_ms: float = Field(ge=1, le=3_600_000, description="SLO: time to first token, milliseconds")
-    tpot_ms: float = Field(gt=0, le=60_000, description="SLO: mean time per output token after the first, milliseconds")
-    deadline_ms: float | None = Field(None, ge=1, le=86_400_000,
-                                      description="SLO: optional end-to-end deadline, milliseconds")
+    ttft_ms: JsonNumber = Field(ge=1, le=3_600_000, description="SLO: time to first token, milliseconds")
+    tpot_ms: JsonNumber = Field(gt=0, le=60_000, description="SLO: mean time per output token after the first, milliseconds")
+    deadline_ms: JsonNumber | None = Field(None, ge=1, le=86_400_000,
+                                           description="SLO: optional end-to-end deadline, milliseconds")
     model: Id | None = Field(None, description="the model the request is for (GET /v1/offerings lists them); "
                                                "absent = the default model")
     session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
@@ -115,12 +148,13 @@ class FeedbackRequest(_Strict):
     model_config = ConfigDict(**_Strict.model_config, json_schema_extra={"anyOf": _ONE_OBSERVATION})
 
     decision_id: Id
-    latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency (the "
-                                     "pool's observed duration statistics)")
-    ttft_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed time to first token")
-    cost_usd: float | None = Field(None, ge=0, le=1_000_000, description="observed cost")
-    output_tokens: int | None = Field(None, ge=0, le=1_000_000, description="tokens actually generated")
-    failed: bool = Field(False, description="the request failed (error, timeout, preempted without retry)")
+    latency_ms: JsonNumber | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency "
+                                          "(the pool's observed duration statistics)")
+    ttft_ms: JsonNumber | None = Field(None, ge=0, le=86_400_000, description="observed time to first token")
+    cost_usd: JsonNumber | None = Field(None, ge=0, le=1_000_000, description="observed cost")
+    output_tokens: Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(_json_integer)] | None = Field(
+        None, description="tokens actually generated")  # (bounds before the validator: the schema keeps them)
+    failed: JsonBool = Field(False, description="the request failed (error, timeout, preempted without retry)")
     error: Annotated[str, StringConstraints(max_length=1000)] | None = None
 
     @model_validator(mode="after")
