@@ -160,7 +160,9 @@ def test_an_idempotency_key_returns_the_first_answer_and_books_nothing(tmp_path:
 
 def test_a_failure_after_the_decision_releases_its_reservation(tmp_path: Path) -> None:
     """The request is decided and reserved, then its commit fails (the log's writer dies while the
-    request waits for it): 503, and the reservation, this router's view and the key are freed."""
+    request waits for it): 503 -- and since the batch was at the writer, its commit is in doubt: the
+    key stays pending (a retry gets 409) until the log says the row is not there, then the
+    reservation, this router's view and the key are freed."""
     setup = _setup(tmp_path)
     srv = ServerThread(create_app(setup.settings))
     with srv as url:
@@ -178,7 +180,11 @@ def test_a_failure_after_the_decision_releases_its_reservation(tmp_path: Path) -
         os.kill(writer, signal.SIGKILL)
         t.join(timeout=15)
         assert out[0].status_code == 503 and out[0].json()["error"] == "unavailable"
-        assert sum(_in_flight(url, setup).values()) == 1  # released
+        assert svc.state.claim_now("a:route:k-503", 1).status == "pending"  # in doubt, not decided anew
+        deadline = time.monotonic() + 10
+        while sum(_in_flight(url, setup).values()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(_in_flight(url, setup).values()) == 1  # released once the log said it is not there
         assert int(svc.engine.env.inflight.sum()) == 1 and int(svc.engine.own_held.sum()) == 1
         assert svc.state.claim_now("a:route:k-503", 1).status == "new"  # the key was dropped
 
