@@ -250,7 +250,7 @@ def test_keyed_load_through_a_redis_loss_and_a_postgres_restart(tmp_path: Path) 
                                "GROUP BY idempotency_key HAVING count(*) > 1").fetchall()
             assert dup == [], dup
             logged = {r[0] for r in conn.execute("SELECT decision_id FROM decisions")}
-            logged_feedback = dict(conn.execute("SELECT feedback_id, decision_id FROM feedback").fetchall())
+            logged_feedback: dict[int, str] = dict(conn.execute("SELECT feedback_id, decision_id FROM feedback").fetchall())
         # every acknowledged decision and feedback is in the log
         assert seen.decisions <= logged, sorted(seen.decisions - logged)[:5]
         assert all(logged_feedback.get(fid) == did for fid, did in seen.feedback.items())

@@ -52,12 +52,13 @@ pytestmark = pytest.mark.slow
 
 @dataclass
 class Served:
-    """An ``xroute serve`` subprocess: its port, URL, combined stdout/stderr log, keys."""
+    """An ``xroute serve`` subprocess: its port, URL, combined stdout/stderr log, keys, decision log."""
 
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
     setup: RouterSetup
+    db: str
 
     @property
     def url(self) -> str:
@@ -83,7 +84,7 @@ def serve(tmp: Path, db: str, redis_url: str, prefix: str, workers: int = 2, **e
             "--log-level", "INFO", "--workers", str(workers)]
     port = free_port()
     log = tmp / "router.log"
-    return Served(start_subprocess(args, environment, port, log), port, log, setup)
+    return Served(start_subprocess(args, environment, port, log), port, log, setup, db)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,6 @@ def drill(pg: PostgresServer, redis_srv: RedisServer, tmp_path_factory: pytest.T
     """Two workers on a PostgreSQL log and the Redis state, as the drill ran them."""
     url = pg.create_database("drill")
     served = serve(tmp_path_factory.mktemp("drill"), url, redis_srv.url, "drill")
-    served.db_url = url  # type: ignore[attr-defined]
     try:
         yield served
     finally:
@@ -191,7 +191,7 @@ def test_keyed_retries_after_redis_restarts_empty_get_their_first_answer_or_a_50
             _documented_503(r)
     answered = {k for t, k, r in got if r.status_code == 200 and t > back + 3.0}
     assert answered == set(first), set(first) - answered  # restored: answered again, the same bytes
-    assert _duplicate_keys(drill.db_url) == []  # type: ignore[attr-defined]
+    assert _duplicate_keys(drill.db) == []
 
 
 def test_a_key_decided_by_another_router_is_not_decided_anew_while_that_router_restores(
