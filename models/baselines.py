@@ -176,7 +176,9 @@ class HindsightGreedy(_Base):
 class HindsightRollout(_Base):
     """Hindsight lookahead: for each request, the ``top_k`` offerings by realized reward are each
     played out for ``horizon`` more requests under hindsight-greedy, and the one with the best total
-    is taken — so the queueing and batching a choice imposes on the next requests count too."""
+    is taken — so the queueing and batching a choice imposes on the next requests count too. (The
+    oracle plans a whole stream of these decisions at once with ``models.planning.lookahead``: the
+    same decisions at a fraction of the cost.)"""
 
     name = "hindsight-rollout"
 
@@ -214,9 +216,11 @@ class Oracle(_Base):
     under every plan it knows -- hindsight lookahead, hindsight-greedy and every baseline -- and
     follows the one with the best total reward. Hence it never scores below any baseline on the same
     stream (an upper reference, not a proof of optimality: the true optimum over all routings is
-    intractable). Its cost is bounded by ``EvaluateConfig.oracle``: the lookahead plan costs about
-    ``1 + top_k * (1 + horizon)`` environment steps per request and is skipped on streams longer
-    than ``lookahead_max_requests`` (the name then says ``oracle[no lookahead]``)."""
+    intractable). How it plans, and what that costs, is ``models.planning``: the lookahead
+    (``HindsightRollout``'s decisions, computed incrementally) costs about ``2 + (top_k - 1) * (1 +
+    horizon)`` environment steps per request, and runs on whole streams in ``EvaluateConfig.oracle.
+    workers`` processes; only a stream longer than ``lookahead_max_requests`` (when set) skips it
+    (the name then says ``oracle[no lookahead]``)."""
 
     name = "oracle"
 
@@ -227,36 +231,18 @@ class Oracle(_Base):
         self.on_progress: Callable[[str, int, int, int, int], None] | None = None
 
     def reset(self, env: CloudRouteEnv, seed: int) -> None:
-        import copy
+        from models import planning
 
         super().reset(env, seed)
         oc = self.cfg.oracle
-        n_steps = env._end - env._pos
-        self.display_name = "oracle"
-        plans: list[Policy] = [HindsightGreedy()]
-        if n_steps <= oc.lookahead_max_requests and oc.horizon > 0:
-            plans.insert(0, HindsightRollout(oc.top_k, oc.horizon))
-        else:
-            self.display_name = "oracle[no lookahead]"
-        plans += [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
-        best: tuple[float, list[int], str] | None = None
-        for p, plan in enumerate(plans):
-            sim = copy.deepcopy(env)
-            plan.reset(sim, seed)
-            obs, info = sim.observation(), sim._info()
-            actions: list[int] = []
-            total, done = 0.0, sim._pos >= sim._end
-            while not done:
-                a = plan.act(obs, info)
-                actions.append(a)
-                obs, r, _, done, info = sim.step(a)
-                total += r
-                if self.on_progress is not None and (len(actions) % 500 == 0 or done):
-                    self.on_progress(plan.name, p + 1, len(plans), len(actions), n_steps)
-            if best is None or total > best[0]:
-                best = (total, actions, plan.name)
-        assert best is not None
-        self.plan, self.k, self.chosen = best[1], 0, best[2]
+        n_steps = env.steps_left
+        lookahead = oc.horizon > 0 and (oc.lookahead_max_requests is None or n_steps <= oc.lookahead_max_requests)
+        self.display_name = "oracle" if lookahead else "oracle[no lookahead]"
+        plans: list[Policy] = [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
+        self.planned = planning.best_plan(env, seed, plans, oc.top_k, oc.horizon, lookahead, workers=oc.workers,
+                                          segment_requests=oc.segment_requests,
+                                          burn_in_requests=oc.burn_in_requests, progress=self.on_progress)
+        self.plan, self.k, self.chosen = self.planned.actions, 0, self.planned.name
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         a = self.plan[self.k]
