@@ -10,7 +10,8 @@ it is a scale test, not a realistic day; the oracle's dominance is also checked 
 bundles' own whole streams with ``--shipped``.
 
 Every policy is run with ``models.evaluate.run_policy`` on one environment, back to back in this
-process, as ``models.evaluate.evaluate`` runs them; the oracle plans in
+process, as ``models.evaluate.evaluate`` runs them (the oracle last, handed the baselines' runs so
+it does not play them again: ``Oracle.known``); the oracle plans in
 ``EvaluateConfig.oracle.workers`` forked processes (``models.planning``). Reported per policy: wall
 seconds, CPU seconds (this process and its reaped children), mean reward; for the oracle, every
 plan's total (the lookahead's, hindsight-greedy's, each baseline's), the plan it follows, the
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from envs.cloud_route import CloudRouteEnv  # noqa: E402
 from models.baselines import BASELINES, Oracle, make_baseline  # noqa: E402
-from models.evaluate import run_policy  # noqa: E402
+from models.evaluate import known_plans, run_policy  # noqa: E402
 from xroute.bundle import Bundle, bundle_root, load_bundle  # noqa: E402
 from xroute.config import EvaluateConfig  # noqa: E402
 
@@ -93,15 +95,21 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
     env = CloudRouteEnv(bundle, cfg.env.model_copy(update={"rate_scale": rate}))
     build = {"wall_s": round(time.perf_counter() - t0, 2), "cpu_s": round(cpu_s() - c0, 2)}
     rows = []
+    runs = []
     oracle: Oracle | None = None
     for name in [*HEURISTICS, "oracle"]:
         pol = make_baseline(name, cfg)
+        if isinstance(pol, Oracle):  # as models.evaluate hands it the baselines' runs of this seed
+            pol.known[seed] = known_plans(runs)
         t0, c0 = time.perf_counter(), cpu_s()
         run = run_policy(env, pol, seed)
+        run.name = name
+        runs.append(run)
         wall, cpu = time.perf_counter() - t0, cpu_s() - c0
-        rows.append({"policy": run.name, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+        shown = getattr(pol, "display_name", name)
+        rows.append({"policy": shown, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
                      "mean_reward": run.metrics["mean_reward"], "sla_attainment": run.metrics["sla_attainment"]})
-        print(f"  {label:22s} {run.name:22s} {wall:7.1f} s wall {cpu:7.1f} s CPU  reward {run.metrics['mean_reward']:.6f}",
+        print(f"  {label:22s} {shown:22s} {wall:7.1f} s wall {cpu:7.1f} s CPU  reward {run.metrics['mean_reward']:.6f}",
               flush=True)
         if isinstance(pol, Oracle):
             oracle = pol
@@ -124,6 +132,43 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
     }
 
 
+#: (bundle, first request, load) of the --tradeoff windows
+TRADEOFF_WINDOWS = [("default", 0, 1.0), ("default", 15000, 4.0), ("feb2024", 5000, 1.0), ("mar2024", 8000, 4.0)]
+#: (top_k, horizon, max_regret) of the --tradeoff: the oracle before issue 26, the default, cheaper ones
+TRADEOFF_CONFIGS = [(3, 12, None), (3, 12, 0.008), (3, 12, 0.004), (2, 12, None), (3, 6, None), (2, 24, None)]
+
+
+def tradeoff(requests: int) -> list[dict[str, Any]]:
+    """The lookahead plan alone (one process) for each of ``TRADEOFF_CONFIGS`` on ``requests``-request
+    windows: its mean reward over hindsight-greedy's, and its CPU seconds."""
+    import copy
+
+    from models import planning
+
+    cfg = EvaluateConfig()
+    out = []
+    for name, start, rate in TRADEOFF_WINDOWS:
+        b = load_bundle(bundle_root(name))
+        b = b.select(np.arange(start, min(start + requests, len(b.workload))))
+        env = CloudRouteEnv(b, cfg.env.model_copy(update={"rate_scale": rate}))
+        env.reset(seed=0)
+        n = env.steps_left
+        hg = planning.greedy_plan(copy.deepcopy(env))[1] / n
+        row: dict[str, Any] = {"window": f"{name}[{start}:{start + n}] x{rate:g}", "hindsight_greedy": round(hg, 6)}
+        for k, h, mr in TRADEOFF_CONFIGS:
+            c0 = time.process_time()
+            acts = planning.lookahead(copy.deepcopy(env), k, h, max_regret=mr)
+            cpu = time.process_time() - c0
+            total = planning.replay(copy.deepcopy(env), acts)[1] / n
+            row[f"top_k={k} horizon={h} max_regret={mr}"] = {"gain": round(total - hg, 6), "cpu_s": round(cpu, 1)}
+        print("  " + row["window"] + "  " + "  ".join(
+            f"({key.split(' ')[0][6:]},{key.split(' ')[1][8:]},{key.split(' ')[2][11:]}) "
+            f"{v['gain'] * 1e4:+.1f}e-4 {v['cpu_s']:.0f}s" for key, v in row.items() if isinstance(v, dict)),
+            flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100_000, help="requests of the tiled stream")
@@ -134,13 +179,18 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="oracle.workers (default: the config's)")
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--horizon", type=int, default=None)
+    ap.add_argument("--max-regret", default=None, help="oracle.max_regret (a number, or 'none')")
+    ap.add_argument("--tradeoff", type=int, default=0, metavar="N",
+                    help="also the lookahead's quality and cost per (top_k, horizon, max_regret) on N-request windows")
     ap.add_argument("--out", default="benchmarks/results/oracle.json")
     args = ap.parse_args()
     if args.requests < 1000:
         ap.error(f"--requests must be at least 1000 (got {args.requests})")
     cfg = EvaluateConfig()
-    upd = {k: v for k, v in (("workers", args.workers), ("top_k", args.top_k), ("horizon", args.horizon))
-           if v is not None}
+    upd: dict[str, Any] = {k: v for k, v in (("workers", args.workers), ("top_k", args.top_k),
+                                             ("horizon", args.horizon)) if v is not None}
+    if args.max_regret is not None:
+        upd["max_regret"] = None if args.max_regret.lower() == "none" else float(args.max_regret)
     cfg = cfg.model_copy(update={"oracle": cfg.oracle.model_copy(update=upd)})
     load0 = os.getloadavg()
     streams = []
@@ -159,6 +209,10 @@ def main() -> None:
             b = load_bundle(bundle_root(name))
             for rate in args.rates:
                 streams.append(run_stream(f"{name} x{rate:g}", b, cfg, rate, cfg.seed))
+    trade = []
+    if args.tradeoff:
+        print(f"lookahead quality and cost on {args.tradeoff}-request windows (one process):")
+        trade = tradeoff(args.tradeoff)
     load1 = os.getloadavg()
     print()
     print("| stream | requests | 8 policies: wall s | CPU s | oracle wall s | oracle CPU s | oracle plan followed | "
@@ -175,7 +229,7 @@ def main() -> None:
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "load_average_before": [round(x, 2) for x in load0],
                        "load_average_after": [round(x, 2) for x in load1]},
-           "oracle_config": cfg.oracle.model_dump(), "streams": streams,
+           "oracle_config": cfg.oracle.model_dump(), "streams": streams, "tradeoff": trade,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

@@ -176,22 +176,24 @@ class HindsightGreedy(_Base):
 class HindsightRollout(_Base):
     """Hindsight lookahead: for each request, the ``top_k`` offerings by realized reward are each
     played out for ``horizon`` more requests under hindsight-greedy, and the one with the best total
-    is taken — so the queueing and batching a choice imposes on the next requests count too. (The
+    is taken — so the queueing and batching a choice imposes on the next requests count too. Beyond
+    the two best, only candidates within ``max_regret`` of the best realized reward are played
+    (``models.planning.candidates``; None: all ``top_k``). (The
     oracle plans a whole stream of these decisions at once with ``models.planning.lookahead``: the
     same decisions at a fraction of the cost.)"""
 
     name = "hindsight-rollout"
 
-    def __init__(self, top_k: int = 3, horizon: int = 24):
-        self.top_k, self.horizon = top_k, horizon
+    def __init__(self, top_k: int = 3, horizon: int = 24, max_regret: float | None = None):
+        self.top_k, self.horizon, self.max_regret = top_k, horizon, max_regret
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        from models.planning import candidates
+
         env = self.env
-        r = env.exact_rewards()
-        valid = np.flatnonzero(np.isfinite(r))
-        if valid.size == 0:
+        cand = candidates(env.exact_rewards(), self.top_k, self.max_regret)
+        if cand.size == 0:
             return 0
-        cand = valid[np.argsort(-r[valid], kind="stable")[: self.top_k]]
         if cand.size == 1:
             return int(cand[0])
         snap = env.save_state()
@@ -229,6 +231,10 @@ class Oracle(_Base):
         #: called as ``on_progress(plan_name, plan_index, n_plans, steps_done, steps_total)`` while
         #: planning (the slow part: minutes on a long stream), so callers can show progress
         self.on_progress: Callable[[str, int, int, int, int], None] | None = None
+        #: plans already played on the episode the oracle will plan, by seed, then policy name:
+        #: (actions, total reward) -- ``models.evaluate`` fills it with the runs of the baselines it
+        #: evaluated before the oracle on the same environment, so they are not played twice
+        self.known: dict[int, dict[str, tuple[list[int], float]]] = {}
 
     def reset(self, env: CloudRouteEnv, seed: int) -> None:
         from models import planning
@@ -241,7 +247,8 @@ class Oracle(_Base):
         plans: list[Policy] = [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
         self.planned = planning.best_plan(env, seed, plans, oc.top_k, oc.horizon, lookahead, workers=oc.workers,
                                           segment_requests=oc.segment_requests,
-                                          burn_in_requests=oc.burn_in_requests, progress=self.on_progress)
+                                          burn_in_requests=oc.burn_in_requests, progress=self.on_progress,
+                                          max_regret=oc.max_regret, known=self.known.get(seed))
         self.plan, self.k, self.chosen = self.planned.actions, 0, self.planned.name
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:

@@ -43,6 +43,17 @@ def hindsight_greedy_action(env: CloudRouteEnv) -> int:
     return int(np.argmax(env.exact_rewards()))
 
 
+def candidates(r: np.ndarray, top_k: int, max_regret: float | None = None) -> np.ndarray:
+    """The offerings a lookahead plays out for a request whose realized rewards are ``r`` (-inf
+    where invalid): the ``top_k`` best valid ones (ties: the lower index first) -- beyond the two
+    best, only those within ``max_regret`` of the best (None: no limit)."""
+    valid = np.flatnonzero(np.isfinite(r))
+    cand = valid[np.argsort(-r[valid], kind="stable")[:top_k]]
+    if max_regret is not None and cand.size > 2:
+        cand = np.concatenate([cand[:2], cand[2:][r[cand[0]] - r[cand[2:]] <= max_regret]])
+    return cand
+
+
 def _play_out(env: CloudRouteEnv, first: int, horizon: int) -> tuple[list[float], bool]:
     """Step ``first``, then ``horizon`` more requests under hindsight-greedy: the rewards."""
     out, done = env.step_outcome(first)
@@ -56,10 +67,10 @@ def _play_out(env: CloudRouteEnv, first: int, horizon: int) -> tuple[list[float]
 
 
 def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, stop: int | None = None,
-              progress: Callable[[int], None] | None = None) -> list[int]:
+              progress: Callable[[int], None] | None = None, max_regret: float | None = None) -> list[int]:
     """The lookahead plan from ``env``'s current request up to request ``stop`` (an absolute
     stream position; default: the episode's end): the decisions ``HindsightRollout(top_k,
-    horizon).act`` takes at each of them (module docstring). Steps ``env`` to ``stop``.
+    horizon, max_regret).act`` takes at each of them (module docstring). Steps ``env`` to ``stop``.
     ``progress(k)`` is called every 500 decisions with the number made."""
     stop = env._end if stop is None else min(stop, env._end)
     cont = copy.deepcopy(env)  # the greedy continuation's frontier ...
@@ -71,9 +82,7 @@ def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, stop: int | None = N
         while len(cont_rewards) < horizon + 1 and not cont_done:
             out, cont_done = cont.step_outcome(hindsight_greedy_action(cont))
             cont_rewards.append(float(out["reward"]))
-        r = env.exact_rewards()
-        valid = np.flatnonzero(np.isfinite(r))
-        cand = valid[np.argsort(-r[valid], kind="stable")[:top_k]]
+        cand = candidates(env.exact_rewards(), top_k, max_regret)
         best = int(cand[0]) if cand.size else 0  # (nothing valid: HindsightRollout's 0, greedy's argmax too)
         best_total = sum(cont_rewards)
         won: tuple[CloudRouteEnv, list[float], bool] | None = None
@@ -174,7 +183,7 @@ def _segment_task(start: int, own: int, stop: int, snap: dict[str, Any] | None) 
     if snap is not None:
         env.restore_state(snap)
     assert env._pos == start
-    return lookahead(env, st["top_k"], st["horizon"], stop)[own - start:]
+    return lookahead(env, st["top_k"], st["horizon"], stop, max_regret=st["max_regret"])[own - start:]
 
 
 def _policy_task(j: int) -> tuple[list[int], float]:
@@ -190,10 +199,14 @@ def _fork_context() -> Any:
 
 def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, horizon: int, with_lookahead: bool,
               workers: int = 1, segment_requests: int = 20_000, burn_in_requests: int = 500,
-              progress: Progress | None = None) -> Planned:
+              progress: Progress | None = None, max_regret: float | None = None,
+              known: dict[str, tuple[list[int], float]] | None = None) -> Planned:
     """Every plan from ``env``'s current request (it is left untouched: plans run on copies) --
     the lookahead (if ``with_lookahead``), hindsight-greedy, and ``policies`` (each played as it
-    decides) -- and the best total (the first on ties, in that order). See the module docstring."""
+    decides) -- and the best total (the first on ties, in that order). See the module docstring.
+    ``known``: plans already played on this very episode (the same environment, reset with the
+    same seed), by policy name -- their actions and total -- which need not be played again
+    (``models.evaluate`` hands the oracle the runs of the policies evaluated before it)."""
     n = env.steps_left
     first = env._pos
     names = (["hindsight-rollout"] if with_lookahead else []) + ["hindsight-greedy"] + [p.name for p in policies]
@@ -210,7 +223,9 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
 
     segments = list(zip(starts, bounds[:-1], bounds[1:]))
     want = tuple(st for st in starts if st != first)
-    results: dict[str, tuple[list[int], float]] = {}
+    known = known or {}
+    results: dict[str, tuple[list[int], float]] = {p.name: known[p.name] for p in policies if p.name in known}
+    policies = [p for p in policies if p.name not in results]
     seg_actions: list[list[int]] = [[] for _ in segments]
     if ctx is None:
         g_actions, g_total, _ = greedy_plan(copy.deepcopy(env))
@@ -218,13 +233,13 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
         tell("hindsight-greedy", n)
         if with_lookahead:
             seg_actions = [lookahead(copy.deepcopy(env), top_k, horizon,
-                                     progress=lambda k: tell("hindsight-rollout", k))]
+                                     progress=lambda k: tell("hindsight-rollout", k), max_regret=max_regret)]
         for p in policies:
             results[p.name] = policy_plan(copy.deepcopy(env), p, seed)
             tell(p.name, n)
     else:
         _FORKED.clear()
-        _FORKED.update(env=env, top_k=top_k, horizon=horizon, policies=policies, seed=seed)
+        _FORKED.update(env=env, top_k=top_k, horizon=horizon, policies=policies, seed=seed, max_regret=max_regret)
         try:
             with ctx.Pool(processes=workers) as pool:
                 # the policies' plays need no state but the start: they run while this process plays

@@ -47,12 +47,14 @@ def test_step_outcome_advances_the_environment_like_step(shipped_bundle) -> None
     assert b.steps_left == 0
 
 
-@pytest.mark.parametrize(("start", "rate", "top_k", "horizon"), [(2000, 4.0, 3, 6), (9000, 1.0, 2, 4)])
+@pytest.mark.parametrize(("start", "rate", "top_k", "horizon", "max_regret"),
+                         [(2000, 4.0, 3, 6, None), (9000, 1.0, 2, 4, None), (5000, 2.0, 4, 5, 0.004)])
 def test_the_incremental_lookahead_decides_exactly_as_hindsight_rollout(shipped_bundle, start: int, rate: float,
-                                                                      top_k: int, horizon: int) -> None:
+                                                                      top_k: int, horizon: int,
+                                                                      max_regret: float | None) -> None:
     env = _env(shipped_bundle, start, 250, rate)
     ref_env = copy.deepcopy(env)
-    pol = HindsightRollout(top_k, horizon)
+    pol = HindsightRollout(top_k, horizon, max_regret)
     pol.reset(ref_env, 2)
     obs, info = ref_env.observation(), ref_env._info()
     expected, done = [], False
@@ -60,7 +62,7 @@ def test_the_incremental_lookahead_decides_exactly_as_hindsight_rollout(shipped_
         a = pol.act(obs, info)
         expected.append(a)
         obs, _, _, done, info = ref_env.step(a)
-    got = planning.lookahead(copy.deepcopy(env), top_k, horizon)
+    got = planning.lookahead(copy.deepcopy(env), top_k, horizon, max_regret=max_regret)
     assert got == expected
     # the lookahead does differ from hindsight-greedy somewhere (else the test could not tell)
     assert got != planning.greedy_plan(copy.deepcopy(env))[0]
@@ -110,3 +112,32 @@ def test_the_lookahead_runs_on_long_streams_unless_a_limit_is_set(tiny_bundle_di
     capped = Oracle(_cfg(workers=1, lookahead_max_requests=100))
     run_policy(env, capped, seed=0)
     assert capped.display_name == "oracle[no lookahead]" and "hindsight-rollout" not in capped.planned.totals
+
+
+def test_candidates_beyond_the_two_best_are_played_only_within_max_regret() -> None:
+    r = np.array([-0.10, -np.inf, -0.095, -0.12, -0.099, -0.2])
+    assert planning.candidates(r, 3).tolist() == [2, 4, 0]
+    assert planning.candidates(r, 5, max_regret=0.006).tolist() == [2, 4, 0]  # -0.12, -0.2 are further than that
+    assert planning.candidates(r, 5, max_regret=0.0).tolist() == [2, 4]  # the two best always
+    assert planning.candidates(np.full(3, -np.inf), 3).size == 0
+
+
+@pytest.mark.slow
+def test_evaluate_hands_the_oracle_the_baselines_it_ran_and_the_result_is_the_same(shipped_bundle) -> None:
+    from models import evaluate as ev
+
+    bundle = shipped_bundle.select(np.arange(7000, 7300))
+    cfg = _cfg(workers=1, horizon=4)
+    with_known = ev.evaluate(bundle, [*HEURISTICS, "oracle"], cfg, show_progress=False, seeds=2)
+    alone = ev.evaluate(bundle, ["oracle"], cfg, show_progress=False, seeds=2)
+    o1 = next(r for r in with_known if r.name == "oracle")
+    assert [r.metrics for r in o1.runs] == [r.metrics for r in alone[0].runs]
+    assert all(o1.metrics["mean_reward"] >= r.metrics["mean_reward"] for r in with_known)
+    # what evaluate hands over is each baseline's decisions and its exact summed reward
+    runs = [r.runs[0] for r in with_known if r.name != "oracle"]
+    known = ev.known_plans(runs)
+    assert set(known) == set(HEURISTICS)
+    env = CloudRouteEnv(bundle, cfg.env)
+    env.reset(seed=cfg.seed)
+    for name, (actions, total) in known.items():
+        assert planning.replay(copy.deepcopy(env), actions)[1] == pytest.approx(total, abs=1e-9), name

@@ -80,6 +80,9 @@ class OracleConfig(Strict):
 
     top_k: int = Field(3, ge=1, le=20, description="offerings played ahead per request")
     horizon: int = Field(12, ge=0, le=1000, description="requests played ahead after each of them")
+    max_regret: float | None = Field(
+        0.008, ge=0, description="beyond the two best, an offering is played ahead only if its realized reward is "
+                                 "within this of the best (null: every top_k); measured in docs/results.md")
     lookahead_max_requests: int | None = Field(
         None, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
                                 "hindsight-greedy and the baselines only, and its report says so); null = never")
