@@ -122,6 +122,7 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
         "total_wall_s": round(build["wall_s"] + sum(r["wall_s"] for r in rows), 1),
         "total_cpu_s": round(build["cpu_s"] + sum(r["cpu_s"] for r in rows), 1),
         "oracle": {"name": rows[-1]["policy"], "follows": p.name, "segments": p.segments, "replaced": p.replaced,
+                   "phases_wall_s": p.seconds, "known_plans": sorted(oracle.known.get(seed, {})),
                    "plan_mean_reward": {k: round(v / n, 6) for k, v in p.totals.items()},
                    "lookahead_gain_over_hindsight_greedy": (round((p.totals["hindsight-rollout"]
                                                                    - p.totals["hindsight-greedy"]) / n, 6)

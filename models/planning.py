@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,7 +152,8 @@ def replay(env: CloudRouteEnv, actions: list[int]) -> tuple[list[int], float, in
     for a in actions:
         if env.steps_left <= 0:
             break
-        if not env.action_mask()[a] and env.action_mask().any():
+        mask = env.c_mask
+        if not (0 <= a < env.n and mask[a]) and mask.any():
             a = hindsight_greedy_action(env)
             replaced += 1
         out, _ = env.step_outcome(a)
@@ -170,6 +172,9 @@ class Planned:
     totals: dict[str, float] = field(default_factory=dict)
     segments: int = 1
     replaced: int = 0
+    #: wall seconds of the phases: "main" (this process alone: hindsight-greedy and the replay) and
+    #: "total" (the policies' and the segments' plays overlap the former in the workers)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- parallel planning
@@ -223,6 +228,8 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
 
     segments = list(zip(starts, bounds[:-1], bounds[1:]))
     want = tuple(st for st in starts if st != first)
+    t_start = time.perf_counter()
+    main_s = 0.0
     known = known or {}
     results: dict[str, tuple[list[int], float]] = {p.name: known[p.name] for p in policies if p.name in known}
     policies = [p for p in policies if p.name not in results]
@@ -245,7 +252,9 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
                 # the policies' plays need no state but the start: they run while this process plays
                 # hindsight-greedy, whose states start the segments after the first
                 pol_jobs = [pool.apply_async(_policy_task, (j,)) for j in range(len(policies))]
+                t0 = time.perf_counter()
                 g_actions, g_total, snaps = greedy_plan(copy.deepcopy(env), snapshots_at=want)
+                main_s += time.perf_counter() - t0
                 results["hindsight-greedy"] = (g_actions, g_total)
                 tell("hindsight-greedy", n)
                 seg_jobs = [pool.apply_async(_segment_task, (st, own, stop, snaps.get(st)))
@@ -262,8 +271,11 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
             _FORKED.clear()
     replaced = 0
     if with_lookahead:
+        t0 = time.perf_counter()
         taken, total, replaced = replay(copy.deepcopy(env), [a for part in seg_actions for a in part])
+        main_s += time.perf_counter() - t0
         results["hindsight-rollout"] = (taken, total)
     best_name = max(names, key=lambda k: (results[k][1], -names.index(k)))
     return Planned(actions=results[best_name][0], total=results[best_name][1], name=best_name,
-                   totals={k: v[1] for k, v in results.items()}, segments=len(segments), replaced=replaced)
+                   totals={k: v[1] for k, v in results.items()}, segments=len(segments), replaced=replaced,
+                   seconds={"main": round(main_s, 2), "total": round(time.perf_counter() - t_start, 2)})
