@@ -298,6 +298,25 @@ def run_ablation(acfg: AblationConfig, echo: Callable[[str], None] = print) -> d
     return {"rows": rows, "summary": summary, "tracking_uri": uri, "out_dir": str(out_dir)}
 
 
+def run_noise_study(acfg: AblationConfig, n_states: int, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """:func:`noise_study` on the ablation's base config, logged to its MLflow experiment."""
+    import mlflow
+
+    from models import loader, registry
+
+    base = variant_config(load_train_config(acfg.train_config), Variant(name="base", overrides=acfg.base),
+                          "ablation config: field 'base'")
+    run_dir = Path(acfg.run_dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    uri = loader.tracking_uri(run_dir, base.mlflow.tracking_uri)
+    exp_id = registry.setup(uri, base.mlflow.experiment, run_dir)
+    res = noise_study(base, n_states, echo=echo)
+    with mlflow.start_run(experiment_id=exp_id, run_name=f"noise-study-{time.strftime('%Y%m%d-%H%M%S')}"):
+        mlflow.log_metrics({k: float(v) for k, v in res.items() if isinstance(v, (int, float))})
+        mlflow.log_text(res["markdown"], "noise_study.md")
+    return res
+
+
 def summarize(rows: list[dict[str, Any]], cfgs: dict[str, TrainConfig]) -> dict[str, Any]:
     """Per variant, the pooled Δ to the warm start over its seeds (each seed's own warm start):
     the per-seed pooled means, then a t-interval over seeds x scenarios' seeds."""
@@ -394,6 +413,99 @@ def plot_deltas(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def noise_study(cfg: TrainConfig, n_states: int = 300, redraws: int = 4, seed: int = 0,
+                echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """How much signal a DQN sample carries, against what it must resolve, on the training mix.
+
+    Along greedy's episodes (``cfg.rate_scales`` loads, the train windows): the per-request reward's
+    deviation from its one-step expectation (``expected_rewards``: what the router knows), i.e. the
+    noise one TD sample carries before any bootstrapping; and, at ``n_states`` states, the effect to
+    resolve -- greedy's choice against the second-best by expected reward, each played
+    ``warm_start.horizon`` requests ahead under greedy (the warm start's label) -- measured three
+    ways: with common random numbers (the warm start: both play-outs see the same service-time
+    draws), under ``redraws`` fresh draws of the future's noise still paired, and unpaired (each
+    play-out its own draw, as two TD samples of two actions are). Returns the figures and a table."""
+    from envs.cloud_route import CloudRouteEnv
+    from models.scenarios import ScenarioMix, build_scenarios, train_env_config
+    from models.warmstart import fork
+
+    sc = build_scenarios(cfg)
+    env_cfg = train_env_config(cfg, cfg.evaluate_settings(), sc.max_offerings)
+    mix = ScenarioMix([CloudRouteEnv(s.bundle, env_cfg, history=s.history) for s in sc.train], cfg.rate_scales, seed)
+    rng = np.random.default_rng(seed)
+    h, stride = cfg.warm_start.horizon, cfg.warm_start.stride
+
+    def play(env: Any, first: int, z: np.ndarray | None) -> float:
+        sim = fork(env)
+        if z is not None:
+            sim.z = z
+        out, done = sim.step_outcome(first)
+        g = float(out["reward"])
+        for _ in range(h):
+            if done:
+                break
+            out, done = sim.step_outcome(int(np.argmax(sim.expected_rewards())))
+            g += float(out["reward"])
+        return g
+
+    resid: list[float] = []
+    crn: list[float] = []
+    paired_sd: list[float] = []
+    unpaired_sd: list[float] = []
+    env = mix.pick(rng)
+    env.reset(seed=int(rng.integers(2**31)))
+    since = 0
+    t0 = time.perf_counter()
+    while len(crn) < n_states:
+        r_exp = env.expected_rewards()
+        order = np.argsort(-r_exp, kind="stable")
+        g = int(order[0])
+        if since >= stride and env.steps_left > h + 1 and np.isfinite(r_exp[order[1]]):
+            since = 0
+            a = int(order[1])
+            crn.append(play(env, a, None) - play(env, g, None))
+            k = env._pos - env._ep_start
+            pd_, ud = [], []
+            for _ in range(redraws):
+                z1, z2 = env.z.copy(), env.z.copy()  # the future's service-time draws, redrawn
+                z1[k:] = rng.standard_normal(len(z1) - k)
+                z2[k:] = rng.standard_normal(len(z2) - k)
+                pd_.append(play(env, a, z1) - play(env, g, z1))
+                ud.append(play(env, a, z1) - play(env, g, z2))
+            paired_sd.append(float(np.std(pd_, ddof=1)))
+            unpaired_sd.append(float(np.std(ud, ddof=1)))
+        out, done = env.step_outcome(g)
+        resid.append(float(out["reward"]) - float(r_exp[g]))
+        since += 1
+        if done:
+            env = mix.pick(rng)
+            env.reset(seed=int(rng.integers(2**31)))
+            since = 0
+    d = np.abs(np.array(crn))
+    res: dict[str, Any] = {"states": n_states, "horizon": h, "redraws": redraws, "steps": len(resid),
+           "reward_noise_sd": float(np.std(resid)), "effect_median_abs": float(np.median(d)),
+           "effect_mean_abs": float(d.mean()), "paired_label_sd": float(np.sqrt(np.mean(np.square(paired_sd)))),
+           "unpaired_label_sd": float(np.sqrt(np.mean(np.square(unpaired_sd)))),
+           "seconds": round(time.perf_counter() - t0, 1)}
+    # samples for a 2-sigma answer to "is a better than greedy's choice here?"
+    res["samples_unpaired"] = float((2 * res["unpaired_label_sd"] / max(res["effect_median_abs"], 1e-12)) ** 2)
+    res["samples_paired"] = float((2 * res["paired_label_sd"] / max(res["effect_median_abs"], 1e-12)) ** 2)
+    res["markdown"] = (
+        "| quantity | value |\n|---|---:|\n"
+        f"| one request's reward minus its one-step expectation, sd (what one TD sample carries) | "
+        f"{res['reward_noise_sd']:.4f} |\n"
+        f"| effect to resolve: 2nd-best minus greedy's choice over {h} requests, median abs | "
+        f"{res['effect_median_abs']:.5f} |\n"
+        f"| ... label noise, paired (same service-time draws, the warm start's labels), sd | "
+        f"{res['paired_label_sd']:.5f} |\n"
+        f"| ... label noise, unpaired (independent draws, as TD samples of two actions), sd | "
+        f"{res['unpaired_label_sd']:.5f} |\n"
+        f"| samples per decision for a 2-sigma answer, paired / unpaired | "
+        f"{res['samples_paired']:.1f} / {res['samples_unpaired']:.0f} |\n")
+    echo(res["markdown"])
+    return res
+
+
 def load_ablation_config(path: str | Path) -> AblationConfig:
     return parse_config(AblationConfig, read_yaml(path), str(path))
 
@@ -403,9 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/ablation.yaml")
     ap.add_argument("--only", nargs="*", help="run only these variants (by name)")
     ap.add_argument("--seeds", type=int, nargs="*", help="these seeds instead of the config's")
+    ap.add_argument("--noise", type=int, default=0, metavar="N",
+                    help="instead: the noise study on N states (noise_study), logged as its own MLflow run")
     args = ap.parse_args(argv)
     try:
         acfg = load_ablation_config(args.config)
+        if args.noise:
+            run_noise_study(acfg, args.noise)
+            return 0
         if args.only:
             unknown = sorted(set(args.only) - {v.name for v in acfg.variants})
             if unknown:

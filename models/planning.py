@@ -144,11 +144,11 @@ def policy_plan(env: CloudRouteEnv, policy: Any, seed: int) -> tuple[list[int], 
     return actions, total
 
 
-def replay(env: CloudRouteEnv, actions: list[int]) -> tuple[list[int], float, int]:
+def replay(env: CloudRouteEnv, actions: list[int], total: float = 0.0) -> tuple[list[int], float, int]:
     """``actions`` played from ``env``'s current request: the actions taken (an invalid one -- a
-    masked offering -- replaced by hindsight-greedy's), their total reward, and how many were
-    replaced."""
-    taken, total, replaced = [], 0.0, 0
+    masked offering -- replaced by hindsight-greedy's), ``total`` plus their rewards (summed in
+    order: a plan replayed in pieces sums as in one), and how many were replaced."""
+    taken, replaced = [], 0
     for a in actions:
         if env.steps_left <= 0:
             break
@@ -234,13 +234,18 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
     results: dict[str, tuple[list[int], float]] = {p.name: known[p.name] for p in policies if p.name in known}
     policies = [p for p in policies if p.name not in results]
     seg_actions: list[list[int]] = [[] for _ in segments]
+    replaced = 0
     if ctx is None:
         g_actions, g_total, _ = greedy_plan(copy.deepcopy(env))
         results["hindsight-greedy"] = (g_actions, g_total)
         tell("hindsight-greedy", n)
         if with_lookahead:
-            seg_actions = [lookahead(copy.deepcopy(env), top_k, horizon,
-                                     progress=lambda k: tell("hindsight-rollout", k), max_regret=max_regret)]
+            acts = lookahead(copy.deepcopy(env), top_k, horizon, progress=lambda k: tell("hindsight-rollout", k),
+                             max_regret=max_regret)
+            t0 = time.perf_counter()
+            taken, total, replaced = replay(copy.deepcopy(env), acts)
+            main_s += time.perf_counter() - t0
+            results["hindsight-rollout"] = (taken, total)
         for p in policies:
             results[p.name] = policy_plan(copy.deepcopy(env), p, seed)
             tell(p.name, n)
@@ -249,32 +254,33 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
         _FORKED.update(env=env, top_k=top_k, horizon=horizon, policies=policies, seed=seed, max_regret=max_regret)
         try:
             with ctx.Pool(processes=workers) as pool:
-                # the policies' plays need no state but the start: they run while this process plays
-                # hindsight-greedy, whose states start the segments after the first
+                # the first segment and the policies' plays need no state but the start: they run while
+                # this process plays hindsight-greedy, whose states start the later segments
+                seg_jobs = [pool.apply_async(_segment_task, (*segments[0], None))] if segments else []
                 pol_jobs = [pool.apply_async(_policy_task, (j,)) for j in range(len(policies))]
                 t0 = time.perf_counter()
                 g_actions, g_total, snaps = greedy_plan(copy.deepcopy(env), snapshots_at=want)
                 main_s += time.perf_counter() - t0
                 results["hindsight-greedy"] = (g_actions, g_total)
                 tell("hindsight-greedy", n)
-                seg_jobs = [pool.apply_async(_segment_task, (st, own, stop, snaps.get(st)))
-                            for st, own, stop in segments]
+                seg_jobs += [pool.apply_async(_segment_task, (st, own, stop, snaps[st])) for st, own, stop in segments[1:]]
                 for j, job in enumerate(pol_jobs):
                     results[policies[j].name] = job.get()
                     tell(policies[j].name, n)
-                done_requests = 0
+                # the stitched plan is replayed segment by segment as they come, while later ones are planned
+                sim, taken, total, replaced = copy.deepcopy(env), [], 0.0, 0
                 for i, job in enumerate(seg_jobs):
                     seg_actions[i] = job.get()
-                    done_requests += segments[i][2] - segments[i][1]
-                    tell("hindsight-rollout", done_requests)
+                    tell("hindsight-rollout", segments[i][2] - first)
+                    t0 = time.perf_counter()
+                    part, total, rep = replay(sim, seg_actions[i], total)
+                    main_s += time.perf_counter() - t0
+                    taken += part
+                    replaced += rep
+                if with_lookahead:
+                    results["hindsight-rollout"] = (taken, total)
         finally:
             _FORKED.clear()
-    replaced = 0
-    if with_lookahead:
-        t0 = time.perf_counter()
-        taken, total, replaced = replay(copy.deepcopy(env), [a for part in seg_actions for a in part])
-        main_s += time.perf_counter() - t0
-        results["hindsight-rollout"] = (taken, total)
     best_name = max(names, key=lambda k: (results[k][1], -names.index(k)))
     return Planned(actions=results[best_name][0], total=results[best_name][1], name=best_name,
                    totals={k: v[1] for k, v in results.items()}, segments=len(segments), replaced=replaced,
