@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--bundle", default="default", help="the shipped bundle whose hour is tiled")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--shipped", action="store_true", help="also each shipped bundle's whole stream")
+    ap.add_argument("--no-tiled", action="store_true", help="skip the tiled stream (with --shipped or --tradeoff)")
     ap.add_argument("--rates", type=float, nargs="+", default=[1.0], help="loads of the --shipped streams")
     ap.add_argument("--workers", type=int, default=None, help="oracle.workers (default: the config's)")
     ap.add_argument("--top-k", type=int, default=None)
@@ -195,16 +196,17 @@ def main() -> None:
     cfg = cfg.model_copy(update={"oracle": cfg.oracle.model_copy(update=upd)})
     load0 = os.getloadavg()
     streams = []
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        long = tiled_bundle(args.bundle, Path(tmp) / "tiled", args.requests)
-        span = long.time_span()
-        print(f"tiled stream: {len(long.workload):,} requests, {span[0]:%Y-%m-%d %H:%M} .. {span[1]:%H:%M} UTC "
-              f"(built in {time.perf_counter() - t0:.1f} s); oracle {cfg.oracle.model_dump()}; "
-              f"{os.cpu_count()} cores, load average {load0[0]:.1f}", flush=True)
-        for s in range(args.seeds):
-            streams.append(run_stream(f"{args.bundle} tiled {len(long.workload) // 1000}k", long, cfg, 1.0,
-                                      cfg.seed + s))
+    print(f"oracle {cfg.oracle.model_dump()}; {os.cpu_count()} cores, load average {load0[0]:.1f}", flush=True)
+    if not args.no_tiled:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            long = tiled_bundle(args.bundle, Path(tmp) / "tiled", args.requests)
+            span = long.time_span()
+            print(f"tiled stream: {len(long.workload):,} requests, {span[0]:%Y-%m-%d %H:%M} .. {span[1]:%H:%M} UTC "
+                  f"(built in {time.perf_counter() - t0:.1f} s)", flush=True)
+            for s in range(args.seeds):
+                streams.append(run_stream(f"{args.bundle} tiled {len(long.workload) // 1000}k", long, cfg, 1.0,
+                                          cfg.seed + s))
     if args.shipped:
         for name in ("default", "feb2024", "mar2024"):
             b = load_bundle(bundle_root(name))
