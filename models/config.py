@@ -106,6 +106,10 @@ class DQNConfig(Strict):
                                                       "update (replay composition, DQfD-style): the squared error "
                                                       "of Q(s,a) - Q(s,greedy's a) against the rollout advantage")
     demo_batch_size: int = Field(64, ge=1, description="warm-start states per update when demo_weight > 0")
+    warmup: Literal["random", "policy"] = Field(
+        "random", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
+                              "start's own epsilon-greedy choices (n-step returns over random actions are the random "
+                              "policy's)")
 
 
 class SearchConfig(Strict):

@@ -229,6 +229,9 @@ class MaskedDQN(DQN):
       equal to it, so the prior is on the same scale);
     * ``exploration``: ``"uniform"`` over the valid offerings, or ``"top_k"``: uniform over the
       ``exploration_top_k`` best valid ones by the current Q-values;
+    * ``warmup``: the first ``learning_starts`` steps fill the buffer with ``"random"`` valid
+      offerings (SB3's warm-up), or with the ``"policy"``'s epsilon-greedy choices (the warm start's:
+      n-step returns over a window of random actions are the random policy's, not the policy's);
     * ``demo`` (a ``models.warmstart.RolloutData``) and ``demo_weight``: every update also fits
       ``Q(s,a) - Q(s,a_greedy)`` to the warm start's rollout advantages of ``demo_batch_size`` of
       its labelled states (the warm start's knowledge kept in the loss, DQfD-style).
@@ -239,9 +242,10 @@ class MaskedDQN(DQN):
 
     def __init__(self, *args: Any, loss: str = "huber", reward_scale: float = 1.0, exploration: str = "uniform",
                  exploration_top_k: int = 3, demo: Any = None, demo_weight: float = 0.0, demo_batch_size: int = 64,
-                 **kwargs: Any):
-        if loss not in ("huber", "mse") or exploration not in ("uniform", "top_k"):
-            raise ValueError(f"loss {loss!r} / exploration {exploration!r}")
+                 warmup: str = "random", **kwargs: Any):
+        if loss not in ("huber", "mse") or exploration not in ("uniform", "top_k") or warmup not in ("random", "policy"):
+            raise ValueError(f"loss {loss!r} / exploration {exploration!r} / warmup {warmup!r}")
+        self.warmup = warmup
         self.loss_kind, self.reward_scale = loss, float(reward_scale)
         self.exploration_kind, self.exploration_top_k = exploration, int(exploration_top_k)
         self.demo, self.demo_weight, self.demo_batch_size = demo, float(demo_weight), int(demo_batch_size)
@@ -273,12 +277,13 @@ class MaskedDQN(DQN):
 
     def _sample_action(self, learning_starts: int, action_noise: Any = None, n_envs: int = 1,
                        ) -> tuple[np.ndarray, np.ndarray]:
-        if self.num_timesteps < learning_starts:
+        if self.num_timesteps < learning_starts and self.warmup == "random":
             assert self._last_obs is not None
             mask = observation_mask(self._last_obs, int(self.action_space.n))  # type: ignore[attr-defined]
             actions = random_valid_actions(mask, self.explore_rng)
             return actions, actions
-        return super()._sample_action(learning_starts, action_noise, n_envs)
+        # (with warmup "policy", SB3's own warm-up -- uniform over every action, valid or not -- is skipped)
+        return super()._sample_action(0 if self.warmup == "policy" else learning_starts, action_noise, n_envs)
 
     def _demo_loss(self) -> th.Tensor:
         if self._demo_t is None:

@@ -158,3 +158,19 @@ def test_bad_knobs_name_the_field(tmp_path: Path, data: dict[str, Any], field: s
     p.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=f"field '{field}'"):
         load_train_config(p)
+
+
+def test_policy_warmup_fills_the_buffer_with_the_networks_own_choices(tmp_path: Path) -> None:
+    setup = write_agent_setup(tmp_path)
+    env = _env(setup, tmp_path)
+    picks = {}
+    for warmup in ("policy", "random"):
+        model = _model(env, warmup=warmup, exploration_initial_eps=0.0, exploration_final_eps=0.0)
+        model.learning_starts = 100
+        model.learn(60)  # all warm-up: nothing trained, the network is the one that chose
+        buf: Any = model.replay_buffer
+        obs = {k: v[:60, 0] for k, v in buf.observations.items()}
+        with th.no_grad():
+            q = model.q_net(model.policy.obs_to_tensor(obs)[0]).numpy()
+        picks[warmup] = float((q.argmax(axis=1) == buf.actions[:60, 0, 0]).mean())
+    assert picks["policy"] == 1.0 and picks["random"] < 0.9
