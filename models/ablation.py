@@ -285,9 +285,14 @@ def run_ablation(acfg: AblationConfig, echo: Callable[[str], None] = print) -> d
         summary = summarize(rows, cfgs)
         out_dir = run_dir / "trials" / stamp
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "ablation.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2, default=float))
+        scales = {n: c.dqn.reward_scale for n, c in cfgs.items()}
+        steps = {n: c.total_timesteps for n, c in cfgs.items()}
+        (out_dir / "ablation.json").write_text(json.dumps({"rows": rows, "summary": summary, "curves": curves,
+                                                           "scales": scales, "steps": steps, "tracking_uri": uri,
+                                                           "experiment": base.mlflow.experiment},
+                                                          indent=2, default=float))
         (out_dir / "ablation.md").write_text(summary["markdown"])
-        plot_curves(curves, rows, out_dir / "ablation_curves.png", uri)
+        plot_curves(curves, rows, out_dir / "ablation_curves.png", uri, scales)
         plot_deltas(summary, out_dir / "ablation_delta.png")
         for f in ("ablation.json", "ablation.md", "ablation_curves.png", "ablation_delta.png"):
             mlflow.log_artifact(str(out_dir / f))
@@ -317,7 +322,7 @@ def run_noise_study(acfg: AblationConfig, n_states: int, echo: Callable[[str], N
     return res
 
 
-def summarize(rows: list[dict[str, Any]], cfgs: dict[str, TrainConfig]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], cfgs: dict[str, Any]) -> dict[str, Any]:
     """Per variant, the pooled Δ to the warm start over its seeds (each seed's own warm start):
     the per-seed pooled means, then a t-interval over seeds x scenarios' seeds."""
     from models.evaluate import t_interval
@@ -338,7 +343,8 @@ def summarize(rows: list[dict[str, Any]], cfgs: dict[str, TrainConfig]) -> dict[
                 diffs.append(np.mean(np.stack([d[a] - d[b] for d in per.values()]), axis=0))
             return t_interval(np.concatenate(diffs))
 
-        out.append({"variant": name, "seeds": len(rs), "steps": cfgs[name].total_timesteps,
+        steps = cfgs[name] if isinstance(cfgs[name], int) else cfgs[name].total_timesteps
+        out.append({"variant": name, "seeds": len(rs), "steps": steps,
                     "best": pooled("fine-tuned (best) - warm start"), "last": pooled("fine-tuned (last) - warm start"),
                     "warm_vs_greedy": pooled("warm start - greedy"),
                     "best_steps": [r["best_step"] for r in rs], "train_s": round(float(np.mean([r["train_s"] for r in rs])), 1)})
@@ -350,9 +356,11 @@ def summarize(rows: list[dict[str, Any]], cfgs: dict[str, TrainConfig]) -> dict[
     return {"variants": out, "markdown": "\n".join(lines) + "\n"}
 
 
-def plot_curves(curves: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], path: Path, uri: str) -> None:
-    """Four panels, every variant (mean over its seeds): the selection score per checkpoint, the
-    probe advantage of the network's picks, |TD error| and the action gap (from the trial runs)."""
+def plot_curves(curves: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], path: Path, uri: str,
+                scales: dict[str, float] | None = None) -> None:
+    """Five panels, every variant (mean over its seeds): the selection score per checkpoint, the
+    probe advantage of the network's picks and the churn of its choices, |TD error| and the action
+    gap (from the trial runs; both divided by the variant's reward scale: reward units)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -360,26 +368,31 @@ def plot_curves(curves: dict[str, list[dict[str, Any]]], rows: list[dict[str, An
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    keys = [("val_criterion", "selection score: worst Δ vs greedy"),
-            ("probe_advantage", "probe: rollout advantage of the pick"),
-            ("td_abs", "|TD error| (training batches)"), ("action_gap", "action gap: best − 2nd Q")]
+    fig, axes = plt.subplots(1, 5, figsize=(26, 4.8))
+    keys = [("val_criterion", "selection score: worst Δ reward vs greedy", False),
+            ("probe_advantage", "probe: rollout advantage of the pick", False),
+            ("probe_churn", "probe: share of choices changed since the warm start", False),
+            ("td_abs", "|TD error| (training batches, reward units)", True),
+            ("action_gap", "action gap: best − 2nd Q (reward units)", True)]
     for k, (name, items) in enumerate(curves.items()):
         color = plt.get_cmap("tab20")(k % 20)
-        for ax, (key, _) in zip(axes, keys):
+        scale = (scales or {}).get(name, 1.0)
+        for ax, (key, _, scaled) in zip(axes, keys):
             series: dict[int, list[float]] = {}
             for it in items:
                 if it["run_id"] is None:
                     continue
                 for m in client.get_metric_history(it["run_id"], key):
-                    series.setdefault(int(m.step), []).append(float(m.value))
+                    series.setdefault(int(m.step), []).append(float(m.value) / (scale if scaled else 1.0))
             if series:
                 st = sorted(series)
                 ax.plot(st, [float(np.mean(series[s])) for s in st], "o-", ms=3, color=color, label=name)
-    for ax, (_, title) in zip(axes, keys):
-        ax.set_title(title)
+    for ax, (key, title, _) in zip(axes, keys):
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("DQN steps (0 = the warm start)")
         ax.grid(alpha=0.3)
+        if key == "td_abs":
+            ax.set_yscale("log")
     axes[0].axhline(0.0, color="black", lw=1)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -506,6 +519,57 @@ def noise_study(cfg: TrainConfig, n_states: int = 300, redraws: int = 4, seed: i
     return res
 
 
+def combine(run_dir: str | Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every ablation invocation under ``run_dir`` (their ``ablation.json``) as one table and one
+    pair of figures, logged as an MLflow run ``ablation-combined`` (the rows of a variant run more
+    than once -- other seeds -- pool; a seed run twice counts once, its latest)."""
+    import mlflow
+
+    root = Path(run_dir).expanduser().resolve()
+    files = sorted(root.glob("trials/*/ablation.json"))
+    if not files:
+        raise ConfigError(f"--combine: no ablation.json under {root / 'trials'}")
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    curves: dict[str, dict[int, dict[str, Any]]] = {}
+    scales: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    uri, experiment = None, "xroute-ablation"
+    for f in files:
+        d = json.loads(f.read_text())
+        if "curves" not in d:
+            continue
+        uri, experiment = d["tracking_uri"], d.get("experiment", experiment)
+        for r in d["rows"]:
+            rows[(r["variant"], int(r["seed"]))] = r
+        for name, items in d["curves"].items():
+            for it in items:
+                curves.setdefault(name, {})[int(it["seed"])] = it
+        scales.update(d["scales"])
+        steps.update(d["steps"])
+    order = list(dict.fromkeys(r["variant"] for r in rows.values()))
+    all_rows = list(rows.values())
+    summary = summarize(all_rows, {n: steps[n] for n in order})
+    out_dir = root / "combined"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    assert uri is not None
+    plot_curves({n: list(curves[n].values()) for n in order if n in curves}, all_rows, out_dir / "ablation_curves.png",
+                uri, scales)
+    plot_deltas(summary, out_dir / "ablation_delta.png")
+    (out_dir / "ablation.md").write_text(summary["markdown"])
+    (out_dir / "ablation.json").write_text(json.dumps({"rows": all_rows, "summary": summary}, indent=2, default=float))
+    from models import registry
+
+    exp_id = registry.setup(uri, experiment, root)
+    with mlflow.start_run(experiment_id=exp_id, run_name=f"ablation-combined-{time.strftime('%Y%m%d-%H%M%S')}"):
+        for art in ("ablation.md", "ablation.json", "ablation_curves.png", "ablation_delta.png"):
+            mlflow.log_artifact(str(out_dir / art))
+        for v in summary["variants"]:
+            slug = "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in v["variant"])
+            mlflow.log_metrics({f"delta_best.{slug}": v["best"][0], f"delta_last.{slug}": v["last"][0]})
+    echo(summary["markdown"])
+    return {"summary": summary, "out_dir": str(out_dir)}
+
+
 def load_ablation_config(path: str | Path) -> AblationConfig:
     return parse_config(AblationConfig, read_yaml(path), str(path))
 
@@ -517,11 +581,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="*", help="these seeds instead of the config's")
     ap.add_argument("--noise", type=int, default=0, metavar="N",
                     help="instead: the noise study on N states (noise_study), logged as its own MLflow run")
+    ap.add_argument("--combine", action="store_true",
+                    help="instead: every earlier invocation's results under run_dir as one table and figures")
     args = ap.parse_args(argv)
     try:
         acfg = load_ablation_config(args.config)
         if args.noise:
             run_noise_study(acfg, args.noise)
+            return 0
+        if args.combine:
+            combine(acfg.run_dir)
             return 0
         if args.only:
             unknown = sorted(set(args.only) - {v.name for v in acfg.variants})
