@@ -369,6 +369,23 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         info.update(out)
         return obs, float(out["reward"]), False, truncated, info
 
+    def step_outcome(self, action: int) -> tuple[dict[str, Any], bool]:
+        """:meth:`step` without building the next observation, for planners that play thousands of
+        steps ahead and read only outcomes (the oracle's lookahead): the step's outcome (``step``'s
+        ``info`` keys, ``reward`` among them) and whether the episode ended. The environment
+        advances exactly as with ``step`` (``tests/test_env.py`` checks it)."""
+        out = self._resolve(int(action))
+        self._pos += 1
+        done = self._pos >= self._end
+        if not done:
+            self._prepare()
+        return out, done
+
+    @property
+    def steps_left(self) -> int:
+        """Requests of the episode not yet routed (the current one included)."""
+        return self._end - self._pos
+
     # ------------------------------------------------------------------ pools
     def _reset_pools(self) -> None:
         shape = (self.M, self.n, self.smax)

@@ -48,6 +48,9 @@ class PolicyRun:
     metrics: dict[str, float]
     t: np.ndarray = field(repr=False)
     cum_cost: np.ndarray = field(repr=False)
+    #: the offerings chosen, request by request, and the summed reward (in order: as a planner sums)
+    actions: np.ndarray | None = field(default=None, repr=False)
+    total_reward: float = float("nan")
 
 
 @dataclass
@@ -87,6 +90,13 @@ def is_baseline(name: str) -> bool:
     return (name in BASELINES and name != "oracle") or name.startswith("static:")
 
 
+def known_plans(runs: list[PolicyRun]) -> dict[str, tuple[list[int], float]]:
+    """The baselines' runs (one seed, one environment) as the plans the oracle would otherwise play
+    again itself (``models.baselines.Oracle.known``): name -> (actions, total reward)."""
+    return {r.name: (r.actions.tolist(), r.total_reward) for r in runs
+            if r.name in BASELINES and r.name != "oracle" and r.actions is not None}
+
+
 def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
                progress: Callable[[int], None] | None = None, compare_greedy: bool | None = None) -> PolicyRun:
     """One pass of ``policy`` over ``env``'s episode for ``seed``. With ``compare_greedy`` (the
@@ -105,15 +115,19 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     ttfts = np.empty(n)
     viol = np.empty(n, dtype=bool)
     ts = np.empty(n)
+    actions = np.empty(n, dtype=np.int64)
+    total_reward = 0.0
     failed = migrations = preempted = 0
     for k in range(n):
         ts[k] = info["t"]
         a = policy.act(obs, info)
+        actions[k] = a
         if compare_greedy:
             differs += int(np.argmax(env.expected_rewards())) != a
         obs, r, _term, trunc, info = env.step(a)
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
                                                              info["sla_violation"])
+        total_reward += r
         failed += bool(info["failed"])
         preempted += bool(info["preempted"])
         migrations += info["migrated_to"] is not None
@@ -137,7 +151,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
         for t in sorted(set(tenants)):
             m[f"mean_reward[{t}]"] = round(float(rewards[tenants == t].mean()), 6)
-    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs))
+    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs), actions, total_reward)
 
 
 def t_interval(x: np.ndarray) -> tuple[float, float, float]:
@@ -214,6 +228,8 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
                             lines(f"{label} (planning {p}/{n}: {name})", s + 1, n_seeds, d, tot)
 
                     pol.on_progress = planning
+                if hasattr(pol, "known"):  # the oracle: the baselines evaluated before it need no second play
+                    pol.known[cfg.seed + s] = known_plans([r.runs[s] for r in results])
                 run = run_policy(env, pol, cfg.seed + s, progress=advance)
                 run.name = label
                 runs.append(run)

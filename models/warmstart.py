@@ -199,7 +199,8 @@ def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: in
     with th.no_grad():
         base = scorer.prior_scores(rows, req).gather(1, acts[:, :1]) if scorer.prior is not None else \
             th.tensor(data.greedy_reward)[:, None]
-    target = base + level + adv
+    # a network trained at a reward scale (``SharedScorer.prior_scale``) is fitted on that scale
+    target = float(getattr(scorer, "prior_scale", 1.0)) * (base + level + adv)
     order = th.randperm(len(data), generator=gen)
     n_hold = round(holdout * len(data)) if len(data) >= 10 else 0
     hold, train = order[:n_hold], order[n_hold:]

@@ -74,15 +74,26 @@ class EnvConfig(Strict):
 
 
 class OracleConfig(Strict):
-    """The hindsight oracle's planner (``models.baselines.Oracle``). Its cost is documented in
-    ``docs/results.md``: about (1 + top_k x (1 + horizon)) environment steps per request for the
-    lookahead plan, plus one pass per baseline."""
+    """The hindsight oracle's planner (``models.baselines.Oracle``, ``models.planning``). Its cost is
+    documented in ``docs/results.md``: about (2 + (top_k - 1) x (1 + horizon)) environment steps per
+    request for the lookahead plan, plus one pass per baseline, shared by ``workers`` processes."""
 
     top_k: int = Field(3, ge=1, le=20, description="offerings played ahead per request")
     horizon: int = Field(12, ge=0, le=1000, description="requests played ahead after each of them")
-    lookahead_max_requests: int = Field(
-        30_000, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
-                                  "hindsight-greedy and the baselines only, and its report says so)")
+    max_regret: float | None = Field(
+        0.008, ge=0, description="beyond the two best, an offering is played ahead only if its realized reward is "
+                                 "within this of the best (null: every top_k); measured in docs/results.md")
+    lookahead_max_requests: int | None = Field(
+        None, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
+                                "hindsight-greedy and the baselines only, and its report says so); null = never")
+    workers: int = Field(2, ge=1, le=256, description="processes the oracle plans in (forked; 1 = in this process): "
+                                                      "the lookahead's segments and the other plans share them")
+    segment_requests: int = Field(
+        15_000, ge=1, description="with workers > 1, the lookahead is planned in segments of about this many "
+                                  "requests, in parallel; each after the first starts burn_in_requests earlier, from "
+                                  "the state hindsight-greedy reaches there, and the stitched plan is replayed exactly")
+    burn_in_requests: int = Field(500, ge=0, description="requests each later segment plans before its own, "
+                                                         "so its first decisions start from a state of its plan")
 
 
 class EvaluateConfig(Strict):
