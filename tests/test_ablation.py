@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from models.ablation import AblationConfig, load_ablation_config, run_ablation
+from models.ablation import AblationConfig, combine, load_ablation_config, run_ablation
 from tests.test_agent import write_agent_setup
 from xroute.errors import ConfigError
 
@@ -66,10 +66,18 @@ def test_every_variant_is_trained_compared_to_its_warm_start_and_logged(tmp_path
             c.data.metrics)
         assert len(client.get_metric_history(c.info.run_id, "val_criterion")) >= 3  # step 0, 100, 200
     assert (Path(out["out_dir"]) / "ablation.md").read_text().count("|") > 10
-    # a second invocation labels nothing: the warm start's states come from the cache
+    # a second invocation (another seed) labels nothing and fits no warm start again: both from disk
     lines.clear()
-    run_ablation(acfg.model_copy(update={"variants": acfg.variants[:1]}), echo=lines.append)
+    again = run_ablation(acfg.model_copy(update={"variants": acfg.variants[:1], "seeds": [1]}), echo=lines.append)
     assert any(ln.startswith("warm start: ") and " from " in ln for ln in lines)
+    assert len(list((tmp_path / "abl").glob("warm_fit_*.pt"))) == 2  # seeds 0 and 1 (one gamma, one scale)
+    assert again["rows"][0]["seed"] == 1
+    # both invocations pooled: the variant run twice has two seeds
+    combined = combine(acfg.run_dir, echo=lambda s: None)
+    seeds = {v["variant"]: v["seeds"] for v in combined["summary"]["variants"]}
+    assert seeds == {"plain": 2, "nstep3-topk-demo": 1}
+    assert (Path(combined["out_dir"]) / "ablation_curves.png").stat().st_size > 10_000
+    assert any(r.info.run_name.startswith("ablation-combined") for r in client.search_runs([exp.experiment_id]))
 
 
 def test_bad_ablation_configs_name_the_field_before_anything_trains(tmp_path: Path) -> None:
