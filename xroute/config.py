@@ -173,6 +173,9 @@ class ModelSpec(Strict):
     kv_mib_per_token: float = Field(gt=0, description="KV-cache per token, MiB (all layers, K and V)")
     tpot_growth: float | None = Field(
         None, ge=0, description="tpot(k) = tpot * (1 + tpot_growth*(k-1)); empty = the accelerator's (serving.yaml)")
+    slot_context_tokens: int | None = Field(
+        None, ge=1, description="KV tokens one request slot of this model's deployment reserves; empty = the "
+                                "top-level nominal_context_tokens (a long-context deployment sizes its slots larger)")
     sources: list[str] = Field(default_factory=list)
     derivation: str = ""
 
