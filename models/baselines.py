@@ -304,7 +304,7 @@ class Oracle(_Base):
             if best is None or total > best[0]:
                 best = (total, actions, plan.name)
         assert best is not None
-        self.plan, self.k, self.chosen = best[1], 0, best[2]
+        self.plan, self.k, self.chosen, self.total = best[1], 0, best[2], best[0]
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         a = self.plan[self.k]
