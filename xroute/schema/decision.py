@@ -7,6 +7,7 @@ every bad field comes back as a 4xx naming it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
@@ -14,6 +15,33 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints,
 from xroute.schema.policy_ir import Constraints
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+#: one KV-cache block's id: a signed 64-bit integer (:func:`prefix_block_hashes`)
+BlockHash = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+#: the most block hashes one request may carry
+MAX_PREFIX_BLOCKS = 16384
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_tokens: int = 512, salt: bytes = b"") -> list[int]:
+    """A prompt's ``prefix_hashes`` from its token ids, as a client computes them before it sends
+    the request: the ids cut into blocks of ``block_tokens`` (the router's ``prefix_block_tokens``;
+    the last block may be partial), each block's id the first 8 bytes of BLAKE2b over the previous
+    block's id and the block's token ids (little-endian uint32), as a signed 64-bit integer -- so an
+    id names the block *and everything before it*, like vLLM's chained block hashes, and two prompts
+    share exactly the leading ids of the blocks they share. ``salt`` starts the chain (a tenant that
+    wants its prefixes kept apart from others' salts them, as vLLM's ``cache_salt``)."""
+    import hashlib
+    import struct
+
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    out: list[int] = []
+    prev = hashlib.blake2b(salt, digest_size=8).digest()
+    ids = list(token_ids)
+    for i in range(0, len(ids), block_tokens):
+        block = ids[i:i + block_tokens]
+        prev = hashlib.blake2b(prev + struct.pack(f"<{len(block)}I", *block), digest_size=8).digest()
+        out.append(int.from_bytes(prev, "little", signed=True))
+    return out
 
 
 class _Strict(BaseModel):
@@ -36,7 +64,17 @@ class RouteRequest(_Strict):
                                       description="SLO: optional end-to-end deadline, milliseconds")
     model: Id | None = Field(None, description="the model the request is for (GET /v1/offerings lists them); "
                                                "absent = the default model")
-    session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
+    session_id: Id | None = Field(None, description="opaque client session id (a conversation, an agent run): a "
+                                  "soft preference for the pool its previous request went to (docs/router.md, "
+                                  "'Prefix affinity and sessions'); stored with the decision")
+    prefix_hashes: list[BlockHash] | None = Field(
+        None, min_length=1, max_length=MAX_PREFIX_BLOCKS,
+        description="the prompt's KV-cache block hashes, in prompt order: the token ids cut into blocks of the "
+                    "router's prefix_block_tokens (GET /v1/offerings; the last block may be partial), each block's id "
+                    "a signed 64-bit hash chained over the blocks before it, at most ceil(input_tokens / "
+                    "prefix_block_tokens) of them; xroute.schema.decision.prefix_block_hashes computes them "
+                    "(docs/router.md). The router sends the request where these blocks are expected cached when "
+                    "that is worth it against load, cost and the SLO")
     constraints: Constraints | None = Field(
         None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")
 
@@ -102,7 +140,7 @@ class RouteResponse(BaseModel):
     telemetry: TelemetryInfo
 
 
-_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens")
+_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens", "cached_tokens")
 _ONE_OBSERVATION: list[JsonValue] = [{"required": ["failed"], "properties": {"failed": {"const": True}}}]
 for _f in reversed(_OBSERVED):
     _ONE_OBSERVATION.insert(0, {"required": [_f], "properties": {_f: {"type": "number"}}})
@@ -120,13 +158,16 @@ class FeedbackRequest(_Strict):
     ttft_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed time to first token")
     cost_usd: float | None = Field(None, ge=0, le=1_000_000, description="observed cost")
     output_tokens: int | None = Field(None, ge=0, le=1_000_000, description="tokens actually generated")
+    cached_tokens: int | None = Field(None, ge=0, le=2_000_000, description="prompt tokens the server had cached "
+                                      "(OpenAI-compatible servers: usage.prompt_tokens_details.cached_tokens): corrects "
+                                      "the router's prefix affinity for the pool; at most the request's input_tokens")
     failed: bool = Field(False, description="the request failed (error, timeout, preempted without retry)")
     error: Annotated[str, StringConstraints(max_length=1000)] | None = None
 
     @model_validator(mode="after")
     def _says_something(self) -> FeedbackRequest:
         if (self.latency_ms is None and self.ttft_ms is None and self.cost_usd is None and self.output_tokens is None
-                and not self.failed):
+                and self.cached_tokens is None and not self.failed):
             raise ValueError(f"give at least one of {', '.join(_OBSERVED)}, failed=true")
         return self
 
@@ -144,6 +185,7 @@ class FeedbackRecord(BaseModel):
     ttft_ms: float | None = None
     cost_usd: float | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None
     failed: bool = False
     error: str | None = None
     tpot_ms: float | None = Field(None, description="time per output token after the first (gateway: measured)")
@@ -178,6 +220,7 @@ class OfferingsResponse(BaseModel):
     telemetry: TelemetryInfo
     origins: list[str]
     models: list[str] = Field(description="models requests may name; the first is the default")
+    prefix_block_tokens: int | None = Field(None, description="tokens per block of a request's prefix_hashes")
     offerings: list[OfferingState]
 
 
