@@ -521,10 +521,11 @@ class PoolKV:
         have = self.n_block.shape[0]
         if used + n_blocks <= have or have >= self.replicas * self.capacity:
             return
-        old = (self.n_block, self.n_rep, self.n_prev, self.n_next, self.n_ready)
+        old: list[np.ndarray] = [self.n_block, self.n_rep, self.n_prev, self.n_next, self.n_ready]
         self._alloc(min(max(2 * have, used + n_blocks), self.replicas * self.capacity))
-        for new, o in zip((self.n_block, self.n_rep, self.n_prev, self.n_next, self.n_ready), old):
-            new[:used] = o[:used]
+        new: list[np.ndarray] = [self.n_block, self.n_rep, self.n_prev, self.n_next, self.n_ready]
+        for a, o in zip(new, old):
+            a[:used] = o[:used]
         _kv_rehash(self.n_block, self.n_rep, used, self.replicas, self.h_key, self.h_val)
 
     def copy(self, owner: int) -> PoolKV:

@@ -51,7 +51,7 @@ class Placement:
     sigma: np.ndarray         # lognormal sigma of the service time
     #: KV-cache tokens one replica holds once its weights are loaded (0 where the model does not fit):
     #: the memory its prefix cache of blocks lives in (``envs.prefix``)
-    kv_tokens: np.ndarray | None = None
+    kv_tokens: np.ndarray
 
     @property
     def slots(self) -> np.ndarray:

@@ -144,7 +144,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         m["differs_from_greedy"] = round(differs / max(n, 1), 6)
     if prompt_tokens > 0:  # prefix-bearing requests: the servers' prefix caches (envs.prefix)
         m["prefix_hit_rate"] = round(cached_tokens / prompt_tokens, 6)
-        m["prefill_tokens_saved"] = int(round(cached_tokens))
+        m["prefill_tokens_saved"] = round(cached_tokens)
     sessions = getattr(env, "req_session", None)
     if sessions is not None and (sessions[i0:i0 + n] >= 0).any():
         moves, moved = session_moves(sessions[i0:i0 + n], placed)

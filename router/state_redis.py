@@ -50,14 +50,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-
-import numpy as np
 
 from envs import prefix as px
 from router.logs import LOG, iso
@@ -603,7 +602,7 @@ class RedisState(RouterState):
             got = await self._r.get(self.base + "sess:" + session_id)
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             raise self._down(e) from None
-        return None if got is None else bytes(got)
+        return None if got is None else got if isinstance(got, bytes) else str(got).encode()
 
     async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
         try:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from envs.features import F
-from router.engine import RoutingEngine, RouteFailure
+from router.engine import RouteFailure, RoutingEngine
 from router.keys import Principal
 from router.state import EmbeddedState, PrefixSend, RouterState
 from router.state_redis import RedisState

@@ -828,7 +828,7 @@ def mooncake_readme(text: str, s: dict) -> str:
     """The recipe's README with the workload parts said for the Mooncake trace (``trace="mooncake"``)."""
     import re
 
-    w, cap, v, sp = s["w"], s["cap"], s["variant"], s["speeds"]
+    w, v, sp = s["w"], s["variant"], s["speeds"]
     comp = s["compression"]
     blocks = np.array([len(h) for h in w["prefix_hashes"]])
     seen: set[int] = set()
