@@ -424,7 +424,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # and its record of each session's last pool; the servers' caches (the truth) per pool, shared
         # with snapshots until written (copy on write, ``_kv_owner``)
         rows = self._rows(self.n_blocks if self.has_prefix else 1)
-        self.pv_pool, self.pv_stamp, self.pv_time = px.new_view_rows(rows)
+        self.pv_ent = px.new_view_rows(rows)
         self.pv_sent = np.zeros(self._rows(self.M * self.n), dtype=np.int64)
         self.pv_ret = np.ones(self._rows(self.M * self.n))
         srows = self._rows(max(self.n_sessions, 1))
@@ -521,7 +521,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_blocks",
                      "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
-                     "C", "c_mask", "seen_down_at", "pv_pool", "pv_stamp", "pv_time", "pv_sent", "pv_ret", "ps_pool",
+                     "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool",
                      "ps_time")
 
     def save_state(self) -> dict[str, Any]:
@@ -571,7 +571,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # there since the telemetry's last change for that offering (it reports preemptions late)
         self.available = (snap["available"] > 0.5) & ~(self.seen_down_at > self.replay.avail.last_times(t))
         # the prefix view forgets what it sent to a pool before it was last seen down (telemetry or its own requests)
-        self.pv_valid_from = np.maximum(self.seen_down_at, self._recorded_down(t))
+        self.pv_valid_from = px.us_array(np.maximum(self.seen_down_at, self._recorded_down(t)))
         self.ext_util = snap["util"]
         self.ext_util_conc = self.ext_util[None, :] * self.conc
         # the truth's next preemption of each offering: the first one not yet recorded at t (with
@@ -683,9 +683,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         else:
             n = self.n
             self.r_view_tokens, self.r_cached = np.empty(n), np.empty(n)
-            px.view_expect(self.pv_pool, self.pv_stamp, self.pv_time, self.pv_sent, self.pv_cap, blocks, m * n, n, t,
-                           t - self.cfg.prefix.view_ttl_s, self.pv_valid_from, self.block_tokens, n_in, self.pv_ret,
-                           self._run_buf, self.r_view_tokens, self.r_cached)
+            px.view_expect(self.pv_ent, self.pv_sent, self.pv_cap, blocks, m * n, n, px.us(t),
+                           px.us(t - self.cfg.prefix.view_ttl_s), self.pv_valid_from, self.block_tokens, n_in,
+                           self.pv_ret, self._run_buf, self.r_view_tokens, self.r_cached)
         self.r_sess_here = self._zero_n
         if session >= 0:
             p = int(self.ps_pool[session])
@@ -699,7 +699,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         session's pool."""
         blocks = self.req_blk[self.req_blk_off[pos]:self.req_blk_off[pos + 1]]
         if blocks.size:
-            px.view_record(self.pv_pool, self.pv_stamp, self.pv_time, self.pv_sent, blocks, p, ready)
+            px.view_record(self.pv_ent, self.pv_sent, blocks, p, px.us(ready))
         s = int(self.req_session[pos])
         if s >= 0:
             self.ps_pool[s], self.ps_time[s] = p, t
@@ -1066,7 +1066,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         heapq.heapify(self._tevents)
         self._live = {ref: (m, a, j, end + dt, s0) for ref, (m, a, j, end, s0) in self._live.items()}
         self._recent = deque(x + dt for x in self._recent)
-        self.pv_time += dt
+        times = self.pv_ent[:, 3::3]
+        times[times != np.iinfo(np.int64).min] += px.us(dt)
         self.ps_time += dt
         self.seen_down_at[:] = -np.inf
         self._refresh_at = -np.inf

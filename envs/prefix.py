@@ -58,72 +58,96 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 # ----------------------------------------------------------------------------------------- the view
+# The view's rows: ``ent[row] = [key, (pool, stamp, time in us) x K]`` as int64 -- one array, a
+# block's key and entries on one or two cache lines (a lookup touches up to 64 blocks of an index
+# that may hold millions: a cache miss each is most of its cost). ``key`` is the block's hash in a
+# hashed view (unused where rows are dense block ids); an empty entry has pool -1 and the lowest
+# time. Times are integer microseconds (:func:`us`).
+_ROW0 = 1
+_NO_TIME = np.iinfo(np.int64).min
+
+
+def us(t: float) -> int:
+    """A time in seconds as the view stores it (integer microseconds; -inf the lowest)."""
+    return int(round(t * 1e6)) if math.isfinite(t) else (_NO_TIME if t < 0 else np.iinfo(np.int64).max)
+
+
+def us_array(t: np.ndarray) -> np.ndarray:
+    out = np.full(t.shape, _NO_TIME, dtype=np.int64)
+    ok = np.isfinite(t)
+    out[ok] = np.round(t[ok] * 1e6).astype(np.int64)
+    out[np.isposinf(t)] = np.iinfo(np.int64).max
+    return out
+
+
 @njit(cache=True)
-def view_lookup(v_pool, v_stamp, v_time, sent, cap, rows, p0, n, now, cutoff, valid_from, run):  # pragma: no cover
+def _row_run(ent, b, i, p0, n, now, cutoff, valid_from, sent, cap, run):  # pragma: no cover
+    """Advance the pools of ``p0 .. p0 + n - 1`` whose run reached block ``i`` and whose entry in
+    ``ent[b]`` still counts (module docstring). Returns whether any did."""
+    adv = False
+    for c in range(_ROW0, ent.shape[1], 3):
+        a = ent[b, c] - p0
+        if a < 0 or a >= n or run[a] != i:
+            continue
+        t = ent[b, c + 2]
+        if t > now or t < cutoff or t < valid_from[a] or sent[ent[b, c]] - ent[b, c + 1] >= cap[ent[b, c]]:
+            continue
+        run[a] = i + 1
+        adv = True
+    return adv
+
+
+@njit(cache=True)
+def view_lookup(ent, sent, cap, rows, p0, n, now, cutoff, valid_from, run):  # pragma: no cover
     """The router's view of the current request on pools ``p0 .. p0 + n - 1`` at ``now``: ``run[a]``
     = the leading blocks of ``rows`` (the blocks' rows in the view; -1 = never recorded) deemed
     resident on pool ``p0 + a`` (module docstring); an entry's time is when the router expected the
     block computed there (its request's expected first token), so entries later than ``now`` (not
     computed yet), older than ``cutoff`` (the age bound) or than ``valid_from[a]`` (the pool lost
-    its state since) do not count. Returns the longest run."""
+    its state since) do not count. Times in microseconds. Returns the longest run."""
     for a in range(n):
         run[a] = 0
-    k = v_pool.shape[1]
     best = 0
     for i in range(rows.shape[0]):
         b = rows[i]
-        if b < 0:
-            break
-        adv = False
-        for e in range(k):
-            p = v_pool[b, e]
-            a = p - p0
-            if a < 0 or a >= n or run[a] != i:
-                continue
-            t = v_time[b, e]
-            if t > now or t < cutoff or t < valid_from[a] or sent[p] - v_stamp[b, e] >= cap[p]:
-                continue
-            run[a] = i + 1
-            adv = True
-        if not adv:
+        if b < 0 or not _row_run(ent, b, i, p0, n, now, cutoff, valid_from, sent, cap, run):
             break
         best = i + 1
     return best
 
 
 @njit(cache=True)
-def view_record(v_pool, v_stamp, v_time, sent, rows, p, t):  # pragma: no cover
+def view_record(ent, sent, rows, p, t):  # pragma: no cover
     """The router sent a request with the blocks of ``rows`` to pool ``p``, expecting them computed
-    there at ``t``: each block's entry for ``p`` (or, when it has none, its oldest entry) now says
-    so; stamps run so that the first block is the most recent (module docstring); the pool's count
-    grows by the blocks."""
-    k = v_pool.shape[1]
+    there at ``t`` (microseconds): each block's entry for ``p`` (or, when it has none, its oldest
+    entry) now says so; stamps run so that the first block is the most recent (module docstring);
+    the pool's count grows by the blocks."""
     n_blocks = rows.shape[0]
     base = sent[p]
     for i in range(n_blocks):
         b = rows[i]
         slot = -1
-        oldest = 0
-        for e in range(k):
-            if v_pool[b, e] == p:
-                slot = e
+        oldest = _ROW0
+        for c in range(_ROW0, ent.shape[1], 3):
+            if ent[b, c] == p:
+                slot = c
                 break
-            if v_time[b, e] < v_time[b, oldest]:
-                oldest = e
+            if ent[b, c + 2] < ent[b, oldest + 2]:
+                oldest = c
         if slot < 0:
             slot = oldest
-        v_pool[b, slot] = p
-        v_stamp[b, slot] = base + (n_blocks - 1 - i)
-        v_time[b, slot] = t
+        ent[b, slot] = p
+        ent[b, slot + 1] = base + (n_blocks - 1 - i)
+        ent[b, slot + 2] = t
     sent[p] = base + n_blocks
 
 
 @njit(cache=True)
-def view_expect(v_pool, v_stamp, v_time, sent, cap, rows, p0, n, now, cutoff, valid_from, block_tokens, input_tokens,
-                retention, run, view_tokens, cached):  # pragma: no cover
+def view_expect(ent, sent, cap, rows, p0, n, now, cutoff, valid_from, block_tokens, input_tokens, retention, run,
+                view_tokens, cached):  # pragma: no cover
     """:func:`view_lookup`, then the prompt tokens the view expects on each pool (``view_tokens``:
     ``min(run x block_tokens, input_tokens)``) and those times the pools' ``retention`` (``cached``)."""
-    best = view_lookup(v_pool, v_stamp, v_time, sent, cap, rows, p0, n, now, cutoff, valid_from, run)
+    best = view_lookup(ent, sent, cap, rows, p0, n, now, cutoff, valid_from, run)
     for a in range(n):
         c = run[a] * block_tokens
         if c > input_tokens:
@@ -156,88 +180,122 @@ def retention_update(retention, p, predicted, confirmed, alpha):  # pragma: no c
     retention[p] += alpha * (x - retention[p])
 
 
+#: an empty slot of a hashed view's table (a client hash equal to it is taken as the next value)
+EMPTY_KEY = np.iinfo(np.int64).min
+
+
 @njit(cache=True)
 def _mix(key, mask):  # pragma: no cover
     return np.int64((np.uint64(key) * _GOLDEN) >> np.uint64(20)) & mask
 
 
 @njit(cache=True)
-def table_rows(keys, used, hashes, rows, insert):  # pragma: no cover
-    """Rows of ``hashes`` in an open-addressing table (``keys``, ``used``; a power-of-two size, at
-    most half full), into ``rows`` (-1 when absent and not ``insert``; inserted when ``insert``).
-    Returns the number of new rows."""
-    mask = keys.shape[0] - 1
+def _slot(ent, h):  # pragma: no cover
+    """The slot of ``h`` in a hashed view (its keys in column 0), or of the empty slot where it would go."""
+    mask = ent.shape[0] - 1
+    j = _mix(h, mask)
+    while ent[j, 0] != EMPTY_KEY and ent[j, 0] != h:
+        j = (j + 1) & mask
+    return j
+
+
+@njit(cache=True)
+def hashed_lookup(ent, sent, cap, hashes, p0, n, now, cutoff, valid_from, run, matched):  # pragma: no cover
+    """:func:`view_lookup` over a hashed view (``ent``'s rows an open-addressing table keyed by
+    column 0, a power of two, at most half full): the blocks found by their hashes as it goes. The
+    pools with a run > 0 go into ``matched`` (returns how many)."""
+    for a in range(n):
+        run[a] = 0
+    n_h = hashes.shape[0]
+    slots = np.empty(8, dtype=np.int64)
+    i = 0
+    go = True
+    while go and i < n_h:
+        # eight blocks' slots first: independent loads the memory system overlaps (the index is
+        # large and its rows scattered), then their entries, now in cache
+        m = min(8, n_h - i)
+        for q in range(m):
+            h = hashes[i + q]
+            if h == EMPTY_KEY:
+                h += 1
+            slots[q] = _slot(ent, h)
+        for q in range(m):
+            b = slots[q]
+            if ent[b, 0] == EMPTY_KEY or not _row_run(ent, b, i + q, p0, n, now, cutoff, valid_from, sent, cap, run):
+                go = False
+                break
+        i += m
+    k = 0
+    for a in range(n):
+        if run[a] > 0:
+            matched[k] = a
+            k += 1
+    return k
+
+
+@njit(cache=True)
+def hashed_rows(ent, hashes, rows):  # pragma: no cover
+    """The rows of ``hashes``, inserted where absent; returns how many were new."""
     added = 0
     for i in range(hashes.shape[0]):
         h = hashes[i]
-        j = _mix(h, mask)
-        while used[j] and keys[j] != h:
-            j = (j + 1) & mask
-        if used[j]:
-            rows[i] = j
-        elif insert:
-            used[j] = 1
-            keys[j] = h
-            rows[i] = j
+        if h == EMPTY_KEY:
+            h += 1
+        j = _slot(ent, h)
+        if ent[j, 0] == EMPTY_KEY:
+            ent[j, 0] = h
             added += 1
-        else:
-            rows[i] = -1
+        rows[i] = j
     return added
 
 
 @njit(cache=True)
-def _table_rehash(keys, used, v_pool, v_stamp, v_time, keep_from, n_keys, n_used, n_pool, n_stamp, n_time):  # pragma: no cover
+def _table_rehash(ent, keep_from, n_ent):  # pragma: no cover
     """Copy the rows with an entry at or after ``keep_from`` into the (larger, empty) new table."""
-    mask = n_keys.shape[0] - 1
-    k = v_pool.shape[1]
     kept = 0
-    for s in range(keys.shape[0]):
-        if not used[s]:
+    for s in range(ent.shape[0]):
+        if ent[s, 0] == EMPTY_KEY:
             continue
         alive = False
-        for e in range(k):
-            if v_pool[s, e] >= 0 and v_time[s, e] >= keep_from:
+        for c in range(_ROW0, ent.shape[1], 3):
+            if ent[s, c] >= 0 and ent[s, c + 2] >= keep_from:
                 alive = True
         if not alive:
             continue
-        h = keys[s]
-        j = _mix(h, mask)
-        while n_used[j]:
-            j = (j + 1) & mask
-        n_used[j] = 1
-        n_keys[j] = h
-        for e in range(k):
-            n_pool[j, e] = v_pool[s, e]
-            n_stamp[j, e] = v_stamp[s, e]
-            n_time[j, e] = v_time[s, e]
+        j = _slot(n_ent, ent[s, 0])
+        n_ent[j] = ent[s]
         kept += 1
     return kept
 
 
-def new_view_rows(rows: int, k: int = VIEW_ENTRIES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Empty view entries for ``rows`` blocks: (pool -1, stamp 0, time -inf)."""
-    return (np.full((rows, k), -1, dtype=np.int32), np.zeros((rows, k), dtype=np.int64),
-            np.full((rows, k), -np.inf))
+def new_view_rows(rows: int, k: int = VIEW_ENTRIES, hashed: bool = False) -> np.ndarray:
+    """Empty view rows for ``rows`` blocks: keys empty (``hashed``), entries pool -1, no time."""
+    ent = np.zeros((rows, _ROW0 + 3 * k), dtype=np.int64)
+    ent[:, _ROW0::3] = -1
+    ent[:, _ROW0 + 2::3] = _NO_TIME
+    if hashed:
+        ent[:, 0] = EMPTY_KEY
+    return ent
 
 
 class HashedView:
     """The router's view keyed by the clients' block hashes (any int64): an open-addressing table
     whose rows hold the view's entries, grown (and its expired rows dropped) as it fills. Pools
-    are small ints the caller assigns. The in-process shared state (``router.state.EmbeddedState``)
-    keeps one; the environment, which knows its stream's blocks in advance, indexes the entries
-    by dense block ids instead."""
+    are small ints the caller assigns; times are seconds (stored as microseconds). The in-process
+    shared state (``router.state.EmbeddedState``) keeps one; the environment, which knows its
+    stream's blocks in advance, indexes the entries by dense block ids instead. Memory: 8 x (1 + 3
+    x ``k``) bytes a slot, two to four slots a block recorded within the age bound."""
 
     def __init__(self, pools: int = 64, rows: int = 1024, k: int = VIEW_ENTRIES):
         size = 1 << max(4, math.ceil(math.log2(max(rows, 8) * 2)))
-        self.keys = np.zeros(size, dtype=np.int64)
-        self.used = np.zeros(size, dtype=np.uint8)
-        self.pool, self.stamp, self.time = new_view_rows(size, k)
+        self.ent = new_view_rows(size, k, hashed=True)
         self.n_rows = 0
         self.sent = np.zeros(pools, dtype=np.int64)
         self.cap = np.zeros(pools, dtype=np.int64)
         self.retention = np.ones(pools)
         self._rows = np.zeros(256, dtype=np.int64)
-        self._valid_from = np.full(pools, -np.inf)
+        self._valid_from = np.full(pools, _NO_TIME, dtype=np.int64)
+        self.matched = np.zeros(pools, dtype=np.int64)
 
     def ensure_pools(self, n: int) -> None:
         if n > self.sent.shape[0]:
@@ -245,43 +303,37 @@ class HashedView:
             self.sent = np.concatenate([self.sent, np.zeros(m - self.sent.shape[0], dtype=np.int64)])
             self.cap = np.concatenate([self.cap, np.zeros(m - self.cap.shape[0], dtype=np.int64)])
             self.retention = np.concatenate([self.retention, np.ones(m - self.retention.shape[0])])
-
-    def rows(self, hashes: np.ndarray, insert: bool, keep_from: float = -np.inf) -> np.ndarray:
-        """The rows of ``hashes`` (-1 where absent unless ``insert``); a view of a reused buffer."""
-        n = hashes.shape[0]
-        if n > self._rows.shape[0]:
-            self._rows = np.zeros(2 * n, dtype=np.int64)
-        if insert and 2 * (self.n_rows + n) > self.keys.shape[0]:
-            self._grow(self.n_rows + n, keep_from)
-        out = self._rows[:n]
-        self.n_rows += table_rows(self.keys, self.used, hashes, out, insert)
-        return out
+            self._valid_from = np.full(m, _NO_TIME, dtype=np.int64)
+            self.matched = np.zeros(m, dtype=np.int64)
 
     def _grow(self, need: int, keep_from: float) -> None:
-        size = self.keys.shape[0]
+        size = self.ent.shape[0]
         while 2 * need > size // 2:  # after the rehash, at most a quarter full
             size *= 2
-        keys, used = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.uint8)
-        pool, stamp, tm = new_view_rows(size, self.pool.shape[1])
-        self.n_rows = int(_table_rehash(self.keys, self.used, self.pool, self.stamp, self.time, keep_from, keys, used,
-                                        pool, stamp, tm))
-        self.keys, self.used, self.pool, self.stamp, self.time = keys, used, pool, stamp, tm
+        ent = new_view_rows(size, (self.ent.shape[1] - _ROW0) // 3, hashed=True)
+        self.n_rows = int(_table_rehash(self.ent, us(keep_from), ent))
+        self.ent = ent
 
     def lookup(self, hashes: np.ndarray, p0: int, n: int, now: float, cutoff: float, run: np.ndarray) -> int:
-        """``run[a]`` for the pools ``p0 .. p0 + n - 1`` (:func:`view_lookup`)."""
-        rows = self.rows(hashes, False)
-        if n > self.sent.shape[0] - p0:
+        """``run[a]`` for the pools ``p0 .. p0 + n - 1`` (:func:`hashed_lookup`); the pools that
+        matched are ``self.matched[:k]`` (``p0 +``), ``k`` returned."""
+        if p0 + n > self.sent.shape[0]:
             self.ensure_pools(p0 + n)
-        if self._valid_from.shape[0] < n:
-            self._valid_from = np.full(n, -np.inf)
-        return int(view_lookup(self.pool, self.stamp, self.time, self.sent, self.cap, rows, p0, n, now, cutoff,
-                               self._valid_from, run))
+        return int(hashed_lookup(self.ent, self.sent, self.cap, hashes, p0, n, us(now), us(cutoff), self._valid_from,
+                                 run, self.matched))
 
     def record(self, hashes: np.ndarray, pool: int, t: float, cap: int, keep_from: float) -> None:
+        """``hashes`` sent to ``pool``, expected computed at ``t``; the pool's capacity in blocks."""
         self.ensure_pools(pool + 1)
         self.cap[pool] = cap
-        rows = self.rows(hashes, True, keep_from)
-        view_record(self.pool, self.stamp, self.time, self.sent, rows, pool, t)
+        n = hashes.shape[0]
+        if 2 * (self.n_rows + n) > self.ent.shape[0]:
+            self._grow(self.n_rows + n, keep_from)
+        if n > self._rows.shape[0]:
+            self._rows = np.zeros(2 * n, dtype=np.int64)
+        rows = self._rows[:n]
+        self.n_rows += int(hashed_rows(self.ent, hashes, rows))
+        view_record(self.ent, self.sent, rows, pool, us(t))
 
 
 # ---------------------------------------------------------------------------------------- the truth
@@ -568,15 +620,15 @@ class PoolKV:
 
 def warm_up() -> None:
     """Compile (or load from the cache) every kernel now."""
-    v_pool, v_stamp, v_time = new_view_rows(4)
+    ent = new_view_rows(4)
     sent, cap = np.zeros(2, dtype=np.int64), np.full(2, 10, dtype=np.int64)
     rows = np.arange(2, dtype=np.int64)
-    view_record(v_pool, v_stamp, v_time, sent, rows, 0, 1.0)
+    view_record(ent, sent, rows, 0, 1)
     run = np.zeros(2, dtype=np.int64)
-    view_lookup(v_pool, v_stamp, v_time, sent, cap, rows, 0, 2, 1.0, 0.0, np.full(2, -np.inf), run)
+    vf = np.full(2, _NO_TIME, dtype=np.int64)
+    view_lookup(ent, sent, cap, rows, 0, 2, 1, 0, vf, run)
+    view_expect(ent, sent, cap, rows, 0, 2, 1, 0, vf, 512, 100.0, np.ones(2), run, np.zeros(2), np.zeros(2))
     expected_cached(run, 512, 100.0, np.ones(2), np.zeros(2))
-    view_expect(v_pool, v_stamp, v_time, sent, cap, rows, 0, 2, 1.0, 0.0, np.full(2, -np.inf), 512, 100.0, np.ones(2),
-                run, np.zeros(2), np.zeros(2))
     retention_update(np.ones(2), 0, 1.0, 0.5, 0.1)
     hv = HashedView(2, 8)
     hv.record(np.array([5, -7], dtype=np.int64), 1, 1.0, 4, 0.0)

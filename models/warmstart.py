@@ -52,6 +52,10 @@ def fork(env: Any) -> Any:
             setattr(sim, k, copy.copy(v))
         elif isinstance(v, np.random.Generator):
             setattr(sim, k, copy.deepcopy(v))
+    for e in (env, sim):  # what the two still share (the servers' prefix caches) is copied before a write
+        unshare = getattr(e, "unshare", None)
+        if unshare is not None:
+            unshare()
     return sim
 
 

@@ -493,9 +493,10 @@ class EmbeddedState(RouterState):
             if self._pfx_run.shape[0] < n:
                 self._pfx_run = np.zeros(2 * n, dtype=np.int64)
             run = self._pfx_run[:n]
-            if self._pfx.lookup(hashes, 0, n, now, now - ttl_s, run):
+            k = self._pfx.lookup(hashes, 0, n, now, now - ttl_s, run)
+            if k:
                 pools, retention = self._pfx_pools, self._pfx.retention
-                for pid in np.flatnonzero(run).tolist():
+                for pid in self._pfx.matched[:k].tolist():
                     runs[pools[pid]] = int(run[pid])
                     ret[pools[pid]] = float(retention[pid])
         where = None

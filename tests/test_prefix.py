@@ -161,3 +161,71 @@ def test_expected_cached_tokens_and_retention() -> None:
     px.retention_update(ret, 1, 1000.0, 0.0, 0.5)  # predicted 1000 cached, the server had none
     px.retention_update(ret, 0, 0.0, 500.0, 0.5)  # nothing predicted: nothing to correct
     assert ret.tolist() == [1.0, 0.5]
+
+
+# ---------------------------------------------------------------------------------- the environment
+@pytest.fixture(scope="module")
+def mooncake() -> object:
+    from xroute.bundle import load_bundle
+
+    return load_bundle("mooncake")
+
+
+def _greedy_steps(env: object, k: int) -> list[tuple[float, float]]:
+    out = []
+    for _ in range(k):
+        a = int(np.argmax(env.expected_rewards()))  # type: ignore[attr-defined]
+        _, r, _, _, info = env.step(a)  # type: ignore[attr-defined]
+        out.append((r, info["cached_tokens"]))
+    return out
+
+
+def test_snapshots_forks_and_copies_keep_the_servers_caches_apart(mooncake: object) -> None:
+    """The caches are shared with a snapshot or a fork until one side writes (copy on write): each
+    copy plays on as an independent deep copy would, and the original is untouched."""
+    import copy
+
+    from envs.cloud_route import CloudRouteEnv
+    from models.warmstart import fork
+
+    env = CloudRouteEnv(mooncake, episode_requests=None)  # type: ignore[arg-type]
+    env.reset(seed=1, options={"start": 0, "end": 700})
+    _greedy_steps(env, 200)
+    ref = copy.deepcopy(env)
+    sim = fork(env)
+    played = _greedy_steps(sim, 150)
+    assert sum(c for _, c in played) > 0  # the caches were in play
+    assert _greedy_steps(env, 150) == _greedy_steps(ref, 150) == played
+    snap = env.save_state()
+    first = _greedy_steps(env, 100)
+    env.restore_state(snap)
+    assert _greedy_steps(env, 100) == first
+    env.restore_state(snap)  # the snapshot is reusable: its caches were never written
+    assert _greedy_steps(env, 100) == first
+
+
+def test_the_hit_accounting_adds_up(mooncake: object) -> None:
+    """Each step's cached tokens: at most its prompt, a whole number of blocks (or the whole prompt,
+    its last block partial), zero for the first request of a prefix; the episode's sums are the
+    statistics evaluate reports."""
+    from envs.cloud_route import CloudRouteEnv
+
+    env = CloudRouteEnv(mooncake, episode_requests=None)  # type: ignore[arg-type]
+    env.reset(seed=2, options={"start": 0, "end": 600})
+    seen: set[int] = set()
+    prompt = cached = 0.0
+    for _ in range(599):
+        i = env._pos
+        blocks = set(env.req_blk[env.req_blk_off[i]:env.req_blk_off[i + 1]].tolist())
+        fresh = not (blocks & seen)
+        seen |= blocks
+        a = int(np.argmax(env.expected_rewards()))
+        _, _, _, _, info = env.step(a)
+        c, p = info["cached_tokens"], info["prompt_tokens"]
+        assert p == env.req_in[i] and 0 <= c <= p
+        assert c == p or c % env.block_tokens == 0
+        if fresh:
+            assert c == 0
+        prompt += p
+        cached += c
+    assert 0.02 < cached / prompt < 0.64  # some reuse (the first minutes: caches cold), never above the 64 % repeated
