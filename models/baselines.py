@@ -146,7 +146,7 @@ class CacheAware(_Base):
 
     name = "cache-aware"
 
-    def __init__(self, prefix_weight: float = 2.0, load_weight: float = 1.0, cost_weight: float = 1.0):
+    def __init__(self, prefix_weight: float = 1.0, load_weight: float = 0.3, cost_weight: float = 2.0):
         self.w = (float(prefix_weight), float(load_weight), float(cost_weight))
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
@@ -168,7 +168,7 @@ class SessionSticky(_Base):
 
     name = "session-sticky"
 
-    def __init__(self, margin: float = 0.05):
+    def __init__(self, margin: float = 0.005):
         self.margin = float(margin)
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:

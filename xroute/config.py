@@ -102,9 +102,9 @@ class CacheAwareConfig(Strict):
     cost_weight x expected cost / reference cost`` (the weights of llm-d's prefix-cache, queue and
     cost scorers). Tuned on training windows only (``tools/tune_baselines.py``)."""
 
-    prefix_weight: float = Field(2.0, ge=0)
-    load_weight: float = Field(1.0, ge=0)
-    cost_weight: float = Field(1.0, ge=0)
+    prefix_weight: float = Field(1.0, ge=0)
+    load_weight: float = Field(0.3, ge=0)
+    cost_weight: float = Field(2.0, ge=0)
 
 
 class SessionStickyConfig(Strict):
@@ -113,7 +113,7 @@ class SessionStickyConfig(Strict):
     expected reward is within ``margin`` of the best; else greedy's choice. Tuned on training
     windows only (``tools/tune_baselines.py``)."""
 
-    margin: float = Field(0.05, ge=0, description="expected reward given up, at most, to stay with the session")
+    margin: float = Field(0.005, ge=0, description="expected reward given up, at most, to stay with the session")
 
 
 class EvaluateConfig(Strict):
