@@ -278,9 +278,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         off, ids = prefix_arrays(w)
         self.has_prefix = bool(ids.size)
         self.block_tokens = int(self.bundle.meta.prefix_block_tokens or 0)
-        uniq, dense = np.unique(ids, return_inverse=True)
+        dense, uniq = pd.factorize(ids)  # in order of first appearance
         self.req_blk_off, self.req_blk = off, dense.astype(np.int64).reshape(-1)
-        self.n_blocks = int(uniq.size)
+        self.n_blocks = int(len(uniq))
+        self._episode_blocks(0, len(w))
         if "session_id" in w.columns:
             sid = w["session_id"].astype(str).str.strip().to_numpy()
             codes, names = pd.factorize(sid)
@@ -293,6 +294,22 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.kv_capacity = np.where(self.fits, np.floor(self.placement.kv_tokens / b), 0).astype(np.int64) \
             if self.has_prefix else np.zeros((self.M, self.n), dtype=np.int64)
         self.pv_cap = (self.kv_capacity * np.floor(self.replicas).astype(np.int64)).reshape(-1)
+
+    def _episode_blocks(self, start: int, end: int) -> None:
+        """The episode's blocks renumbered from 0 (``ep_blk``, ``ep_off``: request ``i``'s are
+        ``ep_blk[ep_off[i - start]:ep_off[i - start + 1]]``): the view and the caches hold rows for
+        the blocks the episode can reach only (a training episode's ~10k rather than the stream's)."""
+        lo, hi = int(self.req_blk_off[start]), int(self.req_blk_off[end])
+        local, uniq = pd.factorize(self.req_blk[lo:hi])
+        self.ep_blk = local.astype(np.int64)
+        self.ep_off = self.req_blk_off[start:end + 1] - lo
+        self.ep_first = start
+        self.n_ep_blocks = int(len(uniq))
+
+    def _blocks_of(self, pos: int) -> np.ndarray:
+        """The episode's block ids of the stream's request ``pos``."""
+        k = pos - self.ep_first
+        return self.ep_blk[self.ep_off[k]:self.ep_off[k + 1]]
 
     def _model_column(self, w: pd.DataFrame) -> np.ndarray:
         if "model" not in w.columns:
@@ -377,6 +394,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._pos, self._end = start, end
         self.z = self.np_random.standard_normal(end - start)
         self._true_down = self._jittered_downs()
+        if self.has_prefix:
+            self._episode_blocks(start, end)
         self._reset_pools()
         self._seed_estimator(start)
         self._refresh_at = -np.inf
@@ -423,7 +442,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # prefix caching (envs.prefix): the router's view -- per block, the pools it last sent it to --
         # and its record of each session's last pool; the servers' caches (the truth) per pool, shared
         # with snapshots until written (copy on write, ``_kv_owner``)
-        rows = self._rows(self.n_blocks if self.has_prefix else 1)
+        rows = self._rows(self.n_ep_blocks if self.has_prefix else 1)
         self.pv_ent = px.new_view_rows(rows)
         self.pv_sent = np.zeros(self._rows(self.M * self.n), dtype=np.int64)
         self.pv_ret = np.ones(self._rows(self.M * self.n))
@@ -675,7 +694,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.r_blocks, self.r_session, self.r_sess_here = blocks, session, here
             return
         if pos >= 0 and self.has_prefix:
-            blocks = self.req_blk[self.req_blk_off[pos]:self.req_blk_off[pos + 1]]
+            blocks = self._blocks_of(pos)
             session = int(self.req_session[pos])
         self.r_blocks, self.r_session = blocks, session
         if blocks.size == 0 or self.block_tokens <= 0:
@@ -697,7 +716,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """The router sent the stream's request ``pos`` to pool ``p`` at ``t``: its view records the
         prefix blocks there, computed by ``ready`` (the request's expected first token), and its
         session's pool."""
-        blocks = self.req_blk[self.req_blk_off[pos]:self.req_blk_off[pos + 1]]
+        blocks = self._blocks_of(pos)
         if blocks.size:
             px.view_record(self.pv_ent, self.pv_sent, blocks, p, px.us(ready))
         s = int(self.req_session[pos])
