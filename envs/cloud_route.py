@@ -280,7 +280,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.block_tokens = int(self.bundle.meta.prefix_block_tokens or 0)
         dense, uniq = pd.factorize(ids)  # in order of first appearance
         self.req_blk_off, self.req_blk = off, dense.astype(np.int64).reshape(-1)
-        self.n_blocks = int(len(uniq))
+        self.n_blocks = len(uniq)
         self._episode_blocks(0, len(w))
         if "session_id" in w.columns:
             sid = w["session_id"].astype(str).str.strip().to_numpy()
@@ -304,7 +304,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.ep_blk = local.astype(np.int64)
         self.ep_off = self.req_blk_off[start:end + 1] - lo
         self.ep_first = start
-        self.n_ep_blocks = int(len(uniq))
+        self.n_ep_blocks = len(uniq)
 
     def _blocks_of(self, pos: int) -> np.ndarray:
         """The episode's block ids of the stream's request ``pos``."""

@@ -69,7 +69,7 @@ _NO_TIME = np.iinfo(np.int64).min
 
 def us(t: float) -> int:
     """A time in seconds as the view stores it (integer microseconds; -inf the lowest)."""
-    return int(round(t * 1e6)) if math.isfinite(t) else (_NO_TIME if t < 0 else np.iinfo(np.int64).max)
+    return round(t * 1e6) if math.isfinite(t) else (_NO_TIME if t < 0 else np.iinfo(np.int64).max)
 
 
 def us_array(t: np.ndarray) -> np.ndarray:

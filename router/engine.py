@@ -311,11 +311,12 @@ class RoutingEngine:
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
         alone, as before the shared state). The HTTP route does the same with any backend
         (``router.routes.route``)."""
-        affinity = None
+        affinity = hashes = None
         if state is not None and self.wants_affinity(req):
             self.check_prefix(req)
-            affinity = state.prefix_lookup_now(self.prefix_array(req), self.session_key(who, req), self.prefix_ttl_s)
-        r = self.rank(req, who, decision_id, wall, affinity=affinity)
+            hashes = self.prefix_array(req)
+            affinity = state.prefix_lookup_now(hashes, self.session_key(who, req), self.prefix_ttl_s)
+        r = self.rank(req, who, decision_id, wall, affinity=affinity, hashes=hashes)
         if state is None:
             return self.admit(r, 0)
         hold = self.hold_s(r)
@@ -375,7 +376,8 @@ class RoutingEngine:
                 sess = ma[1]
         return runs, ret, sess, self.block_tokens
 
-    def _prefix_send(self, req: RouteRequest, who: Principal, m: int, cands: list[int]) -> PrefixSend:
+    def _prefix_send(self, req: RouteRequest, who: Principal, m: int, cands: list[int],
+                     hashes: np.ndarray | None = None) -> PrefixSend:
         """What the index records for this request on whichever candidate the reservation takes:
         its cache capacity, the cached tokens the view predicted there, when its blocks are
         expected computed (the expected TTFT without the network, in wall seconds)."""
@@ -384,11 +386,12 @@ class RoutingEngine:
         view, ttft, rtt = env.r_view_tokens, env.C[env_kernels.TTFT], env.c_rtt
         per = {keys[a]: (caps[a], float(view[a]), max(float(ttft[a] - rtt[a]), 0.0) / 1000.0 / self._speed)
                for a in cands}
-        return PrefixSend(self.prefix_array(req), self.session_key(who, req), self.prefix_ttl_s, per)
+        return PrefixSend(self.prefix_array(req) if hashes is None else hashes, self.session_key(who, req),
+                          self.prefix_ttl_s, per)
 
     def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
              request_json: str | None = None, explore_key: str | None = None,
-             affinity: Affinity | None = None) -> Ranked:
+             affinity: Affinity | None = None, hashes: np.ndarray | None = None) -> Ranked:
         """Rank the offerings for one request: the chosen one and up to ``alternatives`` next
         best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`).
 
@@ -398,7 +401,8 @@ class RoutingEngine:
         that set (``router.ope_log``: the draw is a function of ``explore_key``, the request's
         idempotency key, else of ``decision_id``), the policy's choice then coming next.
 
-        ``affinity``: what the shared prefix index said of the request's prefix hashes and session
+        ``affinity``: what the shared prefix index said of the request's prefix hashes (``hashes``,
+        as :meth:`prefix_array` gives them, when the caller has them already) and session
         (``router.state.RouterState.prefix_lookup``): the expected cached prefix on each pool lowers
         its expected prefill, cost and TTFT, and shows in the features (``exp_cached``,
         ``session_here``) -- a soft preference every policy weighs against load, cost and the SLO;
@@ -536,7 +540,7 @@ class RoutingEngine:
             # (the record copies the rows and indices out of the buffers the next request reuses)
             ope = (ope_log.pack(self._catalog_key, idx, first, argmax, req_f, rows), idx.shape[0], first, argmax)
         svc = env.c_service
-        prefix = self._prefix_send(req, who, m_, cands) if affinity is not None else None
+        prefix = self._prefix_send(req, who, m_, cands, hashes) if affinity is not None else None
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
                       request_json, eps, ope, prefix)

@@ -457,7 +457,7 @@ def test_the_mooncake_bundle_holds_the_trace_and_derived_sessions():
     for _, g in list(w.groupby("session_id"))[:300]:
         hs = [list(h) for h in g["prefix_hashes"]]
         for k in range(1, len(hs)):
-            assert any(len(a) > 1 and hs[k][:len(a) - 1] == a[:-1] or hs[k][:len(a)] == a for a in hs[:k])
+            assert any((len(a) > 1 and hs[k][:len(a) - 1] == a[:-1]) or hs[k][:len(a)] == a for a in hs[:k])
     assert w["session_id"].nunique() == 2516
 
 

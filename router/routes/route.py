@@ -86,12 +86,13 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             return payload
     reserved = False
     try:
-        affinity = None
+        affinity = hashes = None
         if engine.wants_affinity(body):  # the shared prefix index: where these blocks and this session went
             engine.check_prefix(body)
-            affinity = await state_call(shared, "prefix_lookup", engine.prefix_array(body),
-                                        engine.session_key(who, body), engine.prefix_ttl_s)
-        r = engine.rank(body, who, decision_id, time.time(), request_json, key, affinity)
+            hashes = engine.prefix_array(body)
+            affinity = await state_call(shared, "prefix_lookup", hashes, engine.session_key(who, body),
+                                        engine.prefix_ttl_s)
+        r = engine.rank(body, who, decision_id, time.time(), request_json, key, affinity, hashes)
         hold = engine.hold_s(r)
         cands = engine.candidates(r)
         if isinstance(shared, EmbeddedState):  # in process: no await between ranking and admitting
