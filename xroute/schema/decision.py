@@ -185,12 +185,12 @@ class FeedbackRecord(BaseModel):
     ttft_ms: float | None = None
     cost_usd: float | None = None
     output_tokens: int | None = None
-    cached_tokens: int | None = None
     failed: bool = False
     error: str | None = None
     tpot_ms: float | None = Field(None, description="time per output token after the first (gateway: measured)")
     prompt_tokens: int | None = Field(None, description="prompt tokens as the inference server counted them (gateway)")
-    cached_tokens: int | None = Field(None, description="of those, the ones its prefix cache held (gateway)")
+    cached_tokens: int | None = Field(None, description="of those, the ones its prefix cache held (measured by the "
+                                                        "gateway, or reported in the feedback)")
     request_id: str | None = Field(None, description="the gateway request this attempt belonged to (its X-Request-ID; "
                                                      "every attempt of one request shares it)")
     attempt: int | None = Field(None, description="the attempt's number within that request, from 1 (gateway)")
