@@ -232,3 +232,27 @@ def _engine(srv: ServerThread) -> RoutingEngine:
     while not hasattr(app, "services"):
         app = app.app
     return app.services.engine  # type: ignore[no-any-return]
+
+
+def test_a_model_trained_on_the_layout_before_the_prefix_features_is_refused(tmp_path: Path) -> None:
+    """The two features added at the end of the layout (``exp_cached``, ``session_here``) change the
+    network's input width: a model exported before them is refused with a clear error, never read
+    with its columns shifted."""
+    import itertools
+    import json as js
+
+    from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, OFFERING_FEATURES
+    from models.policy import RouterWeights, read_router, save_router
+    from xroute.errors import ConfigError
+
+    assert OFFERING_FEATURES[-2:] == ("exp_cached", "session_here")
+    rng = np.random.default_rng(0)
+    old_nf = N_OFFERING_FEATURES - 2
+    dims = [old_nf + N_REQUEST_FEATURES, 8, 1]
+    layers = [(rng.normal(0, 0.1, (a, b)).astype(np.float32), np.zeros(b, np.float32)) for a, b in itertools.pairwise(dims)]
+    d = save_router(RouterWeights(layers=layers), tmp_path / "old")
+    meta = js.loads((d / "router.json").read_text())
+    meta["offering_features"] = list(OFFERING_FEATURES[:-2])  # as exported before this layout
+    (d / "router.json").write_text(js.dumps(meta))
+    with pytest.raises(ConfigError, match="trained on another feature layout than envs.features defines now; retrain"):
+        read_router(d)
