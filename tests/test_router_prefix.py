@@ -254,5 +254,5 @@ def test_a_model_trained_on_the_layout_before_the_prefix_features_is_refused(tmp
     meta = js.loads((d / "router.json").read_text())
     meta["offering_features"] = list(OFFERING_FEATURES[:-2])  # as exported before this layout
     (d / "router.json").write_text(js.dumps(meta))
-    with pytest.raises(ConfigError, match="trained on another feature layout than envs.features defines now; retrain"):
+    with pytest.raises(ConfigError, match=r"trained on another feature layout than envs\.features defines now; retrain"):
         read_router(d)
