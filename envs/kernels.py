@@ -114,7 +114,8 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
         C[LAT, i] = lat
         C[TPOT, i] = tp * 1000.0
         C[COST, i] = cost_rate[i] * s
-        C[RISK, i] = -np.expm1(-hazard[i] * (unseen_s + w + s))
+        # (no hazard, no risk: 0, also where the wait is infinite -- a pool the model does not fit)
+        C[RISK, i] = -np.expm1(-hazard[i] * (unseen_s + w + s)) if hazard[i] > 0.0 else 0.0
         c = (ttft_ms - rtt[i] - w * 1000.0) / ((pf + tp) * 1000.0)
         if max_out > 1.0:
             c2 = tpot_ms / (tp * 1000.0)

@@ -84,7 +84,8 @@ def _numpy_outcomes(d: dict[str, object]) -> tuple[np.ndarray, np.ndarray, float
     C = np.zeros((kernels.N_OUT, len(wait)))
     C[WAIT], C[BUSY], C[SERVICE], C[TTFT], C[LAT] = wait, busy, service, ttft, lat
     C[TPOT], C[COST] = tp * 1000.0, g("cost_rate") * service
-    C[RISK] = -np.expm1(-g("hazard") * (g("unseen_s") + wait + service))
+    with np.errstate(invalid="ignore"):
+        C[RISK] = np.where(g("hazard") > 0, -np.expm1(-g("hazard") * (g("unseen_s") + wait + service)), 0.0)
     C[PVIOL] = p
     C[kernels.CACHED] = g("cached") / g("r_in")
     C[kernels.SESSION] = g("session")

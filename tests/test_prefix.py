@@ -229,3 +229,21 @@ def test_the_hit_accounting_adds_up(mooncake: object) -> None:
         prompt += p
         cached += c
     assert 0.02 < cached / prompt < 0.64  # some reuse (the first minutes: caches cold), never above the 64 % repeated
+
+
+def test_every_observation_of_the_prefix_bundle_is_finite_and_within_bounds(mooncake: object) -> None:
+    """Its model does not fit every offering (the masked pools' waits are infinite): no feature of
+    any row may be NaN or outside the declared bounds -- a learned router's masked mean over the
+    rows, and its training, would turn one NaN into every score (it did: the preemption risk was
+    0 x inf there before)."""
+    from envs.cloud_route import CloudRouteEnv
+
+    env = CloudRouteEnv(mooncake, episode_requests=None)  # type: ignore[arg-type]
+    obs, _ = env.reset(seed=3, options={"start": 0, "end": 400})
+    assert not env.fits[env.default_model if env.M == 1 else 1].all()  # some offering cannot hold it
+    space = env.observation_space
+    for _ in range(399):
+        for k in ("offerings", "request", "mask"):
+            assert np.isfinite(obs[k]).all(), k
+            assert space[k].contains(obs[k]), k
+        obs, *_ = env.step(int(np.argmax(env.expected_rewards())))
