@@ -134,6 +134,54 @@ class Greedy(_Base):
         return int(np.argmax(r))
 
 
+class CacheAware(_Base):
+    """Prefix match + load + cost, in the spirit of the in-cluster scorers (the Gateway API
+    inference extension / llm-d endpoint picker's prefix-cache, queue and cost scorers; SGLang's
+    cache-aware router): among the offerings more likely than not to meet the SLO (every valid one
+    when none is), the best ``prefix_weight x exp_cached - load_weight x busy - cost_weight x
+    exp_cost`` -- the expected share of the prompt cached there (the router's view), the busy share
+    of its slots, the expected cost / the request's reference cost. Weights from
+    ``EvaluateConfig.cache_aware`` (tuned on training windows only). Without prefix information it
+    is a load and cost scorer."""
+
+    name = "cache-aware"
+
+    def __init__(self, prefix_weight: float = 1.0, load_weight: float = 0.3, cost_weight: float = 2.0):
+        self.w = (float(prefix_weight), float(load_weight), float(cost_weight))
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        x = offering_matrix(obs)[: self.n]
+        m = info["action_mask"][: self.n]
+        feasible = m & (x[:, F["exp_violation"]] < 0.5)
+        use = feasible if feasible.any() else m
+        wp, wl, wc = self.w
+        score = wp * x[:, F["exp_cached"]] - wl * x[:, F["busy"]] - wc * x[:, F["exp_cost"]]
+        return _masked_argmin(-score, use, x[:, F["exp_latency"]])
+
+
+class SessionSticky(_Base):
+    """Session affinity as a soft preference: a request goes to the offering its session's previous
+    request went to (``session_here``: the router's own record) while that offering is valid and
+    its expected reward (``envs.kernels.expected_reward``) is within ``margin`` of the best; any
+    other request, and one whose session's offering is masked or too far behind, gets greedy's
+    choice. ``margin`` from ``EvaluateConfig.session_sticky`` (tuned on training windows only)."""
+
+    name = "session-sticky"
+
+    def __init__(self, margin: float = 0.005):
+        self.margin = float(margin)
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        r = self.env.expected_rewards()
+        best = int(np.argmax(r))
+        here = np.flatnonzero(offering_matrix(obs)[: self.n, F["session_here"]] > 0.5)
+        if here.size:
+            s = int(here[0])
+            if info["action_mask"][s] and r[s] >= r[best] - self.margin:
+                return s
+        return best
+
+
 class RoundRobin(_Base):
     name = "round-robin"
 
@@ -250,6 +298,7 @@ class Oracle(_Base):
                                           burn_in_requests=oc.burn_in_requests, progress=self.on_progress,
                                           max_regret=oc.max_regret, known=self.known.get(seed))
         self.plan, self.k, self.chosen = self.planned.actions, 0, self.planned.name
+        self.total = self.planned.total
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         a = self.plan[self.k]
@@ -263,6 +312,9 @@ BASELINES: dict[str, Callable[[EvaluateConfig], Policy]] = {
     "lowest-latency": lambda c: LowestLatency(),
     "least-loaded": lambda c: LeastLoaded(),
     "greedy": lambda c: Greedy(),
+    "cache-aware": lambda c: CacheAware(c.cache_aware.prefix_weight, c.cache_aware.load_weight,
+                                        c.cache_aware.cost_weight),
+    "session-sticky": lambda c: SessionSticky(c.session_sticky.margin),
     "round-robin": lambda c: RoundRobin(),
     "random": lambda c: Random(),
     "oracle": lambda c: Oracle(c),

@@ -265,6 +265,14 @@ class RouterSettings(BaseSettings):
                                        "new epoch began -- every router notices within state_view_refresh_s and "
                                        "announces its restore -- and until every restore announced has ended")
 
+    # prefix affinity and sessions (router/state.py, envs/prefix.py) ------------------------------
+    prefix_block_tokens: int = Field(512, ge=1, le=1_048_576, description="tokens per block of a request's "
+                                     "prefix_hashes (clients hash their prompts with it: GET /v1/offerings says it)")
+    prefix_ttl_s: float = Field(600.0, gt=0, le=7 * 86_400, description="the prefix index's age bound: blocks "
+                                "sent to a pool longer ago, and a session's last pool, are forgotten")
+    prefix_retention_alpha: float = Field(0.05, gt=0, le=1, description="weight of one feedback's cached_tokens in "
+                                          "its pool's retention (the share of predicted cached tokens confirmed)")
+
     # inference servers' own metrics (router/scrape.py) ------------------------------------------
     inference_servers: list[InferenceServer] = Field(
         default_factory=list, description="pools whose inference servers are scraped for their running and waiting "

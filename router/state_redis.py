@@ -18,7 +18,11 @@ as the multi-key scripts need): ``inflight`` (hash pool -> slots), ``held`` (has
 ``slots:pool``), ``due`` (sorted set reservation id -> deadline in ms), ``expired`` (hash pool ->
 count), ``stats:<pool>`` (hash of the estimator's fields), ``idem:<key>`` (string with a TTL; empty
 while pending), ``epoch`` (this lifetime of the data: see below), ``restored:<epoch>:<log>`` (which
-decision logs were restored into it), ``restoring`` (the restores under way: below). Memory:
+decision logs were restored into it); the prefix affinity index (``router.state``): ``pfx:b:<block
+hash>`` (hash pool -> "stamp:ready ms", at most ``envs.prefix.VIEW_ENTRIES`` pools, expiring with
+the age bound), ``pfx:sent`` / ``pfx:cap`` / ``pfx:ret`` (hashes per pool), ``pfx:pred:<decision>``
+(the pool and the cached tokens predicted, until feedback or the age bound), ``sess:<session>``
+(the pool its last request went to), ``restoring`` (the restores under way: below). Memory:
 O(pools + reservations held + idempotency keys within their TTL).
 
 A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is
@@ -63,6 +67,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -70,12 +75,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.logs import iso
+from envs import prefix as px
+from router.logs import LOG, iso
 from router.state import (
     STATS_ALPHA,
+    Affinity,
     Claim,
     Epoch,
     PoolStats,
+    PrefixSend,
     Released,
     Reserved,
     RouterState,
@@ -249,6 +257,104 @@ return 0
 """
 
 
+# ---------------------------------------------------------------------------------- prefix affinity
+# The index of router.state's docstring (envs.prefix: the router's view), the same arithmetic as
+# EmbeddedState's: a block's hash key holds, per pool that recently received it, "stamp:ready ms"
+# (the pool's count of blocks received before it, and when the router expected it computed);
+# ``sent`` counts each pool's blocks, ``cap`` its cache capacity in blocks, ``ret`` its retention.
+# KEYS: sent, cap, ret, session, then the prompt's block keys in order; ARGV: ttl ms, has session (0/1)
+PREFIX_LOOKUP = _NOW + """
+local cutoff = now - tonumber(ARGV[1])
+local run, sent, cap = {}, {}, {}
+for i = 5, #KEYS do
+  local k = i - 5
+  local flat = redis.call('HGETALL', KEYS[i])
+  local adv = false
+  for j = 1, #flat, 2 do
+    local pool = flat[j]
+    if (run[pool] or 0) == k then
+      local v = flat[j + 1]
+      local sep = string.find(v, ':', 1, true)
+      local t = tonumber(string.sub(v, sep + 1))
+      if t <= now and t >= cutoff then
+        if sent[pool] == nil then
+          sent[pool] = tonumber(redis.call('HGET', KEYS[1], pool) or '0')
+          cap[pool] = tonumber(redis.call('HGET', KEYS[2], pool) or '0')
+        end
+        if sent[pool] - tonumber(string.sub(v, 1, sep - 1)) < cap[pool] then
+          run[pool] = k + 1
+          adv = true
+        end
+      end
+    end
+  end
+  if not adv then break end
+end
+local out = {}
+for pool, r in pairs(run) do
+  out[#out + 1] = pool
+  out[#out + 1] = r
+  out[#out + 1] = redis.call('HGET', KEYS[3], pool) or '1'
+end
+local sess = false
+if ARGV[2] == '1' then sess = redis.call('GET', KEYS[4]) end
+return {out, sess}
+"""
+# KEYS: held, sent, cap, session, prediction, then the block keys; ARGV: reservation id, ttl ms, has session,
+# entries per block, then per candidate pool: pool, capacity, predicted tokens, ms until computed.
+# Records on the pool the reservation took (nothing when it took none): run in the reservation's pipeline.
+PREFIX_RECORD = _NOW + """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return false end
+local pool = string.sub(v, string.find(v, ':', 1, true) + 1)
+local cap, pred, ready_in = nil, nil, nil
+for i = 5, #ARGV, 4 do
+  if ARGV[i] == pool then cap, pred, ready_in = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]) end
+end
+if cap == nil then return false end
+local ttl = tonumber(ARGV[2])
+local entries = tonumber(ARGV[4])
+local ready = now + ready_in
+local n = #KEYS - 5
+local base = redis.call('HINCRBY', KEYS[2], pool, n) - n
+redis.call('HSET', KEYS[3], pool, cap)
+for i = 1, n do
+  local key = KEYS[5 + i]
+  redis.call('HSET', key, pool, (base + n - i) .. ':' .. ready)
+  if redis.call('HLEN', key) > entries then
+    local flat = redis.call('HGETALL', key)
+    local old, oldt = nil, nil
+    for j = 1, #flat, 2 do
+      local e = flat[j + 1]
+      local t = tonumber(string.sub(e, string.find(e, ':', 1, true) + 1))
+      if oldt == nil or t < oldt then old, oldt = flat[j], t end
+    end
+    redis.call('HDEL', key, old)
+  end
+  redis.call('PEXPIRE', key, ttl + ready_in)
+end
+if ARGV[3] == '1' then redis.call('SET', KEYS[4], pool, 'PX', ttl) end
+redis.call('SET', KEYS[5], pool .. '|' .. pred, 'PX', ttl)
+return pool
+"""
+# KEYS: prediction, ret; ARGV: cached tokens, alpha (envs.prefix.retention_update)
+PREFIX_FEEDBACK = """
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+redis.call('DEL', KEYS[1])
+local pool, predicted = string.match(v, '^(.*)|([^|]*)$')
+predicted = tonumber(predicted)
+if predicted > 0 then
+  local x = tonumber(ARGV[1]) / predicted
+  if x > 1 then x = 1 elseif x < 0 then x = 0 end
+  local r = tonumber(redis.call('HGET', KEYS[2], pool) or '1')
+  r = r + tonumber(ARGV[2]) * (x - r)
+  redis.call('HSET', KEYS[2], pool, string.format('%.17g', r))
+end
+return pool
+"""
+
+
 def redact(url: str) -> str:
     """``url`` as it may be shown or logged: scheme, host, port and database, never a password."""
     try:
@@ -305,6 +411,10 @@ class RedisState(RouterState):
         self.restore_lapse_s = restore_lapse_s
         self._instance = secrets.token_hex(6)
         self._claimed: dict[str, float] = {}
+        self._pfx_lookup = self._r.register_script(PREFIX_LOOKUP)
+        self._pfx_record = self._r.register_script(PREFIX_RECORD)
+        self._pfx_feedback = self._r.register_script(PREFIX_FEEDBACK)
+        self._pfx_keys = [base + "pfx:sent", base + "pfx:cap", base + "pfx:ret"]
         #: the script calls of the current event-loop iteration, and the pipelines in flight
         self._batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
         self._flush_scheduled = False
@@ -526,6 +636,70 @@ class RedisState(RouterState):
                 raise self._down(e) from None
             raise
         return out
+
+    # -------------------------------------------------------------- prefix affinity and sessions
+    def _block_keys(self, hashes: np.ndarray) -> list[str]:
+        b = self.base + "pfx:b:"
+        return [b + str(h) for h in hashes.tolist()]
+
+    async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
+        keys = [*self._pfx_keys, self.base + "sess:" + (session or ""), *self._block_keys(hashes)]
+        flat, sess = await self._run(self._pfx_lookup, keys, [max(1, math.ceil(ttl_s * 1000)),
+                                                              0 if session is None else 1])
+        runs, ret = {}, {}
+        for i in range(0, len(flat), 3):
+            pool = flat[i].decode()
+            runs[pool] = int(flat[i + 1])
+            ret[pool] = float(flat[i + 2])
+        return Affinity(runs, ret, None if not sess else sess.decode())
+
+    def _record_args(self, reservation_id: str, send: PrefixSend) -> tuple[list[str], list[Any]]:
+        keys = [self._keys[1], self._pfx_keys[0], self._pfx_keys[1], self.base + "sess:" + (send.session or ""),
+                self.base + "pfx:pred:" + reservation_id, *self._block_keys(send.hashes)]
+        args: list[Any] = [reservation_id, max(1, math.ceil(send.ttl_s * 1000)), 0 if send.session is None else 1,
+                           px.VIEW_ENTRIES]
+        for pool, (cap, predicted, ready_in) in send.candidates.items():
+            args += (pool, int(cap), repr(float(predicted)), max(0, math.ceil(ready_in * 1000)))
+        return keys, args
+
+    async def prefix_record(self, decision_id: str, pool: str, send: PrefixSend) -> None:
+        if pool in send.candidates:  # the script records on the pool the reservation holds
+            await self._run(self._pfx_record, *self._record_args(decision_id, send))
+
+    async def reserve_recording(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                send: PrefixSend, slots: int = 1) -> str | None:
+        """:meth:`reserve` and the record of the prefix on the pool it takes, queued together: the
+        two scripts go out in the same pipeline (one round trip; the record reads the reservation)."""
+        reserving = asyncio.ensure_future(self.reserve(candidates, reservation_id, hold_s, slots))
+        recording = asyncio.ensure_future(self._run(self._pfx_record, *self._record_args(reservation_id, send)))
+        try:
+            pool = await reserving
+        except BaseException:
+            await asyncio.gather(recording, return_exceptions=True)
+            raise
+        try:
+            await recording
+        except Exception as e:  # the affinity is a hint: a failed record costs no decision
+            LOG.warning("prefix affinity not recorded", extra={"fields": {"error": str(e)}})
+        return pool
+
+    async def prefix_feedback(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
+        got = await self._run(self._pfx_feedback, [self.base + "pfx:pred:" + decision_id, self._pfx_keys[2]],
+                              [repr(float(cached_tokens)), repr(float(alpha))])
+        return None if got is None else got.decode()  # type: ignore[no-any-return]
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        try:
+            got = await self._r.get(self.base + "sess:" + session_id)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+        return None if got is None else got if isinstance(got, bytes) else str(got).encode()
+
+    async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
+        try:
+            await self._r.set(self.base + "sess:" + session_id, bytes(value), px=max(1, math.ceil(ttl_s * 1000)))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
 
     async def healthy(self) -> bool:
         """A ``PING`` within ``timeout_s`` (the readiness probe; its verdict goes into ``error``)."""

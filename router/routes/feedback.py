@@ -1,7 +1,8 @@
 """``POST /v1/feedback``: what really happened to a routed request -- stored durably with its realized
 reward (``RoutingEngine.feedback_reward``: what off-policy evaluation learns from) for retraining,
 then the closed loop: the decision's reservation is released, the pool's observed statistics
-learn the outcome (``router.state``), and a completed request's output length feeds the router's
+learn the outcome (``router.state``), the cached tokens the server reported correct the pool's
+prefix affinity (its retention), and a completed request's output length feeds the router's
 output-length estimator."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response
 
 from router.deps import CallerDep
+from router.engine import RouteFailure
 from router.logs import iso
 from router.routes.route import (
     IDEMPOTENCY_HEADER,
@@ -38,7 +40,8 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
                         409: {"model": ErrorResponse},
                         422: {"model": ErrorResponse, "description": "the body is not JSON (not UTF-8, does not "
                               "parse, or sent without a JSON content type: `fields` names `body`), a field is "
-                              "invalid (named in `fields`), no observation given, or `idempotency_key_reused`"},
+                              "invalid (named in `fields`), no observation given, `idempotency_key_reused`, or "
+                              "`invalid_cached_tokens`: more cached_tokens than the decision's input_tokens"},
                         503: {"model": ErrorResponse, "description": "`unavailable`: the decision log cannot "
                               "record; `state_unavailable` (keyed) or `state_restoring` (keyed, the shared state came "
                               "back empty and is being restored); see Retry-After"}},
@@ -57,9 +60,16 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
         ref = await svc.store.lookup(body.decision_id)
         if ref is None or ref.tenant != who.tenant:
             raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
+        if body.cached_tokens is not None and body.cached_tokens > ref.input_tokens:
+            msg = (f"{body.cached_tokens} cached tokens for a request of {ref.input_tokens} input tokens: at most its "
+                   "input_tokens")
+            raise RouteFailure(422, "invalid_cached_tokens", msg, [{"field": "body.cached_tokens", "message": msg,
+                                                                     "suggestions": []}])
         now = time.time()
         reward, missed = svc.engine.feedback_reward(ref, body)
-        fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed))
+        # a client's report of cached_tokens goes where the gateway writes what it measured (its column)
+        fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed,
+                                                           (None, None, body.cached_tokens)))
     except CommitInDoubt:
         if key is not None:  # stored or not? the key waits for the log to say (router.routes.route.settle)
             assert digest is not None and ref is not None
@@ -121,6 +131,10 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
     if ref.feedback == 0:
         await best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
                           "outcome not added to the pool's statistics", pool=ref.pool)
+    if body.cached_tokens is not None:  # the server's cached prefix corrects the pool's prefix affinity
+        await best_effort(svc.state, "prefix_feedback", (body.decision_id, body.cached_tokens,
+                                                         svc.settings.prefix_retention_alpha),
+                          "cached tokens not added to the pool's prefix retention", pool=ref.pool)
     engine = svc.engine
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)

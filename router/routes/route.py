@@ -42,7 +42,8 @@ _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API 
                  "without a JSON content type: `fields` names `body`), a field is invalid (named in `fields`), an unknown "
                  "origin (with close matches), `invalid_constraints`: a constraint names a value the served catalog "
                  "lacks (close matches in `suggestions`; `GET /v1/offerings` lists the catalog), `no_offering`: "
-                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body"},
+                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body, "
+                 "`invalid_prefix`: more prefix_hashes than the prompt has blocks"},
            409: {"model": ErrorResponse, "description": "a request with the same Idempotency-Key is being decided"},
            429: {"model": ErrorResponse, "description": "no allowed offering can take the request now "
                  "(spot pools down, queues full, pools at their capacity in the shared state); see Retry-After"},
@@ -91,11 +92,21 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             return payload
     reserved = False
     try:
-        r = engine.rank(body, who, decision_id, time.time(), request_json, key)
+        affinity = hashes = None
+        if engine.wants_affinity(body):  # the shared prefix index: where these blocks and this session went
+            engine.check_prefix(body)
+            hashes = engine.prefix_array(body)
+            affinity = await state_call(shared, "prefix_lookup", hashes, engine.session_key(who, body),
+                                        engine.prefix_ttl_s)
+        r = engine.rank(body, who, decision_id, time.time(), request_json, key, affinity, hashes)
         hold = engine.hold_s(r)
         cands = engine.candidates(r)
         if isinstance(shared, EmbeddedState):  # in process: no await between ranking and admitting
             pool = shared.reserve_now(cands, decision_id, hold)
+            if pool is not None and r.prefix is not None:
+                shared.prefix_record_now(decision_id, pool, r.prefix)
+        elif r.prefix is not None:  # the reservation and the prefix's record in one round trip
+            pool = await shared.reserve_recording(cands, decision_id, hold, r.prefix)
         else:
             pool = await shared.reserve(cands, decision_id, hold)
         if pool is None:

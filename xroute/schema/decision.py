@@ -11,6 +11,7 @@ pydantic's lax mode would.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -28,6 +29,31 @@ from pydantic_core import PydanticCustomError
 from xroute.schema.policy_ir import Constraints
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+#: the most block hashes one request may carry
+MAX_PREFIX_BLOCKS = 16384
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_tokens: int = 512, salt: bytes = b"") -> list[int]:
+    """A prompt's ``prefix_hashes`` from its token ids, as a client computes them before it sends
+    the request: the ids cut into blocks of ``block_tokens`` (the router's ``prefix_block_tokens``;
+    the last block may be partial), each block's id the first 8 bytes of BLAKE2b over the previous
+    block's id and the block's token ids (little-endian uint32), as a signed 64-bit integer -- so an
+    id names the block *and everything before it*, like vLLM's chained block hashes, and two prompts
+    share exactly the leading ids of the blocks they share. ``salt`` starts the chain (a tenant that
+    wants its prefixes kept apart from others' salts them, as vLLM's ``cache_salt``)."""
+    import hashlib
+    import struct
+
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    out: list[int] = []
+    prev = hashlib.blake2b(salt, digest_size=8).digest()
+    ids = list(token_ids)
+    for i in range(0, len(ids), block_tokens):
+        block = ids[i:i + block_tokens]
+        prev = hashlib.blake2b(prev + struct.pack(f"<{len(block)}I", *block), digest_size=8).digest()
+        out.append(int.from_bytes(prev, "little", signed=True))
+    return out
 
 
 def _json_integer(v: object) -> object:
@@ -47,6 +73,8 @@ def _json_integer(v: object) -> object:
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 JsonNumber = Annotated[float, Strict()]
 JsonBool = Annotated[bool, Strict()]
+#: one KV-cache block's id: a signed 64-bit integer (:func:`prefix_block_hashes`)
+BlockHash = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(_json_integer)]
 
 
 class _Strict(BaseModel):
@@ -69,7 +97,17 @@ class RouteRequest(_Strict):
                                            description="SLO: optional end-to-end deadline, milliseconds")
     model: Id | None = Field(None, description="the model the request is for (GET /v1/offerings lists them); "
                                                "absent = the default model")
-    session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
+    session_id: Id | None = Field(None, description="opaque client session id (a conversation, an agent run): a "
+                                  "soft preference for the pool its previous request went to (docs/router.md, "
+                                  "'Prefix affinity and sessions'); stored with the decision")
+    prefix_hashes: list[BlockHash] | None = Field(
+        None, min_length=1, max_length=MAX_PREFIX_BLOCKS,
+        description="the prompt's KV-cache block hashes, in prompt order: the token ids cut into blocks of the "
+                    "router's prefix_block_tokens (GET /v1/offerings; the last block may be partial), each block's id "
+                    "a signed 64-bit hash chained over the blocks before it, at most ceil(input_tokens / "
+                    "prefix_block_tokens) of them; xroute.schema.decision.prefix_block_hashes computes them "
+                    "(docs/router.md). The router sends the request where these blocks are expected cached when "
+                    "that is worth it against load, cost and the SLO")
     constraints: Constraints | None = Field(
         None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")
 
@@ -135,7 +173,7 @@ class RouteResponse(BaseModel):
     telemetry: TelemetryInfo
 
 
-_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens")
+_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens", "cached_tokens")
 _ONE_OBSERVATION: list[JsonValue] = [{"required": ["failed"], "properties": {"failed": {"const": True}}}]
 for _f in reversed(_OBSERVED):
     _ONE_OBSERVATION.insert(0, {"required": [_f], "properties": {_f: {"type": "number"}}})
@@ -154,13 +192,17 @@ class FeedbackRequest(_Strict):
     cost_usd: JsonNumber | None = Field(None, ge=0, le=1_000_000, description="observed cost")
     output_tokens: Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(_json_integer)] | None = Field(
         None, description="tokens actually generated")  # (bounds before the validator: the schema keeps them)
+    cached_tokens: Annotated[int, Field(ge=0, le=2_000_000), BeforeValidator(_json_integer)] | None = Field(
+        None, description="prompt tokens the server had cached (OpenAI-compatible servers: "
+                          "usage.prompt_tokens_details.cached_tokens): corrects the router's prefix affinity for the "
+                          "pool; at most the request's input_tokens")
     failed: JsonBool = Field(False, description="the request failed (error, timeout, preempted without retry)")
     error: Annotated[str, StringConstraints(max_length=1000)] | None = None
 
     @model_validator(mode="after")
     def _says_something(self) -> FeedbackRequest:
         if (self.latency_ms is None and self.ttft_ms is None and self.cost_usd is None and self.output_tokens is None
-                and not self.failed):
+                and self.cached_tokens is None and not self.failed):
             raise ValueError(f"give at least one of {', '.join(_OBSERVED)}, failed=true")
         return self
 
@@ -182,7 +224,8 @@ class FeedbackRecord(BaseModel):
     error: str | None = None
     tpot_ms: float | None = Field(None, description="time per output token after the first (gateway: measured)")
     prompt_tokens: int | None = Field(None, description="prompt tokens as the inference server counted them (gateway)")
-    cached_tokens: int | None = Field(None, description="of those, the ones its prefix cache held (gateway)")
+    cached_tokens: int | None = Field(None, description="of those, the ones its prefix cache held (measured by the "
+                                                        "gateway, or reported in the feedback)")
     request_id: str | None = Field(None, description="the gateway request this attempt belonged to (its X-Request-ID; "
                                                      "every attempt of one request shares it)")
     attempt: int | None = Field(None, description="the attempt's number within that request, from 1 (gateway)")
@@ -212,6 +255,7 @@ class OfferingsResponse(BaseModel):
     telemetry: TelemetryInfo
     origins: list[str]
     models: list[str] = Field(description="models requests may name; the first is the default")
+    prefix_block_tokens: int | None = Field(None, description="tokens per block of a request's prefix_hashes")
     offerings: list[OfferingState]
 
 
