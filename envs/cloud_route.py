@@ -97,10 +97,11 @@ from envs import estimator as est
 from envs import features as fz
 from envs import kernels
 from envs import policies as pol
-from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, WAIT
+from envs import prefix as px
+from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, TTFT, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
-from xroute.bundle import Bundle, load_bundle, origins_reaching, to_seconds
+from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, to_seconds
 from xroute.config import EnvConfig, load_policies, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import PolicySet
@@ -243,6 +244,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
         self._ref_prefill_s = 1.0 / ref.prefill_tok_s
         self._ref_cost_rate = self.cfg.reward.reference_usd_per_replica_hour / 3600.0 / ref.max_concurrency
+        self._zero_n = np.zeros(self.n)
+        self._zero_n.flags.writeable = False
+        self._no_blocks = np.zeros(0, dtype=np.int64)
+        self._run_buf = np.zeros(self.n, dtype=np.int64)  # scratch of the prefix lookup (no state)
 
     def _init_stream(self, history: pd.DataFrame | None) -> None:
         """The request stream as arrays: what the client sends, and (``req_out``) the outcome."""
@@ -270,6 +275,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.req_ids = w["request_id"].to_numpy()
         #: the realized outcome: read by the simulation of service (``_resolve``) and the oracle only
         self.req_out = w["output_tokens"].to_numpy(dtype=float)
+        self._init_prefix(w)
         self.n_requests = len(w)
         self.history: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         if history is not None and len(history):
@@ -280,6 +286,47 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             keys = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(hm[ok], ht[ok])], dtype=np.int64)
             self.history = (hm[ok], keys, history["output_tokens"].to_numpy(dtype=float)[ok])
         self.set_rate_scale(self.cfg.rate_scale)
+
+    def _init_prefix(self, w: pd.DataFrame) -> None:
+        """The stream's prefix blocks (``prefix_hashes``, as dense ids: ``req_blk[req_blk_off[i]:
+        req_blk_off[i + 1]]``) and sessions (dense ids, -1 none), and the caches' sizes: per pool,
+        each replica's capacity in blocks (the truth, ``kv_capacity``) and the replicas' together
+        (the view's ``pv_cap``). ``block_tokens`` is the bundle's ``prefix_block_tokens``."""
+        off, ids = prefix_arrays(w)
+        self.has_prefix = bool(ids.size)
+        self.block_tokens = int(self.bundle.meta.prefix_block_tokens or 0)
+        dense, uniq = pd.factorize(ids)  # in order of first appearance
+        self.req_blk_off, self.req_blk = off, dense.astype(np.int64).reshape(-1)
+        self.n_blocks = len(uniq)
+        self._episode_blocks(0, len(w))
+        if "session_id" in w.columns:
+            sid = w["session_id"].astype(str).str.strip().to_numpy()
+            codes, names = pd.factorize(sid)
+            self.req_session = np.where(sid == "", -1, codes).astype(np.int64)
+            self.n_sessions = len(names)
+        else:
+            self.req_session = np.full(len(w), -1, dtype=np.int64)
+            self.n_sessions = 0
+        b = max(self.block_tokens, 1)
+        self.kv_capacity = np.where(self.fits, np.floor(self.placement.kv_tokens / b), 0).astype(np.int64) \
+            if self.has_prefix else np.zeros((self.M, self.n), dtype=np.int64)
+        self.pv_cap = (self.kv_capacity * np.floor(self.replicas).astype(np.int64)).reshape(-1)
+
+    def _episode_blocks(self, start: int, end: int) -> None:
+        """The episode's blocks renumbered from 0 (``ep_blk``, ``ep_off``: request ``i``'s are
+        ``ep_blk[ep_off[i - start]:ep_off[i - start + 1]]``): the view and the caches hold rows for
+        the blocks the episode can reach only (a training episode's ~10k rather than the stream's)."""
+        lo, hi = int(self.req_blk_off[start]), int(self.req_blk_off[end])
+        local, uniq = pd.factorize(self.req_blk[lo:hi])
+        self.ep_blk = local.astype(np.int64)
+        self.ep_off = self.req_blk_off[start:end + 1] - lo
+        self.ep_first = start
+        self.n_ep_blocks = len(uniq)
+
+    def _blocks_of(self, pos: int) -> np.ndarray:
+        """The episode's block ids of the stream's request ``pos``."""
+        k = pos - self.ep_first
+        return self.ep_blk[self.ep_off[k]:self.ep_off[k + 1]]
 
     def _model_column(self, w: pd.DataFrame) -> np.ndarray:
         if "model" not in w.columns:
@@ -411,6 +458,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._pos, self._end = start, end
         self.z = self.np_random.standard_normal(end - start)
         self._true_down = self._jittered_downs()
+        if self.has_prefix:
+            self._episode_blocks(start, end)
         self._reset_pools()
         self._seed_estimator(start)
         self._refresh_at = -np.inf
@@ -433,6 +482,23 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         info.update(out)
         return obs, float(out["reward"]), False, truncated, info
 
+    def step_outcome(self, action: int) -> tuple[dict[str, Any], bool]:
+        """:meth:`step` without building the next observation, for planners that play thousands of
+        steps ahead and read only outcomes (the oracle's lookahead): the step's outcome (``step``'s
+        ``info`` keys, ``reward`` among them) and whether the episode ended. The environment
+        advances exactly as with ``step`` (``tests/test_env.py`` checks it)."""
+        out = self._resolve(int(action))
+        self._pos += 1
+        done = self._pos >= self._end
+        if not done:
+            self._prepare()
+        return out, done
+
+    @property
+    def steps_left(self) -> int:
+        """Requests of the episode not yet routed (the current one included)."""
+        return self._end - self._pos
+
     # ------------------------------------------------------------------ pools
     def _reset_pools(self) -> None:
         shape = (self.M, self.n, self.smax)
@@ -454,6 +520,32 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._live: dict[Any, tuple[int, int, int, float, float]] = {}
         #: when the router last saw one of its requests preempted on each offering (passive health check)
         self.seen_down_at = np.full(self.n, -np.inf)
+        # prefix caching (envs.prefix): the router's view -- per block, the pools it last sent it to --
+        # and its record of each session's last pool; the servers' caches (the truth) per pool, shared
+        # with snapshots until written (copy on write, ``_kv_owner``)
+        rows = self._rows(self.n_ep_blocks if self.has_prefix else 1)
+        self.pv_ent = px.new_view_rows(rows)
+        self.pv_sent = np.zeros(self._rows(self.M * self.n), dtype=np.int64)
+        self.pv_ret = np.ones(self._rows(self.M * self.n))
+        srows = self._rows(max(self.n_sessions, 1))
+        self.ps_pool = np.full(srows, -1, dtype=np.int64)
+        self.ps_time = np.full(srows, -np.inf)
+        self._kv: dict[int, px.PoolKV] = {}
+        self._kv_owner = px.new_owner()
+        #: per stream request in flight: (pool, the view's expected cached tokens, the server's cached
+        #: tokens) -- what its completion teaches the view's retention
+        self._cache_fb: dict[int, tuple[int, float, float]] = {}
+
+    def _rows(self, k: int) -> int:
+        """``k`` rows, or one more when ``k`` is the stream's length: ``models.warmstart.fork`` shares
+        (never copies) arrays as long as the stream, its read-only per-request columns."""
+        return k + 1 if k == self.n_requests else k
+
+    def unshare(self) -> None:
+        """After a shallow copy of this environment (``models.warmstart.fork``): neither it nor the
+        copy may change the servers' caches they still share in place (each copies a pool's
+        cache before its first write)."""
+        self._kv_owner = px.new_owner()
 
     def _seed_estimator(self, start: int) -> None:
         """Forget, then learn the outputs known before the episode: ``history`` and the stream's
@@ -491,9 +583,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         while ev and ev[0][0] <= t:
             now, _, kind, d = heapq.heappop(ev)
             if kind == _COMPLETE:
-                m, a, j, exp_end, shift0, key, tokens, _ = d
+                m, a, j, exp_end, shift0, key, tokens, pos = d
                 kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now,
                                       exp_end, shift0)
+                if self._cache_fb:  # the server's cached-token count (its usage) corrects the view's retention
+                    fb = self._cache_fb.pop(pos, None)
+                    if fb is not None:
+                        px.retention_update(self.pv_ret, fb[0], fb[1], fb[2], self.cfg.prefix.retention_alpha)
                 if tokens >= 0:
                     self._observe_output(m, key, tokens)
                 elif tokens == _PREEMPTED:  # the router saw its request die there: the pool is down
@@ -506,6 +602,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, now, service)
                 self._push(true_end, _COMPLETE, (m, a, j, exp_end, shift0, key, tokens, pos))
+                if self.has_prefix and pos >= 0:  # the retry's prefix and session went there
+                    self._view_sent(pos, m * self.n + a, now, now + service)
         tev, fa = self._tevents, self.free_at
         while tev and tev[0][0] <= t:
             end, m, a, j = heapq.heappop(tev)
@@ -520,17 +618,20 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
                      "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "ext_util_conc", "_true_down",
                      "r_m", "r_key", "r_origin", "r_in", "r_max_out", "r_ttft", "r_tpot", "r_deadline", "r_est_out",
-                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq",
-                     "r_has_bias", "usd_h", "_pol_dirty")
+                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_blocks",
+                     "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from", "r_has_bias", "usd_h",
+                     "_pol_dirty")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
-                     "C", "c_mask", "seen_down_at", "_pol")
+                     "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
         d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
         d.update({k: getattr(self, k).copy() for k in self._COPIED_STATE})
         d.update(_tevents=list(self._tevents), _events=list(self._events), stats=dict(self.stats),
-                 _recent=deque(self._recent), _live=dict(self._live))
+                 _recent=deque(self._recent), _live=dict(self._live), _kv=dict(self._kv),
+                 _cache_fb=dict(self._cache_fb))
+        self._kv_owner = px.new_owner()  # the snapshot shares the servers' caches: copy before writing
         return d
 
     def restore_state(self, d: dict[str, Any]) -> None:
@@ -542,6 +643,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._tevents, self._events = list(d["_tevents"]), list(d["_events"])
         self.stats, self._recent = dict(d["stats"]), deque(d["_recent"])
         self._live = dict(d.get("_live", {}))
+        self._kv = dict(d.get("_kv", {}))
+        self._cache_fb = dict(d.get("_cache_fb", {}))
+        self._kv_owner = px.new_owner()
 
     # ------------------------------------------------------------------ dynamics
     def _jittered_downs(self) -> list[np.ndarray]:
@@ -566,6 +670,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # available as the telemetry says -- unless the router saw a request of its own preempted
         # there since the telemetry's last change for that offering (it reports preemptions late)
         self.available = (snap["available"] > 0.5) & ~(self.seen_down_at > self.replay.avail.last_times(t))
+        # the prefix view forgets what it sent to a pool before it was last seen down (telemetry or its own requests)
+        self.pv_valid_from = px.us_array(np.maximum(self.seen_down_at, self._recorded_down(t)))
         self.ext_util = snap["util"]
         self.ext_util_conc = self.ext_util[None, :] * self.conc
         # the truth's next preemption of each offering: the first one not yet recorded at t (with
@@ -618,20 +724,24 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             ctx = self._req_contexts[self._req_ctx[i]]
         self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
                           self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
-                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), ctx)
+                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), ctx, pos=i)
 
     def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
                      deadline_ms: float, model: int, key: int, request_id: Any, z: float,
-                     ctx: pol.PolicyContext | None = None, pre: np.ndarray | None = None) -> None:
+                     ctx: pol.PolicyContext | None = None, pre: np.ndarray | None = None, pos: int = -1,
+                     live_prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None) -> None:
         """Make a request current: the router learns what happened up to ``t``, estimates the
-        output length, and computes the request's expectations on every offering in one compiled
-        pass (``envs.kernels.candidate_outcomes_into``), then applies the policies of its context
-        ``ctx`` (``envs.policies``; ``pre``: a router's own constraint layers, see
-        ``CompiledPolicies.apply``)."""
+        output length, looks its prefix up in its view (the stream's request ``pos``, or a live
+        router's ``live_prefix``: per offering the leading blocks its shared index expects there,
+        the pools' retention, the session's offering, the block size), computes the request's
+        expectations on every offering in one compiled pass (``envs.kernels.candidate_outcomes_into``),
+        then applies the policies of its context ``ctx`` (``envs.policies``; ``pre``: a router's own
+        constraint layers, see ``CompiledPolicies.apply``)."""
         self._advance(t)
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
         self.t = t
+        self._prefix_view(t, model, float(n_in), pos, live_prefix)
         cfg = self.cfg.estimator
         est_out = float(est.estimate(self.est_w, self.est_s, self.est_n, key, model, float(max_out), cfg.shrinkage,
                                      cfg.prior_fraction, est.UPPER))
@@ -651,7 +761,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.ext_util_conc[m], self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt,
             self.cost_rate[m], self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, est_out, self.r_max_out,
             self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s, self.view_others[m],
-            self.view_service_s[m], self.view_server_busy[m])
+            self.view_service_s[m], self.view_server_busy[m], self.r_cached, self.r_sess_here)
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
         policies = self.policies
@@ -675,6 +785,105 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
+
+    def _prefix_view(self, t: float, m: int, n_in: float, pos: int,
+                     live: tuple[np.ndarray, np.ndarray, int, int] | None) -> None:
+        """The current request's prefix as the router sees it: ``r_view_tokens`` (the prompt tokens
+        its record expects each pool of model ``m`` to hold), ``r_cached`` (the same times each
+        pool's retention: what the expectations use) and ``r_sess_here`` (1 on the offering its
+        session's previous request went to); zeros without prefix information."""
+        blocks, session = self._no_blocks, -1
+        if live is not None:
+            runs, retention, sess_a, block = live
+            view = np.empty(self.n)
+            px.expected_cached(runs, block, n_in, np.ones(self.n), view)
+            self.r_view_tokens, self.r_cached = view, view * retention
+            here = np.zeros(self.n)
+            if 0 <= sess_a < self.n:
+                here[sess_a] = 1.0
+            self.r_blocks, self.r_session, self.r_sess_here = blocks, session, here
+            return
+        if pos >= 0 and self.has_prefix:
+            blocks = self._blocks_of(pos)
+            session = int(self.req_session[pos])
+        self.r_blocks, self.r_session = blocks, session
+        if blocks.size == 0 or self.block_tokens <= 0:
+            self.r_view_tokens = self.r_cached = self._zero_n
+        else:
+            n = self.n
+            self.r_view_tokens, self.r_cached = np.empty(n), np.empty(n)
+            px.view_expect(self.pv_ent, self.pv_sent, self.pv_cap, blocks, m * n, n, px.us(t),
+                           px.us(t - self.cfg.prefix.view_ttl_s), self.pv_valid_from, self.block_tokens, n_in,
+                           self.pv_ret, self._run_buf, self.r_view_tokens, self.r_cached)
+        self.r_sess_here = self._zero_n
+        if session >= 0:
+            p = int(self.ps_pool[session])
+            if p // self.n == m and self.ps_time[session] >= t - self.cfg.prefix.view_ttl_s:
+                self.r_sess_here = np.zeros(self.n)
+                self.r_sess_here[p % self.n] = 1.0
+
+    def _view_sent(self, pos: int, p: int, t: float, ready: float) -> None:
+        """The router sent the stream's request ``pos`` to pool ``p`` at ``t``: its view records the
+        prefix blocks there, computed by ``ready`` (the request's expected first token), and its
+        session's pool."""
+        blocks = self._blocks_of(pos)
+        if blocks.size:
+            px.view_record(self.pv_ent, self.pv_sent, blocks, p, px.us(ready))
+        s = int(self.req_session[pos])
+        if s >= 0:
+            self.ps_pool[s], self.ps_time[s] = p, t
+
+    def _recorded_down(self, t: float) -> np.ndarray:
+        """When the telemetry last recorded each offering preempted, at or before ``t`` (-inf: never)."""
+        out = np.full(self.n, -np.inf)
+        for i, d in enumerate(self.replay.down_times):
+            if d.size:
+                k = int(np.searchsorted(d, t, side="right"))
+                if k:
+                    out[i] = d[k - 1]
+        return out
+
+    def _last_down(self, a: int, t: float) -> float:
+        """When offering ``a`` last really lost its replicas (a spot preemption) at or before ``t``."""
+        d = self._true_down[a]
+        if d.size == 0:
+            return -np.inf
+        k = int(np.searchsorted(d, t, side="right"))
+        return float(d[k - 1]) if k else -np.inf
+
+    def _pool_kv(self, m: int, a: int, t: float, write: bool) -> px.PoolKV | None:
+        """The servers' caches of pool (m, a) at ``t`` -- empty again after the pool was preempted --
+        this environment's own copy when it will ``write``; None when empty and not writing."""
+        key = m * self.n + a
+        kv = self._kv.get(key)
+        down = self._last_down(a, t)
+        if kv is None or kv.cleared_at < down:
+            if not write:
+                return None
+            kv = px.PoolKV(int(self.replicas[m, a]), int(self.kv_capacity[m, a]), self._kv_owner, down)
+            self._kv[key] = kv
+        elif write and kv.owner != self._kv_owner:
+            kv = self._kv[key] = kv.copy(self._kv_owner)
+        return kv
+
+    def true_cached(self) -> np.ndarray:
+        """HINDSIGHT, for the oracle only: the prompt tokens of the current request each valid
+        offering's servers really hold for it now (the replica its scheduler would pick)."""
+        blocks = self.r_blocks
+        if blocks.size == 0 or not self._kv:
+            return self._zero_n
+        out = np.zeros(self.n)
+        m, n, t = self.r_m, self.n, self.t
+        conc = self.conc[m]
+        for key in list(self._kv):
+            if key // n != m or not self.c_mask[key % n]:
+                continue
+            a = key % n
+            kv = self._pool_kv(m, a, t, False)
+            if kv is not None:
+                _, hit = kv.place(self.free_at[m, a], int(conc[a]), t, blocks)
+                out[a] = min(hit * self.block_tokens, self.r_in)
+        return out
 
     # the candidate outcomes as named arrays (views of rows of ``C``)
     @property
@@ -792,10 +1001,22 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Simulate the request on pool (m, a) from ``start_t``: its true slot and service, cut short
         by the pool's next true preemption. Takes the slot in the truth (unless ``dry``)."""
         f = math.exp(self.sigma[m, a] * self.r_z - 0.5 * self.sigma[m, a] ** 2)
-        j = kernels.earliest_slot(self.free_at[m], a)
+        blocks, kv, cached = self.r_blocks, None, 0.0
+        if blocks.size and self.kv_capacity[m, a] > 0:  # the servers' prefix caches (envs.prefix)
+            kv = self._pool_kv(m, a, start_t, not dry)
+        if kv is None:
+            j = kernels.earliest_slot(self.free_at[m], a)
+        else:  # the in-pool scheduler's replica; its blocks are computed by the end of the prefill
+            conc = int(self.conc[m, a])
+            if dry:
+                j, hit = kv.place(self.free_at[m, a], conc, start_t, blocks)
+            else:
+                j, hit = kv.serve(self.free_at[m, a], conc, start_t, blocks, self.block_tokens, self.r_in,
+                                  self.inv_prefill[m, a] * f)
+            cached = min(hit * self.block_tokens, self.r_in)
         start = max(start_t, self.free_at[m, a, j])
         k = min(self.tbusy[m, a] * self.inv_replicas[m, a], self.conc_m1[m, a]) + self.ext_util_conc[m, a]
-        pf = self.r_in * self.inv_prefill[m, a] * f
+        pf = (self.r_in - cached) * self.inv_prefill[m, a] * f
         tp = (self.tpot_s[m, a] + self.tpot_growth_s[m, a] * k) * f
         service = pf + out * tp
         first = start + pf + (tp if out >= 1 else 0.0)
@@ -807,10 +1028,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             ran = max(stop - start, 0.0)
             if ran > 0 and not dry:
                 self._occupy(m, a, j, stop)
-            return {"end": stop, "first": first if first <= stop else np.inf, "ran": ran, "preempted": 1.0}
+            return {"end": stop, "first": first if first <= stop else np.inf, "ran": ran, "preempted": 1.0,
+                    "cached": cached}
         if not dry:
             self._occupy(m, a, j, start + service)
-        return {"end": start + service, "first": first, "ran": service, "preempted": 0.0}
+        return {"end": start + service, "first": first, "ran": service, "preempted": 0.0, "cached": cached}
 
     def reference_cost(self, input_tokens: float, output_tokens: float) -> float:
         """The reward's cost yardstick: the request served alone on one replica of the reference
@@ -854,15 +1076,20 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ref_cost = self.reference_cost(self.r_in, out)
         dl = self.r_deadline
         budget = self.latency_budget(self.r_ttft, self.r_tpot, dl, out)
+        prompt = self.r_in if self.r_blocks.size else 0.0  # prefix-bearing prompt tokens (the hit rate's base)
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
             reward = self._reward(0.0, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
-                    "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None}
-        if not dry:  # the router records the decision with the expected service time
+                    "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None,
+                    "prompt_tokens": prompt, "cached_tokens": 0.0}
+        if not dry:  # the router records the decision with the expected service time (and its prefix)
             j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, t, self.C[SERVICE, a])
+            if self.has_prefix:
+                self._view_sent(self._pos, m * self.n + a, t, t + max(self.C[TTFT, a] - self.c_rtt[a], 0.0) / 1000.0)
         r1 = self._attempt(m, a, t, out, dry)
+        cached = r1["cached"]
         cost = self.cost_rate[m, a] * r1["ran"]
         latency = self.c_rtt[a] + 1000.0 * (r1["end"] - t)
         ttft = self.c_rtt[a] + 1000.0 * (r1["first"] - t)
@@ -870,6 +1097,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if not preempted:
             if not dry:
                 self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, out, self._pos))
+                if prompt:  # its completion will say (the server's usage) how much of the prompt was cached
+                    self._cache_fb[self._pos] = (m * self.n + a, float(self.r_view_tokens[a]), cached)
         else:
             if not dry:
                 self.stats["preempted"] += 1
@@ -881,6 +1110,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 migrated_to = f
                 restart = r1["end"] + self.cfg.retry_overhead_ms / 1000.0
                 r2 = self._attempt(m, f, restart, out, dry)
+                cached = r2["cached"]
                 cost += self.cost_rate[m, f] * r2["ran"]
                 latency = self.c_rtt[f] + 1000.0 * (r2["end"] - t)
                 if not np.isfinite(ttft):
@@ -892,33 +1122,39 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
-                    "migrated_to": None}
+                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0}
         tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
         reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
-                "preempted": preempted, "migrated_to": migrated_to}
+                "preempted": preempted, "migrated_to": migrated_to, "prompt_tokens": prompt,
+                "cached_tokens": float(cached) if prompt else 0.0}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                      tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                     request_id: Any = None, request_class: str | None = None
+                     request_id: Any = None, request_class: str | None = None,
+                     prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None
                      ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
         self.set_live(t, origin, input_tokens, max_output_tokens, ttft_ms, tpot_ms, deadline_ms, model, tenant,
-                      request_id, request_class)
+                      request_id, request_class, prefix)
         return self._obs(), self._info()
 
     def set_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                  tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                 request_id: Any = None, request_class: str | None = None, pre: np.ndarray | None = None
+                 request_id: Any = None, request_class: str | None = None,
+                 prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None, pre: np.ndarray | None = None
                  ) -> np.ndarray:
         """:meth:`observe_live` without building the observation: makes the live request current
         (its expectations, as ``observe_live``) and returns its action mask over the ``n``
         offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
-        an unknown origin, ``ValueError`` for an unknown model."""
+        an unknown origin, ``ValueError`` for an unknown model. ``prefix``: what the router's shared
+        prefix index says of the request's prompt (``router.state``): per offering, the leading
+        blocks it expects there (int64) and the pool's retention (float), the offering its session
+        last went to (-1: none) and the block size in tokens."""
         if origin not in self.origin_index:
             raise KeyError(origin)
         m = self.default_model if model is None else self.model_index.get(model, -1)
@@ -930,7 +1166,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             tenant, m, request_class, float(ttft_ms), float(tpot_ms), deadline_ms, origin)
         self._set_request(t, self.origin_index[origin], input_tokens, max_output_tokens, ttft_ms, tpot_ms,
                           np.nan if deadline_ms is None else float(deadline_ms), m, self.estimator_key(m, tenant),
-                          request_id, 0.0, ctx, pre)
+                          request_id, 0.0, ctx, pre, live_prefix=prefix)
         return self.c_mask
 
     def commit_live(self, a: int) -> dict[str, float]:
@@ -992,6 +1228,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         heapq.heapify(self._tevents)
         self._live = {ref: (m, a, j, end + dt, s0) for ref, (m, a, j, end, s0) in self._live.items()}
         self._recent = deque(x + dt for x in self._recent)
+        times = self.pv_ent[:, 3::3]
+        times[times != np.iinfo(np.int64).min] += px.us(dt)
+        self.ps_time += dt
         self.seen_down_at[:] = -np.inf
         self._refresh_at = -np.inf
         self._next_event = -np.inf
@@ -1066,7 +1305,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.tmin[m], self.tbusy[m], self.inv_replicas[m], self.conc_m1[m], self.ext_util_conc[m],
             self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], self.c_rtt, self.cost_rate[m],
             self.c_mask, self.t, self.r_in, out, self.r_z, self.r_ttft, self.r_tpot, dl, ref_cost, budget,
-            rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap)
+            rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
+            self.true_cached())
         # requests a preemption would interrupt take the full path (retry elsewhere)
         hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < end)
         for a in np.flatnonzero(hit):

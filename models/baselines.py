@@ -181,6 +181,54 @@ class Greedy(_Base):
         return int(np.argmax(r if bias is None else r + bias))
 
 
+class CacheAware(_Base):
+    """Prefix match + load + cost, in the spirit of the in-cluster scorers (the Gateway API
+    inference extension / llm-d endpoint picker's prefix-cache, queue and cost scorers; SGLang's
+    cache-aware router): among the offerings more likely than not to meet the SLO (every valid one
+    when none is), the best ``prefix_weight x exp_cached - load_weight x busy - cost_weight x
+    exp_cost`` -- the expected share of the prompt cached there (the router's view), the busy share
+    of its slots, the expected cost / the request's reference cost. Weights from
+    ``EvaluateConfig.cache_aware`` (tuned on training windows only). Without prefix information it
+    is a load and cost scorer."""
+
+    name = "cache-aware"
+
+    def __init__(self, prefix_weight: float = 1.0, load_weight: float = 0.3, cost_weight: float = 2.0):
+        self.w = (float(prefix_weight), float(load_weight), float(cost_weight))
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        x = offering_matrix(obs)[: self.n]
+        m = info["action_mask"][: self.n]
+        feasible = m & (x[:, F["exp_violation"]] < 0.5)
+        use = feasible if feasible.any() else m
+        wp, wl, wc = self.w
+        score = wp * x[:, F["exp_cached"]] - wl * x[:, F["busy"]] - wc * x[:, F["exp_cost"]]
+        return _masked_argmin(-score, use, x[:, F["exp_latency"]])
+
+
+class SessionSticky(_Base):
+    """Session affinity as a soft preference: a request goes to the offering its session's previous
+    request went to (``session_here``: the router's own record) while that offering is valid and
+    its expected reward (``envs.kernels.expected_reward``) is within ``margin`` of the best; any
+    other request, and one whose session's offering is masked or too far behind, gets greedy's
+    choice. ``margin`` from ``EvaluateConfig.session_sticky`` (tuned on training windows only)."""
+
+    name = "session-sticky"
+
+    def __init__(self, margin: float = 0.005):
+        self.margin = float(margin)
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        r = self.env.expected_rewards()
+        best = int(np.argmax(r))
+        here = np.flatnonzero(offering_matrix(obs)[: self.n, F["session_here"]] > 0.5)
+        if here.size:
+            s = int(here[0])
+            if info["action_mask"][s] and r[s] >= r[best] - self.margin:
+                return s
+        return best
+
+
 class RoundRobin(_Base):
     name = "round-robin"
 
@@ -229,20 +277,24 @@ def _biased(r: np.ndarray, env: CloudRouteEnv) -> np.ndarray:
 class HindsightRollout(_Base):
     """Hindsight lookahead: for each request, the ``top_k`` offerings by realized reward are each
     played out for ``horizon`` more requests under hindsight-greedy, and the one with the best total
-    is taken — so the queueing and batching a choice imposes on the next requests count too."""
+    is taken — so the queueing and batching a choice imposes on the next requests count too. Beyond
+    the two best, only candidates within ``max_regret`` of the best realized reward are played
+    (``models.planning.candidates``; None: all ``top_k``). (The
+    oracle plans a whole stream of these decisions at once with ``models.planning.lookahead``: the
+    same decisions at a fraction of the cost.)"""
 
     name = "hindsight-rollout"
 
-    def __init__(self, top_k: int = 3, horizon: int = 24):
-        self.top_k, self.horizon = top_k, horizon
+    def __init__(self, top_k: int = 3, horizon: int = 24, max_regret: float | None = None):
+        self.top_k, self.horizon, self.max_regret = top_k, horizon, max_regret
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        from models.planning import candidates
+
         env = self.env
-        r = _biased(env.exact_rewards(), env)
-        valid = np.flatnonzero(np.isfinite(r))
-        if valid.size == 0:
+        cand = candidates(_biased(env.exact_rewards(), env), self.top_k, self.max_regret)
+        if cand.size == 0:
             return 0
-        cand = valid[np.argsort(-r[valid], kind="stable")[: self.top_k]]
         if cand.size == 1:
             return int(cand[0])
         snap = env.save_state()
@@ -267,9 +319,11 @@ class Oracle(_Base):
     under every plan it knows -- hindsight lookahead, hindsight-greedy and every baseline -- and
     follows the one with the best total reward. Hence it never scores below any baseline on the same
     stream (an upper reference, not a proof of optimality: the true optimum over all routings is
-    intractable). Its cost is bounded by ``EvaluateConfig.oracle``: the lookahead plan costs about
-    ``1 + top_k * (1 + horizon)`` environment steps per request and is skipped on streams longer
-    than ``lookahead_max_requests`` (the name then says ``oracle[no lookahead]``)."""
+    intractable). How it plans, and what that costs, is ``models.planning``: the lookahead
+    (``HindsightRollout``'s decisions, computed incrementally) costs about ``2 + (top_k - 1) * (1 +
+    horizon)`` environment steps per request, and runs on whole streams in ``EvaluateConfig.oracle.
+    workers`` processes; only a stream longer than ``lookahead_max_requests`` (when set) skips it
+    (the name then says ``oracle[no lookahead]``)."""
 
     name = "oracle"
 
@@ -278,38 +332,26 @@ class Oracle(_Base):
         #: called as ``on_progress(plan_name, plan_index, n_plans, steps_done, steps_total)`` while
         #: planning (the slow part: minutes on a long stream), so callers can show progress
         self.on_progress: Callable[[str, int, int, int, int], None] | None = None
+        #: plans already played on the episode the oracle will plan, by seed, then policy name:
+        #: (actions, total reward) -- ``models.evaluate`` fills it with the runs of the baselines it
+        #: evaluated before the oracle on the same environment, so they are not played twice
+        self.known: dict[int, dict[str, tuple[list[int], float]]] = {}
 
     def reset(self, env: CloudRouteEnv, seed: int) -> None:
-        import copy
+        from models import planning
 
         super().reset(env, seed)
         oc = self.cfg.oracle
-        n_steps = env._end - env._pos
-        self.display_name = "oracle"
-        plans: list[Policy] = [HindsightGreedy()]
-        if n_steps <= oc.lookahead_max_requests and oc.horizon > 0:
-            plans.insert(0, HindsightRollout(oc.top_k, oc.horizon))
-        else:
-            self.display_name = "oracle[no lookahead]"
-        plans += [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
-        best: tuple[float, list[int], str] | None = None
-        for p, plan in enumerate(plans):
-            sim = copy.deepcopy(env)
-            plan.reset(sim, seed)
-            obs, info = sim.observation(), sim._info()
-            actions: list[int] = []
-            total, done = 0.0, sim._pos >= sim._end
-            while not done:
-                a = plan.act(obs, info)
-                actions.append(a)
-                obs, r, _, done, info = sim.step(a)
-                total += r
-                if self.on_progress is not None and (len(actions) % 500 == 0 or done):
-                    self.on_progress(plan.name, p + 1, len(plans), len(actions), n_steps)
-            if best is None or total > best[0]:
-                best = (total, actions, plan.name)
-        assert best is not None
-        self.plan, self.k, self.chosen = best[1], 0, best[2]
+        n_steps = env.steps_left
+        lookahead = oc.horizon > 0 and (oc.lookahead_max_requests is None or n_steps <= oc.lookahead_max_requests)
+        self.display_name = "oracle" if lookahead else "oracle[no lookahead]"
+        plans: list[Policy] = [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
+        self.planned = planning.best_plan(env, seed, plans, oc.top_k, oc.horizon, lookahead, workers=oc.workers,
+                                          segment_requests=oc.segment_requests,
+                                          burn_in_requests=oc.burn_in_requests, progress=self.on_progress,
+                                          max_regret=oc.max_regret, known=self.known.get(seed))
+        self.plan, self.k, self.chosen = self.planned.actions, 0, self.planned.name
+        self.total = self.planned.total
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         a = self.plan[self.k]
@@ -323,6 +365,9 @@ BASELINES: dict[str, Callable[[EvaluateConfig], Policy]] = {
     "lowest-latency": lambda c: LowestLatency(),
     "least-loaded": lambda c: LeastLoaded(),
     "greedy": lambda c: Greedy(),
+    "cache-aware": lambda c: CacheAware(c.cache_aware.prefix_weight, c.cache_aware.load_weight,
+                                        c.cache_aware.cost_weight),
+    "session-sticky": lambda c: SessionSticky(c.session_sticky.margin),
     "round-robin": lambda c: RoundRobin(),
     "random": lambda c: Random(),
     "oracle": lambda c: Oracle(c),

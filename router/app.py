@@ -39,6 +39,7 @@ from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
 from router.policy_store import PolicyStore, PolicyStoreError
 from router.policy_sync import PolicySync
+from router.readiness import Readiness
 from router.routes import admin, decisions, feedback, health, offerings, route
 from router.routes import metrics as metrics_routes
 from router.routes import policies as policy_routes
@@ -206,7 +207,8 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
 
     url = settings.state_url.get_secret_value() if settings.state_url is not None else None
     state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
-                                     settings.state_prefix, settings.state_stats_alpha), on_failover=failover)
+                                     settings.state_prefix, settings.state_stats_alpha,
+                                     settings.state_restore_window_s), on_failover=failover)
     if not await state.healthy():
         LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
     return state
@@ -264,27 +266,55 @@ class SharedStateSync:
     """Notices a shared state that lost its data (a new :class:`router.state.Epoch`) and restores
     this router's decision log into it (``RouterState.restore``: the reservations made before the
     epoch began whose hold has not passed and whose feedback has not come, and the idempotency
-    keys within their TTL). Run at start and about once a second with the shared view; a restore
-    that fails is tried again at the next check."""
+    keys within their TTL). Run at start and with every refresh of the shared view
+    (``state_view_refresh_s``); a restore that fails is tried again a second later.
+
+    The restore is announced (``RouterState.begin_restore``) before the log is read and this
+    router's part is marked done after (``end_restore``): until every router that noticed the
+    epoch has put its log back -- and for ``state_restore_window_s`` after the epoch began, in
+    which every live router notices -- a keyed request whose key the state lacks is answered 503
+    ``state_restoring`` instead of being decided anew (``router.state_redis``, "A keyed request
+    after a loss")."""
+
+    #: after a restore failed (the log unreadable), the next try waits this long (seconds)
+    RETRY_S = 1.0
 
     def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings):
         self.state, self.store, self.settings = state, store, settings
         self.known: str | None = None
         self.log_id = log_identity(settings)
+        self._retry_at = 0.0
 
     async def check(self) -> None:
         epoch = await self.state.epoch()
-        if epoch is None or epoch.id == self.known:
+        if epoch is None or epoch.id == self.known or time.monotonic() < self._retry_at:
             return
         now = time.time()
-        if epoch.started <= now - self.settings.state_hold_max_s:  # (the usual case at start: a server up for
-            self.known = epoch.id  # longer than any hold lost nothing a log could give back -- skip reading it)
+        if epoch.started <= now - max(self.settings.state_hold_max_s, self.settings.idempotency_ttl_s):
+            # (the usual case at start: a server up for longer than any hold or key lost nothing a
+            # log could give back -- skip reading it)
+            await self.state.end_restore(epoch, self.log_id, True)
+            self.known = epoch.id
             return
-        target = self.settings.log_target
-        events = await asyncio.to_thread(lambda: list(decision_events(
-            target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
-        answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
-        counts = await self.state.restore(epoch, self.log_id, events, answers, now)
+        # announced before the log is read, so no router decides a keyed request anew meanwhile
+        await self.state.begin_restore(epoch, self.log_id)
+        restored = False
+        try:
+            target = self.settings.log_target
+            events = await asyncio.to_thread(lambda: list(decision_events(
+                target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
+            answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
+            counts = await self.state.restore(epoch, self.log_id, events, answers, now)
+            restored = True
+        except BaseException:
+            self._retry_at = time.monotonic() + self.RETRY_S
+            raise
+        finally:
+            try:
+                await self.state.end_restore(epoch, self.log_id, restored)
+            except StateUnavailable:
+                if restored:
+                    raise
         self.known = epoch.id
         if counts is not None:
             LOG.info("shared state restored from the decision log", extra={"fields": {
@@ -295,14 +325,15 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
                                sync: SharedStateSync | None = None) -> None:
     """Read the shared state's in-flight work (every ``every`` s) and observed durations (about
     once a second) into the engine's view (``RoutingEngine.apply_shared_view``). While the state
-    cannot be read the last view stays (logged once per outage). ``sync``: checked about once a
-    second (:class:`SharedStateSync`)."""
+    cannot be read the last view stays (logged once per outage). ``sync``: checked every time
+    (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
+    noticed within ``every`` -- well inside ``state_restore_window_s``."""
     durations: dict[str, float] = {}
     tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
         try:
-            if sync is not None and tick % durations_every == 0:
+            if sync is not None:  # (one short script: a loss is noticed within a tick)
                 await sync.check()
             counts = await state.in_flight()
             if tick % durations_every == 0:
@@ -404,7 +435,11 @@ def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: 
 
 def app_from_environment() -> FastAPI:
     """The app with settings from the config file and the environment only: what each worker of
-    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``)."""
+    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``).
+    The worker dies with the command's process (``router.lifeline``)."""
+    from router.lifeline import follow_supervisor
+
+    follow_supervisor()
     return create_app(load_settings())
 
 
@@ -453,10 +488,14 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             except StateUnavailable:
                 pass  # (the shared view's loop tries again)
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
-        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync)
+        readiness = Readiness(store, state, settings.ready_probe_s)
+        await readiness.probe()
+        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
+                            readiness=readiness)
         gateway = services.gateway = Gateway(services)
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
+                 asyncio.create_task(readiness.run(), name="readiness"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),

@@ -77,6 +77,7 @@ class StateSettings:
     timeout_s: float = 0.5
     prefix: str = "xroute"
     alpha: float = STATS_ALPHA
+    restore_window_s: float = 1.0
 
 
 def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:
@@ -87,7 +88,8 @@ def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = N
 
     if not cfg.url:
         raise ValueError("the redis state backend needs a URL (state_url)")
-    shared = RedisState(cfg.url, prefix=cfg.prefix, timeout_s=cfg.timeout_s, alpha=cfg.alpha)
+    shared = RedisState(cfg.url, prefix=cfg.prefix, timeout_s=cfg.timeout_s, alpha=cfg.alpha,
+                        restore_window_s=cfg.restore_window_s)
     return FailOpenState(shared, EmbeddedState(cfg.alpha), on_failover=on_failover) if cfg.fail_open else shared
 
 

@@ -72,6 +72,11 @@ def serve(
     # several workers: each builds the app from the config file and the environment, so this
     # command's options go to them as the environment variables they override
     del engine
+    from router.lifeline import SUPERVISOR_ENV
+    from router.logs import configure_logging
+
+    configure_logging(settings.log_level)  # the supervisor's own lines (uvicorn's) as JSON too
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())  # its workers die with it, even after a SIGKILL
     if config is not None:
         os.environ["XROUTE_ROUTER_CONFIG"] = str(config)
     for field, value in options.items():

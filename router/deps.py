@@ -40,6 +40,8 @@ class Services:
     gateway: object | None = None
     #: the routing policies' store and its sync (router.policy_sync.PolicySync)
     policies: Any = None
+    #: what /readyz answers, probed in the background (router.readiness.Readiness)
+    readiness: object | None = None
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from router.keys import Principal
 from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
 from router.settings import RouterSettings
-from router.state import EmbeddedState, hold_for, pool_key
+from router.state import Affinity, EmbeddedState, PrefixSend, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
@@ -110,6 +110,9 @@ class Ranked:
     #: the routing policies' exclusion counts (their compiled set, a copy of the counts by rank),
     #: made a dictionary only when an error needs it (:meth:`RoutingEngine._all_counts`)
     pcounts: tuple[Any, np.ndarray] | None = None
+    #: what the prefix index records on the pool the reservation takes (``router.state.PrefixSend``;
+    #: None: the request carried no prefix hashes and no session)
+    prefix: PrefixSend | None = None
 
 
 class RoutingEngine:
@@ -226,6 +229,12 @@ class RoutingEngine:
         self._own_due: list[tuple[float, str]] = []
         #: telemetry seconds per wall second (a replay's speed; 1 live)
         self._speed = 1.0 if settings.telemetry_live else settings.replay_speed
+        #: prefix affinity (``router.state``): the block size clients hash with, and each pool's prefix
+        #: cache in blocks -- its replicas' KV memory (``envs.serving``) / the block size
+        self.block_tokens = settings.prefix_block_tokens
+        self.prefix_ttl_s = settings.prefix_ttl_s
+        kv = np.where(env.fits, np.floor(env.placement.kv_tokens / self.block_tokens), 0) * np.floor(env.replicas)
+        self._cap_blocks: list[list[int]] = kv.astype(np.int64).tolist()
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -373,17 +382,87 @@ class RoutingEngine:
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
         alone, as before the shared state). The HTTP route does the same with any backend
         (``router.routes.route``)."""
-        r = self.rank(req, who, decision_id, wall)
+        affinity = hashes = None
+        if state is not None and self.wants_affinity(req):
+            self.check_prefix(req)
+            hashes = self.prefix_array(req)
+            affinity = state.prefix_lookup_now(hashes, self.session_key(who, req), self.prefix_ttl_s)
+        r = self.rank(req, who, decision_id, wall, affinity=affinity, hashes=hashes)
         if state is None:
             return self.admit(r, 0)
         hold = self.hold_s(r)
         pool = state.reserve_now(self.candidates(r), decision_id, hold)
         if pool is None:
             raise self.shared_full(r)
+        if r.prefix is not None:
+            state.prefix_record_now(decision_id, pool, r.prefix)
         return self.admit(r, self.candidate_of(r, pool), hold)
 
+    # ------------------------------------------------------------------ prefix affinity and sessions
+    @staticmethod
+    def wants_affinity(req: RouteRequest) -> bool:
+        """Whether the request carries prefix hashes or a session (the shared index is asked)."""
+        return req.prefix_hashes is not None or req.session_id is not None
+
+    def check_prefix(self, req: RouteRequest) -> None:
+        """A 422 naming ``body.prefix_hashes`` when the request carries more block hashes than its
+        prompt has blocks (``ceil(input_tokens / prefix_block_tokens)``: hashed with another block size)."""
+        h = req.prefix_hashes
+        if h is None:
+            return
+        most = -(-req.input_tokens // self.block_tokens)
+        if len(h) > most:
+            msg = (f"{len(h)} block hashes for {req.input_tokens} input tokens: at most ceil(input_tokens / "
+                   f"{self.block_tokens}) = {most} (prefix_block_tokens, GET /v1/offerings)")
+            raise RouteFailure(422, "invalid_prefix", msg, [{"field": "body.prefix_hashes", "message": msg,
+                                                              "suggestions": []}])
+
+    @staticmethod
+    def prefix_array(req: RouteRequest) -> np.ndarray:
+        h = req.prefix_hashes
+        return np.array(h, dtype=np.int64) if h else np.zeros(0, dtype=np.int64)
+
+    @staticmethod
+    def session_key(who: Principal, req: RouteRequest) -> str | None:
+        """The shared state's key of the request's session (per tenant: two tenants' ids never meet)."""
+        return None if req.session_id is None else f"{who.tenant}:{req.session_id}"
+
+    def _live_prefix(self, m: int, affinity: Affinity) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """What the shared index said, as the environment takes it for model ``m`` (``set_live``):
+        per offering the leading blocks expected cached and the pool's retention, the session's
+        offering (-1: none), the block size."""
+        n = self.n
+        runs = np.zeros(n, dtype=np.int64)
+        ret = np.ones(n)
+        index = self.pool_index
+        for pool, k in affinity.runs.items():
+            ma = index.get(pool)
+            if ma is not None and ma[0] == m:
+                runs[ma[1]] = k
+                ret[ma[1]] = affinity.retention.get(pool, 1.0)
+        sess = -1
+        if affinity.session_pool is not None:
+            ma = index.get(affinity.session_pool)
+            if ma is not None and ma[0] == m:
+                sess = ma[1]
+        return runs, ret, sess, self.block_tokens
+
+    def _prefix_send(self, req: RouteRequest, who: Principal, m: int, cands: list[int],
+                     hashes: np.ndarray | None = None) -> PrefixSend:
+        """What the index records for this request on whichever candidate the reservation takes:
+        its cache capacity, the cached tokens the view predicted there, when its blocks are
+        expected computed (the expected TTFT without the network, in wall seconds)."""
+        env = self.env
+        keys, caps = self.pool_keys[m], self._cap_blocks[m]
+        view, ttft, rtt = env.r_view_tokens, env.C[env_kernels.TTFT], env.c_rtt
+        per = {keys[a]: (caps[a], float(view[a]), max(float(ttft[a] - rtt[a]), 0.0) / 1000.0 / self._speed)
+               for a in cands}
+        return PrefixSend(self.prefix_array(req) if hashes is None else hashes, self.session_key(who, req),
+                          self.prefix_ttl_s, per)
+
     def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-             request_json: str | None = None, explore_key: str | None = None) -> Ranked:
+             request_json: str | None = None, explore_key: str | None = None,
+             affinity: Affinity | None = None, hashes: np.ndarray | None = None) -> Ranked:
         """Rank the offerings for one request: the chosen one and up to ``alternatives`` next
         best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`).
 
@@ -392,6 +471,13 @@ class RoutingEngine:
         tenant the chosen one is, with its ``explore_epsilon``, an offering drawn uniformly from
         that set (``router.ope_log``: the draw is a function of ``explore_key``, the request's
         idempotency key, else of ``decision_id``), the policy's choice then coming next.
+
+        ``affinity``: what the shared prefix index said of the request's prefix hashes (``hashes``,
+        as :meth:`prefix_array` gives them, when the caller has them already) and session
+        (``router.state.RouterState.prefix_lookup``): the expected cached prefix on each pool lowers
+        its expected prefill, cost and TTFT, and shows in the features (``exp_cached``,
+        ``session_here``) -- a soft preference every policy weighs against load, cost and the SLO;
+        an offering the constraints exclude is never a candidate, pinned or not.
 
         Raises :class:`RouteFailure` for an unknown origin, constraints that exclude everything, or
         no allowed offering able to take the request now.
@@ -419,9 +505,16 @@ class RoutingEngine:
                                  "suggestions": []}], extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
+        live_prefix = None
+        if affinity is not None:
+            self.check_prefix(req)
+            m_req = env.default_model if req.model is None else env.model_index.get(req.model, -1)
+            if m_req >= 0:
+                live_prefix = self._live_prefix(m_req, affinity)
         try:
             env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
-                                    req.deadline_ms, req.model, who.tenant, decision_id, req.request_class, allowed)
+                                    req.deadline_ms, req.model, who.tenant, decision_id,
+                                    request_class=req.request_class, prefix=live_prefix, pre=allowed)
         except ValueError:
             close = difflib.get_close_matches(str(req.model), self.models, n=3, cutoff=0.4)
             raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
@@ -549,9 +642,10 @@ class RoutingEngine:
             # (the record copies the rows and indices out of the buffers the next request reuses)
             ope = (ope_log.pack(self._catalog_key, idx, first, argmax, req_f, rows), idx.shape[0], first, argmax)
         svc = env.c_service
+        prefix = self._prefix_send(req, who, m_, cands, hashes) if affinity is not None else None
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
-                      request_json, eps, ope, ptext_answer, pcounts)
+                      request_json, eps, ope, ptext_answer, pcounts, prefix)
 
     def _explore(self, key: str, eps: float, idx: np.ndarray, cands: list[int], nums: list[float], s: Any,
                  full: np.ndarray | None) -> tuple[list[int], list[float], int]:
@@ -869,8 +963,8 @@ class RoutingEngine:
         env = self.env
         try:
             env_mask = env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
-                                    req.tpot_ms, req.deadline_ms, req.model, tenant, None, req.request_class,
-                                    compiled.allowed)
+                                    req.tpot_ms, req.deadline_ms, req.model, tenant, None,
+                                    request_class=req.request_class, pre=compiled.allowed)
         except ValueError:
             raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
                                [{"field": "body.model", "message": f"unknown model '{req.model}'",
@@ -916,7 +1010,7 @@ class RoutingEngine:
                  "next_free_in_s": _num(nxt[i]), "external_util": _num(util[i])}
                 for i in range(self.n)]
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
-                "offerings": rows}
+                "prefix_block_tokens": self.block_tokens, "offerings": rows}
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode

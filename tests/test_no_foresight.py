@@ -123,3 +123,95 @@ def test_the_future_does_change_the_outcomes_and_the_oracle(bundle: Any) -> None
     a, _ = _run(env_a, make_baseline("oracle", cfg), LENGTH - 1)
     b, _ = _run(env_b, make_baseline("oracle", cfg), LENGTH - 1, change_at=k)
     assert a != b
+
+
+# ------------------------------------------------------------------------------ with prefix caching
+P_START, P_LENGTH = 600, 260
+P_STEPS = (40, 150, 259)
+P_POLICIES = ("greedy", "cache-aware", "session-sticky", "cheapest", "least-loaded", "learned")
+
+
+@pytest.fixture(scope="module")
+def prefix_bundle() -> Any:
+    from xroute.bundle import load_bundle
+
+    b = load_bundle("mooncake")
+    assert b.has_prefixes
+    return b
+
+
+def _prefix_env(bundle: Any) -> CloudRouteEnv:
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=4.0)
+
+
+def _run_p(env: CloudRouteEnv, policy: Any, steps: int, change_at: int | None = None,
+           in_flight: set[int] | None = None) -> tuple[list[int], set[int], list[float]]:
+    """As ``_run`` on the prefix bundle; at ``change_at`` the servers' real caches are also lost
+    (every pool's replicas restarted empty) -- what no router can see when it decides."""
+    obs, info = env.reset(seed=4, options={"start": P_START, "end": P_START + P_LENGTH})
+    policy.reset(env, 4)
+    actions, pending, cached = [], set(), []
+    for s in range(steps + 1):
+        if s == change_at:
+            rng = np.random.default_rng(s)
+            i0 = P_START + s
+            idx = np.arange(i0, P_START + P_LENGTH)
+            env.req_out = env.req_out.copy()
+            env.req_out[idx] = env.req_out[rng.permutation(idx)]
+            for i in in_flight or set():
+                env.req_out[i] = min(2 * env.req_out[i] + 1, env.req_max_out[i])
+            env.z = env.z.copy()
+            env.z[s:] = rng.permutation(env.z[s:])
+            env._kv = {}  # the truth: every cache empty from now on
+        if s == steps:
+            pending = {int(d[-1]) for (_, _, kind, d) in env._events if kind == _COMPLETE and d[-1] >= 0}
+        a = int(policy.act(obs, info))
+        actions.append(a)
+        obs, _, _, done, info = env.step(a)
+        cached.append(info["cached_tokens"])
+        if done:
+            break
+    return actions, pending, cached
+
+
+@pytest.mark.parametrize("name", P_POLICIES)
+def test_no_decision_depends_on_the_servers_real_caches(prefix_bundle: Any, name: str) -> None:
+    """With prefix caching: what the servers really hold (their caches, lost at step k here) and the
+    realized future reach a router only through completions after step k, so no decision up to
+    step k changes. The router's own view (what it sent where) does change decisions: the
+    cache-aware policies follow it (checked below)."""
+    for k in P_STEPS:
+        base, pending, _ = _run_p(_prefix_env(prefix_bundle), _policy(name), k)
+        changed, _, cached = _run_p(_prefix_env(prefix_bundle), _policy(name), k, change_at=k, in_flight=pending)
+        assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
+        assert cached[k] == 0.0  # the perturbation bit: request k found every cache empty
+
+
+def test_the_servers_caches_do_change_outcomes_and_the_oracle(prefix_bundle: Any) -> None:
+    """The caches matter: the base run serves cached prefixes, and the hindsight oracle -- which
+    plans on the servers' real caches -- changes its plan when they are lost."""
+    _, _, cached = _run_p(_prefix_env(prefix_bundle), _policy("greedy"), P_LENGTH - 1)
+    assert sum(cached) > 0
+    cfg = EvaluateConfig().model_copy(update={"oracle": EvaluateConfig().oracle.model_copy(update={"horizon": 4})})
+    env_a, env_b = _prefix_env(prefix_bundle), _prefix_env(prefix_bundle)
+    for env in (env_a, env_b):
+        env.reset(seed=4, options={"start": P_START, "end": P_START + P_LENGTH})
+    # the first request after step 60 whose prefix some pool's servers hold (the oracle sees it)
+    warm = _prefix_env(prefix_bundle)
+    obs, info = warm.reset(seed=4, options={"start": P_START, "end": P_START + P_LENGTH})
+    pol = _policy("greedy")
+    pol.reset(warm, 4)
+    k = 0
+    while k < 60 or not warm.true_cached().any():
+        obs, _, _, _, info = warm.step(int(pol.act(obs, info)))
+        k += 1
+    snap = warm.save_state()
+    env_a.restore_state(snap)
+    env_b.restore_state(snap)
+    env_b._kv = {}
+    ra, rb = env_a.exact_rewards(), env_b.exact_rewards()
+    assert (ra > rb + 1e-9).any() and not (ra < rb - 1e-9).any()  # a cached prefix only ever helps
+    oa, ob = make_baseline("oracle", cfg), make_baseline("oracle", cfg)
+    oa.reset(env_a, 4)
+    ob.reset(env_b, 4)
+    assert oa.total > ob.total  # the oracle plans on the real caches (its planned outcome is better with them)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,18 @@ def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
 
 
 ROUTE = {"origin": "aws:us-east-1", "input_tokens": 400, "max_output_tokens": 80, "ttft_ms": 2500, "tpot_ms": 100}
+
+
+def retry_restoring(send: Callable[[], Any], within_s: float = 15.0) -> Any:
+    """``send()`` (an HTTP request), again as its 503 ``state_restoring`` asks (``Retry-After``): a
+    keyed request on the Redis state in the first ``state_restore_window_s`` of an epoch -- a Redis
+    new to the routers looks exactly like one that lost its data (``docs/router.md``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        r = send()
+        if r.status_code != 503 or r.json().get("error") != "state_restoring" or time.monotonic() > deadline:
+            return r
+        time.sleep(float(r.headers.get("retry-after", "1")) / 4)
 
 
 # ---------------------------------------------------------------------------------------- fake model

@@ -49,6 +49,16 @@ class EstimatorConfig(Strict):
                                "estimator at reset (their outputs are known by then)")
 
 
+class PrefixConfig(Strict):
+    """KV-cache prefix caching (``envs.prefix``; active for requests that carry ``prefix_hashes``):
+    the router's view of what each pool holds, kept apart from the servers' caches."""
+
+    view_ttl_s: float = Field(600.0, gt=0, description="the view's age bound: a block sent to a pool longer ago is "
+                                                       "not expected there any more")
+    retention_alpha: float = Field(0.05, gt=0, le=1, description="weight of one confirmation (cached tokens the "
+                                                                 "servers report) in a pool's retention")
+
+
 class EnvConfig(Strict):
     """Settings of ``xroute/CloudRoute-v0``; see the env docstring for their meaning."""
 
@@ -76,18 +86,50 @@ class EnvConfig(Strict):
         None, description="the policies every request is routed under (docs/policies.md): a policy YAML file or a "
                           "directory of them (configs/policies/NAME for a shipped one), or the policy set inline; "
                           "None = none")
+    prefix: PrefixConfig = PrefixConfig()
 
 
 class OracleConfig(Strict):
-    """The hindsight oracle's planner (``models.baselines.Oracle``). Its cost is documented in
-    ``docs/results.md``: about (1 + top_k x (1 + horizon)) environment steps per request for the
-    lookahead plan, plus one pass per baseline."""
+    """The hindsight oracle's planner (``models.baselines.Oracle``, ``models.planning``). Its cost is
+    documented in ``docs/results.md``: about (2 + (top_k - 1) x (1 + horizon)) environment steps per
+    request for the lookahead plan, plus one pass per baseline, shared by ``workers`` processes."""
 
     top_k: int = Field(3, ge=1, le=20, description="offerings played ahead per request")
     horizon: int = Field(12, ge=0, le=1000, description="requests played ahead after each of them")
-    lookahead_max_requests: int = Field(
-        30_000, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
-                                  "hindsight-greedy and the baselines only, and its report says so)")
+    max_regret: float | None = Field(
+        0.008, ge=0, description="beyond the two best, an offering is played ahead only if its realized reward is "
+                                 "within this of the best (null: every top_k); measured in docs/results.md")
+    lookahead_max_requests: int | None = Field(
+        None, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
+                                "hindsight-greedy and the baselines only, and its report says so); null = never")
+    workers: int = Field(2, ge=1, le=256, description="processes the oracle plans in (forked; 1 = in this process): "
+                                                      "the lookahead's segments and the other plans share them")
+    segment_requests: int = Field(
+        15_000, ge=1, description="with workers > 1, the lookahead is planned in segments of about this many "
+                                  "requests, in parallel; each after the first starts burn_in_requests earlier, from "
+                                  "the state hindsight-greedy reaches there, and the stitched plan is replayed exactly")
+    burn_in_requests: int = Field(500, ge=0, description="requests each later segment plans before its own, "
+                                                         "so its first decisions start from a state of its plan")
+
+
+class CacheAwareConfig(Strict):
+    """The cache-aware scorer (``models.baselines.CacheAware``): among the offerings more likely than
+    not to meet the SLO, the best ``prefix_weight x expected cached share - load_weight x busy share -
+    cost_weight x expected cost / reference cost`` (the weights of llm-d's prefix-cache, queue and
+    cost scorers). Tuned on training windows only (``tools/tune_baselines.py``)."""
+
+    prefix_weight: float = Field(1.0, ge=0)
+    load_weight: float = Field(0.3, ge=0)
+    cost_weight: float = Field(2.0, ge=0)
+
+
+class SessionStickyConfig(Strict):
+    """The session-sticky policy (``models.baselines.SessionSticky``): a request goes where its
+    session's previous request went (the router's view) while that offering is valid and its
+    expected reward is within ``margin`` of the best; else greedy's choice. Tuned on training
+    windows only (``tools/tune_baselines.py``)."""
+
+    margin: float = Field(0.005, ge=0, description="expected reward given up, at most, to stay with the session")
 
 
 class EvaluateConfig(Strict):
@@ -99,6 +141,8 @@ class EvaluateConfig(Strict):
     seeds: int = Field(5, ge=1, le=1000, description="seeds per policy (service-time noise, spot preemption "
                                                     "instants); metrics are reported as mean and 95 % interval")
     oracle: OracleConfig = OracleConfig()
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
+    session_sticky: SessionStickyConfig = SessionStickyConfig()
     env: EnvConfig = EnvConfig(episode_requests=None)
 
 
@@ -178,6 +222,9 @@ class ModelSpec(Strict):
     kv_mib_per_token: float = Field(gt=0, description="KV-cache per token, MiB (all layers, K and V)")
     tpot_growth: float | None = Field(
         None, ge=0, description="tpot(k) = tpot * (1 + tpot_growth*(k-1)); empty = the accelerator's (serving.yaml)")
+    slot_context_tokens: int | None = Field(
+        None, ge=1, description="KV tokens one request slot of this model's deployment reserves; empty = the "
+                                "top-level nominal_context_tokens (a long-context deployment sizes its slots larger)")
     sources: list[str] = Field(default_factory=list)
     derivation: str = ""
 

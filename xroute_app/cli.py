@@ -42,7 +42,8 @@ def _ts(value: str | None, option: str) -> str | None:
 def evaluate(
     policy: Annotated[list[str], typer.Option("--policy", "-p", help="policy name (repeatable): static, "
                                               "static:OFFERING_ID, cheapest, lowest-latency, least-loaded, greedy, "
-                                              "round-robin, random, oracle, models:/NAME@ALIAS or a model path")],
+                                              "cache-aware, session-sticky, round-robin, random, oracle, "
+                                              "models:/NAME@ALIAS or a model path")],
     telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the shipped bundle)")] = None,
     start: Annotated[str | None, typer.Option(help="first request time (ISO-8601, inclusive)")] = None,
     end: Annotated[str | None, typer.Option(help="last request time (ISO-8601, exclusive)")] = None,
@@ -66,6 +67,8 @@ def evaluate(
                                                   "directory; every policy is evaluated under them and the report "
                                                   "counts what each excluded (default: the config's env.policies)")
                         ] = None,
+    versus: Annotated[str | None, typer.Option(help="take the paired differences to this policy (one of --policy, "
+                                               "e.g. greedy) rather than to the best baseline")] = None,
 ) -> None:
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
@@ -108,7 +111,10 @@ def evaluate(
     if sample is not None:
         bundle = bundle.select(ev.sample_rows(len(bundle.workload), sample))
     out = output if output is not None else ev.default_report_path()
-    results = ev.evaluate(bundle, list(dict.fromkeys(policy)), cfg, show_progress=not quiet, history=history)
+    if versus is not None and versus not in policy:
+        raise ConfigError(f"--versus: '{versus}' is not one of the --policy options ({', '.join(policy)})")
+    results = ev.evaluate(bundle, list(dict.fromkeys(policy)), cfg, show_progress=not quiet, history=history,
+                          versus=versus)
     span = bundle.time_span()
     end_fmt = "%H:%M" if span[0].date() == span[1].date() else "%Y-%m-%d %H:%M"
     what = f"{len(bundle.workload)} requests" + (f" (sample of {sample})" if sample is not None else "")
