@@ -9,9 +9,10 @@ compare like with like on a shared machine):
   It measures speed only (the tiling repeats the same hour; it is not a realistic week).
 
 The oracle plans with a lookahead (``EvaluateConfig.oracle``: ``top_k`` offerings played
-``horizon`` requests ahead) only on streams up to ``lookahead_max_requests``; on the long stream it
-plans with hindsight-greedy and the baselines alone (``oracle[no lookahead]``). ``--oracle-window``
-also times the lookahead oracle on that many requests of the long stream.
+``horizon`` requests ahead); before issue 26 only on streams up to 30,000 requests, so on the long
+stream it planned with hindsight-greedy and the baselines alone (``oracle[no lookahead]``); since,
+on whole streams (``benchmarks/bench_oracle.py`` times that case, 100,000 requests with all eight
+policies). ``--oracle-window`` also times the oracle on that many requests of the long stream.
 
     .venv/bin/python benchmarks/bench_evaluate.py [--requests N] [--long-requests N] [--oracle-window 12000]
 

@@ -96,6 +96,8 @@ from gymnasium import spaces
 from envs import estimator as est
 from envs import features as fz
 from envs import kernels
+from envs import policies as pol
+from envs import prefix as px
 from envs.budget import (
     NO_BUDGET,
     NOT_REFUSED,
@@ -107,12 +109,13 @@ from envs.budget import (
     check_tenants,
 )
 from envs.capacity import CapacityQuotas
-from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, WAIT
+from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, TTFT, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
-from xroute.bundle import Bundle, load_bundle, origins_reaching, to_seconds
-from xroute.config import EnvConfig, parse_config
+from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, to_seconds
+from xroute.config import EnvConfig, load_policies, parse_config
 from xroute.errors import ConfigError
+from xroute.schema.policy_ir import PolicySet
 
 #: view events: a request's completion becomes known; a retry after a preemption enters a pool; a
 #: live router's request reaches its expected end without feedback (``admit_live``); a request's end
@@ -147,6 +150,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
       wrap); ``view_others``, ``view_service_s`` and ``view_server_busy`` ((M, n), written by the
       router: the shared state's work of other routers, its observed durations, the servers'
       reported load); ``live_pools(t, model)`` lists every pool as the router sees it;
+    * routing policies (``envs.policies``, ``docs/policies.md``): ``set_policies`` (a compiled set,
+      swapped between two decisions), ``policies``; the current request's outcome: ``r_allowed``
+      (what the policies allow, ANDed into ``c_mask``), ``r_bias`` (prefer weights, zeros unless
+      ``r_has_bias``), ``r_policy`` (reasons and exclusion counts); ``set_live``'s ``request_class``
+      and ``pre`` (the router's own constraint layers);
     * telemetry swaps: ``prepare_telemetry`` (off the event loop), ``apply_telemetry``;
     * outcomes: ``outcome_reward`` -- the reward of an observed outcome, computed as the
       simulation computes a simulated one (``reference_cost``, ``latency_budget``, ``slo_missed``,
@@ -177,6 +185,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._all_models = all_models
         self._init_static()
         self._init_stream(history)
+        self._pol = pol.PolicyOutcome.empty(self.n, 0)
+        self._zero_bias = np.zeros(self.n)  # (writeable: numba types a read-only array apart, one more compilation)
+        self.r_has_bias = False
+        self.policies: pol.CompiledPolicies | None = None
+        ps = cfg.policies if isinstance(cfg.policies, PolicySet) or cfg.policies is None else load_policies(cfg.policies)
+        self.set_policies(ps)
         self.observation_space = spaces.Dict({
             "offerings": spaces.Box(np.tile(fz.OFFERING_LOW, self.N), np.tile(fz.OFFERING_HIGH, self.N),
                                     dtype=np.float32),
@@ -247,6 +261,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
         self._ref_prefill_s = 1.0 / ref.prefill_tok_s
         self._ref_cost_rate = self.cfg.reward.reference_usd_per_replica_hour / 3600.0 / ref.max_concurrency
+        self._zero_n = np.zeros(self.n)
+        self._zero_n.flags.writeable = False
+        self._no_blocks = np.zeros(0, dtype=np.int64)
+        self._run_buf = np.zeros(self.n, dtype=np.int64)  # scratch of the prefix lookup (no state)
 
     def _init_stream(self, history: pd.DataFrame | None) -> None:
         """The request stream as arrays: what the client sends, and (``req_out``) the outcome."""
@@ -263,6 +281,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             else np.full(len(w), np.nan)
         self.req_model = self._model_column(w)
         tenants = w["tenant"].astype(str).to_numpy() if "tenant" in w.columns else np.full(len(w), "", dtype=object)
+        #: who sent each request and its class (``request_class``; empty: none), for the policies' targets
+        self.req_tenant = tenants
+        self.req_class = (w["request_class"].fillna("").astype(str).str.strip().to_numpy()
+                          if "request_class" in w.columns else np.full(len(w), "", dtype=object))
         self._tenant_keys: dict[str, int] = {}
         self.est_w, self.est_s, self.est_n = est.new_tables(self.M)
         self.req_key = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(self.req_model, tenants)],
@@ -271,6 +293,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.req_tenant = tenants
         #: the realized outcome: read by the simulation of service (``_resolve``) and the oracle only
         self.req_out = w["output_tokens"].to_numpy(dtype=float)
+        self._init_prefix(w)
         self.n_requests = len(w)
         self.history: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         if history is not None and len(history):
@@ -288,6 +311,47 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                               self.arrival_raw)
             self.budget = book if book.any() else None
         self.set_rate_scale(self.cfg.rate_scale)
+
+    def _init_prefix(self, w: pd.DataFrame) -> None:
+        """The stream's prefix blocks (``prefix_hashes``, as dense ids: ``req_blk[req_blk_off[i]:
+        req_blk_off[i + 1]]``) and sessions (dense ids, -1 none), and the caches' sizes: per pool,
+        each replica's capacity in blocks (the truth, ``kv_capacity``) and the replicas' together
+        (the view's ``pv_cap``). ``block_tokens`` is the bundle's ``prefix_block_tokens``."""
+        off, ids = prefix_arrays(w)
+        self.has_prefix = bool(ids.size)
+        self.block_tokens = int(self.bundle.meta.prefix_block_tokens or 0)
+        dense, uniq = pd.factorize(ids)  # in order of first appearance
+        self.req_blk_off, self.req_blk = off, dense.astype(np.int64).reshape(-1)
+        self.n_blocks = len(uniq)
+        self._episode_blocks(0, len(w))
+        if "session_id" in w.columns:
+            sid = w["session_id"].astype(str).str.strip().to_numpy()
+            codes, names = pd.factorize(sid)
+            self.req_session = np.where(sid == "", -1, codes).astype(np.int64)
+            self.n_sessions = len(names)
+        else:
+            self.req_session = np.full(len(w), -1, dtype=np.int64)
+            self.n_sessions = 0
+        b = max(self.block_tokens, 1)
+        self.kv_capacity = np.where(self.fits, np.floor(self.placement.kv_tokens / b), 0).astype(np.int64) \
+            if self.has_prefix else np.zeros((self.M, self.n), dtype=np.int64)
+        self.pv_cap = (self.kv_capacity * np.floor(self.replicas).astype(np.int64)).reshape(-1)
+
+    def _episode_blocks(self, start: int, end: int) -> None:
+        """The episode's blocks renumbered from 0 (``ep_blk``, ``ep_off``: request ``i``'s are
+        ``ep_blk[ep_off[i - start]:ep_off[i - start + 1]]``): the view and the caches hold rows for
+        the blocks the episode can reach only (a training episode's ~10k rather than the stream's)."""
+        lo, hi = int(self.req_blk_off[start]), int(self.req_blk_off[end])
+        local, uniq = pd.factorize(self.req_blk[lo:hi])
+        self.ep_blk = local.astype(np.int64)
+        self.ep_off = self.req_blk_off[start:end + 1] - lo
+        self.ep_first = start
+        self.n_ep_blocks = len(uniq)
+
+    def _blocks_of(self, pos: int) -> np.ndarray:
+        """The episode's block ids of the stream's request ``pos``."""
+        k = pos - self.ep_first
+        return self.ep_blk[self.ep_off[k]:self.ep_off[k + 1]]
 
     def _model_column(self, w: pd.DataFrame) -> np.ndarray:
         if "model" not in w.columns:
@@ -320,6 +384,52 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                                    {s for s, _ in rtt} | set(bundle.workload["origin"]))
         return origins, np.array([[rtt[(org, off.location)] for off in self.catalog] for org in origins])
 
+    def set_policies(self, policies: PolicySet | pol.CompiledPolicies | None) -> None:
+        """The policies every request is routed under (``envs.policies``; None: none): each
+        request's action mask excludes what they exclude, ``r_bias`` holds their prefer weights,
+        and the stream's tenant, model, class and origin select the policies that apply. A live
+        router swaps a new compiled set in between two decisions."""
+        if isinstance(policies, PolicySet):
+            policies = pol.CompiledPolicies(policies, self.catalog)
+        if policies is not None and policies.n != self.n:
+            raise ConfigError(f"policies compiled for {policies.n} offerings, the catalog has {self.n}")
+        self.policies = policies
+        self._pol = policies.outcome_buffers() if policies is not None else pol.PolicyOutcome.empty(self.n, 0)
+        self._pol_dirty = False
+        self.r_has_bias = False
+        self._req_ctx: np.ndarray | None = None
+        self._req_contexts: list[pol.PolicyContext] = []
+
+    def _stream_contexts(self) -> None:
+        """Each stream request's policy context, compiled once (a stream names a handful of
+        distinct ones): on the first request made current under a new policy set."""
+        policies = self.policies
+        assert policies is not None
+        ids: dict[tuple[Any, ...], int] = {}
+        ctx = np.empty(self.n_requests, dtype=np.int64)
+        rows = zip(self.req_tenant.tolist(), self.req_model.tolist(), self.req_class.tolist(), self.req_ttft.tolist(),
+                   self.req_tpot.tolist(), self.req_deadline.tolist(), self.req_origin.tolist())
+        for i, row in enumerate(rows):
+            k = ids.get(row)
+            if k is None:
+                tenant, model, explicit, ttft, tpot, dl, origin = row
+                cls = policies.request_class(str(explicit), ttft, tpot, None if dl != dl else dl)
+                k = ids[row] = len(self._req_contexts)
+                self._req_contexts.append(policies.context(str(tenant), self.model_names[model], cls,
+                                                           self.origins[origin]))
+            ctx[i] = k
+        self._req_ctx = ctx
+
+    def policy_context(self, tenant: str, model: int, request_class: str | None, ttft_ms: float, tpot_ms: float,
+                       deadline_ms: float | None, origin: str) -> pol.PolicyContext | None:
+        """The compiled policies of a request context (None without policies): its class is
+        ``request_class`` when given, else its SLO tier."""
+        p = self.policies
+        if p is None:
+            return None
+        cls = p.request_class(request_class, ttft_ms, tpot_ms, deadline_ms)
+        return p.context(tenant, self.model_names[model], cls, origin)
+
     def prepare_telemetry(self, bundle: Bundle) -> dict[str, Any]:
         """New telemetry (prices, availability, utilization, RTT) for the *same* catalog, made
         ready without touching the environment (a live router builds it off its event loop);
@@ -345,6 +455,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.capacity = prepared.get("capacity") or CapacityQuotas(self.bundle, self.catalog)
         self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
+        self._req_ctx = None  # (the stream's contexts name origins by index)
         self._true_down = self._jittered_downs()
         self._refresh_at = -np.inf
         self._next_event = -np.inf
@@ -376,6 +487,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._pos, self._end = start, end
         self.z = self.np_random.standard_normal(end - start)
         self._true_down = self._jittered_downs()
+        if self.has_prefix:
+            self._episode_blocks(start, end)
         self._reset_pools()
         self._seed_estimator(start)
         self._refresh_at = -np.inf
@@ -401,6 +514,23 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         info.update(out)
         return obs, float(out["reward"]), False, truncated, info
 
+    def step_outcome(self, action: int) -> tuple[dict[str, Any], bool]:
+        """:meth:`step` without building the next observation, for planners that play thousands of
+        steps ahead and read only outcomes (the oracle's lookahead): the step's outcome (``step``'s
+        ``info`` keys, ``reward`` among them) and whether the episode ended. The environment
+        advances exactly as with ``step`` (``tests/test_env.py`` checks it)."""
+        out = self._resolve(int(action))
+        self._pos += 1
+        done = self._pos >= self._end
+        if not done:
+            self._prepare()
+        return out, done
+
+    @property
+    def steps_left(self) -> int:
+        """Requests of the episode not yet routed (the current one included)."""
+        return self._end - self._pos
+
     # ------------------------------------------------------------------ pools
     def _reset_pools(self) -> None:
         shape = (self.M, self.n, self.smax)
@@ -422,6 +552,32 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._live: dict[Any, tuple[int, int, int, float, float]] = {}
         #: when the router last saw one of its requests preempted on each offering (passive health check)
         self.seen_down_at = np.full(self.n, -np.inf)
+        # prefix caching (envs.prefix): the router's view -- per block, the pools it last sent it to --
+        # and its record of each session's last pool; the servers' caches (the truth) per pool, shared
+        # with snapshots until written (copy on write, ``_kv_owner``)
+        rows = self._rows(self.n_ep_blocks if self.has_prefix else 1)
+        self.pv_ent = px.new_view_rows(rows)
+        self.pv_sent = np.zeros(self._rows(self.M * self.n), dtype=np.int64)
+        self.pv_ret = np.ones(self._rows(self.M * self.n))
+        srows = self._rows(max(self.n_sessions, 1))
+        self.ps_pool = np.full(srows, -1, dtype=np.int64)
+        self.ps_time = np.full(srows, -np.inf)
+        self._kv: dict[int, px.PoolKV] = {}
+        self._kv_owner = px.new_owner()
+        #: per stream request in flight: (pool, the view's expected cached tokens, the server's cached
+        #: tokens) -- what its completion teaches the view's retention
+        self._cache_fb: dict[int, tuple[int, float, float]] = {}
+
+    def _rows(self, k: int) -> int:
+        """``k`` rows, or one more when ``k`` is the stream's length: ``models.warmstart.fork`` shares
+        (never copies) arrays as long as the stream, its read-only per-request columns."""
+        return k + 1 if k == self.n_requests else k
+
+    def unshare(self) -> None:
+        """After a shallow copy of this environment (``models.warmstart.fork``): neither it nor the
+        copy may change the servers' caches they still share in place (each copies a pool's
+        cache before its first write)."""
+        self._kv_owner = px.new_owner()
 
     def _seed_estimator(self, start: int) -> None:
         """Forget, then learn the outputs known before the episode: ``history`` and the stream's
@@ -459,9 +615,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         while ev and ev[0][0] <= t:
             now, _, kind, d = heapq.heappop(ev)
             if kind == _COMPLETE:
-                m, a, j, exp_end, shift0, key, tokens, _ = d
+                m, a, j, exp_end, shift0, key, tokens, pos = d
                 kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now,
                                       exp_end, shift0)
+                if self._cache_fb:  # the server's cached-token count (its usage) corrects the view's retention
+                    fb = self._cache_fb.pop(pos, None)
+                    if fb is not None:
+                        px.retention_update(self.pv_ret, fb[0], fb[1], fb[2], self.cfg.prefix.retention_alpha)
                 if tokens >= 0:
                     self._observe_output(m, key, tokens)
                 elif tokens == _PREEMPTED:  # the router saw its request die there: the pool is down
@@ -478,6 +638,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, now, service)
                 self._push(true_end, _COMPLETE, (m, a, j, exp_end, shift0, key, tokens, pos))
+                if self.has_prefix and pos >= 0:  # the retry's prefix and session went there
+                    self._view_sent(pos, m * self.n + a, now, now + service)
         tev, fa = self._tevents, self.free_at
         while tev and tev[0][0] <= t:
             end, m, a, j = heapq.heappop(tev)
@@ -492,17 +654,21 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     _SHARED_STATE = ("_pos", "_end", "z", "_refresh_at", "_next_event", "t", "price_s", "available", "ext_util",
                      "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "ext_util_conc", "_true_down",
                      "r_m", "r_key", "r_origin", "r_in", "r_max_out", "r_ttft", "r_tpot", "r_deadline", "r_est_out",
-                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_refused",
-                     "r_bfeat", "r_excl_budget", "r_excl_quota", "quota_blocked", "r_over")
+                     "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_blocks",
+                     "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from", "r_has_bias", "usd_h",
+                     "_pol_dirty", "r_refused", "r_bfeat", "r_excl_budget", "r_excl_quota",
+                     "quota_blocked", "r_over")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
-                     "C", "c_mask", "seen_down_at")
+                     "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
         d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
         d.update({k: getattr(self, k).copy() for k in self._COPIED_STATE})
         d.update(_tevents=list(self._tevents), _events=list(self._events), stats=dict(self.stats),
-                 _recent=deque(self._recent), _live=dict(self._live))
+                 _recent=deque(self._recent), _live=dict(self._live), _kv=dict(self._kv),
+                 _cache_fb=dict(self._cache_fb))
+        self._kv_owner = px.new_owner()  # the snapshot shares the servers' caches: copy before writing
         if self.budget is not None:
             d["_budget"] = self.budget.save()
         return d
@@ -519,6 +685,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._tevents, self._events = list(d["_tevents"]), list(d["_events"])
         self.stats, self._recent = dict(d["stats"]), deque(d["_recent"])
         self._live = dict(d.get("_live", {}))
+        self._kv = dict(d.get("_kv", {}))
+        self._cache_fb = dict(d.get("_cache_fb", {}))
+        self._kv_owner = px.new_owner()
 
     # ------------------------------------------------------------------ dynamics
     def _jittered_downs(self) -> list[np.ndarray]:
@@ -543,6 +712,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         # available as the telemetry says -- unless the router saw a request of its own preempted
         # there since the telemetry's last change for that offering (it reports preemptions late)
         self.available = (snap["available"] > 0.5) & ~(self.seen_down_at > self.replay.avail.last_times(t))
+        # the prefix view forgets what it sent to a pool before it was last seen down (telemetry or its own requests)
+        self.pv_valid_from = px.us_array(np.maximum(self.seen_down_at, self._recorded_down(t)))
         self.ext_util = snap["util"]
         self.ext_util_conc = self.ext_util[None, :] * self.conc
         # the truth's next preemption of each offering: the first one not yet recorded at t (with
@@ -579,6 +750,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.quota_blocked = self.capacity.blocked(t) if self.capacity.active else np.zeros(self.n, dtype=bool)
         self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits & ~self.quota_blocked
         self.cost_rate = np.where(priced, self.price_s, 0.0)[None, :] * self.gpus_per_slot
+        #: each offering's price per instance-hour now (NaN unpriced): what max_usd_per_hour reads
+        self.usd_h = np.where(priced, p * self.gpu_count, np.nan)
         self._refresh_at = t + self.cfg.feature_refresh_s
         self._next_event = self.replay.next_event_after(t)
         if self.capacity.active:
@@ -590,6 +763,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Make the stream's next request the current one and compute its candidate outcomes.
         Reads only what the client sends (never ``req_out``)."""
         i = self._pos
+        ctx = None
+        if self.policies is not None:
+            if self._req_ctx is None:
+                self._stream_contexts()
+            assert self._req_ctx is not None
+            ctx = self._req_contexts[self._req_ctx[i]]
         t = float(self.arrival[i])
         budget, refuse = NO_BUDGET, NOT_REFUSED
         if self.budget is not None and self.budget.buckets_of[i]:
@@ -597,19 +776,27 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             budget, refuse = self.budget.check(i, t, float(self.req_in[i] + self.req_max_out[i]))
         self._set_request(t, int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
                           self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
-                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), budget, refuse)
+                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), ctx, pos=i,
+                          budget=budget, refuse=refuse)
 
     def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
                      deadline_ms: float, model: int, key: int, request_id: Any, z: float,
+                     ctx: pol.PolicyContext | None = None, pre: np.ndarray | None = None, pos: int = -1,
+                     live_prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None,
                      budget: LiveBudget = NO_BUDGET, refuse: int = NOT_REFUSED) -> None:
         """Make a request current: the router learns what happened up to ``t``, estimates the
-        output length, and computes the request's expectations on every offering in one compiled
-        pass (``envs.kernels.candidate_outcomes_into``); then its tenant's ``budget`` masks what it
-        cannot afford, or ``refuse`` masks everything (``envs.budget``)."""
+        output length, looks its prefix up in its view (the stream's request ``pos``, or a live
+        router's ``live_prefix``: per offering the leading blocks its shared index expects there,
+        the pools' retention, the session's offering, the block size), computes the request's
+        expectations on every offering in one compiled pass (``envs.kernels.candidate_outcomes_into``),
+        then applies the policies of its context ``ctx`` (``envs.policies``; ``pre``: a router's own
+        constraint layers, see ``CompiledPolicies.apply``); then its tenant's ``budget`` masks
+        what it cannot afford, or ``refuse`` masks everything (``envs.budget``)."""
         self._advance(t)
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
         self.t = t
+        self._prefix_view(t, model, float(n_in), pos, live_prefix)
         cfg = self.cfg.estimator
         est_out = float(est.estimate(self.est_w, self.est_s, self.est_n, key, model, float(max_out), cfg.shrinkage,
                                      cfg.prior_fraction, est.UPPER))
@@ -629,11 +816,29 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.ext_util_conc[m], self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt,
             self.cost_rate[m], self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, est_out, self.r_max_out,
             self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s, self.view_others[m],
-            self.view_service_s[m], self.view_server_busy[m])
+            self.view_service_s[m], self.view_server_busy[m], self.r_cached, self.r_sess_here)
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
         self.r_excl_quota = int((self.quota_blocked & self.fits[m] & (self.slots[m] > 0)).sum()) \
             if self.capacity.active else 0
+        policies = self.policies
+        out = self._pol
+        if policies is not None and ctx is not None and not ctx.empty:
+            policies.apply(ctx, self._all_true if pre is None else pre, self.usd_h, rtt, self.C[kernels.BUSY],
+                           self.slots[m], self.c_mask, out)
+            self.r_has_bias = ctx.has_prefer and not policies.lexicographic
+            self._pol_dirty = True
+        else:
+            if self._pol_dirty:  # the previous request's outcome: back to "everything allowed"
+                out.allowed[:] = True
+                out.reason[:] = -1
+                out.bias[:] = 0.0
+                out.counts[:] = 0
+                out.bias_counts[:] = 0
+                out.excluded = out.not_preferred = 0
+                self._pol_dirty = False
+            out.ctx = ctx
+            self.r_has_bias = False
         self._apply_budget(budget, refuse)
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
@@ -661,6 +866,105 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 self.c_mask &= ~over
                 if not self.c_mask.any():
                     self.r_refused = REFUSED_BUDGET
+
+    def _prefix_view(self, t: float, m: int, n_in: float, pos: int,
+                     live: tuple[np.ndarray, np.ndarray, int, int] | None) -> None:
+        """The current request's prefix as the router sees it: ``r_view_tokens`` (the prompt tokens
+        its record expects each pool of model ``m`` to hold), ``r_cached`` (the same times each
+        pool's retention: what the expectations use) and ``r_sess_here`` (1 on the offering its
+        session's previous request went to); zeros without prefix information."""
+        blocks, session = self._no_blocks, -1
+        if live is not None:
+            runs, retention, sess_a, block = live
+            view = np.empty(self.n)
+            px.expected_cached(runs, block, n_in, np.ones(self.n), view)
+            self.r_view_tokens, self.r_cached = view, view * retention
+            here = np.zeros(self.n)
+            if 0 <= sess_a < self.n:
+                here[sess_a] = 1.0
+            self.r_blocks, self.r_session, self.r_sess_here = blocks, session, here
+            return
+        if pos >= 0 and self.has_prefix:
+            blocks = self._blocks_of(pos)
+            session = int(self.req_session[pos])
+        self.r_blocks, self.r_session = blocks, session
+        if blocks.size == 0 or self.block_tokens <= 0:
+            self.r_view_tokens = self.r_cached = self._zero_n
+        else:
+            n = self.n
+            self.r_view_tokens, self.r_cached = np.empty(n), np.empty(n)
+            px.view_expect(self.pv_ent, self.pv_sent, self.pv_cap, blocks, m * n, n, px.us(t),
+                           px.us(t - self.cfg.prefix.view_ttl_s), self.pv_valid_from, self.block_tokens, n_in,
+                           self.pv_ret, self._run_buf, self.r_view_tokens, self.r_cached)
+        self.r_sess_here = self._zero_n
+        if session >= 0:
+            p = int(self.ps_pool[session])
+            if p // self.n == m and self.ps_time[session] >= t - self.cfg.prefix.view_ttl_s:
+                self.r_sess_here = np.zeros(self.n)
+                self.r_sess_here[p % self.n] = 1.0
+
+    def _view_sent(self, pos: int, p: int, t: float, ready: float) -> None:
+        """The router sent the stream's request ``pos`` to pool ``p`` at ``t``: its view records the
+        prefix blocks there, computed by ``ready`` (the request's expected first token), and its
+        session's pool."""
+        blocks = self._blocks_of(pos)
+        if blocks.size:
+            px.view_record(self.pv_ent, self.pv_sent, blocks, p, px.us(ready))
+        s = int(self.req_session[pos])
+        if s >= 0:
+            self.ps_pool[s], self.ps_time[s] = p, t
+
+    def _recorded_down(self, t: float) -> np.ndarray:
+        """When the telemetry last recorded each offering preempted, at or before ``t`` (-inf: never)."""
+        out = np.full(self.n, -np.inf)
+        for i, d in enumerate(self.replay.down_times):
+            if d.size:
+                k = int(np.searchsorted(d, t, side="right"))
+                if k:
+                    out[i] = d[k - 1]
+        return out
+
+    def _last_down(self, a: int, t: float) -> float:
+        """When offering ``a`` last really lost its replicas (a spot preemption) at or before ``t``."""
+        d = self._true_down[a]
+        if d.size == 0:
+            return -np.inf
+        k = int(np.searchsorted(d, t, side="right"))
+        return float(d[k - 1]) if k else -np.inf
+
+    def _pool_kv(self, m: int, a: int, t: float, write: bool) -> px.PoolKV | None:
+        """The servers' caches of pool (m, a) at ``t`` -- empty again after the pool was preempted --
+        this environment's own copy when it will ``write``; None when empty and not writing."""
+        key = m * self.n + a
+        kv = self._kv.get(key)
+        down = self._last_down(a, t)
+        if kv is None or kv.cleared_at < down:
+            if not write:
+                return None
+            kv = px.PoolKV(int(self.replicas[m, a]), int(self.kv_capacity[m, a]), self._kv_owner, down)
+            self._kv[key] = kv
+        elif write and kv.owner != self._kv_owner:
+            kv = self._kv[key] = kv.copy(self._kv_owner)
+        return kv
+
+    def true_cached(self) -> np.ndarray:
+        """HINDSIGHT, for the oracle only: the prompt tokens of the current request each valid
+        offering's servers really hold for it now (the replica its scheduler would pick)."""
+        blocks = self.r_blocks
+        if blocks.size == 0 or not self._kv:
+            return self._zero_n
+        out = np.zeros(self.n)
+        m, n, t = self.r_m, self.n, self.t
+        conc = self.conc[m]
+        for key in list(self._kv):
+            if key // n != m or not self.c_mask[key % n]:
+                continue
+            a = key % n
+            kv = self._pool_kv(m, a, t, False)
+            if kv is not None:
+                _, hit = kv.place(self.free_at[m, a], int(conc[a]), t, blocks)
+                out[a] = min(hit * self.block_tokens, self.r_in)
+        return out
 
     # the candidate outcomes as named arrays (views of rows of ``C``)
     @property
@@ -726,10 +1030,38 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             *self.r_bfeat,
         ], dtype=np.float32)
 
+    @property
+    def _all_true(self) -> np.ndarray:
+        a = self.__dict__.get("_all_true_arr")
+        if a is None:
+            a = self.__dict__["_all_true_arr"] = np.ones(self.n, dtype=bool)
+        return a  # type: ignore[no-any-return]
+
+    # the current request's policy outcome (``envs.policies``), read-only, replaced by the next request
+    @property
+    def r_bias(self) -> np.ndarray:
+        """The prefer policies' weight of each offering for the current request (reward units;
+        zeros when no prefer policy applies, or with ``prefer_mode: lexicographic``, where the mask
+        does it): every policy adds it to its score."""
+        return self._pol.bias if self.r_has_bias else self._zero_bias
+
+    @property
+    def r_allowed(self) -> np.ndarray:
+        """Offerings the policies allow for the current request (whatever the pools' state)."""
+        return self._pol.allowed
+
+    @property
+    def r_policy(self) -> pol.PolicyOutcome:
+        """The current request's policy outcome: allowed, reason (rank), bias, exclusion counts."""
+        return self._pol
+
     def _info(self) -> dict[str, Any]:
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = self.c_mask
-        return {"action_mask": mask, "request_id": self.r_id, "t": self.t}
+        info = {"action_mask": mask, "request_id": self.r_id, "t": self.t}
+        if self.r_has_bias:
+            info["policy_bias"] = self._pol.bias
+        return info
 
     def action_mask(self) -> np.ndarray:
         """Valid actions for the current request (for ``sb3_contrib``-style masking)."""
@@ -751,10 +1083,22 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Simulate the request on pool (m, a) from ``start_t``: its true slot and service, cut short
         by the pool's next true preemption. Takes the slot in the truth (unless ``dry``)."""
         f = math.exp(self.sigma[m, a] * self.r_z - 0.5 * self.sigma[m, a] ** 2)
-        j = kernels.earliest_slot(self.free_at[m], a)
+        blocks, kv, cached = self.r_blocks, None, 0.0
+        if blocks.size and self.kv_capacity[m, a] > 0:  # the servers' prefix caches (envs.prefix)
+            kv = self._pool_kv(m, a, start_t, not dry)
+        if kv is None:
+            j = kernels.earliest_slot(self.free_at[m], a)
+        else:  # the in-pool scheduler's replica; its blocks are computed by the end of the prefill
+            conc = int(self.conc[m, a])
+            if dry:
+                j, hit = kv.place(self.free_at[m, a], conc, start_t, blocks)
+            else:
+                j, hit = kv.serve(self.free_at[m, a], conc, start_t, blocks, self.block_tokens, self.r_in,
+                                  self.inv_prefill[m, a] * f)
+            cached = min(hit * self.block_tokens, self.r_in)
         start = max(start_t, self.free_at[m, a, j])
         k = min(self.tbusy[m, a] * self.inv_replicas[m, a], self.conc_m1[m, a]) + self.ext_util_conc[m, a]
-        pf = self.r_in * self.inv_prefill[m, a] * f
+        pf = (self.r_in - cached) * self.inv_prefill[m, a] * f
         tp = (self.tpot_s[m, a] + self.tpot_growth_s[m, a] * k) * f
         service = pf + out * tp
         first = start + pf + (tp if out >= 1 else 0.0)
@@ -766,10 +1110,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             ran = max(stop - start, 0.0)
             if ran > 0 and not dry:
                 self._occupy(m, a, j, stop)
-            return {"end": stop, "first": first if first <= stop else np.inf, "ran": ran, "preempted": 1.0}
+            return {"end": stop, "first": first if first <= stop else np.inf, "ran": ran, "preempted": 1.0,
+                    "cached": cached}
         if not dry:
             self._occupy(m, a, j, start + service)
-        return {"end": start + service, "first": first, "ran": service, "preempted": 0.0}
+        return {"end": start + service, "first": first, "ran": service, "preempted": 0.0, "cached": cached}
 
     def reference_cost(self, input_tokens: float, output_tokens: float) -> float:
         """The reward's cost yardstick: the request served alone on one replica of the reference
@@ -817,6 +1162,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if not dry:
             self.stats["excluded_budget"] += self.r_excl_budget
             self.stats["excluded_quota"] += self.r_excl_quota
+        prompt = self.r_in if self.r_blocks.size else 0.0  # prefix-bearing prompt tokens (the hit rate's base)
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
             if refused is not None and not dry:
@@ -824,11 +1170,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             reward = self._reward(0.0, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
                     "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None,
-                    "refused": refused}
-        if not dry:  # the router records the decision with the expected service time
+                    "refused": refused,
+                    "prompt_tokens": prompt, "cached_tokens": 0.0}
+        if not dry:  # the router records the decision with the expected service time (and its prefix)
             j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, t, self.C[SERVICE, a])
+            if self.has_prefix:
+                self._view_sent(self._pos, m * self.n + a, t, t + max(self.C[TTFT, a] - self.c_rtt[a], 0.0) / 1000.0)
         r1 = self._attempt(m, a, t, out, dry)
+        cached = r1["cached"]
         cost = self.cost_rate[m, a] * r1["ran"]
         latency = self.c_rtt[a] + 1000.0 * (r1["end"] - t)
         ttft = self.c_rtt[a] + 1000.0 * (r1["first"] - t)
@@ -836,6 +1186,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if not preempted:
             if not dry:
                 self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, out, self._pos))
+                if prompt:  # its completion will say (the server's usage) how much of the prompt was cached
+                    self._cache_fb[self._pos] = (m * self.n + a, float(self.r_view_tokens[a]), cached)
         else:
             if not dry:
                 self.stats["preempted"] += 1
@@ -847,6 +1199,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 migrated_to = f
                 restart = r1["end"] + self.cfg.retry_overhead_ms / 1000.0
                 r2 = self._attempt(m, f, restart, out, dry)
+                cached = r2["cached"]
                 cost += self.cost_rate[m, f] * r2["ran"]
                 latency = self.c_rtt[f] + 1000.0 * (r2["end"] - t)
                 if not np.isfinite(ttft):
@@ -864,34 +1217,42 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
-                    "migrated_to": None, "refused": None}
+                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0, "refused": None}
         tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
         reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
-                "preempted": preempted, "migrated_to": migrated_to, "refused": None}
+                "preempted": preempted, "migrated_to": migrated_to, "prompt_tokens": prompt,
+                "cached_tokens": float(cached) if prompt else 0.0, "refused": None}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                      tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                     request_id: Any = None, budget: LiveBudget | None = None
+                     request_id: Any = None, request_class: str | None = None,
+                     prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None,
+                     budget: LiveBudget | None = None
                      ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
         self.set_live(t, origin, input_tokens, max_output_tokens, ttft_ms, tpot_ms, deadline_ms, model, tenant,
-                      request_id, budget)
+                      request_id, request_class, prefix, budget=budget)
         return self._obs(), self._info()
 
     def set_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                  tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                 request_id: Any = None, budget: LiveBudget | None = None) -> np.ndarray:
+                 request_id: Any = None, request_class: str | None = None,
+                 prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None, pre: np.ndarray | None = None,
+                 budget: LiveBudget | None = None) -> np.ndarray:
         """:meth:`observe_live` without building the observation: makes the live request current
         (its expectations, as ``observe_live``) and returns its action mask over the ``n``
-        offerings (``c_mask``; read-only, overwritten by the next request). ``budget``: its
-        tenant's budget as the router's quota state has it (``envs.budget``: the features, and the
-        offerings it cannot afford masked); None = no budget. Raises ``KeyError`` for an unknown
-        origin, ``ValueError`` for an unknown model."""
+        offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
+        an unknown origin, ``ValueError`` for an unknown model. ``prefix``: what the router's shared
+        prefix index says of the request's prompt (``router.state``): per offering, the leading
+        blocks it expects there (int64) and the pool's retention (float), the offering its session
+        last went to (-1: none) and the block size in tokens. ``budget``: its tenant's budget as
+        the router's quota state has it (``envs.budget``: the features, and the offerings it cannot
+        afford masked); None = no budget."""
         if origin not in self.origin_index:
             raise KeyError(origin)
         m = self.default_model if model is None else self.model_index.get(model, -1)
@@ -899,9 +1260,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ValueError(model)
         if not hasattr(self, "free_at"):
             self.reset(seed=0)
+        ctx = None if self.policies is None else self.policy_context(
+            tenant, m, request_class, float(ttft_ms), float(tpot_ms), deadline_ms, origin)
         self._set_request(t, self.origin_index[origin], input_tokens, max_output_tokens, ttft_ms, tpot_ms,
                           np.nan if deadline_ms is None else float(deadline_ms), m, self.estimator_key(m, tenant),
-                          request_id, 0.0, NO_BUDGET if budget is None else budget)
+                          request_id, 0.0, ctx, pre, live_prefix=prefix,
+                          budget=NO_BUDGET if budget is None else budget)
         return self.c_mask
 
     def commit_live(self, a: int) -> dict[str, float]:
@@ -963,6 +1327,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         heapq.heapify(self._tevents)
         self._live = {ref: (m, a, j, end + dt, s0) for ref, (m, a, j, end, s0) in self._live.items()}
         self._recent = deque(x + dt for x in self._recent)
+        times = self.pv_ent[:, 3::3]
+        times[times != np.iinfo(np.int64).min] += px.us(dt)
+        self.ps_time += dt
         self.seen_down_at[:] = -np.inf
         self._refresh_at = -np.inf
         self._next_event = -np.inf
@@ -1040,7 +1407,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.tmin[m], self.tbusy[m], self.inv_replicas[m], self.conc_m1[m], self.ext_util_conc[m],
             self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], self.c_rtt, self.cost_rate[m],
             self.c_mask, self.t, self.r_in, out, self.r_z, self.r_ttft, self.r_tpot, dl, ref_cost, budget,
-            rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap)
+            rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
+            self.true_cached())
         # requests a preemption would interrupt take the full path (retry elsewhere)
         hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < end)
         for a in np.flatnonzero(hit):

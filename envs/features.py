@@ -31,6 +31,10 @@ OFFERING_FEATURE_SPECS: tuple[tuple[str, float, float, str], ...] = (
     ("exp_tpot", 0.0, 3.0, "expected time per output token / the TPOT objective"),
     ("exp_cost", 0.0, 5.0, "expected cost / cost on a reference replica"),
     ("exp_violation", 0.0, 1.0, "probability that the SLO is missed (TTFT, TPOT or deadline) under service noise"),
+    ("exp_cached", 0.0, 1.0, "expected share of the prompt's tokens cached there (the router's view: the prefix "
+                             "blocks it sent to the pool, aged, times the pool's confirmed retention; envs.prefix)"),
+    ("session_here", 0.0, 1.0, "1 if the router sent this request's session's previous request to this offering "
+                               "(within the view's age bound)"),
 )
 REQUEST_FEATURE_SPECS: tuple[tuple[str, float, float, str], ...] = (
     ("input_tokens", 0.0, 2.0, "ln(1 + input tokens) / 10"),

@@ -29,11 +29,13 @@ from envs import features as fz
 _VALID, _RTT, _BUSY, _WAIT = fz.F["valid"], fz.F["rtt"], fz.F["busy"], fz.F["wait"]
 _RISK, _LAT, _COST, _VIOL = fz.F["preempt_risk"], fz.F["exp_latency"], fz.F["exp_cost"], fz.F["exp_violation"]
 _TTFT, _TPOT = fz.F["exp_ttft"], fz.F["exp_tpot"]
+_CACHED, _SESSION = fz.F["exp_cached"], fz.F["session_here"]
 _MAXF = np.finfo(np.float64).max
 
-#: rows of the candidate-outcome matrix ``C`` (float64, (N_OUT, n)); the mask is a separate bool array
-WAIT, BUSY, SERVICE, TTFT, LAT, TPOT, COST, RISK, PVIOL = range(9)
-N_OUT = 9
+#: rows of the candidate-outcome matrix ``C`` (float64, (N_OUT, n)); the mask is a separate bool array.
+#: CACHED: the expected share of the prompt cached there; SESSION: 1 where the session's last request went
+WAIT, BUSY, SERVICE, TTFT, LAT, TPOT, COST, RISK, PVIOL, CACHED, SESSION = range(11)
+N_OUT = 11
 _SQRT2 = math.sqrt(2.0)
 
 
@@ -52,7 +54,7 @@ def violation_probability(c, sigma):  # pragma: no cover
 def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, ext_util_conc, inv_prefill, tpot_s,
                             tpot_growth_s, sigma, rtt, cost_rate, static_ok, hazard, slots, t, r_in, est_out,
                             max_out, ttft_ms, tpot_ms, deadline_ms, queue_timeout_s, unseen_s, others,
-                            others_service_s, server_busy):  # pragma: no cover
+                            others_service_s, server_busy, cached, session):  # pragma: no cover
     """Expected outcome of the current request on every offering, from the router's view, into
     ``C`` (rows ``WAIT`` .. ``PVIOL``) and ``mask``. The arrays are the request's model's pools.
 
@@ -67,7 +69,10 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
       expected service where none is observed yet);
     * batch: ``k`` = requests in flight per replica (at most the other slots) + external load
       (utilization x slots per replica; not where the servers report their load, which includes
-      it); time per output token ``tpot(k)``; service = input/prefill + est_out x tpot(k);
+      it); time per output token ``tpot(k)``; service = (input - cached)/prefill + est_out x
+      tpot(k), ``cached`` the prompt tokens the router's view expects the pool to hold
+      (``envs.prefix``; zeros without prefix information), ``session`` 1 where the request's
+      session last went (rows ``CACHED``: cached / input, and ``SESSION``);
     * TTFT = RTT + wait + prefill + one token; latency = RTT + wait + service;
     * SLO miss: the service-time factor f (lognormal, mean 1, sigma) exceeds the least slack of
       TTFT, TPOT (requests allowed more than one token) and the deadline (when given);
@@ -89,7 +94,7 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
         if k > conc_m1[i]:
             k = conc_m1[i]
         k += ext
-        pf = r_in * inv_prefill[i]
+        pf = (r_in - cached[i]) * inv_prefill[i]
         tp = tpot_s[i] + tpot_growth_s[i] * k
         s = pf + est_out * tp
         w = est_min[i] - t
@@ -109,7 +114,8 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
         C[LAT, i] = lat
         C[TPOT, i] = tp * 1000.0
         C[COST, i] = cost_rate[i] * s
-        C[RISK, i] = -np.expm1(-hazard[i] * (unseen_s + w + s))
+        # (no hazard, no risk: 0, also where the wait is infinite -- a pool the model does not fit)
+        C[RISK, i] = -np.expm1(-hazard[i] * (unseen_s + w + s)) if hazard[i] > 0.0 else 0.0
         c = (ttft_ms - rtt[i] - w * 1000.0) / ((pf + tp) * 1000.0)
         if max_out > 1.0:
             c2 = tpot_ms / (tp * 1000.0)
@@ -120,6 +126,8 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
             if c3 < c:
                 c = c3
         C[PVIOL, i] = violation_probability(c, sigma[i])
+        C[CACHED, i] = cached[i] / r_in if r_in > 0.0 else 0.0
+        C[SESSION, i] = session[i]
         ok = static_ok[i] and w <= queue_timeout_s
         mask[i] = ok
         if ok:
@@ -200,10 +208,11 @@ def realized_reward(cost, ref_cost, latency_ms, budget_ms, violated, failed, cos
 @njit(cache=True)
 def exact_outcomes(free_min, tbusy, inv_replicas, conc_m1, ext_util_conc, inv_prefill, tpot_s, tpot_growth_s, sigma,
                    rtt, cost_rate, mask, t, r_in, r_out, z, ttft_ms, tpot_ms, deadline_ms, ref_cost, budget_ms,
-                   cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap):  # pragma: no cover
+                   cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, cached):  # pragma: no cover
     """Hindsight (the oracle only): the realized reward of the current request on every valid
     offering, from the true queues (``free_min``: each pool's true earliest slot release,
-    ``tbusy``: its true busy slots), the realized output and the noise draw ``z`` -- ignoring
+    ``tbusy``: its true busy slots), the realized output, the noise draw ``z`` and the prompt
+    tokens each pool's servers really hold (``cached``, ``envs.prefix.PoolKV``) -- ignoring
     preemptions, which the caller plays out. Also returns the true service end of each."""
     n = free_min.shape[0]
     out = np.full(n, -np.inf)
@@ -217,7 +226,7 @@ def exact_outcomes(free_min, tbusy, inv_replicas, conc_m1, ext_util_conc, inv_pr
             k = conc_m1[i]
         k += ext_util_conc[i]
         f = math.exp(sigma[i] * z - 0.5 * sigma[i] * sigma[i])
-        pf = r_in * inv_prefill[i] * f
+        pf = (r_in - cached[i]) * inv_prefill[i] * f
         tp = (tpot_s[i] + tpot_growth_s[i] * k) * f
         s = pf + r_out * tp
         e = start + s
@@ -257,6 +266,8 @@ def offering_rows(out, idx, static_feats, mask, rtt, C, inv_slots, ttft_ms, tpot
         out[r, _TPOT] = min(C[TPOT, i] * inv_tpot, 3.0)
         out[r, _COST] = min(C[COST, i] * inv_ref, 5.0)
         out[r, _VIOL] = C[PVIOL, i]
+        out[r, _CACHED] = C[CACHED, i]
+        out[r, _SESSION] = C[SESSION, i]
 
 
 @njit(cache=True)
@@ -352,14 +363,14 @@ def warm_up() -> None:
     C = np.zeros((N_OUT, n))
     mask = np.zeros(n, dtype=np.bool_)
     candidate_outcomes_into(C, mask, f, b, f, f, f, f, f, f, f, f, f, ok, f, b, 0.0, 1.0, 1.0, 2.0, 1.0, 1.0,
-                            np.nan, 1.0, 0.0, b, f, -f)
+                            np.nan, 1.0, 0.0, b, f, -f, 0 * f, 0 * f)
     expected_rewards(C, mask, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
     expected_reward(1.0, 1.0, 0.5, 0.1, 0.1, 1.0, 1.0, 1.0, 5.0, 3.0)
     expected_reward(np.float32(1.0), np.float32(1.0), np.float32(0.5), np.float32(0.1), np.float32(0.1),
                     1.0, 1.0, 1.0, 5.0, 3.0)
     realized_reward(1.0, 1.0, 1.0, 1.0, False, False, 1.0, 1.0, 1.0, 5.0, 3.0, 3.0)
     exact_outcomes(f, b, f, f, f, f, f, f, f, f, f, ok, 0.0, 1.0, 2.0, 0.0, 1.0, 1.0, np.nan, 1.0, 1.0, 1.0, 1.0,
-                   1.0, 5.0, 3.0)
+                   1.0, 5.0, 3.0, 0 * f)
     out = np.zeros((n, fz.N_OFFERING_FEATURES), dtype=np.float32)
     offering_rows(out, np.arange(n), np.zeros((n, fz.N_OFFERING_FEATURES)), mask, f, C, f, 1.0, 1.0, 1.0, 1.0)
     rank(f, ok, 1)

@@ -49,6 +49,9 @@ class Placement:
     tpot_s: np.ndarray        # seconds per output token at concurrency 1
     growth: np.ndarray        # tpot(k) = tpot * (1 + growth*(k-1))
     sigma: np.ndarray         # lognormal sigma of the service time
+    #: KV-cache tokens one replica holds once its weights are loaded (0 where the model does not fit):
+    #: the memory its prefix cache of blocks lives in (``envs.prefix``)
+    kv_tokens: np.ndarray
 
     @property
     def slots(self) -> np.ndarray:
@@ -66,6 +69,7 @@ def place(catalog: list[Offering], capacity: list[int], serving: ServingConfig, 
     fits = np.zeros(shape, dtype=bool)
     gpus, replicas, conc = np.zeros(shape), np.zeros(shape), np.ones(shape)
     prefill, tpot, growth, sigma = np.ones(shape), np.ones(shape), np.zeros(shape), np.zeros(shape)
+    kv = np.zeros(shape)
     ref = models.models[models.reference_model]
     for i, o in enumerate(catalog):
         acc = serving.accelerators.get(o.accelerator)
@@ -79,6 +83,8 @@ def place(catalog: list[Offering], capacity: list[int], serving: ServingConfig, 
             if name == models.reference_model:  # measured: serving.yaml as it is, one GPU per replica
                 g, slots_per = 1, acc.max_concurrency
                 pf, tp, gr = acc.prefill_tok_s, acc.tpot_ms / 1000.0, acc.tpot_growth
+                tokens = max(_kv_tokens(acc.memory_gb, 1, spec.weights_gb, spec.kv_mib_per_token, models.kv_fraction),
+                             0.0)
             else:
                 g = 1
                 while g <= count and _kv_tokens(acc.memory_gb, g, spec.weights_gb, spec.kv_mib_per_token,
@@ -87,18 +93,19 @@ def place(catalog: list[Offering], capacity: list[int], serving: ServingConfig, 
                 if g > count:
                     continue  # does not fit on this instance: the pool stays empty (masked)
                 tokens = _kv_tokens(acc.memory_gb, g, spec.weights_gb, spec.kv_mib_per_token, models.kv_fraction)
-                slots_per = max(1, int(tokens // models.nominal_context_tokens))
+                slots_per = max(1, int(tokens // (spec.slot_context_tokens or models.nominal_context_tokens)))
                 steps = math.log2(g)
                 tp = acc.tpot_ms / 1000.0 * (spec.weights_gb / ref.weights_gb) / (g * models.tp_efficiency ** steps)
                 pf = acc.prefill_tok_s * (ref.params_b / spec.params_b) * g * models.prefill_tp_efficiency ** steps
                 gr = acc.tpot_growth if spec.tpot_growth is None else spec.tpot_growth
             fits[k, i] = True
+            kv[k, i] = tokens
             gpus[k, i] = g
             replicas[k, i] = capacity[i] // g
             conc[k, i] = slots_per
             prefill[k, i], tpot[k, i], growth[k, i] = pf, tp, gr
     params = np.array([models.models[nm].params_b for nm in names])
-    return Placement(names, params, fits, gpus, replicas, conc, prefill, tpot, growth, sigma)
+    return Placement(names, params, fits, gpus, replicas, conc, prefill, tpot, growth, sigma, kv)
 
 
 def _kv_tokens(memory_gb: float, g: int, weights_gb: float, kv_mib: float, fraction: float) -> float:

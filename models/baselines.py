@@ -7,7 +7,16 @@ the output length estimated from past completions), and ``greedy`` the environme
 ``tests/test_no_foresight.py`` proves that changing the realized outcome of the current and later
 requests changes none of their decisions. Only the oracle and its hindsight plans read
 ``exact_rewards``, which knows the future, and say so. Policies never pick a masked offering when a
-valid one exists.
+valid one exists, except ``static``, which pins one (and fails when its pool cannot take a request).
+
+Routing policies (``docs/policies.md``): the action mask already excludes what a deny or an allow
+excludes, and ``info["policy_bias"]`` (present when a prefer policy applies) holds each offering's
+prefer weight in reward units, which every baseline adds to its own score: greedy's expected
+reward; ``-cost_weight x cost_norm`` for cheapest, ``-latency_weight x latency_norm`` for
+lowest-latency (the reward's own terms, so a weight trades against them on the reward's scale);
+``-busy share`` for least-loaded; the hindsight plans' realized reward. Policies without a score
+(round-robin, random) choose among the valid offerings with the highest weight. ``static``, when a
+policy excludes its offering, routes as cheapest does (its pinned deployment is forbidden there).
 """
 
 from __future__ import annotations
@@ -31,6 +40,21 @@ class Policy(Protocol):
     def reset(self, env: CloudRouteEnv, seed: int) -> None: ...
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int: ...
+
+
+def policy_bias(info: dict[str, Any], n: int) -> np.ndarray | None:
+    """The prefer policies' weight of each of the ``n`` offerings (``info["policy_bias"]``), or
+    None when no prefer policy applies to the request."""
+    b = info.get("policy_bias")
+    return None if b is None else np.asarray(b)[:n]
+
+
+def top_bias(mask: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``mask`` narrowed to the valid offerings with the highest prefer weight (for policies
+    without a score); ``mask`` itself without a bias or with nothing valid."""
+    if bias is None or not mask.any():
+        return mask
+    return mask & (bias >= bias[mask].max())
 
 
 def _masked_argmin(values: np.ndarray, mask: np.ndarray, tiebreak: np.ndarray | None = None) -> int:
@@ -84,6 +108,9 @@ class Static(_Base):
         self.idx = min(found, key=lambda k: float(env.price_s[k]))
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        env = self.env
+        if env.policies is not None and not env.r_allowed[self.idx]:  # a policy forbids the deployment here
+            return Cheapest.choose(env.n, obs, info, env.cfg.reward.cost_weight)
         return self.idx
 
 
@@ -94,11 +121,22 @@ class Cheapest(_Base):
     name = "cheapest"
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        bias = policy_bias(info, self.n)  # (present only in an environment: self.env is set then)
+        return self.choose(self.n, obs, info, self.env.cfg.reward.cost_weight if bias is not None else 1.0)
+
+    @staticmethod
+    def choose(n: int, obs: Obs, info: dict[str, Any], cost_weight: float) -> int:
+        """Cheapest's choice among the first ``n`` offerings; with a prefer bias, by
+        ``cost_weight x cost_norm - bias``."""
         m = info["action_mask"]
         x = offering_matrix(obs)
-        feasible = m[: self.n] & (x[: self.n, F["exp_violation"]] < 0.5)
-        use = feasible if feasible.any() else m[: self.n]
-        return _masked_argmin(x[: self.n, F["exp_cost"]], use, x[: self.n, F["exp_latency"]])
+        feasible = m[:n] & (x[:n, F["exp_violation"]] < 0.5)
+        use = feasible if feasible.any() else m[:n]
+        cost = x[:n, F["exp_cost"]]
+        bias = policy_bias(info, n)
+        if bias is not None:
+            cost = cost_weight * cost.astype(np.float64) - bias
+        return _masked_argmin(cost, use, x[:n, F["exp_latency"]])
 
 
 class LowestLatency(_Base):
@@ -108,7 +146,11 @@ class LowestLatency(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         x = offering_matrix(obs)
-        return _masked_argmin(x[: self.n, F["exp_latency"]], info["action_mask"], x[: self.n, F["exp_cost"]])
+        lat = x[: self.n, F["exp_latency"]]
+        bias = policy_bias(info, self.n)
+        if bias is not None:
+            lat = self.env.cfg.reward.latency_weight * lat.astype(np.float64) - bias
+        return _masked_argmin(lat, info["action_mask"], x[: self.n, F["exp_cost"]])
 
 
 class LeastLoaded(_Base):
@@ -118,7 +160,11 @@ class LeastLoaded(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         x = offering_matrix(obs)
-        return _masked_argmin(x[: self.n, F["busy"]], info["action_mask"], x[: self.n, F["exp_latency"]])
+        busy = x[: self.n, F["busy"]]
+        bias = policy_bias(info, self.n)
+        if bias is not None:
+            busy = busy.astype(np.float64) - bias
+        return _masked_argmin(busy, info["action_mask"], x[: self.n, F["exp_latency"]])
 
 
 class Greedy(_Base):
@@ -131,7 +177,56 @@ class Greedy(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         r = self.env.expected_rewards()
-        return int(np.argmax(r))
+        bias = policy_bias(info, self.n)
+        return int(np.argmax(r if bias is None else r + bias))
+
+
+class CacheAware(_Base):
+    """Prefix match + load + cost, in the spirit of the in-cluster scorers (the Gateway API
+    inference extension / llm-d endpoint picker's prefix-cache, queue and cost scorers; SGLang's
+    cache-aware router): among the offerings more likely than not to meet the SLO (every valid one
+    when none is), the best ``prefix_weight x exp_cached - load_weight x busy - cost_weight x
+    exp_cost`` -- the expected share of the prompt cached there (the router's view), the busy share
+    of its slots, the expected cost / the request's reference cost. Weights from
+    ``EvaluateConfig.cache_aware`` (tuned on training windows only). Without prefix information it
+    is a load and cost scorer."""
+
+    name = "cache-aware"
+
+    def __init__(self, prefix_weight: float = 1.0, load_weight: float = 0.3, cost_weight: float = 2.0):
+        self.w = (float(prefix_weight), float(load_weight), float(cost_weight))
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        x = offering_matrix(obs)[: self.n]
+        m = info["action_mask"][: self.n]
+        feasible = m & (x[:, F["exp_violation"]] < 0.5)
+        use = feasible if feasible.any() else m
+        wp, wl, wc = self.w
+        score = wp * x[:, F["exp_cached"]] - wl * x[:, F["busy"]] - wc * x[:, F["exp_cost"]]
+        return _masked_argmin(-score, use, x[:, F["exp_latency"]])
+
+
+class SessionSticky(_Base):
+    """Session affinity as a soft preference: a request goes to the offering its session's previous
+    request went to (``session_here``: the router's own record) while that offering is valid and
+    its expected reward (``envs.kernels.expected_reward``) is within ``margin`` of the best; any
+    other request, and one whose session's offering is masked or too far behind, gets greedy's
+    choice. ``margin`` from ``EvaluateConfig.session_sticky`` (tuned on training windows only)."""
+
+    name = "session-sticky"
+
+    def __init__(self, margin: float = 0.005):
+        self.margin = float(margin)
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        r = self.env.expected_rewards()
+        best = int(np.argmax(r))
+        here = np.flatnonzero(offering_matrix(obs)[: self.n, F["session_here"]] > 0.5)
+        if here.size:
+            s = int(here[0])
+            if info["action_mask"][s] and r[s] >= r[best] - self.margin:
+                return s
+        return best
 
 
 class BudgetPacing(_Base):
@@ -170,7 +265,7 @@ class RoundRobin(_Base):
         self.k = -1
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        m = info["action_mask"][: self.n]
+        m = top_bias(info["action_mask"][: self.n], policy_bias(info, self.n))
         for step in range(1, self.n + 1):
             c = (self.k + step) % self.n
             if m[c]:
@@ -187,7 +282,7 @@ class Random(_Base):
         self.rng = np.random.default_rng(seed)
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        valid = np.flatnonzero(info["action_mask"][: self.n])
+        valid = np.flatnonzero(top_bias(info["action_mask"][: self.n], policy_bias(info, self.n)))
         return int(self.rng.choice(valid)) if valid.size else 0
 
 
@@ -198,26 +293,36 @@ class HindsightGreedy(_Base):
     name = "hindsight-greedy"
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        return int(np.argmax(self.env.exact_rewards()))
+        return int(np.argmax(_biased(self.env.exact_rewards(), self.env)))
+
+
+def _biased(r: np.ndarray, env: CloudRouteEnv) -> np.ndarray:
+    """Scores ``r`` plus the current request's prefer weights (``env.r_bias``; ``r`` itself when
+    no prefer policy applies)."""
+    return r + env.r_bias if env.r_has_bias else r
 
 
 class HindsightRollout(_Base):
     """Hindsight lookahead: for each request, the ``top_k`` offerings by realized reward are each
     played out for ``horizon`` more requests under hindsight-greedy, and the one with the best total
-    is taken — so the queueing and batching a choice imposes on the next requests count too."""
+    is taken — so the queueing and batching a choice imposes on the next requests count too. Beyond
+    the two best, only candidates within ``max_regret`` of the best realized reward are played
+    (``models.planning.candidates``; None: all ``top_k``). (The
+    oracle plans a whole stream of these decisions at once with ``models.planning.lookahead``: the
+    same decisions at a fraction of the cost.)"""
 
     name = "hindsight-rollout"
 
-    def __init__(self, top_k: int = 3, horizon: int = 24):
-        self.top_k, self.horizon = top_k, horizon
+    def __init__(self, top_k: int = 3, horizon: int = 24, max_regret: float | None = None):
+        self.top_k, self.horizon, self.max_regret = top_k, horizon, max_regret
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        from models.planning import candidates
+
         env = self.env
-        r = env.exact_rewards()
-        valid = np.flatnonzero(np.isfinite(r))
-        if valid.size == 0:
+        cand = candidates(_biased(env.exact_rewards(), env), self.top_k, self.max_regret)
+        if cand.size == 0:
             return 0
-        cand = valid[np.argsort(-r[valid], kind="stable")[: self.top_k]]
         if cand.size == 1:
             return int(cand[0])
         snap = env.save_state()
@@ -228,7 +333,7 @@ class HindsightRollout(_Base):
             for _ in range(self.horizon):
                 if done:
                     break
-                _, rew, _, done, _ = env.step(int(np.argmax(env.exact_rewards())))
+                _, rew, _, done, _ = env.step(int(np.argmax(_biased(env.exact_rewards(), env))))
                 total += rew
             if total > best_total:
                 best, best_total = int(a), total
@@ -242,9 +347,11 @@ class Oracle(_Base):
     under every plan it knows -- hindsight lookahead, hindsight-greedy and every baseline -- and
     follows the one with the best total reward. Hence it never scores below any baseline on the same
     stream (an upper reference, not a proof of optimality: the true optimum over all routings is
-    intractable). Its cost is bounded by ``EvaluateConfig.oracle``: the lookahead plan costs about
-    ``1 + top_k * (1 + horizon)`` environment steps per request and is skipped on streams longer
-    than ``lookahead_max_requests`` (the name then says ``oracle[no lookahead]``)."""
+    intractable). How it plans, and what that costs, is ``models.planning``: the lookahead
+    (``HindsightRollout``'s decisions, computed incrementally) costs about ``2 + (top_k - 1) * (1 +
+    horizon)`` environment steps per request, and runs on whole streams in ``EvaluateConfig.oracle.
+    workers`` processes; only a stream longer than ``lookahead_max_requests`` (when set) skips it
+    (the name then says ``oracle[no lookahead]``)."""
 
     name = "oracle"
 
@@ -253,38 +360,26 @@ class Oracle(_Base):
         #: called as ``on_progress(plan_name, plan_index, n_plans, steps_done, steps_total)`` while
         #: planning (the slow part: minutes on a long stream), so callers can show progress
         self.on_progress: Callable[[str, int, int, int, int], None] | None = None
+        #: plans already played on the episode the oracle will plan, by seed, then policy name:
+        #: (actions, total reward) -- ``models.evaluate`` fills it with the runs of the baselines it
+        #: evaluated before the oracle on the same environment, so they are not played twice
+        self.known: dict[int, dict[str, tuple[list[int], float]]] = {}
 
     def reset(self, env: CloudRouteEnv, seed: int) -> None:
-        import copy
+        from models import planning
 
         super().reset(env, seed)
         oc = self.cfg.oracle
-        n_steps = env._end - env._pos
-        self.display_name = "oracle"
-        plans: list[Policy] = [HindsightGreedy()]
-        if n_steps <= oc.lookahead_max_requests and oc.horizon > 0:
-            plans.insert(0, HindsightRollout(oc.top_k, oc.horizon))
-        else:
-            self.display_name = "oracle[no lookahead]"
-        plans += [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
-        best: tuple[float, list[int], str] | None = None
-        for p, plan in enumerate(plans):
-            sim = copy.deepcopy(env)
-            plan.reset(sim, seed)
-            obs, info = sim.observation(), sim._info()
-            actions: list[int] = []
-            total, done = 0.0, sim._pos >= sim._end
-            while not done:
-                a = plan.act(obs, info)
-                actions.append(a)
-                obs, r, _, done, info = sim.step(a)
-                total += r
-                if self.on_progress is not None and (len(actions) % 500 == 0 or done):
-                    self.on_progress(plan.name, p + 1, len(plans), len(actions), n_steps)
-            if best is None or total > best[0]:
-                best = (total, actions, plan.name)
-        assert best is not None
-        self.plan, self.k, self.chosen = best[1], 0, best[2]
+        n_steps = env.steps_left
+        lookahead = oc.horizon > 0 and (oc.lookahead_max_requests is None or n_steps <= oc.lookahead_max_requests)
+        self.display_name = "oracle" if lookahead else "oracle[no lookahead]"
+        plans: list[Policy] = [f(self.cfg) for k, f in BASELINES.items() if k != "oracle"]
+        self.planned = planning.best_plan(env, seed, plans, oc.top_k, oc.horizon, lookahead, workers=oc.workers,
+                                          segment_requests=oc.segment_requests,
+                                          burn_in_requests=oc.burn_in_requests, progress=self.on_progress,
+                                          max_regret=oc.max_regret, known=self.known.get(seed))
+        self.plan, self.k, self.chosen = self.planned.actions, 0, self.planned.name
+        self.total = self.planned.total
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         a = self.plan[self.k]
@@ -299,6 +394,9 @@ BASELINES: dict[str, Callable[[EvaluateConfig], Policy]] = {
     "least-loaded": lambda c: LeastLoaded(),
     "greedy": lambda c: Greedy(),
     "budget-pacing": lambda c: BudgetPacing(c.pacing_gain),
+    "cache-aware": lambda c: CacheAware(c.cache_aware.prefix_weight, c.cache_aware.load_weight,
+                                        c.cache_aware.cost_weight),
+    "session-sticky": lambda c: SessionSticky(c.session_sticky.margin),
     "round-robin": lambda c: RoundRobin(),
     "random": lambda c: Random(),
     "oracle": lambda c: Oracle(c),

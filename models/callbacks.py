@@ -23,9 +23,12 @@ class WarmStartCallback(BaseCallback):
     target network is then synced."""
 
     def __init__(self, data: Any, cfg: Any, gamma: float, seed: int, log_mlflow: bool = False,
-                 validation: Any = None):
+                 validation: Any = None, cache: dict[Any, Any] | None = None):
         super().__init__()
         self.data, self.cfg, self.gamma, self.seed = data, cfg, gamma, seed
+        #: fitted warm starts by (seed, gamma, reward scale), shared by the trials of one process that
+        #: differ only after the warm start (the ablation runner): the fit is deterministic given those
+        self.cache = cache
         #: the trial's ValidationCallback: its window chooses the fit's epoch (models.warmstart.fit)
         self.validation = validation
         self.log_mlflow = log_mlflow
@@ -50,8 +53,15 @@ class WarmStartCallback(BaseCallback):
             def select() -> float:
                 return float(val.selection.score(export_router(q_net))[0])
 
-        self.report = ws.fit(q_net, data, level, c.epochs, c.batch_size, c.learning_rate, self.seed, c.holdout,
-                             select)
+        key = (self.seed, float(self.gamma), float(getattr(q_net.q_net, "prior_scale", 1.0)))
+        if self.cache is not None and key in self.cache:
+            state, self.report = self.cache[key]
+            q_net.load_state_dict(state)
+        else:
+            self.report = ws.fit(q_net, data, level, c.epochs, c.batch_size, c.learning_rate, self.seed, c.holdout,
+                                 select)
+            if self.cache is not None:
+                self.cache[key] = ({k: v.clone() for k, v in q_net.state_dict().items()}, self.report)
         self.losses = self.report.train_loss
         model.q_net_target.load_state_dict(q_net.state_dict())
         self.seconds = time.perf_counter() - t0
@@ -111,6 +121,8 @@ class ValidationCallback(BaseCallback):
         self.best: Checkpoint | None = None
         #: the first checkpoint (step 0: the warm start alone, before any DQN step; the ablation's)
         self.initial: Checkpoint | None = None
+        #: the latest checkpoint (no selection: what the training ends with)
+        self.last: Checkpoint | None = None
         self.curve: list[tuple[int, float]] = []
         self.train_curve: list[tuple[int, float]] = []
         self.last_reward = float("nan")
@@ -135,6 +147,7 @@ class ValidationCallback(BaseCallback):
             self.best = Checkpoint(step, weights, run, crit)
         if self.initial is None:
             self.initial = Checkpoint(step, weights, run, crit)
+        self.last = Checkpoint(step, weights, run, crit)
         metrics = {"val_criterion": crit, "val_mean_reward": run.metrics["mean_reward"],
                    "val_sla_attainment": run.metrics["sla_attainment"],
                    "val_cost_per_1k_requests": run.metrics["cost_per_1k_requests"],
@@ -166,29 +179,78 @@ class ValidationCallback(BaseCallback):
 
 
 class ProgressCallback(BaseCallback):
-    """Every ``every`` steps: training reward and TD loss to Ray Tune (trial status) and MLflow."""
+    """Every ``every`` steps: training reward and TD loss to Ray Tune (trial status) and MLflow,
+    with what ``models.qnet.MaskedDQN`` records of its updates (``train/*``: mean Q, |TD error|,
+    target spread, action gap, demonstration loss). With ``probe`` (the warm start's labelled
+    states, ``models.warmstart.RolloutData``), also how the policy moves on them -- the decision-
+    quality signal that needs no simulation: ``probe_advantage``, the rollout-measured advantage
+    over greedy of the candidate the network picks, averaged over the states (what the warm start
+    was fitted to raise), and ``probe_churn``, the share of states where the network's choice among
+    all valid offerings differs from the one it made before the first DQN step."""
 
     def __init__(self, every: int, validation: ValidationCallback, report: Report | None = None,
-                 log_mlflow: bool = False):
+                 log_mlflow: bool = False, probe: Any = None, probe_states: int = 2000):
         super().__init__()
         self.every, self.validation = every, validation
         self.report, self.log_mlflow = report, log_mlflow
         self.t0 = time.perf_counter()
+        self.probe = probe if probe is not None and len(probe) else None
+        self.probe_states = probe_states
+        self._probe_t: tuple[Any, ...] | None = None
+        self._initial_pick: Any = None
+        #: (step, metrics) of every report, for the ablation runner's curves
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def probe_metrics(self) -> dict[str, float]:
+        if self.probe is None:
+            return {}
+        import torch as th
+
+        from envs.features import N_OFFERING_FEATURES
+
+        if self._probe_t is None:
+            d, k = self.probe, min(self.probe_states, len(self.probe))
+            n = int(self.model.action_space.n)  # type: ignore[attr-defined]
+            self._probe_t = (th.tensor(d.offerings[:k]).reshape(k, n, N_OFFERING_FEATURES), th.tensor(d.request[:k]),
+                             th.tensor(d.mask[:k]), th.tensor(d.actions[:k]), th.tensor(d.advantage[:k]),
+                             th.tensor(d.weight[:k]))
+        rows, req, mask, acts, adv, w = self._probe_t
+        model: Any = self.model
+        scorer: Any = model.q_net.q_net
+        with th.no_grad():
+            q = scorer(rows, req, mask)
+            qc = th.where(w > 0, q.gather(1, acts), th.full_like(w, -th.inf))
+            pick_adv = adv.gather(1, qc.argmax(dim=1, keepdim=True))
+            best = q.argmax(dim=1)
+        if self._initial_pick is None:
+            self._initial_pick = best
+        return {"probe_advantage": float(pick_adv.mean()),
+                "probe_churn": float((best != self._initial_pick).float().mean())}
 
     def _on_training_start(self) -> None:
         self.t0 = time.perf_counter()
+        if self.probe is not None:
+            m = self.probe_metrics()
+            self.history.append((0, m))
+            if self.log_mlflow:
+                log_step_metrics(m, 0)
 
     def _on_step(self) -> bool:
         if self.num_timesteps % self.every:
             return True
         step = int(self.num_timesteps)
         tr = self.validation.train_reward()
-        loss = self.model.logger.name_to_value.get("train/loss") if self.model.logger is not None else None
+        values = self.model.logger.name_to_value if self.model.logger is not None else {}
         self.validation.train_curve.append((step, tr))
         metrics = {"train_reward": tr, "exploration_rate": float(getattr(self.model, "exploration_rate", 0.0)),
                    "steps_per_s": step / max(time.perf_counter() - self.t0, 1e-9)}
-        if loss is not None:
-            metrics["td_loss"] = float(loss)
+        if values.get("train/loss") is not None:
+            metrics["td_loss"] = float(values["train/loss"])
+        for key in ("q_mean", "td_abs", "target_std", "action_gap", "demo_loss"):
+            if values.get(f"train/{key}") is not None:
+                metrics[key] = float(values[f"train/{key}"])
+        metrics.update(self.probe_metrics())
+        self.history.append((step, metrics))
         if self.log_mlflow:
             log_step_metrics(metrics, step)
         if self.report is not None:

@@ -22,8 +22,9 @@ def train(
     config: Annotated[Path | None, typer.Option(help="train config YAML (default configs/train.yaml)")] = None,
     telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the config's, else the "
                                                         "shipped bundle)")] = None,
-    ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: a local Ray "
-                                                         "instance on this machine)")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster, HOST:PORT or 'auto' "
+                                                         "(default: a new local Ray instance of this run, whatever "
+                                                         "cluster the machine or $RAY_ADDRESS names)")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="where Tune results, the MLflow store and exports go "
                                                       "(default: the config's run_dir)")] = None,
     timesteps: Annotated[int | None, typer.Option(help="DQN steps per trial (overrides the config)")] = None,

@@ -9,7 +9,7 @@ so the agent optimizes the reward it is judged on; only the episode length diffe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -89,6 +89,27 @@ class DQNConfig(Strict):
     exploration_initial_eps: float = Field(0.05, ge=0, le=1)
     exploration_final_eps: float = Field(0.02, ge=0, le=1)
     max_grad_norm: float = Field(10.0, gt=0)
+    # the knobs of the fine-tuning ablations (docs/results.md, "Why DQN fine-tuning does not beat its warm
+    # start"); the defaults are SB3's DQN as before
+    n_steps: int = Field(1, ge=1, le=256, description="n-step returns (SB3's NStepReplayBuffer; the training "
+                                                      "observation is then flattened to one Box, which SB3 needs "
+                                                      "for them)")
+    loss: Literal["huber", "mse"] = Field("huber", description="TD loss: SB3's Huber (smooth L1), or squared error")
+    reward_scale: float = Field(1.0, gt=0, description="rewards (and the reward prior and the warm start's "
+                                                       "targets with them) are multiplied by this while training; "
+                                                       "the export is in reward units again")
+    exploration: Literal["uniform", "top_k"] = Field(
+        "uniform", description="an exploring step's offering: uniform over the valid ones, or uniform over the "
+                               "exploration_top_k best valid ones by the current Q-values")
+    exploration_top_k: int = Field(3, ge=2, description="offerings an exploring step draws from (exploration: top_k)")
+    demo_weight: float = Field(0.0, ge=0, description="weight of the warm start's labelled states in every DQN "
+                                                      "update (replay composition, DQfD-style): the squared error "
+                                                      "of Q(s,a) - Q(s,greedy's a) against the rollout advantage")
+    demo_batch_size: int = Field(64, ge=1, description="warm-start states per update when demo_weight > 0")
+    warmup: Literal["random", "policy"] = Field(
+        "random", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
+                              "start's own epsilon-greedy choices (n-step returns over random actions are the random "
+                              "policy's)")
 
 
 class SearchConfig(Strict):
@@ -128,7 +149,7 @@ class DataConfig(Strict):
     report the ``test`` windows of ``gate``, which no selection saw. ``--telemetry`` (or
     ``telemetry``) replaces every list with one bundle."""
 
-    train: list[str] = Field(default_factory=lambda: ["default", "feb2024"], min_length=1)
+    train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake"], min_length=1)
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: str = Field("mar2024", description="bundle whose validation window selects checkpoints and trials")

@@ -31,6 +31,7 @@ from envs.cloud_route import CloudRouteEnv
 from models.baselines import BASELINES, Policy, make_baseline
 from xroute.bundle import Bundle
 from xroute.config import EvaluateConfig
+from xroute.errors import ConfigError
 
 METRICS = ("requests", "cost_usd", "cost_per_1k_requests", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
            "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward",
@@ -49,6 +50,9 @@ class PolicyRun:
     metrics: dict[str, float]
     t: np.ndarray = field(repr=False)
     cum_cost: np.ndarray = field(repr=False)
+    #: the offerings chosen, request by request, and the summed reward (in order: as a planner sums)
+    actions: np.ndarray | None = field(default=None, repr=False)
+    total_reward: float = float("nan")
 
 
 @dataclass
@@ -64,6 +68,8 @@ class PolicyResult:
     vs_best: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     wall_s: float = 0.0
     is_baseline: bool = True
+    #: the paired differences are taken to this policy (``evaluate(versus=...)``) rather than to the best baseline
+    is_reference: bool = False
 
     @property
     def t(self) -> np.ndarray:
@@ -88,6 +94,13 @@ def is_baseline(name: str) -> bool:
     return (name in BASELINES and name != "oracle") or name.startswith("static:")
 
 
+def known_plans(runs: list[PolicyRun]) -> dict[str, tuple[list[int], float]]:
+    """The baselines' runs (one seed, one environment) as the plans the oracle would otherwise play
+    again itself (``models.baselines.Oracle.known``): name -> (actions, total reward)."""
+    return {r.name: (r.actions.tolist(), r.total_reward) for r in runs
+            if r.name in BASELINES and r.name != "oracle" and r.actions is not None}
+
+
 def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
                progress: Callable[[int], None] | None = None, compare_greedy: bool | None = None) -> PolicyRun:
     """One pass of ``policy`` over ``env``'s episode for ``seed``. With ``compare_greedy`` (the
@@ -106,18 +119,37 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     ttfts = np.empty(n)
     viol = np.empty(n, dtype=bool)
     ts = np.empty(n)
+    actions = np.empty(n, dtype=np.int64)
+    total_reward = 0.0
     failed = migrations = preempted = 0
+    pol = env.policies  # the routing policies (envs.policies): what each excludes, request by request
+    excluded = np.zeros(pol.R if pol is not None else 0, dtype=np.int64)
+    affected = np.zeros_like(excluded)
+    prompt_tokens = cached_tokens = 0.0
+    placed = np.full(n, -1, dtype=np.int64)
     for k in range(n):
         ts[k] = info["t"]
+        if pol is not None:
+            out = env.r_policy
+            if out.excluded:
+                c = out.counts[: pol.R]
+                excluded += c
+                affected += c > 0
         a = policy.act(obs, info)
+        actions[k] = a
         if compare_greedy:
             differs += int(np.argmax(env.expected_rewards())) != a
         obs, r, _term, trunc, info = env.step(a)
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
                                                              info["sla_violation"])
+        total_reward += r
         failed += bool(info["failed"])
         preempted += bool(info["preempted"])
         migrations += info["migrated_to"] is not None
+        prompt_tokens += info.get("prompt_tokens", 0.0)
+        cached_tokens += info.get("cached_tokens", 0.0)
+        if not info["failed"]:
+            placed[k] = info["offering"] if info["migrated_to"] is None else info["migrated_to"]
         if progress is not None and (k % 500 == 499 or trunc):
             progress(k % 500 + 1)
     served = lats[~np.isnan(lats)]
@@ -140,11 +172,40 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     }
     if compare_greedy:
         m["differs_from_greedy"] = round(differs / max(n, 1), 6)
+    if pol is not None:  # per routing policy: offerings it excluded per request, share of requests it excluded any
+        for r, name in enumerate(pol.names):
+            m[f"policy_excluded[{name}]"] = round(float(excluded[r]) / max(n, 1), 4)
+            m[f"policy_affected[{name}]"] = round(float(affected[r]) / max(n, 1), 6)
+    if prompt_tokens > 0:  # prefix-bearing requests: the servers' prefix caches (envs.prefix)
+        m["prefix_hit_rate"] = round(cached_tokens / prompt_tokens, 6)
+        m["prefill_tokens_saved"] = round(cached_tokens)
+    sessions = getattr(env, "req_session", None)
+    if sessions is not None and (sessions[i0:i0 + n] >= 0).any():
+        moves, moved = session_moves(sessions[i0:i0 + n], placed)
+        m["session_moves"], m["sessions_moved"] = moves, moved
     tenants = env.bundle.workload["tenant"].to_numpy()[i0:i0 + n] if "tenant" in env.bundle.workload.columns else None
     if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
         for t in sorted(set(tenants)):
             m[f"mean_reward[{t}]"] = round(float(rewards[tenants == t].mean()), 6)
-    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs))
+    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs), actions, total_reward)
+
+
+def session_moves(sessions: np.ndarray, served: np.ndarray) -> tuple[int, int]:
+    """(requests served on another offering than their session's previous served request, sessions
+    with at least one such move), from each request's session (-1: none) and served offering (-1:
+    failed, skipped)."""
+    last: dict[int, int] = {}
+    moved: set[int] = set()
+    moves = 0
+    for s, a in zip(sessions.tolist(), served.tolist()):
+        if s < 0 or a < 0:
+            continue
+        prev = last.get(s)
+        if prev is not None and prev != a:
+            moves += 1
+            moved.add(s)
+        last[s] = a
+    return moves, len(moved)
 
 
 def tune_pacing_gain(windows: list[tuple[Bundle, pd.DataFrame | None]], cfg: EvaluateConfig, gains: list[float],
@@ -200,10 +261,12 @@ class _Lines:
 
 
 def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_progress: bool = True,
-             seeds: int | None = None, history: pd.DataFrame | None = None) -> list[PolicyResult]:
+             seeds: int | None = None, history: pd.DataFrame | None = None, versus: str | None = None
+             ) -> list[PolicyResult]:
     """Run every policy on ``bundle`` for ``seeds`` seeds (``cfg.seed``, ``cfg.seed + 1``, ...)
     and compare them (module docstring). ``history``: requests before the bundle's stream, whose
-    outputs the routers' estimators start from."""
+    outputs the routers' estimators start from. ``versus``: the policy the paired differences are
+    taken to (one of ``policies``; default the best baseline)."""
     n_seeds = cfg.seeds if seeds is None else seeds
     env = CloudRouteEnv(bundle, cfg.env, history=history)
     resolved = [(p, resolve_policy(p, cfg)) for p in policies]
@@ -245,6 +308,8 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
                             lines(f"{label} (planning {p}/{n}: {name})", s + 1, n_seeds, d, tot)
 
                     pol.on_progress = planning
+                if hasattr(pol, "known"):  # the oracle: the baselines evaluated before it need no second play
+                    pol.known[cfg.seed + s] = known_plans([r.runs[s] for r in results])
                 run = run_policy(env, pol, cfg.seed + s, progress=advance)
                 run.name = label
                 runs.append(run)
@@ -260,17 +325,29 @@ def evaluate(bundle: Bundle, policies: list[str], cfg: EvaluateConfig, show_prog
             res.metrics["wall_s"] = res.wall_s
             res.metrics["requests_per_s"] = round(total * n_seeds / max(res.wall_s, 1e-9), 1)
             results.append(res)
-    compare_to_best(results)
+    compare_to_best(results, versus)
     return results
 
 
 def best_baseline(results: list[PolicyResult]) -> PolicyResult | None:
+    """The reference of the paired differences: the policy ``compare_to_best`` was told to compare
+    to (``is_reference``), else the baseline with the best mean reward."""
+    for r in results:
+        if r.is_reference:
+            return r
     cands = [r for r in results if r.is_baseline]
     return max(cands, key=lambda r: r.metrics["mean_reward"]) if cands else None
 
 
-def compare_to_best(results: list[PolicyResult]) -> None:
-    """Fill every result's ``vs_best``: per-seed differences to the best baseline, paired by seed."""
+def compare_to_best(results: list[PolicyResult], versus: str | None = None) -> None:
+    """Fill every result's ``vs_best``: per-seed differences to the best baseline (or to the
+    policy named ``versus``), paired by seed."""
+    if versus is not None:
+        if versus not in [r.name for r in results]:
+            raise ConfigError(f"--versus: '{versus}' is not one of the policies evaluated "
+                              f"({', '.join(r.name for r in results)})")
+        for r in results:
+            r.is_reference = r.name == versus
     best = best_baseline(results)
     if best is None:
         return
@@ -282,7 +359,9 @@ def compare_to_best(results: list[PolicyResult]) -> None:
 
 def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig, extra: dict[str, Any]
                 ) -> dict[str, Any]:
-    best = best_baseline(results)
+    cands = [r for r in results if r.is_baseline]
+    best = max(cands, key=lambda r: r.metrics["mean_reward"]) if cands else None
+    ref = best_baseline(results)
 
     def clean(x: float) -> float | None:
         return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else round(float(x), 6)
@@ -291,6 +370,9 @@ def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig
         "bundle": str(bundle.path), "bundle_hash": bundle.content_hash, "seed": cfg.seed,
         "seeds": len(results[0].runs) if results else 0, "rate_scale": cfg.env.rate_scale,
         "best_baseline": best.name if best else None, **extra,
+        "routing_policies": _policies_summary(cfg.env.policies),
+        # the paired differences ("vs_best_baseline") are taken to this policy
+        "compared_to": ref.name if ref else None,
         "policies": {r.name: {**{k: clean(v) for k, v in r.metrics.items()},
                               "ci95": {k: [clean(lo), clean(hi)] for k, (lo, hi) in r.ci.items()},
                               "vs_best_baseline": {k: {"mean": clean(m), "ci95": [clean(lo), clean(hi)]}
@@ -298,6 +380,17 @@ def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig
                               "per_seed": [run.metrics for run in r.runs]}
                      for r in results},
     }
+
+
+def _policies_summary(policies: Any) -> dict[str, Any] | None:
+    """The routing policies the run was under, for the report: their names and version (or the
+    file they were read from)."""
+    if policies is None:
+        return None
+    if isinstance(policies, str):
+        return {"source": policies}
+    return {"version": policies.version, "prefer_mode": policies.prefer_mode,
+            "names": [p.name for p in policies.policies]}
 
 
 def _pm(mean: float, lo: float, hi: float, fmt: str) -> str:
@@ -312,15 +405,19 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
 
     best = best_baseline(results)
     n_seeds = len(results[0].runs) if results else 0
+    ref = "" if best is None else f"{best.name}" if best.is_reference else f"the best baseline ({best.name})"
     t = Table(title=title, caption=f"mean over {n_seeds} seed(s) ± half the 95 % interval; Δ = paired difference to "
-                                   f"the best baseline ({best.name if best else 'none'})")
+                                   f"{ref or 'none'}")
     cols = ["policy", "reward", "Δ reward", "$/1k req", "Δ $/1k", "p95 ms", "Δ p95", "TTFT p95", "SLO %", "Δ SLO pp",
             "failed", "refused", "quota excl.", "preempt."]
+    prefix = bool(results) and "prefix_hit_rate" in results[0].metrics
+    if prefix:
+        cols += ["hit %", "saved tok", "sess. moved"]
     for c in cols:
         t.add_column(c, justify="left" if c == "policy" else "right")
     for r in results:
         m, ci, vb = r.metrics, r.ci, r.vs_best
-        mark = " (best baseline)" if r is best else ""
+        mark = (" (reference)" if r.is_reference else " (best baseline)") if r is best else ""
 
         def d(k: str, fmt: str, scale: float = 1.0, vb: dict[str, tuple[float, float, float]] = vb) -> str:
             if k not in vb:
@@ -328,13 +425,46 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
             mean, lo, hi = (x * scale for x in vb[k])
             return _pm(mean, lo, hi, fmt)
 
-        t.add_row(r.name + mark, _pm(m["mean_reward"], *ci["mean_reward"], ".4f"), d("mean_reward", "+.4f"),
-                  _pm(m["cost_per_1k_requests"], *ci["cost_per_1k_requests"], ".4f"), d("cost_per_1k_requests", "+.4f"),
-                  f"{m['latency_p95_ms']:.0f}", d("latency_p95_ms", "+.0f"), f"{m['ttft_p95_ms']:.0f}",
-                  f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
-                  f"{m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f}",
-                  f"{m.get('excluded_quota', 0):.2f}", f"{m['preempted']:.0f}")
+        cells = [r.name + mark, _pm(m["mean_reward"], *ci["mean_reward"], ".4f"), d("mean_reward", "+.4f"),
+                 _pm(m["cost_per_1k_requests"], *ci["cost_per_1k_requests"], ".4f"), d("cost_per_1k_requests", "+.4f"),
+                 f"{m['latency_p95_ms']:.0f}", d("latency_p95_ms", "+.0f"), f"{m['ttft_p95_ms']:.0f}",
+                 f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
+                 f"{m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f}",
+                 f"{m.get('excluded_quota', 0):.2f}", f"{m['preempted']:.0f}"]
+        if prefix:
+            cells += _prefix_cells(m)
+        t.add_row(*cells)
     Console(width=180).print(t)
+    rows = policy_exclusions(results)
+    if rows:
+        p = Table(title="routing policies: exclusions", caption="offerings each excluded per request (share of "
+                                                                  "requests it excluded any)")
+        p.add_column("policy", justify="left")
+        for name in rows[0][1]:
+            p.add_column(name, justify="right")
+        for name, pcells in rows:
+            p.add_row(name, *pcells.values())
+        Console(width=180).print(p)
+
+
+def policy_exclusions(results: list[PolicyResult]) -> list[tuple[str, dict[str, str]]]:
+    """Per evaluated policy, each routing policy's exclusions (``policy_excluded[..]``,
+    ``policy_affected[..]`` metrics) as table cells; empty without routing policies."""
+    out = []
+    for r in results:
+        names = [k[len("policy_excluded["):-1] for k in r.metrics if k.startswith("policy_excluded[")]
+        if names:
+            out.append((r.name, {n: f"{r.metrics[f'policy_excluded[{n}]']:.2f} "
+                                    f"({100 * r.metrics[f'policy_affected[{n}]']:.1f} %)" for n in names}))
+    return out
+
+
+def _prefix_cells(m: dict[str, float]) -> list[str]:
+    """The prefix caches' columns: hit rate (cached prompt tokens / prompt tokens), prefill tokens
+    saved, and sessions served on more than one offering ("—" where the stream names none)."""
+    moved = m.get("sessions_moved")
+    return [f"{100 * m.get('prefix_hit_rate', float('nan')):.1f}", f"{m.get('prefill_tokens_saved', 0.0):,.0f}",
+            "—" if moved is None or not math.isfinite(moved) else f"{moved:.0f}"]
 
 
 def as_results(runs: list[Any]) -> list[PolicyResult]:
@@ -360,8 +490,10 @@ def markdown_table(results: list[Any]) -> str:
     the best baseline), for docs and MLflow."""
     results = as_results(results)
     best = best_baseline(results)
+    prefix = bool(results) and "prefix_hit_rate" in results[0].metrics
     head = ("| policy | reward | Δ reward | $/1k req | p50 ms | p95 ms | TTFT p95 ms | SLO % | Δ SLO pp | failed | "
-            "refused | preempted |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "refused | preempted |" + (" prefix hit % | prefill tokens saved | sessions moved |" if prefix else "") +
+            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if prefix else "") + "\n")
     rows = []
     for r in results:
         m, ci, vb = r.metrics, r.ci, r.vs_best
@@ -372,11 +504,13 @@ def markdown_table(results: list[Any]) -> str:
             mean, lo, hi = (x * scale for x in vb[k])
             return _pm(mean, lo, hi, fmt)
 
-        rows.append(f"| {r.name}{' (best baseline)' if r is best else ''} | {_pm(m['mean_reward'], *ci['mean_reward'], '.4f')} "
+        mark = (" (reference)" if r.is_reference else " (best baseline)") if r is best else ""
+        rows.append(f"| {r.name}{mark} | {_pm(m['mean_reward'], *ci['mean_reward'], '.4f')} "
                     f"| {d('mean_reward', '+.4f')} | {_pm(m['cost_per_1k_requests'], *ci['cost_per_1k_requests'], '.4f')} "
                     f"| {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} | {m['ttft_p95_ms']:.0f} "
                     f"| {100 * m['sla_attainment']:.2f} | {d('sla_attainment', '+.2f', 100.0)} | {m['failed_requests']:.0f} "
-                    f"| {m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f} | {m['preempted']:.0f} |")
+                    f"| {m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f} | {m['preempted']:.0f} |"
+                    + ("".join(f" {c} |" for c in _prefix_cells(m)) if prefix else ""))
     return head + "\n".join(rows) + "\n"
 
 
@@ -389,7 +523,7 @@ def results_from_report(report: dict[str, Any]) -> list[PolicyResult]:
         res.metrics = {k: (float("nan") if v is None else v) for k, v in p.items() if isinstance(v, (int, float))}
         res.ci = {k: tuple(float("nan") if x is None else x for x in v) for k, v in p["ci95"].items()}  # type: ignore[misc]
         out.append(res)
-    compare_to_best(out)
+    compare_to_best(out, report.get("compared_to") if report.get("compared_to") != report.get("best_baseline") else None)
     return out
 
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch as th
 from gymnasium import spaces
 from stable_baselines3 import DQN
-from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor, FlattenExtractor
 from stable_baselines3.common.type_aliases import PyTorchObs
 from stable_baselines3.dqn.policies import DQNPolicy, QNetwork
 from torch import nn
+from torch.nn import functional as tnf
 
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, F, R
 from models.policy import RewardPrior, RouterWeights
@@ -43,8 +45,12 @@ class SharedScorer(nn.Module):
     estimate plus the MLP's output, and the MLP's last layer starts at zero: the untrained network
     is the one-step expected-reward policy and training learns the correction."""
 
-    def __init__(self, hidden: list[int], context_dim: int = 16, prior: RewardPrior | None = None):
+    def __init__(self, hidden: list[int], context_dim: int = 16, prior: RewardPrior | None = None,
+                 prior_scale: float = 1.0):
         super().__init__()
+        #: the reward scale this network is trained at (``dqn.reward_scale``): its scores are
+        #: ``prior_scale`` x (prior + correction in reward units); ``export_router`` divides it out
+        self.prior_scale = float(prior_scale)
         d_in = N_OFFERING_FEATURES + N_REQUEST_FEATURES
         self.ctx = nn.Linear(d_in, context_dim) if context_dim > 0 else None
         dims = [d_in + context_dim, *hidden]
@@ -81,7 +87,7 @@ class SharedScorer(nn.Module):
             c = (e * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
             x = th.cat([x, c.unsqueeze(1).expand(b, n, c.shape[-1])], dim=-1)
         s = self.mlp(x).squeeze(-1)
-        return s if self.prior is None else s + self.prior_scores(rows, request)
+        return s if self.prior is None else s + self.prior_scale * self.prior_scores(rows, request)
 
     def forward(self, rows: th.Tensor, request: th.Tensor, mask: th.Tensor) -> th.Tensor:
         s = self.raw_scores(rows, request, mask)
@@ -104,22 +110,48 @@ class OfferingRowsExtractor(BaseFeaturesExtractor):
         return th.cat([observations["offerings"], observations["request"], observations["mask"]], dim=1)
 
 
+class FlatObservation(gym.ObservationWrapper):  # type: ignore[type-arg]
+    """The Dict observation as one Box ``[offerings, request, mask]`` -- the layout
+    :class:`OfferingRowsExtractor` makes of it, so the Q-network reads both alike. SB3 2.9's
+    n-step returns (``NStepReplayBuffer``) exist only for non-Dict spaces: ``dqn.n_steps > 1``
+    trains on this."""
+
+    def __init__(self, env: gym.Env):  # type: ignore[type-arg]
+        super().__init__(env)
+        sp = env.observation_space
+        keys = ("offerings", "request", "mask")
+        self.observation_space = spaces.Box(np.concatenate([sp[k].low for k in keys]),  # type: ignore[index]
+                                            np.concatenate([sp[k].high for k in keys]),  # type: ignore[index]
+                                            dtype=np.float32)
+
+    def observation(self, observation: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([observation["offerings"], observation["request"], observation["mask"]])
+
+
+def observation_mask(observation: np.ndarray | dict[str, np.ndarray], n_actions: int) -> np.ndarray:
+    """The action mask of a Dict observation or of a :class:`FlatObservation` (its last columns)."""
+    if isinstance(observation, dict):
+        return np.asarray(observation["mask"])
+    return np.asarray(observation)[..., -n_actions:]
+
+
 class MaskedQNetwork(QNetwork):
     """``QNetwork`` whose head is a :class:`SharedScorer` over the offering rows."""
 
     def __init__(self, observation_space: spaces.Space, action_space: spaces.Discrete,
                  features_extractor: BaseFeaturesExtractor, features_dim: int, net_arch: list[int] | None = None,
                  activation_fn: type[nn.Module] = nn.ReLU, normalize_images: bool = True, context_dim: int = 16,
-                 prior: dict[str, float] | None = None):
+                 prior: dict[str, float] | None = None, prior_scale: float = 1.0):
         super().__init__(observation_space, action_space, features_extractor, features_dim, net_arch=[],
                          activation_fn=activation_fn, normalize_images=normalize_images)
         self.net_arch = list(net_arch or [64, 64])
         self.context_dim = context_dim
         self.prior = dict(prior) if prior else None
+        self.prior_scale = float(prior_scale)
         self.n_actions = int(action_space.n)
         # replaces the flat MLP of QNetwork
         self.q_net = SharedScorer(  # type: ignore[assignment]
-            self.net_arch, context_dim, RewardPrior(**prior) if prior else None)
+            self.net_arch, context_dim, RewardPrior(**prior) if prior else None, prior_scale)
 
     def split(self, flat: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
         n, nf = self.n_actions, N_OFFERING_FEATURES
@@ -133,7 +165,7 @@ class MaskedQNetwork(QNetwork):
 
     def _get_constructor_parameters(self) -> dict[str, Any]:
         data = super()._get_constructor_parameters()
-        data.update(context_dim=self.context_dim, prior=self.prior)
+        data.update(context_dim=self.context_dim, prior=self.prior, prior_scale=self.prior_scale)
         return data
 
 
@@ -143,19 +175,23 @@ class SharedScorerDQNPolicy(DQNPolicy):
 
     def __init__(self, observation_space: spaces.Space, action_space: spaces.Discrete, lr_schedule: Any,
                  net_arch: list[int] | None = None, context_dim: int = 16, prior: dict[str, float] | None = None,
-                 **kwargs: Any):
+                 prior_scale: float = 1.0, **kwargs: Any):
         self.context_dim = context_dim
         self.prior = prior
-        kwargs.setdefault("features_extractor_class", OfferingRowsExtractor)
+        self.prior_scale = prior_scale
+        # the Dict observation is concatenated by OfferingRowsExtractor; a FlatObservation already is
+        kwargs.setdefault("features_extractor_class",
+                          OfferingRowsExtractor if isinstance(observation_space, spaces.Dict) else FlattenExtractor)
         super().__init__(observation_space, action_space, lr_schedule, net_arch=net_arch, **kwargs)
 
     def make_q_net(self) -> MaskedQNetwork:
         net_args = self._update_features_extractor(self.net_args, features_extractor=None)
-        return MaskedQNetwork(**net_args, context_dim=self.context_dim, prior=self.prior).to(self.device)
+        return MaskedQNetwork(**net_args, context_dim=self.context_dim, prior=self.prior,
+                              prior_scale=self.prior_scale).to(self.device)
 
     def _get_constructor_parameters(self) -> dict[str, Any]:
         data = super()._get_constructor_parameters()
-        data.update(context_dim=self.context_dim, prior=self.prior)
+        data.update(context_dim=self.context_dim, prior=self.prior, prior_scale=self.prior_scale)
         return data
 
 
@@ -170,31 +206,138 @@ def random_valid_actions(mask: np.ndarray, rng: np.random.Generator) -> np.ndarr
     return out
 
 
+def top_k_valid_actions(q: np.ndarray, mask: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """One action per row of ``q`` (B, N), uniformly among the ``k`` valid actions with the highest
+    Q-values (fewer when fewer are valid); 0 where nothing is valid."""
+    q, mask = np.atleast_2d(q), np.atleast_2d(mask) > 0.5
+    out = np.zeros(q.shape[0], dtype=np.int64)
+    for i in range(q.shape[0]):
+        valid = np.flatnonzero(mask[i])
+        if valid.size:
+            best = valid[np.argsort(-q[i, valid], kind="stable")[:k]]
+            out[i] = best[rng.integers(best.size)]
+    return out
+
+
 class MaskedDQN(DQN):
     """``DQN`` whose epsilon-greedy exploration (and warm-up) draws only valid actions, from a
-    generator seeded with ``seed`` (not the global numpy RNG)."""
+    generator seeded with ``seed`` (not the global numpy RNG), with the knobs of the fine-tuning
+    ablations (``models.config.DQNConfig``; the defaults are SB3's DQN):
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    * ``loss``: ``"huber"`` (SB3's smooth L1) or ``"mse"``;
+    * ``reward_scale``: rewards times this in the TD target (build the policy with ``prior_scale``
+      equal to it, so the prior is on the same scale);
+    * ``exploration``: ``"uniform"`` over the valid offerings, or ``"top_k"``: uniform over the
+      ``exploration_top_k`` best valid ones by the current Q-values;
+    * ``warmup``: the first ``learning_starts`` steps fill the buffer with ``"random"`` valid
+      offerings (SB3's warm-up), or with the ``"policy"``'s epsilon-greedy choices (the warm start's:
+      n-step returns over a window of random actions are the random policy's, not the policy's);
+    * ``demo`` (a ``models.warmstart.RolloutData``) and ``demo_weight``: every update also fits
+      ``Q(s,a) - Q(s,a_greedy)`` to the warm start's rollout advantages of ``demo_batch_size`` of
+      its labelled states (the warm start's knowledge kept in the loss, DQfD-style).
+
+    ``train`` is SB3's ``DQN.train`` with those added, and records beside ``train/loss`` what the
+    ablations diagnose: ``train/q_mean``, ``train/td_abs`` (mean |TD error|), ``train/target_std``,
+    ``train/action_gap`` (best minus second-best valid Q-value) and ``train/demo_loss``."""
+
+    def __init__(self, *args: Any, loss: str = "huber", reward_scale: float = 1.0, exploration: str = "uniform",
+                 exploration_top_k: int = 3, demo: Any = None, demo_weight: float = 0.0, demo_batch_size: int = 64,
+                 warmup: str = "random", **kwargs: Any):
+        if loss not in ("huber", "mse") or exploration not in ("uniform", "top_k") or warmup not in ("random", "policy"):
+            raise ValueError(f"loss {loss!r} / exploration {exploration!r} / warmup {warmup!r}")
+        self.warmup = warmup
+        self.loss_kind, self.reward_scale = loss, float(reward_scale)
+        self.exploration_kind, self.exploration_top_k = exploration, int(exploration_top_k)
+        self.demo, self.demo_weight, self.demo_batch_size = demo, float(demo_weight), int(demo_batch_size)
+        self._demo_t: tuple[th.Tensor, ...] | None = None
         super().__init__(*args, **kwargs)
         self.explore_rng = np.random.default_rng(self.seed)
+        self.demo_rng = np.random.default_rng(None if self.seed is None else self.seed + 1)
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "demo", "_demo_t"]
+
+    def _explore(self, observation: np.ndarray | dict[str, np.ndarray]) -> np.ndarray:
+        mask = observation_mask(observation, int(self.action_space.n))  # type: ignore[attr-defined]
+        if self.exploration_kind == "top_k":
+            with th.no_grad():
+                obs_t, _ = self.policy.obs_to_tensor(observation)
+                q = self.q_net(obs_t).cpu().numpy()
+            return top_k_valid_actions(q, mask, self.exploration_top_k, self.explore_rng)
+        return random_valid_actions(mask, self.explore_rng)
 
     def predict(self, observation: np.ndarray | dict[str, np.ndarray], state: tuple[np.ndarray, ...] | None = None,
                 episode_start: np.ndarray | None = None, deterministic: bool = False,
                 ) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
         if not deterministic and self.explore_rng.random() < self.exploration_rate:
-            assert isinstance(observation, dict), "MaskedDQN needs the Dict observation (it carries the mask)"
-            mask = np.asarray(observation["mask"])
-            actions = random_valid_actions(mask, self.explore_rng)
-            return (actions if mask.ndim > 1 else actions[0]), state
+            actions = self._explore(observation)
+            batched = np.asarray(observation_mask(observation, int(self.action_space.n))).ndim > 1  # type: ignore[attr-defined]
+            return (actions if batched else actions[0]), state
         return self.policy.predict(observation, state, episode_start, deterministic)
 
     def _sample_action(self, learning_starts: int, action_noise: Any = None, n_envs: int = 1,
                        ) -> tuple[np.ndarray, np.ndarray]:
-        if self.num_timesteps < learning_starts:
-            assert isinstance(self._last_obs, dict)
-            actions = random_valid_actions(self._last_obs["mask"], self.explore_rng)
+        if self.num_timesteps < learning_starts and self.warmup == "random":
+            assert self._last_obs is not None
+            mask = observation_mask(self._last_obs, int(self.action_space.n))  # type: ignore[attr-defined]
+            actions = random_valid_actions(mask, self.explore_rng)
             return actions, actions
-        return super()._sample_action(learning_starts, action_noise, n_envs)
+        # (with warmup "policy", SB3's own warm-up -- uniform over every action, valid or not -- is skipped)
+        return super()._sample_action(0 if self.warmup == "policy" else learning_starts, action_noise, n_envs)
+
+    def _demo_loss(self) -> th.Tensor:
+        if self._demo_t is None:
+            d = self.demo
+            n = int(self.action_space.n)  # type: ignore[attr-defined]
+            self._demo_t = (th.tensor(d.offerings).reshape(len(d), n, N_OFFERING_FEATURES), th.tensor(d.request),
+                            th.tensor(d.mask), th.tensor(d.actions), th.tensor(d.advantage), th.tensor(d.weight))
+        rows, req, mask, acts, adv, w = self._demo_t
+        idx = th.as_tensor(self.demo_rng.integers(len(req), size=self.demo_batch_size))
+        scorer: Any = self.q_net.q_net
+        q = scorer(rows[idx], req[idx], mask[idx]).gather(1, acts[idx])
+        diff = q - q[:, :1]  # column 0 is greedy's candidate (advantage 0)
+        wi = w[idx]
+        return (((diff - self.reward_scale * adv[idx]) ** 2) * wi).sum() / wi.sum().clamp(min=1.0)
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        """SB3 2.9's ``DQN.train`` (same sampling, target, clipping and counters) with the knobs and
+        the recorded diagnostics of the class docstring."""
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        losses, q_mean, td_abs, t_std, gap, demo = [], [], [], [], [], []
+        for _ in range(gradient_steps):
+            replay_data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
+            discounts = replay_data.discounts if replay_data.discounts is not None else self.gamma
+            with th.no_grad():
+                next_q = self.q_net_target(replay_data.next_observations).max(dim=1).values.reshape(-1, 1)
+                target = self.reward_scale * replay_data.rewards + (1 - replay_data.dones) * discounts * next_q
+            q_all = self.q_net(replay_data.observations)
+            q = th.gather(q_all, dim=1, index=replay_data.actions.long())
+            loss = tnf.smooth_l1_loss(q, target) if self.loss_kind == "huber" else tnf.mse_loss(q, target)
+            if self.demo is not None and self.demo_weight > 0 and len(self.demo):
+                d_loss = self._demo_loss()
+                demo.append(float(d_loss.detach()))
+                loss = loss + self.demo_weight * d_loss
+            losses.append(loss.item())
+            with th.no_grad():
+                q_mean.append(float(q.mean()))
+                td_abs.append(float((q - target).abs().mean()))
+                t_std.append(float(target.std()))
+                top2 = q_all.topk(2, dim=1).values
+                ok = top2[:, 1] > INVALID_Q / 2  # rows with two valid offerings
+                if bool(ok.any()):
+                    gap.append(float((top2[ok, 0] - top2[ok, 1]).mean()))
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            self.policy.optimizer.step()
+        self._n_updates += gradient_steps
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/loss", np.mean(losses))
+        for key, vals in (("q_mean", q_mean), ("td_abs", td_abs), ("target_std", t_std), ("action_gap", gap),
+                          ("demo_loss", demo)):
+            if vals:
+                self.logger.record(f"train/{key}", float(np.mean(vals)))
 
 
 def export_router(q_net: MaskedQNetwork, meta: dict[str, Any] | None = None) -> RouterWeights:
@@ -206,5 +349,9 @@ def export_router(q_net: MaskedQNetwork, meta: dict[str, Any] | None = None) -> 
                 lin.bias.detach().cpu().numpy().astype(np.float32).copy())
 
     layers = [wb(m) for m in scorer.mlp if isinstance(m, nn.Linear)]
+    scale = float(getattr(scorer, "prior_scale", 1.0))
+    if scale != 1.0:  # trained at a reward scale: the correction back in reward units, beside the prior's
+        w, b = layers[-1]
+        layers[-1] = ((w / scale).astype(np.float32), (b / scale).astype(np.float32))
     ctx = wb(scorer.ctx) if scorer.ctx is not None else None
     return RouterWeights(layers=layers, ctx=ctx, prior=scorer.prior, meta={"hidden": q_net.net_arch, **(meta or {})})

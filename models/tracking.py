@@ -104,7 +104,9 @@ def start_trial_run(ctx: Any, name: str, params: dict[str, Any]) -> Any:
     tags = {"xroute.trial": name, "xroute.bundle_hash": ctx.bundle_hash}
     if ctx.parent_run_id:
         tags["mlflow.parentRunId"] = ctx.parent_run_id
-    run = mlflow.start_run(experiment_id=ctx.experiment_id, run_name=name, tags=tags)
+    # (nested when the parent is active in this process: training without Ray, the ablation runner)
+    run = mlflow.start_run(experiment_id=ctx.experiment_id, run_name=name, tags=tags,
+                           nested=mlflow.active_run() is not None)
     cfg_flat = flatten(ctx.cfg.model_dump(mode="json"))
     logged = {**{f"config.{k}": v for k, v in cfg_flat.items()}, **params, "bundle_hash": ctx.bundle_hash,
               **ctx.extra_params}

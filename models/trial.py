@@ -45,6 +45,10 @@ class TrialContext:
     parent_run_id: str | None = None
     out_dir: str = ""
     extra_params: dict[str, Any] = field(default_factory=dict)
+    #: in-process only (the ablation runner): fitted warm starts shared by trials (WarmStartCallback)
+    warm_cache: dict[Any, Any] | None = None
+    #: also export the last checkpoint (``router/last``), beside the best and the warm start alone
+    save_last: bool = False
 
 
 def trial_name(params: dict[str, Any]) -> str:
@@ -60,7 +64,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
 
     th.set_num_threads(1)
     from models.callbacks import ProgressCallback, Selection, ValidationCallback, WarmStartCallback
-    from models.qnet import MaskedDQN, SharedScorerDQNPolicy
+    from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy
 
     cfg, seed = ctx.cfg, int(params["seed"])
     gamma, lr = float(params["gamma"]), float(params["learning_rate"])
@@ -68,17 +72,23 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     out = Path(ctx.out_dir or ".") / name
     out.mkdir(parents=True, exist_ok=True)
     env_cfg = train_env_config(cfg, ctx.eval_cfg, ctx.max_offerings)
-    env = ScenarioMix([CloudRouteEnv(sc.bundle, env_cfg, history=sc.history) for sc in ctx.train], cfg.rate_scales,
+    mix = ScenarioMix([CloudRouteEnv(sc.bundle, env_cfg, history=sc.history) for sc in ctx.train], cfg.rate_scales,
                       seed)
     d = cfg.dqn
+    env: Any = FlatObservation(mix) if d.n_steps > 1 else mix  # (SB3's n-step returns need a non-Dict space)
+    demo = ctx.warm_data if d.demo_weight > 0 and ctx.warm_data is not None and len(ctx.warm_data) else None
     model = MaskedDQN(
         SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
         learning_starts=d.learning_starts, batch_size=d.batch_size, tau=d.tau, train_freq=d.train_freq,
         gradient_steps=d.gradient_steps, target_update_interval=d.target_update_interval,
         exploration_fraction=d.exploration_fraction, exploration_initial_eps=d.exploration_initial_eps,
         exploration_final_eps=d.exploration_final_eps, max_grad_norm=d.max_grad_norm, seed=seed, device="cpu",
+        n_steps=d.n_steps, loss=d.loss, reward_scale=d.reward_scale, exploration=d.exploration,
+        exploration_top_k=d.exploration_top_k, demo=demo, demo_weight=d.demo_weight,
+        demo_batch_size=d.demo_batch_size, warmup=d.warmup,
         policy_kwargs={"net_arch": list(cfg.net.hidden), "context_dim": cfg.net.context_dim,
-                       "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None},
+                       "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None,
+                       "prior_scale": d.reward_scale},
     )
     mlrun = tracking.start_trial_run(ctx, name, params)
     selection = Selection([(sc.label, CloudRouteEnv(sc.bundle, eval_env_config(ctx.eval_cfg, sc.rate),
@@ -88,11 +98,11 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
             "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
     validation = ValidationCallback(selection, cfg.eval_every, meta, report=report, log_mlflow=mlrun is not None)
     callbacks = [validation, ProgressCallback(cfg.progress_every, validation, report=report,
-                                              log_mlflow=mlrun is not None)]
+                                              log_mlflow=mlrun is not None, probe=ctx.warm_data)]
     warm = None
     if ctx.warm_data is not None and len(ctx.warm_data):
         warm = WarmStartCallback(ctx.warm_data, cfg.warm_start, gamma, seed, log_mlflow=mlrun is not None,
-                                 validation=validation)
+                                 validation=validation, cache=ctx.warm_cache)
         callbacks.insert(0, warm)
     t0 = time.perf_counter()
     try:
@@ -107,6 +117,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         assert best is not None
         initial = validation.initial if validation.initial is not None else best
         warm_dir = save_router(initial.weights, out / "router" / "warm_start_only")
+        last_dir = save_router(validation.last.weights, out / "router" / "last") \
+            if ctx.save_last and validation.last is not None else None
         # the trust region around greedy's choice: the margin that scores best on the selection windows
         margins = {}
         for m in cfg.net.margins:
@@ -125,6 +137,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
             "val_criterion_no_margin": best.criterion, "warm_start_val_criterion": initial.criterion,
             "warm_start_best_epoch": warm.report.best_epoch if warm is not None and warm.report is not None else None,
             "router_dir": str(router_dir), "warm_dir": str(warm_dir), "mlflow_run_id": meta["mlflow_run_id"],
+            "last_dir": str(last_dir) if last_dir is not None else None, "last_step": validation.curve[-1][0],
+            "curve": validation.curve,
             "steps_per_s": round(cfg.total_timesteps / max(wall, 1e-9), 1),
         }
         (out / "router" / "trial.json").write_text(json.dumps(result, indent=2, default=str))

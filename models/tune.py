@@ -48,10 +48,26 @@ def keep_ray_out_of_home() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+def start_local_ray(num_cpus: int, **kwargs: Any) -> None:
+    """A new Ray instance of this process on ``num_cpus`` CPUs, whatever the machine holds.
+
+    ``ray.init()`` without an address joins the cluster ``$RAY_ADDRESS`` or the file
+    ``<ray temp dir>/ray_current_cluster`` names -- which ``ray start --head`` writes and a head
+    that stopped without ``ray stop`` leaves behind -- and then refuses ``num_cpus`` ("When
+    connecting to an existing cluster, num_cpus and num_gpus must not be provided"), or, with a
+    live head of someone else's, would run on it. ``address="local"`` is Ray's documented way to
+    start a new local instance even if one exists (``ray.init``, case 4 of ``address``)."""
+    import ray
+
+    keep_ray_out_of_home()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+
+
 @contextmanager
 def ray_session(cfg: TrainConfig, ray_address: str | None, use_ray: bool) -> Iterator[None]:
     """Ray for the duration of training: the caller's if already initialized (tests), else an
-    existing cluster (``ray_address``) or a local instance, shut down afterwards."""
+    existing cluster (``ray_address``) or a new local instance of its own (``start_local_ray``:
+    never a cluster it happens to find on the machine), shut down afterwards."""
     if not use_ray:
         yield
         return
@@ -64,12 +80,11 @@ def ray_session(cfg: TrainConfig, ray_address: str | None, use_ray: bool) -> Ite
                 ray.init(address=ray_address, include_dashboard=False, logging_level=logging.ERROR,
                          log_to_driver=False)
             else:
-                keep_ray_out_of_home()
-                ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.ERROR,
-                         log_to_driver=False)
+                start_local_ray(cfg.ray.num_cpus, logging_level=logging.ERROR, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise XrouteError(f"--ray-address: cannot start or reach Ray at '{ray_address or 'local'}': "
-                              f"{first_line(e)}") from None
+            where = f"--ray-address: cannot reach Ray at '{ray_address}'" if ray_address else \
+                "cannot start a local Ray instance"
+            raise XrouteError(f"{where}: {first_line(e)}") from None
         started = True
     try:
         yield

@@ -52,6 +52,10 @@ def fork(env: Any) -> Any:
             setattr(sim, k, copy.copy(v))
         elif isinstance(v, np.random.Generator):
             setattr(sim, k, copy.deepcopy(v))
+    for e in (env, sim):  # what the two still share (the servers' prefix caches) is copied before a write
+        unshare = getattr(e, "unshare", None)
+        if unshare is not None:
+            unshare()
     return sim
 
 
@@ -199,7 +203,12 @@ def fit(q_net: Any, data: RolloutData, level: float, epochs: int, batch_size: in
     with th.no_grad():
         base = scorer.prior_scores(rows, req).gather(1, acts[:, :1]) if scorer.prior is not None else \
             th.tensor(data.greedy_reward)[:, None]
-    target = base + level + adv
+    # a network trained at a reward scale (``SharedScorer.prior_scale``) is fitted on that scale
+    target = float(getattr(scorer, "prior_scale", 1.0)) * (base + level + adv)
+    if not (th.isfinite(rows).all() and th.isfinite(req).all() and th.isfinite(target).all()):
+        # one NaN feature (even of a masked row: the context's masked mean sums them) makes every score NaN
+        raise ValueError("warm start: the labelled states hold non-finite features or targets; every observation "
+                         "must be finite (envs.features bounds)")
     order = th.randperm(len(data), generator=gen)
     n_hold = round(holdout * len(data)) if len(data) >= 10 else 0
     hold, train = order[:n_hold], order[n_hold:]

@@ -37,9 +37,13 @@ from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
+from router.policy_store import PolicyStore, PolicyStoreError
+from router.policy_sync import PolicySync
 from router.quotas import quota_events
+from router.readiness import Readiness
 from router.routes import admin, decisions, feedback, health, offerings, quotas, route
 from router.routes import metrics as metrics_routes
+from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
@@ -205,7 +209,8 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
 
     url = settings.state_url.get_secret_value() if settings.state_url is not None else None
     state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
-                                     settings.state_prefix, settings.state_stats_alpha), on_failover=failover)
+                                     settings.state_prefix, settings.state_stats_alpha,
+                                     settings.state_restore_window_s), on_failover=failover)
     if not await state.healthy():
         LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
     return state
@@ -282,30 +287,58 @@ class SharedStateSync:
     """Notices a shared state that lost its data (a new :class:`router.state.Epoch`) and restores
     this router's decision log into it (``RouterState.restore``: the reservations made before the
     epoch began whose hold has not passed and whose feedback has not come, and the idempotency
-    keys within their TTL). Run at start and about once a second with the shared view; a restore
-    that fails is tried again at the next check."""
+    keys within their TTL). Run at start and with every refresh of the shared view
+    (``state_view_refresh_s``); a restore that fails is tried again a second later.
+
+    The restore is announced (``RouterState.begin_restore``) before the log is read and this
+    router's part is marked done after (``end_restore``): until every router that noticed the
+    epoch has put its log back -- and for ``state_restore_window_s`` after the epoch began, in
+    which every live router notices -- a keyed request whose key the state lacks is answered 503
+    ``state_restoring`` instead of being decided anew (``router.state_redis``, "A keyed request
+    after a loss")."""
+
+    #: after a restore failed (the log unreadable), the next try waits this long (seconds)
+    RETRY_S = 1.0
 
     def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings,
                  engine: RoutingEngine | None = None):
         self.state, self.store, self.settings, self.engine = state, store, settings, engine
         self.known: str | None = None
         self.log_id = log_identity(settings)
+        self._retry_at = 0.0
 
     async def check(self) -> None:
         epoch = await self.state.epoch()
-        if epoch is None or epoch.id == self.known:
+        if epoch is None or epoch.id == self.known or time.monotonic() < self._retry_at:
             return
         now = time.time()
-        if epoch.started <= now - self.settings.state_hold_max_s:  # (the usual case at start: a server up for
-            self.known = epoch.id  # longer than any hold lost nothing a log could give back -- skip reading it)
+        if epoch.started <= now - max(self.settings.state_hold_max_s, self.settings.idempotency_ttl_s):
+            # (the usual case at start: a server up for longer than any hold or key lost nothing a
+            # log could give back -- skip reading it)
+            await self.state.end_restore(epoch, self.log_id, True)
+            self.known = epoch.id
             return
-        target = self.settings.log_target
-        events: list[Any] = await asyncio.to_thread(lambda: list(decision_events(
-            target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
-        if self.engine is not None:
-            events += await logged_quota_events(self.engine, self.settings, now, before=epoch.started)
-        answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
-        counts = await self.state.restore(epoch, self.log_id, events, answers, now)
+        # announced before the log is read, so no router decides a keyed request anew meanwhile
+        await self.state.begin_restore(epoch, self.log_id)
+        restored = False
+        try:
+            target = self.settings.log_target
+            events: list[Any] = await asyncio.to_thread(lambda: list(decision_events(
+                target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
+            if self.engine is not None:
+                events += await logged_quota_events(self.engine, self.settings, now, before=epoch.started)
+            answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
+            counts = await self.state.restore(epoch, self.log_id, events, answers, now)
+            restored = True
+        except BaseException:
+            self._retry_at = time.monotonic() + self.RETRY_S
+            raise
+        finally:
+            try:
+                await self.state.end_restore(epoch, self.log_id, restored)
+            except StateUnavailable:
+                if restored:
+                    raise
         self.known = epoch.id
         if counts is not None:
             LOG.info("shared state restored from the decision log", extra={"fields": {
@@ -316,15 +349,16 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
                                sync: SharedStateSync | None = None) -> None:
     """Read the shared state's in-flight work (every ``every`` s) and observed durations (about
     once a second) into the engine's view (``RoutingEngine.apply_shared_view``). While the state
-    cannot be read the last view stays (logged once per outage). ``sync``: checked about once a
-    second (:class:`SharedStateSync`)."""
+    cannot be read the last view stays (logged once per outage). ``sync``: checked every time
+    (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
+    noticed within ``every`` -- well inside ``state_restore_window_s``."""
     durations: dict[str, float] = {}
     quota_keys = engine.quota_plan.keys()
     tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
         try:
-            if sync is not None and tick % durations_every == 0:
+            if sync is not None:  # (one short script: a loss is noticed within a tick)
                 await sync.check()
             counts = await state.in_flight()
             if tick % durations_every == 0:
@@ -428,7 +462,11 @@ def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: 
 
 def app_from_environment() -> FastAPI:
     """The app with settings from the config file and the environment only: what each worker of
-    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``)."""
+    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``).
+    The worker dies with the command's process (``router.lifeline``)."""
+    from router.lifeline import follow_supervisor
+
+    follow_supervisor()
     return create_app(load_settings())
 
 
@@ -449,6 +487,21 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = await open_decision_log(settings, metrics, engine)
+        # the routing policies: the versioned store on the decision log's backend, its files applied
+        # and its head installed before the first decision (a store that cannot be opened, or a bad
+        # policy file, stops the start: the router never decides without the policies it should have)
+        try:
+            policy_store = await asyncio.to_thread(PolicyStore, settings.log_target)
+        except PolicyStoreError:
+            await store.close()
+            raise
+        policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
+        try:
+            await policy_sync.start()
+        except BaseException:
+            await store.close()
+            policy_store.close()
+            raise
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
@@ -464,14 +517,19 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             except StateUnavailable:
                 pass  # (the shared view's loop tries again)
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
-        services = Services(settings, engine, store, keys, metrics, models, state, scraper)
+        readiness = Readiness(store, state, settings.ready_probe_s)
+        await readiness.probe()
+        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
+                            readiness=readiness)
         gateway = services.gateway = Gateway(services)
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
+                 asyncio.create_task(readiness.run(), name="readiness"),
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
-                                     name="shared-view")]
+                                     name="shared-view"),
+                 asyncio.create_task(policy_sync.run(), name="policy-sync")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
@@ -481,6 +539,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
             "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
+            "routing_policies": engine.policy_version,
             "decision_log": store.describe().get("url") or str(settings.db_path)}})
         try:
             yield
@@ -491,6 +550,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await gateway.close()  # its outcomes still being recorded, before the log closes
             await store.close()
             await state.close()
+            policy_store.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
@@ -505,7 +565,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.append(route.SERVED)
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
-              health.router, admin.router, metrics_routes.router, quotas.router):
+              health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
+              quotas.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

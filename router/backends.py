@@ -89,6 +89,7 @@ class StateSettings:
     alpha: float = STATS_ALPHA
     #: how long after its hold a tenant quota reservation's record waits for its feedback
     record_ttl_s: float = RECORD_S
+    restore_window_s: float = 1.0
 
 
 def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:
@@ -100,7 +101,7 @@ def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = N
     if not cfg.url:
         raise ValueError("the redis state backend needs a URL (state_url)")
     shared = RedisState(cfg.url, prefix=cfg.prefix, timeout_s=cfg.timeout_s, alpha=cfg.alpha,
-                        record_ttl_s=cfg.record_ttl_s)
+                        record_ttl_s=cfg.record_ttl_s, restore_window_s=cfg.restore_window_s)
     return (FailOpenState(shared, EmbeddedState(cfg.alpha, record_ttl_s=cfg.record_ttl_s), on_failover=on_failover)
             if cfg.fail_open else shared)
 

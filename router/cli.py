@@ -56,6 +56,10 @@ def serve(
                           "or serve one worker")
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
     check_settings(settings, engine)  # so do the gateway's upstreams, their keys and tokenizers
+    if settings.policy_files:  # so does a bad policy file
+        from router.policy_sync import read_policy_files
+
+        read_policy_files(settings.policy_files, engine.check_policies)
     if settings.db_url is not None:  # so does a PostgreSQL log that cannot be reached
         from router.store_pg import check_reachable
 
@@ -68,6 +72,11 @@ def serve(
     # several workers: each builds the app from the config file and the environment, so this
     # command's options go to them as the environment variables they override
     del engine
+    from router.lifeline import SUPERVISOR_ENV
+    from router.logs import configure_logging
+
+    configure_logging(settings.log_level)  # the supervisor's own lines (uvicorn's) as JSON too
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())  # its workers die with it, even after a SIGKILL
     if config is not None:
         os.environ["XROUTE_ROUTER_CONFIG"] = str(config)
     for field, value in options.items():

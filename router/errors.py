@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 
 from router.engine import RouteFailure
 from router.logs import LOG, request_id_var
-from router.state import StateUnavailable
+from router.state import StateRestoring, StateUnavailable
 from router.store import StoreClosed
 
 CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
@@ -64,6 +64,22 @@ def _message(request: Request, err: dict[str, Any]) -> tuple[tuple[Any, ...], st
     return loc, "unknown field" if kind == "extra_forbidden" else str(err.get("msg", "invalid"))
 
 
+def not_utf8(raw: bytes) -> dict[str, Any] | None:
+    """The validation error of a body that is not UTF-8 (JSON must be: RFC 8259), or None when it is.
+    Both JSON routes say it alike: ``POST /v1/route`` (which parses its body itself) and the routes
+    whose body FastAPI parses (:func:`_http` turns FastAPI's bare 400 into this 422)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _not_utf8_error(e)
+    return None
+
+
+def _not_utf8_error(e: UnicodeDecodeError) -> dict[str, Any]:
+    return {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": None,
+            "ctx": {"error": f"the body is not UTF-8 (byte {e.start}: 0x{e.object[e.start]:02x})"}}
+
+
 def _validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     fields = []
@@ -76,6 +92,16 @@ def _validation(request: Request, exc: Exception) -> JSONResponse:
 
 def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's answer to a body its JSON parsing raised on with anything but a JSONDecodeError
+        # (a bare 400, raised ``from`` the error): bytes that are not UTF-8, nesting too deep for
+        # the parser. The same 422 on ``body`` as every other body that is not JSON.
+        cause = exc.__cause__
+        error = (_not_utf8_error(cause) if isinstance(cause, UnicodeDecodeError) else
+                 {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": None,
+                  "ctx": {"error": "nested too deeply" if isinstance(cause, RecursionError)
+                          else f"{type(cause).__name__}: {cause}"[:200]}})
+        return _validation(request, RequestValidationError([error]))
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
     return JSONResponse(error_body(CODES.get(exc.status_code, "error"), detail), status_code=exc.status_code,
                         headers=dict(exc.headers or {}))
@@ -110,7 +136,13 @@ _last_state_error = [0.0]
 
 def state_unavailable_response(exc: Exception) -> JSONResponse:
     """The shared state cannot be reached (fail closed): 503 naming it, ``Retry-After: 1`` (logged
-    at most once a second: an outage under load would otherwise log every request)."""
+    at most once a second: an outage under load would otherwise log every request). Or it came back
+    empty and is being restored (:class:`StateRestoring`: a keyed request): 503 ``state_restoring``."""
+    if isinstance(exc, StateRestoring):
+        return JSONResponse(error_body("state_restoring", "the shared router state lost its data and is being "
+                                       "restored from the decision logs; an Idempotency-Key it does not hold yet "
+                                       "may have been answered before, so this request is not decided anew; retry "
+                                       "shortly"), status_code=503, headers={"Retry-After": "1"})
     now = time.monotonic()
     if now - _last_state_error[0] >= 1.0:
         _last_state_error[0] = now

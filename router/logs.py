@@ -12,6 +12,8 @@ import logging
 import math
 import os
 import random
+import sys
+import threading
 import time
 from datetime import UTC, datetime
 
@@ -177,7 +179,13 @@ _iso_heads: dict[int, str] = {}  # the part up to the second, per second
 
 
 def configure_logging(level: str = "INFO") -> None:
-    """JSON lines on stderr for the router's and uvicorn's loggers (idempotent)."""
+    """JSON lines on stderr for the router's and uvicorn's loggers, and for everything else that
+    would write to stderr in this process (idempotent): the libraries' own loggers (psycopg's
+    "error ignored ..." during an outage, asyncio's "Task exception was never retrieved", redis)
+    through the root logger -- without a handler there, ``logging`` writes them as plain text --,
+    Python warnings (``logging.captureWarnings``), exceptions no one could catch
+    (``sys.unraisablehook``: "Exception ignored in ...") and those ending a thread
+    (``threading.excepthook``)."""
     global _handler
     if _handler is None:
         _handler = BufferedStreamHandler()
@@ -189,6 +197,33 @@ def configure_logging(level: str = "INFO") -> None:
         lg.setLevel(level.upper())
         lg.propagate = False
     logging.getLogger("uvicorn.access").disabled = True  # the router writes its own access log
+    root = logging.getLogger()
+    if handler not in root.handlers:  # (added, not replacing: a host application's handlers stay)
+        root.addHandler(handler)
+    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> the root's handlers
+    if sys.unraisablehook is sys.__unraisablehook__:  # (a host's own hooks, e.g. pytest's, are kept)
+        sys.unraisablehook = _unraisable
+    if threading.excepthook is threading.__excepthook__:
+        threading.excepthook = _thread_exception
+
+
+_LIBS = logging.getLogger("xroute.router.runtime")
+
+
+def _unraisable(u: sys.UnraisableHookArgs) -> None:
+    """``sys.unraisablehook``: an exception raised where nothing could catch it (a destructor, a
+    callback at shutdown), logged as JSON instead of printed."""
+    exc = u.exc_value if u.exc_value is not None else u.exc_type()
+    _LIBS.warning(f"{u.err_msg or 'Exception ignored in'}: {u.object!r}"[:500],
+                  exc_info=(u.exc_type, exc, u.exc_traceback))
+
+
+def _thread_exception(a: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook``: a thread ended by an exception, logged as JSON."""
+    if a.exc_type is SystemExit:
+        return
+    name = a.thread.name if a.thread is not None else "?"
+    _LIBS.error(f"exception in thread {name}", exc_info=(a.exc_type, a.exc_value, a.exc_traceback))  # type: ignore[arg-type]
 
 
 def id_floor(since: float) -> str:

@@ -233,7 +233,23 @@ class RouterSettings(BaseSettings):
                           "the propensity of its choice (what xroute export-ope writes for xroute ope); false keeps "
                           "the log smaller and the decisions cheaper, and allows no exploration")
     keys_file: Path = Field(Path("runs/router/keys.json"), description="hashed API keys (python -m router.keys)")
-    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="tenant name -> defaults")
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict, description="the tenants this router serves, name -> settings: a key whose tenant is "
+                                          "not declared here is refused (403 unknown_tenant), unless "
+                                          "undeclared_tenants: allow")
+    undeclared_tenants: Literal["reject", "allow"] = Field(
+        "reject", description="reject (the default): a key of a tenant missing from 'tenants' gets 403 naming it; "
+                              "allow: it routes under the policies that target it (e.g. target tenants ['*']) "
+                              "with no tenant settings")
+
+    # routing policies (docs/policies.md) ----------------------------------------------------
+    policy_files: list[Path] = Field(
+        default_factory=list, description="policy YAML files or directories, applied to the policy store at start "
+                                          "when their content changed since they were last applied (policies "
+                                          "created through the admin API are kept)")
+    policy_poll_s: float = Field(1.0, gt=0, le=60, description="how often the policy store's version is checked; a "
+                                                               "new version is compiled and swapped in between two "
+                                                               "decisions")
     metrics_public: bool = Field(False, description="serve /metrics without a key (else an admin key)")
 
     # shared state (router/state.py) ---------------------------------------------------------
@@ -263,6 +279,19 @@ class RouterSettings(BaseSettings):
     idempotency_ttl_s: float = Field(
         300.0, gt=0, le=7 * 86_400, description="how long a request's Idempotency-Key is remembered (with its "
                                                 "answer: mind the memory at high rates)")
+    state_restore_window_s: float = Field(
+        1.0, ge=0, le=600, description="after the Redis state came back empty, a keyed request whose key it lacks "
+                                       "is answered 503 state_restoring (not decided anew) until this long after the "
+                                       "new epoch began -- every router notices within state_view_refresh_s and "
+                                       "announces its restore -- and until every restore announced has ended")
+
+    # prefix affinity and sessions (router/state.py, envs/prefix.py) ------------------------------
+    prefix_block_tokens: int = Field(512, ge=1, le=1_048_576, description="tokens per block of a request's "
+                                     "prefix_hashes (clients hash their prompts with it: GET /v1/offerings says it)")
+    prefix_ttl_s: float = Field(600.0, gt=0, le=7 * 86_400, description="the prefix index's age bound: blocks "
+                                "sent to a pool longer ago, and a session's last pool, are forgotten")
+    prefix_retention_alpha: float = Field(0.05, gt=0, le=1, description="weight of one feedback's cached_tokens in "
+                                          "its pool's retention (the share of predicted cached tokens confirmed)")
 
     # inference servers' own metrics (router/scrape.py) ------------------------------------------
     inference_servers: list[InferenceServer] = Field(
@@ -287,6 +316,8 @@ class RouterSettings(BaseSettings):
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")
     access_log: bool = Field(True, description="one JSON line per request")
+    ready_probe_s: float = Field(0.5, gt=0, le=60, description="how often the decision log and the shared state "
+                                                             "are probed for /readyz, whatever the traffic")
     log_level: str = "INFO"
 
     @property

@@ -19,8 +19,16 @@ What the decision loop reads and writes:
   step; :meth:`~RouterState.quota_settle` reconciles it with its feedback,
   :meth:`~RouterState.quota_release` undoes it (the request was not admitted after all);
   :meth:`~RouterState.quota_usage` reads the buckets (``router.quota_ledger`` holds the arithmetic);
-* room for the next issue: sessions (:meth:`~RouterState.get_session`,
-  :meth:`~RouterState.put_session`), not implemented yet.
+* **prefix affinity and sessions** -- which pool recently received which KV-cache blocks of the
+  prompts the router sent (``envs.prefix``: the router's view, an aging record, never the servers'
+  real caches): :meth:`~RouterState.prefix_lookup` answers, for a request's block hashes, the
+  leading blocks each pool is expected to hold (an :class:`Affinity`, with the pools' retention and
+  the pool the request's session last went to); :meth:`~RouterState.prefix_record` records a
+  decision's blocks, session and prediction on the pool the reservation took
+  (:meth:`~RouterState.reserve_recording`: both in one step -- one round trip on Redis);
+  :meth:`~RouterState.prefix_feedback` folds the cached tokens a server reported into the pool's
+  retention. Sessions alone: :meth:`~RouterState.get_session`, :meth:`~RouterState.put_session`.
+  Every worker and host sharing the state sees the same affinity.
 
 Backends: :class:`EmbeddedState` (the default; in this process, no server; durable through the
 decision log -- :meth:`EmbeddedState.rebuild` replays the reservations and releases the log
@@ -47,6 +55,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
+from envs import prefix as px
 from router.quota_ledger import RECORD_S, QuotaLedger, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
 from xroute.schema.quota import WINDOW_S, QuotaBucket
 
@@ -63,6 +74,13 @@ HOLD_MAX_S = 3600.0
 class StateUnavailable(RuntimeError):
     """The shared state's server cannot be reached (or did not answer in time): the router cannot
     tell what the other routers have admitted, so it answers 503 rather than guess (fail closed)."""
+
+
+class StateRestoring(StateUnavailable):
+    """The shared state lost its data (a new :class:`Epoch`) and the routers' decision logs are not
+    all back in it yet: an idempotency key it lacks may have been answered before, so a keyed
+    request is not decided anew -- the API's 503 with ``Retry-After``, never a second decision. Not
+    an outage: a fail-open state does not answer it locally either."""
 
 
 def hold_for(expected_s: float, factor: float = HOLD_FACTOR, floor_s: float = HOLD_FLOOR_S,
@@ -111,6 +129,31 @@ class Epoch:
 
 
 @dataclass(frozen=True, slots=True)
+class Affinity:
+    """:meth:`RouterState.prefix_lookup`'s answer: per pool with a match, the leading blocks of the
+    request's prompt the index expects cached there (``runs``) and the pool's retention (the share
+    of the predicted cached tokens its servers confirmed, 1 before any report); the pool the
+    request's session last went to within the age bound, or None."""
+
+    runs: dict[str, int]
+    retention: dict[str, float]
+    session_pool: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSend:
+    """What a decision records in the prefix index (:meth:`RouterState.prefix_record`): the
+    prompt's block hashes, the session key (or None), the age bound (``ttl_s``), and per candidate
+    pool (the reservation picks one) its cache capacity in blocks, the cached tokens the view
+    predicted there and the seconds until the blocks are expected computed (its expected TTFT)."""
+
+    hashes: np.ndarray
+    session: str | None
+    ttl_s: float
+    candidates: dict[str, tuple[int, float, float]]
+
+
+@dataclass(frozen=True, slots=True)
 class Reserved:
     """A decision log event: ``reservation_id`` took ``slots`` on ``pool`` until ``until`` (wall clock)."""
 
@@ -132,6 +175,9 @@ class RouterState:
     backend with a server."""
 
     backend = ""
+    #: the server's failure as last seen (an operation or :meth:`healthy`; None: it answered), for
+    #: ``/readyz`` between two probes; always None for a state in this process
+    error: str | None = None
     #: True when the backend also offers the operations as plain calls (``reserve_now``,
     #: ``release_now``, ``claim_now``, ...): the embedded one, whose callers need not await
     sync = False
@@ -249,13 +295,51 @@ class RouterState:
         """What each bucket of ``keys`` holds now (zeros for one never used)."""
         raise NotImplementedError
 
-    # -------------------------------------------------------------- the next issues' room
+    async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
+        """Say, before reading the decision log ``log_id``, that this router is restoring it into
+        ``epoch``: until :meth:`end_restore` (or a deadline, should this router die), no router
+        decides a keyed request whose key the state lacks (:class:`StateRestoring`). Nothing to say
+        for a state in this process."""
+
+    async def end_restore(self, epoch: Epoch, log_id: str, restored: bool) -> None:
+        """The restore :meth:`begin_restore` announced is over; ``restored``: this router's part in
+        ``epoch`` is done (its log is back, or had nothing the epoch lacked), so keyed requests may
+        be decided here once every other restore has ended."""
+
+    # -------------------------------------------------------------- prefix affinity and sessions
+    async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
+        """The pools expected to hold the leading blocks of ``hashes`` (int64, prompt order) now,
+        by the index's record (module docstring; ``envs.prefix.view_lookup``: an entry counts
+        once its blocks are expected computed, within ``ttl_s``, and while fewer than the pool's
+        capacity of blocks were sent there after it), and where ``session`` last went."""
+        raise NotImplementedError
+
+    async def prefix_record(self, decision_id: str, pool: str, send: PrefixSend) -> None:
+        """The decision ``decision_id`` sent ``send.hashes`` (and its session) to ``pool``, one of
+        ``send.candidates``; the prediction is kept for :meth:`prefix_feedback` for ``send.ttl_s``."""
+        raise NotImplementedError
+
+    async def reserve_recording(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                send: PrefixSend, slots: int = 1) -> str | None:
+        """:meth:`reserve`, then :meth:`prefix_record` on the pool reserved (nothing when none had
+        room) -- in one round trip where the backend has a server."""
+        pool = await self.reserve(candidates, reservation_id, hold_s, slots)
+        if pool is not None:
+            await self.prefix_record(reservation_id, pool, send)
+        return pool
+
+    async def prefix_feedback(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
+        """A server reported ``cached_tokens`` of the decision's prompt cached: the pool's retention
+        learns it (``envs.prefix.retention_update``, weight ``alpha``) once per decision. Returns the
+        pool, or None when the decision recorded no prediction (or it expired, or was used)."""
+        raise NotImplementedError
+
     async def get_session(self, session_id: str) -> bytes | None:
-        """Session affinity (a later issue)."""
-        raise NotImplementedError("sessions are not implemented yet")
+        """The value stored for ``session_id`` (the pool its last request went to), or None."""
+        raise NotImplementedError
 
     async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
-        raise NotImplementedError("sessions are not implemented yet")
+        raise NotImplementedError
 
     # -------------------------------------------------------------- life
     async def healthy(self) -> bool:
@@ -337,6 +421,14 @@ class EmbeddedState(RouterState):
         self._idem_due: list[tuple[float, str]] = []
         #: tenant quotas (wall clock: a quota day is a UTC day)
         self.quotas = QuotaLedger(wall_clock, record_ttl_s, quota_window_s)
+        # prefix affinity (envs.prefix.HashedView over pool ids), sessions and predictions, with expiry
+        self._pfx = px.HashedView()
+        self._pfx_ids: dict[str, int] = {}
+        self._pfx_pools: list[str] = []
+        self._pfx_run = np.zeros(64, dtype=np.int64)
+        self._sessions: dict[str, tuple[bytes, float]] = {}
+        self._pred: dict[str, tuple[int, float, float]] = {}
+        self._pfx_prune_at = 0.0
 
     # the synchronous core (the async methods are this with an await in front)
     def expire_now(self, now: float | None = None) -> int:
@@ -462,6 +554,73 @@ class EmbeddedState(RouterState):
 
     def quota_usage_now(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
         return self.quotas.usage(keys)
+    # prefix affinity and sessions (synchronous core)
+    def _pool_id(self, pool: str) -> int:
+        pid = self._pfx_ids.get(pool)
+        if pid is None:
+            pid = self._pfx_ids[pool] = len(self._pfx_pools)
+            self._pfx_pools.append(pool)
+            self._pfx.ensure_pools(pid + 1)
+        return pid
+
+    def prefix_lookup_now(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
+        now = self.clock()
+        n = len(self._pfx_pools)
+        runs: dict[str, int] = {}
+        ret: dict[str, float] = {}
+        if n and hashes.shape[0]:
+            if self._pfx_run.shape[0] < n:
+                self._pfx_run = np.zeros(2 * n, dtype=np.int64)
+            run = self._pfx_run[:n]
+            k = self._pfx.lookup(hashes, 0, n, now, now - ttl_s, run)
+            if k:
+                pools, retention = self._pfx_pools, self._pfx.retention
+                for pid in self._pfx.matched[:k].tolist():
+                    runs[pools[pid]] = int(run[pid])
+                    ret[pools[pid]] = float(retention[pid])
+        where = None
+        if session is not None:
+            got = self.get_session_now(session)
+            where = None if got is None else got.decode()
+        return Affinity(runs, ret, where)
+
+    def prefix_record_now(self, decision_id: str, pool: str, send: PrefixSend) -> None:
+        cand = send.candidates.get(pool)
+        if cand is None:
+            return
+        cap, predicted, ready_in = cand
+        now = self.clock()
+        pid = self._pool_id(pool)
+        if send.hashes.shape[0]:
+            self._pfx.record(send.hashes, pid, now + ready_in, int(cap), now - send.ttl_s)
+        if send.session is not None:
+            self.put_session_now(send.session, pool.encode(), send.ttl_s)
+        self._pred[decision_id] = (pid, float(predicted), now + send.ttl_s)
+        if now >= self._pfx_prune_at:
+            self._prune(now)
+
+    def prefix_feedback_now(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
+        pred = self._pred.pop(decision_id, None)
+        if pred is None or pred[2] < self.clock():
+            return None
+        px.retention_update(self._pfx.retention, pred[0], pred[1], float(cached_tokens), alpha)
+        return self._pfx_pools[pred[0]]
+
+    def get_session_now(self, session_id: str) -> bytes | None:
+        got = self._sessions.get(session_id)
+        if got is None or got[1] <= self.clock():
+            return None
+        return got[0]
+
+    def put_session_now(self, session_id: str, value: bytes, ttl_s: float) -> None:
+        self._sessions[session_id] = (bytes(value), self.clock() + ttl_s)
+
+    def _prune(self, now: float) -> None:
+        """Drop expired sessions and predictions (about once a minute: memory bounded by what the
+        age bound keeps)."""
+        self._sessions = {k: v for k, v in self._sessions.items() if v[1] > now}
+        self._pred = {k: v for k, v in self._pred.items() if v[2] > now}
+        self._pfx_prune_at = now + 60.0
 
     # the interface
     async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
@@ -480,6 +639,20 @@ class EmbeddedState(RouterState):
 
     async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
         return self.quotas.usage(keys)
+    async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
+        return self.prefix_lookup_now(hashes, session, ttl_s)
+
+    async def prefix_record(self, decision_id: str, pool: str, send: PrefixSend) -> None:
+        self.prefix_record_now(decision_id, pool, send)
+
+    async def prefix_feedback(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
+        return self.prefix_feedback_now(decision_id, cached_tokens, alpha)
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        return self.get_session_now(session_id)
+
+    async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
+        self.put_session_now(session_id, value, ttl_s)
 
     async def release(self, reservation_id: str) -> str | None:
         return self.release_now(reservation_id)
@@ -582,6 +755,8 @@ class FailOpenState(RouterState):
         if self.clock() >= self._down_until:
             try:
                 result = await getattr(self.primary, name)(*args)
+            except StateRestoring:  # the server answers: not an outage to answer locally
+                raise
             except StateUnavailable as e:
                 if self._down_until == -math.inf or self.clock() - self._down_until > self.retry_s:
                     self.failovers += 1
@@ -651,6 +826,25 @@ class FailOpenState(RouterState):
 
     async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
         return await self._call("quota_usage", keys)  # type: ignore[no-any-return]
+    async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
+        return await self._call("prefix_lookup", hashes, session, ttl_s)  # type: ignore[no-any-return]
+
+    async def prefix_record(self, decision_id: str, pool: str, send: PrefixSend) -> None:
+        await self._call("prefix_record", decision_id, pool, send)
+
+    async def reserve_recording(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                send: PrefixSend, slots: int = 1) -> str | None:
+        return await self._call("reserve_recording", candidates, reservation_id, hold_s, send,  # type: ignore[no-any-return]
+                                slots)
+
+    async def prefix_feedback(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
+        return await self._call("prefix_feedback", decision_id, cached_tokens, alpha)  # type: ignore[no-any-return]
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        return await self._call("get_session", session_id)  # type: ignore[no-any-return]
+
+    async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
+        await self._call("put_session", session_id, value, ttl_s)
 
     async def epoch(self) -> Epoch | None:
         return await self.primary.epoch()  # (the local view has no epoch; an outage raises)
@@ -660,6 +854,12 @@ class FailOpenState(RouterState):
                       answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
                       ) -> dict[str, int] | None:
         return await self.primary.restore(epoch, log_id, events, answers, now_wall)
+
+    async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
+        await self.primary.begin_restore(epoch, log_id)
+
+    async def end_restore(self, epoch: Epoch, log_id: str, restored: bool) -> None:
+        await self.primary.end_restore(epoch, log_id, restored)
 
     async def healthy(self) -> bool:
         return True  # it always answers (module docstring: what that costs)

@@ -18,16 +18,37 @@ as the multi-key scripts need): ``inflight`` (hash pool -> slots), ``held`` (has
 ``slots:pool``), ``due`` (sorted set reservation id -> deadline in ms), ``expired`` (hash pool ->
 count), ``stats:<pool>`` (hash of the estimator's fields), ``idem:<key>`` (string with a TTL; empty
 while pending), ``epoch`` (this lifetime of the data: see below), ``restored:<epoch>:<log>`` (which
-decision logs were restored into it). Memory: O(pools + reservations held + idempotency keys
-within their TTL).
+decision logs were restored into it); the prefix affinity index (``router.state``): ``pfx:b:<block
+hash>`` (hash pool -> "stamp:ready ms", at most ``envs.prefix.VIEW_ENTRIES`` pools, expiring with
+the age bound), ``pfx:sent`` / ``pfx:cap`` / ``pfx:ret`` (hashes per pool), ``pfx:pred:<decision>``
+(the pool and the cached tokens predicted, until feedback or the age bound), ``sess:<session>``
+(the pool its last request went to), ``restoring`` (the restores under way: below). Memory:
+O(pools + reservations held + idempotency keys within their TTL).
 
 A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is
-gone. The routers notice within about a second (``router.app``: each reads the epoch with its
-shared view), one begins a new epoch (:meth:`RedisState.epoch`, recording the server's time), and
+gone. The routers notice within ``state_view_refresh_s`` (``router.app``: each reads the epoch with
+its shared view), one begins a new epoch (:meth:`RedisState.epoch`, recording the server's time), and
 each decision log is replayed into it once (:meth:`RedisState.restore`, claimed per epoch and log):
 the reservations of decisions made before the epoch began whose hold has not passed and whose
 feedback has not come, and the idempotency keys still within their TTL. Decisions made after it
 began were reserved in it live; a reservation already held is never booked twice.
+
+A keyed request after a loss. Until the keys are back, a retry whose key the new epoch lacks would
+be decided again -- a second placement for one Idempotency-Key, the case the key exists for (issue
+21: 4 of 12 keys retried in the first half second). So the claim script refuses to claim a key the
+state lacks -- answering ``{0}``/``{1}``, raised as :class:`router.state.StateRestoring`, the API's
+503 ``state_restoring`` with ``Retry-After`` -- while (a) this router has not restored its log into
+the current epoch (or there is none: the data is gone and nobody noticed yet), (b) the epoch is
+younger than ``restore_window_s``, in which every live router notices it (each reads the epoch
+every ``state_view_refresh_s``) and announces its restore, or (c) a restore announced for this
+epoch has not ended (``restoring``: hash of ``<log>:<router>`` -> ``<epoch>|<deadline ms>``,
+written before the log is read, removed after; the deadline, ``restore_lapse_s``, lets a router
+that died restoring hold nobody back for long). A key the state holds is answered as ever (its
+answer, or 409 while pending). The keys this process is deciding when a loss is noticed are put
+back pending with the restore, so a retry elsewhere gets 409 until they are answered. What this
+does not cover: a key answered by a router that is down while the data is lost (its log is
+restored when it starts again: until then its keys within their TTL can be decided anew), or by
+one that takes longer than the window to notice (an event loop stalled for a second).
 
 Unreachable or slow server (a connection refused, or no answer within ``timeout_s``): every
 operation raises :class:`router.state.StateUnavailable` (the API's 503; or the embedded view with
@@ -46,6 +67,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -53,16 +75,20 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.logs import iso
+from envs import prefix as px
+from router.logs import LOG, iso
 from router.quota_ledger import RECORD_S, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
 from router.state import (
     STATS_ALPHA,
+    Affinity,
     Claim,
     Epoch,
     PoolStats,
+    PrefixSend,
     Released,
     Reserved,
     RouterState,
+    StateRestoring,
     StateUnavailable,
     _check_reserve,
     _finite,
@@ -198,10 +224,34 @@ for i = 1, #ARGV, 5 do
 end
 return {reserved, released}
 """
-# KEYS: the key; ARGV: ttl ms. nil: claimed now; '': another request holds it; else its answer
+# KEYS: the key, epoch, restoring; ARGV: ttl ms, the epoch this router has restored into ('' none;
+# '*' no epoch guard), the restore window in ms. nil: claimed now; '': another request holds it; a
+# string: its answer; {0}: this router has not restored into the current epoch (or there is none:
+# the data was lost); {1}: other routers may still be restoring theirs (the window, or a restore)
 CLAIM = """
-if redis.call('SET', KEYS[1], '', 'NX', 'PX', ARGV[1]) then return false end
-return redis.call('GET', KEYS[1])
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+if ARGV[2] ~= '*' then
+  local e = redis.call('GET', KEYS[2])
+  if (not e) or e ~= ARGV[2] then return {0} end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if now < tonumber(string.sub(e, 1, string.find(e, ':', 1, true) - 1)) * 1000 + tonumber(ARGV[3]) then
+    return {1}
+  end
+  local r = redis.call('HGETALL', KEYS[3])
+  for i = 2, #r, 2 do
+    local bar = string.find(r[i], '|', 1, true)
+    if bar and string.sub(r[i], 1, bar - 1) == e and tonumber(string.sub(r[i], bar + 1)) > now then return {1} end
+  end
+end
+redis.call('SET', KEYS[1], '', 'PX', ARGV[1])
+return false
+"""
+# KEYS: restoring; ARGV: field, epoch id, ms until the entry lapses (a router that died restoring)
+BEGIN_RESTORE = _NOW + """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. (now + tonumber(ARGV[3])))
+return 1
 """
 ABANDON = """
 if redis.call('GET', KEYS[1]) == '' then return redis.call('DEL', KEYS[1]) end
@@ -393,6 +443,104 @@ return {booked, settled}
 """
 
 
+# ---------------------------------------------------------------------------------- prefix affinity
+# The index of router.state's docstring (envs.prefix: the router's view), the same arithmetic as
+# EmbeddedState's: a block's hash key holds, per pool that recently received it, "stamp:ready ms"
+# (the pool's count of blocks received before it, and when the router expected it computed);
+# ``sent`` counts each pool's blocks, ``cap`` its cache capacity in blocks, ``ret`` its retention.
+# KEYS: sent, cap, ret, session, then the prompt's block keys in order; ARGV: ttl ms, has session (0/1)
+PREFIX_LOOKUP = _NOW + """
+local cutoff = now - tonumber(ARGV[1])
+local run, sent, cap = {}, {}, {}
+for i = 5, #KEYS do
+  local k = i - 5
+  local flat = redis.call('HGETALL', KEYS[i])
+  local adv = false
+  for j = 1, #flat, 2 do
+    local pool = flat[j]
+    if (run[pool] or 0) == k then
+      local v = flat[j + 1]
+      local sep = string.find(v, ':', 1, true)
+      local t = tonumber(string.sub(v, sep + 1))
+      if t <= now and t >= cutoff then
+        if sent[pool] == nil then
+          sent[pool] = tonumber(redis.call('HGET', KEYS[1], pool) or '0')
+          cap[pool] = tonumber(redis.call('HGET', KEYS[2], pool) or '0')
+        end
+        if sent[pool] - tonumber(string.sub(v, 1, sep - 1)) < cap[pool] then
+          run[pool] = k + 1
+          adv = true
+        end
+      end
+    end
+  end
+  if not adv then break end
+end
+local out = {}
+for pool, r in pairs(run) do
+  out[#out + 1] = pool
+  out[#out + 1] = r
+  out[#out + 1] = redis.call('HGET', KEYS[3], pool) or '1'
+end
+local sess = false
+if ARGV[2] == '1' then sess = redis.call('GET', KEYS[4]) end
+return {out, sess}
+"""
+# KEYS: held, sent, cap, session, prediction, then the block keys; ARGV: reservation id, ttl ms, has session,
+# entries per block, then per candidate pool: pool, capacity, predicted tokens, ms until computed.
+# Records on the pool the reservation took (nothing when it took none): run in the reservation's pipeline.
+PREFIX_RECORD = _NOW + """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return false end
+local pool = string.sub(v, string.find(v, ':', 1, true) + 1)
+local cap, pred, ready_in = nil, nil, nil
+for i = 5, #ARGV, 4 do
+  if ARGV[i] == pool then cap, pred, ready_in = ARGV[i + 1], ARGV[i + 2], tonumber(ARGV[i + 3]) end
+end
+if cap == nil then return false end
+local ttl = tonumber(ARGV[2])
+local entries = tonumber(ARGV[4])
+local ready = now + ready_in
+local n = #KEYS - 5
+local base = redis.call('HINCRBY', KEYS[2], pool, n) - n
+redis.call('HSET', KEYS[3], pool, cap)
+for i = 1, n do
+  local key = KEYS[5 + i]
+  redis.call('HSET', key, pool, (base + n - i) .. ':' .. ready)
+  if redis.call('HLEN', key) > entries then
+    local flat = redis.call('HGETALL', key)
+    local old, oldt = nil, nil
+    for j = 1, #flat, 2 do
+      local e = flat[j + 1]
+      local t = tonumber(string.sub(e, string.find(e, ':', 1, true) + 1))
+      if oldt == nil or t < oldt then old, oldt = flat[j], t end
+    end
+    redis.call('HDEL', key, old)
+  end
+  redis.call('PEXPIRE', key, ttl + ready_in)
+end
+if ARGV[3] == '1' then redis.call('SET', KEYS[4], pool, 'PX', ttl) end
+redis.call('SET', KEYS[5], pool .. '|' .. pred, 'PX', ttl)
+return pool
+"""
+# KEYS: prediction, ret; ARGV: cached tokens, alpha (envs.prefix.retention_update)
+PREFIX_FEEDBACK = """
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+redis.call('DEL', KEYS[1])
+local pool, predicted = string.match(v, '^(.*)|([^|]*)$')
+predicted = tonumber(predicted)
+if predicted > 0 then
+  local x = tonumber(ARGV[1]) / predicted
+  if x > 1 then x = 1 elseif x < 0 then x = 0 end
+  local r = tonumber(redis.call('HGET', KEYS[2], pool) or '1')
+  r = r + tonumber(ARGV[2]) * (x - r)
+  redis.call('HSET', KEYS[2], pool, string.format('%.17g', r))
+end
+return pool
+"""
+
+
 def redact(url: str) -> str:
     """``url`` as it may be shown or logged: scheme, host, port and database, never a password."""
     try:
@@ -414,7 +562,12 @@ class RedisState(RouterState):
     backend = "redis"
 
     def __init__(self, url: str, prefix: str = "xroute", timeout_s: float = 0.5, alpha: float = STATS_ALPHA,
-                 max_connections: int = 64, record_ttl_s: float = RECORD_S, quota_window_s: float = WINDOW_S):
+                 max_connections: int = 64, record_ttl_s: float = RECORD_S, quota_window_s: float = WINDOW_S,
+                 restore_window_s: float | None = None, restore_lapse_s: float = 120.0):
+        """``restore_window_s``: guard the idempotency keys across a loss of the server's data (module
+        docstring, "A keyed request after a loss"), as the app does (``state_restore_window_s``);
+        None, for a process that restores no decision log into the state (a benchmark, a test of
+        the operations): no guard."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.where = redact(url)
@@ -443,13 +596,28 @@ class RedisState(RouterState):
         self._q_usage = self._r.register_script(QUOTA_USAGE % win)
         self._q_restore = self._r.register_script(QUOTA_RESTORE % win)
         self.record_ttl_ms = max(1, math.ceil(record_ttl_s * 1000))
+        self._begin_restore = self._r.register_script(BEGIN_RESTORE)
+        #: idempotency (module docstring, "A keyed request after a loss"): the epoch this router
+        #: has restored its log into ('*': no guard), the window after an epoch begins, how long an announced restore holds the others back at most, this
+        #: process's name in the ``restoring`` hash, and the keys it has claimed and not yet
+        #: completed or abandoned (claimed again, pending, in a new epoch)
+        self._restored_epoch = "*" if restore_window_s is None else ""
+        self.restore_window_s = restore_window_s or 0.0
+        self.restore_lapse_s = restore_lapse_s
+        self._instance = secrets.token_hex(6)
+        self._claimed: dict[str, float] = {}
+        self._pfx_lookup = self._r.register_script(PREFIX_LOOKUP)
+        self._pfx_record = self._r.register_script(PREFIX_RECORD)
+        self._pfx_feedback = self._r.register_script(PREFIX_FEEDBACK)
+        self._pfx_keys = [base + "pfx:sent", base + "pfx:cap", base + "pfx:ret"]
         #: the script calls of the current event-loop iteration, and the pipelines in flight
         self._batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
         self._flush_scheduled = False
         self._sending: set[asyncio.Task[None]] = set()
 
     def _down(self, e: BaseException) -> StateUnavailable:
-        return StateUnavailable(f"shared state {self.where}: {type(e).__name__}: {' '.join(str(e).split())}"[:300])
+        self.error = f"shared state {self.where}: {type(e).__name__}: {' '.join(str(e).split())}"[:300]
+        return StateUnavailable(self.error)
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """One script call, sent with the others of this event-loop iteration (module docstring)."""
@@ -477,6 +645,7 @@ class RedisState(RouterState):
         own). A script the server lacks (restarted) is loaded and its calls sent again."""
         try:
             results = await self._pipeline(batch)
+            self.error = None
             missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
             if missing:
                 for script in {id(batch[i][0]): batch[i][0] for i in missing}.values():
@@ -605,20 +774,32 @@ class RedisState(RouterState):
         return {pool: float(mean) for pool, (mean, n) in zip(pools, got) if mean is not None and n and int(n) > 0}
 
     async def claim(self, key: str, ttl_s: float) -> Claim:
-        got = await self._run(self._claim, [self.base + "idem:" + key], [max(1, math.ceil(ttl_s * 1000))])
+        got = await self._run(self._claim, [self.base + "idem:" + key, self.base + "epoch", self.base + "restoring"],
+                              [max(1, math.ceil(ttl_s * 1000)), self._restored_epoch,
+                               max(0, math.ceil(self.restore_window_s * 1000))])
         if got is None:
+            now = time.monotonic()
+            if len(self._claimed) > 4096:  # (each is dropped by complete or abandon; this only bounds a leak)
+                self._claimed = {k: u for k, u in self._claimed.items() if u > now}
+            self._claimed[key] = now + ttl_s
             return Claim("new")
+        if isinstance(got, list):  # ({0}: this router's own restore is still to come; {1}: others')
+            raise StateRestoring(
+                f"shared state {self.where}: it lost its data and is being restored from the routers' decision "
+                "logs; a keyed request is not decided anew until every log is back")
         return Claim("pending") if got == b"" else Claim("done", bytes(got))
 
     async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
         if not answer:
             raise ValueError("an idempotent answer must not be empty")
+        self._claimed.pop(key, None)
         try:
             await self._r.set(self.base + "idem:" + key, bytes(answer), px=max(1, math.ceil(ttl_s * 1000)))
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
             raise self._down(e) from None
 
     async def abandon(self, key: str) -> None:
+        self._claimed.pop(key, None)
         await self._run(self._abandon, [self.base + "idem:" + key], [])
 
     # -------------------------------------------------------------- tenant quotas (router.quota_ledger)
@@ -684,6 +865,18 @@ class RedisState(RouterState):
         got = (await self._run(self._epoch, [self.base + "epoch"], [secrets.token_hex(8)])).decode()
         return Epoch(got, float(got.partition(":")[0]))
 
+    async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
+        await self._run(self._begin_restore, [self.base + "restoring"],
+                        [f"{log_id}:{self._instance}", epoch.id, max(1, math.ceil(self.restore_lapse_s * 1000))])
+
+    async def end_restore(self, epoch: Epoch, log_id: str, restored: bool) -> None:
+        try:
+            await self._r.hdel(self.base + "restoring", f"{log_id}:{self._instance}")
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+        if restored and self._restored_epoch != "*":
+            self._restored_epoch = epoch.id
+
     async def restore(self, epoch: Epoch, log_id: str,
                       events: Iterable[Reserved | Released | QuotaReserved | QuotaSettled],
                       answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
@@ -691,6 +884,15 @@ class RedisState(RouterState):
         now_wall = time.time() if now_wall is None else now_wall
         done = f"{self.base}restored:{epoch.id}:{log_id}"
         try:
+            # the keys this process is deciding now: pending in the new epoch too (a retry elsewhere gets 409)
+            now_mono = time.monotonic()
+            pending = [(k, until) for k, until in list(self._claimed.items()) if until > now_mono]
+            if pending:
+                async with self._r.pipeline(transaction=False) as pipe:
+                    for key, until in pending:
+                        pipe.set(self.base + "idem:" + key, b"", px=max(1, math.ceil((until - now_mono) * 1000)),
+                                 nx=True)
+                    await pipe.execute()
             if not await self._r.set(done, iso(time.time()), nx=True, ex=7 * 86400):
                 return None
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
@@ -729,11 +931,80 @@ class RedisState(RouterState):
             raise
         return out
 
-    async def healthy(self) -> bool:
+    # -------------------------------------------------------------- prefix affinity and sessions
+    def _block_keys(self, hashes: np.ndarray) -> list[str]:
+        b = self.base + "pfx:b:"
+        return [b + str(h) for h in hashes.tolist()]
+
+    async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
+        keys = [*self._pfx_keys, self.base + "sess:" + (session or ""), *self._block_keys(hashes)]
+        flat, sess = await self._run(self._pfx_lookup, keys, [max(1, math.ceil(ttl_s * 1000)),
+                                                              0 if session is None else 1])
+        runs, ret = {}, {}
+        for i in range(0, len(flat), 3):
+            pool = flat[i].decode()
+            runs[pool] = int(flat[i + 1])
+            ret[pool] = float(flat[i + 2])
+        return Affinity(runs, ret, None if not sess else sess.decode())
+
+    def _record_args(self, reservation_id: str, send: PrefixSend) -> tuple[list[str], list[Any]]:
+        keys = [self._keys[1], self._pfx_keys[0], self._pfx_keys[1], self.base + "sess:" + (send.session or ""),
+                self.base + "pfx:pred:" + reservation_id, *self._block_keys(send.hashes)]
+        args: list[Any] = [reservation_id, max(1, math.ceil(send.ttl_s * 1000)), 0 if send.session is None else 1,
+                           px.VIEW_ENTRIES]
+        for pool, (cap, predicted, ready_in) in send.candidates.items():
+            args += (pool, int(cap), repr(float(predicted)), max(0, math.ceil(ready_in * 1000)))
+        return keys, args
+
+    async def prefix_record(self, decision_id: str, pool: str, send: PrefixSend) -> None:
+        if pool in send.candidates:  # the script records on the pool the reservation holds
+            await self._run(self._pfx_record, *self._record_args(decision_id, send))
+
+    async def reserve_recording(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                send: PrefixSend, slots: int = 1) -> str | None:
+        """:meth:`reserve` and the record of the prefix on the pool it takes, queued together: the
+        two scripts go out in the same pipeline (one round trip; the record reads the reservation)."""
+        reserving = asyncio.ensure_future(self.reserve(candidates, reservation_id, hold_s, slots))
+        recording = asyncio.ensure_future(self._run(self._pfx_record, *self._record_args(reservation_id, send)))
         try:
-            return bool(await self._r.ping())
-        except (RedisError, OSError):
+            pool = await reserving
+        except BaseException:
+            await asyncio.gather(recording, return_exceptions=True)
+            raise
+        try:
+            await recording
+        except Exception as e:  # the affinity is a hint: a failed record costs no decision
+            LOG.warning("prefix affinity not recorded", extra={"fields": {"error": str(e)}})
+        return pool
+
+    async def prefix_feedback(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
+        got = await self._run(self._pfx_feedback, [self.base + "pfx:pred:" + decision_id, self._pfx_keys[2]],
+                              [repr(float(cached_tokens)), repr(float(alpha))])
+        return None if got is None else got.decode()  # type: ignore[no-any-return]
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        try:
+            got = await self._r.get(self.base + "sess:" + session_id)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+        return None if got is None else got if isinstance(got, bytes) else str(got).encode()
+
+    async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
+        try:
+            await self._r.set(self.base + "sess:" + session_id, bytes(value), px=max(1, math.ceil(ttl_s * 1000)))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise self._down(e) from None
+
+    async def healthy(self) -> bool:
+        """A ``PING`` within ``timeout_s`` (the readiness probe; its verdict goes into ``error``)."""
+        try:
+            ok = bool(await self._r.ping())
+        except (RedisError, OSError) as e:
+            self._down(e)
             return False
+        if ok:
+            self.error = None
+        return ok
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "url": self.where, "prefix": self.base, "timeout_s": self.timeout_s}

@@ -78,7 +78,7 @@ from typing import Any, TypeGuard
 
 import zstandard
 
-from router.logs import id_floor, iso
+from router.logs import configure_logging, id_floor, iso
 from xroute.errors import ConfigError
 
 SCHEMA = """
@@ -210,6 +210,14 @@ class StoreClosed(RuntimeError):
     """The writer is stopped (shutting down) or has failed; nothing more can be recorded."""
 
 
+class CommitInDoubt(StoreClosed):
+    """The log went away while a batch's transaction was under way: its ``COMMIT`` may have been
+    applied with the answer lost (PostgreSQL stopped mid-commit, the SQLite writer process killed
+    after its ``COMMIT``). Answered 503 like :class:`StoreClosed`; a keyed request's key stays
+    pending -- its retries get 409, never a second decision -- until the log, readable again, says
+    whether the row is there (``router.routes.route.settle``)."""
+
+
 def connect(path: Path, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
     if readonly:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, isolation_level=None)
@@ -312,16 +320,18 @@ class GroupCommitLog:
             self._flush()
 
     def _fail_all(self, why: str) -> None:
-        """The writer is gone for good: nothing more can be recorded; every waiting request fails."""
+        """The writer is gone for good: nothing more can be recorded; every waiting request fails
+        (those whose batch was at the writer in doubt: it may have committed them)."""
         self.error = why
         self.closed = True
-        err = StoreClosed(why)
-        waiting = [item for batch in self._in_flight_batches for item in batch] + self._pending
+        sent = [fut for batch in self._in_flight_batches for _, _, fut in batch]
+        unsent = [fut for _, _, fut in self._pending]
         self._in_flight_batches.clear()
         self._pending = []
-        for _, _, fut in waiting:
-            if not fut.done():
-                fut.set_exception(err)
+        for futs, err in ((sent, CommitInDoubt(why)), (unsent, StoreClosed(why))):
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
 
     async def close(self, timeout: float = 30.0) -> None:
         """Commit what is pending and in flight (waiting up to ``timeout``), stop the writer, close."""
@@ -828,6 +838,7 @@ def _writer_process(batches: Any, pipe: Any, path: str, synchronous: str, zdict:
     A separate interpreter, so the compression, the inserts and the commit never compete with the
     server's event loop for the GIL. Reads the batches on ``batches``, answers on ``pipe``. Exits
     when the server closes the pipe (or dies)."""
+    configure_logging("WARNING")  # whatever this process says on stderr, as JSON lines
     checkpoint_seconds: list[float] = []  # since the last acknowledgement (each ran after one)
     writer = _SqliteWriter(Path(path), synchronous, zdict, checkpoint_rows, checkpoint_s, checkpoint_seconds.append)
     try:

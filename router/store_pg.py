@@ -21,6 +21,17 @@ API's 503 with ``Retry-After``) and ``/readyz`` reports the log down; the next b
 the router recovers by itself once the server is back (tested by stopping a real server). Nothing
 that was not committed is ever acknowledged.
 
+A connection the server closed while it sat idle (a restart) is not discovered by a request
+failing on it: before a connection is used -- and by every readiness probe (:meth:`PostgresLog.healthy`,
+run every ``ready_probe_s`` by the app) for the idle ones -- its socket is checked for what a
+closed or terminated backend leaves there (end of file, or the server's termination notice: an
+idle connection in good order has nothing to read), without a round trip, and such a connection is
+replaced by a new one. A commit whose ``BEGIN`` fails on a connection error is retried once on a
+new connection (nothing of it reached the server); one that fails later is not retried -- its
+``COMMIT`` may have been applied with the answer lost, and a retried feedback row would be stored
+twice -- and fails with :class:`router.store.CommitInDoubt` (503; a keyed request's key stays
+pending until the log says whether its row is there). Reads are retried once on a new connection.
+
 Credentials never appear in code, configs or logs: the URL may name the user, host, port and
 database; the password comes from libpq's usual places (``PGPASSWORD``, ``PGPASSFILE`` or
 ``~/.pgpass``, or a ``passfile=`` parameter), and whatever the URL holds is shown only through
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,6 +60,7 @@ from router.store import (
     LOOKUP_SQL,
     RECORD_FEEDBACK_SQL,
     REGISTER_CATALOG_SQL,
+    CommitInDoubt,
     DecisionRef,
     GroupCommitLog,
     Item,
@@ -149,6 +162,22 @@ async def ensure_schema(conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.execute(SCHEMA)  # type: ignore[arg-type]
 
 
+def _stale(conn: psycopg.AsyncConnection[Any] | None) -> bool:
+    """Whether an idle connection can no longer be used: closed, or its socket readable -- with no
+    query out, that is the server's end of file or termination notice (module docstring)."""
+    if conn is None or conn.closed:
+        return True
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)
+
+
+class _Unsent(Exception):
+    """A connection error before the transaction began: nothing of the batch reached the server."""
+
+
 class PostgresLog(GroupCommitLog):
     """The decision log on a PostgreSQL server (module docstring)."""
 
@@ -161,6 +190,8 @@ class PostgresLog(GroupCommitLog):
         self._url = url
         self.where = redact(url)
         self.connect_timeout_s = connect_timeout_s
+        #: how long a readiness probe waits for the server
+        self.probe_timeout_s = min(2.0, connect_timeout_s)
         self._idle: list[psycopg.AsyncConnection[Any] | None] = []
         self._reader: psycopg.AsyncConnection[Any] | None = None
         self._reader_lock = asyncio.Lock()
@@ -190,18 +221,45 @@ class PostgresLog(GroupCommitLog):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _fresh(self, conn: psycopg.AsyncConnection[Any] | None,
+                     autocommit: bool = False) -> psycopg.AsyncConnection[Any]:
+        """``conn``, or a new connection in place of a stale one (:func:`_stale`)."""
+        if conn is not None and not _stale(conn):
+            return conn
+        if conn is not None and not conn.closed:
+            await conn.close()
+        return await self._connect(autocommit=autocommit)
+
     async def _commit(self, conn: psycopg.AsyncConnection[Any] | None, batch: list[Item]) -> None:
         t0 = time.perf_counter()
         results: list[Result]
+        rows = [(kind, row) for kind, row, _ in batch]
+        writing = False  # (a failure while the transaction is under way leaves its COMMIT in doubt)
         try:
-            if conn is None or conn.closed:
+            held, conn = conn, None
+            try:
+                conn = await self._fresh(held)
+            except psycopg.Error as e:
+                raise _Unsent() from e
+            try:
+                writing = True
+                results = await self._write(conn, rows)
+            except _Unsent:  # the connection broke before BEGIN went through: once more, on a new one
+                writing = False
+                await conn.close()
                 conn = None
-                conn = await self._connect()
-            results = await self._write(conn, [(kind, row) for kind, row, _ in batch])
+                try:
+                    conn = await self._connect()
+                except psycopg.Error as e:
+                    raise _Unsent() from e
+                writing = True
+                results = await self._write(conn, rows)
         except Exception as e:  # psycopg's errors, and anything else: never leave a request waiting
-            self.error = f"decision log {self.where}: {one_line(e)}"
-            results = [StoreClosed(self.error)] * len(batch)
-            if conn is not None and not conn.closed and isinstance(e, psycopg.OperationalError):
+            cause = e.__cause__ if isinstance(e, _Unsent) and e.__cause__ is not None else e
+            self.error = f"decision log {self.where}: {one_line(cause)}"
+            doubt = writing and not isinstance(e, _Unsent)
+            results = [(CommitInDoubt if doubt else StoreClosed)(self.error)] * len(batch)
+            if conn is not None and not conn.closed and isinstance(cause, psycopg.OperationalError):
                 await conn.close()
         else:
             self.error = None
@@ -215,22 +273,30 @@ class PostgresLog(GroupCommitLog):
 
     async def _write(self, conn: psycopg.AsyncConnection[Any], batch: list[tuple[str, tuple[Any, ...]]]
                      ) -> list[Result]:
-        """One transaction for ``batch``; a duplicate decision id fails alone, not its batch."""
+        """One transaction for ``batch``; a duplicate decision id fails alone, not its batch. Raises
+        :class:`_Unsent` when the connection fails on ``BEGIN`` (before any row was sent)."""
+        began = False
         try:
-            async with conn.transaction(), conn.cursor() as cur:
-                if all(kind == "decision" for kind, _ in batch):
-                    await cur.executemany(_INSERT_DECISION, [row for _, row in batch])
-                    return [0] * len(batch)
-                ids: list[Result] = []
-                for kind, row in batch:
-                    if kind == "decision":
-                        await cur.execute(_INSERT_DECISION, row)
-                        ids.append(0)
-                    else:
-                        await cur.execute(_INSERT_FEEDBACK, row)
-                        found = await cur.fetchone()
-                        ids.append(int(found[0]) if found else 0)
-                return ids
+            async with conn.transaction():
+                began = True
+                async with conn.cursor() as cur:
+                    if all(kind == "decision" for kind, _ in batch):
+                        await cur.executemany(_INSERT_DECISION, [row for _, row in batch])
+                        return [0] * len(batch)
+                    ids: list[Result] = []
+                    for kind, row in batch:
+                        if kind == "decision":
+                            await cur.execute(_INSERT_DECISION, row)
+                            ids.append(0)
+                        else:
+                            await cur.execute(_INSERT_FEEDBACK, row)
+                            found = await cur.fetchone()
+                            ids.append(int(found[0]) if found else 0)
+                    return ids
+        except psycopg.OperationalError as e:
+            if not began:
+                raise _Unsent() from e
+            raise
         except psycopg.IntegrityError as e:
             if len(batch) > 1:
                 return [r for item in batch for r in await self._write(conn, [item])]
@@ -247,16 +313,20 @@ class PostgresLog(GroupCommitLog):
 
     # ------------------------------------------------------------------ reads
     async def _read(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """A query on the reader connection (replaced when stale; on a connection error, once more
+        on a new one: a read is safe to repeat)."""
         async with self._reader_lock:
-            try:
-                if self._reader is None or self._reader.closed:
-                    self._reader = await self._connect(autocommit=True)
-                cur = await self._reader.execute(sql, params)  # type: ignore[arg-type]
-                return await cur.fetchall()
-            except psycopg.Error as e:
-                if self._reader is not None and isinstance(e, psycopg.OperationalError):
-                    await self._reader.close()
-                raise StoreClosed(f"decision log {self.where}: {one_line(e)}") from None
+            for attempt in (0, 1):
+                try:
+                    self._reader = await self._fresh(self._reader, autocommit=True)
+                    cur = await self._reader.execute(sql, params)  # type: ignore[arg-type]
+                    return await cur.fetchall()
+                except psycopg.Error as e:
+                    if self._reader is not None and isinstance(e, psycopg.OperationalError):
+                        await self._reader.close()
+                    if attempt == 1 or not isinstance(e, psycopg.OperationalError) or self._reader is None:
+                        raise StoreClosed(f"decision log {self.where}: {one_line(e)}") from None
+            raise AssertionError("unreachable")
 
     async def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
         if tenant is None:
@@ -288,13 +358,28 @@ class PostgresLog(GroupCommitLog):
         await self._read(REGISTER_CATALOG_SQL.format(p="%s") + " RETURNING catalog_key", (key, json.dumps(offering_ids)))
 
     async def healthy(self) -> bool:
+        """The readiness probe (run every ``ready_probe_s`` by the app, whatever the traffic): the
+        server answers on the reader connection and is not a standby in recovery (it could not
+        commit); idle writer connections the server closed are dropped, so the next commit opens
+        a new one rather than failing on them. A success clears the last commit's error."""
         if self.closed:
             return False
-        if self.error is None:
-            return True
-        try:  # the last commit failed: is the server back? (no traffic would otherwise ever tell)
-            await self._read("SELECT 1", ())
-        except StoreClosed:
+        dead = []
+        for i, conn in enumerate(self._idle):  # (no await in this loop: the list is the commits' too)
+            if conn is not None and _stale(conn):
+                self._idle[i] = None
+                dead.append(conn)
+        for conn in dead:
+            if not conn.closed:
+                await conn.close()
+        try:
+            rows = await asyncio.wait_for(self._read("SELECT pg_is_in_recovery()", ()), self.probe_timeout_s)
+        except (StoreClosed, TimeoutError) as e:
+            self.error = (f"decision log {self.where}: no answer within {self.probe_timeout_s:g} s"
+                          if isinstance(e, TimeoutError) else str(e))
+            return False
+        if rows and rows[0][0]:
+            self.error = f"decision log {self.where}: the server is in recovery (read-only)"
             return False
         self.error = None
         return True

@@ -76,11 +76,10 @@ def ray_local():
     """A local Ray instance on 2 CPUs, started once (trainings see it initialized and reuse it)."""
     import ray
 
-    from models.tune import keep_ray_out_of_home
+    from models.tune import start_local_ray
 
-    if not ray.is_initialized():
-        keep_ray_out_of_home()
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():  # (a Ray of its own, like ``xroute train``: never a cluster found on the machine)
+        start_local_ray(2, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -93,6 +93,45 @@ def start_subprocess(args: list[str], env: dict[str, str], port: int, log: Path,
     raise TimeoutError(f"router did not become ready; log: {log.read_text()[-2000:]}")
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (children, theirs, ...), from ``/proc`` (Linux)."""
+    parent: dict[int, int] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        parent[int(stat.split("/")[2])] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier and p not in found}
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2:].split()[0] != "Z"
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:``port`` now (as uvicorn binds: SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
+
+
 class ServerError(RuntimeError):
     """A test server could not be found or started (the message says which and why)."""
 
@@ -237,6 +276,13 @@ class RedisServer:
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise ServerError(f"redis-server did not answer on 127.0.0.1:{self.port} within 30 s")
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, and (nothing persisted) comes back empty from :meth:`start`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -398,3 +398,76 @@ def test_the_vendored_variants_are_current_and_really_other_windows(tmp_path: Pa
     top = b.workload["origin"].value_counts(normalize=True)
     for origin, weight in v.origin_weights:
         assert top[origin] == pytest.approx(weight, abs=0.02)
+
+
+# ------------------------------------------------------------------------------ prefix hashes
+def _with_prefixes(root: Path, block: int | None = 512, cells: list[str] | None = None) -> None:
+    def add(df: pd.DataFrame) -> pd.DataFrame:
+        df["prefix_hashes"] = cells if cells is not None else [" ".join(str(-7 + 3 * k + j) for j in range(
+            -(-int(n) // 512))) for k, n in enumerate(df["input_tokens"])]
+        return df
+
+    _edit(root, "workload", add)
+    if block is not None:
+        (root / "bundle.yaml").write_text(f"prefix_block_tokens: {block}\n")
+
+
+def test_prefix_hashes_load_as_int64_arrays_and_count_in_the_hash(tiny: Path):
+    before = load_bundle(tiny).content_hash
+    _with_prefixes(tiny)
+    b = load_bundle(tiny)
+    assert b.has_prefixes and b.meta.prefix_block_tokens == 512 and b.content_hash != before
+    h = b.workload["prefix_hashes"].iloc[0]
+    assert h.dtype == np.int64 and len(h) == -(-int(b.workload["input_tokens"].iloc[0]) // 512)
+    (tiny / "bundle.yaml").write_text("prefix_block_tokens: 512\ndescription: changed\n")
+    assert load_bundle(tiny).content_hash != b.content_hash  # bundle.yaml is part of the content
+    _edit(tiny, "workload", lambda df: df.assign(prefix_hashes=""))
+    assert not load_bundle(tiny).has_prefixes  # empty cells: no prefix information, as before
+
+
+@pytest.mark.parametrize(("cell", "says"), [
+    ("1 x 3", "'x' is not an integer id"),
+    ("1 2.5", "'2.5' is not an integer id"),
+    ("9223372036854775808", "outside the signed 64-bit range"),
+])
+def test_a_bad_prefix_cell_is_named(tiny: Path, cell: str, says: str):
+    n = len(_read(tiny, "workload"))
+    _with_prefixes(tiny, cells=["1"] * 3 + [cell] + ["1"] * (n - 4))
+    _fails(tiny, "workload.csv", 4, "prefix_hashes", says)
+
+
+def test_prefix_hashes_need_the_block_size_and_fit_the_prompt(tiny: Path):
+    _with_prefixes(tiny, block=None)
+    _fails(tiny, "bundle.yaml", None, None, "field 'prefix_block_tokens': required")
+    (tiny / "bundle.yaml").write_text("prefix_block_tokens: 2048\n")  # fewer, bigger blocks: too many ids
+    _fails(tiny, "workload.csv", 1, "prefix_hashes", "at most ceil(input_tokens / 2048)")
+    (tiny / "bundle.yaml").write_text("prefix_blok_tokens: 512\n")
+    _fails(tiny, "bundle.yaml", None, None, "prefix_blok_tokens")
+    (tiny / "bundle.yaml").write_text("prefix_block_tokens: 0\n")
+    _fails(tiny, "bundle.yaml", None, None, "greater than or equal to 1")
+
+
+def test_the_mooncake_bundle_holds_the_trace_and_derived_sessions():
+    b = load_bundle("mooncake")
+    w = b.workload
+    assert len(w) == 3993 and b.meta.prefix_block_tokens == 512 and set(w["model"]) == {"llama-3.1-8b"}
+    counts = np.array([len(h) for h in w["prefix_hashes"]])
+    assert (counts == -(-w["input_tokens"].to_numpy(dtype=np.int64) // 512)).all()
+    # a session's turns: each later turn's prompt begins with all but the last block of an earlier turn's
+    for _, g in list(w.groupby("session_id"))[:300]:
+        hs = [list(h) for h in g["prefix_hashes"]]
+        for k in range(1, len(hs)):
+            assert any((len(a) > 1 and hs[k][:len(a) - 1] == a[:-1]) or hs[k][:len(a)] == a for a in hs[:k])
+    assert w["session_id"].nunique() == 2516
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs the shared real data (../shared/data)")
+def test_the_mooncake_bundle_is_current(tmp_path: Path):
+    from tools.build_default_bundle import main
+
+    assert main(["--shared", str(SHARED), "--variant", "mooncake", "--out", str(tmp_path / "m")]) == 0
+    shipped = REPO_ROOT / "data" / "bundles" / "mooncake"
+    names = sorted(p.name for p in (tmp_path / "m").iterdir())
+    assert names == sorted(p.name for p in shipped.iterdir())
+    for n in names:
+        assert (tmp_path / "m" / n).read_bytes() == (shipped / n).read_bytes(), f"{n}: stale; rebuild it"

@@ -47,6 +47,9 @@ def _inputs(rng: np.random.Generator, n: int, deadline: bool, shared: bool = Fal
         # the requests running + waiting the pools' inference servers report (-1: none)
         "server_busy": np.where(rng.random(n) < 0.5, rng.uniform(0.0, 40.0, n), -1.0) if shared
         else np.full(n, -1.0),
+        # the prompt tokens the router's view expects each pool to hold (envs.prefix), and the session's pool
+        "cached": np.zeros(n),
+        "session": np.zeros(n),
     }
 
 
@@ -57,7 +60,7 @@ def _numpy_outcomes(d: dict[str, object]) -> tuple[np.ndarray, np.ndarray, float
     reported = g("server_busy") >= 0
     busy = np.where(reported, np.maximum(own + g("others"), g("server_busy")), own + g("others"))
     k = np.minimum(busy * g("inv_replicas"), g("conc_m1")) + np.where(reported, 0.0, g("ext_util_conc"))
-    pf = g("r_in") * g("inv_prefill")
+    pf = (g("r_in") - g("cached")) * g("inv_prefill")
     tp = g("tpot_s") + g("tpot_growth_s") * k
     service = pf + g("est_out") * tp
     wait = np.maximum(g("est_min") - g("t"), 0.0)
@@ -81,8 +84,11 @@ def _numpy_outcomes(d: dict[str, object]) -> tuple[np.ndarray, np.ndarray, float
     C = np.zeros((kernels.N_OUT, len(wait)))
     C[WAIT], C[BUSY], C[SERVICE], C[TTFT], C[LAT] = wait, busy, service, ttft, lat
     C[TPOT], C[COST] = tp * 1000.0, g("cost_rate") * service
-    C[RISK] = -np.expm1(-g("hazard") * (g("unseen_s") + wait + service))
+    with np.errstate(invalid="ignore"):
+        C[RISK] = np.where(g("hazard") > 0, -np.expm1(-g("hazard") * (g("unseen_s") + wait + service)), 0.0)
     C[PVIOL] = p
+    C[kernels.CACHED] = g("cached") / g("r_in")
+    C[kernels.SESSION] = g("session")
     mask = g("static_ok") & (wait <= g("queue_timeout_s"))
     bv = np.minimum(busy, g("slots"))
     return C, mask, float(bv @ mask), float(g("slots") @ mask)
@@ -100,10 +106,17 @@ def test_candidate_outcomes_equal_numpy(seed: int) -> None:
     """Seeds 4-7 add other routers' work (``others``) and the servers' reported load (``server_busy``)
     on half the pools each: the queue's wait, the batch without the utilization term."""
     rng = np.random.default_rng(seed)
-    d = _inputs(rng, int(rng.integers(1, 130)), deadline=seed % 2 == 1, shared=seed >= 4)
+    n = int(rng.integers(1, 130))
+    d = _inputs(rng, n, deadline=seed % 2 == 1, shared=seed >= 4)
+    if seed % 3 == 0:  # some prefix cached on some pools: less prefill there
+        d["cached"] = np.where(rng.random(n) < 0.5, rng.uniform(0, d["r_in"], n), 0.0)  # type: ignore[arg-type]
+        d["session"] = (rng.random(n) < 0.1).astype(float)
     C, mask, bv, sv = _outcomes(d)
     C2, mask2, bv2, sv2 = _numpy_outcomes(d)
-    for row, name in enumerate(("wait", "busy", "service", "ttft", "lat", "tpot", "cost", "risk")):
+    for row, name in enumerate(("wait", "busy", "service", "ttft", "lat", "tpot", "cost", "risk", "", "cached",
+                                "session")):
+        if not name:
+            continue
         np.testing.assert_allclose(C[row], C2[row], rtol=1e-13, atol=0, err_msg=name)
     np.testing.assert_allclose(C[PVIOL], C2[PVIOL], rtol=1e-9, atol=1e-12, err_msg="pviol")
     # (reported loads are fractional: the kernel's running sum and numpy's dot may differ in the last bit)
@@ -207,6 +220,8 @@ def test_realized_reward_equals_numpy(seed: int) -> None:
 def test_offering_rows_equal_numpy() -> None:
     rng = np.random.default_rng(0)
     d = _inputs(rng, 40, deadline=False)
+    d["cached"] = np.where(rng.random(40) < 0.5, rng.uniform(0, d["r_in"], 40), 0.0)  # type: ignore[arg-type]
+    d["session"] = (rng.random(40) < 0.2).astype(float)
     C, mask, _, _ = _outcomes(d)
     n, nf = 40, fz.N_OFFERING_FEATURES
     static = rng.uniform(-1, 1, (n, nf))
@@ -228,7 +243,10 @@ def test_offering_rows_equal_numpy() -> None:
     m[:, F["exp_tpot"]] = np.minimum(C[TPOT] / tpot, 3.0)
     m[:, F["exp_cost"]] = np.minimum(C[COST] / ref, 5.0)
     m[:, F["exp_violation"]] = C[PVIOL]
+    m[:, F["exp_cached"]] = d["cached"] / d["r_in"]  # type: ignore[operator]
+    m[:, F["session_here"]] = d["session"]
     np.testing.assert_allclose(out, m[idx].astype(np.float32), rtol=1e-6)
+    assert out[:, F["exp_cached"]].any() and out[:, F["session_here"]].any()
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -311,10 +329,12 @@ def test_greedy_decide_is_combine_rewards_and_rank(seed: int) -> None:
     w = (float(rng.uniform(1e-6, 1e-3)), float(rng.uniform(500, 9000)), 1500.0, 0.6, 0.4, 2.0, 5.0, 3.0)
     k = int(rng.integers(0, 5))
     ints, floats = np.full(7 + k + 2, 99, dtype=np.int64), np.full(3 + 3 * k + 2, 99.0)  # larger than needed
-    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, C, *w, k, ints, floats)
+    use_bias = seed % 3 == 0  # the routing policies' prefer weights (envs.policies) added to the rewards
+    bias = rng.normal(0.0, 0.2, n) if use_bias else np.zeros(n)
+    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, C, bias, use_bias, *w, k, ints, floats)
     ints, floats = ints[: 7 + m], floats[: 3 + 3 * m]
     valid, n_valid, n_np, counts = rkernels.combine(env_mask, allowed, preferred, True, code)
-    r = kernels.expected_rewards(C, valid, *w)
+    r = kernels.expected_rewards(C, valid, *w) + np.where(valid, bias, 0.0)
     best, alt = kernels.rank(r, valid, k)
     assert ints[:7].tolist() == [best, n_valid, n_np, *counts.tolist()]
     if best < 0:

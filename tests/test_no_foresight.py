@@ -6,6 +6,10 @@ later spot preemption really happens -- is permuted (and, in a stronger variant,
 still in flight at the current step run twice as long). A policy that decides only on what a
 router knows must take exactly the same decisions up to and including the current step. The
 oracle, which plans with hindsight, is checked to *change* its decisions: the test can tell.
+
+The routing policies (``envs.policies``) are decision-time state too: with a policy set whose
+numeric constraints read the price, the RTT and the pools' headroom, and whose prefer weights bias
+every score, the decisions still depend on nothing realized.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
 from models.baselines import make_baseline
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights
 from xroute.config import EnvConfig, EvaluateConfig
+from xroute.schema.policy_ir import PolicySet
 
 START, LENGTH = 3000, 320
 STEPS = (60, 200, 319)
@@ -46,8 +51,18 @@ def _policy(name: str) -> Any:
     return _learned() if name == "learned" else make_baseline(name, EvaluateConfig())
 
 
-def _env(bundle: Any, budgets: bool = False) -> CloudRouteEnv:
-    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0, **(BUDGETS if budgets else {}))
+#: routing policies that read decision-time numbers: price, RTT from the origin, headroom in the router's view
+ROUTING = PolicySet.model_validate({"policies": [
+    {"name": "ceiling", "effect": "deny", "constraints": {"max_usd_per_hour": 6.0}},
+    {"name": "near", "effect": "deny", "target": {"tenants": ["code"]}, "constraints": {"max_rtt_ms": 150.0}},
+    {"name": "roomy", "effect": "prefer", "weight": 0.05, "constraints": {"min_headroom": 0.5}},
+    {"name": "no-spot-full", "effect": "deny", "constraints": {"pricing_modes": ["spot"], "min_headroom": 0.25}}]})
+
+
+def _env(bundle: Any, world: str = "plain") -> CloudRouteEnv:
+    """``world``: "plain", "budgets" (tenant budgets binding), or "routed" (routing policies)."""
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0, **(BUDGETS if world == "budgets" else {}),
+                         policies=ROUTING if world == "routed" else None)
 
 
 def _future_changed(env: CloudRouteEnv, k: int, rng: np.random.Generator, in_flight: set[int]) -> None:
@@ -92,12 +107,13 @@ def bundle(shipped_bundle: Any) -> Any:
     return shipped_bundle
 
 
-@pytest.mark.parametrize("budgets", [False, True], ids=["no-budgets", "budgets"])
+@pytest.mark.parametrize("world", ["plain", "budgets", "routed"],
+                         ids=["plain", "budgets", "routing-policies"])
 @pytest.mark.parametrize("name", POLICIES)
-def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str, budgets: bool) -> None:
+def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str, world: str) -> None:
     for k in STEPS:
-        base, pending = _run(_env(bundle, budgets), _policy(name), k)
-        changed, _ = _run(_env(bundle, budgets), _policy(name), k, change_at=k, in_flight=pending)
+        base, pending = _run(_env(bundle, world), _policy(name), k)
+        changed, _ = _run(_env(bundle, world), _policy(name), k, change_at=k, in_flight=pending)
         assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
         assert pending, "some requests are in flight at each checked step (the test stretches them)"
 
@@ -105,7 +121,7 @@ def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str, budg
 def test_the_budgets_bind_within_the_checked_steps(bundle: Any) -> None:
     """The budget variant above is not vacuous: budgets mask offerings and refuse requests, and
     the budget features move, before the last checked step."""
-    env = _env(bundle, budgets=True)
+    env = _env(bundle, "budgets")
     obs, info = env.reset(seed=4, options={"start": START, "end": START + LENGTH})
     policy = _policy("greedy")
     policy.reset(env, 4)
@@ -131,3 +147,95 @@ def test_the_future_does_change_the_outcomes_and_the_oracle(bundle: Any) -> None
     a, _ = _run(env_a, make_baseline("oracle", cfg), LENGTH - 1)
     b, _ = _run(env_b, make_baseline("oracle", cfg), LENGTH - 1, change_at=k)
     assert a != b
+
+
+# ------------------------------------------------------------------------------ with prefix caching
+P_START, P_LENGTH = 600, 260
+P_STEPS = (40, 150, 259)
+P_POLICIES = ("greedy", "cache-aware", "session-sticky", "cheapest", "least-loaded", "learned")
+
+
+@pytest.fixture(scope="module")
+def prefix_bundle() -> Any:
+    from xroute.bundle import load_bundle
+
+    b = load_bundle("mooncake")
+    assert b.has_prefixes
+    return b
+
+
+def _prefix_env(bundle: Any) -> CloudRouteEnv:
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=4.0)
+
+
+def _run_p(env: CloudRouteEnv, policy: Any, steps: int, change_at: int | None = None,
+           in_flight: set[int] | None = None) -> tuple[list[int], set[int], list[float]]:
+    """As ``_run`` on the prefix bundle; at ``change_at`` the servers' real caches are also lost
+    (every pool's replicas restarted empty) -- what no router can see when it decides."""
+    obs, info = env.reset(seed=4, options={"start": P_START, "end": P_START + P_LENGTH})
+    policy.reset(env, 4)
+    actions, pending, cached = [], set(), []
+    for s in range(steps + 1):
+        if s == change_at:
+            rng = np.random.default_rng(s)
+            i0 = P_START + s
+            idx = np.arange(i0, P_START + P_LENGTH)
+            env.req_out = env.req_out.copy()
+            env.req_out[idx] = env.req_out[rng.permutation(idx)]
+            for i in in_flight or set():
+                env.req_out[i] = min(2 * env.req_out[i] + 1, env.req_max_out[i])
+            env.z = env.z.copy()
+            env.z[s:] = rng.permutation(env.z[s:])
+            env._kv = {}  # the truth: every cache empty from now on
+        if s == steps:
+            pending = {int(d[-1]) for (_, _, kind, d) in env._events if kind == _COMPLETE and d[-1] >= 0}
+        a = int(policy.act(obs, info))
+        actions.append(a)
+        obs, _, _, done, info = env.step(a)
+        cached.append(info["cached_tokens"])
+        if done:
+            break
+    return actions, pending, cached
+
+
+@pytest.mark.parametrize("name", P_POLICIES)
+def test_no_decision_depends_on_the_servers_real_caches(prefix_bundle: Any, name: str) -> None:
+    """With prefix caching: what the servers really hold (their caches, lost at step k here) and the
+    realized future reach a router only through completions after step k, so no decision up to
+    step k changes. The router's own view (what it sent where) does change decisions: the
+    cache-aware policies follow it (checked below)."""
+    for k in P_STEPS:
+        base, pending, _ = _run_p(_prefix_env(prefix_bundle), _policy(name), k)
+        changed, _, cached = _run_p(_prefix_env(prefix_bundle), _policy(name), k, change_at=k, in_flight=pending)
+        assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
+        assert cached[k] == 0.0  # the perturbation bit: request k found every cache empty
+
+
+def test_the_servers_caches_do_change_outcomes_and_the_oracle(prefix_bundle: Any) -> None:
+    """The caches matter: the base run serves cached prefixes, and the hindsight oracle -- which
+    plans on the servers' real caches -- changes its plan when they are lost."""
+    _, _, cached = _run_p(_prefix_env(prefix_bundle), _policy("greedy"), P_LENGTH - 1)
+    assert sum(cached) > 0
+    cfg = EvaluateConfig().model_copy(update={"oracle": EvaluateConfig().oracle.model_copy(update={"horizon": 4})})
+    env_a, env_b = _prefix_env(prefix_bundle), _prefix_env(prefix_bundle)
+    for env in (env_a, env_b):
+        env.reset(seed=4, options={"start": P_START, "end": P_START + P_LENGTH})
+    # the first request after step 60 whose prefix some pool's servers hold (the oracle sees it)
+    warm = _prefix_env(prefix_bundle)
+    obs, info = warm.reset(seed=4, options={"start": P_START, "end": P_START + P_LENGTH})
+    pol = _policy("greedy")
+    pol.reset(warm, 4)
+    k = 0
+    while k < 60 or not warm.true_cached().any():
+        obs, _, _, _, info = warm.step(int(pol.act(obs, info)))
+        k += 1
+    snap = warm.save_state()
+    env_a.restore_state(snap)
+    env_b.restore_state(snap)
+    env_b._kv = {}
+    ra, rb = env_a.exact_rewards(), env_b.exact_rewards()
+    assert (ra > rb + 1e-9).any() and not (ra < rb - 1e-9).any()  # a cached prefix only ever helps
+    oa, ob = make_baseline("oracle", cfg), make_baseline("oracle", cfg)
+    oa.reset(env_a, 4)
+    ob.reset(env_b, 4)
+    assert oa.total > ob.total  # the oracle plans on the real caches (its planned outcome is better with them)

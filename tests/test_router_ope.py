@@ -22,6 +22,7 @@ import psycopg
 import pytest
 
 from envs import kernels
+from envs.features import N_OFFERING_FEATURES
 from router import ope_log
 from router.app import create_app
 from router.backends import iter_decisions
@@ -137,7 +138,7 @@ def test_exploration_is_logged_with_exact_propensities_and_evaluates_end_to_end(
         action_set = [offering_ids[k] for k in rec.action_idx]
         served = d["offering_id"]
         assert action_set[rec.chosen] == served  # the served offering is in the logged set
-        assert rec.rows.shape == (len(action_set), 20) and np.isfinite(rec.rows).all()
+        assert rec.rows.shape == (len(action_set), N_OFFERING_FEATURES) and np.isfinite(rec.rows).all()
         m = len(action_set)
         if did in denied:
             assert all(catalog[o]["pricing_mode"] != "spot" for o in action_set)

@@ -28,6 +28,7 @@ from router.state import (
     Released,
     Reserved,
     RouterState,
+    StateRestoring,
     StateUnavailable,
     hold_for,
     pool_key,
@@ -183,10 +184,13 @@ def test_idempotency_keys_first_answer_wins(make_state: Make) -> None:
     _run(make_state, body)
 
 
-def test_sessions_are_room_not_features(make_state: Make) -> None:
+def test_sessions_expire(make_state: Make) -> None:
     async def body(s: RouterState) -> None:
-        with pytest.raises(NotImplementedError):
-            await s.get_session("s")
+        assert await s.get_session("a:s") is None
+        await s.put_session("a:s", b"m|pool", 0.3)
+        assert await s.get_session("a:s") == b"m|pool" and await s.get_session("b:s") is None
+        await asyncio.sleep(0.4)
+        assert await s.get_session("a:s") is None  # its TTL passed
         assert await s.healthy()
         assert s.describe()["backend"] in ("embedded", "redis")
 
@@ -439,6 +443,65 @@ def test_a_redis_that_lost_its_data_begins_a_new_epoch_and_each_log_is_restored_
         finally:
             await raw.aclose()
             await s.close()
+
+    asyncio.run(main())
+
+
+def test_a_key_the_state_lacks_is_not_claimed_until_every_log_is_back(redis_server: Any) -> None:
+    """The idempotency guard across a loss (issue 21, finding 1): a key the state lacks is not
+    claimed -- ``StateRestoring``, the API's 503 -- while this router has not restored into the
+    current epoch (or there is none), in the epoch's first ``restore_window_s``, and while another
+    router's announced restore has not ended (or lapsed); a key the state holds is answered as ever;
+    a key being decided when the loss is noticed comes back pending."""
+    prefix = next(_prefixes)
+
+    async def main() -> None:
+        a = RedisState(redis_server.url, prefix=prefix, restore_window_s=0.4)
+        b = RedisState(redis_server.url, prefix=prefix, restore_window_s=0.4, restore_lapse_s=1.5)
+        raw = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            with pytest.raises(StateRestoring):  # no epoch at all: nobody has restored anything
+                await a.claim("k", 60)
+            epoch = await a.epoch()
+            await a.end_restore(epoch, "log-a", True)
+            with pytest.raises(StateRestoring):  # the window: others may not have noticed yet
+                await a.claim("k", 60)
+            with pytest.raises(StateRestoring):  # b has not restored into this epoch
+                await b.claim("k", 60)
+            await asyncio.sleep(0.45)
+            await b.begin_restore(epoch, "log-b")  # b reads its log...
+            with pytest.raises(StateRestoring):
+                await a.claim("k", 60)
+            await b.end_restore(epoch, "log-b", True)  # ... and is done
+            assert await a.claim("k", 60) == Claim("new")
+            assert await b.claim("k", 60) == Claim("pending")
+            await a.complete("k", b"answer", 60)
+            assert await b.claim("k", 60) == Claim("done", b"answer")
+            assert await a.claim("in flight", 60) == Claim("new")  # being decided when the data goes
+            await raw.delete(*[k async for k in raw.scan_iter(match=f"{prefix}:*")])
+            with pytest.raises(StateRestoring):  # the epoch is gone: a has not restored into the next
+                await a.claim("k", 60)
+            second = await b.epoch()
+            assert second != epoch
+            await b.begin_restore(second, "log-b")  # and dies before it ends: its announcement lapses
+            await a.begin_restore(second, "log-a")
+            assert await a.restore(second, "log-a", [], [("k", b"answer", time.time() + 60)]) is not None
+            await a.end_restore(second, "log-a", True)
+            assert await a.claim("k", 60) == Claim("done", b"answer")  # restored keys are answered at once
+            await asyncio.sleep(0.45)
+            with pytest.raises(StateRestoring):  # b's announced restore holds the others back ...
+                await a.claim("other", 60)
+            assert await a.claim("in flight", 60) == Claim("pending")  # (put back pending by a's restore)
+            await asyncio.sleep(1.1)
+            assert await a.claim("other", 60) == Claim("new")  # ... until it lapses
+            unguarded = RedisState(redis_server.url, prefix=prefix)  # a process that restores nothing
+            await raw.delete(*[k async for k in raw.scan_iter(match=f"{prefix}:*")])
+            assert await unguarded.claim("k", 60) == Claim("new")
+            await unguarded.close()
+        finally:
+            await raw.aclose()
+            await a.close()
+            await b.close()
 
     asyncio.run(main())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ class RouterSetup:
 
 
 def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
-    """Tiny bundle, own serving yaml, keys for tenants ``a`` and ``b`` and an admin; no model."""
+    """Tiny bundle, own serving yaml, keys for tenants ``a`` and ``b`` (declared, with
+    ``overrides["tenants"]`` merged in) and an admin; no model."""
     tmp.mkdir(parents=True, exist_ok=True)
     bundle = tmp / "bundle"
     if not bundle.exists():
@@ -43,12 +45,26 @@ def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
     base: dict[str, Any] = {"telemetry": bundle, "env": {"serving_config": str(serving)}, "db_path": tmp / "decisions.db",
                             "keys_file": keys_file, "model_uri": "", "model_poll_s": 0, "log_level": "WARNING"}
     base.update(overrides)
-    cfg = tmp / "router.yaml"
-    cfg.write_text("{}\n")
+    # the tenants the keys name are declared (an undeclared tenant's key is refused: 403 unknown_tenant)
+    base["tenants"] = {"a": {}, "b": {}, **(overrides.get("tenants") or {})}
+    cfg = tmp / "router.yaml"  # (what subprocess routers read: the declared tenants)
+    cfg.write_text(json.dumps({"tenants": base["tenants"]}) + "\n")
     return RouterSetup(load_settings(cfg, **base), keys, tmp)
 
 
 ROUTE = {"origin": "aws:us-east-1", "input_tokens": 400, "max_output_tokens": 80, "ttft_ms": 2500, "tpot_ms": 100}
+
+
+def retry_restoring(send: Callable[[], Any], within_s: float = 15.0) -> Any:
+    """``send()`` (an HTTP request), again as its 503 ``state_restoring`` asks (``Retry-After``): a
+    keyed request on the Redis state in the first ``state_restore_window_s`` of an epoch -- a Redis
+    new to the routers looks exactly like one that lost its data (``docs/router.md``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        r = send()
+        if r.status_code != 503 or r.json().get("error") != "state_restoring" or time.monotonic() > deadline:
+            return r
+        time.sleep(float(r.headers.get("retry-after", "1")) / 4)
 
 
 # ---------------------------------------------------------------------------------------- fake model

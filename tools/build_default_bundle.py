@@ -87,6 +87,9 @@ class Variant:
     spot_salt: str = ""
     origin_weights: tuple[tuple[str, float], ...] = ()
     keep: tuple[tuple[str, float], ...] = ()
+    #: the request trace: ``azure`` (the Azure LLM inference hour) or ``mooncake`` (the Mooncake
+    #: FAST'25 trace with its KV-cache block hashes: ``build_workload_mooncake``)
+    trace: str = "azure"
 
 
 #: the vendored variants (tools/build_default_bundle.py --variant NAME --out data/bundles/NAME)
@@ -102,7 +105,21 @@ VARIANTS: dict[str, Variant] = {
                                        ("aws:eu-central-1", 0.10), ("azure:koreacentral", 0.30),
                                        ("gcp:asia-southeast1", 0.25)),
                        keep=(("code", 0.5), ("conv", 1.0))),
+    "mooncake": Variant("mooncake", price_date="2024-03-31", spot_salt="mooncake", trace="mooncake"),
 }
+
+#: the Mooncake trace (``trace="mooncake"``): its file, the block size of its hash_ids, when its
+#: relative timestamps start (the trace has no date; its prices are the snapshot nearest it), the
+#: model it is served with (configs/models.yaml: a long-context deployment) and its SLO rule
+MOONCAKE_FILE = "workload/mooncake_fast25_synthetic_trace.jsonl"
+MOONCAKE_BLOCK_TOKENS = 512
+MOONCAKE_START = "2024-03-31T12:00:00Z"
+MOONCAKE_MODEL = "llama-3.1-8b"
+MOONCAKE_TENANT = "longctx"
+#: TTFT objective = base + per prompt token (ms): an interactive second plus 2,000 prompt tokens a second
+MOONCAKE_TTFT_BASE_MS = 1000.0
+MOONCAKE_TTFT_PER_TOKEN_MS = 0.5
+MOONCAKE_TPOT_MS = 100.0
 
 CAPACITY_HEADROOM = 1.5
 SPOT_CAPACITY_DIVISOR = 4
@@ -159,8 +176,82 @@ def origins_of(variant: Variant) -> tuple[tuple[str, float, str], ...]:
     return tuple((o, w[o], desc) for o, _, desc in ORIGINS)
 
 
+def derive_sessions(hashes: list[list[int]]) -> tuple[list[int], int]:
+    """Session of each request from the prefix structure alone (the Mooncake trace names none):
+    request j continues the latest earlier request i whose prompt blocks, all but its last (which
+    may be partial), begin j's -- a conversation's next turn resends the whole previous prompt and
+    adds to it -- taking the longest such match; otherwise j opens a session. Returns (each
+    request's session number, how many requests continued one)."""
+    index: dict[tuple[int, ...], int] = {}
+    session: list[int] = []
+    opened = cont = 0
+    for j, h in enumerate(hashes):
+        prev = None
+        for n in range(len(h), 0, -1):
+            prev = index.get(tuple(h[:n]))
+            if prev is not None:
+                break
+        if prev is None:
+            session.append(opened)
+            opened += 1
+        else:
+            session.append(session[prev])
+            cont += 1
+        if len(h) > 1:
+            index[tuple(h[:-1])] = j
+        index[tuple(h)] = j
+    return session, cont
+
+
+def mooncake_ttft_ms(input_tokens: np.ndarray) -> np.ndarray:
+    return MOONCAKE_TTFT_BASE_MS + MOONCAKE_TTFT_PER_TOKEN_MS * np.asarray(input_tokens, dtype=float)
+
+
+def build_workload_mooncake(shared: Path, variant: Variant) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The Mooncake FAST'25 synthetic trace, verbatim: its timestamps (ms from the start) from
+    ``MOONCAKE_START``, its input and output lengths and its block hashes (``prefix_hashes``), the
+    sessions derived from the prefixes (:func:`derive_sessions`), each session's origin drawn by a
+    hash of its id. Returns (table to write, typed frame for stats)."""
+    import json
+
+    rows = [json.loads(line) for line in (shared / MOONCAKE_FILE).read_text().splitlines() if line.strip()]
+    hashes = [[int(x) for x in r["hash_ids"]] for r in rows]
+    session, cont = derive_sessions(hashes)
+    t0 = pd.Timestamp(MOONCAKE_START)
+    w = pd.DataFrame({
+        "ts": [t0 + pd.Timedelta(milliseconds=int(r["timestamp"])) for r in rows],
+        "request_id": [f"mooncake-{i:06d}" for i in range(len(rows))],
+        "tenant": MOONCAKE_TENANT,
+        "input_tokens": [int(r["input_length"]) for r in rows],
+        "output_tokens": [int(r["output_length"]) for r in rows],
+        "session_id": [f"mooncake-s{k:05d}" for k in session],
+    })
+    w["prefix_hashes"] = hashes
+    w.attrs["continued"] = cont
+    w = w.sort_values(["ts", "request_id"], kind="mergesort").reset_index(drop=True)
+    origins = origins_of(variant)
+    cum = np.cumsum([wt for _, wt, _ in origins])
+    names = [o for o, _, _ in origins]
+    w["origin"] = [names[int(np.searchsorted(cum, stable_uniform("origin", sid), side="right"))]
+                   for sid in w["session_id"]]
+    w["ttft_ms"] = mooncake_ttft_ms(w["input_tokens"].to_numpy())
+    w["tpot_ms"] = MOONCAKE_TPOT_MS
+    w["model"] = MOONCAKE_MODEL
+    w["max_output_tokens"] = w["tenant"].map(output_budget_rule(w))
+    out = pd.DataFrame({
+        "ts": [iso(t) for t in w["ts"]], "request_id": w["request_id"], "origin": w["origin"],
+        "input_tokens": w["input_tokens"], "max_output_tokens": w["max_output_tokens"],
+        "ttft_ms": [fmt(v, 1) for v in w["ttft_ms"]], "tpot_ms": [fmt(v, 1) for v in w["tpot_ms"]],
+        "model": w["model"], "output_tokens": w["output_tokens"], "session_id": w["session_id"],
+        "tenant": w["tenant"], "prefix_hashes": [" ".join(str(x) for x in h) for h in w["prefix_hashes"]],
+    })
+    return out, w
+
+
 def build_workload(shared: Path, variant: Variant = VARIANTS["default"]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Both Azure traces merged by timestamp. Returns (table to write, typed frame for stats)."""
+    if variant.trace == "mooncake":
+        return build_workload_mooncake(shared, variant)
     parts = []
     for tenant, (rel, _, _) in TENANTS.items():
         src = pd.read_csv(shared / rel)
@@ -245,8 +336,24 @@ def pick_prices(shared: Path, day: pd.Timestamp = WORKLOAD_DAY) -> list[PricedTy
 
 
 # -------------------------------------------------------------------------------------- capacity
-def capacity_rule(w: pd.DataFrame, serving: dict) -> dict[str, float]:
-    ref = serving["accelerators"][serving["reference_accelerator"]]
+def model_speeds(serving_path: Path, model: str, accelerator: str) -> dict[str, float]:
+    """``model`` on one GPU of ``accelerator`` by the rules of configs/models.yaml (envs.serving.place):
+    prefill tokens/s, TPOT ms, slots per replica, KV tokens."""
+    from envs.serving import load_models, load_serving, place
+    from xroute.schema.offering import Offering
+
+    serving = load_serving(str(serving_path))
+    models = load_models(str(serving_path.parent / "models.yaml"))
+    o = Offering("x", "aws", "r", "i", "on_demand", accelerator, 1, 1.0, 1.0)
+    pl = place([o], [1], serving, models, [model])
+    return {"prefill_tok_s": float(pl.prefill_tok_s[0, 0]), "tpot_ms": float(pl.tpot_s[0, 0] * 1000.0),
+            "max_concurrency": int(pl.conc[0, 0]), "kv_tokens": float(pl.kv_tokens[0, 0])}
+
+
+def capacity_rule(w: pd.DataFrame, serving: dict, speeds: dict[str, float] | None = None) -> dict[str, float]:
+    """Pool sizes from the stream's mean concurrency at the reference accelerator's speed (of the
+    stream's model, ``speeds``, when it is not the reference model)."""
+    ref = speeds if speeds is not None else serving["accelerators"][serving["reference_accelerator"]]
     service = w["input_tokens"] / ref["prefill_tok_s"] + w["output_tokens"] * ref["tpot_ms"] / 1000.0
     span = (w["ts"].iloc[-1] - w["ts"].iloc[0]).total_seconds()
     mean_conc = float(service.sum() / span)
@@ -495,9 +602,14 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
         if f.is_file() and (f.suffix in (".csv", ".parquet") or f.name.endswith(".csv.gz")):
             f.unlink()
 
+    for f in (out / "bundle.yaml",):
+        if f.is_file():
+            f.unlink()
     workload, w = build_workload(shared, variant)
     t0, t1 = w["ts"].iloc[0], w["ts"].iloc[-1]
-    cap = capacity_rule(w, serving)
+    speeds = model_speeds(serving_path, MOONCAKE_MODEL, serving["reference_accelerator"]) \
+        if variant.trace == "mooncake" else None
+    cap = capacity_rule(w, serving, speeds)
 
     priced = pick_prices(shared, pd.Timestamp(variant.price_date))
     offerings, prices = [], []
@@ -540,10 +652,16 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
     write_table(avail, out / "availability.csv")
     write_table(rtt, out / "rtt.csv")
     write_table(workload, out / "workload.csv.gz")
+    if variant.trace == "mooncake":
+        (out / "bundle.yaml").write_text(
+            f"# xroute.schema.telemetry.BundleMeta (written by tools/build_default_bundle.py --variant {variant.name})\n"
+            f"prefix_block_tokens: {MOONCAKE_BLOCK_TOKENS}\n"
+            "description: \"Mooncake FAST'25 synthetic trace (hash_ids = 512-token KV-cache blocks) on real "
+            "prices, spot availability and RTT\"\n")
 
     stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "w": w, "cap": cap,
              "t0": t0, "t1": t1, "compression": compression, "priced": priced, "serving": serving,
-             "locations": locs, "variant": variant}
+             "locations": locs, "variant": variant, "speeds": speeds, "serving_path": serving_path}
     (out / "README.md").write_text(render_readme(stats))
     bundle = load_bundle(out)  # the builder's output must pass the product's own validation
     stats["bundle"] = bundle
@@ -564,7 +682,7 @@ def render_readme(s: dict) -> str:
     tenants = [[t, int((w["tenant"] == t).sum()), f"{a:g}", f"{b:g}", int(w.loc[w["tenant"] == t, "max_output_tokens"].iloc[0]),
                 int(w.loc[w["tenant"] == t, "input_tokens"].mean()), int(w.loc[w["tenant"] == t, "output_tokens"].mean()),
                 int(w.loc[w["tenant"] == t, "output_tokens"].max())]
-               for t, (_, a, b) in TENANTS.items()]
+               for t, (_, a, b) in TENANTS.items()] if s["variant"].trace == "azure" else []
     av_rows = [[i["offering_id"], i["trace"], f"{i['offset_h']:.2f}", i["start"], i["flips"], f"{i['avail_frac']:.2f}"]
                for i in info]
     kinds = rtt["source"].str.split(r"[: ]", regex=True).str[0].value_counts()
@@ -589,7 +707,7 @@ def render_readme(s: dict) -> str:
                  " kept (by a hash of the request id). Pools are sized for this traffic (capacity rule below). "
                  "The request hour is the same real trace; the text below describes the recipe, "
                  "its tables this bundle.\n")
-    return f"""# {title} — provenance
+    text = f"""# {title} — provenance
 
 Written by `tools/build_default_bundle.py` (do not edit by hand; rebuild with
 `.venv/bin/python tools/build_default_bundle.py --shared ../shared/data {cmd}`). Same inputs ⇒
@@ -639,7 +757,7 @@ inference trace. {len(off)} offerings ({int((off.pricing_mode == 'on_demand').su
 SLO feasibility from `configs/serving.yaml` alone (TTFT = input/prefill + one token, TPOT = tpot(k);
 no queueing, no network, no noise; RTT adds 1–250 ms to TTFT), share of requests meeting both:
 
-{md_table(["accelerator", "code, k=1", "conv, k=1", "code, k=slots", "conv, k=slots"], sla_feasibility(w, s['serving']))}
+{md_table(["accelerator", "code, k=1", "conv, k=1", "code, k=slots", "conv, k=slots"], sla_feasibility(w, s['serving'])) if tenants else ""}
 
 ## offerings.csv and prices.csv
 
@@ -703,6 +821,99 @@ Row sources: {', '.join(f'{k} {v}' for k, v in kinds.items())}.
 
 {md_table(["src", "dst", "rtt_ms", "source"], est_rows) if est_rows else ""}
 """
+    return mooncake_readme(text, s) if v.trace == "mooncake" else text
+
+
+def mooncake_readme(text: str, s: dict) -> str:
+    """The recipe's README with the workload parts said for the Mooncake trace (``trace="mooncake"``)."""
+    import re
+
+    w, v, sp = s["w"], s["variant"], s["speeds"]
+    comp = s["compression"]
+    blocks = np.array([len(h) for h in w["prefix_hashes"]])
+    seen: set[int] = set()
+    reused = 0
+    for h in w["prefix_hashes"]:
+        reused += sum(x in seen for x in h)
+        seen.update(h)
+    turns = w.groupby("session_id").size()
+    multi = turns[turns > 1]
+    head = f"""# Telemetry bundle `{v.name}` (the Mooncake trace: KV-cache prefix blocks) — provenance
+
+Written by `tools/build_default_bundle.py` (do not edit by hand; rebuild with
+`.venv/bin/python tools/build_default_bundle.py --shared ../shared/data --variant {v.name} --out data/bundles/{v.name} --spot-compression {comp:g}`). Same inputs ⇒
+byte-identical files. Format: `docs/telemetry.md`;
+schema: `xroute/schema/telemetry.py` (and `bundle.yaml`: `prefix_block_tokens: {MOONCAKE_BLOCK_TOKENS}`). The
+telemetry (prices, spot, RTT) is real public data by the default bundle's recipe; the request stream is
+the Mooncake FAST'25 synthetic trace, whose arrival times are Poisson-generated (the one part of the shared
+data that is not measured) while its prompts, outputs and prefix blocks come from real multi-turn
+conversations. Extra `source` columns (allowed by the schema) name the input of every row.
+
+**Variant `{v.name}`** of the default bundle's recipe: prices from the snapshots nearest **{v.price_date}** (the row
+each offering got is in the price table below), other spans of the real spot traces (offsets re-hashed with salt
+`{v.spot_salt}`), pools sized for this traffic (capacity rule below); the text below describes the recipe, its tables
+this bundle.
+"""
+    text = text[text.index("\nWindow: **"):]
+    text = text.replace("the real hour of Azure's LLM\ninference trace.", "the Mooncake trace's\n17 minutes.", 1)
+    text = text.replace("| workload.csv.gz | workload/azure_llm_inference_2023_code.csv, workload/azure_llm_inference_2023_conv.csv "
+                        "| CC BY 4.0 (Azure/AzurePublicDataset, AzureLLMInferenceDataset2023) |",
+                        f"| workload.csv.gz, bundle.yaml | {MOONCAKE_FILE} | Apache-2.0 (kvcache-ai/Mooncake "
+                        "`FAST25-release/traces/synthetic_trace.jsonl` @ 3b5a594, verbatim) |", 1)
+    a = text.index("## workload.csv.gz")
+    b = text.index("## offerings.csv and prices.csv")
+    sla = []
+    for acc in ("A10G", "L4", "A100", "A100-80GB", "H100"):
+        m = model_speeds(s["serving_path"], MOONCAKE_MODEL, acc)
+        ttft = w["input_tokens"] / m["prefill_tok_s"] * 1000.0 + m["tpot_ms"]
+        sla.append([acc, m["max_concurrency"], f"{m['kv_tokens'] / MOONCAKE_BLOCK_TOKENS:.0f}",
+                    f"{m['prefill_tok_s']:.0f}", f"{m['tpot_ms']:.1f}",
+                    f"{100 * float((ttft <= w['ttft_ms']).mean()):.1f}%"])
+    workload = f"""## workload.csv.gz and bundle.yaml
+
+- The trace's {len(w)} requests, in its order: `ts` = {MOONCAKE_START} + the trace's `timestamp` (ms from its
+  start; the trace has no date, so the telemetry is taken near {v.price_date}); `request_id` = `mooncake-<row,
+  6 digits>`; `input_tokens` = `input_length`, `output_tokens` = `output_length` (the realized outcome, which
+  only the simulation of service reads), unchanged.
+- `prefix_hashes` = the trace's `hash_ids`, verbatim: one id per {MOONCAKE_BLOCK_TOKENS}-token block of the prompt,
+  ceil(input / {MOONCAKE_BLOCK_TOKENS}) of them (the last block partial); the same id = the same block after the same
+  prefix (every id sits at one position with one predecessor in the whole trace: a chain). Mean
+  {blocks.mean():.1f} blocks a request; {100 * reused / max(int(blocks.sum()), 1):.1f} % of the blocks repeat an earlier
+  request's (the paper's 64 %), every repeat inside a leading prefix.
+- `session_id`: the trace names none. Derived from the prefixes alone (`derive_sessions`): a request whose
+  blocks begin with all but the last block of an earlier request's prompt continues that request's
+  conversation (a next turn resends the previous prompt and adds to it); the latest, longest such match.
+  {w.attrs.get("continued", 0)} requests continue a session; {len(turns)} sessions, {len(multi)} of them with more than one turn
+  (at most {int(turns.max())}). The rest of the reuse is prefix sharing between sessions (requests of
+  different conversations that begin alike), which the prefix cache exploits and the session id does not name.
+- `model` = `{MOONCAKE_MODEL}` (configs/models.yaml: a 128k-context model with grouped-query attention,
+  served as a long-context deployment whose request slots reserve 16,384 KV tokens); the Llama-2 models'
+  4k context could not hold these prompts.
+- `tenant` = `{MOONCAKE_TENANT}` (one service). SLO: `ttft_ms` = {MOONCAKE_TTFT_BASE_MS:g} + {MOONCAKE_TTFT_PER_TOKEN_MS:g} ×
+  `input_tokens` (an interactive second plus 2,000 prompt tokens a second: a long prompt is allowed a
+  longer first token), `tpot_ms` = {MOONCAKE_TPOT_MS:g}; `max_output_tokens` by the documented per-tenant rule
+  (`xroute.bundle.output_budget_rule`): {int(w["max_output_tokens"].iloc[0])}.
+- `origin`: drawn per **session** (a conversation's client does not move): u = first 8 bytes of
+  SHA-256("origin" ␟ session_id) / 2^64, mapped through the default bundle's origin weights.
+
+| requests | sessions | mean input | max input | mean output | max output | mean blocks |
+|---|---|---|---|---|---|---|
+| {len(w)} | {len(turns)} | {int(w["input_tokens"].mean())} | {int(w["input_tokens"].max())} | {int(w["output_tokens"].mean())} | {int(w["output_tokens"].max())} | {blocks.mean():.1f} |
+
+`{MOONCAKE_MODEL}` per one-GPU replica (configs/models.yaml rules; A10 as A10G): slots, prefix-cache
+capacity in {MOONCAKE_BLOCK_TOKENS}-token blocks (its KV tokens / block), prefill and TPOT, and the share of requests
+whose TTFT objective a free replica meets with no cache hit (prefill + one token; no queue, no network):
+
+{md_table(["accelerator", "slots", "cache blocks", "prefill tok/s", "TPOT ms", "TTFT met, cold"], sla)}
+
+"""
+    text = head + text[:a] + workload + text[b:]
+    text = re.sub(r"- `capacity_replicas`: mean concurrency of the whole stream at A10G speed \(Little's law: "
+                  r"Σ\(input/\n  [0-9.]+ \+ output × [0-9.]+ ms\) / span =",
+                  f"- `capacity_replicas`: mean concurrency of the whole stream at the speed of `{MOONCAKE_MODEL}` on one "
+                  f"A10G (Little's law,\n  no cache hit: Σ(input/{sp['prefill_tok_s']:.0f} + output × {sp['tpot_ms']:.1f} ms) / span =",
+                  text, count=1)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

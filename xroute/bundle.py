@@ -20,7 +20,17 @@ import pandas as pd
 from xroute.errors import BundleError
 from xroute.resources import bundles_dir, shipped_bundles
 from xroute.schema.offering import Offering
-from xroute.schema.telemetry import REPLACED_COLUMNS, TABLE_SUFFIXES, TABLES, WORKLOAD, Column, Table, location_id
+from xroute.schema.telemetry import (
+    META_FILE,
+    REPLACED_COLUMNS,
+    TABLE_SUFFIXES,
+    TABLES,
+    WORKLOAD,
+    BundleMeta,
+    Column,
+    Table,
+    location_id,
+)
 
 #: the shipped bundle (``data/bundles/default`` in a checkout; package data in an install)
 DEFAULT_BUNDLE = bundles_dir() / "default"
@@ -68,6 +78,8 @@ def _coerce_column(df: pd.DataFrame, col: Column, fname: str) -> pd.Series:
                 i = _first(bad)
                 raise BundleError(fname, f"'{out.iloc[i]}' is not one of {', '.join(col.choices)}", i + 1, col.name)
         return out
+    if col.kind == "ints":
+        return _coerce_ints(s, blank, col, fname)
     if col.kind == "ts":
         text = s.astype(str).str.strip()
         ts = pd.to_datetime(text, utc=True, errors="coerce", format="ISO8601")
@@ -107,6 +119,36 @@ def _coerce_column(df: pd.DataFrame, col: Column, fname: str) -> pd.Series:
             i = _first(bad)
             raise BundleError(fname, f"{vals[i]:g} is above the maximum {col.maximum:g}", i + 1, col.name)
     return pd.Series(vals, index=s.index)
+
+
+_I64 = (-(2**63), 2**63 - 1)
+
+
+def _coerce_ints(s: pd.Series, blank: np.ndarray, col: Column, fname: str) -> pd.Series:
+    """An ``ints`` column as one int64 array per row (empty where blank): CSV text of ids
+    separated by spaces, or (Parquet) a list of integers."""
+    out: list[np.ndarray] = []
+    empty = np.zeros(0, dtype=np.int64)
+    for i, (v, b) in enumerate(zip(s.tolist(), blank)):
+        if b:
+            out.append(empty)
+            continue
+        items = v.split() if isinstance(v, str) else list(v) if isinstance(v, (list, tuple, np.ndarray)) else None
+        if items is None:
+            raise BundleError(fname, f"'{v}' is not a list of integers (ids separated by spaces)", i + 1, col.name)
+        vals = []
+        for x in items:
+            try:
+                iv = int(x) if not isinstance(x, (float, np.floating)) or float(x).is_integer() else None
+            except (TypeError, ValueError):
+                iv = None
+            if iv is None:
+                raise BundleError(fname, f"'{x}' is not an integer id", i + 1, col.name)
+            if not _I64[0] <= iv <= _I64[1]:
+                raise BundleError(fname, f"{iv} is outside the signed 64-bit range", i + 1, col.name)
+            vals.append(iv)
+        out.append(np.array(vals, dtype=np.int64))
+    return pd.Series(out, index=s.index, dtype=object)
 
 
 def validate_table(df: pd.DataFrame, table: Table, fname: str) -> pd.DataFrame:
@@ -172,6 +214,14 @@ class Bundle:
     quotas: pd.DataFrame | None = None
     content_hash: str = ""
     extra: dict[str, pd.DataFrame] = field(default_factory=dict)
+    #: ``bundle.yaml`` (``xroute.schema.telemetry.BundleMeta``; defaults when the file is absent)
+    meta: BundleMeta = field(default_factory=BundleMeta)
+
+    @property
+    def has_prefixes(self) -> bool:
+        """Whether any request carries its prompt's prefix block hashes (``prefix_hashes``)."""
+        w = self.workload
+        return "prefix_hashes" in w.columns and any(len(h) for h in w["prefix_hashes"])
 
     @property
     def offering_ids(self) -> list[str]:
@@ -385,6 +435,69 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
                 raise BundleError(fname["rtt"], f"no RTT between origin '{o}' and offering location '{loc}'")
 
     workload = _with_output_budget(workload, fname["workload"])
+    meta = read_meta(root)
+    if (root / META_FILE).is_file():
+        digest.update(META_FILE.encode())
+        digest.update((root / META_FILE).read_bytes())
+    check_prefixes(workload, meta, fname["workload"])
     return Bundle(path=root, offerings=offerings, prices=prices, rtt=rtt, workload=workload,
                   availability=frames["availability"], utilization=frames["utilization"],
-                  quotas=frames["quotas"], content_hash=digest.hexdigest()[:16])
+                  quotas=frames["quotas"], content_hash=digest.hexdigest()[:16], meta=meta)
+
+
+def read_meta(root: Path) -> BundleMeta:
+    """The bundle's ``bundle.yaml`` (defaults when absent); a bad file is a :class:`BundleError`
+    naming the field."""
+    import yaml
+    from pydantic import ValidationError
+
+    f = root / META_FILE
+    if not f.is_file():
+        return BundleMeta()
+    try:
+        data = yaml.safe_load(f.read_text())
+    except yaml.YAMLError as e:
+        raise BundleError(META_FILE, f"not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise BundleError(META_FILE, "the top level must be a mapping of keys to values")
+    try:
+        return BundleMeta.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise BundleError(META_FILE, f"field '{where}': {err['msg']}") from None
+
+
+def check_prefixes(workload: pd.DataFrame, meta: BundleMeta, fname: str) -> None:
+    """A workload's ``prefix_hashes`` against the bundle's block size: stated in ``bundle.yaml``
+    when any row has hashes, and at most ``ceil(input_tokens / block)`` of them per request."""
+    if "prefix_hashes" not in workload.columns:
+        return
+    counts = np.fromiter((len(h) for h in workload["prefix_hashes"]), dtype=np.int64, count=len(workload))
+    if not counts.any():
+        return
+    if meta.prefix_block_tokens is None:
+        raise BundleError(META_FILE, "field 'prefix_block_tokens': required when the workload has prefix_hashes "
+                                     "(the block size, in tokens, the hashes were computed with)")
+    block = meta.prefix_block_tokens
+    most = -(-workload["input_tokens"].to_numpy(dtype=np.int64) // block)
+    over = counts > most
+    if over.any():
+        i = _first(over)
+        raise BundleError(fname, f"{counts[i]} block hashes for {int(workload['input_tokens'].iloc[i])} input tokens: "
+                                 f"at most ceil(input_tokens / {block}) = {most[i]}", i + 1, "prefix_hashes")
+
+
+def prefix_arrays(workload: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """The workload's ``prefix_hashes`` as CSR arrays: ``offsets`` (len + 1) and ``ids``, request i's
+    hashes being ``ids[offsets[i]:offsets[i + 1]]`` (none for every request when the column is absent)."""
+    n = len(workload)
+    if "prefix_hashes" not in workload.columns:
+        return np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    parts = list(workload["prefix_hashes"])
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(h) for h in parts], out=offsets[1:])
+    ids = np.concatenate(parts).astype(np.int64) if offsets[-1] else np.zeros(0, dtype=np.int64)
+    return offsets, ids

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xroute.errors import ConfigError
 from xroute.resources import configs_dir
+from xroute.schema.policy_ir import ConstraintError, PolicySet, policy_set_error
 from xroute.schema.quota import DAY_S, TenantQuotas
 
 #: the shipped configuration files (``configs/`` in a checkout; package data in an install)
@@ -49,6 +50,16 @@ class EstimatorConfig(Strict):
                                "estimator at reset (their outputs are known by then)")
 
 
+class PrefixConfig(Strict):
+    """KV-cache prefix caching (``envs.prefix``; active for requests that carry ``prefix_hashes``):
+    the router's view of what each pool holds, kept apart from the servers' caches."""
+
+    view_ttl_s: float = Field(600.0, gt=0, description="the view's age bound: a block sent to a pool longer ago is "
+                                                       "not expected there any more")
+    retention_alpha: float = Field(0.05, gt=0, le=1, description="weight of one confirmation (cached tokens the "
+                                                                 "servers report) in a pool's retention")
+
+
 class EnvConfig(Strict):
     """Settings of ``xroute/CloudRoute-v0``; see the env docstring for their meaning."""
 
@@ -78,18 +89,54 @@ class EnvConfig(Strict):
     budget_period_s: float = Field(
         DAY_S, gt=0, description="the budgets' period, seconds since the epoch in multiples of it (86400: the "
                                  "router's UTC day; a scenario may shorten it so a short stream sees periods end)")
+    policies: str | PolicySet | None = Field(
+        None, description="the policies every request is routed under (docs/policies.md): a policy YAML file or a "
+                          "directory of them (configs/policies/NAME for a shipped one), or the policy set inline; "
+                          "None = none")
+    prefix: PrefixConfig = PrefixConfig()
 
 
 class OracleConfig(Strict):
-    """The hindsight oracle's planner (``models.baselines.Oracle``). Its cost is documented in
-    ``docs/results.md``: about (1 + top_k x (1 + horizon)) environment steps per request for the
-    lookahead plan, plus one pass per baseline."""
+    """The hindsight oracle's planner (``models.baselines.Oracle``, ``models.planning``). Its cost is
+    documented in ``docs/results.md``: about (2 + (top_k - 1) x (1 + horizon)) environment steps per
+    request for the lookahead plan, plus one pass per baseline, shared by ``workers`` processes."""
 
     top_k: int = Field(3, ge=1, le=20, description="offerings played ahead per request")
     horizon: int = Field(12, ge=0, le=1000, description="requests played ahead after each of them")
-    lookahead_max_requests: int = Field(
-        30_000, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
-                                  "hindsight-greedy and the baselines only, and its report says so)")
+    max_regret: float | None = Field(
+        0.008, ge=0, description="beyond the two best, an offering is played ahead only if its realized reward is "
+                                 "within this of the best (null: every top_k); measured in docs/results.md")
+    lookahead_max_requests: int | None = Field(
+        None, ge=0, description="streams longer than this skip the lookahead plan (the oracle then plans with "
+                                "hindsight-greedy and the baselines only, and its report says so); null = never")
+    workers: int = Field(2, ge=1, le=256, description="processes the oracle plans in (forked; 1 = in this process): "
+                                                      "the lookahead's segments and the other plans share them")
+    segment_requests: int = Field(
+        15_000, ge=1, description="with workers > 1, the lookahead is planned in segments of about this many "
+                                  "requests, in parallel; each after the first starts burn_in_requests earlier, from "
+                                  "the state hindsight-greedy reaches there, and the stitched plan is replayed exactly")
+    burn_in_requests: int = Field(500, ge=0, description="requests each later segment plans before its own, "
+                                                         "so its first decisions start from a state of its plan")
+
+
+class CacheAwareConfig(Strict):
+    """The cache-aware scorer (``models.baselines.CacheAware``): among the offerings more likely than
+    not to meet the SLO, the best ``prefix_weight x expected cached share - load_weight x busy share -
+    cost_weight x expected cost / reference cost`` (the weights of llm-d's prefix-cache, queue and
+    cost scorers). Tuned on training windows only (``tools/tune_baselines.py``)."""
+
+    prefix_weight: float = Field(1.0, ge=0)
+    load_weight: float = Field(0.3, ge=0)
+    cost_weight: float = Field(2.0, ge=0)
+
+
+class SessionStickyConfig(Strict):
+    """The session-sticky policy (``models.baselines.SessionSticky``): a request goes where its
+    session's previous request went (the router's view) while that offering is valid and its
+    expected reward is within ``margin`` of the best; else greedy's choice. Tuned on training
+    windows only (``tools/tune_baselines.py``)."""
+
+    margin: float = Field(0.005, ge=0, description="expected reward given up, at most, to stay with the session")
 
 
 class EvaluateConfig(Strict):
@@ -104,6 +151,8 @@ class EvaluateConfig(Strict):
         3.0, ge=0, description="the budget-pacing baseline's gain (models.baselines.BudgetPacing), tuned on the "
                                "training windows (tools/tune_pacing.py)")
     oracle: OracleConfig = OracleConfig()
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
+    session_sticky: SessionStickyConfig = SessionStickyConfig()
     env: EnvConfig = EnvConfig(episode_requests=None)
 
 
@@ -183,6 +232,9 @@ class ModelSpec(Strict):
     kv_mib_per_token: float = Field(gt=0, description="KV-cache per token, MiB (all layers, K and V)")
     tpot_growth: float | None = Field(
         None, ge=0, description="tpot(k) = tpot * (1 + tpot_growth*(k-1)); empty = the accelerator's (serving.yaml)")
+    slot_context_tokens: int | None = Field(
+        None, ge=1, description="KV tokens one request slot of this model's deployment reserves; empty = the "
+                                "top-level nominal_context_tokens (a long-context deployment sizes its slots larger)")
     sources: list[str] = Field(default_factory=list)
     derivation: str = ""
 
@@ -200,3 +252,76 @@ class ModelsConfig(Strict):
     nominal_context_tokens: int = Field(2048, ge=1, description="KV tokens one request slot reserves")
     min_context_tokens: int = Field(1024, ge=1, description="a replica must hold at least this many KV tokens")
     models: dict[str, ModelSpec]
+
+
+#: the keys a policy YAML file may hold (``xroute.schema.policy_ir.PolicySet``, less its store version)
+POLICY_FILE_KEYS = ("region_sets", "slo_tiers", "prefer_mode", "policies")
+
+
+def policy_files(path: str | Path) -> list[Path]:
+    """The policy YAML files ``path`` names: a file, or every ``*.yaml``/``*.yml`` of a directory
+    (sorted); a relative path that is not there is the shipped one (``configs/policies``,
+    ``configs/policies/<name>``, or ``<name>`` of that directory)."""
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_absolute():  # a shipped one: NAME, policies/NAME, configs/policies[/NAME]
+        parts = p.parts[1:] if p.parts[:1] == ("configs",) else p.parts
+        parts = parts[1:] if parts[:1] == ("policies",) else parts
+        shipped = CONFIG_DIR.joinpath("policies", *parts)
+        p = shipped if shipped.exists() else p
+    if p.is_dir():
+        files = sorted([*p.glob("*.yaml"), *p.glob("*.yml")])
+        if not files:
+            raise ConfigError(f"{p}: no policy files (*.yaml) in the directory")
+        return files
+    if not p.is_file():
+        raise ConfigError(f"{p}: policy file or directory not found")
+    return [p]
+
+
+def load_policies(*paths: str | Path) -> PolicySet:
+    """One :class:`PolicySet` from policy YAML files and directories (``policy_files``): each
+    file may hold ``region_sets``, ``slo_tiers``, ``prefer_mode`` and ``policies``; every name is
+    defined once across the files (a second definition is an error naming both files). Errors
+    name the file and the field."""
+    docs = [(f, read_yaml(f)) for path in paths for f in policy_files(path)]
+    merged: dict[str, Any] = {"region_sets": {}, "slo_tiers": {}, "policies": []}
+    where: dict[str, str] = {}
+    mode: tuple[str, str] | None = None
+    for f, data in docs:
+        unknown = sorted(set(data) - set(POLICY_FILE_KEYS))
+        if unknown:
+            raise ConfigError(f"{f}: field '{unknown[0]}': unknown key (a policy file holds "
+                              f"{', '.join(POLICY_FILE_KEYS)})")
+        for kind in ("region_sets", "slo_tiers"):
+            section = data.get(kind) or {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"{f}: field '{kind}': must be a mapping of names to definitions")
+            for name, value in section.items():
+                if f"{kind}.{name}" in where:
+                    raise ConfigError(f"{f}: field '{kind}.{name}': already defined in {where[f'{kind}.{name}']}")
+                merged[kind][name] = value
+                where[f"{kind}.{name}"] = str(f)
+        if "prefer_mode" in data:
+            if mode is not None and mode[0] != data["prefer_mode"]:
+                raise ConfigError(f"{f}: field 'prefer_mode': '{data['prefer_mode']}' here, '{mode[0]}' in {mode[1]}")
+            mode = (str(data["prefer_mode"]), str(f))
+    for f, data in docs:
+        try:  # each file with every file's named sets, so an error names the file and the field in it
+            PolicySet.model_validate({**data, "region_sets": merged["region_sets"], "slo_tiers": merged["slo_tiers"]})
+        except ValidationError as e:
+            raise ConfigError(f"{f}: {policy_set_error(e)}") from None
+        except ConstraintError as e:
+            raise ConfigError(f"{f}: {e}") from None
+        for i, p in enumerate(data.get("policies") or []):
+            name = p.get("name")
+            if f"policy.{name}" in where:
+                raise ConfigError(f"{f}: field 'policies[{i}].name': policy '{name}' is already defined in "
+                                  f"{where[f'policy.{name}']}")
+            where[f"policy.{name}"] = str(f)
+            merged["policies"].append(p)
+    if mode is not None:
+        merged["prefer_mode"] = mode[0]
+    try:
+        return PolicySet.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(f"{', '.join(map(str, paths))}: {policy_set_error(e)}") from None

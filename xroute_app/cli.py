@@ -11,6 +11,7 @@ import typer
 from cloud_adapters.cli import telemetry_app
 from models.cli import promote, train
 from router.cli import export_feedback, export_ope, serve
+from router.policy_cli import policies_app
 from xroute.errors import ConfigError, XrouteError
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ def _ts(value: str | None, option: str) -> str | None:
 @app.command()
 def evaluate(
     policy: Annotated[list[str], typer.Option("--policy", "-p", help="policy name (repeatable): static, "
-                                              "static:OFFERING_ID, cheapest, lowest-latency, least-loaded, greedy, budget-pacing, "
-                                              "round-robin, random, oracle, models:/NAME@ALIAS or a model path")],
+                                              "static:OFFERING_ID, cheapest, lowest-latency, least-loaded, greedy, "
+                                              "budget-pacing, cache-aware, session-sticky, round-robin, random, oracle, "
+                                              "models:/NAME@ALIAS or a model path")],
     telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the shipped bundle)")] = None,
     start: Annotated[str | None, typer.Option(help="first request time (ISO-8601, inclusive)")] = None,
     end: Annotated[str | None, typer.Option(help="last request time (ISO-8601, exclusive)")] = None,
@@ -61,6 +63,12 @@ def evaluate(
     config: Annotated[Path | None, typer.Option(help="evaluate config YAML (default configs/evaluate.yaml)")] = None,
     seed: Annotated[int | None, typer.Option(help="first seed (default from config)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress")] = False,
+    policies: Annotated[Path | None, typer.Option(help="routing policies (docs/policies.md): a policy YAML file or "
+                                                  "directory; every policy is evaluated under them and the report "
+                                                  "counts what each excluded (default: the config's env.policies)")
+                        ] = None,
+    versus: Annotated[str | None, typer.Option(help="take the paired differences to this policy (one of --policy, "
+                                               "e.g. greedy) rather than to the best baseline")] = None,
 ) -> None:
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
@@ -75,7 +83,12 @@ def evaluate(
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
     cfg = _evaluate_config(config)
-    upd: dict[str, object] = {"env": cfg.env.model_copy(update={"rate_scale": rate_scale, "episode_requests": None})}
+    env_upd: dict[str, object] = {"rate_scale": rate_scale, "episode_requests": None}
+    if policies is not None:
+        from xroute.config import load_policies
+
+        env_upd["policies"] = load_policies(policies)
+    upd: dict[str, object] = {"env": cfg.env.model_copy(update=env_upd)}
     if seed is not None:
         upd["seed"] = seed
     if seeds is not None:
@@ -98,7 +111,10 @@ def evaluate(
     if sample is not None:
         bundle = bundle.select(ev.sample_rows(len(bundle.workload), sample))
     out = output if output is not None else ev.default_report_path()
-    results = ev.evaluate(bundle, list(dict.fromkeys(policy)), cfg, show_progress=not quiet, history=history)
+    if versus is not None and versus not in policy:
+        raise ConfigError(f"--versus: '{versus}' is not one of the --policy options ({', '.join(policy)})")
+    results = ev.evaluate(bundle, list(dict.fromkeys(policy)), cfg, show_progress=not quiet, history=history,
+                          versus=versus)
     span = bundle.time_span()
     end_fmt = "%H:%M" if span[0].date() == span[1].date() else "%Y-%m-%d %H:%M"
     what = f"{len(bundle.workload)} requests" + (f" (sample of {sample})" if sample is not None else "")
@@ -217,6 +233,8 @@ app.command(name="export-feedback")(export_feedback)
 app.command(name="export-ope")(export_ope)
 app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision log (docs/ope.md).")
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
+app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
+                                                  "(docs/policies.md).")
 
 
 def main() -> None:

@@ -414,8 +414,11 @@ class Gateway:
         latency_ms = None if o.latency_s is None else min(o.latency_s * 1000.0, 86_400_000.0)
         ttft_ms = None if o.ttft_s is None else min(o.ttft_s * 1000.0, 86_400_000.0)
         out = None if o.output_tokens is None else min(o.output_tokens, 1_000_000)
+        # the server's cached prompt tokens also correct the pool's prefix affinity (close_the_loop)
+        cached = None if o.cached_tokens is None else max(0, min(int(o.cached_tokens), int(att.ref.input_tokens)))
         fb = FeedbackRequest.model_construct(decision_id=att.decision_id, latency_ms=latency_ms, ttft_ms=ttft_ms,
-                                             cost_usd=None, output_tokens=out, failed=failed, error=o.error)
+                                             cost_usd=None, output_tokens=out, failed=failed, error=o.error,
+                                             cached_tokens=cached)
         reward = missed = None
         try:
             if o.client_fault:

@@ -1,7 +1,8 @@
 """``POST /v1/feedback``: what really happened to a routed request -- stored durably with its realized
 reward (``RoutingEngine.feedback_reward``: what off-policy evaluation learns from) for retraining,
 then the closed loop: the decision's reservation is released, the pool's observed statistics
-learn the outcome (``router.state``), and a completed request's output length feeds the router's
+learn the outcome (``router.state``), the cached tokens the server reported correct the pool's
+prefix affinity (its retention), and a completed request's output length feeds the router's
 output-length estimator."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response
 
 from router.deps import CallerDep
+from router.engine import RouteFailure
 from router.logs import iso
 from router.routes.route import (
     IDEMPOTENCY_HEADER,
@@ -26,9 +28,10 @@ from router.routes.route import (
     release,
     remember,
     replayed,
+    settle,
 )
 from router.state import EmbeddedState
-from router.store import DecisionRef
+from router.store import CommitInDoubt, DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
 from xroute.schema.quota import settled_amounts
 
@@ -36,9 +39,15 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
 
 
 @router.post("/feedback", response_model=FeedbackResponse, status_code=201,
-             responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
-                        409: {"model": ErrorResponse}, 422: {"model": ErrorResponse},
-                        503: {"model": ErrorResponse}},
+             responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
+                        409: {"model": ErrorResponse},
+                        422: {"model": ErrorResponse, "description": "the body is not JSON (not UTF-8, does not "
+                              "parse, or sent without a JSON content type: `fields` names `body`), a field is "
+                              "invalid (named in `fields`), no observation given, `idempotency_key_reused`, or "
+                              "`invalid_cached_tokens`: more cached_tokens than the decision's input_tokens"},
+                        503: {"model": ErrorResponse, "description": "`unavailable`: the decision log cannot "
+                              "record; `state_unavailable` (keyed) or `state_restoring` (keyed, the shared state came "
+                              "back empty and is being restored); see Retry-After"}},
              openapi_extra={"parameters": [IDEMPOTENCY_HEADER]}, summary="Report the observed outcome of a decision")
 async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
     who, svc = caller.who, caller.svc
@@ -54,9 +63,21 @@ async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
         ref = await svc.store.lookup(body.decision_id)
         if ref is None or ref.tenant != who.tenant:
             raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
+        if body.cached_tokens is not None and body.cached_tokens > ref.input_tokens:
+            msg = (f"{body.cached_tokens} cached tokens for a request of {ref.input_tokens} input tokens: at most its "
+                   "input_tokens")
+            raise RouteFailure(422, "invalid_cached_tokens", msg, [{"field": "body.cached_tokens", "message": msg,
+                                                                     "suggestions": []}])
         now = time.time()
         reward, missed = svc.engine.feedback_reward(ref, body)
-        fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed))
+        # a client's report of cached_tokens goes where the gateway writes what it measured (its column)
+        fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed,
+                                                           (None, None, body.cached_tokens)))
+    except CommitInDoubt:
+        if key is not None:  # stored or not? the key waits for the log to say (router.routes.route.settle)
+            assert digest is not None and ref is not None
+            settle_feedback(svc, key, digest, body, ref, now)
+        raise
     except BaseException:
         if key is not None:
             await abandon(svc.state, key)
@@ -91,6 +112,23 @@ async def settle_quota(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> Non
                       "feedback (it counts what was reserved)", decision=body.decision_id)
 
 
+def settle_feedback(svc: Any, key: str, digest: bytes, body: FeedbackRequest, ref: DecisionRef, at: float) -> None:
+    """A keyed feedback whose commit is in doubt: found in the log (by its key, received at ``at``),
+    the key gets the answer the client missed and the loop closes; else the key is dropped."""
+
+    async def found() -> bytes | None:
+        _, rows = await svc.store.keyed_since(at - 1.0)
+        for row in rows:
+            if row[0] == key and row[2] == body.decision_id:
+                return digest + feedback_answer(int(row[1]), body.decision_id, float(row[3]))
+        return None
+
+    async def then() -> None:
+        await close_the_loop(svc, body, ref)
+
+    settle(svc, key, body.decision_id, None, found, then)
+
+
 def feedback_answer(feedback_id: int, decision_id: str, received_at: float) -> bytes:
     """The answer to a stored feedback (built again from its row when idempotency keys are
     restored after a restart: the same bytes)."""
@@ -118,6 +156,10 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
         else:
             for call in calls:
                 await call
+    if body.cached_tokens is not None:  # the server's cached prefix corrects the pool's prefix affinity
+        await best_effort(svc.state, "prefix_feedback", (body.decision_id, body.cached_tokens,
+                                                         svc.settings.prefix_retention_alpha),
+                          "cached tokens not added to the pool's prefix retention", pool=ref.pool)
     engine = svc.engine
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)

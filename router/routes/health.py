@@ -24,8 +24,9 @@ async def readyz(request: Request) -> JSONResponse:
         return JSONResponse({"status": "starting"}, status_code=503)
     eng = svc.engine
     now = time.time()
-    writer_ok = await svc.store.healthy()
-    state_ok = await svc.state.healthy()
+    probed = svc.readiness  # router.readiness: the backends, probed every ready_probe_s whatever the traffic
+    writer_ok = probed.decision_log_ok
+    state_ok = probed.state_ok
     ready = writer_ok and state_ok
     active, info = eng.slot.current(eng.freshness.age(now) > eng.max_age)
     body = {

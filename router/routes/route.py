@@ -12,9 +12,11 @@ once by the engine (no response-model serialization)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -26,21 +28,26 @@ from starlette.types import Scope
 
 from router.deps import authenticate
 from router.engine import RouteFailure
-from router.errors import NOT_JSON, is_json
+from router.errors import NOT_JSON, is_json, not_utf8
 from router.logs import LOG, new_sorted_id
 from router.quota_ledger import QuotaVerdict
 from router.state import EmbeddedState, RouterState
+from router.store import CommitInDoubt, StoreClosed
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 from xroute.schema.quota import TooManyRequests
 
 router = APIRouter(prefix="/v1", tags=["route"])
 
 _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API key"},
+           403: {"model": ErrorResponse, "description": "unknown_tenant: the key's tenant is not declared on this "
+                 "router (docs/policies.md)"},
            413: {"model": ErrorResponse, "description": "request body too large"},
-           422: {"model": ErrorResponse, "description": "a field is invalid (named in `fields`), an unknown "
+           422: {"model": ErrorResponse, "description": "the body is not JSON (not UTF-8, does not parse, or sent "
+                 "without a JSON content type: `fields` names `body`), a field is invalid (named in `fields`), an unknown "
                  "origin (with close matches), `invalid_constraints`: a constraint names a value the served catalog "
                  "lacks (close matches in `suggestions`; `GET /v1/offerings` lists the catalog), `no_offering`: "
-                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body, "
+                 "the constraints and routing policies together exclude every offering, `idempotency_key_reused`: the key "
+                 "came with another body, `invalid_prefix`: more prefix_hashes than the prompt has blocks, "
                  "`quota_too_small`: input + max_output_tokens alone is over the tenant's tokens_per_minute"},
            409: {"model": ErrorResponse, "description": "a request with the same Idempotency-Key is being decided"},
            429: {"model": TooManyRequests, "description": "`quota_exceeded`: the tenant is over one of its quotas "
@@ -48,8 +55,10 @@ _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API 
                  "tenant or for the model; docs/quotas.md), or `no_capacity`: no allowed offering can take the request "
                  "now (spot pools down, queues full, pools at their capacity in the shared state, offerings at their "
                  "cloud quota; `excluded` says why); see Retry-After"},
-           503: {"model": ErrorResponse, "description": "the decision log cannot record decisions, or the shared "
-                 "state cannot be reached; see Retry-After"}}
+           503: {"model": ErrorResponse, "description": "`unavailable`: the decision log cannot record decisions; "
+                 "`state_unavailable`: the shared state cannot be reached; `state_restoring`: it came back empty and "
+                 "an Idempotency-Key it does not hold yet is not decided anew until the decision logs are back in it; "
+                 "see Retry-After"}}
 
 
 def end_route(svc: Any, offering_id: str, pinfo: dict[str, Any], t0: float) -> None:
@@ -96,7 +105,13 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     reserved = False
     quota = None
     try:
-        r = engine.rank(body, who, decision_id, time.time(), request_json, key)
+        affinity = hashes = None
+        if engine.wants_affinity(body):  # the shared prefix index: where these blocks and this session went
+            engine.check_prefix(body)
+            hashes = engine.prefix_array(body)
+            affinity = await state_call(shared, "prefix_lookup", hashes, engine.session_key(who, body),
+                                        engine.prefix_ttl_s)
+        r = engine.rank(body, who, decision_id, time.time(), request_json, key, affinity, hashes)
         hold = engine.hold_s(r)
         cands = engine.candidates(r)
         # the tenant's quotas, with the expected cost of the policy's choice: checked and counted at
@@ -108,6 +123,10 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             pool = shared.reserve_now(cands, decision_id, hold)
             if charge is not None and pool is not None:
                 verdict = shared.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
+            if pool is not None and r.prefix is not None and (verdict is None or verdict.ok):
+                shared.prefix_record_now(decision_id, pool, r.prefix)
+        elif charge is None and r.prefix is not None:  # the reservation and the prefix's record in one round trip
+            pool = await shared.reserve_recording(cands, decision_id, hold, r.prefix)
         elif charge is None:
             pool = await shared.reserve(cands, decision_id, hold)
         else:
@@ -121,6 +140,9 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
                     raise e
             assert not isinstance(got_pool, BaseException) and isinstance(got_quota, QuotaVerdict)
             pool, verdict = got_pool, got_quota
+            if pool is not None and r.prefix is not None and verdict.ok:  # (the affinity is a hint: best effort)
+                await best_effort(shared, "prefix_record", (decision_id, pool, r.prefix), "prefix affinity not "
+                                  "recorded", decision=decision_id)
         if pool is None:
             raise engine.shared_full(r)
         reserved = True
@@ -139,6 +161,13 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         else:
             assert key is None, "a deferred commit cannot complete an idempotency key"
             durable.append(svc.store.record_decision(row))
+    except CommitInDoubt:
+        if key is not None:  # the key (and the reservation) wait for the log to say whether it committed
+            assert digest is not None
+            settle(svc, key, decision_id, digest + payload)
+        elif reserved:
+            await release(svc, decision_id)
+        raise
     except BaseException:
         if reserved:
             await release(svc, decision_id)
@@ -153,6 +182,57 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         await remember(shared, key, digest + payload, svc.settings.idempotency_ttl_s)
     end_route(svc, offering_id, pinfo, t0)
     return payload
+
+
+# ---------------------------------------------------------------------------------------- commits in doubt
+#: the settling tasks (kept referenced until they end)
+_settling: set[asyncio.Task[None]] = set()
+#: how often a settling task asks the log
+SETTLE_EVERY_S = 0.5
+
+
+def settle(svc: Any, key: str, decision_id: str, stored: bytes | None,
+           found: Callable[[], Awaitable[bytes | None]] | None = None,
+           then: Callable[[], Awaitable[None]] | None = None) -> None:
+    """A keyed request whose commit is in doubt (``router.store.CommitInDoubt``): its key stays
+    pending -- retries get 409, never a second decision -- until the log can be read again, then
+    (every ``SETTLE_EVERY_S``) the log says: the row is there -- the key gets the answer the client
+    missed (``stored``, or what ``found`` builds from the row) and the work its reservation, and
+    ``then`` runs (feedback: the loop closes as if answered) -- or it is not -- the reservation is
+    released and the key dropped, so a retry decides anew. Gives up after the key's TTL (it lapses)."""
+
+    async def run() -> None:
+        give_up = time.monotonic() + svc.settings.idempotency_ttl_s
+        while time.monotonic() < give_up:
+            await asyncio.sleep(SETTLE_EVERY_S)
+            store = svc.store
+            if store.error is not None and not store.closed:  # down: wait for the readiness probe to see
+                continue  # it back (not one connection attempt per request in doubt); a closed SQLite log reads
+            try:
+                if found is None:
+                    answer = stored if await svc.store.lookup(decision_id) is not None else None
+                else:
+                    answer = await found()
+            except StoreClosed:
+                continue
+            except Exception as e:  # (logged; asked again)
+                LOG.warning("commit in doubt not settled yet", extra={"fields": {"error": str(e)[:300]}})
+                continue
+            if answer is not None:
+                await remember(svc.state, key, answer, svc.settings.idempotency_ttl_s)
+                if then is not None:
+                    await then()
+            else:
+                if found is None:
+                    await release(svc, decision_id)
+                await abandon(svc.state, key)
+            LOG.info("commit in doubt settled", extra={"fields": {"decision_id": decision_id,
+                                                                  "committed": answer is not None}})
+            return
+
+    task = asyncio.get_running_loop().create_task(run(), name=f"settle-{decision_id}")
+    _settling.add(task)
+    task.add_done_callback(_settling.discard)
 
 
 # ---------------------------------------------------------------------------------------- the state's side
@@ -248,7 +328,12 @@ def route_request(raw: bytes, content_type: str | None) -> RouteRequest:
     try:
         return RouteRequest.model_validate_json(raw)
     except ValidationError as e:
-        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        errors = e.errors()
+        if errors and errors[0]["type"] == "json_invalid":  # said as every JSON route says it
+            bad = not_utf8(raw)
+            if bad is not None:
+                raise RequestValidationError([bad]) from None
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in errors]) from None
 
 
 #: the optional ``Idempotency-Key`` header, as documented

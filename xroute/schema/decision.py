@@ -2,18 +2,79 @@
 
 Defined here only: the HTTP API (``router/``), the decision log and ``xroute export-feedback``
 all use these models. Requests are strict (unknown fields are errors, numbers must be finite) so
-every bad field comes back as a 4xx naming it.
+every bad field comes back as a 4xx naming it -- and take exactly what their published JSON Schema
+says: an ``integer`` is a JSON number without a fractional part (``12``; ``12.0`` is the same
+integer in JSON Schema 2020-12, which OpenAPI 3.1 uses), a ``number`` a JSON number, a ``boolean``
+``true`` or ``false``; never a string or a boolean read as a number (``"12"``, ``true``) as
+pydantic's lax mode would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    Strict,
+    StringConstraints,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from xroute.schema.policy_ir import Constraints
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
+#: the most block hashes one request may carry
+MAX_PREFIX_BLOCKS = 16384
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_tokens: int = 512, salt: bytes = b"") -> list[int]:
+    """A prompt's ``prefix_hashes`` from its token ids, as a client computes them before it sends
+    the request: the ids cut into blocks of ``block_tokens`` (the router's ``prefix_block_tokens``;
+    the last block may be partial), each block's id the first 8 bytes of BLAKE2b over the previous
+    block's id and the block's token ids (little-endian uint32), as a signed 64-bit integer -- so an
+    id names the block *and everything before it*, like vLLM's chained block hashes, and two prompts
+    share exactly the leading ids of the blocks they share. ``salt`` starts the chain (a tenant that
+    wants its prefixes kept apart from others' salts them, as vLLM's ``cache_salt``)."""
+    import hashlib
+    import struct
+
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    out: list[int] = []
+    prev = hashlib.blake2b(salt, digest_size=8).digest()
+    ids = list(token_ids)
+    for i in range(0, len(ids), block_tokens):
+        block = ids[i:i + block_tokens]
+        prev = hashlib.blake2b(prev + struct.pack(f"<{len(block)}I", *block), digest_size=8).digest()
+        out.append(int.from_bytes(prev, "little", signed=True))
+    return out
+
+
+def _json_integer(v: object) -> object:
+    """JSON Schema's ``integer``: a number with no fractional part (an int, or a float such as
+    12.0), never a string or a boolean."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise PydanticCustomError("int_from_float", "Input should be a valid integer, got a number with a "
+                                                        "fractional part")
+        return int(v)
+    return v
+
+
+#: request fields, as their JSON Schema types say (module docstring)
+JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+JsonNumber = Annotated[float, Strict()]
+JsonBool = Annotated[bool, Strict()]
+#: one KV-cache block's id: a signed 64-bit integer (:func:`prefix_block_hashes`)
+BlockHash = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(_json_integer)]
 
 
 class _Strict(BaseModel):
@@ -26,19 +87,33 @@ class RouteRequest(_Strict):
 
     origin: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
         description="location id the request comes from (provider:region, see GET /v1/offerings)")
-    input_tokens: int = Field(ge=0, le=2_000_000, description="prompt length in tokens")
-    max_output_tokens: int = Field(
+    input_tokens: JsonInt = Field(ge=0, le=2_000_000, description="prompt length in tokens")
+    max_output_tokens: JsonInt = Field(
         ge=1, le=1_000_000, description="output token budget (max_tokens); the expected length is estimated from "
                                         "past completions of the tenant and model, capped at this budget")
-    ttft_ms: float = Field(ge=1, le=3_600_000, description="SLO: time to first token, milliseconds")
-    tpot_ms: float = Field(gt=0, le=60_000, description="SLO: mean time per output token after the first, milliseconds")
-    deadline_ms: float | None = Field(None, ge=1, le=86_400_000,
-                                      description="SLO: optional end-to-end deadline, milliseconds")
+    ttft_ms: JsonNumber = Field(ge=1, le=3_600_000, description="SLO: time to first token, milliseconds")
+    tpot_ms: JsonNumber = Field(gt=0, le=60_000, description="SLO: mean time per output token after the first, milliseconds")
+    deadline_ms: JsonNumber | None = Field(None, ge=1, le=86_400_000,
+                                           description="SLO: optional end-to-end deadline, milliseconds")
     model: Id | None = Field(None, description="the model the request is for (GET /v1/offerings lists them); "
                                                "absent = the default model")
-    session_id: Id | None = Field(None, description="opaque client session id, stored with the decision")
+    session_id: Id | None = Field(None, description="opaque client session id (a conversation, an agent run): a "
+                                  "soft preference for the pool its previous request went to (docs/router.md, "
+                                  "'Prefix affinity and sessions'); stored with the decision")
+    prefix_hashes: list[BlockHash] | None = Field(
+        None, min_length=1, max_length=MAX_PREFIX_BLOCKS,
+        description="the prompt's KV-cache block hashes, in prompt order: the token ids cut into blocks of the "
+                    "router's prefix_block_tokens (GET /v1/offerings; the last block may be partial), each block's id "
+                    "a signed 64-bit hash chained over the blocks before it, at most ceil(input_tokens / "
+                    "prefix_block_tokens) of them; xroute.schema.decision.prefix_block_hashes computes them "
+                    "(docs/router.md). The router sends the request where these blocks are expected cached when "
+                    "that is worth it against load, cost and the SLO")
+    request_class: Id | None = Field(
+        None, description="the request's class (e.g. an SLO tier) for the routing policies' targets; absent = the "
+                          "first slo_tiers entry of the policy set its SLO falls in (docs/policies.md)")
     constraints: Constraints | None = Field(
-        None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")
+        None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints and the routing "
+                          "policies: a request's constraints can only narrow what they allow")
 
 
 class OfferingRef(BaseModel):
@@ -72,8 +147,18 @@ class PolicyInfo(BaseModel):
 class Exclusions(BaseModel):
     total: int = Field(description="offerings not eligible for this request")
     by_reason: dict[str, int] = Field(
-        description="count per reason: '<tenant|request>:not_allowed' / ':denied' (constraints), "
-                    "'not_preferred', 'unavailable' (spot pool down), 'queue_full', 'no_capacity', 'no_price'")
+        description="count per reason: '<tenant|request>:not_allowed' / ':denied' (constraints), 'policy:<name>' "
+                    "(the routing policy that excluded them: docs/policies.md), 'not_preferred', 'unavailable' (spot "
+                    "pool down), 'queue_full', 'no_capacity', 'no_price'")
+
+
+class PoliciesApplied(BaseModel):
+    """The routing policies of the decision (``docs/policies.md``)."""
+
+    version: int = Field(description="the policy set's version the decision saw (0: none stored)")
+    request_class: str | None = Field(description="the request's class: its request_class, else its SLO tier")
+    biased: dict[str, int] = Field(
+        description="per prefer policy, how many allowed offerings it raised (its weight is in their scores)")
 
 
 class TelemetryInfo(BaseModel):
@@ -99,10 +184,12 @@ class RouteResponse(BaseModel):
     alternatives: list[Alternative]
     policy: PolicyInfo
     excluded: Exclusions
+    policies: PoliciesApplied | None = Field(None, description="the routing policies applied (absent in answers "
+                                                                "logged before they existed)")
     telemetry: TelemetryInfo
 
 
-_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens")
+_OBSERVED = ("latency_ms", "ttft_ms", "cost_usd", "output_tokens", "cached_tokens")
 _ONE_OBSERVATION: list[JsonValue] = [{"required": ["failed"], "properties": {"failed": {"const": True}}}]
 for _f in reversed(_OBSERVED):
     _ONE_OBSERVATION.insert(0, {"required": [_f], "properties": {_f: {"type": "number"}}})
@@ -115,18 +202,23 @@ class FeedbackRequest(_Strict):
     model_config = ConfigDict(**_Strict.model_config, json_schema_extra={"anyOf": _ONE_OBSERVATION})
 
     decision_id: Id
-    latency_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency (the "
-                                     "pool's observed duration statistics)")
-    ttft_ms: float | None = Field(None, ge=0, le=86_400_000, description="observed time to first token")
-    cost_usd: float | None = Field(None, ge=0, le=1_000_000, description="observed cost")
-    output_tokens: int | None = Field(None, ge=0, le=1_000_000, description="tokens actually generated")
-    failed: bool = Field(False, description="the request failed (error, timeout, preempted without retry)")
+    latency_ms: JsonNumber | None = Field(None, ge=0, le=86_400_000, description="observed end-to-end latency "
+                                          "(the pool's observed duration statistics)")
+    ttft_ms: JsonNumber | None = Field(None, ge=0, le=86_400_000, description="observed time to first token")
+    cost_usd: JsonNumber | None = Field(None, ge=0, le=1_000_000, description="observed cost")
+    output_tokens: Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(_json_integer)] | None = Field(
+        None, description="tokens actually generated")  # (bounds before the validator: the schema keeps them)
+    cached_tokens: Annotated[int, Field(ge=0, le=2_000_000), BeforeValidator(_json_integer)] | None = Field(
+        None, description="prompt tokens the server had cached (OpenAI-compatible servers: "
+                          "usage.prompt_tokens_details.cached_tokens): corrects the router's prefix affinity for the "
+                          "pool; at most the request's input_tokens")
+    failed: JsonBool = Field(False, description="the request failed (error, timeout, preempted without retry)")
     error: Annotated[str, StringConstraints(max_length=1000)] | None = None
 
     @model_validator(mode="after")
     def _says_something(self) -> FeedbackRequest:
         if (self.latency_ms is None and self.ttft_ms is None and self.cost_usd is None and self.output_tokens is None
-                and not self.failed):
+                and self.cached_tokens is None and not self.failed):
             raise ValueError(f"give at least one of {', '.join(_OBSERVED)}, failed=true")
         return self
 
@@ -148,7 +240,8 @@ class FeedbackRecord(BaseModel):
     error: str | None = None
     tpot_ms: float | None = Field(None, description="time per output token after the first (gateway: measured)")
     prompt_tokens: int | None = Field(None, description="prompt tokens as the inference server counted them (gateway)")
-    cached_tokens: int | None = Field(None, description="of those, the ones its prefix cache held (gateway)")
+    cached_tokens: int | None = Field(None, description="of those, the ones its prefix cache held (measured by the "
+                                                        "gateway, or reported in the feedback)")
     request_id: str | None = Field(None, description="the gateway request this attempt belonged to (its X-Request-ID; "
                                                      "every attempt of one request shares it)")
     attempt: int | None = Field(None, description="the attempt's number within that request, from 1 (gateway)")
@@ -178,6 +271,7 @@ class OfferingsResponse(BaseModel):
     telemetry: TelemetryInfo
     origins: list[str]
     models: list[str] = Field(description="models requests may name; the first is the default")
+    prefix_block_tokens: int | None = Field(None, description="tokens per block of a request's prefix_hashes")
     offerings: list[OfferingState]
 
 

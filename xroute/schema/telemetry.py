@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-ColumnKind = Literal["str", "float", "int", "ts", "flag"]
+from pydantic import BaseModel, ConfigDict, Field
+
+ColumnKind = Literal["str", "float", "int", "ts", "flag", "ints"]
 
 PROVIDERS: tuple[str, ...] = ("aws", "azure", "gcp")
 PRICING_MODES: tuple[str, ...] = ("on_demand", "spot")
@@ -24,7 +26,8 @@ class Column:
     """One column of a table.
 
     ``kind``: ``str`` (non-empty text), ``float``/``int`` (finite numbers), ``ts`` (ISO-8601 UTC
-    timestamp), ``flag`` (0 or 1). ``minimum``/``maximum`` bound numbers inclusively;
+    timestamp), ``flag`` (0 or 1), ``ints`` (a list of signed 64-bit integers: in CSV one cell of
+    ids separated by spaces, in Parquet a list column or that text). ``minimum``/``maximum`` bound numbers inclusively;
     ``choices`` restricts text. An optional column may be absent or hold empty cells.
     """
 
@@ -141,8 +144,18 @@ WORKLOAD = Table(
                doc="model the request is for (configs/models.yaml); absent or empty = the default model"),
         Column("output_tokens", "int", minimum=0,
                doc="REALIZED tokens generated: the outcome, for simulating service only"),
-        Column("session_id", "str", required=False),
+        Column("session_id", "str", required=False,
+               doc="requests of one conversation or agent session, when known (what the client sends)"),
         Column("tenant", "str", required=False),
+        Column("request_class", "str", required=False,
+               doc="the request's class as the client names it (e.g. an SLO tier); policies may target it"),
+        Column("prefix_hashes", "ints", required=False,
+               doc="the prompt's KV-cache block hashes, one signed 64-bit id per block of "
+               "BundleMeta.prefix_block_tokens tokens, in prompt order (the last block may be partial): "
+               "the same id = the same block with the same prefix before it, so a request's ids are a "
+               "chain (vLLM's block hashes, Mooncake's hash_ids); at most ceil(input_tokens / block) ids. "
+               "Known before the answer exists (the prompt is), so a router may read it; absent or empty = "
+               "no prefix information (no prefix caching for that request)"),
     ),
 )
 
@@ -186,6 +199,24 @@ QUOTAS = Table(
                "nothing"),
     ),
 )
+
+#: the bundle's own metadata file (optional): what is not a table
+META_FILE = "bundle.yaml"
+
+
+class BundleMeta(BaseModel):
+    """``bundle.yaml``: facts about the bundle as a whole (unknown keys are errors).
+
+    ``prefix_block_tokens`` -- the KV-cache block size, in tokens, the workload's ``prefix_hashes``
+    were computed with (required when any row has them): a request's cached prefix is a whole
+    number of blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix_block_tokens: int | None = Field(None, ge=1, le=1_048_576,
+                                            description="tokens per prefix block of prefix_hashes")
+    description: str = ""
+
 
 TABLES: dict[str, Table] = {
     t.name: t for t in (OFFERINGS, PRICES, AVAILABILITY, RTT, WORKLOAD, UTILIZATION, QUOTAS)
