@@ -73,8 +73,11 @@ def _json_integer(v: object) -> object:
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
 JsonNumber = Annotated[float, Strict()]
 JsonBool = Annotated[bool, Strict()]
-#: one KV-cache block's id: a signed 64-bit integer (:func:`prefix_block_hashes`)
-BlockHash = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(_json_integer)]
+#: one KV-cache block's id: a signed 64-bit integer (:func:`prefix_block_hashes`). The published
+#: maximum is the largest double below 2**63 (JSON Schema tools read numbers as doubles: 2**63 - 1
+#: reads as 2**63, so a generator took 2**63 for valid); the server accepts up to 2**63 - 1.
+BlockHash = Annotated[int, Field(ge=-(2**63), le=2**63 - 1, json_schema_extra={"maximum": 2**63 - 1024}),
+                      BeforeValidator(_json_integer)]
 
 
 class _Strict(BaseModel):
