@@ -112,8 +112,12 @@ class AccessControl:
                for g in perms.grants):
             mask = None
         else:
-            mask = np.array([any(g.matches(model_resource("inference", model, reg), loc) for g in perms.grants)
-                             for reg, loc in zip(self.regions, self.locations)], dtype=bool)
+            seen: dict[tuple[str, str], bool] = {}  # (a catalog has far fewer locations than offerings)
+            for reg, loc in zip(self.regions, self.locations):
+                if (reg, loc) not in seen:
+                    res = model_resource("inference", model, reg)
+                    seen[(reg, loc)] = any(g.matches(res, loc) for g in perms.grants)
+            mask = np.array([seen[(reg, loc)] for reg, loc in zip(self.regions, self.locations)], dtype=bool)
             if mask.all():
                 mask = None
         perms._masks[model] = mask

@@ -180,6 +180,8 @@ class RoutingEngine:
         #: who may do what (``router.access``): the built-in roles until the access store's version is
         #: installed (``router.access_store.AccessSync``)
         self.access = AccessControl({}, {}, self.refs)
+        #: (constraints, permission mask) -> the two combined, their counts (``rank``)
+        self._masked: dict[tuple[int, int], tuple[Any, ...]] = {}
         for i, server in enumerate(settings.inference_servers):
             where = f"router settings: field 'inference_servers[{i}]"
             if server.offering_id not in self.offering_ids:
@@ -571,16 +573,21 @@ class RoutingEngine:
         model_name = req.model or self.models[0]
         perm = self.access.inference_mask(who, model_name) if model_name in self.env.model_index else None
         if perm is not None:
-            kept = allowed & perm
-            if not kept.any():
-                a = int(np.flatnonzero(allowed)[0])
-                raise RouteFailure(**denied(who, model_resource("inference", model_name, self.refs[a]["region"]),
-                                            f"a request of model '{model_name}'"))
-            cut = int(allowed.sum() - kept.sum())
-            if cut:
-                allowed = kept
-                ccounts = {**ccounts, "permission": cut}
-                ctext = f'{ctext},"permission":{cut}' if ctext else f'"permission":{cut}'
+            hit = self._masked.get((id(compiled), id(perm)))
+            if hit is None or hit[0] is not compiled or hit[1] is not perm:
+                kept = allowed & perm
+                cut = int(allowed.sum() - kept.sum())
+                hit = (compiled, perm, kept, cut, {**ccounts, "permission": cut},
+                       f'{ctext},"permission":{cut}' if ctext else f'"permission":{cut}', not kept.any())
+                if len(self._masked) >= 1024:
+                    self._masked.clear()
+                self._masked[(id(compiled), id(perm))] = hit
+            if hit[3]:
+                if hit[6]:  # nothing the request could use is permitted
+                    a = int(np.flatnonzero(allowed)[0])
+                    raise RouteFailure(**denied(who, model_resource("inference", model_name, self.refs[a]["region"]),
+                                                f"a request of model '{model_name}'"))
+                allowed, ccounts, ctext = hit[2], hit[4], hit[5]
         t = self.now(wall)
         env = self.env
         budget, binding, buckets = None, -1, None

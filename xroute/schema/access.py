@@ -30,6 +30,7 @@ tenant key: ``model:inference:*``, on its own tenant) and ``admin`` (every admin
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -123,6 +124,8 @@ class Grant:
     segments: tuple[str, ...]
     #: the last segment is exactly ``*``: it also matches every segment after it
     open_tail: bool
+    #: each segment as a compiled ``fnmatch`` pattern (``fnmatch.translate``)
+    rx: tuple[Any, ...] = ()
 
     def matches(self, resource: str, location: str | None = None) -> bool:
         """Whether this grant covers ``resource`` (a model resource's region segment is also tried
@@ -130,18 +133,17 @@ class Grant:
         if self.pattern == "*":
             return True
         res = resource.split(":", 3) if resource.startswith("model:") else resource.split(":")
-        segs = self.segments
+        rx = self.rx
         if self.open_tail:
-            if len(res) < len(segs) - 1:
+            if len(res) < len(rx) - 1:
                 return False
-            head = segs[:-1]
-            return all(fnmatchcase(r, s) for r, s in zip(res, head))
-        if len(res) != len(segs):
+            return all(m(r) is not None for r, m in zip(res, rx[:-1]))
+        if len(res) != len(rx):
             return False
-        for i, (r, s) in enumerate(zip(res, segs)):
-            if fnmatchcase(r, s):
+        for i, (r, m) in enumerate(zip(res, rx)):
+            if m(r) is not None:
                 continue
-            if i == 3 and location is not None and res[0] == "model" and fnmatchcase(location, s):
+            if i == 3 and location is not None and res[0] == "model" and m(location) is not None:
                 continue
             return False
         return True
@@ -149,7 +151,7 @@ class Grant:
 
 def compile_grant(pattern: str) -> Grant:
     segs = tuple(pattern.split(":", 3) if pattern.startswith("model:") or pattern == "model" else pattern.split(":"))
-    return Grant(pattern, segs, segs[-1] == "*")
+    return Grant(pattern, segs, segs[-1] == "*", tuple(re.compile(fnmatch.translate(s)).match for s in segs))
 
 
 class Role(BaseModel):
