@@ -1064,7 +1064,7 @@ class RoutingEngine:
         return a, float(r[a]), others, r[others].tolist(), "expected_reward", r
 
     # ------------------------------------------------------------------ explain
-    def explain(self, req: RouteRequest, tenant: str, wall: float) -> dict[str, Any]:
+    def explain(self, req: RouteRequest, tenant: str, wall: float, who: Principal | None = None) -> dict[str, Any]:
         """Why each offering is or is not eligible for ``req`` of ``tenant`` now (``POST
         /v1/explain``): the same layers as :meth:`rank` -- the tenant's and the request's
         constraints, the routing policies, the pools' state -- without deciding anything. Makes the
@@ -1078,10 +1078,14 @@ class RoutingEngine:
                                  "suggestions": close}])
         compiled, _, _, _ = self.constraints_for(tenant, req.constraints)
         env = self.env
+        model_name = req.model or self.models[0]
+        perm = (self.access.inference_mask(who, model_name) if who is not None and model_name in env.model_index
+                else None)  # (the caller's own permissions: ``router.access``)
         try:
             env_mask = env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
                                     req.tpot_ms, req.deadline_ms, req.model, tenant, None,
-                                    request_class=req.request_class, pre=compiled.allowed)
+                                    request_class=req.request_class,
+                                    pre=compiled.allowed if perm is None else compiled.allowed & perm)
         except ValueError:
             raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
                                [{"field": "body.model", "message": f"unknown model '{req.model}'",
@@ -1095,6 +1099,8 @@ class RoutingEngine:
         rows = []
         for i in range(self.n):
             layer = compiled.reason[i].replace("constraints:", "request:")
+            if not layer and perm is not None and not perm[i]:
+                layer = "permission"
             head = env_policies.headroom(float(busy[i]), float(slots[i]))
             usd = float(env.usd_h[i])
             p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies and pctx is not None

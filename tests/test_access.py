@@ -233,6 +233,10 @@ def test_inference_permissions_mask_regions_and_refuse_only_when_none_remain(liv
         assert _offerings_of(r).startswith("gcp:europe-west4:"), r.text
         by = r.json()["excluded"]["by_reason"]
         assert by["permission"] == 4, by  # the four offerings outside europe-*, masked like a deny
+    # /v1/explain says why: the masked offerings' reason is 'permission'
+    ex = client.post("/v1/explain", json=ROUTE, headers=bearer(eu_key)).json()
+    reasons = {o["offering"]["offering_id"]: o["excluded_by"] for o in ex["offerings"]}
+    assert all((why == "permission") != oid.startswith("gcp:europe-west4:") for oid, why in reasons.items()), reasons
     # a binding adds roles to a key: b2 (role tenant) keeps every region; a tenant-wide binding adds to all its keys
     assert client.put(f"/v1/admin/bindings/key:{key_id(extra['b2'])}", json={"roles": ["eu-only"]},
                       headers=admin).status_code == 201

@@ -179,7 +179,8 @@ async def explain(body: RouteRequest, caller: InferenceDep,
         if not caller.svc.engine.access.permissions(caller.who).allows("admin:read:tenants"):
             raise RouteFailure(**denied(caller.who, "admin:read:tenants", "explaining for another tenant"))
         who = tenant
-    return caller.svc.engine.explain(body, who, time.time())
+    # the caller's permissions mask regions as on /v1/route; explaining for another tenant shows that tenant's view
+    return caller.svc.engine.explain(body, who, time.time(), caller.who if who == caller.who.tenant else None)
 
 
 class DryRunBody(BaseModel):
