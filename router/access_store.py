@@ -36,7 +36,7 @@ from router.policy_store import SQLITE_SCHEMA as _POLICY_SQLITE
 from router.policy_store import PolicyChangeError, PolicyStore
 from router.policy_sync import PolicySync
 from router.settings import TenantConfig
-from xroute.schema.access import BUILTIN_ROLES, Role, RoleBinding
+from xroute.schema.access import BUILTIN_ROLES, PermissionError_, Role, RoleBinding
 from xroute.schema.quota import TenantQuotas
 
 SQLITE_SCHEMA = _POLICY_SQLITE + """
@@ -178,6 +178,11 @@ def put_role(name: str, role: Role) -> Mutation:
     def mutate(aset: AccessSet) -> tuple[AccessSet, list[audit.Change]]:
         if name in BUILTIN_ROLES:
             raise PolicyChangeError(409, "builtin_role", f"role '{name}' is built in and cannot be redefined", "name")
+        try:
+            role.check()
+        except PermissionError_ as e:
+            field, _, problem = e.problem.partition(": ")
+            raise PolicyChangeError(422, "invalid_role", f"field 'body.{field}': {problem}", field) from None
         old = aset.roles.get(name)
         _check_version("role", name, role.version, None if old is None else old.version)
         if old is not None and old.content() == role.content():

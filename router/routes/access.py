@@ -73,7 +73,7 @@ async def _write(caller: Caller, mutation: Any) -> Any:
         return await _sync(caller).write(f"key:{caller.who.key_id}", mutation, request_id_var.get())
     except PolicyChangeError as e:
         field = e.field
-        where = (f"body.{field}" if field.startswith("roles[") else
+        where = (f"body.{field}" if field.startswith(("roles[", "grants[")) else
                  "query.version" if field == "version" else f"path.{field}" if field else "body")
         raise RouteFailure(e.status, e.error, e.message, [{"field": where, "message": e.message, "suggestions": []}]
                            ) from None

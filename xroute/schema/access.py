@@ -34,9 +34,9 @@ import fnmatch
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from xroute.errors import XrouteError
 
@@ -154,28 +154,33 @@ def compile_grant(pattern: str) -> Grant:
     return Grant(pattern, segs, segs[-1] == "*", tuple(re.compile(fnmatch.translate(s)).match for s in segs))
 
 
+#: a permission's shape, as the JSON Schema can say it (the grammar is checked by :func:`check_permission`)
+Permission = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^\S+$")]
+RoleName = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
 class Role(BaseModel):
-    """A named set of permissions."""
+    """A named set of permissions (each checked by :meth:`check` when written)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     description: str = Field("", max_length=500)
-    grants: list[str] = Field(default_factory=list, max_length=200,
-                              description="permissions (resource ids with wildcards): model:<action>:<model>:<region>, "
-                                          "admin:<verb>:<kind>, or *")
+    grants: list[Permission] = Field(default_factory=list, max_length=200,
+                                     description="permissions (resource ids with wildcards): "
+                                                 "model:<action>:<model>:<region>, admin:<verb>:<kind>, or *")
     version: int | None = Field(None, ge=1, description="set by the store (1 on create, +1 on each change); on an "
                                                         "update, when given, it must be the current version (else 409)")
 
-    @field_validator("grants")
-    @classmethod
-    def _valid(cls, v: list[str]) -> list[str]:
-        for i, g in enumerate(v):
+    def check(self) -> None:
+        """:class:`PermissionError_` for the first grant that is not a permission, its problem
+        prefixed with ``grants[i]: ``."""
+        for i, g in enumerate(self.grants):
             try:
                 check_permission(g)
             except PermissionError_ as e:
-                raise ValueError(f"grants[{i}]: {e.problem}"
-                                 + (f" (did you mean {', '.join(e.suggestions)}?)" if e.suggestions else "")) from None
-        return v
+                raise PermissionError_(f"grants[{i}]: {e.problem}"
+                                       + (f" (did you mean {', '.join(e.suggestions)}?)" if e.suggestions else ""),
+                                       e.suggestions) from None
 
     def content(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"version"})
@@ -186,18 +191,10 @@ class RoleBinding(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    roles: list[str] = Field(min_length=1, max_length=50, description="role names (built-in or defined)")
+    roles: list[RoleName] = Field(min_length=1, max_length=50, description="role names (built-in or defined)")
     description: str = Field("", max_length=500)
     version: int | None = Field(None, ge=1, description="set by the store; on an update, when given, it must be the "
                                                         "current version (else 409)")
-
-    @field_validator("roles")
-    @classmethod
-    def _names(cls, v: list[str]) -> list[str]:
-        for i, r in enumerate(v):
-            if not _NAME.match(r):
-                raise ValueError(f"roles[{i}]: '{r}' is not a role name ({NAME_PATTERN})")
-        return v
 
     def content(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"version"})
