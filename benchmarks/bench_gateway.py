@@ -197,7 +197,7 @@ def _config(work: Path, standin: str, name: str) -> Path:
     cfg = {"upstreams": [{"offering_id": o, "base_urls": [f"{standin}/v1"]} for o in offerings],
            "gateway": {"origin": ORIGIN, "max_connections": 4096},
            "model_uri": "", "model_poll_s": 0, "log_level": "WARNING", "db_path": str(work / f"{name}.db"),
-           "replay_speed": 1.0}
+           "replay_speed": 1.0, "tenants": {"bench": {}}}  # (the key's tenant, declared)
     path = work / f"{name}.yaml"
     import yaml
 

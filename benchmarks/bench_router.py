@@ -165,7 +165,8 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
 
         policies.append(("learned", load_policy(str(model))))
     for label, policy in policies:
-        eng = RoutingEngine(load_settings(empty, telemetry=bundle, model_uri="", max_telemetry_age_s=1e9))
+        eng = RoutingEngine(load_settings(empty, telemetry=bundle, model_uri="", max_telemetry_age_s=1e9,
+                                          tenants={"bench": {}}))
         if policy is not None:
             policy.reset(eng.env, 0)
             eng.slot.install(ActivePolicy.make(policy, "learned", "model", "bench", str(model)))
@@ -232,7 +233,8 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
     for label, policy in policies:
         engines = {}
         for v, kw in flags.items():
-            eng = RoutingEngine(load_settings(empty, telemetry=bundle, model_uri="", max_telemetry_age_s=1e9, **kw))
+            eng = RoutingEngine(load_settings(empty, telemetry=bundle, model_uri="", max_telemetry_age_s=1e9,
+                                              **{"tenants": {"bench": {}}, **kw}))
             if policy is not None:
                 policy.reset(eng.env, 0)
                 eng.slot.install(ActivePolicy.make(policy, "learned", "model", "bench", str(model)))
@@ -697,6 +699,7 @@ class _Server:
 
         port = free_port()
         db = work / f"decisions-{label}.db"
+        env = {"XROUTE_ROUTER_TENANTS": json.dumps({"bench": {}}), **env}  # the key's tenant, declared
         args = [sys.executable, "-m", "xroute_app", "serve", "--port", str(port), "--db", str(db),
                 "--keys-file", str(work / "keys.json"), "--model", model, *(extra or [])]
         if bundle is not None:

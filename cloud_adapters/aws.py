@@ -99,6 +99,16 @@ class AwsConfig(AdapterConfig):
     metric_period_s: int = 300
 
 
+def quota_covers(region: str, quota_class: str) -> tuple[str, ...]:
+    """The offerings a vCPU quota of Service Quotas' usage ``Class`` (``G/OnDemand``, ``P/Spot``)
+    counts: the instance types of that family letter, in that pricing mode, in the region."""
+    family, _, mode = quota_class.partition("/")
+    pricing = {"OnDemand": "on_demand", "Spot": "spot"}.get(mode)
+    if not family or pricing is None:
+        return ()
+    return (f"{PROVIDER}:{region}:{family.lower()}*:{pricing}",)
+
+
 class AwsAdapter(CloudAdapter):
     """AWS EC2 offerings, prices, spot signals, quotas and CloudWatch utilization."""
 
@@ -289,7 +299,7 @@ class AwsAdapter(CloudAdapter):
 
     def _fetch_quotas(self, region: str) -> list[QuotaRecord]:
         now = utcnow()
-        kept: list[tuple[str, float, dict[str, Any] | None]] = []
+        kept: list[tuple[str, float, dict[str, Any] | None, tuple[str, ...]]] = []
         n = 0
         for page in self._pages("service-quotas", region, "ListServiceQuotas", "list_service_quotas", ServiceCode="ec2"):
             r = Reader(PROVIDER, region, "ListServiceQuotas")
@@ -301,10 +311,11 @@ class AwsAdapter(CloudAdapter):
                 family = str(dims.get("Class", "")).split("/")[0]
                 if dims.get("Resource") != "vCPU" or family not in self.config.quota_classes:
                     continue
-                kept.append((r.get(q, "QuotaName", prefix=p), r.get(q, "Value", cast=float, prefix=p), metric))
-        usage = self._quota_usage(region, [m for _, _, m in kept])
-        return [QuotaRecord(now, PROVIDER, region, name, "vcpus", limit, usage.get(i))
-                for i, (name, limit, _) in enumerate(kept)]
+                kept.append((r.get(q, "QuotaName", prefix=p), r.get(q, "Value", cast=float, prefix=p), metric,
+                             quota_covers(region, str(dims.get("Class", "")))))
+        usage = self._quota_usage(region, [m for _, _, m, _ in kept])
+        return [QuotaRecord(now, PROVIDER, region, name, "vcpus", limit, usage.get(i), covers)
+                for i, (name, limit, _, covers) in enumerate(kept)]
 
     def _quota_usage(self, region: str, metrics: list[dict[str, Any] | None]) -> dict[int, float]:
         """Current usage of each quota from its CloudWatch ``AWS/Usage`` metric; unreadable usage

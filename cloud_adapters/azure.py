@@ -105,6 +105,8 @@ class AzureAdapter(CloudAdapter):
         self._lock = threading.Lock()
         self._compute: Any = None
         self._http: Any = None
+        #: per region, each offered size's quota family (resource SKUs' ``family``): what a family quota covers
+        self._families: dict[str, dict[str, str]] = {}
 
     @property
     def arm_endpoint(self) -> str:
@@ -185,6 +187,7 @@ class AzureAdapter(CloudAdapter):
             for info in sku.get("locationInfo") or []:
                 if str(info.get("location", "")).lower() == region.lower():
                     zones = tuple(sorted(info.get("zones") or []))
+            self._families.setdefault(region, {})[name] = str(sku.get("family") or "")
             out.append(InstanceOffer(
                 provider=PROVIDER, region=region, instance_type=name,
                 accelerator=accelerator_of(name, str(sku.get("family") or "")) if gpus else "", accelerator_count=gpus,
@@ -282,8 +285,25 @@ class AzureAdapter(CloudAdapter):
             if not (gpu_family or name in ("cores", "lowPriorityCores")):
                 continue
             usage = r.get(u, "currentValue", cast=float, prefix=p, default=None)
-            out.append(QuotaRecord(now, PROVIDER, region, name, "vcpus", r.get(u, "limit", cast=float, prefix=p), usage))
+            out.append(QuotaRecord(now, PROVIDER, region, name, "vcpus", r.get(u, "limit", cast=float, prefix=p), usage,
+                                   self._quota_covers(region, name)))
         return out
+
+    def _quota_covers(self, region: str, name: str) -> tuple[str, ...]:
+        """What a usage quota counts: ``cores`` the region's standard (on-demand) vCPUs, ``lowPriorityCores``
+        its spot ones, a family quota the on-demand sizes of that family (from the resource SKUs, listed
+        once per region; none when they cannot be read)."""
+        if name == "cores":
+            return (f"{PROVIDER}:{region}:*:on_demand",)
+        if name == "lowPriorityCores":
+            return (f"{PROVIDER}:{region}:*:spot",)
+        if region not in self._families:
+            try:
+                self.offerings(region)
+            except CloudError:
+                return ()
+        return tuple(f"{PROVIDER}:{region}:{size}:on_demand" for size, fam in sorted(self._families.get(region, {}).items())
+                     if fam.lower() == name.lower())
 
     # -- errors ------------------------------------------------------------------------------------
 

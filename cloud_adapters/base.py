@@ -134,6 +134,9 @@ class QuotaRecord:
     unit: Literal["vcpus", "gpus", "instances"]
     limit: float
     usage: float | None = None
+    #: the offerings whose instances count against it: offering id patterns (``*``/``?`` wildcards;
+    #: the bundle's ``quotas.covers``, ``envs.capacity``); empty when the adapter cannot tell
+    covers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

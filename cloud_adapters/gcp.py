@@ -420,8 +420,27 @@ class GcpAdapter(CloudAdapter):
             else:
                 continue
             out.append(QuotaRecord(now, PROVIDER, region, q.metric, unit, float(q.limit),
-                                   float(q.usage) if "usage" in q else None))
+                                   float(q.usage) if "usage" in q else None, self._quota_covers(region, q.metric)))
         return out
+
+    def _quota_covers(self, region: str, metric: str) -> tuple[str, ...]:
+        """What a region quota counts: ``CPUS`` the region's on-demand vCPUs, ``PREEMPTIBLE_CPUS`` its spot
+        ones, ``<FAMILY>_CPUS`` that machine family's on-demand ones, ``[PREEMPTIBLE_]<GPU>_GPUS`` the
+        machine types with that GPU (from the offerings, listed once per region; none when they cannot be
+        read)."""
+        spot = metric.startswith("PREEMPTIBLE_")
+        core = metric.removeprefix("PREEMPTIBLE_")
+        mode = "spot" if spot else "on_demand"
+        if core == "CPUS":
+            return (f"{PROVIDER}:{region}:*:{mode}",)
+        if core.endswith("_CPUS"):
+            return (f"{PROVIDER}:{region}:{core.removesuffix('_CPUS').lower()}-*:on_demand",)
+        gpu = accelerator_name(core.removesuffix("_GPUS").replace("_", "-"))
+        try:
+            offers = self.offerings(region)
+        except CloudError:
+            return ()
+        return tuple(f"{PROVIDER}:{region}:{o.instance_type}:{mode}" for o in offers if o.accelerator == gpu)
 
     # -- errors ------------------------------------------------------------------------------------
 

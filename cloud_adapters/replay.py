@@ -157,9 +157,11 @@ class ReplayAdapter(CloudAdapter):
         loc = q["provider"] + ":" + q["region"]
         q = q[((loc == region) if ":" in region else (q["region"] == region)) & (q["ts"] <= self.now)]
         last = q.sort_values("ts", kind="stable").groupby(["provider", "region", "quota_name"]).tail(1)
-        has_usage = "usage" in last.columns
+        has_usage, has_covers = "usage" in last.columns, "covers" in last.columns
         return [QuotaRecord(r.ts.to_pydatetime(), r.provider, r.region, r.quota_name, r.unit, float(r.limit),
-                            None if not has_usage or pd.isna(r.usage) else float(r.usage))
+                            None if not has_usage or pd.isna(r.usage) else float(r.usage),
+                            tuple(p for p in str(r.covers).split(";") if p) if has_covers and not pd.isna(r.covers)
+                            else ())
                 for r in last.itertuples(index=False)]
 
     def _fetch_utilization(self, pool: PoolSelector, start: datetime, end: datetime) -> list[UtilizationSample]:

@@ -96,21 +96,37 @@ from gymnasium import spaces
 from envs import estimator as est
 from envs import features as fz
 from envs import kernels
+from envs import policies as pol
 from envs import prefix as px
+from envs.budget import (
+    NO_BUDGET,
+    NOT_REFUSED,
+    REFUSED,
+    REFUSED_BUDGET,
+    BudgetBook,
+    LiveBudget,
+    budget_features,
+    check_tenants,
+)
+from envs.capacity import CapacityQuotas
 from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, TTFT, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
 from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, to_seconds
-from xroute.config import EnvConfig, parse_config
+from xroute.config import EnvConfig, load_policies, parse_config
 from xroute.errors import ConfigError
+from xroute.schema.policy_ir import PolicySet
 
 #: view events: a request's completion becomes known; a retry after a preemption enters a pool; a
-#: live router's request reaches its expected end without feedback (``admit_live``)
-_COMPLETE, _ADMIT, _LIVE_END = 0, 1, 2
+#: live router's request reaches its expected end without feedback (``admit_live``); a request's end
+#: settles its tenant budget (``envs.budget``)
+_COMPLETE, _ADMIT, _LIVE_END, _SETTLE = 0, 1, 2, 3
 #: a completion event's output tokens when the request was preempted (-1: completed, length unknown)
 _PREEMPTED = -2.0
 
 __all__ = ["CloudRouteEnv", "load_serving"]
+
+_NO_BUDGET_FEATURES = budget_features(NO_BUDGET)
 
 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
@@ -134,6 +150,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
       wrap); ``view_others``, ``view_service_s`` and ``view_server_busy`` ((M, n), written by the
       router: the shared state's work of other routers, its observed durations, the servers'
       reported load); ``live_pools(t, model)`` lists every pool as the router sees it;
+    * routing policies (``envs.policies``, ``docs/policies.md``): ``set_policies`` (a compiled set,
+      swapped between two decisions), ``policies``; the current request's outcome: ``r_allowed``
+      (what the policies allow, ANDed into ``c_mask``), ``r_bias`` (prefer weights, zeros unless
+      ``r_has_bias``), ``r_policy`` (reasons and exclusion counts); ``set_live``'s ``request_class``
+      and ``pre`` (the router's own constraint layers);
     * telemetry swaps: ``prepare_telemetry`` (off the event loop), ``apply_telemetry``;
     * outcomes: ``outcome_reward`` -- the reward of an observed outcome, computed as the
       simulation computes a simulated one (``reference_cost``, ``latency_budget``, ``slo_missed``,
@@ -164,6 +185,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._all_models = all_models
         self._init_static()
         self._init_stream(history)
+        self._pol = pol.PolicyOutcome.empty(self.n, 0)
+        self._zero_bias = np.zeros(self.n)  # (writeable: numba types a read-only array apart, one more compilation)
+        self.r_has_bias = False
+        self.policies: pol.CompiledPolicies | None = None
+        ps = cfg.policies if isinstance(cfg.policies, PolicySet) or cfg.policies is None else load_policies(cfg.policies)
+        self.set_policies(ps)
         self.observation_space = spaces.Dict({
             "offerings": spaces.Box(np.tile(fz.OFFERING_LOW, self.N), np.tile(fz.OFFERING_HIGH, self.N),
                                     dtype=np.float32),
@@ -227,6 +254,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
         self.gpu_count = np.array([o.replicas_per_instance for o in self.catalog], dtype=float)
         self.replay = TelemetryReplay(self.bundle, self.gpu_count)
+        #: cloud capacity quotas (``envs.capacity``): offerings no quota leaves room for one more instance of
+        self.capacity = CapacityQuotas(self.bundle, self.catalog)
+        self.quota_blocked = np.zeros(self.n, dtype=bool)
         self.origins, self.rtt_ms = self._origins_rtt(self.bundle)
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
         self._ref_prefill_s = 1.0 / ref.prefill_tok_s
@@ -251,11 +281,16 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             else np.full(len(w), np.nan)
         self.req_model = self._model_column(w)
         tenants = w["tenant"].astype(str).to_numpy() if "tenant" in w.columns else np.full(len(w), "", dtype=object)
+        #: who sent each request and its class (``request_class``; empty: none), for the policies' targets
+        self.req_tenant = tenants
+        self.req_class = (w["request_class"].fillna("").astype(str).str.strip().to_numpy()
+                          if "request_class" in w.columns else np.full(len(w), "", dtype=object))
         self._tenant_keys: dict[str, int] = {}
         self.est_w, self.est_s, self.est_n = est.new_tables(self.M)
         self.req_key = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(self.req_model, tenants)],
                                 dtype=np.int64)
         self.req_ids = w["request_id"].to_numpy()
+        self.req_tenant = tenants
         #: the realized outcome: read by the simulation of service (``_resolve``) and the oracle only
         self.req_out = w["output_tokens"].to_numpy(dtype=float)
         self._init_prefix(w)
@@ -268,6 +303,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             ok = hm >= 0
             keys = np.array([self.estimator_key(int(m), str(tn)) for m, tn in zip(hm[ok], ht[ok])], dtype=np.int64)
             self.history = (hm[ok], keys, history["output_tokens"].to_numpy(dtype=float)[ok])
+        check_tenants(self.cfg.tenants, set(self.models_cfg.models))
+        #: the tenants' budgets (``envs.budget``), when the config sets any
+        self.budget: BudgetBook | None = None
+        if self.cfg.tenants:
+            book = BudgetBook(self.cfg.tenants, self.cfg.budget_period_s, tenants, self.req_model, self.model_names,
+                              self.arrival_raw)
+            self.budget = book if book.any() else None
         self.set_rate_scale(self.cfg.rate_scale)
 
     def _init_prefix(self, w: pd.DataFrame) -> None:
@@ -342,6 +384,52 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                                    {s for s, _ in rtt} | set(bundle.workload["origin"]))
         return origins, np.array([[rtt[(org, off.location)] for off in self.catalog] for org in origins])
 
+    def set_policies(self, policies: PolicySet | pol.CompiledPolicies | None) -> None:
+        """The policies every request is routed under (``envs.policies``; None: none): each
+        request's action mask excludes what they exclude, ``r_bias`` holds their prefer weights,
+        and the stream's tenant, model, class and origin select the policies that apply. A live
+        router swaps a new compiled set in between two decisions."""
+        if isinstance(policies, PolicySet):
+            policies = pol.CompiledPolicies(policies, self.catalog)
+        if policies is not None and policies.n != self.n:
+            raise ConfigError(f"policies compiled for {policies.n} offerings, the catalog has {self.n}")
+        self.policies = policies
+        self._pol = policies.outcome_buffers() if policies is not None else pol.PolicyOutcome.empty(self.n, 0)
+        self._pol_dirty = False
+        self.r_has_bias = False
+        self._req_ctx: np.ndarray | None = None
+        self._req_contexts: list[pol.PolicyContext] = []
+
+    def _stream_contexts(self) -> None:
+        """Each stream request's policy context, compiled once (a stream names a handful of
+        distinct ones): on the first request made current under a new policy set."""
+        policies = self.policies
+        assert policies is not None
+        ids: dict[tuple[Any, ...], int] = {}
+        ctx = np.empty(self.n_requests, dtype=np.int64)
+        rows = zip(self.req_tenant.tolist(), self.req_model.tolist(), self.req_class.tolist(), self.req_ttft.tolist(),
+                   self.req_tpot.tolist(), self.req_deadline.tolist(), self.req_origin.tolist())
+        for i, row in enumerate(rows):
+            k = ids.get(row)
+            if k is None:
+                tenant, model, explicit, ttft, tpot, dl, origin = row
+                cls = policies.request_class(str(explicit), ttft, tpot, None if dl != dl else dl)
+                k = ids[row] = len(self._req_contexts)
+                self._req_contexts.append(policies.context(str(tenant), self.model_names[model], cls,
+                                                           self.origins[origin]))
+            ctx[i] = k
+        self._req_ctx = ctx
+
+    def policy_context(self, tenant: str, model: int, request_class: str | None, ttft_ms: float, tpot_ms: float,
+                       deadline_ms: float | None, origin: str) -> pol.PolicyContext | None:
+        """The compiled policies of a request context (None without policies): its class is
+        ``request_class`` when given, else its SLO tier."""
+        p = self.policies
+        if p is None:
+            return None
+        cls = p.request_class(request_class, ttft_ms, tpot_ms, deadline_ms)
+        return p.context(tenant, self.model_names[model], cls, origin)
+
     def prepare_telemetry(self, bundle: Bundle) -> dict[str, Any]:
         """New telemetry (prices, availability, utilization, RTT) for the *same* catalog, made
         ready without touching the environment (a live router builds it off its event loop);
@@ -358,14 +446,16 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ConfigError(f"{bundle.path}: field 'capacity_replicas' changed; restart the router to resize its pools")
         origins, rtt_ms = self._origins_rtt(bundle)
         return {"bundle": bundle, "replay": TelemetryReplay(bundle, self.gpu_count), "origins": origins,
-                "rtt_ms": rtt_ms}
+                "rtt_ms": rtt_ms, "capacity": CapacityQuotas(bundle, self.catalog)}
 
     def apply_telemetry(self, prepared: dict[str, Any]) -> None:
         """Swap in :meth:`prepare_telemetry`'s result. The pools keep their load; the next request
         re-reads prices and availability from the new tables."""
         self.bundle, self.replay = prepared["bundle"], prepared["replay"]
+        self.capacity = prepared.get("capacity") or CapacityQuotas(self.bundle, self.catalog)
         self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
+        self._req_ctx = None  # (the stream's contexts name origins by index)
         self._true_down = self._jittered_downs()
         self._refresh_at = -np.inf
         self._next_event = -np.inf
@@ -376,6 +466,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ConfigError(f"env config: field 'rate_scale': must be > 0, got {rate_scale}")
         self.rate_scale = rate_scale
         self.arrival = self.t0 + (self.arrival_raw - self.t0) / rate_scale
+        book = getattr(self, "budget", None)
+        if book is not None:
+            book.set_arrival(self.arrival)
 
     # ------------------------------------------------------------------ gym API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -401,7 +494,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._refresh_at = -np.inf
         self._next_event = -np.inf
         self._recent: deque[float] = deque()
-        self.stats = {"preempted": 0, "failed": 0}
+        self.stats = {"preempted": 0, "failed": 0, "refused_budget": 0, "refused_rate_limit": 0,
+                      "excluded_budget": 0, "excluded_quota": 0}
+        if self.budget is not None:
+            self.budget.begin(start, float(self.arrival[start]))
         self._prepare()
         return self._obs(), self._info()
 
@@ -533,6 +629,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     self._refresh_at = -np.inf
             elif kind == _LIVE_END:  # a live request's expected end, unless feedback completed it before
                 self.complete_live(d[0], now)
+            elif kind == _SETTLE:  # a request ended: its budget counts what it really used
+                if self.budget is not None:
+                    pos, periods, reserved_usd, tokens, usd = d
+                    self.budget.settle(pos, now, periods, reserved_usd, tokens, usd)
             else:  # _ADMIT
                 m, a, service, true_end, key, tokens, pos = d
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
@@ -555,10 +655,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "next_down", "hazard", "static_feats", "static_ok", "cost_rate", "ext_util_conc", "_true_down",
                      "r_m", "r_key", "r_origin", "r_in", "r_max_out", "r_ttft", "r_tpot", "r_deadline", "r_est_out",
                      "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_blocks",
-                     "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from")
+                     "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from", "r_has_bias", "usd_h",
+                     "_pol_dirty", "r_refused", "r_bfeat", "r_excl_budget", "r_excl_quota",
+                     "quota_blocked", "r_over")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
-                     "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool",
-                     "ps_time")
+                     "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
     def save_state(self) -> dict[str, Any]:
         """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
@@ -568,11 +669,16 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                  _recent=deque(self._recent), _live=dict(self._live), _kv=dict(self._kv),
                  _cache_fb=dict(self._cache_fb))
         self._kv_owner = px.new_owner()  # the snapshot shares the servers' caches: copy before writing
+        if self.budget is not None:
+            d["_budget"] = self.budget.save()
         return d
 
     def restore_state(self, d: dict[str, Any]) -> None:
         for k, v in d.items():
-            setattr(self, k, v)
+            if k != "_budget":
+                setattr(self, k, v)
+        if self.budget is not None and "_budget" in d:
+            self.budget.restore(d["_budget"])
         # the snapshot stays reusable: give the environment its own copies of what it mutates
         for k in self._COPIED_STATE:
             setattr(self, k, d[k].copy())
@@ -641,27 +747,51 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.static_feats = st
         # the parts of the mask and of the expectations that only change with telemetry
         priced = np.isfinite(self.price_s)
-        self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits
+        self.quota_blocked = self.capacity.blocked(t) if self.capacity.active else np.zeros(self.n, dtype=bool)
+        self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits & ~self.quota_blocked
         self.cost_rate = np.where(priced, self.price_s, 0.0)[None, :] * self.gpus_per_slot
+        #: each offering's price per instance-hour now (NaN unpriced): what max_usd_per_hour reads
+        self.usd_h = np.where(priced, p * self.gpu_count, np.nan)
         self._refresh_at = t + self.cfg.feature_refresh_s
         self._next_event = self.replay.next_event_after(t)
+        if self.capacity.active:
+            k = int(np.searchsorted(self.capacity.event_times, t, side="right"))
+            if k < self.capacity.event_times.size:
+                self._next_event = min(self._next_event, float(self.capacity.event_times[k]))
 
     def _prepare(self) -> None:
         """Make the stream's next request the current one and compute its candidate outcomes.
         Reads only what the client sends (never ``req_out``)."""
         i = self._pos
-        self._set_request(float(self.arrival[i]), int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
+        ctx = None
+        if self.policies is not None:
+            if self._req_ctx is None:
+                self._stream_contexts()
+            assert self._req_ctx is not None
+            ctx = self._req_contexts[self._req_ctx[i]]
+        t = float(self.arrival[i])
+        budget, refuse = NO_BUDGET, NOT_REFUSED
+        if self.budget is not None and self.budget.buckets_of[i]:
+            self._advance(t)  # (the ends the budget learns of up to t)
+            budget, refuse = self.budget.check(i, t, float(self.req_in[i] + self.req_max_out[i]))
+        self._set_request(t, int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
                           self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
-                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), pos=i)
+                          int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), ctx, pos=i,
+                          budget=budget, refuse=refuse)
 
     def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
-                     deadline_ms: float, model: int, key: int, request_id: Any, z: float, pos: int = -1,
-                     live_prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None) -> None:
+                     deadline_ms: float, model: int, key: int, request_id: Any, z: float,
+                     ctx: pol.PolicyContext | None = None, pre: np.ndarray | None = None, pos: int = -1,
+                     live_prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None,
+                     budget: LiveBudget = NO_BUDGET, refuse: int = NOT_REFUSED) -> None:
         """Make a request current: the router learns what happened up to ``t``, estimates the
         output length, looks its prefix up in its view (the stream's request ``pos``, or a live
         router's ``live_prefix``: per offering the leading blocks its shared index expects there,
-        the pools' retention, the session's offering, the block size), and computes the request's
-        expectations on every offering in one compiled pass (``envs.kernels.candidate_outcomes_into``)."""
+        the pools' retention, the session's offering, the block size), computes the request's
+        expectations on every offering in one compiled pass (``envs.kernels.candidate_outcomes_into``),
+        then applies the policies of its context ``ctx`` (``envs.policies``; ``pre``: a router's own
+        constraint layers, see ``CompiledPolicies.apply``); then its tenant's ``budget`` masks
+        what it cannot afford, or ``refuse`` masks everything (``envs.budget``)."""
         self._advance(t)
         if t >= self._refresh_at or t >= self._next_event:
             self._refresh(t)
@@ -689,9 +819,53 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.view_service_s[m], self.view_server_busy[m], self.r_cached, self.r_sess_here)
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
+        self.r_excl_quota = int((self.quota_blocked & self.fits[m] & (self.slots[m] > 0)).sum()) \
+            if self.capacity.active else 0
+        policies = self.policies
+        out = self._pol
+        if policies is not None and ctx is not None and not ctx.empty:
+            policies.apply(ctx, self._all_true if pre is None else pre, self.usd_h, rtt, self.C[kernels.BUSY],
+                           self.slots[m], self.c_mask, out)
+            self.r_has_bias = ctx.has_prefer and not policies.lexicographic
+            self._pol_dirty = True
+        else:
+            if self._pol_dirty:  # the previous request's outcome: back to "everything allowed"
+                out.allowed[:] = True
+                out.reason[:] = -1
+                out.bias[:] = 0.0
+                out.counts[:] = 0
+                out.bias_counts[:] = 0
+                out.excluded = out.not_preferred = 0
+                self._pol_dirty = False
+            out.ctx = ctx
+            self.r_has_bias = False
+        self._apply_budget(budget, refuse)
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
+
+    def _apply_budget(self, budget: LiveBudget, refuse: int) -> None:
+        """The current request's budget: its features, and the offerings it cannot afford masked
+        (an expected cost over the USD left); refused (everything masked) when ``refuse`` says so
+        or no valid offering is affordable."""
+        #: the offerings the budget masked (None: none)
+        self.r_over: np.ndarray | None = None
+        self.r_excl_budget = 0
+        self.r_refused = refuse
+        if budget is NO_BUDGET and refuse == NOT_REFUSED:  # (the common case: no budget, nothing to do)
+            self.r_bfeat = _NO_BUDGET_FEATURES
+            return
+        self.r_bfeat = budget_features(budget)
+        if refuse != NOT_REFUSED:
+            self.c_mask[:] = False
+        elif budget.usd_limit >= 0 and budget.usd_left < self.C[COST].max():  # (else nothing is over)
+            over = self.c_mask & (self.C[COST] > budget.usd_left)
+            if over.any():
+                self.r_excl_budget = int(over.sum())
+                self.r_over = over
+                self.c_mask &= ~over
+                if not self.c_mask.any():
+                    self.r_refused = REFUSED_BUDGET
 
     def _prefix_view(self, t: float, m: int, n_in: float, pos: int,
                      live: tuple[np.ndarray, np.ndarray, int, int] | None) -> None:
@@ -853,12 +1027,41 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.params_feat[self.r_m],
             min(len(self._recent) / 100.0, 3.0),
             self.c_load,
+            *self.r_bfeat,
         ], dtype=np.float32)
+
+    @property
+    def _all_true(self) -> np.ndarray:
+        a = self.__dict__.get("_all_true_arr")
+        if a is None:
+            a = self.__dict__["_all_true_arr"] = np.ones(self.n, dtype=bool)
+        return a  # type: ignore[no-any-return]
+
+    # the current request's policy outcome (``envs.policies``), read-only, replaced by the next request
+    @property
+    def r_bias(self) -> np.ndarray:
+        """The prefer policies' weight of each offering for the current request (reward units;
+        zeros when no prefer policy applies, or with ``prefer_mode: lexicographic``, where the mask
+        does it): every policy adds it to its score."""
+        return self._pol.bias if self.r_has_bias else self._zero_bias
+
+    @property
+    def r_allowed(self) -> np.ndarray:
+        """Offerings the policies allow for the current request (whatever the pools' state)."""
+        return self._pol.allowed
+
+    @property
+    def r_policy(self) -> pol.PolicyOutcome:
+        """The current request's policy outcome: allowed, reason (rank), bias, exclusion counts."""
+        return self._pol
 
     def _info(self) -> dict[str, Any]:
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = self.c_mask
-        return {"action_mask": mask, "request_id": self.r_id, "t": self.t}
+        info = {"action_mask": mask, "request_id": self.r_id, "t": self.t}
+        if self.r_has_bias:
+            info["policy_bias"] = self._pol.bias
+        return info
 
     def action_mask(self) -> np.ndarray:
         """Valid actions for the current request (for ``sb3_contrib``-style masking)."""
@@ -955,12 +1158,19 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ref_cost = self.reference_cost(self.r_in, out)
         dl = self.r_deadline
         budget = self.latency_budget(self.r_ttft, self.r_tpot, dl, out)
+        refused = REFUSED[self.r_refused] or None
+        if not dry:
+            self.stats["excluded_budget"] += self.r_excl_budget
+            self.stats["excluded_quota"] += self.r_excl_quota
         prompt = self.r_in if self.r_blocks.size else 0.0  # prefix-bearing prompt tokens (the hit rate's base)
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
+            if refused is not None and not dry:
+                self.stats[f"refused_{refused}"] += 1
             reward = self._reward(0.0, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
                     "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None,
+                    "refused": refused,
                     "prompt_tokens": prompt, "cached_tokens": 0.0}
         if not dry:  # the router records the decision with the expected service time (and its prefix)
             j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
@@ -996,41 +1206,53 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     ttft = self.c_rtt[f] + 1000.0 * (r2["first"] - t)
                 if not dry:  # the router learns of the retry when the preemption happens
                     self._push(r1["end"], _ADMIT, (m, f, self.C[SERVICE, f], r2["end"], self.r_key, out, self._pos))
+        if not dry and self.budget is not None and self.budget.buckets_of[self._pos]:
+            # the tenant's budget: the expected cost reserved now, what it really used when it ends
+            end = r1["end"] if failed or migrated_to is None else r2["end"]
+            periods = self.budget.admit(self._pos, self.r_in + self.r_max_out, float(self.C[COST, a]))
+            self._push(end, _SETTLE, (self._pos, periods, float(self.C[COST, a]),
+                                      self.r_in + (0.0 if failed else out), float(cost)))
         if failed:
             self.stats["failed"] += not dry
             reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
-                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0}
+                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0, "refused": None}
         tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
         reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
                 "preempted": preempted, "migrated_to": migrated_to, "prompt_tokens": prompt,
-                "cached_tokens": float(cached) if prompt else 0.0}
+                "cached_tokens": float(cached) if prompt else 0.0, "refused": None}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                      tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                     request_id: Any = None, prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None
+                     request_id: Any = None, request_class: str | None = None,
+                     prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None,
+                     budget: LiveBudget | None = None
                      ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Make a live request (not from the stream) the current one, at telemetry time ``t``
         (seconds since the epoch), and return its observation — the same features the agent was
         trained on. ``origin`` must be a location id with RTT to every offering (``self.origins``)."""
         self.set_live(t, origin, input_tokens, max_output_tokens, ttft_ms, tpot_ms, deadline_ms, model, tenant,
-                      request_id, prefix)
+                      request_id, request_class, prefix, budget=budget)
         return self._obs(), self._info()
 
     def set_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
                  tpot_ms: float, deadline_ms: float | None = None, model: str | None = None, tenant: str = "",
-                 request_id: Any = None, prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None) -> np.ndarray:
+                 request_id: Any = None, request_class: str | None = None,
+                 prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None, pre: np.ndarray | None = None,
+                 budget: LiveBudget | None = None) -> np.ndarray:
         """:meth:`observe_live` without building the observation: makes the live request current
         (its expectations, as ``observe_live``) and returns its action mask over the ``n``
         offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
         an unknown origin, ``ValueError`` for an unknown model. ``prefix``: what the router's shared
         prefix index says of the request's prompt (``router.state``): per offering, the leading
         blocks it expects there (int64) and the pool's retention (float), the offering its session
-        last went to (-1: none) and the block size in tokens."""
+        last went to (-1: none) and the block size in tokens. ``budget``: its tenant's budget as
+        the router's quota state has it (``envs.budget``: the features, and the offerings it cannot
+        afford masked); None = no budget."""
         if origin not in self.origin_index:
             raise KeyError(origin)
         m = self.default_model if model is None else self.model_index.get(model, -1)
@@ -1038,9 +1260,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ValueError(model)
         if not hasattr(self, "free_at"):
             self.reset(seed=0)
+        ctx = None if self.policies is None else self.policy_context(
+            tenant, m, request_class, float(ttft_ms), float(tpot_ms), deadline_ms, origin)
         self._set_request(t, self.origin_index[origin], input_tokens, max_output_tokens, ttft_ms, tpot_ms,
                           np.nan if deadline_ms is None else float(deadline_ms), m, self.estimator_key(m, tenant),
-                          request_id, 0.0, live_prefix=prefix)
+                          request_id, 0.0, ctx, pre, live_prefix=prefix,
+                          budget=NO_BUDGET if budget is None else budget)
         return self.c_mask
 
     def commit_live(self, a: int) -> dict[str, float]:
@@ -1119,7 +1344,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         telemetry, less the pools the router saw preempt its own requests), ``external_util``,
         ``slots``, ``busy`` (its requests in flight, at most the slots), ``next_free_in_s`` (until
         the first expected slot release, 0 when one is free) and ``valid`` (available, priced,
-        with slots, and a slot expected within ``queue_timeout_s``)."""
+        with slots, a slot expected within ``queue_timeout_s``, and room for one more instance under
+        its cloud quotas: ``envs.capacity``)."""
         self._advance(t)
         snap = self.replay.snapshot(t, self.cfg.risk_lookback_h * 3600.0)
         price_h = snap["price"]
@@ -1127,6 +1353,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         nxt = np.maximum(self.est_min[model] - t, 0.0)
         slots = self.slots[model]
         valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= self.cfg.queue_timeout_s)
+        if self.capacity.active:  # no room for one more instance under a cloud quota
+            valid &= ~self.capacity.blocked(t)
         return {"usd_per_hour": price_h * self.gpu_count, "available": available, "external_util": snap["util"],
                 "slots": slots, "busy": np.minimum(self.inflight[model], slots), "next_free_in_s": nxt, "valid": valid}
 

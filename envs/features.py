@@ -46,6 +46,11 @@ REQUEST_FEATURE_SPECS: tuple[tuple[str, float, float, str], ...] = (
     ("model_size", 0.0, 2.0, "ln(1 + the model's parameters in billions) / 5"),
     ("arrival_rate", 0.0, 3.0, "requests in the last 10 s / 100"),
     ("load", 0.0, 1.0, "requests in flight / slots over all valid offerings (the router's view)"),
+    ("budget_left", 0.0, 1.0, "USD left of the tenant's budget for the period / the budget (the tighter of its own and "
+                              "its model's; envs.budget); 1 without a USD budget"),
+    ("period_left", 0.0, 1.0, "time left in that budget's period / the period; 1 without a USD budget"),
+    ("rate_left", 0.0, 1.0, "tokens left in the tenant's sliding minute / tokens_per_minute (the tighter); 1 without "
+                            "a token rate limit"),
 )
 
 OFFERING_FEATURES: tuple[str, ...] = tuple(s[0] for s in OFFERING_FEATURE_SPECS)

@@ -7,7 +7,16 @@ the output length estimated from past completions), and ``greedy`` the environme
 ``tests/test_no_foresight.py`` proves that changing the realized outcome of the current and later
 requests changes none of their decisions. Only the oracle and its hindsight plans read
 ``exact_rewards``, which knows the future, and say so. Policies never pick a masked offering when a
-valid one exists.
+valid one exists, except ``static``, which pins one (and fails when its pool cannot take a request).
+
+Routing policies (``docs/policies.md``): the action mask already excludes what a deny or an allow
+excludes, and ``info["policy_bias"]`` (present when a prefer policy applies) holds each offering's
+prefer weight in reward units, which every baseline adds to its own score: greedy's expected
+reward; ``-cost_weight x cost_norm`` for cheapest, ``-latency_weight x latency_norm`` for
+lowest-latency (the reward's own terms, so a weight trades against them on the reward's scale);
+``-busy share`` for least-loaded; the hindsight plans' realized reward. Policies without a score
+(round-robin, random) choose among the valid offerings with the highest weight. ``static``, when a
+policy excludes its offering, routes as cheapest does (its pinned deployment is forbidden there).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from envs.cloud_route import CloudRouteEnv
-from envs.features import F, offering_matrix
+from envs.features import F, R, offering_matrix
 from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
 
@@ -31,6 +40,21 @@ class Policy(Protocol):
     def reset(self, env: CloudRouteEnv, seed: int) -> None: ...
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int: ...
+
+
+def policy_bias(info: dict[str, Any], n: int) -> np.ndarray | None:
+    """The prefer policies' weight of each of the ``n`` offerings (``info["policy_bias"]``), or
+    None when no prefer policy applies to the request."""
+    b = info.get("policy_bias")
+    return None if b is None else np.asarray(b)[:n]
+
+
+def top_bias(mask: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``mask`` narrowed to the valid offerings with the highest prefer weight (for policies
+    without a score); ``mask`` itself without a bias or with nothing valid."""
+    if bias is None or not mask.any():
+        return mask
+    return mask & (bias >= bias[mask].max())
 
 
 def _masked_argmin(values: np.ndarray, mask: np.ndarray, tiebreak: np.ndarray | None = None) -> int:
@@ -84,6 +108,9 @@ class Static(_Base):
         self.idx = min(found, key=lambda k: float(env.price_s[k]))
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        env = self.env
+        if env.policies is not None and not env.r_allowed[self.idx]:  # a policy forbids the deployment here
+            return Cheapest.choose(env.n, obs, info, env.cfg.reward.cost_weight)
         return self.idx
 
 
@@ -94,11 +121,22 @@ class Cheapest(_Base):
     name = "cheapest"
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        bias = policy_bias(info, self.n)  # (present only in an environment: self.env is set then)
+        return self.choose(self.n, obs, info, self.env.cfg.reward.cost_weight if bias is not None else 1.0)
+
+    @staticmethod
+    def choose(n: int, obs: Obs, info: dict[str, Any], cost_weight: float) -> int:
+        """Cheapest's choice among the first ``n`` offerings; with a prefer bias, by
+        ``cost_weight x cost_norm - bias``."""
         m = info["action_mask"]
         x = offering_matrix(obs)
-        feasible = m[: self.n] & (x[: self.n, F["exp_violation"]] < 0.5)
-        use = feasible if feasible.any() else m[: self.n]
-        return _masked_argmin(x[: self.n, F["exp_cost"]], use, x[: self.n, F["exp_latency"]])
+        feasible = m[:n] & (x[:n, F["exp_violation"]] < 0.5)
+        use = feasible if feasible.any() else m[:n]
+        cost = x[:n, F["exp_cost"]]
+        bias = policy_bias(info, n)
+        if bias is not None:
+            cost = cost_weight * cost.astype(np.float64) - bias
+        return _masked_argmin(cost, use, x[:n, F["exp_latency"]])
 
 
 class LowestLatency(_Base):
@@ -108,7 +146,11 @@ class LowestLatency(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         x = offering_matrix(obs)
-        return _masked_argmin(x[: self.n, F["exp_latency"]], info["action_mask"], x[: self.n, F["exp_cost"]])
+        lat = x[: self.n, F["exp_latency"]]
+        bias = policy_bias(info, self.n)
+        if bias is not None:
+            lat = self.env.cfg.reward.latency_weight * lat.astype(np.float64) - bias
+        return _masked_argmin(lat, info["action_mask"], x[: self.n, F["exp_cost"]])
 
 
 class LeastLoaded(_Base):
@@ -118,7 +160,11 @@ class LeastLoaded(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         x = offering_matrix(obs)
-        return _masked_argmin(x[: self.n, F["busy"]], info["action_mask"], x[: self.n, F["exp_latency"]])
+        busy = x[: self.n, F["busy"]]
+        bias = policy_bias(info, self.n)
+        if bias is not None:
+            busy = busy.astype(np.float64) - bias
+        return _masked_argmin(busy, info["action_mask"], x[: self.n, F["exp_latency"]])
 
 
 class Greedy(_Base):
@@ -131,7 +177,8 @@ class Greedy(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         r = self.env.expected_rewards()
-        return int(np.argmax(r))
+        bias = policy_bias(info, self.n)
+        return int(np.argmax(r if bias is None else r + bias))
 
 
 class CacheAware(_Base):
@@ -182,6 +229,34 @@ class SessionSticky(_Base):
         return best
 
 
+class BudgetPacing(_Base):
+    """Greedy with its tenant's budget paced over the period (``envs.budget``): each offering's
+    expected reward less ``lambda`` times its weighted expected cost, ``lambda = gain x max(0,
+    period_left - budget_left) / max(budget_left, 0.05)`` -- zero while the USD left is at least
+    the share of the period left (on pace: greedy itself), growing as spending runs ahead of it, so
+    cheaper offerings win before the budget runs out rather than requests being refused after.
+    Reads only the request's budget features (decision-time state). ``gain``: tuned on the training
+    windows (``EvaluateConfig.pacing_gain``; ``tools/tune_pacing.py``)."""
+
+    name = "budget-pacing"
+
+    def __init__(self, gain: float = 1.0):
+        self.gain = gain
+
+    def act(self, obs: Obs, info: dict[str, Any]) -> int:
+        env = self.env
+        r = env.expected_rewards()
+        req = obs["request"]
+        left, period = float(req[R["budget_left"]]), float(req[R["period_left"]])
+        behind = period - left
+        if behind <= 0.0 or self.gain <= 0.0:
+            return int(np.argmax(r))
+        lam = self.gain * behind / max(left, 0.05)
+        rw = env.cfg.reward
+        cost_n = np.minimum(env.c_cost / max(env.r_ref_cost, 1e-12), rw.cost_norm_cap)
+        return int(np.argmax(r - lam * rw.cost_weight * cost_n))
+
+
 class RoundRobin(_Base):
     name = "round-robin"
 
@@ -190,7 +265,7 @@ class RoundRobin(_Base):
         self.k = -1
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        m = info["action_mask"][: self.n]
+        m = top_bias(info["action_mask"][: self.n], policy_bias(info, self.n))
         for step in range(1, self.n + 1):
             c = (self.k + step) % self.n
             if m[c]:
@@ -207,7 +282,7 @@ class Random(_Base):
         self.rng = np.random.default_rng(seed)
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        valid = np.flatnonzero(info["action_mask"][: self.n])
+        valid = np.flatnonzero(top_bias(info["action_mask"][: self.n], policy_bias(info, self.n)))
         return int(self.rng.choice(valid)) if valid.size else 0
 
 
@@ -218,7 +293,13 @@ class HindsightGreedy(_Base):
     name = "hindsight-greedy"
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        return int(np.argmax(self.env.exact_rewards()))
+        return int(np.argmax(_biased(self.env.exact_rewards(), self.env)))
+
+
+def _biased(r: np.ndarray, env: CloudRouteEnv) -> np.ndarray:
+    """Scores ``r`` plus the current request's prefer weights (``env.r_bias``; ``r`` itself when
+    no prefer policy applies)."""
+    return r + env.r_bias if env.r_has_bias else r
 
 
 class HindsightRollout(_Base):
@@ -239,7 +320,7 @@ class HindsightRollout(_Base):
         from models.planning import candidates
 
         env = self.env
-        cand = candidates(env.exact_rewards(), self.top_k, self.max_regret)
+        cand = candidates(_biased(env.exact_rewards(), env), self.top_k, self.max_regret)
         if cand.size == 0:
             return 0
         if cand.size == 1:
@@ -252,7 +333,7 @@ class HindsightRollout(_Base):
             for _ in range(self.horizon):
                 if done:
                     break
-                _, rew, _, done, _ = env.step(int(np.argmax(env.exact_rewards())))
+                _, rew, _, done, _ = env.step(int(np.argmax(_biased(env.exact_rewards(), env))))
                 total += rew
             if total > best_total:
                 best, best_total = int(a), total
@@ -312,6 +393,7 @@ BASELINES: dict[str, Callable[[EvaluateConfig], Policy]] = {
     "lowest-latency": lambda c: LowestLatency(),
     "least-loaded": lambda c: LeastLoaded(),
     "greedy": lambda c: Greedy(),
+    "budget-pacing": lambda c: BudgetPacing(c.pacing_gain),
     "cache-aware": lambda c: CacheAware(c.cache_aware.prefix_weight, c.cache_aware.load_weight,
                                         c.cache_aware.cost_weight),
     "session-sticky": lambda c: SessionSticky(c.session_sticky.margin),

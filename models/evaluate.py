@@ -34,7 +34,8 @@ from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
 
 METRICS = ("requests", "cost_usd", "cost_per_1k_requests", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-           "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward")
+           "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward",
+           "refused_budget", "refused_rate_limit", "excluded_budget", "excluded_quota")
 #: the metrics compared pairwise to the best baseline (higher is better for reward and SLA)
 PAIRED = ("mean_reward", "cost_per_1k_requests", "latency_p95_ms", "sla_attainment", "failed_requests")
 
@@ -121,10 +122,19 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     actions = np.empty(n, dtype=np.int64)
     total_reward = 0.0
     failed = migrations = preempted = 0
+    pol = env.policies  # the routing policies (envs.policies): what each excludes, request by request
+    excluded = np.zeros(pol.R if pol is not None else 0, dtype=np.int64)
+    affected = np.zeros_like(excluded)
     prompt_tokens = cached_tokens = 0.0
     placed = np.full(n, -1, dtype=np.int64)
     for k in range(n):
         ts[k] = info["t"]
+        if pol is not None:
+            out = env.r_policy
+            if out.excluded:
+                c = out.counts[: pol.R]
+                excluded += c
+                affected += c > 0
         a = policy.act(obs, info)
         actions[k] = a
         if compare_greedy:
@@ -153,9 +163,19 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         "ttft_p95_ms": round(float(np.percentile(tt, 95)), 2) if tt.size else float("nan"),
         "sla_attainment": round(float(1.0 - viol.mean()), 6), "failed_requests": int(failed),
         "preempted": int(preempted), "migrations": int(migrations), "mean_reward": round(float(rewards.mean()), 6),
+        # the tenant budgets and cloud quotas (envs.budget, envs.capacity): requests refused for a tenant's
+        # USD budget or its rate limits (failed requests, counted in failed_requests too), and offerings
+        # excluded per request for a budget and for a cloud capacity quota
+        "refused_budget": int(env.stats["refused_budget"]), "refused_rate_limit": int(env.stats["refused_rate_limit"]),
+        "excluded_budget": round(env.stats["excluded_budget"] / max(n, 1), 4),
+        "excluded_quota": round(env.stats["excluded_quota"] / max(n, 1), 4),
     }
     if compare_greedy:
         m["differs_from_greedy"] = round(differs / max(n, 1), 6)
+    if pol is not None:  # per routing policy: offerings it excluded per request, share of requests it excluded any
+        for r, name in enumerate(pol.names):
+            m[f"policy_excluded[{name}]"] = round(float(excluded[r]) / max(n, 1), 4)
+            m[f"policy_affected[{name}]"] = round(float(affected[r]) / max(n, 1), 6)
     if prompt_tokens > 0:  # prefix-bearing requests: the servers' prefix caches (envs.prefix)
         m["prefix_hit_rate"] = round(cached_tokens / prompt_tokens, 6)
         m["prefill_tokens_saved"] = round(cached_tokens)
@@ -186,6 +206,30 @@ def session_moves(sessions: np.ndarray, served: np.ndarray) -> tuple[int, int]:
             moved.add(s)
         last[s] = a
     return moves, len(moved)
+
+
+def tune_pacing_gain(windows: list[tuple[Bundle, pd.DataFrame | None]], cfg: EvaluateConfig, gains: list[float],
+                     rate_scales: list[float], seeds: int = 1) -> tuple[float, list[dict[str, Any]]]:
+    """The budget-pacing baseline's gain (``models.baselines.BudgetPacing``) with the best mean
+    reward over ``windows`` (bundles with the history before each) at each of ``rate_scales`` and
+    ``seeds`` seeds -- meant for the training windows only, so the baseline a trained router is
+    compared with is tuned on no data it is judged on. Ties go to the smaller gain (the one
+    closer to greedy). Returns the gain and one row per gain (its mean reward, refusals)."""
+    from envs.cloud_route import CloudRouteEnv
+    from models.baselines import BudgetPacing
+    from xroute.config import EnvConfig
+
+    envs = [CloudRouteEnv(b, EnvConfig.model_validate({**cfg.env.model_dump(), "rate_scale": r,
+                                                       "episode_requests": None}), history=h)
+            for b, h in windows for r in rate_scales]
+    rows = []
+    for g in sorted(gains):
+        runs = [run_policy(env, BudgetPacing(g), cfg.seed + s).metrics for env in envs for s in range(seeds)]
+        rows.append({"gain": g, "mean_reward": float(np.mean([m["mean_reward"] for m in runs])),
+                     "refused_budget": int(sum(m["refused_budget"] for m in runs)),
+                     "refused_rate_limit": int(sum(m["refused_rate_limit"] for m in runs))})
+    best = max(rows, key=lambda r: (round(r["mean_reward"], 9), -r["gain"]))
+    return float(best["gain"]), rows
 
 
 def t_interval(x: np.ndarray) -> tuple[float, float, float]:
@@ -326,6 +370,7 @@ def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig
         "bundle": str(bundle.path), "bundle_hash": bundle.content_hash, "seed": cfg.seed,
         "seeds": len(results[0].runs) if results else 0, "rate_scale": cfg.env.rate_scale,
         "best_baseline": best.name if best else None, **extra,
+        "routing_policies": _policies_summary(cfg.env.policies),
         # the paired differences ("vs_best_baseline") are taken to this policy
         "compared_to": ref.name if ref else None,
         "policies": {r.name: {**{k: clean(v) for k, v in r.metrics.items()},
@@ -335,6 +380,17 @@ def report_dict(results: list[PolicyResult], bundle: Bundle, cfg: EvaluateConfig
                               "per_seed": [run.metrics for run in r.runs]}
                      for r in results},
     }
+
+
+def _policies_summary(policies: Any) -> dict[str, Any] | None:
+    """The routing policies the run was under, for the report: their names and version (or the
+    file they were read from)."""
+    if policies is None:
+        return None
+    if isinstance(policies, str):
+        return {"source": policies}
+    return {"version": policies.version, "prefer_mode": policies.prefer_mode,
+            "names": [p.name for p in policies.policies]}
 
 
 def _pm(mean: float, lo: float, hi: float, fmt: str) -> str:
@@ -353,7 +409,7 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
     t = Table(title=title, caption=f"mean over {n_seeds} seed(s) ± half the 95 % interval; Δ = paired difference to "
                                    f"{ref or 'none'}")
     cols = ["policy", "reward", "Δ reward", "$/1k req", "Δ $/1k", "p95 ms", "Δ p95", "TTFT p95", "SLO %", "Δ SLO pp",
-            "failed", "preempt."]
+            "failed", "refused", "quota excl.", "preempt."]
     prefix = bool(results) and "prefix_hit_rate" in results[0].metrics
     if prefix:
         cols += ["hit %", "saved tok", "sess. moved"]
@@ -373,11 +429,34 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
                  _pm(m["cost_per_1k_requests"], *ci["cost_per_1k_requests"], ".4f"), d("cost_per_1k_requests", "+.4f"),
                  f"{m['latency_p95_ms']:.0f}", d("latency_p95_ms", "+.0f"), f"{m['ttft_p95_ms']:.0f}",
                  f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
-                 f"{m['preempted']:.0f}"]
+                 f"{m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f}",
+                 f"{m.get('excluded_quota', 0):.2f}", f"{m['preempted']:.0f}"]
         if prefix:
             cells += _prefix_cells(m)
         t.add_row(*cells)
     Console(width=180).print(t)
+    rows = policy_exclusions(results)
+    if rows:
+        p = Table(title="routing policies: exclusions", caption="offerings each excluded per request (share of "
+                                                                  "requests it excluded any)")
+        p.add_column("policy", justify="left")
+        for name in rows[0][1]:
+            p.add_column(name, justify="right")
+        for name, pcells in rows:
+            p.add_row(name, *pcells.values())
+        Console(width=180).print(p)
+
+
+def policy_exclusions(results: list[PolicyResult]) -> list[tuple[str, dict[str, str]]]:
+    """Per evaluated policy, each routing policy's exclusions (``policy_excluded[..]``,
+    ``policy_affected[..]`` metrics) as table cells; empty without routing policies."""
+    out = []
+    for r in results:
+        names = [k[len("policy_excluded["):-1] for k in r.metrics if k.startswith("policy_excluded[")]
+        if names:
+            out.append((r.name, {n: f"{r.metrics[f'policy_excluded[{n}]']:.2f} "
+                                    f"({100 * r.metrics[f'policy_affected[{n}]']:.1f} %)" for n in names}))
+    return out
 
 
 def _prefix_cells(m: dict[str, float]) -> list[str]:
@@ -413,8 +492,8 @@ def markdown_table(results: list[Any]) -> str:
     best = best_baseline(results)
     prefix = bool(results) and "prefix_hit_rate" in results[0].metrics
     head = ("| policy | reward | Δ reward | $/1k req | p50 ms | p95 ms | TTFT p95 ms | SLO % | Δ SLO pp | failed | "
-            "preempted |" + (" prefix hit % | prefill tokens saved | sessions moved |" if prefix else "") +
-            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if prefix else "") + "\n")
+            "refused | preempted |" + (" prefix hit % | prefill tokens saved | sessions moved |" if prefix else "") +
+            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if prefix else "") + "\n")
     rows = []
     for r in results:
         m, ci, vb = r.metrics, r.ci, r.vs_best
@@ -430,7 +509,8 @@ def markdown_table(results: list[Any]) -> str:
                     f"| {d('mean_reward', '+.4f')} | {_pm(m['cost_per_1k_requests'], *ci['cost_per_1k_requests'], '.4f')} "
                     f"| {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} | {m['ttft_p95_ms']:.0f} "
                     f"| {100 * m['sla_attainment']:.2f} | {d('sla_attainment', '+.2f', 100.0)} | {m['failed_requests']:.0f} "
-                    f"| {m['preempted']:.0f} |" + ("".join(f" {c} |" for c in _prefix_cells(m)) if prefix else ""))
+                    f"| {m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f} | {m['preempted']:.0f} |"
+                    + ("".join(f" {c} |" for c in _prefix_cells(m)) if prefix else ""))
     return head + "\n".join(rows) + "\n"
 
 

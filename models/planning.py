@@ -39,9 +39,17 @@ from envs.cloud_route import CloudRouteEnv
 Progress = Callable[[str, int, int, int, int], None]
 
 
+def exact_scores(env: CloudRouteEnv) -> np.ndarray:
+    """The current request's *realized* rewards (HINDSIGHT) plus the prefer weights of the routing
+    policies that apply to it (``env.r_bias``, when ``env.r_has_bias``): what the hindsight plans rank."""
+    r = env.exact_rewards()
+    return r + env.r_bias if env.r_has_bias else r
+
+
 def hindsight_greedy_action(env: CloudRouteEnv) -> int:
-    """The offering with the best *realized* reward for the current request (HINDSIGHT)."""
-    return int(np.argmax(env.exact_rewards()))
+    """The offering with the best *realized* reward for the current request (HINDSIGHT), prefer
+    weights included."""
+    return int(np.argmax(exact_scores(env)))
 
 
 def candidates(r: np.ndarray, top_k: int, max_regret: float | None = None) -> np.ndarray:
@@ -83,7 +91,7 @@ def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, stop: int | None = N
         while len(cont_rewards) < horizon + 1 and not cont_done:
             out, cont_done = cont.step_outcome(hindsight_greedy_action(cont))
             cont_rewards.append(float(out["reward"]))
-        cand = candidates(env.exact_rewards(), top_k, max_regret)
+        cand = candidates(exact_scores(env), top_k, max_regret)
         best = int(cand[0]) if cand.size else 0  # (nothing valid: HindsightRollout's 0, greedy's argmax too)
         best_total = sum(cont_rewards)
         won: tuple[CloudRouteEnv, list[float], bool] | None = None

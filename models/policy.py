@@ -18,7 +18,9 @@ row's features with the reward weights of the environment it was trained in: the
 correction to it, not the whole value.
 
 The action is the argmax over valid offerings, so the router is indifferent to the order of the
-offerings and scores any catalog size.
+offerings and scores any catalog size. The routing policies' prefer weights (``info["policy_bias"]``
+in the environment, ``envs.policies``) are added to the scores before the argmax, as to every
+baseline's; their masks are the action mask's.
 
 This module is the inference path a registered model carries (``models.pyfunc.INFERENCE_MODULES``):
 it imports ``envs.features``, ``envs.kernels`` and ``xroute.errors`` of ours, and numpy and numba.
@@ -278,6 +280,9 @@ class LearnedPolicy:
         idx = np.flatnonzero(valid)
         # only valid rows matter (masked rows neither win nor enter the context): score those alone
         s = self.weights.scores(rows[idx][None], np.asarray(obs["request"])[None], np.ones((1, idx.size)))[0]
+        bias = info.get("policy_bias")  # the routing policies' prefer weights (envs.policies), reward units
+        if bias is not None:
+            s = s + np.asarray(bias)[idx]
         return int(idx[int(np.argmax(s))])
 
 

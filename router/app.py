@@ -37,14 +37,19 @@ from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
+from router.policy_store import PolicyStore, PolicyStoreError
+from router.policy_sync import PolicySync
+from router.quotas import quota_events
 from router.readiness import Readiness
-from router.routes import admin, decisions, feedback, health, offerings, route
+from router.routes import admin, decisions, feedback, health, offerings, quotas, route
 from router.routes import metrics as metrics_routes
+from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
+from xroute.schema.quota import DAY_S, day_index
 
 API_VERSION = "1.0.0"
 
@@ -234,13 +239,32 @@ async def _logged_answers(store: GroupCommitLog, settings: RouterSettings, now: 
     return answers
 
 
-async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings) -> None:
+async def logged_quota_events(engine: RoutingEngine, settings: RouterSettings, now: float,
+                              before: float | None = None) -> list[Any]:
+    """The tenant quota reservations (and settles) of the decision log that still count at
+    ``now``: those of the current UTC day, and of the last ``state_hold_max_s`` (a concurrency
+    slot or a window may reach back past midnight); none when no tenant has quotas
+    (``router.quotas.quota_events``)."""
+    plan = engine.quota_plan
+    if not plan:
+        return []
+    since = min(now - settings.state_hold_max_s, day_index(now) * DAY_S)
+    target = settings.log_target
+    return await asyncio.to_thread(lambda: list(quota_events(
+        target, since, lambda tenant, model: [b.key for b in plan.buckets(tenant, model)], before)))
+
+
+async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings,
+                                 engine: RoutingEngine | None = None) -> None:
     """After a restart, the embedded state from the decision log: the reservations whose hold has
-    not passed and whose feedback has not come (``router.backends.decision_events``), and the
-    idempotency keys still within their TTL with their answers, the same bytes."""
+    not passed and whose feedback has not come (``router.backends.decision_events``), the tenant
+    quota counters (``logged_quota_events``), and the idempotency keys still within their TTL with
+    their answers, the same bytes."""
     now = time.time()
     target = settings.log_target
     events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
+    if engine is not None:
+        events += await logged_quota_events(engine, settings, now)
     counts = state.rebuild(events, now_wall=now)
     counts["idempotency_keys"] = state.restore_answers(await _logged_answers(store, settings, now), now_wall=now)
     LOG.info("shared state rebuilt from the decision log", extra={"fields": counts})
@@ -276,8 +300,9 @@ class SharedStateSync:
     #: after a restore failed (the log unreadable), the next try waits this long (seconds)
     RETRY_S = 1.0
 
-    def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings):
-        self.state, self.store, self.settings = state, store, settings
+    def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings,
+                 engine: RoutingEngine | None = None):
+        self.state, self.store, self.settings, self.engine = state, store, settings, engine
         self.known: str | None = None
         self.log_id = log_identity(settings)
         self._retry_at = 0.0
@@ -298,8 +323,10 @@ class SharedStateSync:
         restored = False
         try:
             target = self.settings.log_target
-            events = await asyncio.to_thread(lambda: list(decision_events(
+            events: list[Any] = await asyncio.to_thread(lambda: list(decision_events(
                 target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
+            if self.engine is not None:
+                events += await logged_quota_events(self.engine, self.settings, now, before=epoch.started)
             answers = await _logged_answers(self.store, self.settings, now, before=epoch.started)
             counts = await self.state.restore(epoch, self.log_id, events, answers, now)
             restored = True
@@ -326,6 +353,7 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
     (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
     noticed within ``every`` -- well inside ``state_restore_window_s``."""
     durations: dict[str, float] = {}
+    quota_keys = engine.quota_plan.keys()
     tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
@@ -336,6 +364,8 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
             if tick % durations_every == 0:
                 durations = await state.durations(sorted(counts))
             engine.apply_shared_view(counts, durations)
+            if quota_keys:  # the tenant quotas' usage, for the decisions' budgets (router.quotas.QuotaView)
+                engine.quota_view.apply(await state.quota_usage(quota_keys))
             down = failing = False
         except StateUnavailable as e:
             if not down:
@@ -457,14 +487,31 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = await open_decision_log(settings, metrics, engine)
+        # the routing policies: the versioned store on the decision log's backend, its files applied
+        # and its head installed before the first decision (a store that cannot be opened, or a bad
+        # policy file, stops the start: the router never decides without the policies it should have)
+        try:
+            policy_store = await asyncio.to_thread(PolicyStore, settings.log_target)
+        except PolicyStoreError:
+            await store.close()
+            raise
+        policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
+        try:
+            await policy_sync.start()
+        except BaseException:
+            await store.close()
+            policy_store.close()
+            raise
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
         sync = None
         if isinstance(state, EmbeddedState):
-            await rebuild_embedded_state(state, store, settings)
+            await rebuild_embedded_state(state, store, settings, engine)
+            engine.quota_usage = state.quota_usage_now  # (exact, in process)
         else:
-            sync = SharedStateSync(state, store, settings)
+            engine.quota_usage = engine.quota_view.get  # (read with the shared view)
+            sync = SharedStateSync(state, store, settings, engine)
             try:
                 await sync.check()  # before the first decision, when the server answers now
             except StateUnavailable:
@@ -472,7 +519,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
         readiness = Readiness(store, state, settings.ready_probe_s)
         await readiness.probe()
-        services = Services(settings, engine, store, keys, metrics, models, state, scraper, readiness=readiness)
+        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
+                            readiness=readiness)
         gateway = services.gateway = Gateway(services)
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
@@ -480,7 +528,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                  asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
                                      name="telemetry-refresh"),
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
-                                     name="shared-view")]
+                                     name="shared-view"),
+                 asyncio.create_task(policy_sync.run(), name="policy-sync")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
@@ -490,6 +539,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
             "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
+            "routing_policies": engine.policy_version,
             "decision_log": store.describe().get("url") or str(settings.db_path)}})
         try:
             yield
@@ -500,6 +550,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await gateway.close()  # its outcomes still being recorded, before the log closes
             await store.close()
             await state.close()
+            policy_store.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
@@ -514,7 +565,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.append(route.SERVED)
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
-              health.router, admin.router, metrics_routes.router):
+              health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
+              quotas.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

@@ -15,7 +15,17 @@ from typing import Any, Literal
 
 from router import store
 from router.logs import id_floor
-from router.state import STATS_ALPHA, EmbeddedState, FailOpenState, Released, Reserved, RouterState, hold_for, pool_key
+from router.quota_ledger import RECORD_S
+from router.state import (
+    STATS_ALPHA,
+    EmbeddedState,
+    FailOpenState,
+    Released,
+    Reserved,
+    RouterState,
+    hold_for,
+    pool_key,
+)
 
 # (the Redis and PostgreSQL clients are imported where a backend that needs them is opened: the
 # embedded default does not pay for them)
@@ -77,20 +87,23 @@ class StateSettings:
     timeout_s: float = 0.5
     prefix: str = "xroute"
     alpha: float = STATS_ALPHA
+    #: how long after its hold a tenant quota reservation's record waits for its feedback
+    record_ttl_s: float = RECORD_S
     restore_window_s: float = 1.0
 
 
 def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:
     """The backend ``cfg`` names (a Redis one wrapped in :class:`FailOpenState` with ``fail_open``)."""
     if cfg.backend == "embedded":
-        return EmbeddedState(cfg.alpha)
+        return EmbeddedState(cfg.alpha, record_ttl_s=cfg.record_ttl_s)
     from router.state_redis import RedisState
 
     if not cfg.url:
         raise ValueError("the redis state backend needs a URL (state_url)")
     shared = RedisState(cfg.url, prefix=cfg.prefix, timeout_s=cfg.timeout_s, alpha=cfg.alpha,
-                        restore_window_s=cfg.restore_window_s)
-    return FailOpenState(shared, EmbeddedState(cfg.alpha), on_failover=on_failover) if cfg.fail_open else shared
+                        record_ttl_s=cfg.record_ttl_s, restore_window_s=cfg.restore_window_s)
+    return (FailOpenState(shared, EmbeddedState(cfg.alpha, record_ttl_s=cfg.record_ttl_s), on_failover=on_failover)
+            if cfg.fail_open else shared)
 
 
 

@@ -56,6 +56,10 @@ def serve(
                           "or serve one worker")
     engine = RoutingEngine(settings)  # bad telemetry or config fails here, as one line, before listening
     check_settings(settings, engine)  # so do the gateway's upstreams, their keys and tokenizers
+    if settings.policy_files:  # so does a bad policy file
+        from router.policy_sync import read_policy_files
+
+        read_policy_files(settings.policy_files, engine.check_policies)
     if settings.db_url is not None:  # so does a PostgreSQL log that cannot be reached
         from router.store_pg import check_reachable
 

@@ -10,7 +10,7 @@ decision. The security schemes are therefore declared in the OpenAPI document by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
@@ -38,6 +38,8 @@ class Services:
     scraper: object | None = None
     #: the OpenAI-compatible gateway (router.gateway.service.Gateway), set once built
     gateway: object | None = None
+    #: the routing policies' store and its sync (router.policy_sync.PolicySync)
+    policies: Any = None
     #: what /readyz answers, probed in the background (router.readiness.Readiness)
     readiness: object | None = None
 
@@ -88,6 +90,8 @@ async def authenticate(request: Request) -> Caller:
     if who is None:
         raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     request.state.tenant = who.tenant
+    if who.role != "admin" and not svc.engine.tenant_known(who.tenant):  # fail closed (docs/policies.md)
+        raise svc.engine.unknown_tenant(who.tenant)
     return Caller(who, svc, request)
 
 

@@ -19,6 +19,7 @@ import heapq
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import isfinite
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from envs import kernels as env_kernels
+from envs import policies as env_policies
 from envs.cloud_route import CloudRouteEnv
 from envs.features import N_OFFERING_FEATURES
 from models.baselines import make_baseline
@@ -33,13 +35,25 @@ from router import kernels, ope_log
 from router.keys import Principal
 from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
+from router.quota_ledger import QuotaUsage
+from router.quotas import QuotaPlan, QuotaView, budget_failure, live_budget, quota_failure
 from router.settings import RouterSettings
 from router.state import Affinity, EmbeddedState, PrefixSend, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
-from xroute.schema.policy_ir import CatalogIndex, CompiledConstraints, ConstraintError, Constraints, compile_constraints
+from xroute.schema.policy_ir import (
+    CatalogIndex,
+    CompiledConstraints,
+    ConstraintError,
+    Constraints,
+    PolicyCatalog,
+    PolicySet,
+    check_policy_set,
+    compile_constraints,
+)
+from xroute.schema.quota import QuotaBucket
 
 
 def env_config(settings: RouterSettings) -> EnvConfig:
@@ -95,6 +109,11 @@ class Ranked:
     #: (``router.ope_log.pack``; its served offering the first candidate), the action set's size
     #: and the position in it of the first candidate and of the policy's choice
     ope: tuple[bytes, int, int, int] | None = None
+    #: the routing policies' part of the answer (``"policies":{...}``, JSON)
+    ptext: str = "{}"
+    #: the routing policies' exclusion counts (their compiled set, a copy of the counts by rank),
+    #: made a dictionary only when an error needs it (:meth:`RoutingEngine._all_counts`)
+    pcounts: tuple[Any, np.ndarray] | None = None
     #: what the prefix index records on the pool the reservation takes (``router.state.PrefixSend``;
     #: None: the request carried no prefix hashes and no session)
     prefix: PrefixSend | None = None
@@ -116,6 +135,9 @@ class RoutingEngine:
         self.source = source
         bundle = self.source.bundle()
         self.bundle_hash = bundle.content_hash
+        if "policies" in settings.env:
+            raise ConfigError("router settings: field 'env.policies': a router's routing policies come from its "
+                              "policy store (policy_files, the admin API: docs/policies.md), not the env config")
         env_cfg = env_config(settings)
         self.env = env = CloudRouteEnv(bundle, env_cfg, all_models=True)
         env.reset(seed=0)
@@ -135,6 +157,14 @@ class RoutingEngine:
         self.models: list[str] = [env.model_names[env.default_model]] + [
             m for k, m in enumerate(env.model_names) if k != env.default_model]
         self.index = CatalogIndex(self.catalog)
+        #: the declared tenants (``tenants:``); a key of another is refused unless ``undeclared_tenants: allow``
+        self.tenant_names = frozenset(settings.tenants)
+        self.open_tenants = settings.undeclared_tenants == "allow"
+        #: what a policy's values are checked against when written (``check_policies``)
+        self.policy_catalog = PolicyCatalog(self.catalog, self.models, self.origins)
+        self.policies = env_policies.CompiledPolicies(PolicySet(), self.catalog)
+        self._policies_head = '{"version":0,'
+        self.install_policies(self.policies)
         self.tenants: dict[str, Constraints] = {}
         #: exploring tenants' probabilities (``tenants.<name>.explore_epsilon`` > 0)
         self.epsilon = {name: t.explore_epsilon for name, t in settings.tenants.items() if t.explore_epsilon > 0}
@@ -154,6 +184,11 @@ class RoutingEngine:
             if server.model is not None and server.model not in env.model_index:
                 raise ConfigError(f"{where}.model': unknown model '{server.model}' (known: {', '.join(self.models)})")
         self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool, str]] = OrderedDict()
+        #: the tenants' quotas as buckets (``router.quotas``); what a decision reads of them -- the
+        #: embedded state's counters, or the shared view (``quota_view``) -- is set by the app
+        self.quota_plan = QuotaPlan(settings.tenants, self.models)
+        self.quota_usage: Callable[[Sequence[str]], dict[str, QuotaUsage]] | None = None
+        self.quota_view = QuotaView()
         self.freshness = Freshness(time.time())
         self.max_age = settings.max_telemetry_age_s
         self.k_alt = settings.alternatives
@@ -175,7 +210,8 @@ class RoutingEngine:
         self._alt_head = [f'{{"offering":{r},"score":' for r in self.ref_json]
         self._tele_head = f'{{"source":{_dumps(self.source_name)},"clock":{_dumps(self.clock)},"telemetry_time":"'
         self._policy_json: dict[int, tuple[dict[str, Any], str]] = {}
-        self._static_key: tuple[int, int] | None = None
+        self._static_key: tuple[int, int, int] | None = None
+        self._quota_only = np.zeros(self.n, dtype=bool)
         self._static_code = np.zeros(self.n, dtype=np.int64)
         rw = env_cfg.reward
         self._reward_args = (float(env.cfg.retry_overhead_ms), float(rw.cost_weight), float(rw.latency_weight),
@@ -215,7 +251,8 @@ class RoutingEngine:
         (``DecisionStore.use_dictionary``): the pieces every answer repeats, most common last."""
         keys = ('"alternatives":[{"offering":"score":"expected_latency_ms":"expected_cost_usd":"decision_id":"d_'
                 '"created_at":"tenant":"session_id":null,"score_kind":"q_value""expected_reward""excluded":{"total":'
-                '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"}],"policy":')
+                '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"policy:"}],"policy":'
+                '"policies":{"version":"request_class":"biased":{')
         fallback = self._policy_text(self.slot.fallback.info)
         return (keys + "".join(self.ref_json) + fallback + self._tele_head).encode()
 
@@ -231,6 +268,7 @@ class RoutingEngine:
         self.bundle_hash = prepared["bundle"].content_hash
         self.origins = list(self.env.origins)
         self.origin_set = frozenset(self.origins)
+        self.policy_catalog = PolicyCatalog(self.catalog, self.models, self.origins)
         self._static_key = None
 
     def servable_models(self) -> list[str]:
@@ -239,6 +277,49 @@ class RoutingEngine:
         env = self.env
         held = {env.model_names[m] for m in range(len(env.model_names)) if (env.fits[m] & (env.slots[m] > 0)).any()}
         return [m for m in self.models if m in held]
+
+    # ------------------------------------------------------------------ routing policies
+    def compile_policies(self, ps: PolicySet) -> env_policies.CompiledPolicies:
+        """``ps`` compiled against this catalog (no state touched: safe off the event loop)."""
+        return env_policies.CompiledPolicies(ps, self.catalog)
+
+    def install_policies(self, compiled: env_policies.CompiledPolicies) -> None:
+        """Swap a compiled policy set in, between two decisions (on the event loop): the next
+        decision sees the whole new set, none sees a mix."""
+        self.env.set_policies(compiled)
+        self.policies = compiled
+        self._policies_head = f'{{"version":{compiled.version},'
+
+    @property
+    def policy_version(self) -> int:
+        return self.policies.version
+
+    def check_policies(self, ps: PolicySet, prefix: str = "") -> None:
+        """Raise :class:`ConstraintError` (naming the field, with close matches) for a value of
+        ``ps`` this router's catalog, models or origins lack."""
+        check_policy_set(ps, self.policy_catalog, prefix)
+
+    def tenant_known(self, tenant: str) -> bool:
+        return tenant in self.tenant_names or self.open_tenants
+
+    def unknown_tenant(self, tenant: str) -> RouteFailure:
+        """The 403 for a key whose tenant this router does not serve (fail closed)."""
+        return RouteFailure(403, "unknown_tenant", f"tenant '{tenant}' is not declared on this router: add it under "
+                            "'tenants:' in the router config (docs/policies.md, \"Tenants\")",
+                            [{"field": "tenant", "message": f"unknown tenant '{tenant}'", "suggestions": difflib.get_close_matches(
+                                tenant, sorted(self.tenant_names), n=3, cutoff=0.6)}])
+
+    def _policies_text(self, ctx: env_policies.PolicyContext | None, out: env_policies.PolicyOutcome) -> str:
+        """The answer's ``policies`` object: the set's version, the request class, the policies
+        and, when prefer policies applied, how many allowed offerings each raised (which policies
+        applied is ``POST /v1/explain``'s: with tens of policies the list would double the answer)."""
+        if ctx is None:
+            return self._policies_head + '"request_class":null,"biased":{}}'
+        cls = _dumps(ctx.request_class) if ctx.request_class else "null"
+        text = f'{self._policies_head}"request_class":{cls},"biased":{{'
+        if ctx.has_prefer and not self.policies.lexicographic:
+            return text + self.policies.biased_text(out) + "}}"
+        return text + "}}"
 
     # ------------------------------------------------------------------ helpers
     def telemetry_info(self, t: float, wall: float) -> dict[str, Any]:
@@ -286,14 +367,30 @@ class RoutingEngine:
         its telemetry snapshot (new arrays), anything else is a full queue. ``no_capacity``: the
         pool holds no replica of the model (or the model does not fit on the offering)."""
         env = self.env
-        key = (id(env.available), model)
+        key = (id(env.available), id(env.quota_blocked), model)
         if key != self._static_key:
             code = np.full(self.n, 3, dtype=np.int64)
-            code[~np.isfinite(env.price_s)] = 2
-            code[(env.slots[model] <= 0) | ~env.fits[model]] = 1
+            priced = np.isfinite(env.price_s)
+            code[~priced] = 2
+            holds = (env.slots[model] > 0) & env.fits[model]
+            code[~holds] = 1
+            # cloud quota (no room for one more instance): counted apart as ``quota`` (``_quota_counts``)
+            code[env.quota_blocked & holds & priced] = 1
             code[~env.available] = 0
+            self._quota_only = env.quota_blocked & holds & priced & env.available
             self._static_code, self._static_key = code, key
         return self._static_code
+
+    def _quota_counts(self, env_counts: list[int], allowed: np.ndarray) -> list[int]:
+        """The environment's exclusion counts (``router.kernels.ENV_REASONS``) with the tenant
+        budget's and the cloud quotas' own: ``quota`` (counted by the kernels as ``no_capacity``)
+        and ``budget`` (an expected cost over the USD left; counted as ``queue_full``)."""
+        env = self.env
+        q = int((allowed & self._quota_only).sum()) if env.capacity.active else 0
+        b = int((allowed & env.r_over).sum()) if env.r_over is not None else 0
+        if q or b:
+            return [env_counts[0], env_counts[1] - q, env_counts[2], env_counts[3] - b, q, b]
+        return [*env_counts, 0, 0]
 
     def _policy_text(self, pinfo: dict[str, Any]) -> str:
         hit = self._policy_json.get(id(pinfo))
@@ -307,7 +404,7 @@ class RoutingEngine:
     def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
                state: EmbeddedState | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
         """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
-        candidate with room in it, then :meth:`admit`. Returns (response JSON, decision-log row,
+        candidate with room in it and the tenant's quotas, then :meth:`admit`. Returns (response JSON, decision-log row,
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
         alone, as before the shared state). The HTTP route does the same with any backend
         (``router.routes.route``)."""
@@ -323,9 +420,17 @@ class RoutingEngine:
         pool = state.reserve_now(self.candidates(r), decision_id, hold)
         if pool is None:
             raise self.shared_full(r)
+        k = self.candidate_of(r, pool)
+        charge = self.quota_charge(r)
+        if charge is not None:
+            verdict = state.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
+            if not verdict.ok:
+                state.release_now(decision_id)
+                self.release_local(decision_id, wall)
+                raise self.quota_exceeded(charge[0], verdict)
         if r.prefix is not None:
             state.prefix_record_now(decision_id, pool, r.prefix)
-        return self.admit(r, self.candidate_of(r, pool), hold)
+        return self.admit(r, k, hold, quota=None if charge is None else charge[1:])
 
     # ------------------------------------------------------------------ prefix affinity and sessions
     @staticmethod
@@ -418,6 +523,8 @@ class RoutingEngine:
         :meth:`_choose` (which falls back). The compiled and general paths give the same answers
         byte for byte (``tests/test_router_unit.py``).
         """
+        if who.tenant not in self.tenant_names and not self.open_tenants:
+            raise self.unknown_tenant(who.tenant)
         origin = req.origin
         if origin not in self.origin_set:
             close = difflib.get_close_matches(origin, self.origins, n=5, cutoff=0.4)
@@ -432,6 +539,11 @@ class RoutingEngine:
                                  "suggestions": []}], extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
+        budget, binding, buckets = None, -1, None
+        if self.quota_plan and self.quota_usage is not None:  # the tenant's budget as the decision sees it
+            buckets, keys = self.quota_plan.budgeted(who.tenant, req.model or self.models[0])
+            if buckets:
+                budget, binding = live_budget(buckets, self.quota_usage(keys), wall)
         live_prefix = None
         if affinity is not None:
             self.check_prefix(req)
@@ -440,12 +552,36 @@ class RoutingEngine:
                 live_prefix = self._live_prefix(m_req, affinity)
         try:
             env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
-                                    req.deadline_ms, req.model, who.tenant, decision_id, live_prefix)
+                                    req.deadline_ms, req.model, who.tenant, decision_id,
+                                    request_class=req.request_class, prefix=live_prefix, pre=allowed,
+                                    budget=budget)
         except ValueError:
             close = difflib.get_close_matches(str(req.model), self.models, n=3, cutoff=0.4)
             raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
                                [{"field": "body.model", "message": f"unknown model '{req.model}'; known models: "
                                  f"{', '.join(self.models)} (GET /v1/offerings)", "suggestions": close}]) from None
+        # the routing policies (envs.policies, applied by set_live): their mask narrows the layers'
+        # (counted first by the layers, then by the policy that excluded it), their bias adds to scores
+        pout = env.r_policy
+        pctx = pout.ctx
+        n_pol_pref = 0
+        pcounts = None
+        if pctx is not None and not pctx.empty:
+            allowed = allowed & pout.allowed
+            n_pol_pref = pout.not_preferred
+            if pout.excluded:
+                ptext = self.policies.counts_text(pout)
+                ctext = f"{ctext},{ptext}" if ctext else ptext
+                pcounts = (self.policies, pout.counts.copy())
+                if not allowed.any():
+                    raise RouteFailure(422, "no_offering", "the routing policies, the tenant's defaults and the "
+                                       "request's constraints exclude every offering",
+                                       [{"field": "body", "message": "excludes every offering (see excluded.by_reason "
+                                         "and POST /v1/explain)", "suggestions": []}],
+                                       extra={"excluded": self._all_counts(ccounts, pcounts)})
+        bias = env.r_bias
+        has_bias = env.r_has_bias
+        ptext_answer = self._policies_text(pctx, pout)
         m_ = env.r_m
         holds = env.fits[m_] & (env.slots[m_] > 0)
         if not (holds & allowed).any():
@@ -453,6 +589,12 @@ class RoutingEngine:
                                [{"field": "body.model", "message": f"no allowed offering has replicas of "
                                  f"'{env.model_names[m_]}' (it needs more accelerator memory, or the constraints "
                                  "exclude the offerings that hold it)", "suggestions": []}])
+        if budget is not None and env.r_over is not None and binding >= 0 and not (env_mask & allowed).any() \
+                and (env.r_over & allowed).any():  # its tenant's USD left pays for no allowed offering
+            assert buckets is not None
+            cheapest = float(env.c_cost[env.r_over & allowed].min())
+            raise RouteFailure(**budget_failure(buckets[binding], budget, cheapest, wall,
+                                                {**ccounts, "budget": int((env.r_over & allowed).sum())}))
         codes = self._static_codes(m_)
         pref = compiled.preferred
         age = self.freshness.age(wall)
@@ -467,8 +609,8 @@ class RoutingEngine:
         if active.scorer is None:
             if self.fused_greedy and active.name == "greedy":
                 n_alt = kernels.greedy_decide(
-                    env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.C,
-                    env.r_ref_cost, env.r_budget, *self._reward_args, self.k_alt, ints, floats)
+                    env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.C, bias,
+                    has_bias, env.r_ref_cost, env.r_budget, *self._reward_args, self.k_alt, ints, floats)
                 score_kind = "expected_reward"
         elif self.fused_learned:
             m = kernels.valid_rows(
@@ -481,6 +623,8 @@ class RoutingEngine:
                 req_f = env.request_features()
                 try:
                     s = active.scorer(self._rows[:m], req_f)
+                    if has_bias and s is not None:  # the prefer policies' weights, reward units
+                        s = s + bias[self._idx[:m]]
                 except Exception:  # the general path below asks again, and falls back
                     s = None
                 if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
@@ -490,26 +634,30 @@ class RoutingEngine:
             # ii: [chosen, valid, not preferred, 4 env reason counts, alternatives...]; nums: (score,
             # latency, cost) of the chosen and of each alternative
             ii, nums = ints.tolist()[: 7 + n_alt], floats.tolist()[: 3 + 3 * n_alt]
-            a, n_valid, n_not_preferred = ii[0], ii[1], ii[2]
-            env_counts = ii[3:7]
+            a, n_valid, n_not_preferred = ii[0], ii[1], ii[2] + n_pol_pref
+            env_counts = self._quota_counts(ii[3:7], allowed)
             if a < 0:
-                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
+                self._no_capacity(allowed, self._counts(self._all_counts(ccounts, pcounts), n_not_preferred,
+                                                        env_counts))
             cands = [a, *ii[7:]]
         else:
             valid, n_valid, n_not_preferred, env_counts_a = kernels.combine(
                 env_mask, allowed, allowed if pref is None else pref, pref is not None, codes)
-            env_counts = env_counts_a.tolist()
+            env_counts = self._quota_counts(env_counts_a.tolist(), allowed)
+            n_not_preferred += n_pol_pref
             if n_valid == 0:
-                self._no_capacity(allowed, self._counts(ccounts, n_not_preferred, env_counts))
+                self._no_capacity(allowed, self._counts(self._all_counts(ccounts, pcounts), n_not_preferred,
+                                                        env_counts))
             m = -1
+            pbias = bias if has_bias else None
             try:
-                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid)
+                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid, pbias)
             except Exception as e:  # a model that fails at decision time: this request goes to the fallback
                 if active is self.slot.fallback:
                     raise
                 self.slot.failed(f"decision error: {type(e).__name__}: {e}")
                 active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
-                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid)
+                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid, pbias)
             c_lat, c_cost = env.c_lat, env.c_cost  # nums as the compiled path's
             cands = [a, *alt_idx]
             nums = []
@@ -543,7 +691,7 @@ class RoutingEngine:
         prefix = self._prefix_send(req, who, m_, cands, hashes) if affinity is not None else None
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
-                      request_json, eps, ope, prefix)
+                      request_json, eps, ope, ptext_answer, pcounts, prefix)
 
     def _explore(self, key: str, eps: float, idx: np.ndarray, cands: list[int], nums: list[float], s: Any,
                  full: np.ndarray | None) -> tuple[list[int], list[float], int]:
@@ -565,7 +713,7 @@ class RoutingEngine:
         elif full is not None:
             score = float(full[d])
         else:
-            score = float(self.env.expected_rewards()[d])
+            score = float(self.env.expected_rewards()[d]) + float(self.env.r_bias[d])
         env = self.env
         out = [_num(score), _num(env.c_lat.item(d)), _num(env.c_cost.item(d))]
         rest: list[int] = []
@@ -574,6 +722,24 @@ class RoutingEngine:
                 rest.append(c)
                 out += nums[3 * q:3 * q + 3]
         return [d, *rest], out, j
+
+    # ------------------------------------------------------------------ tenant quotas
+    def quota_charge(self, r: Ranked, k: int = 0) -> tuple[list[QuotaBucket], int, float] | None:
+        """What the request ranked as ``r`` counts in its tenant's quotas: its buckets, ``input_tokens
+        + max_output_tokens`` and the expected cost of its ``k``-th candidate (the route charges the
+        policy's choice, ``k = 0``, reserved with the pool in one step); None when no quota applies."""
+        if not self.quota_plan:
+            return None
+        req = r.req
+        buckets = self.quota_plan.buckets(r.who.tenant, self.env.model_names[r.m])
+        if not buckets:
+            return None
+        return buckets, int(req.input_tokens + req.max_output_tokens), float(r.nums[3 * k + 2])
+
+    @staticmethod
+    def quota_exceeded(buckets: Sequence[QuotaBucket], verdict: Any) -> RouteFailure:
+        """The 429 (or 422) of a request the state refused (``RouterState.quota_reserve``'s verdict)."""
+        return RouteFailure(**quota_failure(buckets[verdict.bucket], verdict))
 
     def candidates(self, r: Ranked) -> list[tuple[str, int]]:
         """The ranked offerings as the shared state's ``(pool, capacity)`` candidates. A pool's
@@ -615,17 +781,19 @@ class RoutingEngine:
         soonest = min(service / max(slots[a], 1) for a, service in zip(r.cands, r.service))
         return RouteFailure(429, "no_capacity", "no allowed offering can take the request now (the pools able to "
                             "are at their capacity in the shared state)", headers={"Retry-After": self._retry_after(soonest)},
-                            extra={"excluded": self._counts(r.ccounts, r.n_not_preferred, counts)})
+                            extra={"excluded": self._counts(self._all_counts(r.ccounts, r.pcounts), r.n_not_preferred,
+                                                            counts)})
 
-    def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None
-              ) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+    def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None,
+              quota: tuple[int, float] | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
         """The request ranked as ``r`` goes to its ``k``-th candidate (the first the shared state
         had room on; the ones before it count as ``queue_full``): the router's view holds that
         pool's slot for its expected service time (``CloudRouteEnv.admit_live``), and, with
         ``hold_s`` (a reservation was made), this process counts the reservation as its own until
         it is released or its hold passes. Returns (response JSON, decision-log row, offering id,
         policy info). Reads nothing of the environment's current request, so other requests may
-        have been ranked in between."""
+        have been ranked in between. ``quota``: the tokens and USD its tenant's quotas reserved
+        (the decision log's ``quota_tokens``, ``quota_usd``; ``router.quotas.quota_events``)."""
         a = r.cands[k]
         alt_idx = r.cands[k + 1:]
         nums = r.nums[3 * k:]
@@ -636,7 +804,7 @@ class RoutingEngine:
         self.decisions += 1
         env_counts = r.env_counts
         if k:
-            env_counts = [*env_counts[:3], env_counts[3] + k]
+            env_counts = [*env_counts[:3], env_counts[3] + k, *env_counts[4:]]
         # {"reason":count,...}: the constraint layers' part is encoded once per constraint set
         # (``constraints_for``); the environment's reasons and not_preferred are plain identifiers
         parts = [r.ctext] if r.ctext else []
@@ -657,7 +825,7 @@ class RoutingEngine:
         text = _answer_format(m) % (
             decision_id, iso(wall), json_str(who.tenant), "null" if req.session_id is None else _dumps(req.session_id),
             self.ref_json[a], exp_lat, exp_cost, nums[0], r.score_kind, *alt_args, self._policy_text(pinfo),
-            self.n - r.n_valid + k, ",".join(parts), self._tele_head, iso(t), round(age, 3),
+            self.n - r.n_valid + k, ",".join(parts), r.ptext, self._tele_head, iso(t), round(age, 3),
             "true" if age > self.max_age else "false")
         offering_id = self.offering_ids[a]
         request_json = r.request_json if r.request_json is not None else req.model_dump_json(exclude_none=True)
@@ -675,7 +843,7 @@ class RoutingEngine:
                req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
                pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],
                None if hold_s is None else wall + hold_s, idempotency_key, propensity, r.epsilon, features,
-               request_json, text)
+               None if quota is None else int(quota[0]), None if quota is None else float(quota[1]), request_json, text)
         return text.encode(), row, offering_id, pinfo
 
     def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:
@@ -769,13 +937,22 @@ class RoutingEngine:
                 busy[ma] = b
 
     @staticmethod
+    def _all_counts(ccounts: dict[str, int], pcounts: tuple[Any, np.ndarray] | None) -> dict[str, int]:
+        """The constraint layers' exclusion counts, then the routing policies' (``Ranked.pcounts``)."""
+        if pcounts is None:
+            return ccounts
+        compiled, counts = pcounts
+        return {**ccounts, **{compiled.reasons[k]: int(counts[k]) for k in np.flatnonzero(counts[: compiled.R])}}
+
+    @staticmethod
     def _counts(ccounts: dict[str, int], n_not_preferred: int, env_counts: list[int]) -> dict[str, int]:
         """Why offerings were excluded: the constraint layers', then not preferred, then the
-        environment's ``ENV_REASONS`` (the answer's ``excluded.by_reason``, in this order)."""
+        environment's ``ENV_REASONS`` and the quotas' (:data:`REASONS`; the answer's
+        ``excluded.by_reason``, in this order)."""
         counts = dict(ccounts)
         if n_not_preferred:
             counts["not_preferred"] = n_not_preferred
-        for reason, c in zip(kernels.ENV_REASONS, env_counts):
+        for reason, c in zip(REASONS, env_counts):
             if c:
                 counts[reason] = c
         return counts
@@ -794,11 +971,13 @@ class RoutingEngine:
         clock's speed (a replay's ``replay_speed``; 1 live), from 1 to 3600."""
         return str(min(max(1, int(np.ceil(telemetry_s / max(self._speed, 1e-9)))), 3600))
 
-    def _choose(self, active: ActivePolicy, valid: np.ndarray
+    def _choose(self, active: ActivePolicy, valid: np.ndarray, bias: np.ndarray | None = None
                 ) -> tuple[int, float, list[int], list[float], str, np.ndarray]:
         """(chosen offering, its score, the next ``alternatives`` offerings and their scores, score
         kind, every offering's score: NaN where not valid) under ``active``, among the ``valid``
-        offerings (the current request is the env's, set by ``set_live``)."""
+        offerings (the current request is the env's, set by ``set_live``); ``bias``: the prefer
+        policies' weights, added to every score (the baselines add it as ``models.baselines``
+        says)."""
         k_alt = self.k_alt
         env = self.env
         if active.scorer is not None:
@@ -806,6 +985,8 @@ class RoutingEngine:
             s = active.scorer(env.offering_features(idx), env.request_features())
             if s.shape != idx.shape:
                 raise ValueError(f"the model returned {s.shape} scores for {idx.size} offerings")
+            if bias is not None:
+                s = s + bias[idx]
             picked, vals = kernels.rank_scored(s, idx, k_alt)
             if picked.size == 0:
                 raise ValueError("the model returned non-finite scores")
@@ -814,17 +995,69 @@ class RoutingEngine:
             full[idx] = s
             return ks[0], ss[0], ks[1:], ss[1:], "q_value", full
         r = env.expected_rewards()
+        if bias is not None:
+            r = r + bias
         if active.name == "greedy":
             best, alt = env_kernels.rank(r, valid, k_alt)
             return int(best), float(r[best]), alt.tolist(), r[alt].tolist(), "expected_reward", r
         mask = np.zeros(self.N, dtype=bool)
         mask[: self.n] = valid
-        a = int(active.policy.act({**env.observation(), "mask": mask.astype(np.float32)}, {"action_mask": mask}))
+        info: dict[str, Any] = {"action_mask": mask}
+        if bias is not None:
+            info["policy_bias"] = bias
+        a = int(active.policy.act({**env.observation(), "mask": mask.astype(np.float32)}, info))
         best, alt = env_kernels.rank(r, valid, k_alt + 1)
         if not (0 <= a < self.n and valid[a]):  # a policy that ignores the mask: best valid expectation instead
             a = int(best)
         others = [int(k) for k in [int(best), *alt.tolist()] if k != a][:k_alt]
         return a, float(r[a]), others, r[others].tolist(), "expected_reward", r
+
+    # ------------------------------------------------------------------ explain
+    def explain(self, req: RouteRequest, tenant: str, wall: float) -> dict[str, Any]:
+        """Why each offering is or is not eligible for ``req`` of ``tenant`` now (``POST
+        /v1/explain``): the same layers as :meth:`rank` -- the tenant's and the request's
+        constraints, the routing policies, the pools' state -- without deciding anything. Makes the
+        request current in the environment (as ranking would); admits nothing."""
+        if not self.tenant_known(tenant):
+            raise self.unknown_tenant(tenant)
+        if req.origin not in self.origin_set:
+            close = difflib.get_close_matches(req.origin, self.origins, n=5, cutoff=0.4)
+            raise RouteFailure(422, "unknown_origin", f"unknown origin '{req.origin}'",
+                               [{"field": "body.origin", "message": f"unknown origin '{req.origin}'",
+                                 "suggestions": close}])
+        compiled, _, _, _ = self.constraints_for(tenant, req.constraints)
+        env = self.env
+        try:
+            env_mask = env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
+                                    req.tpot_ms, req.deadline_ms, req.model, tenant, None,
+                                    request_class=req.request_class, pre=compiled.allowed)
+        except ValueError:
+            raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
+                               [{"field": "body.model", "message": f"unknown model '{req.model}'",
+                                 "suggestions": difflib.get_close_matches(str(req.model), self.models, n=3)}]) from None
+        pout, pctx = env.r_policy, env.r_policy.ctx
+        pol = self.policies
+        applies = pctx is not None and not pctx.empty
+        m = env.r_m
+        codes = self._static_codes(m)
+        busy, slots = env.C[env_kernels.BUSY], env.slots[m]
+        rows = []
+        for i in range(self.n):
+            layer = compiled.reason[i].replace("constraints:", "request:")
+            head = env_policies.headroom(float(busy[i]), float(slots[i]))
+            usd = float(env.usd_h[i])
+            p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies and pctx is not None
+                 else {"allowed": True, "excluded_by": None, "bias": 0.0, "biased_by": []})
+            why = layer or (f"{env_policies.REASON_PREFIX}{p['excluded_by']}" if p["excluded_by"] else None)
+            if why is None and not env_mask[i]:
+                why = kernels.ENV_REASONS[int(codes[i])]
+            rows.append({"offering": self.refs[i], "eligible": why is None, "excluded_by": why, "policy": p,
+                         "usd_per_hour": usd if np.isfinite(usd) else None, "rtt_ms": _num(env.c_rtt[i]),
+                         "headroom": round(head, 6)})
+        return {"tenant": tenant, "policy_version": pol.version,
+                "request_class": pctx.request_class or None if pctx is not None else None,
+                "applied": list(pctx.applied) if pctx is not None else [],
+                "eligible": sum(r["eligible"] for r in rows), "offerings": rows}
 
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float, reserved: dict[str, int] | None = None) -> dict[str, Any]:
@@ -847,7 +1080,10 @@ class RoutingEngine:
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
-_ENV_KEYS = tuple(f'"{r}":' for r in kernels.ENV_REASONS)
+#: why the environment masks an allowed offering: ``router.kernels.ENV_REASONS``, then the cloud
+#: quotas' ``quota`` (no room for one more instance) and the tenant budget's ``budget``
+REASONS = (*kernels.ENV_REASONS, "quota", "budget")
+_ENV_KEYS = tuple(f'"{r}":' for r in REASONS)
 _ANSWER_FORMATS: dict[int, str] = {}
 
 
@@ -861,7 +1097,7 @@ def _answer_format(alternatives: int) -> str:
             '{"decision_id":"%s","created_at":"%s","tenant":%s,"session_id":%s,"offering":%s,'
             '"expected_latency_ms":%.9g,"expected_cost_usd":%.9g,"score":%.9g,"score_kind":"%s",'
             f'"alternatives":[{",".join([alt] * alternatives)}],"policy":%s,'
-            '"excluded":{"total":%d,"by_reason":{%s}},"telemetry":%s%s","age_s":%r,"stale":%s}}')
+            '"excluded":{"total":%d,"by_reason":{%s}},"policies":%s,"telemetry":%s%s","age_s":%r,"stale":%s}}')
     return fmt
 
 

@@ -71,11 +71,13 @@ def _head(ints, chosen, n_valid, n_not_preferred, counts):  # pragma: no cover
 
 
 @njit  # not cache=True: it compiles envs.kernels' functions into itself (module docstring)
-def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, ref_cost, budget_ms, retry_ms,
-                  cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, ints, floats):  # pragma: no cover
+def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, bias, use_bias, ref_cost, budget_ms,
+                  retry_ms, cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, ints,
+                  floats):  # pragma: no cover
     """The greedy policy's whole ranking once the environment has computed the request's
     candidate outcomes ``C`` (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`,
-    the expected rewards of the valid offerings (``envs.kernels.expected_rewards``), the best and
+    the expected rewards of the valid offerings (``envs.kernels.expected_rewards``) plus, with
+    ``use_bias``, the routing policies' prefer weights ``bias`` (``envs.policies``), the best and
     the next ``k`` (``envs.kernels.rank``). The same kernels the engine's general path calls one
     by one, so the same floats. (The chosen pool is admitted in the router's view afterwards,
     once the shared state has reserved it: ``RoutingEngine.admit``.)
@@ -89,6 +91,10 @@ def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, r
     valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
     r = env_kernels.expected_rewards(C, valid, ref_cost, budget_ms, retry_ms, cost_weight, latency_weight, sla_penalty,
                                      cost_cap, latency_cap)
+    if use_bias:
+        for i in range(r.shape[0]):
+            if valid[i]:
+                r[i] += bias[i]
     best, alt = env_kernels.rank(r, valid, k)
     m = alt.shape[0]
     _head(ints, best, n_valid, n_not_preferred, counts)
@@ -185,7 +191,7 @@ def warm_up() -> None:
     f = np.ones(2)
     C = np.ones((env_kernels.N_OUT, 2))
     ints, floats = np.zeros(9, dtype=np.int64), np.zeros(8)
-    greedy_decide(ok, ok, ok, True, code, C, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 3.0, 1, ints, floats)
+    greedy_decide(ok, ok, ok, True, code, C, f, True, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 5.0, 3.0, 1, ints, floats)
     rank_scored(np.ones(2, dtype=np.float32), np.arange(2), 1)  # a learned scorer's float32 scores
     rank_scored(np.ones(2), np.arange(2), 1)
     rows = np.zeros((2, N_OFFERING_FEATURES), dtype=np.float32)  # as CloudRouteEnv's arrays

@@ -31,6 +31,7 @@ from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import Constraints
+from xroute.schema.quota import TenantQuotas
 
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("router_settings_file", default=None)
 
@@ -69,6 +70,9 @@ class TenantConfig(BaseModel):
                     "offering drawn uniformly from the ones it may go to, instead of the policy's choice; 0 = never "
                     f"(the default), at most {EXPLORE_MAX}")
     gateway: TenantGateway = Field(default_factory=TenantGateway, description="the tenant's gateway defaults")
+    quotas: TenantQuotas | None = Field(
+        None, description="the tenant's quotas (docs/quotas.md): max_concurrent, tokens_per_minute, requests_per_day, "
+                          "usd_per_day, and the same per model under models; over one, a request gets 429")
 
 
 class InferenceServer(BaseModel):
@@ -229,7 +233,23 @@ class RouterSettings(BaseSettings):
                           "the propensity of its choice (what xroute export-ope writes for xroute ope); false keeps "
                           "the log smaller and the decisions cheaper, and allows no exploration")
     keys_file: Path = Field(Path("runs/router/keys.json"), description="hashed API keys (python -m router.keys)")
-    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="tenant name -> defaults")
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict, description="the tenants this router serves, name -> settings: a key whose tenant is "
+                                          "not declared here is refused (403 unknown_tenant), unless "
+                                          "undeclared_tenants: allow")
+    undeclared_tenants: Literal["reject", "allow"] = Field(
+        "reject", description="reject (the default): a key of a tenant missing from 'tenants' gets 403 naming it; "
+                              "allow: it routes under the policies that target it (e.g. target tenants ['*']) "
+                              "with no tenant settings")
+
+    # routing policies (docs/policies.md) ----------------------------------------------------
+    policy_files: list[Path] = Field(
+        default_factory=list, description="policy YAML files or directories, applied to the policy store at start "
+                                          "when their content changed since they were last applied (policies "
+                                          "created through the admin API are kept)")
+    policy_poll_s: float = Field(1.0, gt=0, le=60, description="how often the policy store's version is checked; a "
+                                                               "new version is compiled and swapped in between two "
+                                                               "decisions")
     metrics_public: bool = Field(False, description="serve /metrics without a key (else an admin key)")
 
     # shared state (router/state.py) ---------------------------------------------------------

@@ -14,6 +14,11 @@ What the decision loop reads and writes:
 * **idempotency keys** -- :meth:`~RouterState.claim` takes a key for ``ttl_s`` or returns what the
   first request with it answered (:class:`Claim`); :meth:`~RouterState.complete` stores that answer,
   :meth:`~RouterState.abandon` drops a claim whose request failed, so a retry decides anew.
+* **tenant quotas** -- :meth:`~RouterState.quota_reserve` checks a request against every limit of
+  the buckets it counts in (``xroute.schema.quota``) and counts it in all of them, in one atomic
+  step; :meth:`~RouterState.quota_settle` reconciles it with its feedback,
+  :meth:`~RouterState.quota_release` undoes it (the request was not admitted after all);
+  :meth:`~RouterState.quota_usage` reads the buckets (``router.quota_ledger`` holds the arithmetic);
 * **prefix affinity and sessions** -- which pool recently received which KV-cache blocks of the
   prompts the router sent (``envs.prefix``: the router's view, an aging record, never the servers'
   real caches): :meth:`~RouterState.prefix_lookup` answers, for a request's block hashes, the
@@ -24,7 +29,6 @@ What the decision loop reads and writes:
   :meth:`~RouterState.prefix_feedback` folds the cached tokens a server reported into the pool's
   retention. Sessions alone: :meth:`~RouterState.get_session`, :meth:`~RouterState.put_session`.
   Every worker and host sharing the state sees the same affinity.
-* room for the next issues: tenant quota counters (:meth:`~RouterState.take_quota`), not implemented yet.
 
 Backends: :class:`EmbeddedState` (the default; in this process, no server; durable through the
 decision log -- :meth:`EmbeddedState.rebuild` replays the reservations and releases the log
@@ -54,6 +58,8 @@ from typing import Any, Literal
 import numpy as np
 
 from envs import prefix as px
+from router.quota_ledger import RECORD_S, QuotaLedger, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
+from xroute.schema.quota import WINDOW_S, QuotaBucket
 
 #: the default weight of a new outcome in the per-pool statistics (module docstring)
 STATS_ALPHA = 0.05
@@ -236,16 +242,57 @@ class RouterState:
         one is rebuilt from the decision log at start instead)."""
         return None
 
-    async def restore(self, epoch: Epoch, log_id: str, events: Iterable[Reserved | Released],
+    async def restore(self, epoch: Epoch, log_id: str,
+                      events: Iterable[Reserved | Released | QuotaReserved | QuotaSettled],
                       answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
                       ) -> dict[str, int] | None:
         """Put back into ``epoch`` what the server lost and one decision log knows: the
         reservations of ``events`` whose hold has not passed (released where the log has their
-        feedback; capacity is not checked: they were admitted) and the idempotency ``answers``
+        feedback; capacity is not checked: they were admitted), the tenant quota reservations of
+        its quota events (settled where the log has their feedback) and the idempotency ``answers``
         (``(key, answer, until)``, ``until`` wall clock) a key does not already hold. Done once per
         epoch and log (``log_id``): returns counts, or None when another router restored this log
         into this epoch already. Reservations already held are left as they are, so a restore that
         overlaps the live decisions books nothing twice."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- tenant quotas
+    async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                            hold_s: float) -> QuotaVerdict:
+        """Check one request (``tokens``, ``usd``, one request, one concurrency slot) against every
+        limit of ``buckets`` and, when all have room, count it in each -- atomically, across every
+        router sharing the state. A refusal names the first limit hit (:class:`QuotaVerdict`). An
+        id that holds a reservation already is admitted and books nothing (a retry). The
+        concurrency slot is held until :meth:`quota_settle`, :meth:`quota_release` or ``hold_s``."""
+        raise NotImplementedError
+
+    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
+                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
+        """:meth:`reserve` and :meth:`quota_reserve` of one request at once (a shared server gets
+        both in one round trip). Each result, or the exception its call raised: the caller gives
+        back whichever succeeded when the other did not."""
+        out: list[Any] = []
+        for call in (lambda: self.reserve(candidates, reservation_id, hold_s),
+                     lambda: self.quota_reserve(reservation_id, buckets, tokens, usd, hold_s)):
+            try:
+                out.append(await call())
+            except Exception as e:
+                out.append(e)
+        return out[0], out[1]
+
+    async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
+        """The reservation's feedback: its concurrency slot is freed and what it counts becomes
+        ``tokens`` (while in the sliding window) and ``usd`` (in its day); None keeps what was
+        reserved. Once per reservation; False when none is held."""
+        raise NotImplementedError
+
+    async def quota_release(self, reservation_id: str) -> bool:
+        """Undo a reservation entirely (its request was not admitted after all); False when none is held."""
+        raise NotImplementedError
+
+    async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
+        """What each bucket of ``keys`` holds now (zeros for one never used)."""
         raise NotImplementedError
 
     async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
@@ -293,11 +340,6 @@ class RouterState:
 
     async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
         raise NotImplementedError
-
-    # -------------------------------------------------------------- the next issues' room
-    async def take_quota(self, tenant: str, amount: float, limit: float, window_s: float) -> bool:
-        """Tenant quota counters (a later issue)."""
-        raise NotImplementedError("tenant quotas are not implemented yet")
 
     # -------------------------------------------------------------- life
     async def healthy(self) -> bool:
@@ -363,7 +405,9 @@ class EmbeddedState(RouterState):
     backend = "embedded"
     sync = True
 
-    def __init__(self, alpha: float = STATS_ALPHA, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, alpha: float = STATS_ALPHA, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, record_ttl_s: float = RECORD_S,
+                 quota_window_s: float = WINDOW_S):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = alpha
@@ -375,6 +419,8 @@ class EmbeddedState(RouterState):
         self._stats: dict[str, _Stats] = {}
         self._idem: dict[str, _Idem] = {}
         self._idem_due: list[tuple[float, str]] = []
+        #: tenant quotas (wall clock: a quota day is a UTC day)
+        self.quotas = QuotaLedger(wall_clock, record_ttl_s, quota_window_s)
         # prefix affinity (envs.prefix.HashedView over pool ids), sessions and predictions, with expiry
         self._pfx = px.HashedView()
         self._pfx_ids: dict[str, int] = {}
@@ -496,6 +542,18 @@ class EmbeddedState(RouterState):
         if e is not None and e.answer is None:
             del self._idem[key]
 
+    def quota_reserve_now(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                          hold_s: float) -> QuotaVerdict:
+        return self.quotas.reserve(reservation_id, buckets, tokens, usd, hold_s)
+
+    def quota_settle_now(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
+        return self.quotas.settle(reservation_id, tokens, usd)
+
+    def quota_release_now(self, reservation_id: str) -> bool:
+        return self.quotas.release(reservation_id)
+
+    def quota_usage_now(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
+        return self.quotas.usage(keys)
     # prefix affinity and sessions (synchronous core)
     def _pool_id(self, pool: str) -> int:
         pid = self._pfx_ids.get(pool)
@@ -569,6 +627,18 @@ class EmbeddedState(RouterState):
                       slots: int = 1) -> str | None:
         return self.reserve_now(candidates, reservation_id, hold_s, slots)
 
+    async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                            hold_s: float) -> QuotaVerdict:
+        return self.quotas.reserve(reservation_id, buckets, tokens, usd, hold_s)
+
+    async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
+        return self.quotas.settle(reservation_id, tokens, usd)
+
+    async def quota_release(self, reservation_id: str) -> bool:
+        return self.quotas.release(reservation_id)
+
+    async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
+        return self.quotas.usage(keys)
     async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
         return self.prefix_lookup_now(hashes, session, ttl_s)
 
@@ -617,15 +687,20 @@ class EmbeddedState(RouterState):
         self.abandon_now(key)
 
     # -------------------------------------------------------------- durability
-    def rebuild(self, events: Iterable[Reserved | Released], now_wall: float | None = None) -> dict[str, int]:
+    def rebuild(self, events: Iterable[Reserved | Released | QuotaReserved | QuotaSettled],
+                now_wall: float | None = None) -> dict[str, int]:
         """Replay the reservation and release events of the decision log (oldest first; capacity is
         not checked: they were admitted). A reservation whose hold has passed by ``now_wall`` is
-        expired at once, and counted. Returns counts of what was replayed."""
+        expired at once, and counted. Quota events (``QuotaReserved``, ``QuotaSettled``) are booked
+        in the tenant quota counters (``QuotaLedger.restore``). Returns counts of what was replayed."""
         now_wall = time.time() if now_wall is None else now_wall
         now = self.clock()
         out = {"reserved": 0, "released": 0, "held": 0}
+        quota: list[QuotaReserved | QuotaSettled] = []
         for ev in events:
-            if isinstance(ev, Reserved):
+            if isinstance(ev, (QuotaReserved, QuotaSettled)):
+                quota.append(ev)
+            elif isinstance(ev, Reserved):
                 if ev.reservation_id in self._held:
                     continue
                 self._in_flight[ev.pool] = self._in_flight.get(ev.pool, 0) + ev.slots
@@ -637,6 +712,8 @@ class EmbeddedState(RouterState):
                 out["released"] += 1
         out["expired"] = self.expire_now(now)
         out["held"] = len(self._held)
+        if quota:
+            out.update(self.quotas.restore(quota, now_wall))
         return out
 
     def restore_answers(self, answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None) -> int:
@@ -727,6 +804,28 @@ class FailOpenState(RouterState):
     async def abandon(self, key: str) -> None:
         await self._call("abandon", key)
 
+    async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                            hold_s: float) -> QuotaVerdict:
+        return await self._call("quota_reserve", reservation_id, buckets, tokens, usd, hold_s)  # type: ignore[no-any-return]
+
+    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
+                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
+        # one call after the other, each failing over on its own (the local view answers in an outage)
+        return await RouterState.reserve_with_quota(self, candidates, reservation_id, hold_s, buckets, tokens, usd)
+
+    async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
+        if self.fallback.quota_settle_now(reservation_id, tokens, usd):  # reserved during an outage: here
+            return True
+        return await self._call("quota_settle", reservation_id, tokens, usd)  # type: ignore[no-any-return]
+
+    async def quota_release(self, reservation_id: str) -> bool:
+        if self.fallback.quota_release_now(reservation_id):
+            return True
+        return await self._call("quota_release", reservation_id)  # type: ignore[no-any-return]
+
+    async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
+        return await self._call("quota_usage", keys)  # type: ignore[no-any-return]
     async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
         return await self._call("prefix_lookup", hashes, session, ttl_s)  # type: ignore[no-any-return]
 
@@ -750,7 +849,8 @@ class FailOpenState(RouterState):
     async def epoch(self) -> Epoch | None:
         return await self.primary.epoch()  # (the local view has no epoch; an outage raises)
 
-    async def restore(self, epoch: Epoch, log_id: str, events: Iterable[Reserved | Released],
+    async def restore(self, epoch: Epoch, log_id: str,
+                      events: Iterable[Reserved | Released | QuotaReserved | QuotaSettled],
                       answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
                       ) -> dict[str, int] | None:
         return await self.primary.restore(epoch, log_id, events, answers, now_wall)

@@ -77,6 +77,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from envs import prefix as px
 from router.logs import LOG, iso
+from router.quota_ledger import RECORD_S, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
 from router.state import (
     STATS_ALPHA,
     Affinity,
@@ -92,6 +93,7 @@ from router.state import (
     _check_reserve,
     _finite,
 )
+from xroute.schema.quota import WINDOW_S, QuotaBucket, day_index
 
 _NOW = """
 local t = redis.call('TIME')
@@ -256,6 +258,190 @@ if redis.call('GET', KEYS[1]) == '' then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
+# ---- tenant quotas (router.quota_ledger's arithmetic, step for step; times in ms of the server's
+# clock). ARGV[1] is the key prefix; per bucket b: <prefix>q:<b>:c (zset id -> hold's end),
+# :w (zset id -> admitted at), :wt (hash id -> tokens), :ws (the window's sum), :d (hash 'n:<day>',
+# 'usd:<day>'); per reservation <prefix>qr:<id> (hash k: its buckets, tok, usd, day) -- KEYS[1]
+# where one is named. Every key holds the one hash tag of the prefix: one slot.
+_QUOTA = _NOW + """
+local base = ARGV[1]
+local WINDOW_MS = %(window_ms)d
+local function f(x) return string.format('%%.17g', x) end
+local function evict(b)
+  redis.call('ZREMRANGEBYSCORE', base .. b .. ':c', '-inf', now)
+  local w, wt = base .. b .. ':w', base .. b .. ':wt'
+  while true do
+    local old = redis.call('ZRANGEBYSCORE', w, '-inf', now - WINDOW_MS, 'LIMIT', 0, 256)
+    if #old == 0 then break end
+    local toks = redis.call('HMGET', wt, unpack(old))
+    local s = 0
+    for i = 1, #old do s = s + tonumber(toks[i] or '0') end
+    redis.call('HDEL', wt, unpack(old))
+    redis.call('ZREM', w, unpack(old))
+    redis.call('INCRBY', base .. b .. ':ws', -s)
+  end
+end
+local function settle(rec, rid, tokens, usd)
+  local r = redis.call('HMGET', rec, 'k', 'tok', 'usd', 'day')
+  if not r[1] then return 0 end
+  for b in string.gmatch(r[1], '[^\\n]+') do
+    redis.call('ZREM', base .. b .. ':c', rid)
+    if tokens ~= '' then
+      local old = redis.call('HGET', base .. b .. ':wt', rid)
+      if old then
+        redis.call('HSET', base .. b .. ':wt', rid, tokens)
+        redis.call('INCRBY', base .. b .. ':ws', tonumber(tokens) - tonumber(old))
+      end
+    end
+    if usd ~= '' then
+      local d = base .. b .. ':d'
+      if redis.call('HEXISTS', d, 'usd:' .. r[4]) == 1 then
+        redis.call('HINCRBYFLOAT', d, 'usd:' .. r[4], f(tonumber(usd) - tonumber(r[3])))
+      end
+    end
+  end
+  redis.call('DEL', rec)
+  return 1
+end
+local function book(rec, rid, keys, tokens, usd, at, day, till, ttl)
+  for b in string.gmatch(keys, '[^\\n]+') do
+    if till > now then redis.call('ZADD', base .. b .. ':c', till, rid) end
+    if at > now - WINDOW_MS then
+      redis.call('ZADD', base .. b .. ':w', at, rid)
+      redis.call('HSET', base .. b .. ':wt', rid, tokens)
+      redis.call('INCRBY', base .. b .. ':ws', tokens)
+    end
+    local d = base .. b .. ':d'
+    redis.call('HINCRBYFLOAT', d, 'usd:' .. day, f(usd))
+    if redis.call('HINCRBY', d, 'n:' .. day, 1) == 1 then  -- a new day: forget the day before yesterday
+      redis.call('HDEL', d, 'n:' .. (day - 2), 'usd:' .. (day - 2))
+      redis.call('PEXPIRE', d, 3 * 86400000)
+    end
+  end
+  redis.call('HSET', rec, 'k', keys, 'tok', tokens, 'usd', f(usd), 'day', day)
+  redis.call('PEXPIRE', rec, ttl)
+end
+"""
+# KEYS: the reservation's record; ARGV: prefix, id, tokens, usd, hold ms, record ttl ms, buckets, then
+# per bucket: name, max_concurrent, tokens_per_minute, requests_per_day, usd_per_day (-1: none).
+# {1}: admitted; {0, bucket index, limit, its value, used, requested, retry ms (-1: never)}
+QUOTA_RESERVE = _QUOTA + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {1} end
+local rid, tokens, usd = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local day = math.floor(now / 86400000)
+local nb = tonumber(ARGV[7])
+local names = {}
+for i = 0, nb - 1 do
+  local j = 8 + 5 * i
+  local b = ARGV[j]
+  names[#names + 1] = b
+  evict(b)
+  local cc, tpm, rpd, ul = tonumber(ARGV[j + 1]), tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
+  if cc >= 0 then
+    local n = redis.call('ZCARD', base .. b .. ':c')
+    if n + 1 > cc then return {0, i, 'max_concurrent', f(cc), f(n), '1', '1000'} end
+  end
+  local d = base .. b .. ':d'
+  local days = (rpd >= 0 or ul >= 0) and redis.call('HMGET', d, 'n:' .. day, 'usd:' .. day) or {}
+  if tpm >= 0 then
+    local s = tonumber(redis.call('GET', base .. b .. ':ws') or '0')
+    if s + tokens > tpm then
+      local retry = -1
+      if tokens <= tpm then
+        local excess, off = s + tokens - tpm, 0
+        while retry < 0 do
+          local page = redis.call('ZRANGE', base .. b .. ':w', off, off + 255, 'WITHSCORES')
+          if #page == 0 then retry = 0 break end
+          local ids = {}
+          for k = 1, #page, 2 do ids[#ids + 1] = page[k] end
+          local toks = redis.call('HMGET', base .. b .. ':wt', unpack(ids))
+          for k = 1, #ids do
+            excess = excess - tonumber(toks[k] or '0')
+            if excess <= 0 then retry = tonumber(page[2 * k]) + WINDOW_MS - now break end
+          end
+          off = off + 256
+        end
+      end
+      return {0, i, 'tokens_per_minute', f(tpm), f(s), f(tokens), f(retry)}
+    end
+  end
+  if rpd >= 0 then
+    local n = tonumber(days[1] or '0')
+    if n + 1 > rpd then return {0, i, 'requests_per_day', f(rpd), f(n), '1', f((day + 1) * 86400000 - now)} end
+  end
+  if ul >= 0 then
+    local u = tonumber(days[2] or '0')
+    if u + usd > ul then return {0, i, 'usd_per_day', f(ul), f(u), f(usd), f((day + 1) * 86400000 - now)} end
+  end
+end
+local hold = tonumber(ARGV[5])
+book(KEYS[1], rid, table.concat(names, '\\n'), tokens, usd, now, day, now + hold, hold + tonumber(ARGV[6]))
+return {1}
+"""
+# KEYS: the record; ARGV: prefix, id, tokens or '' (as reserved), usd or ''
+QUOTA_SETTLE = _QUOTA + """
+return settle(KEYS[1], ARGV[2], ARGV[3], ARGV[4])
+"""
+# KEYS: the record; ARGV: prefix, id
+QUOTA_RELEASE = _QUOTA + """
+local r = redis.call('HMGET', KEYS[1], 'k', 'tok', 'usd', 'day')
+if not r[1] then return 0 end
+local rid = ARGV[2]
+for b in string.gmatch(r[1], '[^\\n]+') do
+  redis.call('ZREM', base .. b .. ':c', rid)
+  local old = redis.call('HGET', base .. b .. ':wt', rid)
+  if old then
+    redis.call('HDEL', base .. b .. ':wt', rid)
+    redis.call('ZREM', base .. b .. ':w', rid)
+    redis.call('INCRBY', base .. b .. ':ws', -tonumber(old))
+  end
+  local d = base .. b .. ':d'
+  if redis.call('HEXISTS', d, 'n:' .. r[4]) == 1 then
+    redis.call('HINCRBY', d, 'n:' .. r[4], -1)
+    redis.call('HINCRBYFLOAT', d, 'usd:' .. r[4], f(-tonumber(r[3])))
+  end
+end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+# ARGV: prefix, bucket names. Per bucket: concurrent, window tokens, requests today, USD today
+QUOTA_USAGE = _QUOTA + """
+local day = math.floor(now / 86400000)
+local out = {}
+for i = 2, #ARGV do
+  local b = ARGV[i]
+  evict(b)
+  local d = base .. b .. ':d'
+  out[#out + 1] = redis.call('ZCARD', base .. b .. ':c')
+  out[#out + 1] = redis.call('GET', base .. b .. ':ws') or '0'
+  out[#out + 1] = redis.call('HGET', d, 'n:' .. day) or '0'
+  out[#out + 1] = redis.call('HGET', d, 'usd:' .. day) or '0'
+end
+return out
+"""
+# ARGV: prefix, record ttl ms, then groups of 8: 'R', id, bucket names ('\n'-joined), tokens, usd,
+# ms since it was admitted, its day, ms of its hold left -- booked unless the id is held already --
+# or 'S', id, '', tokens ('' kept), usd ('' kept), 0, 0, 0 (its settle)
+QUOTA_RESTORE = _QUOTA + """
+local ttl = tonumber(ARGV[2])
+local booked, settled = 0, 0
+for i = 3, #ARGV, 8 do
+  local rid = ARGV[i + 1]
+  local rec = base .. 'qr:' .. rid
+  if ARGV[i] == 'R' then
+    if redis.call('EXISTS', rec) == 0 then
+      local left = tonumber(ARGV[i + 7])
+      book(rec, rid, ARGV[i + 2], tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), now - tonumber(ARGV[i + 5]),
+           ARGV[i + 6], now + left, math.max(left, 0) + ttl)
+      booked = booked + 1
+    end
+  else
+    settled = settled + settle(rec, rid, ARGV[i + 3], ARGV[i + 4])
+  end
+end
+return {booked, settled}
+"""
+
 
 # ---------------------------------------------------------------------------------- prefix affinity
 # The index of router.state's docstring (envs.prefix: the router's view), the same arithmetic as
@@ -376,7 +562,8 @@ class RedisState(RouterState):
     backend = "redis"
 
     def __init__(self, url: str, prefix: str = "xroute", timeout_s: float = 0.5, alpha: float = STATS_ALPHA,
-                 max_connections: int = 64, restore_window_s: float | None = None, restore_lapse_s: float = 120.0):
+                 max_connections: int = 64, record_ttl_s: float = RECORD_S, quota_window_s: float = WINDOW_S,
+                 restore_window_s: float | None = None, restore_lapse_s: float = 120.0):
         """``restore_window_s``: guard the idempotency keys across a loss of the server's data (module
         docstring, "A keyed request after a loss"), as the app does (``state_restore_window_s``);
         None, for a process that restores no decision log into the state (a benchmark, a test of
@@ -401,6 +588,14 @@ class RedisState(RouterState):
         self._abandon = self._r.register_script(ABANDON)
         self._epoch = self._r.register_script(EPOCH)
         self._restore = self._r.register_script(RESTORE)
+        # (the tokens_per_minute window is 60 s; tests shorten it to watch it slide)
+        win = {"window_ms": max(1, round(quota_window_s * 1000))}
+        self._q_reserve = self._r.register_script(QUOTA_RESERVE % win)
+        self._q_settle = self._r.register_script(QUOTA_SETTLE % win)
+        self._q_release = self._r.register_script(QUOTA_RELEASE % win)
+        self._q_usage = self._r.register_script(QUOTA_USAGE % win)
+        self._q_restore = self._r.register_script(QUOTA_RESTORE % win)
+        self.record_ttl_ms = max(1, math.ceil(record_ttl_s * 1000))
         self._begin_restore = self._r.register_script(BEGIN_RESTORE)
         #: idempotency (module docstring, "A keyed request after a loss"): the epoch this router
         #: has restored its log into ('*': no guard), the window after an epoch begins, how long an announced restore holds the others back at most, this
@@ -426,13 +621,17 @@ class RedisState(RouterState):
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """One script call, sent with the others of this event-loop iteration (module docstring)."""
+        return await self._submit(script, keys, args)
+
+    def _submit(self, script: Any, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one script call with this event-loop iteration's; its future."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._batch.append((script, keys, args, fut))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)  # after every request of this iteration has queued its call
-        return await fut
+        return fut
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -464,6 +663,8 @@ class RedisState(RouterState):
                     self._undo(self._release, self._keys, [args[0]])
                 elif script is self._claim and r is None:  # an idempotency key it claimed (else 409s for the TTL)
                     self._undo(self._abandon, keys, [])
+                elif script is self._q_reserve and isinstance(r, list) and r and r[0] == 1:  # its quota
+                    self._undo(self._q_release, keys, args[:2])
             elif isinstance(r, BaseException):
                 fut.set_exception(r)
             else:
@@ -484,14 +685,42 @@ class RedisState(RouterState):
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
             return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
-    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
-                      slots: int = 1) -> str | None:
+    def _reserve_args(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> list[Any]:
         _check_reserve(candidates, hold_s, slots)
         args: list[Any] = [reservation_id, max(1, math.ceil(hold_s * 1000)), slots]
         for pool, capacity in candidates:
             args += (pool, int(capacity))
-        got = await self._run(self._reserve, self._keys, args)
+        return args
+
+    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                      slots: int = 1) -> str | None:
+        got = await self._run(self._reserve, self._keys, self._reserve_args(candidates, reservation_id, hold_s, slots))
         return None if got is None else got.decode()  # type: ignore[no-any-return]
+
+    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
+                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
+                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
+        """Both scripts queued in this event-loop iteration -- one pipeline, one round trip --
+        without a task per call. A caller cancelled meanwhile cancels both futures, so what they
+        reserve is given back when the answers arrive (``_send``)."""
+        pool_f = self._submit(self._reserve, self._keys, self._reserve_args(candidates, reservation_id, hold_s))
+        quota_f = self._submit(self._q_reserve, [self.base + "qr:" + reservation_id],
+                               self._quota_args(reservation_id, buckets, tokens, usd, hold_s))
+        out: list[Any] = []
+        try:
+            for fut, parse in ((pool_f, lambda g: None if g is None else g.decode()), (quota_f, self._verdict)):
+                try:
+                    out.append(parse(await fut))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    out.append(e)
+        except asyncio.CancelledError:
+            pool_f.cancel()
+            quota_f.cancel()
+            raise
+        return out[0], out[1]
 
     async def release(self, reservation_id: str) -> str | None:
         got = await self._run(self._release, self._keys, [reservation_id])
@@ -573,6 +802,65 @@ class RedisState(RouterState):
         self._claimed.pop(key, None)
         await self._run(self._abandon, [self.base + "idem:" + key], [])
 
+    # -------------------------------------------------------------- tenant quotas (router.quota_ledger)
+    async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                            hold_s: float) -> QuotaVerdict:
+        got = await self._run(self._q_reserve, [self.base + "qr:" + reservation_id],
+                              self._quota_args(reservation_id, buckets, tokens, usd, hold_s))
+        return self._verdict(got)
+
+    def _quota_args(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
+                    hold_s: float) -> list[Any]:
+        if not (hold_s > 0 and math.isfinite(hold_s)):
+            raise ValueError(f"hold_s must be a positive number of seconds, got {hold_s!r}")
+        args: list[Any] = [self.base, reservation_id, int(tokens), repr(float(usd)), max(1, math.ceil(hold_s * 1000)),
+                           self.record_ttl_ms, len(buckets)]
+        for b in buckets:
+            args += [b.key, *b.limits]
+        return args
+
+    @staticmethod
+    def _verdict(got: Any) -> QuotaVerdict:
+        if int(got[0]) == 1:
+            return QuotaVerdict(True)
+        retry = float(got[6])
+        return QuotaVerdict(False, int(got[1]), got[2].decode(), float(got[3]), float(got[4]), float(got[5]),
+                            math.inf if retry < 0 else retry / 1000.0)
+
+    async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
+        got = await self._run(self._q_settle, [self.base + "qr:" + reservation_id],
+                              [self.base, reservation_id, "" if tokens is None else int(tokens),
+                               "" if usd is None else repr(float(usd))])
+        return bool(got)
+
+    async def quota_release(self, reservation_id: str) -> bool:
+        return bool(await self._run(self._q_release, [self.base + "qr:" + reservation_id], [self.base, reservation_id]))
+
+    async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
+        if not keys:
+            return {}
+        flat = await self._run(self._q_usage, [], [self.base, *keys])
+        return {k: QuotaUsage(int(flat[4 * i]), int(float(flat[4 * i + 1])), int(float(flat[4 * i + 2])),
+                              float(flat[4 * i + 3])) for i, k in enumerate(keys)}
+
+    async def _quota_restore(self, events: list[QuotaReserved | QuotaSettled], now_wall: float) -> dict[str, int]:
+        """The quota events of a decision log, booked (``QUOTA_RESTORE``; limits are not checked)."""
+        args: list[Any] = []
+        for ev in events:
+            if isinstance(ev, QuotaReserved):
+                if ev.keys:
+                    args += ["R", ev.reservation_id, "\n".join(ev.keys), int(ev.tokens), repr(float(ev.usd)),
+                             max(0, int((now_wall - ev.at) * 1000)), day_index(ev.at),
+                             int((ev.until - now_wall) * 1000)]
+            else:
+                args += ["S", ev.reservation_id, "", int(ev.tokens), repr(float(ev.usd)), 0, 0, 0]
+        out = {"quota_reserved": 0, "quota_settled": 0}
+        for i in range(0, len(args), 800):  # 100 events a script call, in order
+            booked, settled = await self._run(self._q_restore, [], [self.base, self.record_ttl_ms, *args[i:i + 800]])
+            out["quota_reserved"] += int(booked)
+            out["quota_settled"] += int(settled)
+        return out
+
     async def epoch(self) -> Epoch:
         got = (await self._run(self._epoch, [self.base + "epoch"], [secrets.token_hex(8)])).decode()
         return Epoch(got, float(got.partition(":")[0]))
@@ -589,7 +877,8 @@ class RedisState(RouterState):
         if restored and self._restored_epoch != "*":
             self._restored_epoch = epoch.id
 
-    async def restore(self, epoch: Epoch, log_id: str, events: Iterable[Reserved | Released],
+    async def restore(self, epoch: Epoch, log_id: str,
+                      events: Iterable[Reserved | Released | QuotaReserved | QuotaSettled],
                       answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
                       ) -> dict[str, int] | None:
         now_wall = time.time() if now_wall is None else now_wall
@@ -611,8 +900,11 @@ class RedisState(RouterState):
         out = {"reserved": 0, "released": 0, "idempotency_keys": 0}
         try:
             args: list[Any] = []
+            quota: list[QuotaReserved | QuotaSettled] = []
             for ev in events:
-                if isinstance(ev, Reserved) and ev.until > now_wall:
+                if isinstance(ev, (QuotaReserved, QuotaSettled)):
+                    quota.append(ev)
+                elif isinstance(ev, Reserved) and ev.until > now_wall:
                     args += ["R", ev.reservation_id, ev.pool, ev.slots, max(1, math.ceil((ev.until - now_wall) * 1000))]
                 elif isinstance(ev, Released):
                     args += ["X", ev.reservation_id, "", 0, 0]
@@ -620,6 +912,8 @@ class RedisState(RouterState):
                 r, x = await self._run(self._restore, self._keys[:3], args[i:i + 1000])
                 out["reserved"] += int(r)
                 out["released"] += int(x)
+            if quota:
+                out.update(await self._quota_restore(quota, now_wall))
             async with self._r.pipeline(transaction=False) as pipe:
                 for key, answer, until in answers:
                     if until > now_wall and answer:

@@ -108,6 +108,8 @@ CREATE TABLE IF NOT EXISTS decisions (
     propensity REAL,
     epsilon REAL,
     features BLOB,
+    quota_tokens INTEGER,
+    quota_usd REAL,
     request_json TEXT NOT NULL,
     response_json BLOB NOT NULL,
     response_zdict INTEGER REFERENCES zdicts(zdict_id)
@@ -148,9 +150,11 @@ CREATE TABLE IF NOT EXISTS catalogs (
 #: enough) and whether the SLO was missed; what the gateway measured itself (``router.gateway``):
 #: the time per output token, the prompt tokens the server counted and those it had cached, the
 #: gateway request the attempt belonged to (its X-Request-ID: every attempt of one request shares
-#: it) and the attempt's number
+#: it) and the attempt's number; the tenant quotas' reservation of a decision (tokens, USD; NULL: no
+#: quota applied: ``router.quotas.quota_events`` rebuilds the counters from them)
 ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
-                               ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB")),
+                               ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB"),
+                               ("quota_tokens", "INTEGER"), ("quota_usd", "REAL")),
                  "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
                               ("sla_violation", "INTEGER"), ("tpot_ms", "REAL"), ("prompt_tokens", "INTEGER"),
                               ("cached_tokens", "INTEGER"), ("request_id", "TEXT"), ("attempt", "INTEGER"))}
@@ -159,8 +163,8 @@ DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "orig
                     "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "model", "session_id", "offering_id",
                     "expected_latency_ms",
                     "expected_cost_usd", "policy", "policy_kind", "policy_version", "bundle_hash",
-                    "pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features", "request_json",
-                    "response_json")
+                    "pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features", "quota_tokens",
+                    "quota_usd", "request_json", "response_json")
 FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
                     "error", "ttft_ms", "idempotency_key", "reward", "sla_violation", "tpot_ms", "prompt_tokens",
                     "cached_tokens", "request_id", "attempt")
@@ -398,12 +402,15 @@ class DecisionRef:
     tpot_ms: float = 0.0
     deadline_ms: float | None = None
     expected_cost_usd: float = 0.0
+    #: what the tenant's quotas reserved for it (None: no quota applied)
+    quota_tokens: int | None = None
+    quota_usd: float | None = None
 
 
 #: the columns :meth:`GroupCommitLog.lookup` reads (and how a backend builds its answer: :func:`decision_ref`)
 LOOKUP_SQL = ("SELECT d.tenant, d.model, d.offering_id, d.pool, (SELECT COUNT(*) FROM feedback f WHERE "
               "f.decision_id = d.decision_id), d.input_tokens, d.max_output_tokens, d.ttft_ms, d.tpot_ms, "
-              "d.deadline_ms, d.expected_cost_usd FROM decisions d WHERE d.decision_id = {p}")
+              "d.deadline_ms, d.expected_cost_usd, d.quota_tokens, d.quota_usd FROM decisions d WHERE d.decision_id = {p}")
 #: how a backend keeps a catalog (:meth:`GroupCommitLog.register_catalog`; both accept the syntax)
 REGISTER_CATALOG_SQL = "INSERT INTO catalogs (catalog_key, offering_ids) VALUES ({p}, {p}) ON CONFLICT DO NOTHING"
 #: the keyed decisions and feedback since a time (:meth:`GroupCommitLog.keyed_since`); decision ids are
@@ -419,12 +426,12 @@ KEYED_FEEDBACK_SQL = (f"SELECT {KEYED_FEEDBACK_COLUMNS} FROM feedback "
 def decision_ref(row: tuple[Any, ...] | None) -> DecisionRef | None:
     if row is None:
         return None
-    tenant, model, offering_id, pool, n, n_in, max_out, ttft, tpot, deadline, cost = row
+    tenant, model, offering_id, pool, n, n_in, max_out, ttft, tpot, deadline, cost, q_tok, q_usd = row
     from router.state import pool_key
 
     return DecisionRef(str(tenant), str(model), str(pool) if pool else pool_key(str(model), str(offering_id)), int(n),
                        int(n_in), int(max_out), float(ttft), float(tpot), None if deadline is None else float(deadline),
-                       float(cost))
+                       float(cost), None if q_tok is None else int(q_tok), None if q_usd is None else float(q_usd))
 
 
 def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:

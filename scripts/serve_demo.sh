@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the router on the trained champion (fallback: greedy), route one request, show the answer
-# and the decision read back, then stop. Keys and the decision log live under runs/demo/.
+# and the decision read back, then stop. Keys, the config and the decision log live under runs/demo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -8,8 +8,10 @@ mkdir -p runs/demo
 KEYS=runs/demo/keys.json DB=runs/demo/decisions.db
 rm -f "$KEYS"
 KEY=$($PY -m router.keys add --tenant demo --keys-file "$KEYS" | tail -n1)   # printed once, stored hashed
+printf 'tenants:\n  demo: {}\n' > runs/demo/router.yaml   # the tenants the router serves (others: 403)
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-.venv/bin/xroute serve --host 127.0.0.1 --port "$PORT" --keys-file "$KEYS" --db "$DB" > runs/demo/serve.log 2>&1 &
+.venv/bin/xroute serve --config runs/demo/router.yaml --host 127.0.0.1 --port "$PORT" --keys-file "$KEYS" --db "$DB" \
+  > runs/demo/serve.log 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do

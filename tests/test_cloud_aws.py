@@ -112,6 +112,9 @@ def test_quotas_keep_gpu_vcpu_classes_with_usage_from_cloudwatch(aws):
     g = q["Running On-Demand G and VT instances"]
     assert g.limit == 64 and g.unit == "vcpus" and g.usage == 8.0
     assert q["Running On-Demand P instances"].usage is None
+    # what each counts (the env and the router mask offerings a quota leaves no room for: envs.capacity)
+    assert g.covers == ("aws:us-east-1:g*:on_demand",)
+    assert q["All P4, P3 and P2 Spot Instance Requests"].covers == ("aws:us-east-1:p*:spot",)
     assert aws.hits["ListServiceQuotas"] == 2
 
 

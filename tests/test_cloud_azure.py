@@ -73,6 +73,11 @@ def test_quotas_are_the_gpu_families_and_regional_vcpus_with_usage(az):
                       "standardNCadsH100v5Family", "StandardNVADSA10v5Family"}
     assert (q["standardNCASv3_T4Family"].limit, q["standardNCASv3_T4Family"].usage) == (24, 4)
     assert all(r.unit == "vcpus" for r in q.values())
+    # what each counts: the region's standard or spot vCPUs, a family's on-demand sizes (resource SKUs)
+    assert q["cores"].covers == ("azure:eastus:*:on_demand",)
+    assert q["lowPriorityCores"].covers == ("azure:eastus:*:spot",)
+    t4 = q["standardNCASv3_T4Family"].covers
+    assert t4 and all(c.startswith("azure:eastus:Standard_NC") and "T4" in c and c.endswith(":on_demand") for c in t4)
 
 
 def test_arm_throttling_is_retried_after_retry_after(az):

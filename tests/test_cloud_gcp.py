@@ -80,6 +80,12 @@ def test_region_quotas_gpus_and_vcpus(gcp):
     assert q["PREEMPTIBLE_NVIDIA_L4_GPUS"].unit == "gpus"
     assert q["CPUS"].unit == "vcpus" and q["A2_CPUS"].limit == 96
     assert "DISKS_TOTAL_GB" not in q and "INSTANCES" not in q
+    # what each counts: on-demand or spot vCPUs, a family's, the machine types with that GPU
+    assert q["CPUS"].covers == ("gcp:us-central1:*:on_demand",) and q["A2_CPUS"].covers == ("gcp:us-central1:a2-*:on_demand",)
+    a100 = q["NVIDIA_A100_GPUS"].covers
+    assert a100 and all(c.startswith("gcp:us-central1:a2-") and c.endswith(":on_demand") for c in a100)
+    l4 = q["PREEMPTIBLE_NVIDIA_L4_GPUS"].covers
+    assert l4 and all(c.startswith("gcp:us-central1:g2-") and c.endswith(":spot") for c in l4)
 
 
 @pytest.mark.parametrize("route,fault", [("regions.get", Fault.throttle(retry_after=0.2)),

@@ -103,9 +103,11 @@ def _gateway_setup(tmp: Path, a_url: str, b_url: str, dead_url: str, **gateway: 
                  **gateway},
         tenants={"p": {"constraints": {"prefer": [{"offering_ids": [X]}]}},
                  "d": {"constraints": {"prefer": [{"offering_ids": [Z]}]}},
-                 "s": {"gateway": {"store_prompts": True}}})
+                 "s": {"gateway": {"store_prompts": True}},
+                 "q": {"constraints": {"prefer": [{"offering_ids": [X]}]},
+                       "quotas": {"max_concurrent": 4, "tokens_per_minute": 10**9, "requests_per_day": 1000}}})
     keys_file = tmp / "keys.json"
-    for who in ("p", "d", "s"):
+    for who in ("p", "d", "s", "q"):
         setup.keys[who] = add_key(keys_file, who)
     return setup
 
@@ -284,6 +286,31 @@ def test_when_every_offering_refuses_the_client_gets_the_429_with_each_attempt(g
     assert [r["decision_id"] for r in rows] == [t["decision_id"] for t in tried]
     gw.settle()
     assert gw.in_flight() == {}
+
+
+def test_the_gateways_attempts_count_in_their_tenants_quotas_and_settle_with_what_they_used(gw: Gw) -> None:
+    """Each attempt is a decision of the route (``route_decision``): it counts in its tenant's quotas,
+    and closing its loop settles them -- the concurrency slot freed, the tokens the real ones (the
+    prompt's estimate + the output measured; a failed attempt its prompt only). A retried request is
+    two attempts: two requests of the day (``docs/quotas.md``)."""
+    def usage() -> dict[str, Any]:
+        got = httpx.get(f"{gw.url}/v1/quotas", headers=gw.setup.auth("q"), timeout=10).json()["buckets"]
+        return {k: v for k, v in got[0].items() if k in ("concurrent", "tokens_window", "requests_day")}
+
+    before = usage()
+    rid = _rid("quota")
+    gw.a.faults.append(Fault("status", 503))  # the first attempt (X) fails before its first token
+    got = gw.client("q").chat.completions.with_raw_response.create(model=MODEL, messages=_chat(), max_tokens=4,
+                                                                    extra_headers={"X-Request-ID": rid})
+    assert got.parse().choices[0].message.content == "tok0 tok1 tok2 tok3" and got.headers["x-xroute-attempts"] == "2"
+    first, second = gw.attempts(rid, 2)
+    gw.settle()
+    deadline = time.monotonic() + 5
+    while usage()["concurrent"] != before["concurrent"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = usage()
+    assert after["concurrent"] == before["concurrent"] and after["requests_day"] == before["requests_day"] + 2
+    assert after["tokens_window"] - before["tokens_window"] == first["input_tokens"] + second["input_tokens"] + 4
 
 
 def test_a_dead_server_is_skipped_for_the_next_offering(gw: Gw) -> None:

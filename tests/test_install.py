@@ -45,6 +45,7 @@ def test_the_wheel_ships_every_bundle_and_config_without_a_packaging_warning(bui
     shipped = [p for p in (REPO / "data" / "bundles").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     want = {f"xroute/resources/bundles/{p.relative_to(REPO / 'data' / 'bundles').as_posix()}" for p in shipped}
     want |= {f"xroute/resources/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
+    want |= {f"xroute/resources/configs/policies/{p.name}" for p in (REPO / "configs" / "policies").glob("*.yaml")}
     assert len(want) > 15 and want <= names, sorted(want - names)
     assert "absent from the `packages` configuration" not in log, log[-3000:]
 
@@ -103,9 +104,10 @@ def test_serve_a_router_exported_earlier(venv: Path, tmp_path: Path) -> None:
     key = r.stdout.strip().splitlines()[-1]
     port = free_port()
     log = (tmp_path / "serve.log").open("w")
+    (tmp_path / "router.yaml").write_text("tenants: {t: {}}\n")  # the key's tenant, declared
     proc = subprocess.Popen([str(bin_ / "xroute"), "serve", "--host", "127.0.0.1", "--port", str(port), "--model",
-                             str(export), "--keys-file", "keys.json", "--db", "d.db"], cwd=tmp_path, stdout=log,
-                            stderr=subprocess.STDOUT)
+                             str(export), "--keys-file", "keys.json", "--db", "d.db", "--config", "router.yaml"],
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180

@@ -329,10 +329,12 @@ def test_greedy_decide_is_combine_rewards_and_rank(seed: int) -> None:
     w = (float(rng.uniform(1e-6, 1e-3)), float(rng.uniform(500, 9000)), 1500.0, 0.6, 0.4, 2.0, 5.0, 3.0)
     k = int(rng.integers(0, 5))
     ints, floats = np.full(7 + k + 2, 99, dtype=np.int64), np.full(3 + 3 * k + 2, 99.0)  # larger than needed
-    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, C, *w, k, ints, floats)
+    use_bias = seed % 3 == 0  # the routing policies' prefer weights (envs.policies) added to the rewards
+    bias = rng.normal(0.0, 0.2, n) if use_bias else np.zeros(n)
+    m = rkernels.greedy_decide(env_mask, allowed, preferred, True, code, C, bias, use_bias, *w, k, ints, floats)
     ints, floats = ints[: 7 + m], floats[: 3 + 3 * m]
     valid, n_valid, n_np, counts = rkernels.combine(env_mask, allowed, preferred, True, code)
-    r = kernels.expected_rewards(C, valid, *w)
+    r = kernels.expected_rewards(C, valid, *w) + np.where(valid, bias, 0.0)
     best, alt = kernels.rank(r, valid, k)
     assert ints[:7].tolist() == [best, n_valid, n_np, *counts.tolist()]
     if best < 0:

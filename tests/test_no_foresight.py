@@ -6,6 +6,10 @@ later spot preemption really happens -- is permuted (and, in a stronger variant,
 still in flight at the current step run twice as long). A policy that decides only on what a
 router knows must take exactly the same decisions up to and including the current step. The
 oracle, which plans with hindsight, is checked to *change* its decisions: the test can tell.
+
+The routing policies (``envs.policies``) are decision-time state too: with a policy set whose
+numeric constraints read the price, the RTT and the pools' headroom, and whose prefer weights bias
+every score, the decisions still depend on nothing realized.
 """
 
 from __future__ import annotations
@@ -21,10 +25,16 @@ from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
 from models.baselines import make_baseline
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights
 from xroute.config import EnvConfig, EvaluateConfig
+from xroute.schema.policy_ir import PolicySet
 
 START, LENGTH = 3000, 320
 STEPS = (60, 200, 319)
-POLICIES = ("static", "cheapest", "lowest-latency", "least-loaded", "greedy", "round-robin", "random", "learned")
+POLICIES = ("static", "cheapest", "lowest-latency", "least-loaded", "greedy", "budget-pacing", "round-robin", "random",
+            "learned")
+#: tenant budgets that bind within the checked steps (``envs.budget``): the budget left, the time left in
+#: the period and the tokens left in the window are decision-time state every policy reads; a request's
+#: end (its real tokens and cost) reaches them only when it has ended
+BUDGETS = {"budget_period_s": 60.0, "tenants": {"code": {"usd_per_day": 0.00008}, "conv": {"tokens_per_minute": 250000}}}
 
 
 def _learned() -> LearnedPolicy:
@@ -41,8 +51,18 @@ def _policy(name: str) -> Any:
     return _learned() if name == "learned" else make_baseline(name, EvaluateConfig())
 
 
-def _env(bundle: Any) -> CloudRouteEnv:
-    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0)
+#: routing policies that read decision-time numbers: price, RTT from the origin, headroom in the router's view
+ROUTING = PolicySet.model_validate({"policies": [
+    {"name": "ceiling", "effect": "deny", "constraints": {"max_usd_per_hour": 6.0}},
+    {"name": "near", "effect": "deny", "target": {"tenants": ["code"]}, "constraints": {"max_rtt_ms": 150.0}},
+    {"name": "roomy", "effect": "prefer", "weight": 0.05, "constraints": {"min_headroom": 0.5}},
+    {"name": "no-spot-full", "effect": "deny", "constraints": {"pricing_modes": ["spot"], "min_headroom": 0.25}}]})
+
+
+def _env(bundle: Any, world: str = "plain") -> CloudRouteEnv:
+    """``world``: "plain", "budgets" (tenant budgets binding), or "routed" (routing policies)."""
+    return CloudRouteEnv(bundle, episode_requests=None, rate_scale=6.0, **(BUDGETS if world == "budgets" else {}),
+                         policies=ROUTING if world == "routed" else None)
 
 
 def _future_changed(env: CloudRouteEnv, k: int, rng: np.random.Generator, in_flight: set[int]) -> None:
@@ -87,13 +107,31 @@ def bundle(shipped_bundle: Any) -> Any:
     return shipped_bundle
 
 
+@pytest.mark.parametrize("world", ["plain", "budgets", "routed"],
+                         ids=["plain", "budgets", "routing-policies"])
 @pytest.mark.parametrize("name", POLICIES)
-def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str) -> None:
+def test_no_decision_depends_on_the_realized_future(bundle: Any, name: str, world: str) -> None:
     for k in STEPS:
-        base, pending = _run(_env(bundle), _policy(name), k)
-        changed, _ = _run(_env(bundle), _policy(name), k, change_at=k, in_flight=pending)
+        base, pending = _run(_env(bundle, world), _policy(name), k)
+        changed, _ = _run(_env(bundle, world), _policy(name), k, change_at=k, in_flight=pending)
         assert changed == base, (name, k, next(i for i, (a, b) in enumerate(zip(base, changed)) if a != b))
         assert pending, "some requests are in flight at each checked step (the test stretches them)"
+
+
+def test_the_budgets_bind_within_the_checked_steps(bundle: Any) -> None:
+    """The budget variant above is not vacuous: budgets mask offerings and refuse requests, and
+    the budget features move, before the last checked step."""
+    env = _env(bundle, "budgets")
+    obs, info = env.reset(seed=4, options={"start": START, "end": START + LENGTH})
+    policy = _policy("greedy")
+    policy.reset(env, 4)
+    feats = []
+    for _ in range(STEPS[-1]):
+        feats.append(obs["request"][-3:].copy())
+        obs, _, _, _, info = env.step(int(policy.act(obs, info)))
+    f = np.array(feats)
+    assert env.stats["refused_budget"] > 0 and env.stats["refused_rate_limit"] > 0 and env.stats["excluded_budget"] > 0
+    assert f[:, 0].min() < 0.1 and f[:, 1].min() < 1.0 and f[:, 2].min() < 0.1
 
 
 def test_the_future_does_change_the_outcomes_and_the_oracle(bundle: Any) -> None:

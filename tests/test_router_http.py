@@ -276,9 +276,10 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
 #: served catalog lacks (the catalog changes at run time; the 422's documentation names this),
 #: constraints that exclude every offering of it, an Idempotency-Key reused with another body, more
 #: prefix_hashes than the prompt's blocks (the block size is a setting), more cached_tokens than
-#: the decision's input_tokens (another request's)
+#: the decision's input_tokens (another request's), a routing policy naming a value the catalog
+#: lacks (``invalid_policy``, its close matches in suggestions)
 SEMANTIC_422 = frozenset({"invalid_constraints", "no_offering", "idempotency_key_reused", "invalid_prefix",
-                          "invalid_cached_tokens"})
+                          "invalid_cached_tokens", "invalid_policy"})
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ class RouterSetup:
 
 
 def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
-    """Tiny bundle, own serving yaml, keys for tenants ``a`` and ``b`` and an admin; no model."""
+    """Tiny bundle, own serving yaml, keys for tenants ``a`` and ``b`` (declared, with
+    ``overrides["tenants"]`` merged in) and an admin; no model."""
     tmp.mkdir(parents=True, exist_ok=True)
     bundle = tmp / "bundle"
     if not bundle.exists():
@@ -44,8 +45,10 @@ def make_setup(tmp: Path, **overrides: Any) -> RouterSetup:
     base: dict[str, Any] = {"telemetry": bundle, "env": {"serving_config": str(serving)}, "db_path": tmp / "decisions.db",
                             "keys_file": keys_file, "model_uri": "", "model_poll_s": 0, "log_level": "WARNING"}
     base.update(overrides)
-    cfg = tmp / "router.yaml"
-    cfg.write_text("{}\n")
+    # the tenants the keys name are declared (an undeclared tenant's key is refused: 403 unknown_tenant)
+    base["tenants"] = {"a": {}, "b": {}, **(overrides.get("tenants") or {})}
+    cfg = tmp / "router.yaml"  # (what subprocess routers read: the declared tenants)
+    cfg.write_text(json.dumps({"tenants": base["tenants"]}) + "\n")
     return RouterSetup(load_settings(cfg, **base), keys, tmp)
 
 

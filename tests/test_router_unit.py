@@ -569,7 +569,8 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
     req = RouteRequest.model_validate(ROUTE)
     old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
     old_row = tuple(v for c, v in zip(DECISION_COLUMNS, old_row) if c not in ("pool", "hold_until", "idempotency_key", "propensity",
-                                                                        "epsilon", "features"))
+                                                                        "epsilon", "features", "quota_tokens",
+                                                                        "quota_usd"))
     legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_row))})", old_row)
     legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
                    "VALUES ('d_old', 'a', 1.0, 800.0, 0)")
@@ -669,7 +670,7 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         biggest = 0
         for i in range(60):
             rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0, "g", "fallback",
-                     None, "h", None, None, None, None, None, None, "{}", pad) for j in range(50)]
+                     None, "h", None, None, None, None, None, None, None, None, "{}", pad) for j in range(50)]
             await asyncio.gather(*(store.record_decision(r) for r in rows))
             wal = db.with_name(db.name + "-wal")
             biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from xroute.errors import ConfigError
 from xroute.resources import configs_dir
+from xroute.schema.policy_ir import ConstraintError, PolicySet, policy_set_error
+from xroute.schema.quota import DAY_S, TenantQuotas
 
 #: the shipped configuration files (``configs/`` in a checkout; package data in an install)
 CONFIG_DIR = configs_dir()
@@ -81,6 +83,16 @@ class EnvConfig(Strict):
                                 "see the instant); requests sent meanwhile are preempted at once. 0 = no lag")
     estimator: EstimatorConfig = EstimatorConfig()
     reward: RewardConfig = RewardConfig()
+    tenants: dict[str, TenantQuotas] = Field(
+        default_factory=dict, description="tenant budgets and rate limits of the simulated world (envs.budget): "
+                                          "the workload's tenant column picks the tenant; a scenario setting")
+    budget_period_s: float = Field(
+        DAY_S, gt=0, description="the budgets' period, seconds since the epoch in multiples of it (86400: the "
+                                 "router's UTC day; a scenario may shorten it so a short stream sees periods end)")
+    policies: str | PolicySet | None = Field(
+        None, description="the policies every request is routed under (docs/policies.md): a policy YAML file or a "
+                          "directory of them (configs/policies/NAME for a shipped one), or the policy set inline; "
+                          "None = none")
     prefix: PrefixConfig = PrefixConfig()
 
 
@@ -135,6 +147,9 @@ class EvaluateConfig(Strict):
     seed: int = Field(0, description="first seed; seed k of --seeds N is seed + k")
     seeds: int = Field(5, ge=1, le=1000, description="seeds per policy (service-time noise, spot preemption "
                                                     "instants); metrics are reported as mean and 95 % interval")
+    pacing_gain: float = Field(
+        3.0, ge=0, description="the budget-pacing baseline's gain (models.baselines.BudgetPacing), tuned on the "
+                               "training windows (tools/tune_pacing.py)")
     oracle: OracleConfig = OracleConfig()
     cache_aware: CacheAwareConfig = CacheAwareConfig()
     session_sticky: SessionStickyConfig = SessionStickyConfig()
@@ -237,3 +252,76 @@ class ModelsConfig(Strict):
     nominal_context_tokens: int = Field(2048, ge=1, description="KV tokens one request slot reserves")
     min_context_tokens: int = Field(1024, ge=1, description="a replica must hold at least this many KV tokens")
     models: dict[str, ModelSpec]
+
+
+#: the keys a policy YAML file may hold (``xroute.schema.policy_ir.PolicySet``, less its store version)
+POLICY_FILE_KEYS = ("region_sets", "slo_tiers", "prefer_mode", "policies")
+
+
+def policy_files(path: str | Path) -> list[Path]:
+    """The policy YAML files ``path`` names: a file, or every ``*.yaml``/``*.yml`` of a directory
+    (sorted); a relative path that is not there is the shipped one (``configs/policies``,
+    ``configs/policies/<name>``, or ``<name>`` of that directory)."""
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_absolute():  # a shipped one: NAME, policies/NAME, configs/policies[/NAME]
+        parts = p.parts[1:] if p.parts[:1] == ("configs",) else p.parts
+        parts = parts[1:] if parts[:1] == ("policies",) else parts
+        shipped = CONFIG_DIR.joinpath("policies", *parts)
+        p = shipped if shipped.exists() else p
+    if p.is_dir():
+        files = sorted([*p.glob("*.yaml"), *p.glob("*.yml")])
+        if not files:
+            raise ConfigError(f"{p}: no policy files (*.yaml) in the directory")
+        return files
+    if not p.is_file():
+        raise ConfigError(f"{p}: policy file or directory not found")
+    return [p]
+
+
+def load_policies(*paths: str | Path) -> PolicySet:
+    """One :class:`PolicySet` from policy YAML files and directories (``policy_files``): each
+    file may hold ``region_sets``, ``slo_tiers``, ``prefer_mode`` and ``policies``; every name is
+    defined once across the files (a second definition is an error naming both files). Errors
+    name the file and the field."""
+    docs = [(f, read_yaml(f)) for path in paths for f in policy_files(path)]
+    merged: dict[str, Any] = {"region_sets": {}, "slo_tiers": {}, "policies": []}
+    where: dict[str, str] = {}
+    mode: tuple[str, str] | None = None
+    for f, data in docs:
+        unknown = sorted(set(data) - set(POLICY_FILE_KEYS))
+        if unknown:
+            raise ConfigError(f"{f}: field '{unknown[0]}': unknown key (a policy file holds "
+                              f"{', '.join(POLICY_FILE_KEYS)})")
+        for kind in ("region_sets", "slo_tiers"):
+            section = data.get(kind) or {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"{f}: field '{kind}': must be a mapping of names to definitions")
+            for name, value in section.items():
+                if f"{kind}.{name}" in where:
+                    raise ConfigError(f"{f}: field '{kind}.{name}': already defined in {where[f'{kind}.{name}']}")
+                merged[kind][name] = value
+                where[f"{kind}.{name}"] = str(f)
+        if "prefer_mode" in data:
+            if mode is not None and mode[0] != data["prefer_mode"]:
+                raise ConfigError(f"{f}: field 'prefer_mode': '{data['prefer_mode']}' here, '{mode[0]}' in {mode[1]}")
+            mode = (str(data["prefer_mode"]), str(f))
+    for f, data in docs:
+        try:  # each file with every file's named sets, so an error names the file and the field in it
+            PolicySet.model_validate({**data, "region_sets": merged["region_sets"], "slo_tiers": merged["slo_tiers"]})
+        except ValidationError as e:
+            raise ConfigError(f"{f}: {policy_set_error(e)}") from None
+        except ConstraintError as e:
+            raise ConfigError(f"{f}: {e}") from None
+        for i, p in enumerate(data.get("policies") or []):
+            name = p.get("name")
+            if f"policy.{name}" in where:
+                raise ConfigError(f"{f}: field 'policies[{i}].name': policy '{name}' is already defined in "
+                                  f"{where[f'policy.{name}']}")
+            where[f"policy.{name}"] = str(f)
+            merged["policies"].append(p)
+    if mode is not None:
+        merged["prefer_mode"] = mode[0]
+    try:
+        return PolicySet.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(f"{', '.join(map(str, paths))}: {policy_set_error(e)}") from None

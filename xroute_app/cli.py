@@ -11,6 +11,7 @@ import typer
 from cloud_adapters.cli import telemetry_app
 from models.cli import promote, train
 from router.cli import export_feedback, export_ope, serve
+from router.policy_cli import policies_app
 from xroute.errors import ConfigError, XrouteError
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def _ts(value: str | None, option: str) -> str | None:
 def evaluate(
     policy: Annotated[list[str], typer.Option("--policy", "-p", help="policy name (repeatable): static, "
                                               "static:OFFERING_ID, cheapest, lowest-latency, least-loaded, greedy, "
-                                              "cache-aware, session-sticky, round-robin, random, oracle, "
+                                              "budget-pacing, cache-aware, session-sticky, round-robin, random, oracle, "
                                               "models:/NAME@ALIAS or a model path")],
     telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the shipped bundle)")] = None,
     start: Annotated[str | None, typer.Option(help="first request time (ISO-8601, inclusive)")] = None,
@@ -62,6 +63,10 @@ def evaluate(
     config: Annotated[Path | None, typer.Option(help="evaluate config YAML (default configs/evaluate.yaml)")] = None,
     seed: Annotated[int | None, typer.Option(help="first seed (default from config)")] = None,
     quiet: Annotated[bool, typer.Option(help="no progress")] = False,
+    policies: Annotated[Path | None, typer.Option(help="routing policies (docs/policies.md): a policy YAML file or "
+                                                  "directory; every policy is evaluated under them and the report "
+                                                  "counts what each excluded (default: the config's env.policies)")
+                        ] = None,
     versus: Annotated[str | None, typer.Option(help="take the paired differences to this policy (one of --policy, "
                                                "e.g. greedy) rather than to the best baseline")] = None,
 ) -> None:
@@ -78,7 +83,12 @@ def evaluate(
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
     cfg = _evaluate_config(config)
-    upd: dict[str, object] = {"env": cfg.env.model_copy(update={"rate_scale": rate_scale, "episode_requests": None})}
+    env_upd: dict[str, object] = {"rate_scale": rate_scale, "episode_requests": None}
+    if policies is not None:
+        from xroute.config import load_policies
+
+        env_upd["policies"] = load_policies(policies)
+    upd: dict[str, object] = {"env": cfg.env.model_copy(update=env_upd)}
     if seed is not None:
         upd["seed"] = seed
     if seeds is not None:
@@ -223,6 +233,8 @@ app.command(name="export-feedback")(export_feedback)
 app.command(name="export-ope")(export_ope)
 app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision log (docs/ope.md).")
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
+app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
+                                                  "(docs/policies.md).")
 
 
 def main() -> None:

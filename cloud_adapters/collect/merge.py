@@ -145,11 +145,15 @@ def merge(existing: dict[str, pd.DataFrame], regions: list[RegionResult], rtt_ro
         added["availability"] = len(out["availability"]) - (len(a_old) if a_old is not None else 0)
 
     q_rows = [{"ts": q.ts, "provider": q.provider, "region": q.region, "quota_name": q.quota_name, "unit": q.unit,
-               "limit": q.limit, "usage": q.usage} for rr in regions for q in rr.quotas]
+               "limit": q.limit, "usage": q.usage, "covers": ";".join(q.covers) or None}
+              for rr in regions for q in rr.quotas]
     q_old = existing.get("quotas")
     if q_rows or q_old is not None:
-        out["quotas"] = _append_steps(q_old, _frame(q_rows, QUOTAS), ["provider", "region", "quota_name"],
-                                      ["unit", "limit", "usage"])
+        q_new = _frame(q_rows, QUOTAS)
+        if q_old is not None and "covers" not in q_old.columns:  # (a bundle collected before the column)
+            q_old = q_old.assign(covers=None)
+        out["quotas"] = _append_steps(q_old, q_new, ["provider", "region", "quota_name"],
+                                      ["unit", "limit", "usage", "covers"])
         added["quotas"] = len(out["quotas"]) - (len(q_old) if q_old is not None else 0)
 
     u_rows = [{"ts": u.ts, "offering_id": u.offering_id, "gpu_util": u.gpu_util, "cpu_util": u.cpu_util}

@@ -39,7 +39,7 @@ from router.gateway.transcripts import TranscriptStore
 from router.gateway.upstream import Guard, Upstreams, upstream_pools, watch_disconnect
 from router.logs import LOG, request_id_var
 from router.metrics import LoopCounter, LoopHistogram
-from router.routes.feedback import close_the_loop, feedback_row
+from router.routes.feedback import close_the_loop, feedback_row, settle_quota
 from router.routes.route import release, route_decision
 from router.store import DecisionRef, StoreClosed
 from xroute.errors import ConfigError
@@ -315,9 +315,10 @@ class Gateway:
             answer = json.loads(payload)
             offering_id = answer["offering"]["offering_id"]
             tried.append(offering_id)
+            quota = scope_state.get("quota")  # (what the tenant's quotas reserved: settled with the feedback)
             ref = DecisionRef(who.tenant, call.model, svc.engine.pool_key_of(offering_id, call.model), 0,
                               body.input_tokens, body.max_output_tokens, body.ttft_ms, body.tpot_ms, body.deadline_ms,
-                              float(answer["expected_cost_usd"]))
+                              float(answer["expected_cost_usd"]), *(quota if quota is not None else (None, None)))
             att = Attempt(len(tried), answer["decision_id"], offering_id, ref)
             ep = self.upstreams.pick(call.model, offering_id)
             ok = False
@@ -422,6 +423,7 @@ class Gateway:
         try:
             if o.client_fault:
                 await release(svc, att.decision_id)
+                await settle_quota(svc, fb, att.ref)  # (what it used of its tenant's quotas until the client left)
             else:
                 reward, missed = svc.engine.feedback_reward(att.ref, fb)
                 await close_the_loop(svc, fb, att.ref)

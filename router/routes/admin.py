@@ -32,6 +32,7 @@ async def status(caller: AdminDep) -> dict[str, object]:
         "decision_log": st.describe(),
         "state": await state_status(svc.state),
         "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,  # type: ignore[attr-defined]
+        "routing_policies": svc.policies.describe() if svc.policies is not None else None,
     }
 
 

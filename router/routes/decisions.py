@@ -13,7 +13,7 @@ from xroute.schema.decision import DecisionRecord, ErrorResponse
 router = APIRouter(prefix="/v1", tags=["decisions"])
 
 DecisionId = Annotated[str, PathParam(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
-_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "description": "no such decision "
+_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse, "description": "no such decision "
                                                                                       "(for this tenant)"}}
 
 

@@ -7,6 +7,7 @@ output-length estimator."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -29,14 +30,16 @@ from router.routes.route import (
     replayed,
     settle,
 )
+from router.state import EmbeddedState
 from router.store import CommitInDoubt, DecisionRef
 from xroute.schema.decision import ErrorResponse, FeedbackRequest, FeedbackResponse
+from xroute.schema.quota import settled_amounts
 
 router = APIRouter(prefix="/v1", tags=["feedback"])
 
 
 @router.post("/feedback", response_model=FeedbackResponse, status_code=201,
-             responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
+             responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse},  # type: ignore[dict-item]
                         409: {"model": ErrorResponse},
                         422: {"model": ErrorResponse, "description": "the body is not JSON (not UTF-8, does not "
                               "parse, or sent without a JSON content type: `fields` names `body`), a field is "
@@ -97,6 +100,18 @@ def feedback_row(body: FeedbackRequest, tenant: str, received_at: float, key: st
             body.error, body.ttft_ms, key, reward, None if missed is None else int(missed), *measured)
 
 
+async def settle_quota(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> None:
+    """Reconcile the decision's tenant quota reservation with what ``body`` reports
+    (``xroute.schema.quota.settled_amounts``), when one applied; logged, not raised, when the state
+    cannot be reached (it then counts what was reserved)."""
+    if ref.quota_tokens is None or ref.quota_usd is None:
+        return
+    tokens, usd = settled_amounts(ref.quota_tokens, ref.quota_usd, ref.input_tokens, body.output_tokens,
+                                  body.cost_usd, body.failed)
+    await best_effort(svc.state, "quota_settle", (body.decision_id, tokens, usd), "quota not reconciled with the "
+                      "feedback (it counts what was reserved)", decision=body.decision_id)
+
+
 def settle_feedback(svc: Any, key: str, digest: bytes, body: FeedbackRequest, ref: DecisionRef, at: float) -> None:
     """A keyed feedback whose commit is in doubt: found in the log (by its key, received at ``at``),
     the key gets the answer the client missed and the loop closes; else the key is dropped."""
@@ -126,11 +141,21 @@ async def close_the_loop(svc: Any, body: FeedbackRequest, ref: DecisionRef) -> N
     the shared state), fold the outcome into its pool's statistics (the decision's first feedback
     only, so a repeated report does not count twice), and teach the output-length estimator. The
     feedback is stored whatever happens here: an unreachable shared state leaves the reservation
-    to its hold and the statistics without this outcome (logged)."""
+    to its hold and the statistics without this outcome (logged). The decision's tenant quota
+    reservation (when one applied) is reconciled with what the feedback reports
+    (``xroute.schema.quota.settled_amounts``): its concurrency slot is freed, its tokens and USD
+    become the real ones."""
     await release(svc, body.decision_id)
     if ref.feedback == 0:
-        await best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
-                          "outcome not added to the pool's statistics", pool=ref.pool)
+        calls = [best_effort(svc.state, "observe", (ref.pool, body.ttft_ms, body.latency_ms, body.failed),
+                             "outcome not added to the pool's statistics", pool=ref.pool)]
+        if ref.quota_tokens is not None and ref.quota_usd is not None:  # its tenant's quotas: what it really used
+            calls.append(settle_quota(svc, body, ref))
+        if len(calls) > 1 and not isinstance(svc.state, EmbeddedState):  # (a server: one round trip for both)
+            await asyncio.gather(*calls)
+        else:
+            for call in calls:
+                await call
     if body.cached_tokens is not None:  # the server's cached prefix corrects the pool's prefix affinity
         await best_effort(svc.state, "prefix_feedback", (body.decision_id, body.cached_tokens,
                                                          svc.settings.prefix_retention_alpha),

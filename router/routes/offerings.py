@@ -13,7 +13,7 @@ from xroute.schema.decision import ErrorResponse, OfferingsResponse
 router = APIRouter(prefix="/v1", tags=["offerings"])
 
 
-@router.get("/offerings", response_model=OfferingsResponse, responses={401: {"model": ErrorResponse}},  # type: ignore[dict-item]
+@router.get("/offerings", response_model=OfferingsResponse, responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}},  # type: ignore[dict-item]
             summary="Current state of every offering, and the known origins")
 async def offerings(caller: CallerDep) -> dict[str, object]:
     try:

@@ -30,23 +30,31 @@ from router.deps import authenticate
 from router.engine import RouteFailure
 from router.errors import NOT_JSON, is_json, not_utf8
 from router.logs import LOG, new_sorted_id
+from router.quota_ledger import QuotaVerdict
 from router.state import EmbeddedState, RouterState
 from router.store import CommitInDoubt, StoreClosed
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
+from xroute.schema.quota import TooManyRequests
 
 router = APIRouter(prefix="/v1", tags=["route"])
 
 _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API key"},
+           403: {"model": ErrorResponse, "description": "unknown_tenant: the key's tenant is not declared on this "
+                 "router (docs/policies.md)"},
            413: {"model": ErrorResponse, "description": "request body too large"},
            422: {"model": ErrorResponse, "description": "the body is not JSON (not UTF-8, does not parse, or sent "
                  "without a JSON content type: `fields` names `body`), a field is invalid (named in `fields`), an unknown "
                  "origin (with close matches), `invalid_constraints`: a constraint names a value the served catalog "
                  "lacks (close matches in `suggestions`; `GET /v1/offerings` lists the catalog), `no_offering`: "
-                 "constraints that exclude every offering, `idempotency_key_reused`: the key came with another body, "
-                 "`invalid_prefix`: more prefix_hashes than the prompt has blocks"},
+                 "the constraints and routing policies together exclude every offering, `idempotency_key_reused`: the key "
+                 "came with another body, `invalid_prefix`: more prefix_hashes than the prompt has blocks, "
+                 "`quota_too_small`: input + max_output_tokens alone is over the tenant's tokens_per_minute"},
            409: {"model": ErrorResponse, "description": "a request with the same Idempotency-Key is being decided"},
-           429: {"model": ErrorResponse, "description": "no allowed offering can take the request now "
-                 "(spot pools down, queues full, pools at their capacity in the shared state); see Retry-After"},
+           429: {"model": TooManyRequests, "description": "`quota_exceeded`: the tenant is over one of its quotas "
+                 "(`limit` names it: max_concurrent, tokens_per_minute, requests_per_day or usd_per_day, for the "
+                 "tenant or for the model; docs/quotas.md), or `no_capacity`: no allowed offering can take the request "
+                 "now (spot pools down, queues full, pools at their capacity in the shared state, offerings at their "
+                 "cloud quota; `excluded` says why); see Retry-After"},
            503: {"model": ErrorResponse, "description": "`unavailable`: the decision log cannot record decisions; "
                  "`state_unavailable`: the shared state cannot be reached; `state_restoring`: it came back empty and "
                  "an Idempotency-Key it does not hold yet is not decided anew until the decision logs are back in it; "
@@ -71,11 +79,15 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     With an ``Idempotency-Key`` (``idempotency``), the key is claimed first: a key already
     answered returns that answer's bytes and books nothing (a different body under the same key is
     a 422), a key being decided by another request is a 409. The ranked offerings are reserved in
-    the shared state (the first with room; none: 429); a failure after that -- the log cannot
-    record (503), an unexpected error, the request cancelled -- releases the reservation and the
-    key, so a retry decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
+    the shared state (the first with room; none: 429) and the tenant's quotas, with the expected
+    cost of the policy's choice (``RouterState.quota_reserve``; over a limit: 429
+    ``quota_exceeded``, and the pool's reservation is given back) -- on a shared server in one round
+    trip; a failure after that -- the log cannot record (503),
+    an unexpected error, the request cancelled -- releases the reservations and the key, so a retry
+    decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
     ``RoutingEngine.rank``, the shared state and the decision log raise (``router.errors``
-    renders them)."""
+    renders them). ``state`` also gets ``quota``: the tokens and USD the tenant's quotas reserved
+    for the decision (None: no quota applied)."""
     t0 = time.perf_counter()
     decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
@@ -91,6 +103,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
             state["decision_id"] = payload[16:50].decode("ascii", "replace")  # '{"decision_id":"d_<32 hex>"'
             return payload
     reserved = False
+    quota = None
     try:
         affinity = hashes = None
         if engine.wants_affinity(body):  # the shared prefix index: where these blocks and this session went
@@ -101,18 +114,47 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         r = engine.rank(body, who, decision_id, time.time(), request_json, key, affinity, hashes)
         hold = engine.hold_s(r)
         cands = engine.candidates(r)
+        # the tenant's quotas, with the expected cost of the policy's choice: checked and counted at
+        # once in the shared state -- on a server, in the same round trip as the pool's reservation
+        charge = engine.quota_charge(r)
+        pool: str | None
+        verdict: QuotaVerdict | None = None
         if isinstance(shared, EmbeddedState):  # in process: no await between ranking and admitting
             pool = shared.reserve_now(cands, decision_id, hold)
-            if pool is not None and r.prefix is not None:
+            if charge is not None and pool is not None:
+                verdict = shared.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
+            if pool is not None and r.prefix is not None and (verdict is None or verdict.ok):
                 shared.prefix_record_now(decision_id, pool, r.prefix)
-        elif r.prefix is not None:  # the reservation and the prefix's record in one round trip
+        elif charge is None and r.prefix is not None:  # the reservation and the prefix's record in one round trip
             pool = await shared.reserve_recording(cands, decision_id, hold, r.prefix)
-        else:
+        elif charge is None:
             pool = await shared.reserve(cands, decision_id, hold)
+        else:
+            got_pool, got_quota = await shared.reserve_with_quota(cands, decision_id, hold, *charge)
+            if isinstance(got_quota, QuotaVerdict) and got_quota.ok:
+                quota = (charge[1], charge[2])  # (given back below if the pool's reservation failed)
+            if isinstance(got_pool, str):
+                reserved = True
+            for e in (got_pool, got_quota):
+                if isinstance(e, BaseException):
+                    raise e
+            assert not isinstance(got_pool, BaseException) and isinstance(got_quota, QuotaVerdict)
+            pool, verdict = got_pool, got_quota
+            if pool is not None and r.prefix is not None and verdict.ok:  # (the affinity is a hint: best effort)
+                await best_effort(shared, "prefix_record", (decision_id, pool, r.prefix), "prefix affinity not "
+                                  "recorded", decision=decision_id)
         if pool is None:
             raise engine.shared_full(r)
         reserved = True
-        payload, row, offering_id, pinfo = engine.admit(r, engine.candidate_of(r, pool), hold, key)
+        if verdict is not None and charge is not None:
+            if not verdict.ok:
+                raise engine.quota_exceeded(charge[0], verdict)
+            quota = (charge[1], charge[2])
+            if not isinstance(shared, EmbeddedState):
+                engine.quota_view.add_own(charge[0], charge[1], charge[2])
+        k = engine.candidate_of(r, pool)
+        state["quota"] = quota  # (what the tenant's quotas reserved: the gateway's feedback settles it)
+        payload, row, offering_id, pinfo = engine.admit(r, k, hold, key, quota)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if durable is None:
             await svc.store.record_decision(row)
@@ -129,6 +171,9 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     except BaseException:
         if reserved:
             await release(svc, decision_id)
+        if quota is not None:
+            await best_effort(shared, "quota_release", (decision_id,), "quota reservation not released (its "
+                              "concurrency slot frees when its hold passes)", reservation=decision_id)
         if key is not None:
             await abandon(shared, key)
         raise

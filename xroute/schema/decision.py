@@ -111,8 +111,12 @@ class RouteRequest(_Strict):
                     "prefix_block_tokens) of them; xroute.schema.decision.prefix_block_hashes computes them "
                     "(docs/router.md). The router sends the request where these blocks are expected cached when "
                     "that is worth it against load, cost and the SLO")
+    request_class: Id | None = Field(
+        None, description="the request's class (e.g. an SLO tier) for the routing policies' targets; absent = the "
+                          "first slo_tiers entry of the policy set its SLO falls in (docs/policies.md)")
     constraints: Constraints | None = Field(
-        None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints")
+        None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints and the routing "
+                          "policies: a request's constraints can only narrow what they allow")
 
 
 class OfferingRef(BaseModel):
@@ -146,8 +150,18 @@ class PolicyInfo(BaseModel):
 class Exclusions(BaseModel):
     total: int = Field(description="offerings not eligible for this request")
     by_reason: dict[str, int] = Field(
-        description="count per reason: '<tenant|request>:not_allowed' / ':denied' (constraints), "
-                    "'not_preferred', 'unavailable' (spot pool down), 'queue_full', 'no_capacity', 'no_price'")
+        description="count per reason: '<tenant|request>:not_allowed' / ':denied' (constraints), 'policy:<name>' "
+                    "(the routing policy that excluded them: docs/policies.md), 'not_preferred', 'unavailable' (spot "
+                    "pool down), 'queue_full', 'no_capacity', 'no_price'")
+
+
+class PoliciesApplied(BaseModel):
+    """The routing policies of the decision (``docs/policies.md``)."""
+
+    version: int = Field(description="the policy set's version the decision saw (0: none stored)")
+    request_class: str | None = Field(description="the request's class: its request_class, else its SLO tier")
+    biased: dict[str, int] = Field(
+        description="per prefer policy, how many allowed offerings it raised (its weight is in their scores)")
 
 
 class TelemetryInfo(BaseModel):
@@ -173,6 +187,8 @@ class RouteResponse(BaseModel):
     alternatives: list[Alternative]
     policy: PolicyInfo
     excluded: Exclusions
+    policies: PoliciesApplied | None = Field(None, description="the routing policies applied (absent in answers "
+                                                                "logged before they existed)")
     telemetry: TelemetryInfo
 
 

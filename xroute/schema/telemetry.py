@@ -147,6 +147,8 @@ WORKLOAD = Table(
         Column("session_id", "str", required=False,
                doc="requests of one conversation or agent session, when known (what the client sends)"),
         Column("tenant", "str", required=False),
+        Column("request_class", "str", required=False,
+               doc="the request's class as the client names it (e.g. an SLO tier); policies may target it"),
         Column("prefix_hashes", "ints", required=False,
                doc="the prompt's KV-cache block hashes, one signed 64-bit id per block of "
                "BundleMeta.prefix_block_tokens tokens, in prompt order (the last block may be partial): "
@@ -191,6 +193,10 @@ QUOTAS = Table(
         Column("unit", "str", doc="vcpus | gpus | instances"),
         Column("limit", "float", minimum=0.0),
         Column("usage", "float", required=False, minimum=0.0),
+        Column("covers", "str", required=False,
+               doc="the offerings whose instances count against it: ';'-separated offering_id patterns with * "
+               "and ? wildcards (written by the adapter that collected it); empty: not known, the quota masks "
+               "nothing"),
     ),
 )
 

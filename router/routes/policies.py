@@ -1,0 +1,179 @@
+"""The routing policies over HTTP (``docs/policies.md``): the admin API to list, read, create,
+update and delete them, the audit log's read API, and ``POST /v1/explain`` -- why each offering is
+or is not eligible for a request.
+
+Every change goes through the one schema (``xroute.schema.policy_ir.Policy``), is checked against
+this router's catalog (a value it lacks is a 422 naming the field, with close matches), is
+committed to the policy store with its audit entry (``router.policy_store``) before it is
+answered, and is installed here at once (the other routers within ``policy_poll_s``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse
+
+from router.deps import AdminDep, Caller, CallerDep
+from router.engine import RouteFailure
+from router.logs import request_id_var
+from router.policy_store import PolicyChangeError, PolicyStoreError, create_policy, delete_policy, put_policy
+from xroute.schema.decision import ErrorResponse, RouteRequest
+from xroute.schema.policy_ir import ConstraintError, Policy, PolicyBody, PolicySet, policy_set_error
+
+router = APIRouter(prefix="/v1/admin", tags=["policies"],
+                   responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},  # type: ignore[dict-item]
+                              413: {"model": ErrorResponse, "description": "request body too large"},
+                              503: {"model": ErrorResponse, "description": "the policy store cannot be reached"}})
+explain_router = APIRouter(prefix="/v1", tags=["policies"])
+
+PolicyName = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+_CHANGE_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorResponse, "description": "no such policy"},
+    409: {"model": ErrorResponse, "description": "the policy exists already (create), or the version given is not "
+                                                 "the current one"},
+    422: {"model": ErrorResponse, "description": "a field is invalid, or names a value the catalog lacks (close "
+                                                 "matches in suggestions)"}}
+
+
+def principal(caller: Caller) -> str:
+    """Who makes a change, as the audit log records it: the API key's id (never the key)."""
+    return f"key:{caller.who.key_id}"
+
+
+def _sync(caller: Caller) -> Any:
+    sync = caller.svc.policies
+    if sync is None:
+        raise RouteFailure(503, "unavailable", "the policy store is not open")
+    return sync
+
+
+def _check(caller: Caller, policy: Policy) -> None:
+    """``policy`` against the current set's named sets and this router's catalog: a 422 naming the
+    body's field (``body.constraints.regions[0]``) with close matches."""
+    engine = caller.svc.engine
+    current = engine.policies.set
+    try:
+        ps = PolicySet(region_sets=current.region_sets, slo_tiers=current.slo_tiers, policies=[policy])
+        engine.check_policies(ps)
+    except ConstraintError as e:
+        raise _invalid(e.field, e.problem, e.suggestions) from None
+    except ValueError as e:  # (pydantic's ValidationError: a region set the store does not define)
+        err = policy_set_error(e)
+        raise _invalid(err.field, err.problem) from None
+
+
+def _invalid(field: str, problem: str, suggestions: list[str] | None = None) -> RouteFailure:
+    field = field.removeprefix("policies[0]").removeprefix(".")
+    return RouteFailure(422, "invalid_policy", f"field 'body.{field}': {problem}",
+                        [{"field": f"body.{field}" if field else "body", "message": problem,
+                          "suggestions": suggestions or []}])
+
+
+async def _write(caller: Caller, mutation: Any) -> PolicySet:
+    try:
+        return await _sync(caller).write(principal(caller), mutation, request_id_var.get())  # type: ignore[no-any-return]
+    except PolicyChangeError as e:
+        field = e.field if not e.field.startswith("policies[") else e.field.split(".", 1)[-1]
+        raise RouteFailure(e.status, e.error, e.message,
+                           [{"field": f"body.{field}" if field else "body", "message": e.message, "suggestions": []}]
+                           ) from None
+    except PolicyStoreError as e:
+        raise RouteFailure(503, "unavailable", f"the policy store cannot be written ({e}); nothing was changed",
+                           headers={"Retry-After": "5"}) from None
+
+
+def _set_json(ps: PolicySet) -> dict[str, Any]:
+    return ps.model_dump(mode="json", exclude_none=True)
+
+
+@router.get("/policies", summary="The routing policy set in force (admin)")
+async def list_policies(caller: AdminDep) -> dict[str, Any]:
+    """The set this router decides with: its version, named region sets, SLO tiers, prefer mode
+    and policies (each with its own version)."""
+    return _set_json(caller.svc.engine.policies.set)
+
+
+@router.get("/policies/{name}", responses=_CHANGE_ERRORS, summary="One routing policy (admin)")
+async def get_policy(name: PolicyName, caller: AdminDep) -> dict[str, Any]:
+    p = caller.svc.engine.policies.set.policy(name)
+    if p is None:
+        raise RouteFailure(404, "not_found", f"no policy named '{name}'")
+    return p.model_dump(mode="json", exclude_none=True)
+
+
+@router.post("/policies", status_code=201, responses=_CHANGE_ERRORS, summary="Create a routing policy (admin)")
+async def create(body: Policy, caller: AdminDep) -> dict[str, Any]:
+    """201 with the policy at version 1 and the set's new version; 409 if the name exists."""
+    _check(caller, body)
+    ps = await _write(caller, create_policy(body))
+    return {"policy": _policy_out(ps, body.name), "set_version": ps.version}
+
+
+@router.put("/policies/{name}", responses={**_CHANGE_ERRORS, 201: {"description": "created"}},
+            summary="Create or update a routing policy (admin)")
+async def update(name: PolicyName, body: PolicyBody, caller: AdminDep) -> JSONResponse:
+    """The body is the whole policy but its name (the path's). With ``version``, the update
+    applies only if it is the policy's current version (else 409: read it again); an unchanged
+    policy is not a new version."""
+    policy = body.named(name)
+    _check(caller, policy)
+    existed = caller.svc.engine.policies.set.policy(name) is not None
+    ps = await _write(caller, put_policy(policy))
+    return JSONResponse({"policy": _policy_out(ps, name), "set_version": ps.version}, status_code=200 if existed else 201)
+
+
+@router.delete("/policies/{name}", responses=_CHANGE_ERRORS, summary="Delete a routing policy (admin)")
+async def delete(name: PolicyName, caller: AdminDep,
+                 version: Annotated[int | None, Query(ge=1, description="delete only if this is the current "
+                                                                        "version (else 409)")] = None
+                 ) -> dict[str, Any]:
+    ps = await _write(caller, delete_policy(name, version))
+    return {"deleted": name, "set_version": ps.version}
+
+
+def _policy_out(ps: PolicySet, name: str) -> dict[str, Any] | None:
+    p = ps.policy(name)
+    return None if p is None else p.model_dump(mode="json", exclude_none=True)
+
+
+@router.get("/audit", summary="The audit log: who changed what, before and after, when (admin)")
+async def read_audit(
+    caller: AdminDep,
+    kind: Annotated[str | None, Query(max_length=64, description="only this kind: policy, policy_set, policy_files")] = None,
+    resource: Annotated[str | None, Query(max_length=200, description="only this resource (a policy's name)")] = None,
+    after: Annotated[int, Query(ge=0, description="entries after this audit_id (paging)")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> dict[str, Any]:
+    """Entries oldest first; page with ``after`` = the last ``audit_id`` seen (``next_after``)."""
+    import asyncio
+
+    sync = _sync(caller)
+    try:
+        entries = await asyncio.to_thread(sync.store.audit, kind, resource, after, limit)
+    except PolicyStoreError as e:
+        raise RouteFailure(503, "unavailable", f"the audit log cannot be read ({e})",
+                           headers={"Retry-After": "5"}) from None
+    return {"entries": entries, "next_after": entries[-1]["audit_id"] if entries else after}
+
+
+@explain_router.post("/explain", responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},  # type: ignore[dict-item]
+                                            413: {"model": ErrorResponse, "description": "request body too large"},
+                                            422: {"model": ErrorResponse}},
+                     summary="Why each offering is or is not eligible for a request")
+async def explain(body: RouteRequest, caller: CallerDep,
+                  tenant: Annotated[str | None, Query(max_length=64, description="admin keys: explain for this "
+                                                                                  "tenant (default: the key's)")] = None,
+                  ) -> dict[str, Any]:
+    """The request as ``POST /v1/route`` would take it -- nothing is decided, reserved or logged:
+    for every offering, whether it is eligible now and, if not, the first reason (the tenant's or
+    the request's constraints, the routing policy that excluded it, or the pool's state), its
+    policy bias and the prefer policies that gave it, and the numbers the policies read."""
+    who = caller.who.tenant
+    if tenant is not None and tenant != who:
+        if not caller.who.is_admin:
+            raise RouteFailure(403, "forbidden", "only an admin key may explain for another tenant")
+        who = tenant
+    return caller.svc.engine.explain(body, who, time.time())
