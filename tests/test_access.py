@@ -447,3 +447,22 @@ def test_routers_on_one_postgres_database_share_tenants_roles_and_the_audit(post
             conn.execute("UPDATE audit_log SET principal = 'someone else' WHERE kind = 'tenant'")
         heads = conn.execute("SELECT MAX(version) FROM access_versions").fetchone()
         assert heads is not None and heads[0] == 3
+
+
+def test_the_keys_command_gives_a_key_any_role_and_refuses_a_bad_one(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    kf = tmp_path / "keys.json"
+    run = [sys.executable, "-m", "router.keys"]
+    out = subprocess.run([*run, "add", "--tenant", "ops", "--role", "auditor", "--keys-file", str(kf)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("xr_"), out.stderr
+    assert json.loads(kf.read_text())["keys"][0]["role"] == "auditor"
+    listed = subprocess.run([*run, "list", "--keys-file", str(kf)], capture_output=True, text=True, timeout=60)
+    assert "auditor" in listed.stdout and out.stdout.strip() not in listed.stdout
+    bad = subprocess.run([*run, "add", "--tenant", "ops", "--role", "no role", "--keys-file", str(kf)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--role: 'no role'" in bad.stderr, bad.stderr
+    assert len(json.loads(kf.read_text())["keys"]) == 1

@@ -33,6 +33,7 @@ async def status(caller: ReadStatus) -> dict[str, object]:
         "state": await state_status(svc.state),
         "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,  # type: ignore[attr-defined]
         "routing_policies": svc.policies.describe() if svc.policies is not None else None,
+        "access": svc.access.describe() if svc.access is not None else None,
     }
 
 
