@@ -100,6 +100,30 @@ def test_admin_permissions_match_the_reference_grammar(verb: str, kind: str, pat
     assert compile_grant(pattern).matches(resource) == reference(pattern, resource), (pattern, resource)
 
 
+REFS = [{"region": reg, "location": f"{prov}:{reg}"} for prov, reg in (
+    ("aws", "eu-west-1"), ("aws", "us-east-1"), ("gcp", "europe-west4"), ("gcp", "us-east-1"), ("azure", "japaneast"),
+    ("azure", "westeurope"))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(grants=st.lists(st.tuples(MODEL_PAT, REGION_PAT, st.booleans()), max_size=4),
+       model=st.sampled_from(["llama3-8b", "mistral-7b", "other"]), role=st.sampled_from(["tenant", "custom", "admin"]))
+def test_a_callers_offering_mask_is_the_union_of_its_grants(grants: list[tuple[str, str, bool]], model: str,
+                                                           role: str) -> None:
+    from router.access import AccessControl
+    from router.keys import Principal
+
+    patterns = [f"model:inference:{m}:*" if tail else f"model:inference:{m}:{r}" for m, r, tail in grants]
+    acc = AccessControl({"custom": Role(grants=patterns)}, {}, REFS)
+    who = Principal("t", role, "0000abcd")
+    mask = acc.inference_mask(who, model)
+    own = {"tenant": ["model:inference:*"], "admin": ["*"], "custom": patterns}[role]
+    want = [any(reference(p, f"model:inference:{model}:{o['region']}", o["location"]) for p in own) for o in REFS]
+    got = [True] * len(REFS) if mask is None else mask.tolist()
+    assert got == want, (own, model)
+    assert acc.permissions(who).can_infer == (role != "custom" or bool(patterns))
+
+
 def test_the_wildcards_never_cross_a_segment() -> None:
     g = compile_grant("model:inference:llama3-*:eu-*")
     assert g.matches("model:inference:llama3-8b:eu-west-1")
@@ -407,6 +431,12 @@ def _changes_reach_the_other_router(urls: list[str], setup: RouterSetup, c_key: 
             ("tenant", "create", "c"), ("role", "create", "readers"), ("role_binding", "create", "tenant:c")]
         assert entries[0]["after"]["quotas"]["requests_per_day"] == 2
         assert all(e["principal"] == f"key:{key_id(setup.keys['admin'])}" and e["request_id"] for e in entries)
+        # the dry run reads the shared log: both routers' decisions, judged the same on either
+        made = [http.post(f"{u}/v1/route", json=ROUTE, headers=setup.auth("a")).status_code for u in (a, b, a)]
+        assert made == [200, 200, 200]
+        outs = [http.post(f"{u}/v1/admin/policies/dry-run", json={"put": [{"name": "all", "effect": "deny"}],
+                                                                   "last": 3}, headers=admin).json() for u in (a, b)]
+        assert outs[0] == outs[1] and outs[0]["proposed"]["refused"] == 3 and outs[0]["skipped"] == 0, outs
 
 
 def test_changes_on_one_router_reach_another_sharing_its_sqlite_store(tmp_path: Path) -> None:
