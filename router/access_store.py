@@ -253,6 +253,8 @@ class AccessSync(PolicySync):
         self.base = dict(base)
         self.version = -1
         self.set = AccessSet()
+        #: the tenants of the installed version this router cannot serve, with why (``_prepare``)
+        self.not_served: list[str] = []
         #: called with the new tenants after each install (the gateway's per-tenant defaults)
         self.on_install: list[Callable[[dict[str, TenantConfig]], None]] = []
 
@@ -274,14 +276,11 @@ class AccessSync(PolicySync):
             if aset.version <= self.version:
                 return False
             tenants = self.tenants(aset)
-            try:
-                prepared = await asyncio.to_thread(self.engine.prepare_tenants, tenants)
-            except Exception as e:  # written for another catalog: keep serving the last good tenants
-                LOG.warning("access store version names values this router's catalog lacks; not installed",
-                            extra={"fields": {"version": aset.version, "problem": f"{type(e).__name__}: {e}"[:300]}})
-                self.last_error = f"version {aset.version}: {type(e).__name__}: {e}"[:300]
-                self.version = aset.version
-                return False
+            prepared, bad = await asyncio.to_thread(self._prepare, tenants)
+            if bad:  # written through a router with another catalog: those tenants are not served here
+                LOG.warning("tenants naming values this router's catalog or models lack are not served here",
+                            extra={"fields": {"version": aset.version, "tenants": bad}})
+            self.not_served = bad
             access = AccessControl(aset.roles, aset.bindings, self.engine.refs, aset.version)
             if aset.version <= self.version:
                 return False
@@ -297,6 +296,23 @@ class AccessSync(PolicySync):
                     "bindings": len(aset.bindings)}})
             return True
 
+    def _prepare(self, tenants: dict[str, TenantConfig]) -> tuple[dict[str, Any], list[str]]:
+        """The tenants compiled (``RoutingEngine.prepare_tenants``); a tenant that does not compile
+        here (a constraint value or a quota's model this router lacks) is left out -- its keys are
+        refused, fail closed -- and named."""
+        try:
+            return self.engine.prepare_tenants(tenants), []
+        except Exception:
+            pass
+        bad: list[str] = []
+        for name, cfg in tenants.items():
+            try:
+                self.engine.prepare_tenants({name: cfg})
+            except Exception as e:
+                bad.append(f"{name}: {type(e).__name__}: {e}"[:200])
+        names = {b.split(":", 1)[0] for b in bad}
+        return self.engine.prepare_tenants({n: c for n, c in tenants.items() if n not in names}), bad
+
     async def write(self, principal: str, mutation: Any, request_id: str | None = None) -> Any:
         aset = await asyncio.to_thread(self.store.change, principal, mutation, request_id)
         await self.install(aset)
@@ -305,4 +321,4 @@ class AccessSync(PolicySync):
     def describe(self) -> dict[str, Any]:
         return {"store": self.store.describe(), "backend": self.store.dialect, "version": self.version,
                 "tenants": len(self.tenants()), "roles": len(self.set.roles), "bindings": len(self.set.bindings),
-                "swaps": self.swaps, "error": self.last_error, "poll_s": self.poll_s}
+                "swaps": self.swaps, "error": self.last_error, "not_served": self.not_served, "poll_s": self.poll_s}

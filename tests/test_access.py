@@ -496,3 +496,32 @@ def test_the_keys_command_gives_a_key_any_role_and_refuses_a_bad_one(tmp_path: P
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--role: 'no role'" in bad.stderr, bad.stderr
     assert len(json.loads(kf.read_text())["keys"]) == 1
+
+
+def test_a_stored_tenant_this_catalog_cannot_serve_is_refused_and_the_rest_installed(tmp_path: Path) -> None:
+    """A tenant written through a router with another catalog (a provider this one lacks) fails
+    closed here; the other tenants, the roles and the bindings of that version still apply."""
+    from router.access_store import AccessStore, put_binding, put_role, put_tenant
+    from router.settings import TenantConfig
+    from xroute.schema.access import RoleBinding
+    from xroute.schema.policy_ir import Constraints, Rule
+
+    setup = make_setup(tmp_path)
+    kf = setup.settings.keys_file
+    keys = {"far": add_key(kf, "far"), "near": add_key(kf, "near"), "reader": add_key(kf, "near")}
+    store = AccessStore(setup.settings.db_path)
+    try:
+        far = TenantConfig(constraints=Constraints(allow=[Rule(providers=["elsewhere"])]))
+        for m in (put_tenant("far", far, {}), put_tenant("near", TenantConfig(), {}),
+                  put_role("reader", Role(grants=["admin:read:*"])),
+                  put_binding(f"key:{key_id(keys['reader'])}", RoleBinding(roles=["reader"]))):
+            store.change("test", m)
+    finally:
+        store.close()
+    with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=10) as c:
+        r = c.post("/v1/route", json=ROUTE, headers=bearer(keys["far"]))
+        assert r.status_code == 403 and r.json()["error"] == "unknown_tenant", r.text
+        assert c.post("/v1/route", json=ROUTE, headers=bearer(keys["near"])).status_code == 200
+        assert c.get("/v1/admin/audit", headers=bearer(keys["reader"])).status_code == 200
+        status = c.get("/v1/admin/status", headers=setup.auth("admin")).json()["access"]
+        assert [x.split(":")[0] for x in status["not_served"]] == ["far"] and status["version"] == 4
