@@ -36,6 +36,7 @@ from router.deps import (
     WriteTenants,
 )
 from router.engine import RouteFailure
+from router.errors import BODY_NOT_JSON_422
 from router.logs import request_id_var
 from router.policy_store import PolicyChangeError, PolicyStoreError
 from router.settings import TenantConfig
@@ -58,7 +59,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "no such object"},
     409: {"model": ErrorResponse, "description": "the version given is not the current one, a built-in role, or a "
                                                  "role still bound"},
-    422: {"model": ErrorResponse, "description": "a field is invalid (named in fields)"}}
+    422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + ", or a field is invalid (named in fields; a "
+                                                 "value the catalog, the served models or the defined roles lack)"}}
 
 
 def _sync(caller: Caller) -> AccessSync:

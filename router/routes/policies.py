@@ -240,7 +240,9 @@ def _put_field(ps: PolicySet, body: DryRunBody, field: str) -> str:
     return field
 
 
-@router.post("/policies/dry-run", responses={422: {"model": ErrorResponse}},  # type: ignore[dict-item]
+@router.post("/policies/dry-run", responses={422: {"model": ErrorResponse,  # type: ignore[dict-item]
+                                                   "description": BODY_NOT_JSON_422 + ", a field is invalid, or names "
+                                                                  "a value the catalog lacks"}},
              summary="How a policy change would have changed the last N decisions (admin:read:policies and "
                      "admin:read:decisions)")
 async def dry_run_route(body: DryRunBody, caller: ReadPolicies) -> dict[str, Any]:
