@@ -35,6 +35,8 @@ from router.gateway.service import Gateway
 from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
+from router.migration import Migrator
+from router.migration_store import MigrationStore
 from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
 from router.policy_store import PolicyStore, PolicyStoreError
@@ -42,6 +44,7 @@ from router.policy_sync import PolicySync
 from router.quotas import quota_events
 from router.readiness import Readiness
 from router.routes import admin, decisions, feedback, health, offerings, quotas, route
+from router.routes import migration as migration_routes
 from router.routes import metrics as metrics_routes
 from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
@@ -49,6 +52,7 @@ from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
+from xroute.schema.migration import CloudEventEnvelope, PoolEvent
 from xroute.schema.quota import DAY_S, day_index
 
 API_VERSION = "1.0.0"
@@ -424,7 +428,9 @@ def _document_security(app: FastAPI) -> None:
             # the bodies routes read themselves (``POST /v1/route``'s and the gateway's, documented by their
             # openapi_extra)
             _, defs = models_json_schema([(RouteRequest, "validation"), (ChatBody, "validation"),
-                                          (CompletionBody, "validation")], ref_template="#/components/schemas/{model}")
+                                          (CompletionBody, "validation"), (PoolEvent, "validation"),
+                                          (CloudEventEnvelope, "validation")],
+                                         ref_template="#/components/schemas/{model}")
             for name, definition in defs.get("$defs", {}).items():
                 schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
             schema.setdefault("components", {})["securitySchemes"] = {
@@ -502,6 +508,12 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await store.close()
             policy_store.close()
             raise
+        try:  # pool events and migrations: tables on the same backend (router.migration_store)
+            migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
+        except Exception:
+            await store.close()
+            policy_store.close()
+            raise
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
@@ -522,6 +534,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
                             readiness=readiness)
         gateway = services.gateway = Gateway(services)
+        migrator = services.migrator = Migrator(services, migration_store)
+        await migrator.start()  # the active events' masks before the first decision; unfinished migrations resume
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(readiness.run(), name="readiness"),
@@ -529,7 +543,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                                      name="telemetry-refresh"),
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
                                      name="shared-view"),
-                 asyncio.create_task(policy_sync.run(), name="policy-sync")]
+                 asyncio.create_task(policy_sync.run(), name="policy-sync"),
+                 asyncio.create_task(migrator.run(), name="migrations")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
@@ -548,6 +563,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()  # its outcomes still being recorded, before the log closes
+            await migration_store.close()
             await store.close()
             await state.close()
             policy_store.close()
@@ -566,7 +582,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
-              quotas.router):
+              quotas.router, migration_routes.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

@@ -42,6 +42,8 @@ class Services:
     policies: Any = None
     #: what /readyz answers, probed in the background (router.readiness.Readiness)
     readiness: object | None = None
+    #: pool events and session migrations (router.migration.Migrator), set once built
+    migrator: Any = None
 
 
 @dataclass(slots=True)
@@ -90,7 +92,7 @@ async def authenticate(request: Request) -> Caller:
     if who is None:
         raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     request.state.tenant = who.tenant
-    if who.role != "admin" and not svc.engine.tenant_known(who.tenant):  # fail closed (docs/policies.md)
+    if who.role == "tenant" and not svc.engine.tenant_known(who.tenant):  # fail closed (docs/policies.md)
         raise svc.engine.unknown_tenant(who.tenant)
     return Caller(who, svc, request)
 
@@ -103,5 +105,15 @@ async def authenticate_admin(request: Request) -> Caller:
     return caller
 
 
+async def authenticate_events(request: Request) -> Caller:
+    """401 without a valid key, 403 unless it is an admin key or an events key (pool events, the
+    serving side's migration calls: docs/migration.md)."""
+    caller = await authenticate(request)
+    if caller.who.role not in ("admin", "events"):
+        raise HTTPException(403, "this route needs an admin or events key")
+    return caller
+
+
 CallerDep = Annotated[Caller, Depends(authenticate)]
+EventsDep = Annotated[Caller, Depends(authenticate_events)]
 AdminDep = Annotated[Caller, Depends(authenticate_admin)]

@@ -157,6 +157,10 @@ class RoutingEngine:
         self.models: list[str] = [env.model_names[env.default_model]] + [
             m for k, m in enumerate(env.model_names) if k != env.default_model]
         self.index = CatalogIndex(self.catalog)
+        #: pool events (``router.migration``): the offerings new decisions may use (None: all), and the
+        #: bias (reward units) on offerings of a just-preempted region (None: none)
+        self.events_keep: np.ndarray | None = None
+        self.events_bias: np.ndarray | None = None
         #: the declared tenants (``tenants:``); a key of another is refused unless ``undeclared_tenants: allow``
         self.tenant_names = frozenset(settings.tenants)
         self.open_tenants = settings.undeclared_tenants == "allow"
@@ -537,6 +541,17 @@ class RoutingEngine:
             raise RouteFailure(422, "no_offering", "the constraints (tenant defaults and request) exclude every offering",
                                [{"field": "body.constraints", "message": "excludes every offering",
                                  "suggestions": []}], extra={"excluded": ccounts})
+        keep = self.events_keep
+        if keep is not None:  # pools a pool event masked (router.migration; docs/migration.md)
+            hidden = int((allowed & ~keep).sum())
+            if hidden:
+                allowed = allowed & keep
+                ccounts = {**ccounts, "pool_event": hidden}
+                ctext = f'{ctext},"pool_event":{hidden}' if ctext else f'"pool_event":{hidden}'
+                if not allowed.any():
+                    raise RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
+                                       "(a preemption, a drain or a degradation: docs/migration.md)",
+                                       headers={"Retry-After": "5"}, extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
         budget, binding, buckets = None, -1, None
@@ -581,6 +596,9 @@ class RoutingEngine:
                                        extra={"excluded": self._all_counts(ccounts, pcounts)})
         bias = env.r_bias
         has_bias = env.r_has_bias
+        if self.events_bias is not None:  # a just-preempted region, de-prioritized (router.migration)
+            bias = bias + self.events_bias
+            has_bias = True
         ptext_answer = self._policies_text(pctx, pout)
         m_ = env.r_m
         holds = env.fits[m_] & (env.slots[m_] > 0)

@@ -30,7 +30,7 @@ import typer
 
 from xroute.errors import ConfigError
 
-Role = Literal["tenant", "admin"]
+Role = Literal["tenant", "admin", "events"]
 PREFIX = "xr_"
 
 
@@ -94,7 +94,7 @@ class KeyStore:
             records = {r["key_id"]: r for r in data.get("keys", [])}
             for r in records.values():
                 bytes.fromhex(r["salt"])
-                if r["role"] not in ("tenant", "admin") or not isinstance(r["tenant"], str):
+                if r["role"] not in ("tenant", "admin", "events") or not isinstance(r["tenant"], str):
                     raise ValueError(f"key {r['key_id']}: bad role or tenant")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             if self._mtime is None and not self._records:
@@ -206,9 +206,14 @@ DEFAULT_KEYS_FILE = Path("runs/router/keys.json")
 def add(tenant: Annotated[str, typer.Option(help="tenant the key belongs to")],
         admin: Annotated[bool, typer.Option(help="admin role (admin routes, every tenant's decisions)")] = False,
         note: Annotated[str, typer.Option(help="free text, e.g. who holds the key")] = "",
+        events: Annotated[bool, typer.Option(help="events role: POST /v1/events and the migration endpoints of the "
+                                                  "serving side (docs/migration.md)")] = False,
         keys_file: KeysFile = DEFAULT_KEYS_FILE) -> None:
     """Create a key; it is printed once and stored only hashed."""
-    typer.echo(add_key(keys_file, tenant, "admin" if admin else "tenant", note))
+    if admin and events:
+        typer.echo("--admin and --events: a key has one role", err=True)
+        raise typer.Exit(2)
+    typer.echo(add_key(keys_file, tenant, "admin" if admin else "events" if events else "tenant", note))
 
 
 @cli.command(name="list")
