@@ -35,17 +35,17 @@ from router.gateway.service import Gateway
 from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
+from router.middleware import RequestContext
 from router.migration import Migrator
 from router.migration_store import MigrationStore
-from router.middleware import RequestContext
 from router.policies import ActivePolicy, import_loader, resolve
 from router.policy_store import PolicyStore, PolicyStoreError
 from router.policy_sync import PolicySync
 from router.quotas import quota_events
 from router.readiness import Readiness
 from router.routes import admin, decisions, feedback, health, offerings, quotas, route
-from router.routes import migration as migration_routes
 from router.routes import metrics as metrics_routes
+from router.routes import migration as migration_routes
 from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
@@ -418,8 +418,8 @@ def _document_security(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         services = getattr(app, "services", None)
-        catalog = ((tuple(services.engine.origins), tuple(services.engine.servable_models()))
-                   if services is not None else None)
+        catalog = ((tuple(services.engine.origins), tuple(services.engine.servable_models()),
+                    tuple(services.engine.offering_ids)) if services is not None else None)
         if app.openapi_schema is None or built_for[0] != catalog:
             from fastapi.openapi.utils import get_openapi
 
@@ -450,7 +450,8 @@ def _document_security(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: tuple[str, ...]) -> None:
+def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: tuple[str, ...],
+                      offerings: tuple[str, ...] = ()) -> None:
     """What the served telemetry accepts, as enums of ``RouteRequest``: an origin the catalog lacks
     or a model no pool holds is a 422 (``unknown_origin``, ``unknown_model``, ``model_unavailable``),
     so the document says
@@ -464,6 +465,10 @@ def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: 
         for branch in model.get("anyOf", [model]):
             if branch.get("type") == "string":
                 branch["enum"] = list(models)
+    for name, field in (("PoolEvent", "pool"), ("CloudEventEnvelope", "pool"), ("Verification", "target")):
+        prop = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get(field)
+        if prop is not None and offerings:  # a pool the catalog lacks is a 422 (unknown_pool, wrong_target)
+            prop["enum"] = list(offerings)
 
 
 def app_from_environment() -> FastAPI:

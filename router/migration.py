@@ -38,6 +38,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from fastapi import HTTPException
 
 from router.engine import RouteFailure
 from router.keys import Principal
@@ -69,6 +70,11 @@ class Migrator:
     """Pool events and the migrations they start, for one router (any number of routers may share
     the store: every transition is a compare-and-set)."""
 
+    CONCURRENT_DECISIONS = 16
+    #: a target decision's idempotency key still claimed (409) this long after first seen, with no
+    #: decision under it in the log, was claimed by a router that died mid-decision: the next key
+    PENDING_GRACE_S = 5.0
+
     def __init__(self, svc: Any, store: MigrationStore):
         self.svc, self.store = svc, store
         self.settings = svc.settings
@@ -76,6 +82,9 @@ class Migrator:
         self._busy: set[str] = set()
         self._swept: dict[str, float] = {}
         self._wake = asyncio.Event()
+        self._pending_since: dict[str, float] = {}
+        #: target choices at once (each a decision: a shared state's connections are a pool)
+        self._deciding = asyncio.Semaphore(self.CONCURRENT_DECISIONS)
         self.counters = {"events": 0, "migrations_started": 0, "committed": 0, "recomputed": 0,
                          "missed_window": 0, "aborted": 0, "rolled_back": 0, "hash_mismatches": 0}
 
@@ -212,9 +221,18 @@ class Migrator:
 
     async def drive_all(self) -> None:
         rows = await asyncio.to_thread(self.store.open_migrations)
-        todo = [r for r in rows if r.id not in self._busy]
+        now = time.time()
+        todo = [r for r in rows if r.id not in self._busy and (
+            r.record.state in (S.requested, S.verified) or self._out_of_time(r, now, grace=False)
+            or self.masked(r.record.target))]
         if todo:
             await asyncio.gather(*(self.drive(r) for r in todo))
+
+    def masked(self, pool: str | None) -> bool:
+        """Whether a pool event masks ``pool`` now."""
+        keep = self.engine.events_keep
+        a = None if pool is None or keep is None else self.offering_index(pool)
+        return a is not None and not bool(keep[a])
 
     def _out_of_time(self, row: Row, now: float, grace: bool) -> bool:
         rec = row.record
@@ -233,6 +251,9 @@ class Migrator:
                     await self._give_up(row, "no target before the deadline")
                 else:
                     await self._choose(row)
+            elif rec.state in (S.target_chosen, S.snapshot_announced) and self.masked(rec.target) and not (
+                    self._out_of_time(row, now, grace=False)):
+                await self._retarget(row, f"the target {rec.target} got a pool event")
             elif rec.state == S.target_chosen and self._out_of_time(row, now, grace=False):
                 if row.terminal_kind:
                     await self._commit(row, recomputed=True)
@@ -261,12 +282,35 @@ class Migrator:
         cons = Constraints(deny=[deny]) if cons is None else cons.model_copy(update={"deny": [*cons.deny, deny]})
         body = req.model_copy(update={"constraints": cons, "session_id": rec.session_id})
         who = Principal(tenant=rec.tenant, role="tenant", key_id="migration")
-        try:
-            payload = await route_decision(self.svc, body, who, {}, f"{MIGRATION_KEY_PREFIX}{rec.migration_id}-{attempt}")
-        except RouteFailure as e:
-            return e
-        except Exception as e:  # (state or log down, a key pending: tried again next round)
-            return RouteFailure(503, "unavailable", f"{type(e).__name__}: {e}"[:300])
+        base = f"{MIGRATION_KEY_PREFIX}{rec.migration_id}-{attempt}"
+        k = 0
+        while True:
+            key = base if k == 0 else f"{base}.{k}"
+            try:
+                # the log first: a decision under this key committed before a crash (or whose key the shared
+                # state lost or never stored) is this attempt's target -- never decided a second time
+                got = await asyncio.to_thread(self.store.decision_by_key, f"{rec.tenant}:route:{key}")
+                if got is not None:
+                    self._pending_since.pop(key, None)
+                    return got
+                async with self._deciding:
+                    payload = await route_decision(self.svc, body, who, {}, key)
+            except RouteFailure as e:
+                return e
+            except HTTPException as e:
+                if e.status_code != 409:
+                    return RouteFailure(503, "unavailable", str(e.detail)[:300])
+                # the key is claimed and nothing is logged under it: a decision in flight on some router, or a
+                # router that died holding the claim (on a shared state it outlives the router until its TTL)
+                first = self._pending_since.setdefault(key, time.monotonic())
+                if time.monotonic() - first < self.PENDING_GRACE_S:
+                    return RouteFailure(503, "unavailable", f"target decision {key} pending")
+                k += 1
+                continue
+            except Exception as e:  # (state or log down: tried again next round)
+                return RouteFailure(503, "unavailable", f"{type(e).__name__}: {e}"[:300])
+            self._pending_since.pop(key, None)
+            break
         ans = json.loads(payload)
         return ans["offering"]["offering_id"], ans["decision_id"]
 
@@ -281,6 +325,30 @@ class Migrator:
         await self.store.submit(self.store.transition(rec.migration_id, rec.version, S.requested, S.target_chosen,
                                                       time.time(), f"target {target} by {decision}", target=target,
                                                       target_decision=decision))
+
+    async def _retarget(self, row: Row, why: str, final: bool = False) -> None:
+        """Refuse the migration's target and choose another (``target_chosen`` again, a new version:
+        the snapshot is announced anew). No other target: given up when ``final`` or when nothing the
+        tenant may use is left (422), else tried again next round."""
+        rec = row.record
+        refused = [*rec.tried, rec.target or ""]
+        got = await self._target(row, row.attempt + 1, refused)
+        if isinstance(got, RouteFailure):
+            if final or got.status == 422:
+                dst = S.aborted if row.terminal_kind else S.rolled_back
+                text = f"{why}; no other target: {got.error}"
+                await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst,
+                                                              time.time(), text, reason=text[:300], tried=refused,
+                                                              missed_window=row.terminal_kind))
+                await self._release(rec.target_decision)
+                self.counters[dst.value] += 1
+            return
+        target, decision = got
+        await self.store.submit(self.store.transition(
+            rec.migration_id, rec.version, rec.state, S.target_chosen, time.time(),
+            f"{why}; target {target} by {decision}", target=target, target_decision=decision, tried=refused,
+            attempt=row.attempt + 1, sha256=None, uri=None, last_ack_seq=None))
+        await self._release(rec.target_decision)
 
     async def _release(self, decision_id: str | None) -> None:
         if decision_id:
@@ -378,22 +446,10 @@ class Migrator:
                 return await self._commit(row, recomputed=False)
             # a mismatch: this target is refused, another chosen (the snapshot is announced again for it)
             self.counters["hash_mismatches"] += 1
-            refused = [*rec.tried, rec.target or ""]
-            got = await self._target(row, row.attempt + 1, refused)
-            await self._release(rec.target_decision)
-            if isinstance(got, RouteFailure):
-                dst = S.aborted if row.terminal_kind else S.rolled_back
-                why = f"hash mismatch at {rec.target}; no other target: {got.error}"
-                await self.store.submit(self.store.transition(rec.migration_id, rec.version, S.snapshot_announced,
-                                                              dst, time.time(), why, reason=why[:300], tried=refused))
-                self.counters[dst.value] += 1
-            else:
-                target, decision = got
-                await self.store.submit(self.store.transition(
-                    rec.migration_id, rec.version, S.snapshot_announced, S.target_chosen, time.time(),
-                    f"hash mismatch at {rec.target}; target {target} by {decision}", target=target,
-                    target_decision=decision, tried=refused, attempt=row.attempt + 1, sha256=None, uri=None,
-                    last_ack_seq=None))
+            try:
+                await self._retarget(row, f"hash mismatch at {rec.target}", final=True)
+            except Conflict:
+                pass
             now_row = await self._get(tenant, session_id, body.migration_id)
             raise RouteFailure(409, "hash_mismatch", "the target read other bytes than the snapshot announced: the "
                                "target is refused and the migration goes on elsewhere",

@@ -12,8 +12,10 @@ its own restarted self -- cannot both move one migration from one state, and the
 is the migration's history, each step once.
 
 The decision log's own rows say where each session went (``decisions.session_id``,
-``offering_id``); this module adds a partial index on them (``decisions_session``: only rows with
-a session) and reads them to find the sessions on a pool.
+``offering_id``); this module adds two partial indexes to that table -- ``decisions_session`` (rows
+with a session) to find the sessions on a pool and a session's placement, ``decisions_key`` (rows
+with an idempotency key) to find a migration's target decision by its key after a crash -- which
+cost the decisions that have a session or a key one more index entry each.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ CREATE TABLE IF NOT EXISTS migration_transitions (
 );
 CREATE INDEX IF NOT EXISTS decisions_session ON decisions (tenant, session_id, created_at)
     WHERE session_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS decisions_key ON decisions (idempotency_key) WHERE idempotency_key IS NOT NULL;
 """
 SQLITE_SCHEMA = _TABLES.format(real="REAL", int="INTEGER")
 PG_SCHEMA = _TABLES.format(real="DOUBLE PRECISION", int="BIGINT")
@@ -391,6 +394,11 @@ class MigrationStore:
             else:
                 out[(t, s)] = (cur[0], cur[1], int(version), cur[3])
         return out
+
+    def decision_by_key(self, idempotency_key: str) -> tuple[str, str] | None:
+        """(offering, decision id) of the decision logged under ``idempotency_key``, if any."""
+        rows = self.query("SELECT offering_id, decision_id FROM decisions WHERE idempotency_key = ?", (idempotency_key,))
+        return (str(rows[0][0]), str(rows[0][1])) if rows else None
 
     def session_versions(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """The highest version of each session's migrations (0: none)."""

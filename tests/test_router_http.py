@@ -279,7 +279,10 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
 #: the decision's input_tokens (another request's), a routing policy naming a value the catalog
 #: lacks (``invalid_policy``, its close matches in suggestions)
 SEMANTIC_422 = frozenset({"invalid_constraints", "no_offering", "idempotency_key_reused", "invalid_prefix",
-                          "invalid_cached_tokens", "invalid_policy"})
+                          "invalid_cached_tokens", "invalid_policy",
+                          # pool events (docs/migration.md): a deadline already past, a cloud payload (free-form
+                          # in the schema) that is no notice or is from another region than the pool
+                          "deadline_passed", "invalid_cloud_event", "location_mismatch"})
 
 
 @pytest.mark.slow

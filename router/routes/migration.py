@@ -132,15 +132,12 @@ def _tenant_of(caller: Any, tenant: str | None) -> str:
         if tenant is not None and tenant != who.tenant:
             raise RouteFailure(403, "forbidden", "a tenant key reads only its own tenant's sessions")
         return str(who.tenant)
-    if tenant is None:
-        raise RequestValidationError([{"type": "missing", "loc": ("query", "tenant"), "input": None,
-                                       "msg": "an admin or events key names the session's tenant"}])
-    return tenant
+    return str(who.tenant) if tenant is None else tenant  # (default: the key's own tenant, as /v1/explain)
 
 
 SessionId = Annotated[str, Path(pattern=ID_PATTERN, description="the session id the client sent with its requests")]
 TenantQ = Annotated[str | None, Query(min_length=1, max_length=64, description="admin and events keys: the "
-                                                                                "session's tenant")]
+                                                                                "session's tenant (default: the key's)")]
 
 
 @router.get("/sessions/{session_id}", response_model=SessionView, responses=_SESSION_ERRORS,  # type: ignore[arg-type]

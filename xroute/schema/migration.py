@@ -24,6 +24,7 @@ URI it put it at); the target confirms the hash (:class:`Verification`).
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -40,10 +41,20 @@ ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
+def _event_json_schema(schema: dict[str, Any]) -> None:
+    """The deadline rule (below) in the published schema too, so a client (or a fuzzer) sees it."""
+    schema["allOf"] = [
+        {"if": {"properties": {"kind": {"const": "interruption"}}, "required": ["kind"]},
+         "then": {"required": ["deadline"], "properties": {"deadline": {"type": "string", "format": "date-time"}}}},
+        {"if": {"properties": {"kind": {"enum": ["rebalance", "degraded"]}}, "required": ["kind"]},
+         "then": {"properties": {"deadline": {"type": "null"}}}},
+    ]
+
+
 class PoolEvent(BaseModel):
     """One event about one pool, in xroute's own schema."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_event_json_schema)
 
     event_id: str = Field(pattern=ID_PATTERN, description="unique id; a second POST with the same id and body is "
                                                           "answered as the first, with another body it is a 409")
@@ -124,7 +135,7 @@ def valid_path(states: list[str]) -> bool:
     ``requested``."""
     if not states or states[0] != S.requested:
         return False
-    return all(allowed(a, b) for a, b in zip(states, states[1:]))
+    return all(allowed(a, b) for a, b in itertools.pairwise(states))
 
 
 class Snapshot(BaseModel):
