@@ -539,7 +539,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
                             readiness=readiness)
         gateway = services.gateway = Gateway(services)
-        migrator = services.migrator = Migrator(services, migration_store)
+        migrator = services.migrator = Migrator(services, migration_store, route.route_decision, route.release,
+                                                route.best_effort)
         await migrator.start()  # the active events' masks before the first decision; unfinished migrations resume
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),

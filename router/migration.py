@@ -35,6 +35,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,8 @@ from xroute.schema.migration import (
 from xroute.schema.policy_ir import Constraints, Rule
 
 S = MigrationState
+#: ``router.routes.route.route_decision``'s signature: (services, body, caller, request state, idempotency key)
+Decide = Callable[[Any, RouteRequest, Principal, dict[str, Any], str | None], Awaitable[bytes]]
 
 
 def body_digest(body: Any) -> str:
@@ -75,8 +78,13 @@ class Migrator:
     #: decision under it in the log, was claimed by a router that died mid-decision: the next key
     PENDING_GRACE_S = 5.0
 
-    def __init__(self, svc: Any, store: MigrationStore):
+    def __init__(self, svc: Any, store: MigrationStore, decide: Decide, release: Callable[[Any, str], Awaitable[None]],
+                 best_effort: Callable[..., Awaitable[None]]):
+        """``decide``, ``release``, ``best_effort``: the live decision path's
+        (``router.routes.route``: ``route_decision``, ``release``, ``best_effort``), given by the
+        app (the routes import this module, not the other way)."""
         self.svc, self.store = svc, store
+        self._decide, self._release_reservation, self._best_effort = decide, release, best_effort
         self.settings = svc.settings
         self.engine = svc.engine
         self._busy: set[str] = set()
@@ -273,8 +281,6 @@ class Migrator:
 
     async def _target(self, row: Row, attempt: int, refused: list[str]) -> tuple[str, str] | RouteFailure:
         """A new target for the session by the live decision path: (offering, decision id), or why not."""
-        from router.routes.route import route_decision  # (the routes import this module's users)
-
         rec = row.record
         req = RouteRequest.model_validate_json(row.request_json)
         deny = Rule(offering_ids=sorted({rec.source, *refused}))
@@ -294,7 +300,7 @@ class Migrator:
                     self._pending_since.pop(key, None)
                     return got
                 async with self._deciding:
-                    payload = await route_decision(self.svc, body, who, {}, key)
+                    payload = await self._decide(self.svc, body, who, {}, key)
             except RouteFailure as e:
                 return e
             except HTTPException as e:
@@ -352,9 +358,7 @@ class Migrator:
 
     async def _release(self, decision_id: str | None) -> None:
         if decision_id:
-            from router.routes.route import release
-
-            await release(self.svc, decision_id)
+            await self._release_reservation(self.svc, decision_id)
 
     async def _give_up(self, row: Row, why: str) -> None:
         rec = row.record
@@ -376,11 +380,9 @@ class Migrator:
         self.counters["missed_window"] += int(missed)
         # new turns' affinity goes to the new placement (a hint: best effort)
         if rec.target is not None:
-            from router.routes.route import best_effort
-
             req = RouteRequest.model_validate_json(row.request_json)
             pool = self.engine.pool_key_of(rec.target, req.model)
-            await best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}", pool.encode(),
+            await self._best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}", pool.encode(),
                                                                self.settings.prefix_ttl_s),
                               "session placement not updated in the shared state", migration=rec.migration_id)
         return rec.model_copy(update={"state": S.committed, "version": v, "recomputed": recomputed,

@@ -371,7 +371,8 @@ class MigrationStore:
         """Where each session is: (tenant, session) -> (offering, since when, version, the request
         to re-route it with) -- the later of its last ordinary decision since ``since`` (a migration's
         own target decisions excluded) and its last committed migration."""
-        where, args = "session_id IS NOT NULL AND created_at > ?", [since]
+        where = "session_id IS NOT NULL AND created_at > ?"
+        args: list[Any] = [since]
         if tenant is not None:
             where += " AND tenant = ? AND session_id = ?"
             args += [tenant, session_id]
@@ -381,7 +382,8 @@ class MigrationStore:
                 f"SELECT tenant, session_id, offering_id, created_at, request_json FROM decisions WHERE {where} AND "
                 f"(idempotency_key IS NULL OR idempotency_key NOT LIKE ?) ORDER BY created_at", (*args, like)):
             out[(t, s)] = (off, float(at), 0, req)
-        mwhere, margs = "state = 'committed'", []
+        mwhere = "state = 'committed'"
+        margs: list[Any] = []
         if tenant is not None:
             mwhere += " AND tenant = ? AND session_id = ?"
             margs = [tenant, session_id]

@@ -33,7 +33,7 @@ from xroute.schema.migration import (
 
 router = APIRouter(prefix="/v1", tags=["migration"])
 
-_AUTH = {401: {"model": ErrorResponse, "description": "missing or invalid API key"},
+_AUTH: dict[int | str, dict[str, Any]] = {401: {"model": ErrorResponse, "description": "missing or invalid API key"},
          403: {"model": ErrorResponse, "description": "the key's role may not call this route"},
          413: {"model": ErrorResponse, "description": "request body too large"},
          503: {"model": ErrorResponse, "description": "`unavailable`: the migration log cannot be read or written"}}
