@@ -36,6 +36,9 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
 
 #: what a JSON body route says when the body is not JSON at all (``POST /v1/route`` says the same)
 NOT_JSON = "expected a JSON body (Content-Type: application/json)"
+#: how a route that takes a JSON body documents its 422 for a body that is not JSON
+BODY_NOT_JSON_422 = ("the body is not JSON (not UTF-8, does not parse, or sent without a JSON content type: "
+                     "`fields` names `body`)")
 #: pydantic's error types for a body that is no object -- what FastAPI reports for a body sent
 #: without ``Content-Type: application/json`` (it then does not parse the bytes)
 _NOT_AN_OBJECT = frozenset({"model_attributes_type", "dict_type", "model_type"})

@@ -21,7 +21,8 @@ fi
 echo "== 3/4 xroute evaluate on the held-out test window"
 $X evaluate --window test --policy "$MODEL" \
   --policy static --policy cheapest --policy lowest-latency --policy least-loaded \
-  --policy greedy --policy round-robin --policy random --policy oracle \
+  --policy greedy --policy budget-pacing --policy cache-aware --policy session-sticky \
+  --policy round-robin --policy random --policy oracle \
   --output reports/evaluate.json --plot reports/evaluate.png
 echo "== 4/4 xroute serve: one routed request"
 bash scripts/serve_demo.sh

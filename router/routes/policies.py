@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from router.deps import AdminDep, Caller, CallerDep
 from router.engine import RouteFailure
+from router.errors import BODY_NOT_JSON_422
 from router.logs import request_id_var
 from router.policy_store import PolicyChangeError, PolicyStoreError, create_policy, delete_policy, put_policy
 from xroute.schema.decision import ErrorResponse, RouteRequest
@@ -34,8 +35,8 @@ _CHANGE_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "no such policy"},
     409: {"model": ErrorResponse, "description": "the policy exists already (create), or the version given is not "
                                                  "the current one"},
-    422: {"model": ErrorResponse, "description": "a field is invalid, or names a value the catalog lacks (close "
-                                                 "matches in suggestions)"}}
+    422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + ", a field is invalid, or names a value the "
+                                                 "catalog lacks (close matches in suggestions)"}}
 
 
 def principal(caller: Caller) -> str:
@@ -161,7 +162,8 @@ async def read_audit(
 
 @explain_router.post("/explain", responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},  # type: ignore[dict-item]
                                             413: {"model": ErrorResponse, "description": "request body too large"},
-                                            422: {"model": ErrorResponse}},
+                                            422: {"model": ErrorResponse,
+                                                  "description": BODY_NOT_JSON_422 + ", or a field is invalid"}},
                      summary="Why each offering is or is not eligible for a request")
 async def explain(body: RouteRequest, caller: CallerDep,
                   tenant: Annotated[str | None, Query(max_length=64, description="admin keys: explain for this "
