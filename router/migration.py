@@ -96,6 +96,13 @@ class Migrator:
         self.counters = {"events": 0, "migrations_started": 0, "committed": 0, "recomputed": 0,
                          "missed_window": 0, "aborted": 0, "rolled_back": 0, "hash_mismatches": 0}
 
+    def _count(self, outcome: str, n: int) -> None:
+        if n:
+            self.counters[outcome] += n
+            metrics = getattr(self.svc, "metrics", None)
+            if metrics is not None:
+                metrics.migrations.labels(outcome).inc(n)
+
     # ------------------------------------------------------------------ events and masks
     def offering_index(self, pool: str) -> int | None:
         try:
@@ -159,13 +166,14 @@ class Migrator:
                "masked_until": (deadline or now) + self.settings.migration_mask_s,
                "deprioritize_until": now + self.settings.migration_deprioritize_s if region else None,
                "principal": principal, "body": json.dumps(body, sort_keys=True)}
+        self._swept.setdefault(ev.event_id, now)  # (this call sweeps it: not the loop meanwhile)
         (sha, masked_until, depri_until, _), inserted = await self.store.submit(self.store.insert_event(row))
         if sha != digest:
             raise self._reused(ev.event_id)
         await self.reload_events()
         made = 0
         if inserted:
-            self.counters["events"] += 1
+            self._count("events", 1)
             made = await self.sweep(ev.event_id, ev.kind, ev.pool, deadline)
             LOG.info("pool event", extra={"fields": {"event_id": ev.event_id, "kind": ev.kind, "pool": ev.pool,
                                                      "migrations": made}})
@@ -195,7 +203,7 @@ class Migrator:
                  "terminal_kind": kind in TERMINAL_KINDS, "source": pool, "version": versions[(t, s)] + 1,
                  "deadline": deadline, "request_json": req} for (t, s), (_, _, _, req) in on]
         made = await self.store.submit(self.store.create_migrations(rows, now))
-        self.counters["migrations_started"] += len(made)
+        self._count("migrations_started", len(made))
         return len(made)
 
     # ------------------------------------------------------------------ the loop
@@ -347,7 +355,7 @@ class Migrator:
                                                               time.time(), text, reason=text[:300], tried=refused,
                                                               missed_window=row.terminal_kind))
                 await self._release(rec.target_decision)
-                self.counters[dst.value] += 1
+                self._count(dst.value, 1)
             return
         target, decision = got
         await self.store.submit(self.store.transition(
@@ -366,7 +374,7 @@ class Migrator:
         await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst, time.time(), why,
                                                       reason=why[:300], missed_window=row.terminal_kind))
         await self._release(rec.target_decision)
-        self.counters[dst.value] += 1
+        self._count(dst.value, 1)
 
     async def _commit(self, row: Row, recomputed: bool) -> MigrationRecord:
         rec = row.record
@@ -375,9 +383,9 @@ class Migrator:
         how = "cold: the work restarts at the target" if recomputed else "snapshot verified"
         v = await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, S.committed, now,
                                                           how, recomputed=recomputed, missed_window=missed))
-        self.counters["committed"] += 1
-        self.counters["recomputed"] += int(recomputed)
-        self.counters["missed_window"] += int(missed)
+        self._count("committed", 1)
+        self._count("recomputed", int(recomputed))
+        self._count("missed_window", int(missed))
         # new turns' affinity goes to the new placement (a hint: best effort)
         if rec.target is not None:
             req = RouteRequest.model_validate_json(row.request_json)
@@ -447,7 +455,7 @@ class Migrator:
                 row.record = rec.model_copy(update={"state": S.verified, "version": v})
                 return await self._commit(row, recomputed=False)
             # a mismatch: this target is refused, another chosen (the snapshot is announced again for it)
-            self.counters["hash_mismatches"] += 1
+            self._count("hash_mismatches", 1)
             try:
                 await self._retarget(row, f"hash mismatch at {rec.target}", final=True)
             except Conflict:

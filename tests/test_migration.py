@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -388,3 +389,13 @@ def test_the_openapi_document_lists_the_new_routes_and_their_errors(live: Live) 
     for p in ("/v1/sessions/{session_id}", "/v1/sessions/{session_id}/snapshot", "/v1/sessions/{session_id}/verify"):
         assert p in spec["paths"]
 
+
+
+def test_the_outcomes_are_counted_in_the_metrics(live: Live) -> None:
+    """What the tests above did, as ``xroute_router_migrations_total`` counts it."""
+    text = live.c.get("/metrics", headers=live.setup.auth("admin")).text
+    got = {m.group(1): float(m.group(2)) for m in
+           re.finditer(r'^xroute_router_migrations_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+    assert got["committed"] >= 3 and got["recomputed"] >= 1 and got["missed_window"] >= 1
+    assert got["hash_mismatches"] >= 1 and got["rolled_back"] >= 2 and got["events"] >= 5
+    assert got["migrations_started"] >= got["committed"]
