@@ -399,3 +399,17 @@ def test_the_outcomes_are_counted_in_the_metrics(live: Live) -> None:
     assert got["committed"] >= 3 and got["recomputed"] >= 1 and got["missed_window"] >= 1
     assert got["hash_mismatches"] >= 1 and got["rolled_back"] >= 2 and got["events"] >= 5
     assert got["migrations_started"] >= got["committed"]
+
+
+def test_an_events_key_is_made_with_its_own_role(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from router.keys import KeyStore, cli
+
+    keys = tmp_path / "keys.json"
+    run = CliRunner().invoke(cli, ["add", "--tenant", "ops", "--events", "--keys-file", str(keys)])
+    assert run.exit_code == 0, run.output
+    who = KeyStore(keys).verify(run.output.strip())
+    assert who is not None and who.role == "events" and not who.is_admin
+    both = CliRunner().invoke(cli, ["add", "--tenant", "ops", "--events", "--admin", "--keys-file", str(keys)])
+    assert both.exit_code == 2 and "one role" in both.output
