@@ -413,3 +413,58 @@ def test_an_events_key_is_made_with_its_own_role(tmp_path: Path) -> None:
     assert who is not None and who.role == "events" and not who.is_admin
     both = CliRunner().invoke(cli, ["add", "--tenant", "ops", "--events", "--admin", "--keys-file", str(keys)])
     assert both.exit_code == 2 and "one role" in both.output
+
+
+def test_two_routers_on_one_postgresql_log_and_redis_move_each_session_once(
+        tmp_path: Path, postgres: Any, redis_server: Any) -> None:
+    """Router A takes the event; router B, sharing the log and the state, masks the pool too
+    (from the log, within ``migration_poll_s``) and drives the same migrations: every transition is
+    a compare-and-set, so each happens once whichever router makes it. The serving side announces
+    to B and verifies at A."""
+    url = postgres.create_database(f"mig_two_{time.time_ns()}")
+    prefix = f"migtwo{time.time_ns()}"
+    common = {"db_url": url, "state_backend": "redis", "state_url": redis_server.url, "state_prefix": prefix,
+              "migration_poll_s": 0.05}
+    sa = make_setup(tmp_path / "a", **common, env=_env(tmp_path / "a"))
+    key = add_key(sa.settings.keys_file, "ops", "events")
+    sb = make_setup(tmp_path / "b", **common, env=_env(tmp_path / "b"), keys_file=sa.settings.keys_file)
+    pool = SPOT["gcp"]
+    with ServerThread(create_app(sa.settings)) as url_a, ServerThread(create_app(sb.settings)) as url_b:
+        a, b = Live(url_a, sa, key, None), Live(url_b, sa, key, None)
+        placed = {**a.sessions(4, "two-a", constraints={"prefer": [{"offering_ids": [pool]}]}),
+                  **b.sessions(4, "two-b", constraints={"prefer": [{"offering_ids": [pool]}]})}
+        assert set(placed.values()) == {pool}
+        ans = a.event({"event_id": "ev-two", "kind": "interruption", "pool": pool, "deadline": _deadline(120)})
+        assert ans.status_code == 200 and ans.json()["migrations"] == 8, ans.text
+        end = time.monotonic() + 10
+        while True:  # B masks the pool from the log
+            d = b.c.post("/v1/route", json={**ROUTE, "constraints": PREFER_SPOT}, headers=b.A).json()
+            if d["offering"]["offering_id"] != pool:
+                break
+            assert time.monotonic() < end, "router B never masked the pool"
+            time.sleep(0.05)
+        digest = hashlib.sha256(b"two").hexdigest()
+        for s in placed:
+            m = b.wait_state(s, {"target_chosen"})["migration"]
+            assert b.c.post(f"/v1/sessions/{s}/snapshot?tenant=a", headers=b.E,
+                            json={"migration_id": m["migration_id"], "version": m["version"], "last_ack_seq": 0,
+                                  "sha256": digest, "uri": "s3://two/x"}).status_code == 200
+            ok = a.c.post(f"/v1/sessions/{s}/verify?tenant=a", headers=a.E,
+                          json={"migration_id": m["migration_id"], "target": m["target"], "sha256": digest})
+            assert ok.status_code == 200 and ok.json()["state"] == "committed", ok.text
+            assert b.session(s)["placement"] == m["target"] != pool
+        a.c.close()
+        b.c.close()
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT migration_id, state FROM migration_transitions ORDER BY migration_id, version"
+                            ).fetchall()
+        keys = conn.execute("SELECT idempotency_key, COUNT(*) FROM decisions WHERE idempotency_key LIKE %s "
+                            "GROUP BY idempotency_key", ("a:route:mig-%",)).fetchall()
+    paths: dict[str, list[str]] = {}
+    for mid, st in rows:
+        paths.setdefault(mid, []).append(st)
+    assert len(paths) == 8
+    assert all(p == ["requested", "target_chosen", "snapshot_announced", "verified", "committed"] for p in paths.values())
+    assert keys and all(n == 1 for _, n in keys)
