@@ -1067,6 +1067,8 @@ class RoutingEngine:
             p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies and pctx is not None
                  else {"allowed": True, "excluded_by": None, "bias": 0.0, "biased_by": []})
             why = layer or (f"{env_policies.REASON_PREFIX}{p['excluded_by']}" if p["excluded_by"] else None)
+            if why is None and self.events_keep is not None and not self.events_keep[i]:
+                why = "pool_event"  # (router.migration: masked by a pool event)
             if why is None and not env_mask[i]:
                 why = kernels.ENV_REASONS[int(codes[i])]
             rows.append({"offering": self.refs[i], "eligible": why is None, "excluded_by": why, "policy": p,

@@ -169,7 +169,9 @@ def test_an_interruption_masks_the_pool_and_moves_its_sessions_through_every_sta
     assert r.status_code == 200, r.text
     ans = r.json()
     assert ans["duplicate"] is False and ans["migrations"] == len(on) and ans["deprioritized_region"] == "aws:us-east-1"
-    # new decisions never take the masked pool, and say why
+    # new decisions never take the masked pool, and say why; /v1/explain says so too
+    ex = live.c.post("/v1/explain", json=ROUTE, headers=live.A).json()
+    assert {r["offering"]["offering_id"]: r["excluded_by"] for r in ex["offerings"]}[pool] == "pool_event"
     for _ in range(3):
         d = live.c.post("/v1/route", json={**ROUTE, "constraints": PREFER_SPOT}, headers=live.A).json()
         assert d["offering"]["offering_id"] != pool and d["excluded"]["by_reason"]["pool_event"] == 1
