@@ -77,6 +77,8 @@ class Migrator:
     #: a target decision's idempotency key still claimed (409) this long after first seen, with no
     #: decision under it in the log, was claimed by a router that died mid-decision: the next key
     PENDING_GRACE_S = 5.0
+    #: a later sweep of an event re-reads this much before the previous one began
+    SWEEP_OVERLAP_S = 10.0
 
     def __init__(self, svc: Any, store: MigrationStore, decide: Decide, release: Callable[[Any, str], Awaitable[None]],
                  best_effort: Callable[..., Awaitable[None]]):
@@ -91,6 +93,8 @@ class Migrator:
         self._swept: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._pending_since: dict[str, float] = {}
+        #: when each event's last sweep that completed began (its next reads only what came since)
+        self._last_sweep: dict[str, float] = {}
         #: target choices at once (each a decision: a shared state's connections are a pool)
         self._deciding = asyncio.Semaphore(self.CONCURRENT_DECISIONS)
         self.counters = {"events": 0, "migrations_started": 0, "committed": 0, "recomputed": 0,
@@ -190,19 +194,25 @@ class Migrator:
 
     async def sweep(self, event_id: str, kind: str, pool: str, deadline: float | None) -> int:
         """Start a migration for every session placed on ``pool`` that has none for this event and
-        none open (idempotent: a second sweep starts only the sessions placed there since)."""
+        none open (idempotent). The first sweep of an event in this process reads the sessions of
+        the last ``prefix_ttl_s``; a later one only those routed or moved since the one before
+        (less a margin of ``SWEEP_OVERLAP_S`` for commits in flight)."""
         now = time.time()
+        last = self._last_sweep.get(event_id)
         self._swept[event_id] = now
-        since = now - self.settings.prefix_ttl_s
+        since = now - self.settings.prefix_ttl_s if last is None else max(last - self.SWEEP_OVERLAP_S,
+                                                                             now - self.settings.prefix_ttl_s)
         places = await asyncio.to_thread(self.store.placements, since)
         on = [(k, v) for k, v in places.items() if v[0] == pool]
         if not on:
+            self._last_sweep[event_id] = now
             return 0
         versions = await asyncio.to_thread(self.store.session_versions, [k for k, _ in on])
         rows = [{"migration_id": "m_" + uuid.uuid4().hex, "tenant": t, "session_id": s, "event_id": event_id,
                  "terminal_kind": kind in TERMINAL_KINDS, "source": pool, "version": versions[(t, s)] + 1,
                  "deadline": deadline, "request_json": req} for (t, s), (_, _, _, req) in on]
         made = await self.store.submit(self.store.create_migrations(rows, now))
+        self._last_sweep[event_id] = now
         self._count("migrations_started", len(made))
         return len(made)
 
@@ -473,7 +483,7 @@ class Migrator:
         since = time.time() - self.settings.prefix_ttl_s
 
         def read() -> tuple[Any, Row | None]:
-            places = self.store.placements(since, tenant, session_id)
+            places = self.store.placements(since, tenant, session_id, migrations_since=0.0)
             return places.get((tenant, session_id)), self.store.latest_migration(tenant, session_id)
 
         place, latest = await asyncio.to_thread(read)

@@ -366,11 +366,13 @@ class MigrationStore:
         return self.query("SELECT migration_id, version, state, at, detail FROM migration_transitions "
                           "ORDER BY migration_id, version")
 
-    def placements(self, since: float, tenant: str | None = None, session_id: str | None = None
-                   ) -> dict[tuple[str, str], tuple[str, float, int, str]]:
+    def placements(self, since: float, tenant: str | None = None, session_id: str | None = None,
+                   migrations_since: float | None = None) -> dict[tuple[str, str], tuple[str, float, int, str]]:
         """Where each session is: (tenant, session) -> (offering, since when, version, the request
         to re-route it with) -- the later of its last ordinary decision since ``since`` (a migration's
-        own target decisions excluded) and its last committed migration."""
+        own target decisions excluded) and its last migration committed since ``migrations_since``
+        (default: ``since``). Only the sessions with a decision or a commit since then: a sweep
+        after the first reads what came since the one before."""
         where = "session_id IS NOT NULL AND created_at > ?"
         args: list[Any] = [since]
         if tenant is not None:
@@ -382,11 +384,11 @@ class MigrationStore:
                 f"SELECT tenant, session_id, offering_id, created_at, request_json FROM decisions WHERE {where} AND "
                 f"(idempotency_key IS NULL OR idempotency_key NOT LIKE ?) ORDER BY created_at", (*args, like)):
             out[(t, s)] = (off, float(at), 0, req)
-        mwhere = "state = 'committed'"
-        margs: list[Any] = []
+        mwhere = "state = 'committed' AND updated_at > ?"
+        margs: list[Any] = [since if migrations_since is None else migrations_since]
         if tenant is not None:
             mwhere += " AND tenant = ? AND session_id = ?"
-            margs = [tenant, session_id]
+            margs += [tenant, session_id]
         for t, s, target, at, version, req in self.query(
                 f"SELECT tenant, session_id, target, updated_at, version, request_json FROM migrations WHERE {mwhere} "
                 "ORDER BY updated_at", tuple(margs)):
