@@ -541,7 +541,15 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         gateway = services.gateway = Gateway(services)
         migrator = services.migrator = Migrator(services, migration_store, route.route_decision, route.release,
                                                 route.best_effort)
-        await migrator.start()  # the active events' masks before the first decision; unfinished migrations resume
+        try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
+            await migrator.start()
+        except BaseException:
+            await gateway.close()
+            await migration_store.close()
+            await store.close()
+            await state.close()
+            policy_store.close()
+            raise
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(readiness.run(), name="readiness"),
