@@ -370,8 +370,8 @@ class MigrationStore:
                    migrations_since: float | None = None) -> dict[tuple[str, str], tuple[str, float, int, str]]:
         """Where each session is: (tenant, session) -> (offering, since when, version, the request
         to re-route it with) -- the later of its last ordinary decision since ``since`` (a migration's
-        own target decisions excluded) and its last migration committed since ``migrations_since``
-        (default: ``since``). Only the sessions with a decision or a commit since then: a sweep
+        own target decisions excluded) and its last migration committed (its target) or rolled back
+        (its source) since ``migrations_since`` (default: ``since``). Only the sessions with a decision or a commit since then: a sweep
         after the first reads what came since the one before."""
         where = "session_id IS NOT NULL AND created_at > ?"
         args: list[Any] = [since]
@@ -384,14 +384,17 @@ class MigrationStore:
                 f"SELECT tenant, session_id, offering_id, created_at, request_json FROM decisions WHERE {where} AND "
                 f"(idempotency_key IS NULL OR idempotency_key NOT LIKE ?) ORDER BY created_at", (*args, like)):
             out[(t, s)] = (off, float(at), 0, req)
-        mwhere = "state = 'committed' AND updated_at > ?"
+        mwhere = "state IN ('committed', 'rolled_back') AND updated_at > ?"
         margs: list[Any] = [since if migrations_since is None else migrations_since]
         if tenant is not None:
             mwhere += " AND tenant = ? AND session_id = ?"
             margs += [tenant, session_id]
-        for t, s, target, at, version, req in self.query(
-                f"SELECT tenant, session_id, target, updated_at, version, request_json FROM migrations WHERE {mwhere} "
-                "ORDER BY updated_at", tuple(margs)):
+        for t, s, state, source, target, at, version, req in self.query(
+                f"SELECT tenant, session_id, state, source, target, updated_at, version, request_json FROM migrations "
+                f"WHERE {mwhere} ORDER BY updated_at", tuple(margs)):
+            # a committed migration puts the session on its target; one rolled back leaves it on its source,
+            # as of then (a later event's sweep on that pool finds it again)
+            target = target if state == "committed" else source
             cur = out.get((t, s))
             if cur is None or float(at) >= cur[1]:
                 out[(t, s)] = (target, float(at), int(version), req)

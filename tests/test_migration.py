@@ -469,3 +469,34 @@ def test_two_routers_on_one_postgresql_log_and_redis_move_each_session_once(
     assert len(paths) == 9
     assert all(p == ["requested", "target_chosen", "snapshot_announced", "verified", "committed"] for p in paths.values())
     assert keys and all(n == 1 for _, n in keys)
+
+
+def test_a_rebalance_rolled_back_then_an_interruption_moves_the_session(tmp_path: Path) -> None:
+    """A rebalance recommendation, then an interruption of the same pool while the session's
+    migration off the rebalance is still open (the interruption's sweep skips the session: one open
+    migration at a time). That migration rolls back (nobody announced a snapshot within
+    ``migration_timeout_s``) and leaves the session on the pool: the interruption's next sweep --
+    which reads only what came since its previous one -- finds it there as of the rollback and
+    moves it."""
+    setup = make_setup(tmp_path, migration_poll_s=0.05, migration_timeout_s=1.5, env=_env(tmp_path))
+    key = add_key(setup.settings.keys_file, "ops", "events")
+    pool = SPOT["gcp"]
+    app = create_app(setup.settings)
+    with ServerThread(app) as url:
+        app.services.migrator.SWEEP_OVERLAP_S = 0.0  # (no overlap: the session's decision is not re-read)
+        lv = Live(url, setup, key, app)
+        s = next(iter(lv.sessions(1, "rb-int", constraints={"prefer": [{"offering_ids": [pool]}]})))
+        time.sleep(0.2)
+        assert lv.event({"event_id": "ev-rb-1", "kind": "rebalance", "pool": pool}).status_code == 200
+        lv.wait_state(s, {"target_chosen"})
+        r = lv.event({"event_id": "ev-rb-2", "kind": "interruption", "pool": pool, "deadline": _deadline(120)})
+        assert r.status_code == 200 and r.json()["migrations"] == 0, r.text  # (its migration is open)
+        v = lv.wait_state(s, {"target_chosen"}, within=20)
+        while v["migration"]["event_id"] != "ev-rb-2":
+            v = lv.wait_state(s, {"target_chosen"}, within=20)
+            time.sleep(0.05)
+        assert v["migration"]["target"] != pool
+        with lv.db() as conn:
+            states = dict(conn.execute("SELECT event_id, state FROM migrations").fetchall())
+        assert states["ev-rb-1"] == "rolled_back"
+        lv.c.close()
