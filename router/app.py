@@ -26,6 +26,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router import errors
+from router.access_store import AccessStore, AccessSync
 from router.backends import StateSettings, decision_events, open_state
 from router.deps import Services
 from router.engine import RoutingEngine
@@ -43,6 +44,7 @@ from router.policy_store import PolicyStore, PolicyStoreError
 from router.policy_sync import PolicySync
 from router.quotas import quota_events
 from router.readiness import Readiness
+from router.routes import access as access_routes
 from router.routes import admin, decisions, feedback, health, offerings, quotas, route
 from router.routes import metrics as metrics_routes
 from router.routes import migration as migration_routes
@@ -357,7 +359,6 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
     (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
     noticed within ``every`` -- well inside ``state_restore_window_s``."""
     durations: dict[str, float] = {}
-    quota_keys = engine.quota_plan.keys()
     tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
@@ -368,6 +369,7 @@ async def _refresh_shared_view(engine: RoutingEngine, state: RouterState, every:
             if tick % durations_every == 0:
                 durations = await state.durations(sorted(counts))
             engine.apply_shared_view(counts, durations)
+            quota_keys = engine.quota_plan.keys()  # (the plan changes with the access store: router.access_store)
             if quota_keys:  # the tenant quotas' usage, for the decisions' budgets (router.quotas.QuotaView)
                 engine.quota_view.apply(await state.quota_usage(quota_keys))
             down = failing = False
@@ -507,17 +509,26 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await store.close()
             raise
         policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
+        access_store = None
         try:
             await policy_sync.start()
+            # tenants, quotas, roles and bindings: the access store (the same backend and machinery),
+            # installed before the quota counters are rebuilt (they follow the tenants' quotas)
+            access_store = await asyncio.to_thread(AccessStore, settings.log_target)
+            access_sync = AccessSync(engine, access_store, settings.tenants, settings.policy_poll_s)
+            await access_sync.start()
         except BaseException:
             await store.close()
             policy_store.close()
+            if access_store is not None:
+                access_store.close()
             raise
         try:  # pool events and migrations: tables on the same backend (router.migration_store)
             migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
         except Exception:
             await store.close()
             policy_store.close()
+            access_store.close()
             raise
         models = ModelManager(engine, settings, metrics)
         await models.initial()
@@ -537,8 +548,11 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         readiness = Readiness(store, state, settings.ready_probe_s)
         await readiness.probe()
         services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
-                            readiness=readiness)
+                            readiness=readiness, access=access_sync)
         gateway = services.gateway = Gateway(services)
+        gateway.tenant_cfg = {name: t.gateway for name, t in access_sync.tenants().items()}
+        access_sync.on_install.append(lambda tenants: setattr(gateway, "tenant_cfg", {
+            name: t.gateway for name, t in tenants.items()}))
         migrator = services.migrator = Migrator(services, migration_store, route.route_decision, route.release,
                                                 route.best_effort)
         try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
@@ -549,6 +563,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await store.close()
             await state.close()
             policy_store.close()
+            access_store.close()
             raise
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
@@ -558,6 +573,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
                                      name="shared-view"),
                  asyncio.create_task(policy_sync.run(), name="policy-sync"),
+                 asyncio.create_task(access_sync.run(), name="access-sync"),
                  asyncio.create_task(migrator.run(), name="migrations")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
@@ -581,6 +597,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             await store.close()
             await state.close()
             policy_store.close()
+            access_store.close()
             sys.setswitchinterval(switch)
             app.services = None
             LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
@@ -596,7 +613,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
-              quotas.router, migration_routes.router):
+              quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

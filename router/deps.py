@@ -9,17 +9,20 @@ decision. The security schemes are therefore declared in the OpenAPI document by
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
-from router.engine import RoutingEngine
+from router.access import admin_denied, denied
+from router.engine import RouteFailure, RoutingEngine
 from router.keys import KeyStore, Principal
 from router.metrics import Metrics
 from router.settings import RouterSettings
 from router.state import RouterState
 from router.store import GroupCommitLog
+from xroute.schema.access import admin_resource
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Services:
     readiness: object | None = None
     #: pool events and session migrations (router.migration.Migrator), set once built
     migrator: Any = None
+    #: tenants, quotas, roles and bindings: the access store and its sync (router.access_store.AccessSync)
+    access: Any = None
 
 
 @dataclass(slots=True)
@@ -82,7 +87,8 @@ def api_key(request: Request) -> str | None:
 
 
 async def authenticate(request: Request) -> Caller:
-    """401 unless the request carries a valid key."""
+    """401 unless the request carries a valid key; 403 ``unknown_tenant`` for a key of a tenant the
+    router does not serve, unless its roles reach an admin resource (it may administer, not route)."""
     svc = services_of(request)
     key = api_key(request)
     if key is None:
@@ -92,28 +98,54 @@ async def authenticate(request: Request) -> Caller:
     if who is None:
         raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     request.state.tenant = who.tenant
-    if who.role == "tenant" and not svc.engine.tenant_known(who.tenant):  # fail closed (docs/policies.md)
-        raise svc.engine.unknown_tenant(who.tenant)
+    engine = svc.engine
+    if not engine.tenant_known(who.tenant) and not engine.access.permissions(who).any_admin:
+        raise engine.unknown_tenant(who.tenant)  # fail closed (docs/policies.md)
     return Caller(who, svc, request)
 
 
-async def authenticate_admin(request: Request) -> Caller:
-    """401 without a valid key, 403 unless it is an admin key."""
+async def authenticate_inference(request: Request) -> Caller:
+    """:func:`authenticate`, and 403 unless the key's roles grant some ``model:inference`` resource
+    (which model and region: checked per decision, ``RoutingEngine.rank``)."""
     caller = await authenticate(request)
-    if not caller.who.is_admin:
-        raise HTTPException(403, "this route needs an admin key")
+    if not caller.svc.engine.access.permissions(caller.who).can_infer:
+        raise RouteFailure(**denied(caller.who, "model:inference:*", "routing (and reporting feedback)"))
     return caller
 
 
-async def authenticate_events(request: Request) -> Caller:
-    """401 without a valid key, 403 unless it is an admin key or an events key (pool events, the
-    serving side's migration calls: docs/migration.md)."""
-    caller = await authenticate(request)
-    if caller.who.role not in ("admin", "events"):
-        raise HTTPException(403, "this route needs an admin or events key")
-    return caller
+def admin_dep(verb: str, kind: str) -> Callable[[Request], Awaitable[Caller]]:
+    """The dependency of an admin route: :func:`authenticate`, and 403 naming the permission
+    ``admin:<verb>:<kind>`` unless the key's roles grant it."""
+    resource = admin_resource(verb, kind)
+
+    async def dep(request: Request) -> Caller:
+        caller = await authenticate(request)
+        if not caller.svc.engine.access.permissions(caller.who).allows(resource):
+            raise RouteFailure(**admin_denied(caller.who, verb, kind))
+        return caller
+
+    dep.__name__ = f"admin_{verb}_{kind}"
+    return dep
+
+
+async def require_admin(request: Request, verb: str, kind: str) -> Caller:
+    """:func:`admin_dep` for a route that is not a FastAPI route (``/metrics``)."""
+    return await admin_dep(verb, kind)(request)
 
 
 CallerDep = Annotated[Caller, Depends(authenticate)]
-EventsDep = Annotated[Caller, Depends(authenticate_events)]
-AdminDep = Annotated[Caller, Depends(authenticate_admin)]
+InferenceDep = Annotated[Caller, Depends(authenticate_inference)]
+ReadPolicies = Annotated[Caller, Depends(admin_dep("read", "policies"))]
+WritePolicies = Annotated[Caller, Depends(admin_dep("write", "policies"))]
+ReadAudit = Annotated[Caller, Depends(admin_dep("read", "audit"))]
+ReadQuotas = Annotated[Caller, Depends(admin_dep("read", "quotas"))]
+WriteQuotas = Annotated[Caller, Depends(admin_dep("write", "quotas"))]
+ReadTenants = Annotated[Caller, Depends(admin_dep("read", "tenants"))]
+WriteTenants = Annotated[Caller, Depends(admin_dep("write", "tenants"))]
+ReadRoles = Annotated[Caller, Depends(admin_dep("read", "roles"))]
+WriteRoles = Annotated[Caller, Depends(admin_dep("write", "roles"))]
+ReadDecisions = Annotated[Caller, Depends(admin_dep("read", "decisions"))]
+ReadStatus = Annotated[Caller, Depends(admin_dep("read", "status"))]
+WriteModel = Annotated[Caller, Depends(admin_dep("write", "model"))]
+#: pool events and the serving side's migration calls (docs/migration.md; the built-in role ``events``)
+WriteEvents = Annotated[Caller, Depends(admin_dep("write", "events"))]

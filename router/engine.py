@@ -19,7 +19,7 @@ import heapq
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import isfinite
 from typing import Any
@@ -32,6 +32,7 @@ from envs.cloud_route import CloudRouteEnv
 from envs.features import N_OFFERING_FEATURES
 from models.baselines import make_baseline
 from router import kernels, ope_log
+from router.access import AccessControl, denied
 from router.keys import Principal
 from router.logs import iso, json_str
 from router.policies import ActivePolicy, PolicySlot
@@ -42,6 +43,7 @@ from router.state import Affinity, EmbeddedState, PrefixSend, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
+from xroute.schema.access import model_resource
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import (
     CatalogIndex,
@@ -179,6 +181,11 @@ class RoutingEngine:
             except ConstraintError as e:
                 raise ConfigError(f"router settings: {e}") from None
             self.tenants[name] = t.constraints
+        #: who may do what (``router.access``): the built-in roles until the access store's version is
+        #: installed (``router.access_store.AccessSync``)
+        self.access = AccessControl({}, {}, self.refs)
+        #: (constraints, permission mask) -> the two combined, their counts (``rank``)
+        self._masked: dict[tuple[int, int], tuple[Any, ...]] = {}
         for i, server in enumerate(settings.inference_servers):
             where = f"router settings: field 'inference_servers[{i}]"
             if server.offering_id not in self.offering_ids:
@@ -302,6 +309,30 @@ class RoutingEngine:
         """Raise :class:`ConstraintError` (naming the field, with close matches) for a value of
         ``ps`` this router's catalog, models or origins lack."""
         check_policy_set(ps, self.policy_catalog, prefix)
+
+    def prepare_tenants(self, tenants: Mapping[str, Any]) -> dict[str, Any]:
+        """The tenants (name -> ``TenantConfig``: the settings' overlaid by the access store's)
+        compiled for :meth:`install_tenants` -- off the event loop. Raises ``ConstraintError`` for
+        constraints naming what the catalog lacks, ``ConfigError`` for a quota's unknown model."""
+        constraints: dict[str, Constraints] = {}
+        for name, t in tenants.items():
+            compile_constraints([(f"tenants.{name}.constraints", t.constraints)], self.index)
+            constraints[name] = t.constraints
+        return {"names": frozenset(tenants), "constraints": constraints,
+                "epsilon": {name: t.explore_epsilon for name, t in tenants.items() if t.explore_epsilon > 0},
+                "plan": QuotaPlan(tenants, self.models)}
+
+    def install_tenants(self, prepared: dict[str, Any]) -> None:
+        """Swap the tenants in, between two decisions (on the event loop, no ``await`` between the
+        assignments): a decision sees the old tenants or the new ones."""
+        self.tenant_names = prepared["names"]
+        self.tenants = prepared["constraints"]
+        self.epsilon = prepared["epsilon"]
+        self.quota_plan = prepared["plan"]
+        self._compiled = OrderedDict()
+
+    def install_access(self, access: AccessControl) -> None:
+        self.access = access
 
     def tenant_known(self, tenant: str) -> bool:
         return tenant in self.tenant_names or self.open_tenants
@@ -541,6 +572,26 @@ class RoutingEngine:
             raise RouteFailure(422, "no_offering", "the constraints (tenant defaults and request) exclude every offering",
                                [{"field": "body.constraints", "message": "excludes every offering",
                                  "suggestions": []}], extra={"excluded": ccounts})
+        # access control (router.access): the regions the caller may not use for this model are masked
+        # out like a deny policy (counted as ``permission``); none left is a 403 naming one it lacks
+        model_name = req.model or self.models[0]
+        perm = self.access.inference_mask(who, model_name) if model_name in self.env.model_index else None
+        if perm is not None:
+            hit = self._masked.get((id(compiled), id(perm)))
+            if hit is None or hit[0] is not compiled or hit[1] is not perm:
+                kept = allowed & perm
+                cut = int(allowed.sum() - kept.sum())
+                hit = (compiled, perm, kept, cut, {**ccounts, "permission": cut},
+                       f'{ctext},"permission":{cut}' if ctext else f'"permission":{cut}', not kept.any())
+                if len(self._masked) >= 1024:
+                    self._masked.clear()
+                self._masked[(id(compiled), id(perm))] = hit
+            if hit[3]:
+                if hit[6]:  # nothing the request could use is permitted
+                    a = int(np.flatnonzero(allowed)[0])
+                    raise RouteFailure(**denied(who, model_resource("inference", model_name, self.refs[a]["region"]),
+                                                f"a request of model '{model_name}'"))
+                allowed, ccounts, ctext = hit[2], hit[4], hit[5]
         keep = self.events_keep
         if keep is not None:  # pools a pool event masked (router.migration; docs/migration.md)
             hidden = int((allowed & ~keep).sum())
@@ -1031,7 +1082,7 @@ class RoutingEngine:
         return a, float(r[a]), others, r[others].tolist(), "expected_reward", r
 
     # ------------------------------------------------------------------ explain
-    def explain(self, req: RouteRequest, tenant: str, wall: float) -> dict[str, Any]:
+    def explain(self, req: RouteRequest, tenant: str, wall: float, who: Principal | None = None) -> dict[str, Any]:
         """Why each offering is or is not eligible for ``req`` of ``tenant`` now (``POST
         /v1/explain``): the same layers as :meth:`rank` -- the tenant's and the request's
         constraints, the routing policies, the pools' state -- without deciding anything. Makes the
@@ -1045,10 +1096,14 @@ class RoutingEngine:
                                  "suggestions": close}])
         compiled, _, _, _ = self.constraints_for(tenant, req.constraints)
         env = self.env
+        model_name = req.model or self.models[0]
+        perm = (self.access.inference_mask(who, model_name) if who is not None and model_name in env.model_index
+                else None)  # (the caller's own permissions: ``router.access``)
         try:
             env_mask = env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
                                     req.tpot_ms, req.deadline_ms, req.model, tenant, None,
-                                    request_class=req.request_class, pre=compiled.allowed)
+                                    request_class=req.request_class,
+                                    pre=compiled.allowed if perm is None else compiled.allowed & perm)
         except ValueError:
             raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
                                [{"field": "body.model", "message": f"unknown model '{req.model}'",
@@ -1062,6 +1117,8 @@ class RoutingEngine:
         rows = []
         for i in range(self.n):
             layer = compiled.reason[i].replace("constraints:", "request:")
+            if not layer and perm is not None and not perm[i]:
+                layer = "permission"
             head = env_policies.headroom(float(busy[i]), float(slots[i]))
             usd = float(env.usd_h[i])
             p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies and pctx is not None

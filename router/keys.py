@@ -19,19 +19,24 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 
 from xroute.errors import ConfigError
+from xroute.schema.access import NAME_PATTERN
 
-Role = Literal["tenant", "admin", "events"]
+#: a key's own role: ``tenant`` or ``admin`` (built in), or a role defined through the admin API
+#: (``xroute.schema.access``; more roles can be bound to the key, its tenant: ``router.access``)
+Role = str
 PREFIX = "xr_"
+_ROLE = re.compile(NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,13 @@ class Principal:
     @property
     def is_admin(self) -> bool:
         return self.role == "admin"
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        """What role bindings may name this caller by (``xroute.schema.access``): its key, its
+        tenant. (A caller authenticated by an identity provider's token would be known by
+        ``idp:<issuer>:<subject>`` and its ``group:<name>``s.)"""
+        return (f"key:{self.key_id}", f"tenant:{self.tenant}")
 
 
 def _hash(salt: bytes, secret: str) -> str:
@@ -94,7 +106,7 @@ class KeyStore:
             records = {r["key_id"]: r for r in data.get("keys", [])}
             for r in records.values():
                 bytes.fromhex(r["salt"])
-                if r["role"] not in ("tenant", "admin", "events") or not isinstance(r["tenant"], str):
+                if not isinstance(r["role"], str) or not _ROLE.match(r["role"]) or not isinstance(r["tenant"], str):
                     raise ValueError(f"key {r['key_id']}: bad role or tenant")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             if self._mtime is None and not self._records:
@@ -167,6 +179,8 @@ def add_key(path: Path, tenant: str, role: Role = "tenant", note: str = "") -> s
     """Create a key for ``tenant`` in the keys file and return the plaintext key (shown once)."""
     if not tenant or len(tenant) > 64 or not all(c.isalnum() or c in "-_." for c in tenant):
         raise ConfigError(f"--tenant: '{tenant}' must be 1-64 letters, digits, '-', '_' or '.'")
+    if not _ROLE.match(role):
+        raise ConfigError(f"--role: '{role}' is not a role name (letters, digits, '.', '_', '-'; at most 64)")
     data = _read(path)
     existing = {r["key_id"] for r in data["keys"]}
     key_id = secrets.token_hex(4)
@@ -206,14 +220,11 @@ DEFAULT_KEYS_FILE = Path("runs/router/keys.json")
 def add(tenant: Annotated[str, typer.Option(help="tenant the key belongs to")],
         admin: Annotated[bool, typer.Option(help="admin role (admin routes, every tenant's decisions)")] = False,
         note: Annotated[str, typer.Option(help="free text, e.g. who holds the key")] = "",
-        events: Annotated[bool, typer.Option(help="events role: POST /v1/events and the migration endpoints of the "
-                                                  "serving side (docs/migration.md)")] = False,
+        role: Annotated[str | None, typer.Option(help="the key's role: tenant (default), admin, or a role defined "
+                                                      "with PUT /v1/admin/roles/{name} (e.g. auditor)")] = None,
         keys_file: KeysFile = DEFAULT_KEYS_FILE) -> None:
     """Create a key; it is printed once and stored only hashed."""
-    if admin and events:
-        typer.echo("--admin and --events: a key has one role", err=True)
-        raise typer.Exit(2)
-    typer.echo(add_key(keys_file, tenant, "admin" if admin else "events" if events else "tenant", note))
+    typer.echo(add_key(keys_file, tenant, role or ("admin" if admin else "tenant"), note))
 
 
 @cli.command(name="list")

@@ -18,6 +18,8 @@ import time
 from datetime import UTC, datetime
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+#: the request's W3C trace id (from its ``traceparent``; set by ``router.middleware``), for log lines that name it
+trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
 
 #: ids come from a PRNG seeded once from the OS: os.urandom costs ~40 us a call on some VMs, and ids
 #: need uniqueness (128 bits), not secrecy (a decision is readable only with its tenant's key)

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.logs import access, new_id, request_id_var
+from router.logs import access, new_id, request_id_var, trace_id_var
 from router.metrics import Metrics
 
 _TRACEPARENT = re.compile(rb"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -58,6 +58,7 @@ class RequestContext:
                 length = v
         rid_s = rid.decode() if rid is not None else new_id(64)
         token = request_id_var.set(rid_s)
+        ttoken = trace_id_var.set(trace[3:35].decode()) if trace is not None else None
         extra: list[tuple[bytes, bytes]] = [(b"x-request-id", rid_s.encode())]
         if trace is not None:
             extra.append((b"traceparent", trace))
@@ -88,6 +89,8 @@ class RequestContext:
                 access(rid_s, scope["method"], path, status, round(dt * 1000.0, 3), state.get("tenant"),
                        state.get("decision_id"), trace[3:35].decode() if trace is not None else None)
             request_id_var.reset(token)
+            if ttoken is not None:
+                trace_id_var.reset(ttoken)
 
     def _limited(self, receive: Receive, limit: int) -> Receive:
         seen = 0

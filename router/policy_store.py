@@ -71,7 +71,7 @@ class PolicyChangeError(Exception):
         self.status, self.error, self.message, self.field = status, error, message, field
 
 
-def document(ps: PolicySet, version: int) -> str:
+def document(ps: Any, version: int) -> str:
     return json.dumps({**ps.model_dump(mode="json", exclude_none=True), "version": version}, sort_keys=True,
                       separators=(",", ":"))
 
@@ -82,7 +82,17 @@ def policy_json(p: Policy | None) -> dict[str, Any] | None:
 
 class PolicyStore:
     """The policy versions and the audit log on SQLite (a file path) or PostgreSQL (a URL).
-    Blocking calls (a router runs them in a thread); one connection, one call at a time."""
+    Blocking calls (a router runs them in a thread); one connection, one call at a time.
+
+    The versioned-document machinery (connection, write lock, head, versions, ``change``) is
+    shared by the access store (``router.access_store.AccessStore``: tenants, roles, bindings),
+    which names its own table and document type."""
+
+    #: the table of versions, its schema per dialect, and the document each version holds
+    TABLE = "policy_versions"
+    SQLITE_SCHEMA = SQLITE_SCHEMA
+    PG_SCHEMA = PG_SCHEMA
+    DOC: Any = PolicySet
 
     def __init__(self, target: Path | str):
         self.target = target
@@ -105,7 +115,7 @@ class PolicyStore:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
                 conn.execute("PRAGMA busy_timeout=10000")
-                conn.executescript(SQLITE_SCHEMA)
+                conn.executescript(self.SQLITE_SCHEMA)
             else:
                 import psycopg  # (the PostgreSQL client only where a PostgreSQL store is opened)
 
@@ -113,7 +123,7 @@ class PolicyStore:
                                        application_name="xroute-policies")
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_LOCK,))
-                    conn.execute(PG_SCHEMA)  # type: ignore[arg-type]
+                    conn.execute(self.PG_SCHEMA)
         except Exception as e:
             raise PolicyStoreError(f"policy store {self.describe()}: {_one_line(e)}") from None
         self._conn = conn
@@ -193,23 +203,23 @@ class PolicyStore:
     # ------------------------------------------------------------------ reads
     def head(self) -> int:
         """The current version (0: no policy set was ever stored)."""
-        rows = self._query("SELECT MAX(version) FROM policy_versions")
+        rows = self._query(f"SELECT MAX(version) FROM {self.TABLE}")
         return int(rows[0][0] or 0)
 
-    def at(self, version: int | None = None) -> PolicySet:
+    def at(self, version: int | None = None) -> Any:
         """The policy set of ``version`` (default: the head); an empty set at version 0."""
         if version is None:
-            rows = self._query("SELECT version, document FROM policy_versions ORDER BY version DESC LIMIT 1")
+            rows = self._query(f"SELECT version, document FROM {self.TABLE} ORDER BY version DESC LIMIT 1")
         else:
-            rows = self._query("SELECT version, document FROM policy_versions WHERE version = ?", (version,))
+            rows = self._query(f"SELECT version, document FROM {self.TABLE} WHERE version = ?", (version,))
         if not rows:
             if version not in (None, 0):
-                raise PolicyChangeError(404, "not_found", f"no policy set version {version}")
-            return PolicySet()
-        return PolicySet.model_validate_json(rows[0][1])
+                raise PolicyChangeError(404, "not_found", f"no {self.TABLE.split('_')[0]} set version {version}")
+            return self.DOC()
+        return self.DOC.model_validate_json(rows[0][1])
 
     def versions(self, limit: int = 100) -> list[dict[str, Any]]:
-        rows = self._query("SELECT version, created_at, principal FROM policy_versions ORDER BY version DESC LIMIT ?",
+        rows = self._query(f"SELECT version, created_at, principal FROM {self.TABLE} ORDER BY version DESC LIMIT ?",
                            (limit,))
         return [{"version": int(v), "created_at": float(c), "principal": p} for v, c, p in rows]
 
@@ -225,23 +235,23 @@ class PolicyStore:
         return [audit.entry(r) for r in self._query(sql, args)]
 
     # ------------------------------------------------------------------ writes
-    def change(self, principal: str, mutate: Mutation, request_id: str | None = None) -> PolicySet:
+    def change(self, principal: str, mutate: Any, request_id: str | None = None) -> Any:
         """Apply ``mutate`` to the head set under the write lock: it returns the new set and the
         audited changes (none: nothing is written and the head is returned). The new version and its
         audit entries commit together. Raises what ``mutate`` raises (nothing written)."""
         with self._transaction() as execute:
-            rows = execute("SELECT version, document FROM policy_versions ORDER BY version DESC LIMIT 1").fetchall()
+            rows = execute(f"SELECT version, document FROM {self.TABLE} ORDER BY version DESC LIMIT 1").fetchall()
             head = int(rows[0][0]) if rows else 0
-            current = PolicySet.model_validate_json(rows[0][1]) if rows else PolicySet()
+            current = self.DOC.model_validate_json(rows[0][1]) if rows else self.DOC()
             new, changes = mutate(current)
             if not changes:
                 return current
             version = head + 1
             doc = document(new, version)
-            execute("INSERT INTO policy_versions (version, created_at, principal, document) VALUES (?, ?, ?, ?)",
+            execute(f"INSERT INTO {self.TABLE} (version, created_at, principal, document) VALUES (?, ?, ?, ?)",
                     (version, time.time(), principal, doc))
             audit.append(lambda sql, args: execute(sql, args), principal, changes, version, request_id)
-        return PolicySet.model_validate_json(doc)
+        return self.DOC.model_validate_json(doc)
 
     def apply_files(self, principal: str, files: PolicySet, paths: list[str]) -> PolicySet | None:
         """Apply the policy files' set (:func:`apply_files`) unless the last files applied had the

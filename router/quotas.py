@@ -57,6 +57,7 @@ class QuotaPlan:
             self.quotas[name] = q
         self._cache: dict[tuple[str, str], list[QuotaBucket]] = {}
         self._budgeted: dict[tuple[str, str], tuple[list[QuotaBucket], list[str]]] = {}
+        self._keys: list[str] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.quotas)
@@ -81,13 +82,16 @@ class QuotaPlan:
 
     def keys(self) -> list[str]:
         """Every bucket the settings name (what the shared view reads)."""
+        if self._keys is not None:
+            return self._keys
         out = set()
         for tenant, q in self.quotas.items():
             for b in buckets_for(q, tenant, ""):
                 out.add(b.key)
             for m in q.models:
                 out.update(b.key for b in buckets_for(q, tenant, m))
-        return sorted(out)
+        self._keys = sorted(out)
+        return self._keys
 
 
 class QuotaView:

@@ -277,9 +277,13 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
 #: constraints that exclude every offering of it, an Idempotency-Key reused with another body, more
 #: prefix_hashes than the prompt's blocks (the block size is a setting), more cached_tokens than
 #: the decision's input_tokens (another request's), a routing policy naming a value the catalog
-#: lacks (``invalid_policy``, its close matches in suggestions)
+#: lacks (``invalid_policy``, its close matches in suggestions), a tenant or quota naming what the
+#: catalog, the served models or the router's settings lack (``invalid_tenant``, ``invalid_quota``),
+#: a binding naming a role not defined (``invalid_binding``: roles are defined at run time), a role's
+#: grant outside the permission grammar (``invalid_role``: a wildcard verb or kind, no regex can say)
 SEMANTIC_422 = frozenset({"invalid_constraints", "no_offering", "idempotency_key_reused", "invalid_prefix",
-                          "invalid_cached_tokens", "invalid_policy",
+                          "invalid_cached_tokens", "invalid_policy", "invalid_tenant", "invalid_quota",
+                          "invalid_binding", "invalid_role",
                           # pool events (docs/migration.md): a deadline already past, a cloud payload (free-form
                           # in the schema) that is no notice or is from another region than the pool
                           "deadline_passed", "invalid_cloud_event", "location_mismatch"})

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from router.deps import authenticate
+from router.deps import authenticate, authenticate_inference
 from router.errors import unexpected_response
 from router.gateway.openai_api import ChatBody, CompletionBody, Kind, reshape_response
 from router.routes.route import _Route
@@ -50,7 +50,7 @@ def _gateway(caller: Any) -> Any:
 async def _serve(request: Request, kind: Kind) -> Response:
     arrived = time.perf_counter()
     try:
-        caller = await authenticate(request)
+        caller = await authenticate_inference(request)
         gw = _gateway(caller)
         call = await gw.read(await request.body(), request.scope["headers"], caller.who.tenant, kind, arrived)
         return await gw.serve(call, caller, request.receive, request.scope.setdefault("state", {}))  # type: ignore[no-any-return]

@@ -6,7 +6,7 @@ import time
 
 from fastapi import APIRouter
 
-from router.deps import AdminDep
+from router.deps import ReadStatus, WriteModel
 from router.state import RouterState, StateUnavailable
 from xroute.schema.decision import ErrorResponse
 
@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1/admin", tags=["admin"],
 
 
 @router.get("/status", summary="Policy, model, telemetry and decision-log state")
-async def status(caller: AdminDep) -> dict[str, object]:
+async def status(caller: ReadStatus) -> dict[str, object]:
     svc = caller.svc
     eng, st = svc.engine, svc.store
     now = time.time()
@@ -33,6 +33,7 @@ async def status(caller: AdminDep) -> dict[str, object]:
         "state": await state_status(svc.state),
         "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,  # type: ignore[attr-defined]
         "routing_policies": svc.policies.describe() if svc.policies is not None else None,
+        "access": svc.access.describe() if svc.access is not None else None,
     }
 
 
@@ -49,7 +50,7 @@ async def state_status(state: RouterState) -> dict[str, object]:
 
 
 @router.post("/model/reload", summary="Check the model URI now; swap if it points to a new version")
-async def reload_model(caller: AdminDep) -> dict[str, object]:
+async def reload_model(caller: WriteModel) -> dict[str, object]:
     svc = caller.svc
     outcome = await svc.models.check()  # type: ignore[attr-defined]
     return {"outcome": outcome, "model_version": svc.engine.slot.loaded_version,

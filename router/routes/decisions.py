@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException
 from fastapi import Path as PathParam
 
-from router.deps import AdminDep, CallerDep
+from router.deps import CallerDep, ReadDecisions
 from xroute.schema.decision import DecisionRecord, ErrorResponse
 
 router = APIRouter(prefix="/v1", tags=["decisions"])
@@ -34,7 +34,7 @@ admin_router = APIRouter(prefix="/v1/admin", tags=["admin"])
 @admin_router.get("/decisions/{decision_id}", response_model=DecisionRecord,  # type: ignore[arg-type]
                   responses={**_ERRORS, 403: {"model": ErrorResponse, "description": "the key is not an admin key"}},
                   summary="Read any tenant's decision (admin)")
-async def admin_get_decision(decision_id: DecisionId, caller: AdminDep) -> dict[str, object]:
+async def admin_get_decision(decision_id: DecisionId, caller: ReadDecisions) -> dict[str, object]:
     rec = await caller.svc.store.get_decision(decision_id, None)
     if rec is None:
         raise HTTPException(404, f"no decision '{decision_id}'")

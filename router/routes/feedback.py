@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response
 
-from router.deps import CallerDep
+from router.deps import InferenceDep
 from router.engine import RouteFailure
 from router.logs import iso
 from router.routes.route import (
@@ -49,7 +49,7 @@ router = APIRouter(prefix="/v1", tags=["feedback"])
                               "record; `state_unavailable` (keyed) or `state_restoring` (keyed, the shared state came "
                               "back empty and is being restored); see Retry-After"}},
              openapi_extra={"parameters": [IDEMPOTENCY_HEADER]}, summary="Report the observed outcome of a decision")
-async def feedback(body: FeedbackRequest, caller: CallerDep) -> Response:
+async def feedback(body: FeedbackRequest, caller: InferenceDep) -> Response:
     who, svc = caller.who, caller.svc
     idem = idempotency_key(caller.request)
     key = digest = None

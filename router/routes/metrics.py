@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.deps import authenticate_admin, services_of
+from router.deps import require_admin, services_of
 from xroute.schema.decision import ErrorResponse
 
 router = APIRouter(tags=["metrics"])
@@ -20,6 +20,6 @@ router = APIRouter(tags=["metrics"])
 async def metrics(request: Request) -> Response:
     svc = services_of(request)
     if not svc.settings.metrics_public:
-        await authenticate_admin(request)
+        await require_admin(request, "read", "metrics")
     svc.metrics.telemetry_age.set(svc.engine.freshness.age(time.time()))
     return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)

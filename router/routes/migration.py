@@ -15,10 +15,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from cloud_adapters.events import NoticeError, parse_notice
-from router.deps import CallerDep, EventsDep
+from router.deps import CallerDep, WriteEvents
+from router.access import admin_denied
 from router.engine import RouteFailure
 from router.migration import Migrator, body_digest
 from router.migration_store import MigrationStoreError
+from xroute.schema.access import admin_resource
 from xroute.schema.decision import ErrorResponse
 from xroute.schema.migration import (
     ID_PATTERN,
@@ -97,7 +99,7 @@ def parse_event(body: Any, now: datetime) -> PoolEvent:
 @router.post("/events", response_model=EventAccepted, responses=_EVENT_ERRORS,  # type: ignore[arg-type]
              openapi_extra={"requestBody": _EVENT_BODY}, summary="A pool event: preemption notice, rebalance, "
              "degraded, drained (admin or events key)")
-async def post_event(caller: EventsDep, body: Annotated[Any, Body()]) -> EventAccepted:
+async def post_event(caller: WriteEvents, body: Annotated[Any, Body()]) -> EventAccepted:
     """Store the event (durable before the answer; the same id and body again is answered as the
     first, ``duplicate: true``), mask its pool for new decisions, de-prioritize the region of an
     interruption, and start a migration for every session placed on the pool. Nothing is stored
@@ -127,12 +129,14 @@ def _location(body: dict[str, Any]) -> str | None:
 
 
 def _tenant_of(caller: Any, tenant: str | None) -> str:
+    """The session's tenant: the key's own, or ``tenant`` for a key whose roles grant
+    ``admin:read:sessions`` (admin, events) -- else a 403 naming that permission."""
     who = caller.who
-    if who.role == "tenant":
-        if tenant is not None and tenant != who.tenant:
-            raise RouteFailure(403, "forbidden", "a tenant key reads only its own tenant's sessions")
+    if tenant is None or tenant == who.tenant:
         return str(who.tenant)
-    return str(who.tenant) if tenant is None else tenant  # (default: the key's own tenant, as /v1/explain)
+    if not caller.svc.engine.access.permissions(who).allows(admin_resource("read", "sessions")):
+        raise RouteFailure(**admin_denied(who, "read", "sessions"))
+    return tenant
 
 
 SessionId = Annotated[str, Path(pattern=ID_PATTERN, description="the session id the client sent with its requests")]
@@ -168,7 +172,7 @@ async def get_session(caller: CallerDep, session_id: SessionId, tenant: TenantQ 
 
 @router.post("/sessions/{session_id}/snapshot", response_model=MigrationRecord,  # type: ignore[arg-type]
              responses=_SESSION_ERRORS, summary="The serving side announces a migrating session's snapshot")
-async def post_snapshot(caller: EventsDep, session_id: SessionId, body: Snapshot,
+async def post_snapshot(caller: WriteEvents, session_id: SessionId, body: Snapshot,
                         tenant: TenantQ = None) -> MigrationRecord:
     """``target_chosen`` -> ``snapshot_announced``, durable before the answer."""
     mig = _migrator(caller.svc)
@@ -181,7 +185,7 @@ async def post_snapshot(caller: EventsDep, session_id: SessionId, body: Snapshot
 
 @router.post("/sessions/{session_id}/verify", response_model=MigrationRecord,  # type: ignore[arg-type]
              responses=_SESSION_ERRORS, summary="The target confirms the snapshot's hash")
-async def post_verify(caller: EventsDep, session_id: SessionId, body: Verification,
+async def post_verify(caller: WriteEvents, session_id: SessionId, body: Verification,
                       tenant: TenantQ = None) -> MigrationRecord:
     """The same hash: ``verified`` -> ``committed`` (the session's placement is the target), both
     durable before the answer. Another hash: 409 ``hash_mismatch``; the target is refused and

@@ -9,14 +9,17 @@ answered, and is installed here at once (the other routers within ``policy_poll_
 
 from __future__ import annotations
 
+import difflib
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from router.deps import AdminDep, Caller, CallerDep
+from router.access import denied
+from router.deps import Caller, InferenceDep, ReadAudit, ReadPolicies, WritePolicies
 from router.engine import RouteFailure
 from router.errors import BODY_NOT_JSON_422
 from router.logs import request_id_var
@@ -91,14 +94,14 @@ def _set_json(ps: PolicySet) -> dict[str, Any]:
 
 
 @router.get("/policies", summary="The routing policy set in force (admin)")
-async def list_policies(caller: AdminDep) -> dict[str, Any]:
+async def list_policies(caller: ReadPolicies) -> dict[str, Any]:
     """The set this router decides with: its version, named region sets, SLO tiers, prefer mode
     and policies (each with its own version)."""
     return _set_json(caller.svc.engine.policies.set)
 
 
 @router.get("/policies/{name}", responses=_CHANGE_ERRORS, summary="One routing policy (admin)")
-async def get_policy(name: PolicyName, caller: AdminDep) -> dict[str, Any]:
+async def get_policy(name: PolicyName, caller: ReadPolicies) -> dict[str, Any]:
     p = caller.svc.engine.policies.set.policy(name)
     if p is None:
         raise RouteFailure(404, "not_found", f"no policy named '{name}'")
@@ -106,7 +109,7 @@ async def get_policy(name: PolicyName, caller: AdminDep) -> dict[str, Any]:
 
 
 @router.post("/policies", status_code=201, responses=_CHANGE_ERRORS, summary="Create a routing policy (admin)")
-async def create(body: Policy, caller: AdminDep) -> dict[str, Any]:
+async def create(body: Policy, caller: WritePolicies) -> dict[str, Any]:
     """201 with the policy at version 1 and the set's new version; 409 if the name exists."""
     _check(caller, body)
     ps = await _write(caller, create_policy(body))
@@ -115,7 +118,7 @@ async def create(body: Policy, caller: AdminDep) -> dict[str, Any]:
 
 @router.put("/policies/{name}", responses={**_CHANGE_ERRORS, 201: {"description": "created"}},
             summary="Create or update a routing policy (admin)")
-async def update(name: PolicyName, body: PolicyBody, caller: AdminDep) -> JSONResponse:
+async def update(name: PolicyName, body: PolicyBody, caller: WritePolicies) -> JSONResponse:
     """The body is the whole policy but its name (the path's). With ``version``, the update
     applies only if it is the policy's current version (else 409: read it again); an unchanged
     policy is not a new version."""
@@ -127,7 +130,7 @@ async def update(name: PolicyName, body: PolicyBody, caller: AdminDep) -> JSONRe
 
 
 @router.delete("/policies/{name}", responses=_CHANGE_ERRORS, summary="Delete a routing policy (admin)")
-async def delete(name: PolicyName, caller: AdminDep,
+async def delete(name: PolicyName, caller: WritePolicies,
                  version: Annotated[int | None, Query(ge=1, description="delete only if this is the current "
                                                                         "version (else 409)")] = None
                  ) -> dict[str, Any]:
@@ -142,7 +145,7 @@ def _policy_out(ps: PolicySet, name: str) -> dict[str, Any] | None:
 
 @router.get("/audit", summary="The audit log: who changed what, before and after, when (admin)")
 async def read_audit(
-    caller: AdminDep,
+    caller: ReadAudit,
     kind: Annotated[str | None, Query(max_length=64, description="only this kind: policy, policy_set, policy_files")] = None,
     resource: Annotated[str | None, Query(max_length=200, description="only this resource (a policy's name)")] = None,
     after: Annotated[int, Query(ge=0, description="entries after this audit_id (paging)")] = 0,
@@ -165,7 +168,7 @@ async def read_audit(
                                             422: {"model": ErrorResponse,
                                                   "description": BODY_NOT_JSON_422 + ", or a field is invalid"}},
                      summary="Why each offering is or is not eligible for a request")
-async def explain(body: RouteRequest, caller: CallerDep,
+async def explain(body: RouteRequest, caller: InferenceDep,
                   tenant: Annotated[str | None, Query(max_length=64, description="admin keys: explain for this "
                                                                                   "tenant (default: the key's)")] = None,
                   ) -> dict[str, Any]:
@@ -175,7 +178,89 @@ async def explain(body: RouteRequest, caller: CallerDep,
     policy bias and the prefer policies that gave it, and the numbers the policies read."""
     who = caller.who.tenant
     if tenant is not None and tenant != who:
-        if not caller.who.is_admin:
-            raise RouteFailure(403, "forbidden", "only an admin key may explain for another tenant")
+        if not caller.svc.engine.access.permissions(caller.who).allows("admin:read:tenants"):
+            raise RouteFailure(**denied(caller.who, "admin:read:tenants", "explaining for another tenant"))
         who = tenant
-    return caller.svc.engine.explain(body, who, time.time())
+    # the caller's permissions mask regions as on /v1/route; explaining for another tenant shows that tenant's view
+    return caller.svc.engine.explain(body, who, time.time(), caller.who if who == caller.who.tenant else None)
+
+
+class DryRunBody(BaseModel):
+    """A proposed policy change: policies created or replaced (``put``, by name) and deleted
+    (``delete``) on top of the set in force -- or a whole proposed ``policy_set`` instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    put: list[Policy] = Field(default_factory=list, max_length=500, description="policies created or replaced")
+    delete: list[str] = Field(default_factory=list, max_length=500, description="names of policies removed")
+    policy_set: PolicySet | None = Field(None, description="the whole proposed set (instead of put/delete)")
+    last: int = Field(200, ge=1, le=5000, description="how many of the latest decisions to judge")
+    sample: int = Field(10, ge=0, le=100, description="changed decisions listed")
+
+
+def _proposed(caller: Caller, body: DryRunBody) -> PolicySet:
+    current = caller.svc.engine.policies.set
+    if body.policy_set is not None:
+        if body.put or body.delete:
+            raise _invalid("policy_set", "give policy_set, or put/delete -- not both")
+        ps = body.policy_set
+    else:
+        names = {p.name for p in current.policies}
+        for i, name in enumerate(body.delete):
+            if name not in names:
+                raise RouteFailure(422, "invalid_policy", f"field 'body.delete[{i}]': no policy named '{name}'",
+                                   [{"field": f"body.delete[{i}]", "message": f"no policy named '{name}'",
+                                     "suggestions": difflib.get_close_matches(name, sorted(names), n=3)}])
+        put = {p.name: p for p in body.put}
+        policies = [put.pop(p.name, p) for p in current.policies if p.name not in body.delete]
+        data = {**current.model_dump(mode="json", exclude_none=True),
+                "policies": [p.model_dump(mode="json", exclude_none=True) for p in [*policies, *put.values()]]}
+        try:
+            ps = PolicySet.model_validate(data)
+        except ValueError as e:
+            err = policy_set_error(e)
+            raise _invalid(err.field.replace("policies[", "put["), err.problem) from None
+    try:
+        caller.svc.engine.check_policies(ps)
+    except ConstraintError as e:
+        raise _invalid(_put_field(ps, body, e.field), e.problem, e.suggestions) from None
+    return ps
+
+
+def _put_field(ps: PolicySet, body: DryRunBody, field: str) -> str:
+    """A field of the proposed set (``policies[3].constraints...``) as the body names it."""
+    if body.policy_set is not None:
+        return f"policy_set.{field}"
+    head, sep, rest = field.partition("].")
+    if head.startswith("policies[") and sep:
+        name = ps.policies[int(head[len("policies["):])].name
+        for j, p in enumerate(body.put):
+            if p.name == name:
+                return f"put[{j}].{rest}"
+    return field
+
+
+@router.post("/policies/dry-run", responses={422: {"model": ErrorResponse,  # type: ignore[dict-item]
+                                                   "description": BODY_NOT_JSON_422 + ", a field is invalid, or names "
+                                                                  "a value the catalog lacks"}},
+             summary="How a policy change would have changed the last N decisions (admin:read:policies and "
+                     "admin:read:decisions)")
+async def dry_run_route(body: DryRunBody, caller: ReadPolicies) -> dict[str, Any]:
+    """Nothing is applied. Each of the last ``last`` decisions judged under the set in force and
+    under the proposed one (``router.dry_run``): how many would be ``excluded`` (routed to another
+    offering), ``refused`` (no offering left), ``rebiased`` or ``unchanged``, and a sample of the
+    changed ones."""
+    import asyncio
+
+    from router.dry_run import dry_run, recent_decisions
+
+    if not caller.svc.engine.access.permissions(caller.who).allows("admin:read:decisions"):
+        raise RouteFailure(**denied(caller.who, "admin:read:decisions", "a dry run (it reads every tenant's "
+                                    "decisions)"))
+    ps = _proposed(caller, body)
+    try:
+        rows = await asyncio.to_thread(recent_decisions, caller.svc.settings.log_target, body.last)
+    except Exception as e:
+        raise RouteFailure(503, "unavailable", f"the decision log cannot be read ({type(e).__name__})",
+                           headers={"Retry-After": "5"}) from None
+    return dry_run(caller.svc.engine, ps, rows, body.sample)

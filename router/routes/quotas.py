@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from router.deps import AdminDep, CallerDep
+from router.deps import CallerDep, ReadQuotas
 from router.routes.route import state_call
 from xroute.schema.decision import ErrorResponse
 from xroute.schema.quota import LIMITS, QuotaBucket
@@ -66,5 +66,5 @@ async def my_quotas(caller: CallerDep) -> QuotasResponse:
 @router.get("/admin/quotas", response_model=QuotasResponse, summary="Every tenant's quotas and their usage",
             tags=["admin"], responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},  # type: ignore[dict-item]
                                        503: {"model": ErrorResponse}})
-async def all_quotas(caller: AdminDep) -> QuotasResponse:
+async def all_quotas(caller: ReadQuotas) -> QuotasResponse:
     return await _buckets(caller.svc, sorted(caller.svc.engine.quota_plan.quotas))

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from starlette.routing import Match, Route
 from starlette.types import Scope
 
-from router.deps import authenticate
+from router.deps import authenticate_inference
 from router.engine import RouteFailure
 from router.errors import NOT_JSON, is_json, not_utf8
 from router.logs import LOG, new_sorted_id
@@ -355,7 +355,7 @@ async def route(request: Request) -> Response:
     offerings excluded and why, and the telemetry time and age used."""
     # the caller and the body without FastAPI's dependency and body machinery (~25 us a request):
     # the same checks and errors as ``CallerDep`` and a ``RouteRequest`` parameter
-    caller = await authenticate(request)
+    caller = await authenticate_inference(request)
     body = route_request(await request.body(), request.headers.get("content-type"))
     payload = await route_decision(caller.svc, body, caller.who, request.scope.setdefault("state", {}),
                                    idempotency_key(request))

@@ -248,6 +248,8 @@ def _no_null_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
             prop.update(alts[0])
         if prop.get("default", 0) is None:
             prop.pop("default")
+        if "patternProperties" in prop:  # a name that is not one (a key the pattern refuses) is refused
+            prop.setdefault("additionalProperties", False)
 
 
 class _PolicyModel(BaseModel):
