@@ -15,9 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from cloud_adapters.events import NoticeError, parse_notice
-from router.deps import CallerDep, WriteEvents
 from router.access import admin_denied
+from router.deps import CallerDep, WriteEvents
 from router.engine import RouteFailure
+from router.errors import BODY_NOT_JSON_422
 from router.migration import Migrator, body_digest
 from router.migration_store import MigrationStoreError
 from xroute.schema.access import admin_resource
@@ -42,7 +43,8 @@ _AUTH: dict[int | str, dict[str, Any]] = {401: {"model": ErrorResponse, "descrip
 _EVENT_ERRORS: dict[int | str, dict[str, Any]] = {
     **_AUTH,
     409: {"model": ErrorResponse, "description": "`event_id_reused`: the event id came before with another body"},
-    422: {"model": ErrorResponse, "description": "a field is invalid (named in `fields`): `unknown_pool` (close "
+    422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + "; a field is invalid (named in `fields`): "
+          "`unknown_pool` (close "
           "matches in `suggestions`), `deadline_passed`, `invalid_cloud_event` (the cloud payload's field named), "
           "`location_mismatch` (the payload's region is not the pool's); nothing is stored"}}
 _SESSION_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -51,7 +53,8 @@ _SESSION_ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorResponse, "description": "`invalid_transition`: the migration is not in the state the call "
           "needs; `stale_version`: the snapshot's version is not the migration's; `hash_mismatch`: the target read "
           "other bytes (the migration goes on to another target, `migration` says which); `conflict`: being moved"},
-    422: {"model": ErrorResponse, "description": "a field is invalid (named in `fields`); `wrong_target`"}}
+    422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + "; a field is invalid (named in `fields`); "
+          "`wrong_target`"}}
 
 _EVENT_BODY = {"required": True, "content": {"application/json": {"schema": {"oneOf": [
     {"$ref": "#/components/schemas/PoolEvent"}, {"$ref": "#/components/schemas/CloudEventEnvelope"}]}}}}
