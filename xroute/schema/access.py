@@ -158,8 +158,10 @@ def compile_grant(pattern: str) -> Grant:
     return Grant(pattern, segs, segs[-1] == "*", tuple(re.compile(fnmatch.translate(s)).match for s in segs))
 
 
-#: a permission's shape, as the JSON Schema can say it (the grammar is checked by :func:`check_permission`)
-Permission = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^\S+$")]
+#: a permission's shape, as the JSON Schema can say it (the grammar is checked by :func:`check_permission`):
+#: visible ASCII only -- not ``\S``, whose meaning differs between regex dialects (Python's counts
+#: U+0085 as a space, ECMA-262's, which JSON Schema names, does not)
+Permission = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[!-~]+$")]
 RoleName = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
