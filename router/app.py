@@ -37,6 +37,8 @@ from router.keys import KeyStore
 from router.logs import LOG, configure_logging, flush_logs, iso
 from router.metrics import Metrics
 from router.middleware import RequestContext
+from router.migration import Migrator
+from router.migration_store import MigrationStore
 from router.policies import ActivePolicy, import_loader, resolve
 from router.policy_store import PolicyStore, PolicyStoreError
 from router.policy_sync import PolicySync
@@ -45,12 +47,14 @@ from router.readiness import Readiness
 from router.routes import access as access_routes
 from router.routes import admin, decisions, feedback, health, offerings, quotas, route
 from router.routes import metrics as metrics_routes
+from router.routes import migration as migration_routes
 from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
+from xroute.schema.migration import CloudEventEnvelope, PoolEvent
 from xroute.schema.quota import DAY_S, day_index
 
 API_VERSION = "1.0.0"
@@ -416,8 +420,8 @@ def _document_security(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         services = getattr(app, "services", None)
-        catalog = ((tuple(services.engine.origins), tuple(services.engine.servable_models()))
-                   if services is not None else None)
+        catalog = ((tuple(services.engine.origins), tuple(services.engine.servable_models()),
+                    tuple(services.engine.offering_ids)) if services is not None else None)
         if app.openapi_schema is None or built_for[0] != catalog:
             from fastapi.openapi.utils import get_openapi
 
@@ -426,7 +430,9 @@ def _document_security(app: FastAPI) -> None:
             # the bodies routes read themselves (``POST /v1/route``'s and the gateway's, documented by their
             # openapi_extra)
             _, defs = models_json_schema([(RouteRequest, "validation"), (ChatBody, "validation"),
-                                          (CompletionBody, "validation")], ref_template="#/components/schemas/{model}")
+                                          (CompletionBody, "validation"), (PoolEvent, "validation"),
+                                          (CloudEventEnvelope, "validation")],
+                                         ref_template="#/components/schemas/{model}")
             for name, definition in defs.get("$defs", {}).items():
                 schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
             schema.setdefault("components", {})["securitySchemes"] = {
@@ -446,7 +452,8 @@ def _document_security(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: tuple[str, ...]) -> None:
+def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: tuple[str, ...],
+                      offerings: tuple[str, ...] = ()) -> None:
     """What the served telemetry accepts, as enums of ``RouteRequest``: an origin the catalog lacks
     or a model no pool holds is a 422 (``unknown_origin``, ``unknown_model``, ``model_unavailable``),
     so the document says
@@ -460,6 +467,10 @@ def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: 
         for branch in model.get("anyOf", [model]):
             if branch.get("type") == "string":
                 branch["enum"] = list(models)
+    for name, field in (("PoolEvent", "pool"), ("CloudEventEnvelope", "pool"), ("Verification", "target")):
+        prop = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get(field)
+        if prop is not None and offerings:  # a pool the catalog lacks is a 422 (unknown_pool, wrong_target)
+            prop["enum"] = list(offerings)
 
 
 def app_from_environment() -> FastAPI:
@@ -512,6 +523,13 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             if access_store is not None:
                 access_store.close()
             raise
+        try:  # pool events and migrations: tables on the same backend (router.migration_store)
+            migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
+        except Exception:
+            await store.close()
+            policy_store.close()
+            access_store.close()
+            raise
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         state = await open_router_state(settings)
@@ -535,6 +553,18 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         gateway.tenant_cfg = {name: t.gateway for name, t in access_sync.tenants().items()}
         access_sync.on_install.append(lambda tenants: setattr(gateway, "tenant_cfg", {
             name: t.gateway for name, t in tenants.items()}))
+        migrator = services.migrator = Migrator(services, migration_store, route.route_decision, route.release,
+                                                route.best_effort)
+        try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
+            await migrator.start()
+        except BaseException:
+            await gateway.close()
+            await migration_store.close()
+            await store.close()
+            await state.close()
+            policy_store.close()
+            access_store.close()
+            raise
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(readiness.run(), name="readiness"),
@@ -543,7 +573,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                  asyncio.create_task(_refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
                                      name="shared-view"),
                  asyncio.create_task(policy_sync.run(), name="policy-sync"),
-                 asyncio.create_task(access_sync.run(), name="access-sync")]
+                 asyncio.create_task(access_sync.run(), name="access-sync"),
+                 asyncio.create_task(migrator.run(), name="migrations")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
@@ -562,6 +593,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()  # its outcomes still being recorded, before the log closes
+            await migration_store.close()
             await store.close()
             await state.close()
             policy_store.close()
@@ -581,7 +613,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
-              quotas.router, access_routes.router, access_routes.whoami_router):
+              quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

@@ -45,6 +45,8 @@ class Services:
     policies: Any = None
     #: what /readyz answers, probed in the background (router.readiness.Readiness)
     readiness: object | None = None
+    #: pool events and session migrations (router.migration.Migrator), set once built
+    migrator: Any = None
     #: tenants, quotas, roles and bindings: the access store and its sync (router.access_store.AccessSync)
     access: Any = None
 
@@ -145,3 +147,5 @@ WriteRoles = Annotated[Caller, Depends(admin_dep("write", "roles"))]
 ReadDecisions = Annotated[Caller, Depends(admin_dep("read", "decisions"))]
 ReadStatus = Annotated[Caller, Depends(admin_dep("read", "status"))]
 WriteModel = Annotated[Caller, Depends(admin_dep("write", "model"))]
+#: pool events and the serving side's migration calls (docs/migration.md; the built-in role ``events``)
+WriteEvents = Annotated[Caller, Depends(admin_dep("write", "events"))]

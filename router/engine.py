@@ -159,6 +159,10 @@ class RoutingEngine:
         self.models: list[str] = [env.model_names[env.default_model]] + [
             m for k, m in enumerate(env.model_names) if k != env.default_model]
         self.index = CatalogIndex(self.catalog)
+        #: pool events (``router.migration``): the offerings new decisions may use (None: all), and the
+        #: bias (reward units) on offerings of a just-preempted region (None: none)
+        self.events_keep: np.ndarray | None = None
+        self.events_bias: np.ndarray | None = None
         #: the declared tenants (``tenants:``); a key of another is refused unless ``undeclared_tenants: allow``
         self.tenant_names = frozenset(settings.tenants)
         self.open_tenants = settings.undeclared_tenants == "allow"
@@ -588,6 +592,17 @@ class RoutingEngine:
                     raise RouteFailure(**denied(who, model_resource("inference", model_name, self.refs[a]["region"]),
                                                 f"a request of model '{model_name}'"))
                 allowed, ccounts, ctext = hit[2], hit[4], hit[5]
+        keep = self.events_keep
+        if keep is not None:  # pools a pool event masked (router.migration; docs/migration.md)
+            hidden = int((allowed & ~keep).sum())
+            if hidden:
+                allowed = allowed & keep
+                ccounts = {**ccounts, "pool_event": hidden}
+                ctext = f'{ctext},"pool_event":{hidden}' if ctext else f'"pool_event":{hidden}'
+                if not allowed.any():
+                    raise RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
+                                       "(a preemption, a drain or a degradation: docs/migration.md)",
+                                       headers={"Retry-After": "5"}, extra={"excluded": ccounts})
         t = self.now(wall)
         env = self.env
         budget, binding, buckets = None, -1, None
@@ -632,6 +647,9 @@ class RoutingEngine:
                                        extra={"excluded": self._all_counts(ccounts, pcounts)})
         bias = env.r_bias
         has_bias = env.r_has_bias
+        if self.events_bias is not None:  # a just-preempted region, de-prioritized (router.migration)
+            bias = bias + self.events_bias
+            has_bias = True
         ptext_answer = self._policies_text(pctx, pout)
         m_ = env.r_m
         holds = env.fits[m_] & (env.slots[m_] > 0)
@@ -1106,6 +1124,8 @@ class RoutingEngine:
             p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies and pctx is not None
                  else {"allowed": True, "excluded_by": None, "bias": 0.0, "biased_by": []})
             why = layer or (f"{env_policies.REASON_PREFIX}{p['excluded_by']}" if p["excluded_by"] else None)
+            if why is None and self.events_keep is not None and not self.events_keep[i]:
+                why = "pool_event"  # (router.migration: masked by a pool event)
             if why is None and not env_mask[i]:
                 why = kernels.ENV_REASONS[int(codes[i])]
             rows.append({"offering": self.refs[i], "eligible": why is None, "excluded_by": why, "policy": p,

@@ -45,6 +45,10 @@ class Metrics:
             "xroute_router_log_checkpoint_seconds",
             "WAL checkpoints run between group commits (the next commit waits for each)",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.migrations = Counter(
+            "xroute_router_migrations_total", "Pool events and session migrations by outcome: events, started, "
+            "committed, recomputed (committed without a verified snapshot), missed_window, aborted, rolled_back, "
+            "hash_mismatches (docs/migration.md)", ["outcome"], registry=r)
         self._fallback_codes: dict[str, str] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None

@@ -293,6 +293,20 @@ class RouterSettings(BaseSettings):
     prefix_retention_alpha: float = Field(0.05, gt=0, le=1, description="weight of one feedback's cached_tokens in "
                                           "its pool's retention (the share of predicted cached tokens confirmed)")
 
+    # migration off preempted or degraded pools (router/migration.py, docs/migration.md) ----------
+    migration_mask_s: float = Field(900.0, ge=0, le=7 * 86_400, description="a pool a pool event names is masked "
+                                    "for new decisions until this long after the event's deadline (or its receipt)")
+    migration_deprioritize_s: float = Field(600.0, ge=0, le=7 * 86_400, description="the region of an interrupted "
+                                            "pool is de-prioritized for this long after the notice")
+    migration_region_penalty: float = Field(1.0, ge=0, le=1e6, description="what a de-prioritized region's offerings "
+                                            "lose from their scores (reward units, like a prefer policy's weight)")
+    migration_grace_s: float = Field(30.0, ge=0, le=3600, description="after the deadline, a migration whose snapshot "
+                                     "is not verified yet gets this long before its work restarts at the target")
+    migration_timeout_s: float = Field(300.0, gt=0, le=86_400, description="a migration off a pool with no deadline "
+                                       "(rebalance, degraded) not committed within this long rolls back")
+    migration_poll_s: float = Field(0.2, gt=0, le=60, description="how often unfinished migrations are driven and "
+                                    "the pool events of other routers read")
+
     # inference servers' own metrics (router/scrape.py) ------------------------------------------
     inference_servers: list[InferenceServer] = Field(
         default_factory=list, description="pools whose inference servers are scraped for their running and waiting "

@@ -24,7 +24,8 @@ is not one) is an error naming it, with close matches.
 caller is known by: ``key:<key id>`` (one API key), ``tenant:<name>`` (every key of a tenant), and
 -- reserved for tokens from an identity provider -- ``idp:<issuer>:<subject>`` and
 ``group:<name>``. Built-in roles (:data:`BUILTIN_ROLES`) cannot be redefined: ``tenant`` (every
-tenant key: ``model:inference:*``, on its own tenant) and ``admin`` (every admin key: ``*``).
+tenant key: ``model:inference:*``, on its own tenant), ``admin`` (every admin key: ``*``) and
+``events`` (the serving side of migrations: ``admin:write:events``, ``admin:read:sessions``).
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ MODEL_ACTIONS: tuple[str, ...] = ("inference",)
 ADMIN_VERBS: tuple[str, ...] = ("read", "write")
 #: what admin calls touch (``admin:<verb>:<kind>``)
 ADMIN_KINDS: tuple[str, ...] = ("policies", "audit", "quotas", "tenants", "roles", "decisions", "status", "model",
-                                "metrics")
+                                "metrics", "events", "sessions")
 FAMILIES: tuple[str, ...] = ("model", "admin")
 #: the roles every router knows; a key's ``role`` names one (or a role defined through the admin API)
-BUILTIN_ROLES: dict[str, tuple[str, ...]] = {"tenant": ("model:inference:*",), "admin": ("*",)}
+BUILTIN_ROLES: dict[str, tuple[str, ...]] = {"tenant": ("model:inference:*",), "admin": ("*",),
+                                             # the serving side of migrations (docs/migration.md): pool events,
+                                             # snapshots and verifications, and any tenant's sessions
+                                             "events": ("admin:write:events", "admin:read:sessions")}
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SUBJECT_PATTERN = r"^(key:[0-9a-f]{8}|tenant:[A-Za-z0-9][A-Za-z0-9._-]{0,63}|idp:[^\s:]{1,200}:[^\s]{1,200}|group:[^\s]{1,200})$"

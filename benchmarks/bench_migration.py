@@ -1,0 +1,182 @@
+"""Migration off a preempted pool (``docs/migration.md``): how fast the router moves sessions.
+
+For each session count: a fresh ``xroute serve`` (one worker, greedy, the tiny test bundle with
+queues long enough for every session, SQLite log with ``synchronous=FULL``, embedded state) places
+that many sessions on one spot pool, then gets one interruption notice for the pool (deadline two
+minutes ahead). A serving side of ``--clients`` threads announces and verifies each session's
+snapshot as soon as its target is chosen. Measured:
+
+* ``accept_ms``: ``POST /v1/events`` (the event durable, the pool masked, every migration created
+  durable) -- the call's wall time;
+* ``targets_s``: until every migration has its target (the router alone: a live decision per
+  session, its transition durable), read from the log;
+* ``committed_s``: until every migration is committed (the serving side's snapshot and verify
+  calls included), read from the log; ``migrations_per_s`` = sessions / committed_s;
+* ``snapshot_ms``/``verify_ms`` p50/p99: one call each (a durable transition; verify two);
+* against the notice windows: whether ``committed_s`` fits 30 s (Azure, GCP) and 120 s (AWS).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_migration.py                    # 100 and 1,000 sessions (~2 min)
+    .venv/bin/python benchmarks/bench_migration.py --sessions 100 1000 10000
+
+Prints a markdown table and writes ``benchmarks/results/migration.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from router.keys import add_key  # noqa: E402
+from tests.servers import free_port, start_subprocess  # noqa: E402
+from tests.test_router_support import ROUTE, make_setup  # noqa: E402
+
+POOL = "aws:us-east-1:g5.xlarge:spot"
+
+
+def _count(db: Path, where: str) -> int:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        return int(conn.execute(f"SELECT COUNT(*) FROM migrations WHERE {where}").fetchone()[0])
+
+
+def run(n: int, clients: int, root: Path) -> dict[str, Any]:
+    setup = make_setup(root)
+    events_key = add_key(setup.settings.keys_file, "ops", "events")
+    port = free_port()
+    env = {"XROUTE_ROUTER_ENV__SERVING_CONFIG": str(root / "serving.yaml"),
+           "XROUTE_ROUTER_ENV__QUEUE_TIMEOUT_S": "3600", "XROUTE_ROUTER_CONFIG": str(root / "router.yaml"),
+           "XROUTE_ROUTER_STATE_HOLD_FLOOR_S": "600", "XROUTE_ROUTER_MIGRATION_POLL_S": "0.05"}
+    args = ["--telemetry", str(root / "bundle"), "--db", str(root / "decisions.db"), "--keys-file",
+            str(root / "keys.json"), "--model", "", "--log-level", "WARNING"]
+    proc = start_subprocess(args, env, port, root / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    A, E = setup.auth("a"), {"Authorization": f"Bearer {events_key}"}
+    sessions = [f"s{i:06d}" for i in range(n)]
+    try:
+        def place(part: list[str]) -> None:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                for s in part:
+                    d = c.post("/v1/route", headers=A, json={**ROUTE, "session_id": s, "constraints": {
+                        "prefer": [{"offering_ids": [POOL]}]}}).json()
+                    assert d["offering"]["offering_id"] == POOL, d
+                    c.post("/v1/feedback", headers=A, json={"decision_id": d["decision_id"], "latency_ms": 50})
+
+        threads = [threading.Thread(target=place, args=(sessions[k::clients],)) for k in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        snap_ms: list[float] = []
+        verify_ms: list[float] = []
+        lock = threading.Lock()
+
+        def serve(part: list[str]) -> None:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                todo = list(part)
+                while todo:
+                    later = []
+                    for s in todo:
+                        m = c.get(f"/v1/sessions/{s}?tenant=a", headers=E).json()["migration"]
+                        if m is None or m["state"] == "requested":
+                            later.append(s)
+                            continue
+                        digest = hashlib.sha256(s.encode()).hexdigest()
+                        t0 = time.perf_counter()
+                        r = c.post(f"/v1/sessions/{s}/snapshot?tenant=a", headers=E, json={
+                            "migration_id": m["migration_id"], "version": m["version"], "last_ack_seq": 1,
+                            "sha256": digest, "uri": f"s3://bench/{s}"})
+                        t1 = time.perf_counter()
+                        assert r.status_code == 200, r.text
+                        r = c.post(f"/v1/sessions/{s}/verify?tenant=a", headers=E, json={
+                            "migration_id": m["migration_id"], "target": m["target"], "sha256": digest})
+                        t2 = time.perf_counter()
+                        assert r.status_code == 200 and r.json()["state"] == "committed", r.text
+                        with lock:
+                            snap_ms.append(1000 * (t1 - t0))
+                            verify_ms.append(1000 * (t2 - t1))
+                    todo = later
+                    if todo:
+                        time.sleep(0.01)
+
+        db = root / "decisions.db"
+        with httpx.Client(base_url=url, timeout=120) as c:
+            t0 = time.perf_counter()
+            r = c.post("/v1/events", headers=E, json={"event_id": "bench", "kind": "interruption", "pool": POOL,
+                                                      "deadline": (datetime.now(UTC) + timedelta(seconds=120)).isoformat()})
+            accept = time.perf_counter() - t0
+            assert r.status_code == 200 and r.json()["migrations"] == n, r.text
+        workers = [threading.Thread(target=serve, args=(sessions[k::clients],)) for k in range(clients)]
+        for w in workers:
+            w.start()
+        targets_s = committed_s = None
+        while committed_s is None:
+            time.sleep(0.02)
+            now = time.perf_counter() - t0
+            if targets_s is None and _count(db, "state != 'requested'") == n:
+                targets_s = now
+            if _count(db, "state = 'committed'") == n:
+                committed_s = now
+                targets_s = targets_s or now
+        for w in workers:
+            w.join()
+        assert targets_s is not None
+        return {"sessions": n, "clients": clients, "accept_ms": round(1000 * accept, 1), "targets_s": round(targets_s, 2),
+                "committed_s": round(committed_s, 2), "migrations_per_s": round(n / committed_s, 1),
+                "snapshot_ms_p50": round(float(np.percentile(snap_ms, 50)), 2),
+                "snapshot_ms_p99": round(float(np.percentile(snap_ms, 99)), 2),
+                "verify_ms_p50": round(float(np.percentile(verify_ms, 50)), 2),
+                "verify_ms_p99": round(float(np.percentile(verify_ms, 99)), 2),
+                "fits_30s": committed_s <= 30.0, "fits_120s": committed_s <= 120.0}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--clients", type=int, default=8, help="serving-side threads")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "migration.json")
+    a = ap.parse_args()
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    rows = []
+    for n in a.sessions:
+        with tempfile.TemporaryDirectory(prefix="bench_migration_") as tmp:
+            rows.append(run(n, a.clients, Path(tmp)))
+        print(f"  {rows[-1]}", flush=True)
+    cols = ["sessions", "accept_ms", "targets_s", "committed_s", "migrations_per_s", "snapshot_ms_p50",
+            "snapshot_ms_p99", "verify_ms_p50", "verify_ms_p99", "fits_30s", "fits_120s"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    meta = {"cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+            "note": "one router worker (SQLite FULL, embedded state) and the serving-side clients on the same "
+                    "machine, shared with other work while measured",
+            "when": datetime.now(UTC).isoformat(timespec="seconds")}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"meta": meta, "runs": rows}, indent=2) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
