@@ -164,6 +164,11 @@ def test_sigkill_during_mass_migration_loses_nothing_and_moves_nothing_twice(tmp
                         elif st == "snapshot_announced":
                             _post(c, f"/v1/sessions/{s}/verify?tenant=a", headers=E, json={
                                 "migration_id": m["migration_id"], "target": m["target"], "sha256": _digest(s)})
+                        elif st == "committed" and m["target"] in SPOT.values():
+                            # committed onto a pool whose own event came a moment later (the events are
+                            # posted one after another): that event's migration follows; wait for it
+                            later.append(s)
+                            continue
                         elif st == "committed" and s not in replayed:
                             if v["replay_from"] is not None:
                                 r2 = _post(c, "/v1/route", headers={**A, "Idempotency-Key": f"replay-{s}-3"},
@@ -216,7 +221,7 @@ def test_sigkill_during_mass_migration_loses_nothing_and_moves_nothing_twice(tmp
             for s in sessions:
                 v = c.get(f"/v1/sessions/{s}?tenant=a", headers=E).json()
                 m = v["migration"]
-                assert m["state"] == "committed" and m["source"] == placed[s], m
+                assert m["state"] == "committed", m
                 assert m["target"] not in SPOT.values() and v["placement"] not in SPOT.values(), v
                 if s not in in_doubt:
                     assert v["placement"] == replayed.get(s, m["target"]), v
@@ -226,12 +231,27 @@ def test_sigkill_during_mass_migration_loses_nothing_and_moves_nothing_twice(tmp
               f"{recomputed} past the notice window (work restarted at the target), {len(in_doubt)} replays in "
               "doubt (key still claimed after a SIGKILL)")
         rows, transitions, keys = _read_log(tmp_path / "decisions.db", pg_url)
-        per_session = Counter((t, s) for _mid, t, s, _state, _target, _dec in rows)
-        assert len(per_session) == SESSIONS and set(per_session.values()) == {1}, "a session migrated twice"
+        # one migration per session and event; a session moves again only when the pool it moved to had
+        # its own event after (the three are posted one after another): a chain from where it was placed
+        chains: dict[str, list[tuple[float, str, str, str]]] = defaultdict(list)
+        for _mid, _t, s, _state, target, _dec, event, source, created in rows:
+            chains[s].append((float(created), event, source, target))
+        assert len(chains) == SESSIONS
+        moved_again = 0
+        for s, chain in chains.items():
+            chain.sort()
+            events = [e for _c, e, _src, _tgt in chain]
+            assert len(set(events)) == len(events), ("a session migrated twice for one event", s, chain)
+            assert chain[0][2] == placed[s], (s, chain)
+            for (_c0, _e0, _s0, tgt0), (_c1, _e1, src1, _t1) in itertools.pairwise(chain):
+                assert tgt0 == src1 and tgt0 in SPOT.values(), (s, chain)
+            assert chain[-1][3] not in SPOT.values(), (s, chain)
+            moved_again += len(chain) - 1
+        print(f"{backend}: {moved_again} sessions moved a second time (their first target's own event came after)")
         paths: dict[str, list[tuple[int, str]]] = defaultdict(list)
         for mid, version, state in transitions:
             paths[mid].append((int(version), state))
-        for mid, _t, _s, state, _target, _dec in rows:
+        for mid, _t, _s, state, _target, _dec, *_rest in rows:
             steps = paths[mid]
             versions = [v for v, _ in steps]
             assert versions == list(range(versions[0], versions[0] + len(versions))), (mid, steps)
@@ -239,7 +259,7 @@ def test_sigkill_during_mass_migration_loses_nothing_and_moves_nothing_twice(tmp
         key_counts = Counter(k for k, _ in keys)
         assert key_counts and max(key_counts.values()) == 1, "an idempotency key was decided twice"
         decided = dict(keys)
-        target_decisions = {dec for *_x, dec in rows}
+        target_decisions = {r[5] for r in rows}  # (target_decision)
         assert all(dec in {d for _k, d in keys} for dec in target_decisions)
         n_replays = sum(1 for k in decided if ":route:replay-" in k)
         assert len(replayed) <= n_replays <= len(replayed) + len(in_doubt)
@@ -249,7 +269,8 @@ def test_sigkill_during_mass_migration_loses_nothing_and_moves_nothing_twice(tmp
 
 
 def _read_log(db: Path, pg_url: str | None) -> tuple[list[Any], list[Any], list[tuple[str, str]]]:
-    q1 = "SELECT migration_id, tenant, session_id, state, target, target_decision FROM migrations"
+    q1 = ("SELECT migration_id, tenant, session_id, state, target, target_decision, event_id, source, created_at "
+          "FROM migrations")
     q2 = "SELECT migration_id, version, state FROM migration_transitions ORDER BY migration_id, version"
     q3 = "SELECT idempotency_key, decision_id FROM decisions WHERE idempotency_key IS NOT NULL"
     if pg_url is None:

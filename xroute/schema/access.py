@@ -56,7 +56,8 @@ BUILTIN_ROLES: dict[str, tuple[str, ...]] = {"tenant": ("model:inference:*",), "
                                              "events": ("admin:write:events", "admin:read:sessions")}
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-SUBJECT_PATTERN = r"^(key:[0-9a-f]{8}|tenant:[A-Za-z0-9][A-Za-z0-9._-]{0,63}|idp:[^\s:]{1,200}:[^\s]{1,200}|group:[^\s]{1,200})$"
+#: (visible ASCII, not ``\S``: regex dialects disagree on what a space is -- see ``Permission``)
+SUBJECT_PATTERN = r"^(key:[0-9a-f]{8}|tenant:[A-Za-z0-9][A-Za-z0-9._-]{0,63}|idp:[!-9;-~]{1,200}:[!-~]{1,200}|group:[!-~]{1,200})$"
 _NAME = re.compile(NAME_PATTERN)
 _SUBJECT = re.compile(SUBJECT_PATTERN)
 

@@ -149,7 +149,7 @@ class Snapshot(BaseModel):
     last_ack_seq: int = Field(ge=0, le=2**53, description="the last request sequence number the client was answered "
                                                           "for; later ones are replayed at the target, once")
     sha256: str = Field(pattern=SHA256_PATTERN, description="SHA-256 of the snapshot's bytes, lowercase hex")
-    uri: str = Field(min_length=3, max_length=2048, pattern=r"^[a-z][a-z0-9+.-]*://\S+$",
+    uri: str = Field(min_length=3, max_length=2048, pattern=r"^[a-z][a-z0-9+.-]*://[!-~]+$",
                      description="where the serving side put the state (s3://, gs://, https://, file://, ...)")
 
 
