@@ -88,7 +88,7 @@ def _engine(tmp: Path) -> RoutingEngine:
         if df is not None:
             df.to_csv(tmp / f"{name}.csv", index=False)
     return RoutingEngine(load_settings(tmp / "router.yaml", telemetry=tmp, model_uri="", max_telemetry_age_s=1e9,
-                                       replay_speed=1.0))
+                                       replay_speed=1.0, tenants={WHO.tenant: {}}))  # unknown tenants fail closed
 
 
 def _send(engine: RoutingEngine, hashes: np.ndarray, pool: str, session: str | None) -> PrefixSend:

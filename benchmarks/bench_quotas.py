@@ -144,7 +144,7 @@ def bench_decide(n: int, rounds: int) -> dict[str, Any]:
     (work / "router.yaml").write_text("{}\n")
     engines, states = {}, {}
     for v in ("off", "on"):
-        tenants = {"bench": {"quotas": QUOTAS}} if v == "on" else {}
+        tenants = {"bench": {"quotas": QUOTAS} if v == "on" else {}}  # declared either way: unknown tenants fail closed
         engines[v] = RoutingEngine(load_settings(work / "router.yaml", model_uri="", db_path=work / "d.db",
                                                  tenants=tenants, replay_speed=1e-6))
         states[v] = EmbeddedState()

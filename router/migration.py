@@ -95,6 +95,10 @@ class Migrator:
         self._pending_since: dict[str, float] = {}
         #: when each event's last sweep that completed began (its next reads only what came since)
         self._last_sweep: dict[str, float] = {}
+        #: events being swept now: the loop does not start a second sweep of one beside it (a sweep
+        #: of 10,000 sessions outlasts the loop's resweep interval; the second would take part of
+        #: the first's sessions, and ``POST /v1/events`` would answer fewer migrations than it started)
+        self._sweeping: set[str] = set()
         #: target choices at once (each a decision: a shared state's connections are a pool)
         self._deciding = asyncio.Semaphore(self.CONCURRENT_DECISIONS)
         self.counters = {"events": 0, "migrations_started": 0, "committed": 0, "recomputed": 0,
@@ -200,6 +204,14 @@ class Migrator:
         now = time.time()
         last = self._last_sweep.get(event_id)
         self._swept[event_id] = now
+        self._sweeping.add(event_id)
+        try:
+            return await self._sweep(event_id, kind, pool, deadline, now, last)
+        finally:
+            self._sweeping.discard(event_id)
+
+    async def _sweep(self, event_id: str, kind: str, pool: str, deadline: float | None, now: float,
+                     last: float | None) -> int:
         since = now - self.settings.prefix_ttl_s if last is None else max(last - self.SWEEP_OVERLAP_S,
                                                                              now - self.settings.prefix_ttl_s)
         places = await asyncio.to_thread(self.store.placements, since)
@@ -237,7 +249,8 @@ class Migrator:
                 rows = await self.reload_events()
                 now = time.time()
                 for eid, kind, pool, _region, deadline, masked_until, _d, _at in rows:
-                    if masked_until > now and now - self._swept.get(eid, 0.0) >= resweep:
+                    if (masked_until > now and now - self._swept.get(eid, 0.0) >= resweep
+                            and eid not in self._sweeping):
                         await self.sweep(eid, kind, pool, deadline)
                 await self.drive_all()
             except asyncio.CancelledError:

@@ -1,0 +1,57 @@
+"""The benchmarks still run: each router benchmark's measuring code, at a size of seconds.
+
+Nothing here times anything (speed is the benchmarks' business, ``benchmarks/``); it checks that
+the code a benchmark measures is the product's current code path and still answers. Two of them
+broke unnoticed when undeclared tenants started failing closed (issue 22): their engines routed
+for a tenant the router had not been told about.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import benchmarks.bench_migration as bench_migration
+import benchmarks.bench_policies as bench_policies
+import benchmarks.bench_prefix as bench_prefix
+import benchmarks.bench_quotas as bench_quotas
+import benchmarks.bench_rbac as bench_rbac
+import benchmarks.bench_router as br
+
+
+def _pct_ok(d: dict[str, float]) -> None:
+    assert 0 < d["p50_us"] <= d["p99_us"], d
+
+
+def test_bench_prefix_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_prefix, "HISTORY", 500)
+    res = bench_prefix.in_process(200, tmp_path)
+    for k in ("lookup", "lookup_and_conversion", "record", "decision_with_prefix", "decision_without"):
+        assert res[k]["p50_us"] > 0, (k, res[k])
+    # the prompts share blocks with the index's history: some lookups must find a pool
+    assert 0 < res["lookups_with_a_match"] <= 1
+
+
+def test_bench_quotas_decide() -> None:
+    res = bench_quotas.bench_decide(300, 1)
+    _pct_ok(res["off"])
+    _pct_ok(res["on"])
+
+
+def test_bench_policies_engine(tmp_path: Path) -> None:
+    bundle = br.make_bundle(tmp_path / "bundle", 30, n_requests=400)
+    res = bench_policies.bench_engine(bundle, 200, 1, tmp_path)
+    assert set(res) >= {"policies_off", "policies_on"}, res
+
+
+def test_bench_rbac_decide(tmp_path: Path) -> None:
+    eng = bench_rbac._engine(br.make_bundle(tmp_path / "bundle", 30, n_requests=400), tmp_path)
+    assert bench_rbac.bench_check(eng, 200)
+    assert bench_rbac.bench_decide(eng, 100, 1)
+
+
+@pytest.mark.slow
+def test_bench_migration_run(tmp_path: Path) -> None:
+    res = bench_migration.run(20, 2, tmp_path)
+    assert res["sessions"] == 20 and res["missed_window"] == 0 and res["fits_30s"], res
