@@ -53,6 +53,7 @@ from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
+from router.webhooks import WebhookSender
 from xroute.schema.decision import RouteRequest
 from xroute.schema.migration import CloudEventEnvelope, PoolEvent
 from xroute.schema.quota import DAY_S, day_index
@@ -553,6 +554,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         gateway.tenant_cfg = {name: t.gateway for name, t in access_sync.tenants().items()}
         access_sync.on_install.append(lambda tenants: setattr(gateway, "tenant_cfg", {
             name: t.gateway for name, t in tenants.items()}))
+        webhooks = services.webhooks = WebhookSender(settings, migration_store, metrics, access_sync.tenants())
+        access_sync.on_install.append(webhooks.set_tenants)
         migrator = services.migrator = Migrator(services, migration_store, route.route_decision, route.release,
                                                 route.best_effort)
         try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
@@ -574,7 +577,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                                      name="shared-view"),
                  asyncio.create_task(policy_sync.run(), name="policy-sync"),
                  asyncio.create_task(access_sync.run(), name="access-sync"),
-                 asyncio.create_task(migrator.run(), name="migrations")]
+                 asyncio.create_task(migrator.run(), name="migrations"),
+                 asyncio.create_task(webhooks.run(), name="webhooks")]
         if scraper is not None:
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
@@ -593,6 +597,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await gateway.close()  # its outcomes still being recorded, before the log closes
+            await webhooks.close()
             await migration_store.close()
             await store.close()
             await state.close()

@@ -47,6 +47,8 @@ class Services:
     readiness: object | None = None
     #: pool events and session migrations (router.migration.Migrator), set once built
     migrator: Any = None
+    #: the migration webhooks' sender (router.webhooks.WebhookSender), set once built
+    webhooks: Any = None
     #: tenants, quotas, roles and bindings: the access store and its sync (router.access_store.AccessSync)
     access: Any = None
 

@@ -49,6 +49,10 @@ class Metrics:
             "xroute_router_migrations_total", "Pool events and session migrations by outcome: events, started, "
             "committed, recomputed (committed without a verified snapshot), missed_window, aborted, rolled_back, "
             "hash_mismatches (docs/migration.md)", ["outcome"], registry=r)
+        self.webhooks = Counter(
+            "xroute_router_webhooks_total", "Migration webhooks by outcome: delivered, retried (an attempt failed, "
+            "another is scheduled), failed (out of attempts, or the tenant no longer has a webhook)", ["outcome"],
+            registry=r)
         self._fallback_codes: dict[str, str] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None

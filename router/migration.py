@@ -374,9 +374,11 @@ class Migrator:
             if final or got.status == 422:
                 dst = S.aborted if row.terminal_kind else S.rolled_back
                 text = f"{why}; no other target: {got.error}"
-                await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst,
-                                                              time.time(), text, reason=text[:300], tried=refused,
-                                                              missed_window=row.terminal_kind))
+                now = time.time()
+                ends = {"reason": text[:300], "tried": refused, "missed_window": row.terminal_kind}
+                await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst, now, text,
+                                                              notify=self._notice(rec, dst, now, ends), **ends))
+                self._ended()
                 await self._release(rec.target_decision)
                 self._count(dst.value, 1)
             return
@@ -394,18 +396,38 @@ class Migrator:
     async def _give_up(self, row: Row, why: str) -> None:
         rec = row.record
         dst = S.aborted if row.terminal_kind else S.rolled_back
-        await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst, time.time(), why,
-                                                      reason=why[:300], missed_window=row.terminal_kind))
+        now = time.time()
+        ends = {"reason": why[:300], "missed_window": row.terminal_kind}
+        await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst, now, why,
+                                                      notify=self._notice(rec, dst, now, ends), **ends))
+        self._ended()
         await self._release(rec.target_decision)
         self._count(dst.value, 1)
+
+    def _notice(self, rec: MigrationRecord, dst: MigrationState, now: float, ends: dict[str, Any]
+                ) -> dict[str, Any] | None:
+        """The webhook delivery (``router.webhooks``) of ``rec`` ending in ``dst``, written with that
+        transition; None when its tenant has no webhook (or no sender runs)."""
+        sender = getattr(self.svc, "webhooks", None)
+        if sender is None:
+            return None
+        return sender.notice(rec.model_copy(update={"state": dst, "version": rec.version + 1, "updated_at": now,
+                                                    **ends}), now)  # type: ignore[no-any-return]
+
+    def _ended(self) -> None:
+        sender = getattr(self.svc, "webhooks", None)
+        if sender is not None:
+            sender.wake()
 
     async def _commit(self, row: Row, recomputed: bool) -> MigrationRecord:
         rec = row.record
         now = time.time()
         missed = rec.deadline is not None and now > rec.deadline
         how = "cold: the work restarts at the target" if recomputed else "snapshot verified"
+        ends = {"recomputed": recomputed, "missed_window": missed}
         v = await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, S.committed, now,
-                                                          how, recomputed=recomputed, missed_window=missed))
+                                                          how, notify=self._notice(rec, S.committed, now, ends), **ends))
+        self._ended()
         self._count("committed", 1)
         self._count("recomputed", int(recomputed))
         self._count("missed_window", int(missed))

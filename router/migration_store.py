@@ -82,6 +82,22 @@ CREATE TABLE IF NOT EXISTS migration_transitions (
     detail TEXT,
     PRIMARY KEY (migration_id, version)
 );
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    delivery_id TEXT PRIMARY KEY,
+    migration_id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_at {real} NOT NULL,
+    claimed_until {real},
+    last_status INTEGER,
+    last_error TEXT,
+    created_at {real} NOT NULL,
+    updated_at {real} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS webhooks_due ON webhook_deliveries (next_at) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS decisions_session ON decisions (tenant, session_id, created_at)
     WHERE session_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS decisions_key ON decisions (idempotency_key) WHERE idempotency_key IS NOT NULL;
@@ -320,9 +336,11 @@ class MigrationStore:
 
     @staticmethod
     def transition(migration_id: str, version: int, src: MigrationState, dst: MigrationState, now: float,
-                   detail: str, **fields: Any) -> Op:
+                   detail: str, notify: dict[str, Any] | None = None, **fields: Any) -> Op:
         """Move ``migration_id`` from ``src`` at ``version`` to ``dst`` at ``version + 1``, setting
-        ``fields``; raises :class:`Conflict` when it is no longer there."""
+        ``fields``; raises :class:`Conflict` when it is no longer there. ``notify``: a webhook
+        delivery (``router.webhooks``) queued in the same transaction -- the notice exists exactly
+        when the transition does."""
         if not allowed(src, dst):
             raise ValueError(f"{src} -> {dst} is not a transition of the migration state machine")
         sets = ["state = ?", "version = ?", "updated_at = ?"] + [f"{k} = ?" for k in fields]
@@ -337,8 +355,42 @@ class MigrationStore:
                 raise Conflict(f"migration {migration_id} is no longer {src.value} at version {version}")
             execute("INSERT INTO migration_transitions (migration_id, version, state, at, detail) VALUES (?, ?, ?, ?, ?)",
                     (migration_id, version + 1, dst.value, now, detail[:500]))
+            if notify is not None:
+                execute("INSERT INTO webhook_deliveries (delivery_id, migration_id, tenant, session_id, body, status, "
+                        "attempts, next_at, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?) "
+                        "ON CONFLICT DO NOTHING", (notify["delivery_id"], migration_id, notify["tenant"],
+                                                   notify["session_id"], notify["body"], now, now, now))
             return version + 1
 
+        return op
+
+    # ------------------------------------------------------------------ webhook deliveries
+    def due_webhooks(self, now: float, limit: int) -> list[tuple[str, str, str, str, int]]:
+        """(delivery id, tenant, session id, body, attempts so far) of the pending deliveries due by
+        ``now`` that no router holds, oldest first."""
+        return self.query("SELECT delivery_id, tenant, session_id, body, attempts FROM webhook_deliveries WHERE "
+                          "status = 'pending' AND next_at <= ? AND (claimed_until IS NULL OR claimed_until < ?) "
+                          "ORDER BY next_at LIMIT ?", (now, now, limit))  # type: ignore[return-value]
+
+    @staticmethod
+    def claim_webhook(delivery_id: str, now: float, until: float) -> Op:
+        """Hold a pending delivery until ``until`` (one router sends it at a time); :class:`Conflict`
+        when it is delivered, failed or held by another."""
+        def op(execute: Callable[..., Any]) -> None:
+            cur = execute("UPDATE webhook_deliveries SET claimed_until = ? WHERE delivery_id = ? AND status = 'pending' "
+                          "AND (claimed_until IS NULL OR claimed_until < ?)", (until, delivery_id, now))
+            if cur.rowcount != 1:
+                raise Conflict(f"webhook delivery {delivery_id} is not pending or is held")
+        return op
+
+    @staticmethod
+    def webhook_attempted(delivery_id: str, status: str, attempts: int, next_at: float, http_status: int | None,
+                          error: str | None, now: float) -> Op:
+        """Record an attempt's outcome: ``status`` delivered, pending (retried at ``next_at``) or failed."""
+        def op(execute: Callable[..., Any]) -> None:
+            execute("UPDATE webhook_deliveries SET status = ?, attempts = ?, next_at = ?, claimed_until = NULL, "
+                    "last_status = ?, last_error = ?, updated_at = ? WHERE delivery_id = ?",
+                    (status, attempts, next_at, http_status, None if error is None else error[:300], now, delivery_id))
         return op
 
     # ------------------------------------------------------------------ reads

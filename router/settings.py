@@ -58,6 +58,55 @@ class TenantGateway(BaseModel):
                                 "store (gateway.transcripts_path); off by default, and never in any log")
 
 
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+
+
+def read_secret(env: str | None, file: Path | None, where: str) -> str | None:
+    """The secret an environment variable (``env``) or a file (``file``, e.g. a mounted secret)
+    holds; None when neither is named. A ``ConfigError`` names ``where`` + ``_env``/``_file`` when
+    it is unset, unreadable or empty. Never logged."""
+    if env is not None:
+        value = os.environ.get(env, "").strip()
+        if not value:
+            raise ConfigError(f"{where}_env': the environment variable '{env}' is not set")
+        return value
+    if file is not None:
+        try:
+            value = file.read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{where}_file': cannot read '{file}' ({e.strerror})") from None
+        if not value:
+            raise ConfigError(f"{where}_file': '{file}' is empty")
+        return value
+    return None
+
+
+class TenantWebhook(BaseModel):
+    """Where a tenant hears that a migration of one of its sessions ended (``router.webhooks``,
+    ``docs/migration.md``): an HTTP(S) URL, and the secret that signs each call -- named by an
+    environment variable or a file (a mounted secret), never in the config itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(min_length=8, max_length=2048, description="the URL each notice is POSTed to (http:// or https://)")
+    secret_env: str | None = Field(None, pattern=_ENV_NAME, description="the environment variable holding the "
+                                   "signing secret (HMAC-SHA256, header X-Xroute-Signature)")
+    secret_file: Path | None = Field(None, description="... or a file holding it")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"'{v}' is not an http:// or https:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> TenantWebhook:
+        if (self.secret_env is None) == (self.secret_file is None):
+            raise ValueError("give exactly one of secret_env or secret_file: every notice is signed")
+        return self
+
+
 class TenantConfig(BaseModel):
     """Per-tenant settings; ``constraints`` apply to every request of the tenant."""
 
@@ -73,6 +122,9 @@ class TenantConfig(BaseModel):
     quotas: TenantQuotas | None = Field(
         None, description="the tenant's quotas (docs/quotas.md): max_concurrent, tokens_per_minute, requests_per_day, "
                           "usd_per_day, and the same per model under models; over one, a request gets 429")
+    webhook: TenantWebhook | None = Field(
+        None, description="where the tenant hears of its sessions' migrations ending (docs/migration.md, "
+                          "\"Webhooks\"): signed, delivered at least once, retried with backoff")
 
 
 class InferenceServer(BaseModel):
@@ -93,7 +145,6 @@ class InferenceServer(BaseModel):
         return v
 
 
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 
 
 class Upstream(BaseModel):
@@ -306,6 +357,12 @@ class RouterSettings(BaseSettings):
                                        "(rebalance, degraded) not committed within this long rolls back")
     migration_poll_s: float = Field(0.2, gt=0, le=60, description="how often unfinished migrations are driven and "
                                     "the pool events of other routers read")
+    webhook_timeout_s: float = Field(5.0, gt=0, le=120, description="a webhook call's whole time limit")
+    webhook_backoff_s: float = Field(1.0, gt=0, le=3600, description="the wait before a failed webhook's first retry; "
+                                     "doubled after each failure (with jitter) up to webhook_backoff_max_s")
+    webhook_backoff_max_s: float = Field(300.0, gt=0, le=86_400, description="the longest wait between two attempts")
+    webhook_max_attempts: int = Field(10, ge=1, le=1000, description="attempts before a notice is marked failed "
+                                      "(kept in the log, counted in xroute_router_webhooks_total{outcome=\"failed\"})")
 
     # inference servers' own metrics (router/scrape.py) ------------------------------------------
     inference_servers: list[InferenceServer] = Field(

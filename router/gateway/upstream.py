@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from router.settings import read_secret
 from xroute.errors import ConfigError
 
 
@@ -49,20 +49,7 @@ class Endpoint:
 
 def api_key(upstream: Any, where: str) -> str | None:
     """The key an upstream's ``api_key_env`` / ``api_key_file`` names (None when it names none)."""
-    if upstream.api_key_env is not None:
-        value = os.environ.get(upstream.api_key_env, "").strip()
-        if not value:
-            raise ConfigError(f"{where}.api_key_env': the environment variable '{upstream.api_key_env}' is not set")
-        return value
-    if upstream.api_key_file is not None:
-        try:
-            value = upstream.api_key_file.read_text().strip()
-        except OSError as e:
-            raise ConfigError(f"{where}.api_key_file': cannot read '{upstream.api_key_file}' ({e.strerror})") from None
-        if not value:
-            raise ConfigError(f"{where}.api_key_file': '{upstream.api_key_file}' is empty")
-        return value
-    return None
+    return read_secret(upstream.api_key_env, upstream.api_key_file, f"{where}.api_key")
 
 
 def upstream_pools(settings: Any, offering_ids: list[str], models: list[str]) -> dict[tuple[str, str], list[Endpoint]]:

@@ -211,3 +211,47 @@ class EventAccepted(BaseModel):
     masked_until: float
     deprioritized_region: str | None
     migrations: int = Field(description="migrations the event started")
+
+
+# ---------------------------------------------------------------------------------------- webhooks
+#: the header carrying a webhook's signature: ``t=<unix seconds>,v1=<hex HMAC-SHA256>``
+SIGNATURE_HEADER = "X-Xroute-Signature"
+#: the header naming a delivery (the same on every retry of it: a receiver deduplicates by it)
+DELIVERY_HEADER = "X-Xroute-Delivery"
+
+
+class MigrationNotice(BaseModel):
+    """The body of a webhook a tenant registers (``tenants.<t>.webhook``): a migration of one of
+    its sessions ended, and where the session is now. Delivered at least once (``delivery_id``
+    is the same on every attempt), signed with the tenant's secret (:func:`sign_webhook`)."""
+
+    type: Literal["session.migration.committed", "session.migration.aborted", "session.migration.rolled_back"]
+    delivery_id: str
+    at: float = Field(description="when the migration ended (epoch seconds)")
+    session: SessionView
+
+
+def sign_webhook(secret: bytes, body: bytes, at: int) -> str:
+    """The :data:`SIGNATURE_HEADER` value for ``body`` sent at ``at`` (unix seconds): the HMAC-SHA256
+    of ``b"<at>." + body`` under ``secret``, as ``t=<at>,v1=<hex>``."""
+    import hashlib
+    import hmac
+
+    mac = hmac.new(secret, str(int(at)).encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"t={int(at)},v1={mac}"
+
+
+def verify_webhook(secret: bytes, body: bytes, header: str, now: float, tolerance_s: float = 300.0) -> bool:
+    """What a receiver runs on a webhook: whether ``header`` (the :data:`SIGNATURE_HEADER` value) signs
+    ``body`` under ``secret`` and was made within ``tolerance_s`` of ``now`` (a replayed old
+    request fails). Constant-time comparison."""
+    import hmac
+
+    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
+    try:
+        at = int(parts["t"])
+    except (KeyError, ValueError):
+        return False
+    if abs(now - at) > tolerance_s or "v1" not in parts:
+        return False
+    return hmac.compare_digest(sign_webhook(secret, body, at), f"t={at},v1={parts['v1']}")
