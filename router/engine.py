@@ -1136,6 +1136,32 @@ class RoutingEngine:
                 "applied": list(pctx.applied) if pctx is not None else [],
                 "eligible": sum(r["eligible"] for r in rows), "offerings": rows}
 
+    def rule_exclusion(self, req: RouteRequest, tenant: str, wall: float, offering: int) -> str | None:
+        """What in the tenant's constraints or the routing policies excludes ``offering`` for
+        ``req`` now (``"tenant:deny"``, ``"policy:<name>"``), None when they allow it. The pools'
+        state does not count (full headroom assumed: a busy pool is no reason to move a session); a
+        price ceiling does, at today's price (``router.migration``: placements the rules no longer
+        allow are migrated). Makes ``req`` current in the environment; admits nothing."""
+        if not self.tenant_known(tenant):
+            return None
+        compiled, _, _, _ = self.constraints_for(tenant, None)
+        why = compiled.reason[offering]
+        if why:
+            return why
+        env = self.env
+        try:
+            env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
+                         req.deadline_ms, req.model, tenant, None, request_class=req.request_class,
+                         pre=compiled.allowed)
+        except ValueError:  # (a model this router no longer serves: not the rules' business)
+            return None
+        pctx = env.r_policy.ctx
+        if pctx is None or pctx.empty:
+            return None
+        p = self.policies.explain(pctx, env.r_policy, offering, float(env.usd_h[offering]),
+                                  float(env.c_rtt[offering]), 1.0)
+        return f"{env_policies.REASON_PREFIX}{p['excluded_by']}" if p["excluded_by"] else None
+
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float, reserved: dict[str, int] | None = None) -> dict[str, Any]:
         """Current price, availability and the router's view of each offering's pool of the

@@ -99,6 +99,8 @@ class Migrator:
         #: of 10,000 sessions outlasts the loop's resweep interval; the second would take part of
         #: the first's sessions, and ``POST /v1/events`` would answer fewer migrations than it started)
         self._sweeping: set[str] = set()
+        #: the (routing policies, tenants and access) versions whose placements were last checked
+        self._rules_checked: tuple[int, int] | None = None
         #: target choices at once (each a decision: a shared state's connections are a pool)
         self._deciding = asyncio.Semaphore(self.CONCURRENT_DECISIONS)
         self.counters = {"events": 0, "migrations_started": 0, "committed": 0, "recomputed": 0,
@@ -228,6 +230,47 @@ class Migrator:
         self._count("migrations_started", len(made))
         return len(made)
 
+    def _rules_version(self) -> tuple[int, int]:
+        access = getattr(self.svc, "access", None)
+        return int(self.engine.policy_version), int(getattr(access, "version", 0) or 0)
+
+    async def rules_sweep(self) -> int:
+        """When the routing policies or the tenants changed (on this router or through another's
+        admin API): a migration for every session whose placement its tenant's constraints or a
+        policy no longer allow. One per session and version pair (``rules-p<policies>.t<tenants>``,
+        the same id on every router: a unique key makes it once); not terminal -- its pool stays,
+        so with no target or no snapshot in time it rolls back (the session's next turns obey the
+        rules anyway: they are new decisions)."""
+        ver = self._rules_version()
+        if ver == self._rules_checked:
+            return 0
+        event_id = f"rules-p{ver[0]}.t{ver[1]}"
+        now = time.time()
+        places = await asyncio.to_thread(self.store.placements, now - self.settings.prefix_ttl_s)
+        out = []
+        for n, ((tenant, session), (pool, _at, _v, req)) in enumerate(places.items()):
+            a = self.offering_index(pool)
+            if a is None or self.masked(pool):  # (a pool event's own sweep moves those)
+                continue
+            why = self.engine.rule_exclusion(RouteRequest.model_validate_json(req), tenant, now, a)
+            if why is not None:
+                out.append(((tenant, session), pool, req, why))
+            if n % 64 == 63:
+                await asyncio.sleep(0)  # (the checks run on the event loop: decisions go on between them)
+        made: list[str] = []
+        if out:
+            versions = await asyncio.to_thread(self.store.session_versions, [k for k, _, _, _ in out])
+            rows = [{"migration_id": "m_" + uuid.uuid4().hex, "tenant": t, "session_id": s, "event_id": event_id,
+                     "terminal_kind": False, "source": pool, "version": versions[(t, s)] + 1, "deadline": None,
+                     "request_json": req} for (t, s), pool, req, _ in out]
+            made = await self.store.submit(self.store.create_migrations(rows, now))
+            self._count("migrations_started", len(made))
+            LOG.info("placements the rules no longer allow", extra={"fields": {
+                "event_id": event_id, "sessions": len(out), "migrations": len(made),
+                "why": sorted({w for _, _, _, w in out})[:10]}})
+        self._rules_checked = ver
+        return len(made)
+
     # ------------------------------------------------------------------ the loop
     async def start(self) -> None:
         """At start: the active events' masks, and a sweep of each (sessions placed on a pool after
@@ -252,6 +295,7 @@ class Migrator:
                     if (masked_until > now and now - self._swept.get(eid, 0.0) >= resweep
                             and eid not in self._sweeping):
                         await self.sweep(eid, kind, pool, deadline)
+                await self.rules_sweep()
                 await self.drive_all()
             except asyncio.CancelledError:
                 raise

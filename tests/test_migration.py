@@ -500,3 +500,55 @@ def test_a_rebalance_rolled_back_then_an_interruption_moves_the_session(tmp_path
             states = dict(conn.execute("SELECT event_id, state FROM migrations").fetchall())
         assert states["ev-rb-1"] == "rolled_back"
         lv.c.close()
+
+
+def test_a_placement_the_rules_no_longer_allow_is_migrated(tmp_path: Path) -> None:
+    """A routing policy written through the admin API denies spot to tenant b: b's sessions on spot
+    pools are migrated (non-terminal: the pool stays) to a target the policy allows; tenant a's
+    are not touched; a later policy version that changes nothing for them moves nothing."""
+    setup = make_setup(tmp_path, migration_poll_s=0.05, migration_timeout_s=30.0, env=_env(tmp_path))
+    key = add_key(setup.settings.keys_file, "ops", "events")
+    app = create_app(setup.settings)
+    with ServerThread(app) as url:
+        lv = Live(url, setup, key, app)
+        B = setup.auth("b")
+        a_placed = lv.sessions(3, "ra", constraints=PREFER_SPOT)
+        b_placed = {}
+        for i in range(4):
+            d = lv.c.post("/v1/route", json={**ROUTE, "session_id": f"rb{i}", "constraints": PREFER_SPOT},
+                          headers=B).json()
+            b_placed[f"rb{i}"] = d["offering"]["offering_id"]
+        on_spot = sorted(s for s, p in b_placed.items() if p.endswith(":spot"))
+        assert on_spot and all(p.endswith(":spot") for p in a_placed.values()), (a_placed, b_placed)
+        admin = setup.auth("admin")
+        r = lv.c.post("/v1/admin/policies", headers=admin, json={
+            "name": "b-no-spot", "effect": "deny", "target": {"tenants": ["b"]},
+            "constraints": {"pricing_modes": ["spot"]}})
+        assert r.status_code in (200, 201), r.text
+        digest = hashlib.sha256(b"kv").hexdigest()
+        for s in on_spot:
+            end = time.monotonic() + 15
+            while True:
+                v = lv.c.get(f"/v1/sessions/{s}?tenant=b", headers=lv.E).json()
+                if v["migration"] is not None and v["migration"]["state"] == "target_chosen":
+                    break
+                assert time.monotonic() < end, v
+                time.sleep(0.05)
+            m = v["migration"]
+            assert m["event_id"].startswith("rules-") and m["source"] == b_placed[s]
+            assert m["target"].endswith(":on_demand") and m["deadline"] is None
+            assert lv.c.post(f"/v1/sessions/{s}/snapshot?tenant=b", headers=lv.E, json={
+                "migration_id": m["migration_id"], "version": m["version"], "last_ack_seq": 1, "sha256": digest,
+                "uri": f"s3://snap/{s}"}).status_code == 200
+            ver = lv.c.post(f"/v1/sessions/{s}/verify?tenant=b", headers=lv.E, json={
+                "migration_id": m["migration_id"], "target": m["target"], "sha256": digest})
+            assert ver.json()["state"] == "committed", ver.text
+        for s in a_placed:  # the policy targets b only
+            assert lv.session(s)["migration"] is None
+        # another version (a prefer for b) that leaves every placement allowed: no new migration
+        before = lv.counts()[1]
+        assert lv.c.post("/v1/admin/policies", headers=admin, json={
+            "name": "b-prefer", "effect": "prefer", "weight": 0.01, "target": {"tenants": ["b"]}}).status_code in (200, 201)
+        time.sleep(0.5)
+        assert lv.counts()[1] == before
+        lv.c.close()
