@@ -147,3 +147,36 @@ def capabilities(
     except XrouteError as e:
         console.print(f"error: {e}", markup=False)
         raise typer.Exit(2) from e
+
+
+events_app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                         help="Preemption notices from an instance's metadata service to the router.")
+
+
+@events_app.command("watch")
+def events_watch(
+    cloud: Annotated[str, typer.Option(help="the instance's cloud: aws, azure or gcp (which metadata service)")],
+    pool: Annotated[str, typer.Option(help="the offering this instance serves (GET /v1/offerings)")],
+    router: Annotated[str, typer.Option(help="the router's base URL, e.g. http://xroute.internal:8000")],
+    key_env: Annotated[str, typer.Option(help="the environment variable holding an events (or admin) key")]
+    = "XROUTE_EVENTS_KEY",
+    every: Annotated[float, typer.Option(help="seconds between polls", min=0.1)] = 5.0,
+    once: Annotated[bool, typer.Option(help="poll once and exit")] = False,
+    metadata_url: Annotated[str | None, typer.Option(help="the metadata service's base URL (default: the "
+                                                     "cloud's link-local address)")] = None,
+) -> None:
+    """Poll this instance's metadata service and post each preemption or rebalance notice to the
+    router as a pool event for --pool (docs/migration.md, "Watching the clouds")."""
+    import os
+
+    from cloud_adapters.watch import watch
+
+    key = os.environ.get(key_env, "").strip()
+    if not key:
+        raise ConfigError(f"--key-env: the environment variable '{key_env}' is not set (an events key: "
+                          f"xroute serve's keys file, role 'events')")
+    try:
+        watch(cloud, pool, router, key, every_s=every, once=once, metadata_url=metadata_url,
+              log=lambda line: typer.echo(line, err=True))
+    except KeyboardInterrupt:
+        typer.echo("stopped", err=True)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cloud_adapters.cli import telemetry_app
+from cloud_adapters.cli import events_app, telemetry_app
 from models.cli import promote, train
 from router.cli import export_feedback, export_ope, serve
 from router.policy_cli import policies_app
@@ -233,6 +233,8 @@ app.command(name="export-feedback")(export_feedback)
 app.command(name="export-ope")(export_ope)
 app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision log (docs/ope.md).")
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
+app.add_typer(events_app, name="events", help="Preemption notices from an instance's metadata service to the router "
+                                              "(docs/migration.md).")
 app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
                                                   "(docs/policies.md).")
 
