@@ -100,7 +100,7 @@ def _azure(c: httpx.Client, now: datetime) -> Notice | None:
         n = parse_notice(doc, now)
     except NoticeError as e:
         raise WatchError(f"scheduled events: {e}") from None
-    return Notice("interruption", n.instance, n.deadline, n.event_id)
+    return Notice("interruption", n.instance or "", n.deadline, n.event_id)
 
 
 def _gcp(c: httpx.Client, now: datetime) -> Notice | None:
