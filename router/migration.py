@@ -463,14 +463,24 @@ class Migrator:
         if sender is not None:
             sender.wake()
 
-    async def _commit(self, row: Row, recomputed: bool) -> MigrationRecord:
+    async def _commit(self, row: Row, recomputed: bool, before: Any = None) -> MigrationRecord:
+        """Commit ``row``'s migration (from its state); ``before``: a transition into that state to
+        write in the same transaction (verify's ``verified``: one commit for both, each still its
+        own row and version)."""
         rec = row.record
         now = time.time()
         missed = rec.deadline is not None and now > rec.deadline
         how = "cold: the work restarts at the target" if recomputed else "snapshot verified"
         ends = {"recomputed": recomputed, "missed_window": missed}
-        v = await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, S.committed, now,
-                                                          how, notify=self._notice(rec, S.committed, now, ends), **ends))
+        op = self.store.transition(rec.migration_id, rec.version, rec.state, S.committed, now, how,
+                                   notify=self._notice(rec, S.committed, now, ends), **ends)
+        if before is not None:
+            first, then = before, op
+
+            def op(execute: Any) -> Any:
+                first(execute)  # (raises Conflict before writing anything when it no longer applies)
+                return then(execute)
+        v = await self.store.submit(op)
         self._ended()
         self._count("committed", 1)
         self._count("recomputed", int(recomputed))
@@ -534,15 +544,14 @@ class Migrator:
         self._busy.add(row.id)
         try:
             if body.sha256 == rec.sha256:
-                try:
-                    v = await self.store.submit(self.store.transition(rec.migration_id, rec.version,
-                                                                      S.snapshot_announced, S.verified, time.time(),
-                                                                      f"hash verified by {body.target}"))
+                verified = self.store.transition(rec.migration_id, rec.version, S.snapshot_announced, S.verified,
+                                                 time.time(), f"hash verified by {body.target}")
+                row.record = rec.model_copy(update={"state": S.verified, "version": rec.version + 1})
+                try:  # verified and committed in one transaction (two rows, two versions)
+                    return await self._commit(row, recomputed=False, before=verified)
                 except Conflict:
                     raise self._wrong_state(await self._get(tenant, session_id, body.migration_id),
                                             S.snapshot_announced) from None
-                row.record = rec.model_copy(update={"state": S.verified, "version": v})
-                return await self._commit(row, recomputed=False)
             # a mismatch: this target is refused, another chosen (the snapshot is announced again for it)
             self._count("hash_mismatches", 1)
             try:
