@@ -81,30 +81,30 @@ def read_secret(env: str | None, file: Path | None, where: str) -> str | None:
     return None
 
 
+#: where a webhook's signing secret is: ``env:<VARIABLE>`` or ``file:<absolute path>``
+WEBHOOK_SECRET_PATTERN = r"^(env:[A-Za-z_][A-Za-z0-9_]{0,127}|file:/[ -~]{1,1023})$"
+
+
 class TenantWebhook(BaseModel):
     """Where a tenant hears that a migration of one of its sessions ended (``router.webhooks``,
-    ``docs/migration.md``): an HTTP(S) URL, and the secret that signs each call -- named by an
-    environment variable or a file (a mounted secret), never in the config itself."""
+    ``docs/migration.md``): an HTTP(S) URL, and where the secret that signs each call is -- an
+    environment variable or a file (a mounted secret), never the config itself. (One string for
+    the secret's source, not two exclusive fields, so the published JSON schema says exactly what
+    is accepted.)"""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    url: str = Field(min_length=8, max_length=2048, description="the URL each notice is POSTed to (http:// or https://)")
-    secret_env: str | None = Field(None, pattern=_ENV_NAME, description="the environment variable holding the "
-                                   "signing secret (HMAC-SHA256, header X-Xroute-Signature)")
-    secret_file: Path | None = Field(None, description="... or a file holding it")
+    url: str = Field(pattern=r"^https?://[!-~]{1,2040}$", description="the URL each notice is POSTed to "
+                     "(http:// or https://)")
+    secret: str = Field(pattern=WEBHOOK_SECRET_PATTERN, description="the signing secret's source (HMAC-SHA256, "
+                        "header X-Xroute-Signature): 'env:<VARIABLE>' or 'file:<absolute path>'")
 
-    @field_validator("url")
-    @classmethod
-    def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"'{v}' is not an http:// or https:// URL")
-        return v
-
-    @model_validator(mode="after")
-    def _one_secret(self) -> TenantWebhook:
-        if (self.secret_env is None) == (self.secret_file is None):
-            raise ValueError("give exactly one of secret_env or secret_file: every notice is signed")
-        return self
+    def read(self, where: str) -> str:
+        """The secret (a ``ConfigError`` naming ``where`` when it is unset, unreadable or empty)."""
+        kind, _, ref = self.secret.partition(":")
+        got = read_secret(ref if kind == "env" else None, Path(ref) if kind == "file" else None, where)
+        assert got is not None
+        return got
 
 
 class TenantConfig(BaseModel):

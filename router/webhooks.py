@@ -37,7 +37,7 @@ import aiohttp
 
 from router.logs import LOG
 from router.migration_store import Conflict, MigrationStore
-from router.settings import TenantConfig, read_secret
+from router.settings import TenantConfig
 from xroute.errors import ConfigError
 from xroute.schema.migration import (
     DELIVERY_HEADER,
@@ -142,8 +142,7 @@ class WebhookSender:
                 await self._record(delivery_id, "failed", attempts, None, "the tenant has no webhook now")
                 return
             try:
-                secret = read_secret(hook.secret_env, hook.secret_file, f"'tenants.{tenant}.webhook.secret")
-                assert secret is not None  # (TenantWebhook names exactly one source)
+                secret = hook.read(f"'tenants.{tenant}.webhook.secret")
                 data = body.encode()
                 headers = {"Content-Type": "application/json", DELIVERY_HEADER: delivery_id,
                            SIGNATURE_HEADER: sign_webhook(secret.encode(), data, int(time.time())),

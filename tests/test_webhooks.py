@@ -97,7 +97,7 @@ def receiver() -> Iterator[Receiver]:
 def _setup(root: Path, url: str, **kw: Any) -> Any:
     opts = {"migration_poll_s": 0.05, "migration_timeout_s": 1.5, "webhook_backoff_s": 0.1,
             "webhook_backoff_max_s": 0.4, "webhook_max_attempts": 3, **kw}
-    return make_setup(root, env=_env(root), tenants={"a": {"webhook": {"url": url, "secret_env": SECRET_ENV}}}, **opts)
+    return make_setup(root, env=_env(root), tenants={"a": {"webhook": {"url": url, "secret": f"env:{SECRET_ENV}"}}}, **opts)
 
 
 def _live(setup: Any) -> tuple[Live, Any]:
@@ -265,10 +265,11 @@ def test_the_signature_is_checked_on_time_secret_and_bytes() -> None:
 
 
 @pytest.mark.parametrize("hook, field", [
-    ({"url": "ftp://example.invalid/x", "secret_env": SECRET_ENV}, "url"),
-    ({"url": "https://example.invalid/x"}, "webhook"),
-    ({"url": "https://example.invalid/x", "secret_env": SECRET_ENV, "secret_file": "/tmp/s"}, "webhook"),
-    ({"url": "https://example.invalid/x", "secret_env": "not a name"}, "secret_env"),
+    ({"url": "ftp://example.invalid/x", "secret": f"env:{SECRET_ENV}"}, "url"),
+    ({"url": "https://example.invalid/x"}, "secret"),
+    ({"url": "https://example.invalid/x", "secret": "hunter2"}, "secret"),  # a secret itself: refused
+    ({"url": "https://example.invalid/x", "secret": "env:not a name"}, "secret"),
+    ({"url": "https://example.invalid/x", "secret": "file:relative/path"}, "secret"),
 ])
 def test_a_bad_webhook_setting_is_refused_naming_its_field(tmp_path: Path, hook: dict[str, Any], field: str) -> None:
     cfg = tmp_path / "router.yaml"
@@ -276,3 +277,4 @@ def test_a_bad_webhook_setting_is_refused_naming_its_field(tmp_path: Path, hook:
     with pytest.raises(ConfigError) as e:
         load_settings(cfg)
     assert "tenants.a.webhook" in str(e.value) and field in str(e.value)
+    assert "hunter2" not in str(e.value)
