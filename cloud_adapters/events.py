@@ -30,6 +30,18 @@ from xroute.schema.migration import CloudNotice
 #: the notice each cloud gives before a spot/preemptible instance stops (seconds)
 AWS_NOTICE_S = 120.0
 GCP_NOTICE_S = 30.0
+#: Azure's Scheduled Events post a ``Preempt`` event with a ``NotBefore`` at least 30 s ahead (the
+#: document itself carries the deadline; this is what a bundle records for an Azure spot offering)
+AZURE_NOTICE_S = 30.0
+#: per provider id, the notice its spot offerings get (``offerings.notice_s`` of a bundle; the bundle
+#: builder writes it from here: the environment never names a provider)
+SPOT_NOTICE_S: dict[str, float] = {"aws": AWS_NOTICE_S, "azure": AZURE_NOTICE_S, "gcp": GCP_NOTICE_S}
+
+
+def spot_notice_s(provider: str) -> float | None:
+    """The notice (seconds) a spot instance of ``provider`` gets before it stops; None for a
+    provider this module does not know."""
+    return SPOT_NOTICE_S.get(provider)
 
 AWS_SPOT = "EC2 Spot Instance Interruption Warning"
 AWS_REBALANCE = "EC2 Instance Rebalance Recommendation"

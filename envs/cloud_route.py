@@ -38,10 +38,14 @@ replica (plus external utilization), times a lognormal factor (``noise_sigma``).
 comes after the prefill and one decode step.
 
 Latency = RTT + queueing + service. Cost = price of the replica's GPUs per second x service /
-slots per replica. If a spot pool's availability drops while a request is queued or in flight
-there, the request is preempted (the preemption really happens up to ``spot_lag_s`` before the
-telemetry records it): it pays for the time it ran and is
-retried after ``retry_overhead_ms`` on the on-demand offering with the lowest expected latency.
+slots per replica. A spot pool's preemption (it really happens up to ``spot_lag_s`` before the
+telemetry records it) is announced ``notice_s`` before (``offerings.notice_s``; the notice is what a
+router knows from then: the pool is masked and its region de-prioritized); requests queued or in
+flight there at the notice migrate by the rules the router applies too (``xroute.migration_rules``):
+after ``migration.delay_s`` on the on-demand offering with the lowest expected latency outside the
+de-prioritized regions, their KV cache transferred or recomputed, or their work lost when the window
+is missed. Without a notice (``migration.notice`` off) the request is preempted at the preemption:
+it pays for the time it ran and is retried after ``retry_overhead_ms`` (``docs/env.md``).
 The SLO is met when TTFT <= ``ttft_ms``, the time per output token after the first <= ``tpot_ms``
 (requests with more than one token) and, when given, latency <= ``deadline_ms``.
 
@@ -112,7 +116,8 @@ from envs.capacity import CapacityQuotas
 from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, TTFT, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
-from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, to_seconds
+from xroute import migration_rules as rules
+from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, throughput_lookup, to_seconds
 from xroute.config import EnvConfig, load_policies, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import PolicySet
@@ -127,6 +132,8 @@ _PREEMPTED = -2.0
 __all__ = ["CloudRouteEnv", "load_serving"]
 
 _NO_BUDGET_FEATURES = budget_features(NO_BUDGET)
+#: a step's migration outcome when its request was not preempted (``_resolve``'s info keys)
+_NO_MIGRATION = {"migration": None, "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0, "missed_window": False}
 
 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
@@ -188,6 +195,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._pol = pol.PolicyOutcome.empty(self.n, 0)
         self._zero_bias = np.zeros(self.n)  # (writeable: numba types a read-only array apart, one more compilation)
         self.r_has_bias = False
+        self._r_bias: np.ndarray | None = None
         self.policies: pol.CompiledPolicies | None = None
         ps = cfg.policies if isinstance(cfg.policies, PolicySet) or cfg.policies is None else load_policies(cfg.policies)
         self.set_policies(ps)
@@ -265,6 +273,32 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._zero_n.flags.writeable = False
         self._no_blocks = np.zeros(0, dtype=np.int64)
         self._run_buf = np.zeros(self.n, dtype=np.int64)  # scratch of the prefix lookup (no state)
+        self._init_migration()
+
+    def _init_migration(self) -> None:
+        """Spot notices and migration (``xroute.migration_rules``, ``docs/env.md``): each spot
+        offering's notice (``offerings.notice_s``, else ``migration.default_notice_s``; 0 = none,
+        and 0 everywhere with ``migration.notice`` off), and between the offerings' locations the
+        RTT (the bundle's; the largest one where the table has no pair) and the throughput a KV
+        transfer gets (``throughput``, else ``migration.default_throughput_gbps``)."""
+        mc = self.cfg.migration
+        col = self.bundle.offerings.get("notice_s")
+        notice = np.full(self.n, mc.default_notice_s) if col is None else col.to_numpy(dtype=float)
+        notice = np.where(np.isnan(notice), mc.default_notice_s, notice)
+        self.notice_s = np.where((self.is_spot > 0.5) & mc.notice, notice, 0.0)
+        self.locations = [o.location for o in self.catalog]
+        rtt = self.bundle.rtt_lookup()
+        far = max(rtt.values()) if rtt else 0.0
+        tp = throughput_lookup(self.bundle.throughput)
+        locs = self.locations
+        self.pair_rtt_ms = np.array([[rtt.get((x, y), far) for y in locs] for x in locs])
+        self.pair_gbps = np.array([[tp.get((x, y), mc.default_throughput_gbps) for y in locs] for x in locs])
+        #: KV cache bytes per token of each model (configs/models.yaml kv_mib_per_token)
+        self.kv_bytes_tok = np.array([self.models_cfg.models[m].kv_mib_per_token * 2.0 ** 20
+                                      for m in self.model_names])
+        self.region_bias = np.zeros(self.n)
+        self.notice_at = np.full(self.n, np.inf)
+        self.cut_at = np.full(self.n, np.inf)
 
     def _init_stream(self, history: pd.DataFrame | None) -> None:
         """The request stream as arrays: what the client sends, and (``req_out``) the outcome."""
@@ -495,7 +529,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._next_event = -np.inf
         self._recent: deque[float] = deque()
         self.stats = {"preempted": 0, "failed": 0, "refused_budget": 0, "refused_rate_limit": 0,
-                      "excluded_budget": 0, "excluded_quota": 0}
+                      "excluded_budget": 0, "excluded_quota": 0, "migrations": 0, "missed_window": 0,
+                      "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0}
         if self.budget is not None:
             self.budget.begin(start, float(self.arrival[start]))
         self._prepare()
@@ -657,7 +692,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_blocks",
                      "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from", "r_has_bias", "usd_h",
                      "_pol_dirty", "r_refused", "r_bfeat", "r_excl_budget", "r_excl_quota",
-                     "quota_blocked", "r_over")
+                     "quota_blocked", "r_over", "notice_at", "cut_at", "region_bias", "_r_bias")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
                      "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
@@ -725,6 +760,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 if k < d.size:
                     nd[i] = self._true_down[i][k]
         self.next_down = nd
+        self._notices(t)
         ref_price = self.cfg.reward.reference_usd_per_replica_hour
         # preemption hazard per second, the posterior mean of a Poisson rate under a Gamma prior: the
         # preemptions seen within the lookback over the time watched, plus the prior's
@@ -753,11 +789,40 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         #: each offering's price per instance-hour now (NaN unpriced): what max_usd_per_hour reads
         self.usd_h = np.where(priced, p * self.gpu_count, np.nan)
         self._refresh_at = t + self.cfg.feature_refresh_s
-        self._next_event = self.replay.next_event_after(t)
+        self._next_event = min(self.replay.next_event_after(t), self._notice_event)
         if self.capacity.active:
             k = int(np.searchsorted(self.capacity.event_times, t, side="right"))
             if k < self.capacity.event_times.size:
                 self._next_event = min(self._next_event, float(self.capacity.event_times[k]))
+
+    def _notices(self, t: float) -> None:
+        """The spot notices delivered by ``t`` (information a router really has then): a pool
+        whose next true preemption (``next_down``) is announced (``notice_at`` <= t) is masked for
+        new decisions, and each region with a notice within ``migration.deprioritize_s`` is
+        de-prioritized (``region_bias``, the router's rule: ``xroute.migration_rules``). ``cut_at``:
+        when work on each spot pool stops -- at the notice, or at the preemption itself when the
+        offering gets none. ``_notice_event``: the next notice or end of a de-prioritization."""
+        ns, spot = self.notice_s, self.is_spot > 0.5
+        self.notice_at = np.where(ns > 0, self.next_down - ns, np.inf)
+        self.cut_at = np.where(spot, np.where(ns > 0, self.notice_at, self.next_down), np.inf)
+        noticed = self.notice_at <= t
+        if noticed.any():
+            self.available = self.available & ~noticed
+        nxt = float(self.notice_at[self.notice_at > t].min(initial=np.inf))
+        mc = self.cfg.migration
+        depri: list[tuple[str, float]] = []
+        if mc.region_penalty > 0 and mc.deprioritize_s > 0:
+            for i in np.flatnonzero(ns > 0):
+                d = self._true_down[i]
+                if d.size:
+                    at = d - ns[i]
+                    recent = at[(at <= t) & (at > t - mc.deprioritize_s)]
+                    for x in recent.tolist():
+                        until = rules.deprioritize_until(x, mc.deprioritize_s)
+                        depri.append((self.locations[i], until))
+                        nxt = min(nxt, until)
+        self.region_bias = rules.region_bias(self.locations, depri, t, mc.region_penalty)
+        self._notice_event = nxt
 
     def _prepare(self) -> None:
         """Make the stream's next request the current one and compute its candidate outcomes.
@@ -839,6 +904,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 self._pol_dirty = False
             out.ctx = ctx
             self.r_has_bias = False
+        self._r_bias = None
+        if self.region_bias.any():  # a region with a spot notice, de-prioritized (xroute.migration_rules)
+            # (a new array per request: a step's info keeps it)
+            self._r_bias = (self._pol.bias + self.region_bias) if self.r_has_bias else self.region_bias.copy()
+            self.r_has_bias = True
         self._apply_budget(budget, refuse)
         self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
@@ -1042,8 +1112,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     def r_bias(self) -> np.ndarray:
         """The prefer policies' weight of each offering for the current request (reward units;
         zeros when no prefer policy applies, or with ``prefer_mode: lexicographic``, where the mask
-        does it): every policy adds it to its score."""
-        return self._pol.bias if self.r_has_bias else self._zero_bias
+        does it), plus ``-migration.region_penalty`` on the offerings of a region with a spot notice
+        within ``migration.deprioritize_s`` (``xroute.migration_rules.region_bias``): every policy
+        adds it to its score."""
+        if not self.r_has_bias:
+            return self._zero_bias
+        return self._pol.bias if self._r_bias is None else self._r_bias
 
     @property
     def r_allowed(self) -> np.ndarray:
@@ -1060,7 +1134,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         mask[: self.n] = self.c_mask
         info = {"action_mask": mask, "request_id": self.r_id, "t": self.t}
         if self.r_has_bias:
-            info["policy_bias"] = self._pol.bias
+            info["policy_bias"] = self.r_bias
         return info
 
     def action_mask(self) -> np.ndarray:
@@ -1072,16 +1146,43 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     def _ep_start(self) -> int:
         return self._end - len(self.z)
 
-    def _fallback(self, exclude: int) -> int | None:
+    def _fallback(self, exclude: int, noticed: bool = False) -> int | None:
+        """Where a preempted (or migrating) request goes on: the valid on-demand offering with the
+        lowest expected latency, outside the de-prioritized regions -- those with a notice within
+        ``migration.deprioritize_s``, and the source's own when ``noticed`` -- unless every one is
+        in such a region."""
         cand = self.on_demand_idx[self.c_mask[self.on_demand_idx]]
         cand = cand[cand != exclude]
         if cand.size == 0:
             return None
+        penalized = self.region_bias[cand] < 0
+        if noticed:
+            src = self.locations[exclude]
+            penalized |= np.array([self.locations[c] == src for c in cand.tolist()])
+        if penalized.any() and not penalized.all():
+            cand = cand[~penalized]
         return int(cand[np.argmin(self.c_lat[cand])])
 
-    def _attempt(self, m: int, a: int, start_t: float, out: float, dry: bool = False) -> dict[str, float]:
+    def _progress(self, r1: dict[str, float], out: float) -> tuple[float, float]:
+        """(prompt tokens, output tokens) whose KV cache a request stopped by ``_attempt`` holds on
+        its pool when it stops: nothing while queued; the cached prefix and the prefilled share of
+        the rest during its prefill; the prompt and the tokens decoded so far after it."""
+        ran, pf, tp = r1["ran"], r1.get("pf", 0.0), r1.get("tp", 0.0)
+        if ran <= 0:
+            return 0.0, 0.0
+        cached = r1["cached"]
+        if ran < pf:
+            return float(math.floor(cached + (self.r_in - cached) * ran / pf)), 0.0
+        done = math.floor((ran - pf) / tp) if tp > 0 else 0
+        return self.r_in, float(min(max(done, 0), max(out - 1.0, 0.0)))
+
+    def _attempt(self, m: int, a: int, start_t: float, out: float, dry: bool = False, have_in: float = 0.0,
+                 extra_prefill: float = 0.0) -> dict[str, float]:
         """Simulate the request on pool (m, a) from ``start_t``: its true slot and service, cut short
-        by the pool's next true preemption. Takes the slot in the truth (unless ``dry``)."""
+        when work on the pool stops (``cut_at``: its next spot notice, or its true preemption when
+        it gets no notice). Takes the slot in the truth (unless ``dry``). ``out``: the tokens to
+        decode; a migrated request's target has ``have_in`` prompt tokens' KV already (transferred)
+        and prefills ``extra_prefill`` more (its generated tokens, recomputed)."""
         f = math.exp(self.sigma[m, a] * self.r_z - 0.5 * self.sigma[m, a] ** 2)
         blocks, kv, cached = self.r_blocks, None, 0.0
         if blocks.size and self.kv_capacity[m, a] > 0:  # the servers' prefix caches (envs.prefix)
@@ -1098,20 +1199,21 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             cached = min(hit * self.block_tokens, self.r_in)
         start = max(start_t, self.free_at[m, a, j])
         k = min(self.tbusy[m, a] * self.inv_replicas[m, a], self.conc_m1[m, a]) + self.ext_util_conc[m, a]
-        pf = (self.r_in - cached) * self.inv_prefill[m, a] * f
+        pf = (max(self.r_in - max(cached, have_in), 0.0) + extra_prefill) * self.inv_prefill[m, a] * f
         tp = (self.tpot_s[m, a] + self.tpot_growth_s[m, a] * k) * f
         service = pf + out * tp
         first = start + pf + (tp if out >= 1 else 0.0)
-        down = self.next_down[a] if self.is_spot[a] > 0.5 else np.inf
+        down = self.cut_at[a]
         if down < start + service:
-            # the pool dies while the request is queued (or already dead when it is sent: the
-            # telemetry shows it late) or in service: it ends then, having run what it ran
+            # work on the pool stops (its notice, or it dies unannounced) while the request is queued
+            # (or already dead when it is sent: the telemetry shows it late) or in service: it stops
+            # then, having run what it ran
             stop = max(down, start_t)
             ran = max(stop - start, 0.0)
             if ran > 0 and not dry:
                 self._occupy(m, a, j, stop)
             return {"end": stop, "first": first if first <= stop else np.inf, "ran": ran, "preempted": 1.0,
-                    "cached": cached}
+                    "cached": cached, "pf": pf, "tp": tp}
         if not dry:
             self._occupy(m, a, j, start + service)
         return {"end": start + service, "first": first, "ran": service, "preempted": 0.0, "cached": cached}
@@ -1171,7 +1273,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
                     "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None,
                     "refused": refused,
-                    "prompt_tokens": prompt, "cached_tokens": 0.0}
+                    "prompt_tokens": prompt, "cached_tokens": 0.0, **_NO_MIGRATION}
         if not dry:  # the router records the decision with the expected service time (and its prefix)
             j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, t, self.C[SERVICE, a])
@@ -1183,6 +1285,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         latency = self.c_rtt[a] + 1000.0 * (r1["end"] - t)
         ttft = self.c_rtt[a] + 1000.0 * (r1["first"] - t)
         failed, migrated_to, preempted = False, None, bool(r1["preempted"])
+        mode, recomputed, kv_moved, missed = None, 0.0, 0.0, False
         if not preempted:
             if not dry:
                 self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, out, self._pos))
@@ -1192,13 +1295,39 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             if not dry:
                 self.stats["preempted"] += 1
                 self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, _PREEMPTED, self._pos))
-            f = self._fallback(a)
+            noticed = bool(self.notice_s[a] > 0)
+            ctx_in, out_done = self._progress(r1, out)
+            ctx = ctx_in + out_done
+            f = self._fallback(a, noticed)
             if f is None:
                 failed = True
+                recomputed = ctx
             else:
                 migrated_to = f
-                restart = r1["end"] + self.cfg.retry_overhead_ms / 1000.0
-                r2 = self._attempt(m, f, restart, out, dry)
+                if noticed:  # the migration rules (xroute.migration_rules), from the notice
+                    mc = self.cfg.migration
+                    ready = r1["end"] + mc.delay_s
+                    mode = "resend"  # nothing computed yet: the request just goes to the target
+                    if ctx > 0:
+                        mv = rules.choose_kv_move(r1["end"], float(self.next_down[a]), mc.delay_s,
+                                                  ctx * self.kv_bytes_tok[m], float(self.pair_gbps[a, f]),
+                                                  float(self.pair_rtt_ms[a, f]), ctx, 1.0 / self.inv_prefill[m, f])
+                        mode = mv.mode
+                    if mode == rules.TRANSFER:
+                        r2 = self._attempt(m, f, ready + mv.seconds, out - out_done, dry, have_in=ctx_in)
+                        kv_moved = mv.kv_bytes
+                    elif mode == rules.RECOMPUTE:
+                        r2 = self._attempt(m, f, ready, out - out_done, dry, extra_prefill=out_done)
+                        recomputed = ctx
+                    else:  # lost (the window missed) or resent: from scratch
+                        r2 = self._attempt(m, f, ready, out, dry)
+                        recomputed = ctx
+                        missed = mode == rules.LOST
+                else:  # no notice: it restarts from scratch once the router has noticed
+                    mode = "restart"
+                    restart = r1["end"] + self.cfg.retry_overhead_ms / 1000.0
+                    r2 = self._attempt(m, f, restart, out, dry)
+                    recomputed = ctx
                 cached = r2["cached"]
                 cost += self.cost_rate[m, f] * r2["ran"]
                 latency = self.c_rtt[f] + 1000.0 * (r2["end"] - t)
@@ -1212,18 +1341,25 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             periods = self.budget.admit(self._pos, self.r_in + self.r_max_out, float(self.C[COST, a]))
             self._push(end, _SETTLE, (self._pos, periods, float(self.C[COST, a]),
                                       self.r_in + (0.0 if failed else out), float(cost)))
+        mig = {"migration": mode, "tokens_recomputed": float(recomputed), "kv_bytes_moved": float(kv_moved),
+               "missed_window": missed}
+        if preempted and not dry:
+            self.stats["migrations"] += mode is not None and mode != "restart"
+            self.stats["missed_window"] += missed
+            self.stats["tokens_recomputed"] += recomputed
+            self.stats["kv_bytes_moved"] += kv_moved
         if failed:
             self.stats["failed"] += not dry
             reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
-                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0, "refused": None}
+                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0, "refused": None, **mig}
         tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
         reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
                 "preempted": preempted, "migrated_to": migrated_to, "prompt_tokens": prompt,
-                "cached_tokens": float(cached) if prompt else 0.0, "refused": None}
+                "cached_tokens": float(cached) if prompt else 0.0, "refused": None, **mig}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,
@@ -1410,7 +1546,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
             self.true_cached())
         # requests a preemption would interrupt take the full path (retry elsewhere)
-        hit = self.c_mask & (self.is_spot > 0.5) & (self.next_down < end)
+        hit = self.c_mask & (self.cut_at < end)
         for a in np.flatnonzero(hit):
             r[a] = self._resolve(int(a), dry=True)["reward"]
         return r

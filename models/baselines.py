@@ -246,6 +246,9 @@ class BudgetPacing(_Base):
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         env = self.env
         r = env.expected_rewards()
+        bias = policy_bias(info, self.n)  # (prefer policies, a de-prioritized region: as greedy)
+        if bias is not None:
+            r = r + bias
         req = obs["request"]
         left, period = float(req[R["budget_left"]]), float(req[R["period_left"]])
         behind = period - left

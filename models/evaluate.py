@@ -35,7 +35,8 @@ from xroute.errors import ConfigError
 
 METRICS = ("requests", "cost_usd", "cost_per_1k_requests", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
            "ttft_p95_ms", "sla_attainment", "failed_requests", "preempted", "migrations", "mean_reward",
-           "refused_budget", "refused_rate_limit", "excluded_budget", "excluded_quota")
+           "refused_budget", "refused_rate_limit", "excluded_budget", "excluded_quota", "tokens_recomputed",
+           "kv_gb_moved", "missed_window")
 #: the metrics compared pairwise to the best baseline (higher is better for reward and SLA)
 PAIRED = ("mean_reward", "cost_per_1k_requests", "latency_p95_ms", "sla_attainment", "failed_requests")
 
@@ -126,6 +127,8 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     excluded = np.zeros(pol.R if pol is not None else 0, dtype=np.int64)
     affected = np.zeros_like(excluded)
     prompt_tokens = cached_tokens = 0.0
+    recomputed = kv_moved = 0.0  # spot notices and migration (xroute.migration_rules, docs/env.md)
+    missed: list[int] = []
     placed = np.full(n, -1, dtype=np.int64)
     for k in range(n):
         ts[k] = info["t"]
@@ -148,6 +151,10 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         migrations += info["migrated_to"] is not None
         prompt_tokens += info.get("prompt_tokens", 0.0)
         cached_tokens += info.get("cached_tokens", 0.0)
+        recomputed += info.get("tokens_recomputed", 0.0)
+        kv_moved += info.get("kv_bytes_moved", 0.0)
+        if info.get("missed_window"):
+            missed.append(k)
         if not info["failed"]:
             placed[k] = info["offering"] if info["migrated_to"] is None else info["migrated_to"]
         if progress is not None and (k % 500 == 499 or trunc):
@@ -169,6 +176,10 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         "refused_budget": int(env.stats["refused_budget"]), "refused_rate_limit": int(env.stats["refused_rate_limit"]),
         "excluded_budget": round(env.stats["excluded_budget"] / max(n, 1), 4),
         "excluded_quota": round(env.stats["excluded_quota"] / max(n, 1), 4),
+        # migration off spot pools (docs/env.md, "Preemption and migration"): the requests moved off a
+        # preempted pool ("migrations", above), the tokens whose KV was computed again (work lost), the KV
+        # cache moved between pools, and the requests whose migration missed its notice window
+        "tokens_recomputed": round(recomputed), "kv_gb_moved": round(kv_moved / 1e9, 6), "missed_window": len(missed),
     }
     if compare_greedy:
         m["differs_from_greedy"] = round(differs / max(n, 1), 6)
@@ -183,6 +194,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     if sessions is not None and (sessions[i0:i0 + n] >= 0).any():
         moves, moved = session_moves(sessions[i0:i0 + n], placed)
         m["session_moves"], m["sessions_moved"] = moves, moved
+        m["sessions_missed_window"] = len({int(sessions[i0 + k]) for k in missed} - {-1})
     tenants = env.bundle.workload["tenant"].to_numpy()[i0:i0 + n] if "tenant" in env.bundle.workload.columns else None
     if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
         for t in sorted(set(tenants)):
@@ -409,7 +421,7 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
     t = Table(title=title, caption=f"mean over {n_seeds} seed(s) ± half the 95 % interval; Δ = paired difference to "
                                    f"{ref or 'none'}")
     cols = ["policy", "reward", "Δ reward", "$/1k req", "Δ $/1k", "p95 ms", "Δ p95", "TTFT p95", "SLO %", "Δ SLO pp",
-            "failed", "refused", "quota excl.", "preempt."]
+            "failed", "refused", "quota excl.", "preempt.", "migr.", "recomp. tok", "KV GB", "missed"]
     prefix = bool(results) and "prefix_hit_rate" in results[0].metrics
     if prefix:
         cols += ["hit %", "saved tok", "sess. moved"]
@@ -430,7 +442,7 @@ def print_table(results: list[PolicyResult], title: str = "xroute evaluate") -> 
                  f"{m['latency_p95_ms']:.0f}", d("latency_p95_ms", "+.0f"), f"{m['ttft_p95_ms']:.0f}",
                  f"{100 * m['sla_attainment']:.2f}", d("sla_attainment", "+.2f", 100.0), f"{m['failed_requests']:.0f}",
                  f"{m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f}",
-                 f"{m.get('excluded_quota', 0):.2f}", f"{m['preempted']:.0f}"]
+                 f"{m.get('excluded_quota', 0):.2f}", f"{m['preempted']:.0f}", *_migration_cells(m)]
         if prefix:
             cells += _prefix_cells(m)
         t.add_row(*cells)
@@ -457,6 +469,13 @@ def policy_exclusions(results: list[PolicyResult]) -> list[tuple[str, dict[str, 
             out.append((r.name, {n: f"{r.metrics[f'policy_excluded[{n}]']:.2f} "
                                     f"({100 * r.metrics[f'policy_affected[{n}]']:.1f} %)" for n in names}))
     return out
+
+
+def _migration_cells(m: dict[str, float]) -> list[str]:
+    """The migration columns: requests moved off preempted pools, tokens recomputed (work lost), KV
+    cache moved (GB), requests whose migration missed its notice window."""
+    return [f"{m.get('migrations', 0):.0f}", f"{m.get('tokens_recomputed', 0):,.0f}",
+            f"{m.get('kv_gb_moved', 0):.3f}", f"{m.get('missed_window', 0):.0f}"]
 
 
 def _prefix_cells(m: dict[str, float]) -> list[str]:
@@ -492,8 +511,10 @@ def markdown_table(results: list[Any]) -> str:
     best = best_baseline(results)
     prefix = bool(results) and "prefix_hit_rate" in results[0].metrics
     head = ("| policy | reward | Δ reward | $/1k req | p50 ms | p95 ms | TTFT p95 ms | SLO % | Δ SLO pp | failed | "
-            "refused | preempted |" + (" prefix hit % | prefill tokens saved | sessions moved |" if prefix else "") +
-            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if prefix else "") + "\n")
+            "refused | preempted | migrations | tokens recomputed | KV GB moved | missed window |" +
+            (" prefix hit % | prefill tokens saved | sessions moved |" if prefix else "") +
+            "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
+            ("---:|---:|---:|" if prefix else "") + "\n")
     rows = []
     for r in results:
         m, ci, vb = r.metrics, r.ci, r.vs_best
@@ -510,6 +531,7 @@ def markdown_table(results: list[Any]) -> str:
                     f"| {m['latency_p50_ms']:.0f} | {m['latency_p95_ms']:.0f} | {m['ttft_p95_ms']:.0f} "
                     f"| {100 * m['sla_attainment']:.2f} | {d('sla_attainment', '+.2f', 100.0)} | {m['failed_requests']:.0f} "
                     f"| {m.get('refused_budget', 0) + m.get('refused_rate_limit', 0):.0f} | {m['preempted']:.0f} |"
+                    + "".join(f" {c} |" for c in _migration_cells(m))
                     + ("".join(f" {c} |" for c in _prefix_cells(m)) if prefix else ""))
     return head + "\n".join(rows) + "\n"
 

@@ -60,8 +60,13 @@ from xroute.schema.quota import QuotaBucket
 
 def env_config(settings: RouterSettings) -> EnvConfig:
     """The environment config the router serves with: the evaluate defaults with the settings'
-    ``env`` overrides, every request one step (no episodes)."""
-    return parse_config(EnvConfig, {**settings.env, "episode_requests": None}, "router settings: field 'env'")
+    ``env`` overrides, every request one step (no episodes). The simulation's own spot notices are
+    off: a live router learns of interruptions from ``POST /v1/events`` (``router.migration``),
+    which applies the same rules (``xroute.migration_rules``)."""
+    mig = settings.env.get("migration") if isinstance(settings.env, dict) else None
+    migration = {**(mig if isinstance(mig, dict) else {}), "notice": False}
+    return parse_config(EnvConfig, {**settings.env, "episode_requests": None, "migration": migration},
+                        "router settings: field 'env'")
 
 
 class RouteFailure(Exception):

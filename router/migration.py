@@ -45,6 +45,7 @@ from router.engine import RouteFailure
 from router.keys import Principal
 from router.logs import LOG
 from router.migration_store import MIGRATION_KEY_PREFIX, Conflict, MigrationStore, Row
+from xroute import migration_rules as rules
 from xroute.schema.decision import RouteRequest
 from xroute.schema.migration import (
     TERMINAL_KINDS,
@@ -122,20 +123,19 @@ class Migrator:
 
     def apply_masks(self, rows: list[tuple[Any, ...]], now: float) -> None:
         """The active events' masks and region biases into the engine (a new array each time:
-        decisions read them without a lock)."""
+        decisions read them without a lock). The region bias is the rule the simulator applies too
+        (``xroute.migration_rules.region_bias``)."""
         n = self.engine.n
         keep = np.ones(n, dtype=bool)
-        bias = np.zeros(n)
-        penalty = self.settings.migration_region_penalty
-        refs = self.engine.refs
+        depri: list[tuple[str, float]] = []
         for _eid, _kind, pool, region, _deadline, masked_until, depri_until, _at in rows:
             a = self.offering_index(pool)
             if a is not None and masked_until > now:
                 keep[a] = False
-            if region and depri_until is not None and depri_until > now and penalty > 0:
-                for k, ref in enumerate(refs):
-                    if ref["location"] == region:
-                        bias[k] = -penalty
+            if region and depri_until is not None:
+                depri.append((region, depri_until))
+        bias = rules.region_bias([ref["location"] for ref in self.engine.refs], depri, now,
+                                 self.settings.migration_region_penalty)
         self.engine.events_keep = None if keep.all() else keep
         self.engine.events_bias = None if not bias.any() else bias
 
@@ -174,7 +174,8 @@ class Migrator:
         row = {"event_id": ev.event_id, "body_sha256": digest, "kind": ev.kind, "pool": ev.pool, "region": region,
                "received_at": now, "deadline": deadline,
                "masked_until": (deadline or now) + self.settings.migration_mask_s,
-               "deprioritize_until": now + self.settings.migration_deprioritize_s if region else None,
+               "deprioritize_until": rules.deprioritize_until(now, self.settings.migration_deprioritize_s)
+               if region else None,
                "principal": principal, "body": json.dumps(body, sort_keys=True)}
         self._swept.setdefault(ev.event_id, now)  # (this call sweeps it: not the loop meanwhile)
         (sha, masked_until, depri_until, _), inserted = await self.store.submit(self.store.insert_event(row))
@@ -319,9 +320,9 @@ class Migrator:
 
     def _out_of_time(self, row: Row, now: float, grace: bool) -> bool:
         rec = row.record
-        if row.terminal_kind and rec.deadline is not None:
-            return now > rec.deadline + (self.settings.migration_grace_s if grace else 0.0)
-        return now > rec.created_at + self.settings.migration_timeout_s
+        if row.terminal_kind and rec.deadline is not None:  # (the notice window: the simulator's rule too)
+            return rules.past_window(now, rec.deadline, self.settings.migration_grace_s if grace else 0.0)
+        return rules.past_window(now, rec.created_at, self.settings.migration_timeout_s)
 
     async def drive(self, row: Row) -> None:
         if row.id in self._busy:

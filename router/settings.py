@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from router.state import HOLD_FACTOR, HOLD_FLOOR_S, HOLD_MAX_S, STATS_ALPHA
 from router.store import CHECKPOINT_ROWS, CHECKPOINT_S
+from xroute import migration_rules as rules
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import Constraints
@@ -347,9 +348,9 @@ class RouterSettings(BaseSettings):
     # migration off preempted or degraded pools (router/migration.py, docs/migration.md) ----------
     migration_mask_s: float = Field(900.0, ge=0, le=7 * 86_400, description="a pool a pool event names is masked "
                                     "for new decisions until this long after the event's deadline (or its receipt)")
-    migration_deprioritize_s: float = Field(600.0, ge=0, le=7 * 86_400, description="the region of an interrupted "
+    migration_deprioritize_s: float = Field(rules.DEPRIORITIZE_S, ge=0, le=7 * 86_400, description="the region of an interrupted "
                                             "pool is de-prioritized for this long after the notice")
-    migration_region_penalty: float = Field(1.0, ge=0, le=1e6, description="what a de-prioritized region's offerings "
+    migration_region_penalty: float = Field(rules.REGION_PENALTY, ge=0, le=1e6, description="what a de-prioritized region's offerings "
                                             "lose from their scores (reward units, like a prefer policy's weight)")
     migration_grace_s: float = Field(30.0, ge=0, le=3600, description="after the deadline, a migration whose snapshot "
                                      "is not verified yet gets this long before its work restarts at the target")

@@ -95,7 +95,9 @@ def test_queueing_raises_wait_and_busy_features(tiny_bundle_dir):
 
 
 def test_spot_preemption_retries_on_demand_and_costs_latency(tiny_bundle_dir):
-    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None)
+    """A pool that dies unannounced (no notice: ``migration.notice`` off); the notice and the
+    migration it starts: ``tests/test_env_migration.py``."""
+    env = CloudRouteEnv(str(tiny_bundle_dir), episode_requests=None, migration={"notice": False})
     obs, info = env.reset(seed=0)
     spot = env.offering_index("aws:us-east-1:g5.xlarge:spot")
     down = env.replay.down_times[spot][0]

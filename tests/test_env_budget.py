@@ -20,7 +20,7 @@ from models.baselines import BudgetPacing, make_baseline
 from models.evaluate import run_policy
 from tests.tinybundle import write_serving_yaml, write_tiny_bundle
 from xroute.bundle import load_bundle
-from xroute.config import EnvConfig, EvaluateConfig, parse_config
+from xroute.config import EnvConfig, EvaluateConfig, config_path, load_config, parse_config
 from xroute.errors import ConfigError
 
 
@@ -174,6 +174,10 @@ def test_pacing_the_budget_beats_spending_it_greedily_where_it_binds() -> None:
     reward. Where no budget binds, pacing is greedy."""
     bundle = load_bundle()
     cfg = EvaluateConfig()
+    # the shipped scenario's spot notices and migration (configs/evaluate.yaml: the de-prioritized region's
+    # time in the bundle's compressed spot time)
+    mig = load_config(EvaluateConfig, config_path("evaluate.yaml")).env.migration
+    cfg = cfg.model_copy(update={"env": cfg.env.model_copy(update={"migration": mig})})
     env = CloudRouteEnv(bundle, parse_config(EnvConfig, {**cfg.env.model_dump(), "budget_period_s": 3600.0,
                                                          "tenants": {"code": {"usd_per_day": 0.036}}}))
     greedy = run_policy(env, make_baseline("greedy", cfg), 0).metrics

@@ -2,7 +2,7 @@
 
 Two environments replay the same stream with the same seed; in the second, the realized outcome
 of the current request and of every later one -- its output length, its service-time draw, when a
-later spot preemption really happens -- is permuted (and, in a stronger variant, the requests
+later spot preemption really happens (one whose notice is not yet delivered) -- is permuted (and, in a stronger variant, the requests
 still in flight at the current step run twice as long). A policy that decides only on what a
 router knows must take exactly the same decisions up to and including the current step. The
 oracle, which plans with hindsight, is checked to *change* its decisions: the test can tell.
@@ -77,7 +77,9 @@ def _future_changed(env: CloudRouteEnv, k: int, rng: np.random.Generator, in_fli
     env.z[k:] = rng.permutation(env.z[k:])
     t_k = env.arrival[i0]
     for i, d in enumerate(env.replay.down_times):  # when later preemptions really happen
-        later = d > t_k
+        # (those whose notice a router has by t_k are known then: the true time is at most
+        # spot_lag_s before the recorded one, its notice notice_s before that)
+        later = d - env.cfg.spot_lag_s - env.notice_s[i] > t_k
         if later.any():
             td = env._true_down[i].copy()
             td[later] = d[later] - rng.random(int(later.sum())) * env.cfg.spot_lag_s

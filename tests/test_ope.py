@@ -221,7 +221,10 @@ def test_the_offline_baselines_decide_as_the_baselines_do(tiny_bundle_dir: Path)
     from models.baselines import make_baseline
     from models.evaluate import run_policy
 
-    env = CloudRouteEnv(str(tiny_bundle_dir), CFG.env)
+    # (the offline targets score the logged rows and read no score bias -- no prefer weight, no region a
+    # spot notice de-prioritized: docs/env.md -- so the world here has neither: no notices)
+    env = CloudRouteEnv(str(tiny_bundle_dir), CFG.env.model_copy(update={"migration": CFG.env.migration.model_copy(
+        update={"notice": False})}))
     for name in ("greedy", "cheapest", "lowest-latency"):
         a = run_policy(env, make_baseline(name, CFG), 0, compare_greedy=False).metrics
         b = run_policy(env, ope.OnPolicy(target(name)), 0, compare_greedy=False).metrics

@@ -226,7 +226,8 @@ def test_env_mask_and_bias_follow_the_request_context_of_the_stream(bundle) -> N
         want = reference(ps, env.catalog, tenant, env.model_names[env.r_m], cls, origin, env.usd_h, env.c_rtt, head)
         allowed = np.array([v.allowed for v in want])
         assert (info["action_mask"][: env.n] == (info_b["action_mask"][: env.n] & allowed)).all()
-        np.testing.assert_allclose(env.r_bias, [v.bias for v in want], atol=1e-12)
+        # (r_bias also carries a spot notice's de-prioritized region: envs.cloud_route._notices)
+        np.testing.assert_allclose(env.r_bias - env.region_bias, [v.bias for v in want], atol=1e-12)
         assert ("policy_bias" in info) and env.r_has_bias  # a prefer policy applies to every request here
         biased += any(v.bias for v in want)
         seen_excluders |= {v.excluded_by for v in want}
@@ -280,7 +281,9 @@ def test_lexicographic_mode_keeps_only_the_top_weight_and_scores_carry_no_bias(b
         if (valid_b & gcp_od).any():
             assert (info["action_mask"][: env.n] == (valid_b & gcp_od)).all()
             assert env.r_policy.not_preferred == int(valid_b.sum() - (valid_b & gcp_od).sum())
-        assert "policy_bias" not in info and not env.r_bias.any()
+        # (no prefer weight in the scores; a region a spot notice de-prioritized is, as in the router)
+        assert not (env.r_bias - env.region_bias).any()
+        assert ("policy_bias" in info) == bool(env.region_bias.any())
         a = int(np.flatnonzero(info["action_mask"])[0])
         _, _, _, _, info = env.step(a)
         _, _, _, _, info_b = base.step(a)

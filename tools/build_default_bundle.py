@@ -30,8 +30,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from cloud_adapters.events import spot_notice_s  # noqa: E402
 from xroute.bundle import load_bundle, output_budget_rule  # noqa: E402
-from xroute.schema.telemetry import AVAILABILITY, OFFERINGS, PRICES, RTT, WORKLOAD, location_id  # noqa: E402
+from xroute.schema.telemetry import (  # noqa: E402
+    AVAILABILITY,
+    OFFERINGS,
+    PRICES,
+    RTT,
+    THROUGHPUT,
+    WORKLOAD,
+    location_id,
+)
 
 # ----------------------------------------------------------------------------------------- decisions
 WORKLOAD_DAY = pd.Timestamp("2023-11-16")
@@ -574,6 +583,41 @@ def build_rtt(locations: list[str], shared: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+THROUGHPUT_FILE = "rtt/skyplane_crosscloud_iperf3_throughput_2022-01.csv"
+
+
+def build_throughput(locations: list[str], shared: Path) -> pd.DataFrame:
+    """Between every two distinct offering locations Skyplane measured (iperf3, PREMIUM tier at both
+    ends, successful runs, GCP zones mapped to their region): the median received throughput in
+    Gbit/s, the direction as measured, else the reverse one. Pairs never measured are left out (the
+    environment's ``migration.default_throughput_gbps`` covers them)."""
+    s = pd.read_csv(shared / THROUGHPUT_FILE)
+    ok = s["success"].astype(str).str.lower().isin(["true", "1"])
+    s = s[ok & (s["src_tier"] == "PREMIUM") & (s["dst_tier"] == "PREMIUM") & s["throughput_received_bps"].notna()]
+
+    def loc(cloud: str, where: str) -> str:
+        return location_id(cloud, _gcp_zone_region(where) if cloud == "gcp" else where)
+
+    df = pd.DataFrame({"src": [loc(c, r) for c, r in zip(s["src_cloud"], s["src_region_or_zone"])],
+                       "dst": [loc(c, r) for c, r in zip(s["dst_cloud"], s["dst_region_or_zone"])],
+                       "bps": s["throughput_received_bps"].to_numpy(dtype=float)})
+    med = {(a, b): float(v) for (a, b), v in df.groupby(["src", "dst"])["bps"].median().items()}
+    counts = {(a, b): int(v) for (a, b), v in df.groupby(["src", "dst"]).size().items()}
+    rows = []
+    for a in locations:
+        for b in locations:
+            if a == b:
+                continue
+            if (a, b) in med:
+                v, src = med[(a, b)], f"skyplane-iperf3-median ({counts[(a, b)]} runs)"
+            elif (b, a) in med:
+                v, src = med[(b, a)], f"skyplane-iperf3-median:reverse ({counts[(b, a)]} runs)"
+            else:
+                continue
+            rows.append({"src": a, "dst": b, "gbps": fmt(v / 1e9, 3), "source": src})
+    return pd.DataFrame(rows, columns=["src", "dst", "gbps", "source"])
+
+
 # --------------------------------------------------------------------------------------- the build
 def sla_feasibility(w: pd.DataFrame, serving: dict) -> list[list[object]]:
     """Share of requests whose SLO an accelerator meets on average with no queue and no network:
@@ -624,6 +668,8 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
                 "accelerator": p.accelerator, "accelerator_count": p.accelerator_count, "vcpus": fmt(p.vcpus),
                 "memory_gib": fmt(p.memory_gib), "pricing_mode": mode,
                 "capacity_replicas": cap["on_demand"] if mode == "on_demand" else cap["spot"],
+                # the notice a spot instance gets before it stops (cloud_adapters.events); none on demand
+                "notice_s": fmt(spot_notice_s(p.provider) or 0.0) if mode == "spot" else "",
             })
             prices.append({"ts": price_ts, "offering_id": oid, "usd_per_hour": fmt(usd),
                            "source": f"{p.source}:{p.snapshot}"})
@@ -639,18 +685,21 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
     locs = sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"]))
                   | {o for o, _, _ in origins_of(variant)})
     rtt = build_rtt(locs, shared)
+    tput = build_throughput(sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"]))), shared)
 
     # column order exactly as the schema declares, then our extra provenance columns
     off = off[[c.name for c in OFFERINGS.columns if c.name in off.columns]]
     pr = pr[[c.name for c in PRICES.columns] + ["source"]]
     avail = avail[[c.name for c in AVAILABILITY.columns] + ["source"]]
     rtt = rtt[[c.name for c in RTT.columns] + ["source"]]
+    tput = tput[[c.name for c in THROUGHPUT.columns] + ["source"]]
     workload = workload[[c.name for c in WORKLOAD.columns if c.name in workload.columns]]
 
     write_table(off, out / "offerings.csv")
     write_table(pr, out / "prices.csv")
     write_table(avail, out / "availability.csv")
     write_table(rtt, out / "rtt.csv")
+    write_table(tput, out / "throughput.csv")
     write_table(workload, out / "workload.csv.gz")
     if variant.trace == "mooncake":
         (out / "bundle.yaml").write_text(
@@ -659,7 +708,7 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
             "description: \"Mooncake FAST'25 synthetic trace (hash_ids = 512-token KV-cache blocks) on real "
             "prices, spot availability and RTT\"\n")
 
-    stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "w": w, "cap": cap,
+    stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "tput": tput, "w": w, "cap": cap,
              "t0": t0, "t1": t1, "compression": compression, "priced": priced, "serving": serving,
              "locations": locs, "variant": variant, "speeds": speeds, "serving_path": serving_path}
     (out / "README.md").write_text(render_readme(stats))
@@ -729,6 +778,8 @@ inference trace. {len(off)} offerings ({int((off.pricing_mode == 'on_demand').su
 | offerings.csv, prices.csv (GCP) | prices/gcp_weekly_cyclenerd_2022-2026.csv | Apache-2.0 (Cyclenerd/google-cloud-pricing-cost-calculator) |
 | availability.csv | spot/cbl_aws_p3.2xlarge_availability_2023-02-15_9zones.csv, spot/cbl_aws_p3.2xlarge_16node_availability_2023-08-27.csv, spot/cbl_aws_p3.2xlarge_4node_preemption_2023-08-03.csv, spot/cbl_aws_r5.16xlarge_preemption_2023-04-19.csv (skypilot-org/spot-traces, Can't Be Late), spot/spothedge_gcp_a2-a100x8_availability_6zones.csv (SpotHedge/SkyServe), spot/aws_use1_gpu_spot_running_state_2020-03.csv (Michaelvll/skypilot-spot-strategy) | no licence stated by the sources |
 | rtt.csv | rtt/aws_interregion_rtt_p50_1y_cloudping_ms.csv (cloudping), rtt/azure_interregion_rtt_p50_ms.csv (MicrosoftDocs, CC BY 4.0), rtt/gcp_interregion_rtt_median_ms_2023-11-27.csv (Google Cloud Performance Dashboard), rtt/skyplane_crosscloud_ping_rtt_2022-04.csv (skyplane, Apache-2.0) | as listed |
+| throughput.csv | {THROUGHPUT_FILE} (skyplane, Apache-2.0) | as listed |
+| (offerings' notice_s) | cloud_adapters/events.py (the clouds' documented notices) | — |
 | (capacity_replicas, SLA check) | configs/serving.yaml (itself from serving/accelerator_throughput.csv) | see that file |
 
 ## workload.csv.gz
@@ -820,6 +871,20 @@ no queueing, no network, no noise; RTT adds 1–250 ms to TTFT), share of reques
 Row sources: {', '.join(f'{k} {v}' for k, v in kinds.items())}.
 
 {md_table(["src", "dst", "rtt_ms", "source"], est_rows) if est_rows else ""}
+
+## throughput.csv and offerings' notice_s (migration: docs/env.md, "Spot preemption and migration")
+
+- `throughput.csv`: between two distinct offering locations, the median received throughput of
+  Skyplane's iperf3 runs ({THROUGHPUT_FILE},
+  January 2022, 64 connections, PREMIUM tier at both ends, successful runs; GCP zones mapped to their
+  region), the direction as measured, else the reverse one
+  (`:reverse` in `source`): {len(s['tput'])} rows, {s['tput']['gbps'].astype(float).min():.2f}–{s['tput']['gbps'].astype(float).max():.2f} Gbit/s.
+  Pairs never measured are absent; the environment moves a KV cache between them at its
+  `migration.default_throughput_gbps`.
+- `notice_s` (spot offerings; empty on demand): the notice the cloud gives before a spot instance
+  stops, from `cloud_adapters/events.py` — AWS 120 s (the two-minute interruption warning), Azure 30 s
+  (Scheduled Events `Preempt`, `NotBefore` at least 30 s ahead), GCP 30 s (preemption: ACPI soft-off
+  grace).
 """
     return mooncake_readme(text, s) if v.trace == "mooncake" else text
 

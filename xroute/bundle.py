@@ -212,6 +212,8 @@ class Bundle:
     availability: pd.DataFrame | None = None
     utilization: pd.DataFrame | None = None
     quotas: pd.DataFrame | None = None
+    #: measured throughput between locations (``throughput`` table; None when absent)
+    throughput: pd.DataFrame | None = None
     content_hash: str = ""
     extra: dict[str, pd.DataFrame] = field(default_factory=dict)
     #: ``bundle.yaml`` (``xroute.schema.telemetry.BundleMeta``; defaults when the file is absent)
@@ -335,6 +337,19 @@ def rtt_lookup(rtt: pd.DataFrame) -> dict[tuple[str, str], float]:
     return d
 
 
+def throughput_lookup(throughput: pd.DataFrame | None) -> dict[tuple[str, str], float]:
+    """A ``throughput`` table as Gbit/s by (src, dst); symmetric where only one direction is given
+    (empty without the table)."""
+    d: dict[tuple[str, str], float] = {}
+    if throughput is None:
+        return d
+    for s, t, v in zip(throughput["src"], throughput["dst"], throughput["gbps"]):
+        d[(s, t)] = float(v)
+    for (s, t), v in list(d.items()):
+        d.setdefault((t, s), v)
+    return d
+
+
 def origins_reaching(rtt: dict[tuple[str, str], float], locations: Iterable[str],
                      candidates: Iterable[str]) -> list[str]:
     """The ``candidates`` with an RTT to every one of ``locations`` (where requests can come from)."""
@@ -434,6 +449,15 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
             if (o, loc) not in pairs and (loc, o) not in pairs:
                 raise BundleError(fname["rtt"], f"no RTT between origin '{o}' and offering location '{loc}'")
 
+    tp = frames["throughput"]
+    if tp is not None:  # (a KV transfer's throughput between two locations the RTT table knows)
+        for col in ("src", "dst"):
+            bad = ~tp[col].isin(locs).to_numpy()
+            if bad.any():
+                i = _first(bad)
+                v = tp[col].iloc[i]
+                raise BundleError(fname["throughput"], f"unknown location '{v}'{_suggest(v, locs)}", i + 1, col)
+
     workload = _with_output_budget(workload, fname["workload"])
     meta = read_meta(root)
     if (root / META_FILE).is_file():
@@ -442,7 +466,8 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
     check_prefixes(workload, meta, fname["workload"])
     return Bundle(path=root, offerings=offerings, prices=prices, rtt=rtt, workload=workload,
                   availability=frames["availability"], utilization=frames["utilization"],
-                  quotas=frames["quotas"], content_hash=digest.hexdigest()[:16], meta=meta)
+                  quotas=frames["quotas"], throughput=frames["throughput"], content_hash=digest.hexdigest()[:16],
+                  meta=meta)
 
 
 def read_meta(root: Path) -> BundleMeta:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xroute import migration_rules as rules
 from xroute.errors import ConfigError
 from xroute.resources import configs_dir
 from xroute.schema.policy_ir import ConstraintError, PolicySet, policy_set_error
@@ -60,6 +61,33 @@ class PrefixConfig(Strict):
                                                                  "servers report) in a pool's retention")
 
 
+class MigrationConfig(Strict):
+    """Spot preemption with notice and migration (``docs/env.md``, "Preemption and migration"): the
+    rules are ``xroute.migration_rules``, shared with the router (``router.migration``), and so are
+    the defaults of the two the router also has (``migration_deprioritize_s``,
+    ``migration_region_penalty`` in ``router/settings.py``)."""
+
+    notice: bool = Field(True, description="spot pools get their notice (offerings.notice_s) before they stop and "
+                                           "the work on them migrates; false = no notice (the pool dies unannounced, "
+                                           "its requests restart after retry_overhead_ms)")
+    default_notice_s: float = Field(
+        rules.DEFAULT_NOTICE_S, ge=0, le=3600,
+        description="the notice of a spot offering whose bundle row has no notice_s (the shortest the clouds give: "
+                    "Azure Scheduled Events and GCP preemption about 30 s; AWS 2 minutes)")
+    delay_s: float = Field(
+        rules.MIGRATION_DELAY_S, ge=0, le=3600,
+        description="from the notice to the session's target being ready (choose, snapshot, verify): "
+                    "benchmarks/bench_migration.py committed 100 sessions 0.76 s after the event")
+    deprioritize_s: float = Field(rules.DEPRIORITIZE_S, ge=0, le=7 * 86_400,
+                                  description="the interrupted pool's region is de-prioritized this long after the notice")
+    region_penalty: float = Field(rules.REGION_PENALTY, ge=0, le=1e6,
+                                  description="what a de-prioritized region's offerings lose from every policy's score "
+                                              "(reward units, like a prefer policy's weight)")
+    default_throughput_gbps: float = Field(
+        rules.DEFAULT_THROUGHPUT_GBPS, gt=0, le=1e4,
+        description="KV transfer throughput between two locations the bundle's throughput table does not name")
+
+
 class EnvConfig(Strict):
     """Settings of ``xroute/CloudRoute-v0``; see the env docstring for their meaning."""
 
@@ -94,6 +122,7 @@ class EnvConfig(Strict):
                           "directory of them (configs/policies/NAME for a shipped one), or the policy set inline; "
                           "None = none")
     prefix: PrefixConfig = PrefixConfig()
+    migration: MigrationConfig = MigrationConfig()
 
 
 class OracleConfig(Strict):

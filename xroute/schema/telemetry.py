@@ -81,6 +81,10 @@ OFFERINGS = Table(
         Column("pricing_mode", "str", choices=PRICING_MODES),
         Column("capacity_replicas", "int", required=False, minimum=0,
                doc="model replicas we hold in that pool"),
+        Column("notice_s", "float", required=False, minimum=0.0, maximum=3600.0,
+               doc="seconds of notice the cloud gives before a spot instance of this offering stops (AWS 120, "
+               "Azure and GCP about 30; 0 = none); written by the bundle builder from cloud_adapters.events; "
+               "absent or empty = the environment's migration.default_notice_s; read for spot offerings only"),
     ),
 )
 
@@ -118,6 +122,20 @@ RTT = Table(
         Column("src", "str"),
         Column("dst", "str"),
         Column("rtt_ms", "float", minimum=0.0),
+    ),
+)
+
+THROUGHPUT = Table(
+    name="throughput",
+    doc="Measured network throughput between location ids (provider:region), for moving a session's "
+    "KV cache when it migrates; pairs it does not name use the environment's "
+    "migration.default_throughput_gbps.",
+    required=False,
+    unique=("src", "dst"),
+    columns=(
+        Column("src", "str"),
+        Column("dst", "str"),
+        Column("gbps", "float", minimum=0.001, doc="median received throughput, Gbit/s"),
     ),
 )
 
@@ -219,7 +237,7 @@ class BundleMeta(BaseModel):
 
 
 TABLES: dict[str, Table] = {
-    t.name: t for t in (OFFERINGS, PRICES, AVAILABILITY, RTT, WORKLOAD, UTILIZATION, QUOTAS)
+    t.name: t for t in (OFFERINGS, PRICES, AVAILABILITY, RTT, WORKLOAD, UTILIZATION, QUOTAS, THROUGHPUT)
 }
 
 
