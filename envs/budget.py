@@ -27,6 +27,7 @@ concurrency already): an env config that sets it is refused, naming the field.
 
 from __future__ import annotations
 
+import copy as _copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,16 @@ class BudgetBook:
     def restore(self, d: dict[str, Any]) -> None:
         for k in self.STATE:
             setattr(self, k, d[k].copy())
+
+    def copy(self) -> BudgetBook:
+        """An independent book in the same state, for a fork of the environment
+        (``models.warmstart.fork``): the stream's tables (limits, buckets, positions, arrivals) are
+        shared -- never written, ``set_arrival`` replaces them --, the state (:attr:`STATE`) copied,
+        so spending in one leaves the other's budgets as they were."""
+        c = _copy.copy(self)
+        for k in self.STATE:
+            setattr(c, k, getattr(self, k).copy())
+        return c
 
     # ------------------------------------------------------------------ time
     def _roll(self, b: int, t: float) -> None:

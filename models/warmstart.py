@@ -29,7 +29,13 @@ import numpy as np
 from envs.features import N_OFFERING_FEATURES
 
 #: env attributes that never change after construction: shared by forks instead of copied
-_SHARED = ("bundle", "replay", "catalog", "serving", "cfg", "ref", "observation_space", "action_space", "spec")
+_SHARED = ("bundle", "replay", "catalog", "serving", "cfg", "ref", "observation_space", "action_space", "spec",
+           "placement", "capacity", "policies", "models_cfg")
+#: env attributes holding an object a step changes in place: a fork gets ``v.copy()`` (the tenants'
+#: budgets, ``envs.budget.BudgetBook``; the current request's policy outcome buffers)
+_COPIED = ("budget", "_pol")
+#: values a fork may share as they are: immutable, or (tuples) of read-only arrays
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, tuple, frozenset, range, np.generic)
 
 
 def fork(env: Any) -> Any:
@@ -37,14 +43,20 @@ def fork(env: Any) -> Any:
 
     The telemetry, the config and the per-request arrays of the whole stream are read-only and
     shared; every other container is copied (numpy arrays and deques shallowly: their elements
-    are numbers), so stepping the fork leaves ``env`` untouched (``tests/test_agent.py`` checks
-    this against a full deep copy)."""
+    are numbers), and the state objects of ``_COPIED`` with their own ``copy()``, so stepping the
+    fork leaves ``env`` untouched (``tests/test_agent.py`` checks this against a full deep copy,
+    with tenant budgets binding). Any other object is refused (``TypeError``): an attribute the
+    environment gains must be declared shared or copied here, not shared by accident -- the tenants'
+    budget book once was, and every candidate's rollout spent the budget of the state's other
+    candidates and of the episode itself (docs/results.md, issue 26)."""
     sim = copy.copy(env)
     n_req = getattr(env, "n_requests", -1)
     for k, v in vars(env).items():
-        if k in _SHARED:
+        if k in _SHARED or isinstance(v, _PLAIN):
             continue
-        if isinstance(v, np.ndarray):
+        if k in _COPIED:
+            setattr(sim, k, v.copy())
+        elif isinstance(v, np.ndarray):
             if v.ndim and v.shape[0] == n_req:
                 continue  # per-request column of the stream: never written after construction
             setattr(sim, k, v.copy())
@@ -52,6 +64,9 @@ def fork(env: Any) -> Any:
             setattr(sim, k, copy.copy(v))
         elif isinstance(v, np.random.Generator):
             setattr(sim, k, copy.deepcopy(v))
+        else:
+            raise TypeError(f"fork: the environment's attribute {k!r} ({type(v).__name__}) is neither known "
+                            "read-only nor copied; declare it in models.warmstart._SHARED or _COPIED")
     for e in (env, sim):  # what the two still share (the servers' prefix caches) is copied before a write
         unshare = getattr(e, "unshare", None)
         if unshare is not None:

@@ -212,6 +212,66 @@ def test_fork_plays_out_alternatives_without_touching_the_env(tmp_path: Path) ->
     assert env._pos == env2._pos
 
 
+def _greedy_play(sim: Any, first: int, steps: int) -> tuple[float, int]:
+    """The warm start's rollout: ``first``, then ``steps`` greedy requests; (return, its budget refusals)."""
+    before = sim.stats["refused_budget"]
+    g = sim.step(first)[1]
+    for _ in range(steps):
+        g += sim.step(int(np.argmax(sim.expected_rewards())))[1]
+    return g, sim.stats["refused_budget"] - before
+
+
+def test_forks_of_one_state_play_alike_with_tenant_budgets_binding(tmp_path: Path) -> None:
+    """The warm start labels each candidate of a state by a rollout on a fork of the state, one
+    candidate after another (``models.warmstart.collect``). With tenant budgets in the world, what a
+    fork spends must stay in the fork: the same candidate played again after the others returns the
+    same, and the environment's budgets and future are untouched. (The budget book was once shared
+    by every fork: each candidate's rollout started from a budget the previous ones had spent, the
+    refusals that followed (about -3 each) made the labels' outliers, and the episode itself ran
+    out of budget.)"""
+    import copy
+
+    from envs.cloud_route import CloudRouteEnv
+    from models.warmstart import fork
+
+    setup = write_agent_setup(tmp_path)
+    env = CloudRouteEnv(str(setup["bundle"]), {"serving_config": str(tmp_path / "serving.yaml"),
+                                                "episode_requests": 300, "budget_period_s": 60.0,
+                                                "tenants": {"a": {"usd_per_day": 0.008}}})
+    env.reset(seed=4)
+    for _ in range(30):
+        env.step(int(np.argmax(env.expected_rewards())))
+    assert env.budget is not None
+    book = env.budget.save()
+    ref = copy.deepcopy(env)
+    r_exp = env.expected_rewards()
+    cands = [int(a) for a in np.argsort(-r_exp, kind="stable")[:3] if np.isfinite(r_exp[a])]
+    assert len(cands) >= 2
+    plays = [_greedy_play(fork(env), a, 60) for a in [*cands, cands[0]]]
+    assert min(refused for _, refused in plays) > 0  # the budget binds within every rollout
+    assert plays[-1] == plays[0]
+    assert env.budget.save() == book
+    assert [env.step(int(np.argmax(env.expected_rewards())))[1] for _ in range(60)] == \
+        [ref.step(int(np.argmax(ref.expected_rewards())))[1] for _ in range(60)]
+    assert env.stats == ref.stats
+
+
+def test_fork_refuses_state_it_does_not_know_how_to_copy(tmp_path: Path) -> None:
+    """An object the environment gains is not shared by a fork by accident (as the budget book was):
+    ``fork`` names it until it is declared read-only or copied."""
+    from envs.cloud_route import CloudRouteEnv
+    from models.warmstart import fork
+
+    setup = write_agent_setup(tmp_path)
+    env = CloudRouteEnv(str(setup["bundle"]), {"serving_config": str(tmp_path / "serving.yaml"),
+                                                "episode_requests": 100})
+    env.reset(seed=1)
+    fork(env)
+    env.new_state = type("Ledger", (), {})()
+    with pytest.raises(TypeError, match="'new_state' \\(Ledger\\)"):
+        fork(env)
+
+
 def _tiny_context(setup: dict[str, Any], seed_data: int = 5) -> Any:
     from models.scenarios import build_scenarios, train_env_config
     from models.trial import TrialContext
