@@ -203,6 +203,9 @@ class CacheAware(_Base):
         use = feasible if feasible.any() else m
         wp, wl, wc = self.w
         score = wp * x[:, F["exp_cached"]] - wl * x[:, F["busy"]] - wc * x[:, F["exp_cost"]]
+        bias = policy_bias(info, self.n)  # (prefer policies, a de-prioritized region: as greedy)
+        if bias is not None:
+            score = score + bias
         return _masked_argmin(-score, use, x[:, F["exp_latency"]])
 
 
@@ -220,6 +223,9 @@ class SessionSticky(_Base):
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
         r = self.env.expected_rewards()
+        bias = policy_bias(info, self.n)  # (prefer policies, a de-prioritized region: as greedy)
+        if bias is not None:
+            r = r + bias
         best = int(np.argmax(r))
         here = np.flatnonzero(offering_matrix(obs)[: self.n, F["session_here"]] > 0.5)
         if here.size:

@@ -300,7 +300,8 @@ def test_every_baseline_and_the_learned_policy_add_the_bias_to_their_score(bundl
                                                  "constraints": {"offering_ids": [target]}}]})
     cfg = EvaluateConfig()
     learned = LearnedPolicy(_random_weights(np.random.default_rng(0)), "learned")
-    for name in ("greedy", "cheapest", "lowest-latency", "least-loaded", "round-robin", "random", "learned"):
+    for name in ("greedy", "cheapest", "lowest-latency", "least-loaded", "round-robin", "random", "cache-aware",
+                 "session-sticky", "budget-pacing", "learned"):
         p = learned if name == "learned" else BASELINES[name](cfg)
         for ps_, expect in ((ps, True), (None, False)):
             e = _env(bundle, ps_, episode_requests=200)
@@ -312,8 +313,10 @@ def test_every_baseline_and_the_learned_policy_add_the_bias_to_their_score(bundl
                 a = p.act(obs, info)
                 x = offering_matrix(obs)[: e.n]
                 feasible = info["action_mask"][: e.n] & (x[:, F["exp_violation"]] < 0.5)
-                # (cheapest keeps its SLO filter: the bias trades within the offerings likely to meet it)
-                if info["action_mask"][k] and (name != "cheapest" or feasible[k] or not feasible.any()):
+                # (cheapest and cache-aware keep their SLO filter: the bias trades within the offerings
+                # likely to meet it)
+                if info["action_mask"][k] and (name not in ("cheapest", "cache-aware") or feasible[k]
+                                               or not feasible.any()):
                     valid_n += 1
                     on += a == k
                 obs, _, _, done, info = e.step(a)
