@@ -62,7 +62,7 @@ class WarmStartConfig(Strict):
     samples: int = Field(16_000, ge=0, description="states labelled (0 = no warm start)")
     horizon: int = Field(40, ge=0, description="requests played out by greedy after the candidate action")
     top_k: int = Field(6, ge=1, description="candidates: the best this many by expected reward ...")
-    random_actions: int = Field(2, ge=0, description="... plus this many random valid offerings")
+    random_actions: int = Field(0, ge=0, description="... plus this many random valid offerings (0: the top_k only; docs/results.md)")
     stride: int = Field(8, ge=1, description="requests between two labelled states")
     epochs: int = Field(12, ge=1, description="most epochs of the fit; the epoch kept is chosen on the selection window")
     holdout: float = Field(0.2, ge=0, lt=1, description="share of the labelled states held out to choose the epoch "
