@@ -64,6 +64,16 @@ S = MigrationState
 Decide = Callable[[Any, RouteRequest, Principal, dict[str, Any], str | None], Awaitable[bytes]]
 
 
+async def woken_or_timeout(wake: asyncio.Event, timeout_s: float) -> None:
+    """Wait until ``wake`` is set or ``timeout_s`` passes, then clear it (the migration loop's and
+    the webhook sender's rhythm: act at once when told, else poll)."""
+    try:
+        await asyncio.wait_for(wake.wait(), timeout_s)
+    except TimeoutError:
+        pass
+    wake.clear()
+
+
 def body_digest(body: Any) -> str:
     """The SHA-256 of a JSON body, canonical (sorted keys, no spaces): a duplicate event id is
     told apart from a retry by it."""
@@ -284,11 +294,7 @@ class Migrator:
         poll = self.settings.migration_poll_s
         resweep = max(1.0, 5 * poll)
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), poll)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await woken_or_timeout(self._wake, poll)
             try:
                 rows = await self.reload_events()
                 now = time.time()

@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 
 from router.logs import LOG
+from router.migration import woken_or_timeout
 from router.migration_store import Conflict, MigrationStore
 from router.settings import TenantConfig
 from xroute.errors import ConfigError
@@ -102,11 +103,7 @@ class WebhookSender:
     async def run(self) -> None:
         poll = self.settings.migration_poll_s
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), poll)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await woken_or_timeout(self._wake, poll)
             try:
                 await self.send_due()
             except asyncio.CancelledError:
