@@ -44,6 +44,8 @@ def test_the_wheel_ships_every_bundle_and_config_without_a_packaging_warning(bui
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = [p for p in (REPO / "data" / "bundles").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     want = {f"xroute/resources/bundles/{p.relative_to(REPO / 'data' / 'bundles').as_posix()}" for p in shipped}
+    cats = [p for p in (REPO / "data" / "catalogs").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    want |= {f"xroute/resources/catalogs/{p.relative_to(REPO / 'data' / 'catalogs').as_posix()}" for p in cats}
     want |= {f"xroute/resources/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     want |= {f"xroute/resources/configs/policies/{p.name}" for p in (REPO / "configs" / "policies").glob("*.yaml")}
     assert len(want) > 15 and want <= names, sorted(want - names)

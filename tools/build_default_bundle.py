@@ -68,6 +68,15 @@ REGIONS: dict[str, tuple[str, ...]] = {
     "gcp": ("us-central1", "europe-west4", "asia-northeast1"),
 }
 
+#: regions of the *unseen catalog* (``--catalog unseen``): none an offering region of ``REGIONS`` nor a
+#: client origin, each priced in the same price files; for the check that a trained router copes
+#: with offerings it never saw (``xroute evaluate --swap-offerings``)
+UNSEEN_REGIONS: dict[str, tuple[str, ...]] = {
+    "aws": ("ap-southeast-1",),
+    "azure": ("westus2", "northeurope", "southeastasia"),
+    "gcp": ("us-east4", "europe-west1", "asia-east1"),
+}
+
 #: instance types per cloud: the smallest one-accelerator type of each GPU the cloud sells, or its
 #: only (8-GPU) type where no smaller one exists (the env splits it into per-GPU replicas)
 INSTANCE_TYPES: dict[str, tuple[str, ...]] = {
@@ -310,15 +319,17 @@ class PricedType:
     snapshot: str
 
 
-def pick_prices(shared: Path, day: pd.Timestamp = WORKLOAD_DAY) -> list[PricedType]:
+def pick_prices(shared: Path, day: pd.Timestamp = WORKLOAD_DAY,
+                regions: dict[str, tuple[str, ...]] | None = None) -> list[PricedType]:
+    regions = REGIONS if regions is None else regions
     out: list[PricedType] = []
     frames = {rel: pd.read_csv(shared / rel) for rel in sorted(set(PRICE_FILES.values()))}
     specs = pd.read_csv(shared / "prices/instance_specs.csv")
-    for provider in sorted(REGIONS):
+    for provider in sorted(regions):
         rel = PRICE_FILES[provider]
         df = frames[rel]
         df = df[df["provider"] == provider]
-        for region in REGIONS[provider]:
+        for region in regions[provider]:
             for itype in INSTANCE_TYPES[provider]:
                 rows = df[(df["region"] == region) & (df["instance_type"] == itype)
                           & df["price_on_demand_usd_per_hour"].notna()]
@@ -637,7 +648,12 @@ def sla_feasibility(w: pd.DataFrame, serving: dict) -> list[list[object]]:
 
 
 def build(shared: Path, out: Path, serving_path: Path, compression: float,
-          variant: Variant = VARIANTS["default"]) -> dict:
+          variant: Variant = VARIANTS["default"], catalog: str = "shipped") -> dict:
+    """Write the bundle of ``variant`` to ``out``; with ``catalog="unseen"`` only its catalog tables
+    (offerings, prices, availability, rtt, throughput) for the regions of ``UNSEEN_REGIONS``, on the
+    variant's window and traffic (same capacity rule), with RTT and throughput to the shipped regions
+    too -- the donor of ``xroute.catalog_tools.swap_catalog``."""
+    unseen = catalog == "unseen"
     if compression <= 0:
         raise SystemExit("--spot-compression must be > 0")
     serving = yaml.safe_load(serving_path.read_text())
@@ -655,7 +671,7 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
         if variant.trace == "mooncake" else None
     cap = capacity_rule(w, serving, speeds)
 
-    priced = pick_prices(shared, pd.Timestamp(variant.price_date))
+    priced = pick_prices(shared, pd.Timestamp(variant.price_date), UNSEEN_REGIONS if unseen else REGIONS)
     offerings, prices = [], []
     price_ts = iso(t0.normalize() - pd.Timedelta(days=1))
     for p in priced:
@@ -682,10 +698,12 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
     spot = off[off["pricing_mode"] == "spot"].to_dict("records")
     avail, avail_info = build_availability(spot, load_traces(shared), t0, t1, compression, variant.spot_salt)
 
-    locs = sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"]))
-                  | {o for o, _, _ in origins_of(variant)})
+    off_locs = set(location_id(p, r) for p, r in zip(off["provider"], off["region"]))
+    if unseen:  # the catalog is swapped into a shipped bundle: also reach (and move KV to) its regions
+        off_locs |= {location_id(p, r) for p, rs in REGIONS.items() for r in rs}
+    locs = sorted(off_locs | {o for o, _, _ in origins_of(variant)})
     rtt = build_rtt(locs, shared)
-    tput = build_throughput(sorted(set(location_id(p, r) for p, r in zip(off["provider"], off["region"]))), shared)
+    tput = build_throughput(sorted(off_locs), shared)
 
     # column order exactly as the schema declares, then our extra provenance columns
     off = off[[c.name for c in OFFERINGS.columns if c.name in off.columns]]
@@ -700,6 +718,14 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
     write_table(avail, out / "availability.csv")
     write_table(rtt, out / "rtt.csv")
     write_table(tput, out / "throughput.csv")
+    stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "tput": tput, "w": w, "cap": cap,
+             "t0": t0, "t1": t1, "compression": compression, "priced": priced, "serving": serving,
+             "locations": locs, "variant": variant, "speeds": speeds, "serving_path": serving_path}
+    if unseen:
+        (out / "README.md").write_text(catalog_readme(stats))
+        # the catalog must pass the product's own validation against the traffic it is built for
+        stats["bundle"] = load_bundle(out, workload=workload.drop(columns=["prefix_hashes"], errors="ignore"))
+        return stats
     write_table(workload, out / "workload.csv.gz")
     if variant.trace == "mooncake":
         (out / "bundle.yaml").write_text(
@@ -708,9 +734,6 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
             "description: \"Mooncake FAST'25 synthetic trace (hash_ids = 512-token KV-cache blocks) on real "
             "prices, spot availability and RTT\"\n")
 
-    stats = {"offerings": off, "prices": pr, "avail_info": avail_info, "rtt": rtt, "tput": tput, "w": w, "cap": cap,
-             "t0": t0, "t1": t1, "compression": compression, "priced": priced, "serving": serving,
-             "locations": locs, "variant": variant, "speeds": speeds, "serving_path": serving_path}
     (out / "README.md").write_text(render_readme(stats))
     bundle = load_bundle(out)  # the builder's output must pass the product's own validation
     stats["bundle"] = bundle
@@ -718,6 +741,45 @@ def build(shared: Path, out: Path, serving_path: Path, compression: float,
 
 
 # ------------------------------------------------------------------------------------------ README
+def catalog_readme(s: dict) -> str:
+    off, info, v, comp = s["offerings"], s["avail_info"], s["variant"], s["compression"]
+    price_rows = [[p.provider, p.region, p.instance_type, p.accelerator, p.accelerator_count, fmt(p.on_demand),
+                   fmt(p.spot) if p.spot is not None else "—", f"{p.source} {p.snapshot}"] for p in s["priced"]]
+    av_rows = [[i["offering_id"], i["trace"], f"{i['offset_h']:.2f}", i["flips"], f"{i['avail_frac']:.2f}"]
+               for i in info]
+    return f"""# Unseen catalog for bundle `{v.name}` — provenance
+
+Written by `tools/build_default_bundle.py` (do not edit by hand; rebuild with
+`.venv/bin/python tools/build_default_bundle.py --shared ../shared/data --variant {v.name} --catalog unseen
+--out data/catalogs/unseen/{v.name} --spot-compression {comp:g}`). Same inputs ⇒ byte-identical files.
+
+**What it is for.** Offerings in regions that no shipped bundle has an offering in and that are no
+client origin ({'; '.join(f"{p}: {', '.join(r)}" for p, r in UNSEEN_REGIONS.items())}), so no
+router trained on the shipped bundles has seen them. `xroute evaluate --swap-offerings 0.2` swaps
+20 % of bundle `{v.name}`'s offerings for offerings of this catalog (`xroute.catalog_tools.swap_catalog`):
+the check that a trained router copes with a catalog it was never trained on, without retraining.
+
+**What it holds.** The catalog tables of the bundle recipe (offerings, prices, availability, rtt,
+throughput; no workload: the bundle's own is used), built exactly as bundle `{v.name}`'s: price
+snapshots nearest **{v.price_date}**, the same instance types per cloud, pools sized by the same
+capacity rule for the same traffic, real spot traces replayed {comp:g}x compressed on the bundle's
+window ({iso(s['t0'])} → {iso(s['t1'])}), spot notices from `cloud_adapters/events.py`. `rtt` and
+`throughput` cover these regions, the shipped bundles' offering regions and the client origins,
+from the same sources and with the same proxy rule as the bundle's (see its README).
+
+{len(off)} offerings ({int((off.pricing_mode == 'on_demand').sum())} on-demand, {int((off.pricing_mode == 'spot').sum())} spot)
+in {len(set(off.provider + ':' + off.region))} regions; {len(s['rtt'])} rtt rows; {len(s['tput'])} throughput rows.
+
+## Prices
+
+{md_table(["provider", "region", "instance type", "accelerator", "count", "on-demand $/h", "spot $/h", "source"], price_rows)}
+
+## Spot availability (one real trace column per spot offering)
+
+{md_table(["offering", "trace", "offset h", "changes", "available"], av_rows)}
+"""
+
+
 def render_readme(s: dict) -> str:
     off, pr, w, cap, info, rtt = s["offerings"], s["prices"], s["w"], s["cap"], s["avail_info"], s["rtt"]
     by = off.groupby(["provider", "accelerator", "pricing_mode"]).size().unstack(fill_value=0)
@@ -992,8 +1054,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="real spot-trace seconds replayed per workload second (default 12)")
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="default",
                     help="another window of the shared data: price date, spot spans, client and tenant mix")
+    ap.add_argument("--catalog", choices=("shipped", "unseen"), default="shipped",
+                    help="unseen: only the catalog tables, for regions no shipped bundle has (UNSEEN_REGIONS)")
     args = ap.parse_args(argv)
-    s = build(args.shared, args.out, args.serving, args.spot_compression, VARIANTS[args.variant])
+    s = build(args.shared, args.out, args.serving, args.spot_compression, VARIANTS[args.variant], args.catalog)
     off, b = s["offerings"], s["bundle"]
     size = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
     print(f"wrote {args.out}: {len(off)} offerings, {len(b.workload)} requests, "

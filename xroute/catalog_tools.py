@@ -5,6 +5,7 @@ and the request stream stay real; only the set of offerings changes."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -59,3 +60,74 @@ def perturb_catalog(bundle: Bundle, drop_frac: float = 0.2, add: int | None = No
     picks = [(i, i) for i in kept] + new
     order = rng.permutation(len(picks))
     return _clone(bundle, [picks[k] for k in order])
+
+
+def unseen_catalog_dir(bundle: Bundle) -> Path:
+    """The shipped unseen catalog built for ``bundle``'s window (``data/catalogs/unseen/<name>``:
+    ``tools/build_default_bundle.py --catalog unseen``)."""
+    from xroute.resources import catalogs_dir
+
+    return catalogs_dir() / "unseen" / bundle.path.name
+
+
+def swap_catalog(bundle: Bundle, donor: str | Path | Bundle, frac: float = 0.2, seed: int = 0) -> Bundle:
+    """``bundle`` with ``frac`` of its offerings, drawn at random (``seed``), swapped for as many
+    offerings of ``donor`` that ``bundle`` does not have -- each of the same pricing mode as the one
+    it replaces, in its place -- with their prices and availability, and ``donor``'s RTT and
+    throughput rows the bundle lacks. The request stream is untouched.
+
+    ``donor``: a catalog directory (offerings, prices, rtt; availability, throughput optional; no
+    workload needed: validated against ``bundle``'s) or a loaded bundle. For the check that a
+    trained router copes with offerings it never saw (``xroute evaluate --swap-offerings``)."""
+    from xroute.bundle import load_bundle
+    from xroute.errors import ConfigError
+
+    if not 0.0 < frac <= 1.0:
+        raise ConfigError(f"--swap-offerings: must be in (0, 1], got {frac:g}")
+    if not isinstance(donor, Bundle):
+        # validated against this stream's origins; the prefix columns need the bundle's own meta
+        donor = load_bundle(donor, workload=bundle.workload.drop(columns=["prefix_hashes"], errors="ignore"))
+    ids = bundle.offering_ids
+    mine = set(ids)
+    new = donor.offerings[~donor.offerings["offering_id"].isin(mine)]
+    rng = np.random.default_rng(seed)
+    n = round(frac * len(ids))
+    out_pos = sorted(rng.choice(len(ids), n, replace=False).tolist())
+    modes = bundle.offerings["pricing_mode"].to_numpy()
+    picks: dict[int, str] = {}
+    for mode in sorted({str(modes[i]) for i in out_pos}):
+        slots = [i for i in out_pos if modes[i] == mode]
+        pool = new.loc[new["pricing_mode"] == mode, "offering_id"].tolist()
+        if len(pool) < len(slots):
+            raise ConfigError(f"--swap-offerings: {len(slots)} {mode} offerings to swap, but the unseen catalog "
+                              f"{donor.path} has only {len(pool)} {mode} offerings the bundle lacks")
+        for i, j in zip(slots, rng.choice(len(pool), len(slots), replace=False)):
+            picks[i] = pool[int(j)]
+    d_off = donor.offerings.set_index("offering_id")
+    rows = [d_off.loc[picks[i]].to_dict() | {"offering_id": picks[i]} if i in picks else r
+            for i, r in enumerate(bundle.offerings.to_dict("records"))]
+    offerings = pd.DataFrame(rows)[list(bundle.offerings.columns)].reset_index(drop=True)
+    added, dropped = set(picks.values()), {ids[i] for i in out_pos}
+
+    def per_offering(name: str) -> pd.DataFrame | None:
+        a, b = getattr(bundle, name), getattr(donor, name)
+        parts = [] if a is None else [a[~a["offering_id"].isin(dropped)]]
+        if b is not None:
+            parts.append(b[b["offering_id"].isin(added)][[c for c in (a.columns if a is not None else b.columns)
+                                                          if c in b.columns]])
+        if not parts:
+            return None
+        return pd.concat(parts, ignore_index=True).sort_values(["offering_id", "ts"], kind="stable").reset_index(drop=True)
+
+    def pairs(name: str) -> pd.DataFrame | None:
+        a, b = getattr(bundle, name), getattr(donor, name)
+        if a is None or b is None:
+            return a if b is None else b
+        have = set(zip(a["src"], a["dst"]))
+        extra = b[[(s, d) not in have for s, d in zip(b["src"], b["dst"])]]
+        return pd.concat([a, extra[[c for c in a.columns if c in extra.columns]]], ignore_index=True)
+
+    tag = f"-swap{frac:g}:{seed}:{donor.content_hash}"
+    return replace(bundle, offerings=offerings, prices=per_offering("prices"),
+                   availability=per_offering("availability"), utilization=per_offering("utilization"),
+                   rtt=pairs("rtt"), throughput=pairs("throughput"), content_hash=bundle.content_hash + tag)

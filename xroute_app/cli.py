@@ -69,6 +69,12 @@ def evaluate(
                         ] = None,
     versus: Annotated[str | None, typer.Option(help="take the paired differences to this policy (one of --policy, "
                                                "e.g. greedy) rather than to the best baseline")] = None,
+    swap_offerings: Annotated[float | None, typer.Option(help="swap this fraction of the bundle's offerings (e.g. 0.2) "
+                                                         "for offerings no shipped bundle has, from --unseen-catalog: "
+                                                         "how a trained router copes with a catalog it never saw")] = None,
+    unseen_catalog: Annotated[Path | None, typer.Option(help="catalog directory --swap-offerings draws from "
+                                                        "(default data/catalogs/unseen/<bundle name>)")] = None,
+    swap_seed: Annotated[int, typer.Option(help="which offerings --swap-offerings swaps")] = 0,
 ) -> None:
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
@@ -95,6 +101,20 @@ def evaluate(
         upd["seeds"] = seeds
     cfg = cfg.model_copy(update=upd)
     bundle = load_bundle(telemetry)
+    swapped = None
+    if unseen_catalog is not None and swap_offerings is None:
+        raise ConfigError("--unseen-catalog: only with --swap-offerings (the fraction of offerings to swap)")
+    if swap_offerings is not None:
+        from xroute.catalog_tools import swap_catalog, unseen_catalog_dir
+
+        donor = unseen_catalog if unseen_catalog is not None else unseen_catalog_dir(bundle)
+        if not donor.is_dir():
+            raise ConfigError(f"--unseen-catalog: {donor} is not a directory (build one with tools/build_default_bundle.py "
+                              "--catalog unseen)")
+        before_ids = set(bundle.offering_ids)
+        bundle = swap_catalog(bundle, donor, swap_offerings, swap_seed)
+        swapped = sorted(set(bundle.offering_ids) - before_ids)
+        typer.echo(f"swapped {len(swapped)} of {len(before_ids)} offerings for unseen ones from {donor}")
     history = None
     if window is not None:
         from models.config import load_train_config
@@ -115,13 +135,26 @@ def evaluate(
         raise ConfigError(f"--versus: '{versus}' is not one of the --policy options ({', '.join(policy)})")
     results = ev.evaluate(bundle, list(dict.fromkeys(policy)), cfg, show_progress=not quiet, history=history,
                           versus=versus)
+    unseen_share: dict[str, float] | None = None
+    if swapped is not None:  # how much of each policy's traffic went to the offerings it never saw
+        import numpy as np
+
+        idx = np.flatnonzero(bundle.offerings["offering_id"].isin(swapped).to_numpy())
+        unseen_share = {r.name: float(np.mean([np.isin(run.actions, idx).mean() for run in r.runs
+                                               if run.actions is not None] or [float("nan")])) for r in results}
     span = bundle.time_span()
     end_fmt = "%H:%M" if span[0].date() == span[1].date() else "%Y-%m-%d %H:%M"
     what = f"{len(bundle.workload)} requests" + (f" (sample of {sample})" if sample is not None else "")
     ev.print_table(results, title=f"xroute evaluate — {bundle.path.name}, {what}, "
                                   f"{span[0]:%Y-%m-%d %H:%M}–{span[1].strftime(end_fmt)} UTC, rate x{rate_scale:g}")
     ev.write_json(ev.report_dict(results, bundle, cfg, {"start": str(span[0]), "end": str(span[1]),
-                                                       "sample": sample, "window": window}), out)
+                                                       "sample": sample, "window": window,
+                                                       "swapped_in": swapped, "swap_seed": swap_seed
+                                                       if swapped is not None else None,
+                                                       "placed_on_swapped_in": unseen_share}), out)
+    if unseen_share is not None:
+        typer.echo("requests placed on the swapped-in offerings: " +
+                   ", ".join(f"{k} {100 * v:.1f} %" for k, v in unseen_share.items()))
     typer.echo(f"report: {out}")
     if not no_plot:
         png = plot if plot is not None else out.with_suffix(".png")
