@@ -106,10 +106,25 @@ class DQNConfig(Strict):
                                                       "update (replay composition, DQfD-style): the squared error "
                                                       "of Q(s,a) - Q(s,greedy's a) against the rollout advantage")
     demo_batch_size: int = Field(64, ge=1, description="warm-start states per update when demo_weight > 0")
+    siblings: int = Field(0, ge=0, le=16, description="before each training step (every sibling_every-th), also "
+                                                     "play this many best offerings by expected reward and the one "
+                                                     "taken on forks of the environment (same request, same draws) "
+                                                     "and fit the differences of their TD targets (models.qnet."
+                                                     "SiblingPlay); 0 = off. Needs n_steps 1")
+    sibling_weight: float = Field(1.0, ge=0, description="weight of that paired loss in every update")
+    sibling_every: int = Field(1, ge=1, description="play the siblings at every this many steps")
+    sibling_batch_size: int = Field(32, ge=1, description="groups of siblings per update")
+    sibling_buffer: int = Field(5_000, ge=1, description="the last this many groups are kept to draw from")
     warmup: Literal["random", "policy"] = Field(
         "random", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
                               "start's own epsilon-greedy choices (n-step returns over random actions are the random "
                               "policy's)")
+
+    @model_validator(mode="after")
+    def _siblings_one_step(self) -> DQNConfig:
+        if self.siblings > 0 and self.n_steps > 1:
+            raise ValueError("siblings: needs n_steps 1 (the paired targets are one-step)")
+        return self
 
 
 class SearchConfig(Strict):

@@ -128,6 +128,60 @@ class FlatObservation(gym.ObservationWrapper):  # type: ignore[type-arg]
         return np.concatenate([observation["offerings"], observation["request"], observation["mask"]])
 
 
+class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
+    """Paired samples of the alternatives (``dqn.siblings``): before every ``every``-th step, the
+    ``k`` best valid offerings by the one-step expected reward (greedy's first) and the action taken
+    are each played one request on a fork of the environment (``models.warmstart.fork``: the same
+    request, the same service-time draws -- common random numbers), and their transitions are kept
+    as one *group* in ``pending`` for :class:`MaskedDQN` to learn the differences between them from.
+
+    Why (``python -m models.ablation --noise``, docs/results.md): the choice between the best two
+    offerings is worth ~0.002 reward over 40 requests, and one unpaired TD sample of each carries
+    noise of ~0.06 -- thousands of samples per decision; paired on the same draws, tens. SB3's
+    replay holds each transition alone; a group keeps them paired."""
+
+    def __init__(self, env: gym.Env, k: int, every: int = 1):  # type: ignore[type-arg]
+        super().__init__(env)
+        self.k, self.every = int(k), max(int(every), 1)
+        self.pending: list[dict[str, Any]] = []
+        self._obs: dict[str, np.ndarray] | None = None
+        self._n = 0
+
+    def _inner(self) -> Any:
+        cur = getattr(self.env, "current", None)  # a models.scenarios.ScenarioMix: this episode's environment
+        return cur if cur is not None else self.env
+
+    def reset(self, **kwargs: Any) -> Any:
+        obs, info = self.env.reset(**kwargs)
+        self._obs = obs
+        return obs, info
+
+    def step(self, action: Any) -> Any:
+        from models.warmstart import fork
+
+        self._n += 1
+        if self._obs is not None and self._n % self.every == 0:
+            env = self._inner()
+            r_exp = env.expected_rewards()
+            valid = np.flatnonzero(np.isfinite(r_exp))
+            if valid.size >= 2:
+                order = valid[np.argsort(-r_exp[valid], kind="stable")]
+                acts = list(dict.fromkeys([*order[: self.k].tolist(), int(action)]))
+                nxt, rew, done = [], [], []
+                for a in acts:
+                    o2, r, term, trunc, _ = fork(env).step(int(a))
+                    nxt.append(o2)
+                    rew.append(float(r))
+                    done.append(bool(term))  # a truncated episode still has a future: bootstrap it
+                self.pending.append({"obs": {k: np.array(v, copy=True) for k, v in self._obs.items()},
+                                     "actions": np.asarray(acts, np.int64), "rewards": np.asarray(rew, np.float32),
+                                     "next": {k: np.stack([o[k] for o in nxt]) for k in nxt[0]},
+                                     "dones": np.asarray(done, np.float32)})
+        obs, r, term, trunc, info = self.env.step(action)
+        self._obs = obs
+        return obs, r, term, trunc, info
+
+
 def observation_mask(observation: np.ndarray | dict[str, np.ndarray], n_actions: int) -> np.ndarray:
     """The action mask of a Dict observation or of a :class:`FlatObservation` (its last columns)."""
     if isinstance(observation, dict):
@@ -234,15 +288,19 @@ class MaskedDQN(DQN):
       n-step returns over a window of random actions are the random policy's, not the policy's);
     * ``demo`` (a ``models.warmstart.RolloutData``) and ``demo_weight``: every update also fits
       ``Q(s,a) - Q(s,a_greedy)`` to the warm start's rollout advantages of ``demo_batch_size`` of
-      its labelled states (the warm start's knowledge kept in the loss, DQfD-style).
+      its labelled states (the warm start's knowledge kept in the loss, DQfD-style);
+    * ``siblings`` (a :class:`SiblingPlay` around the training env) and ``sibling_weight``: every
+      update also fits the differences between the paired one-step outcomes of the best offerings
+      (:meth:`_sibling_loss`).
 
     ``train`` is SB3's ``DQN.train`` with those added, and records beside ``train/loss`` what the
     ablations diagnose: ``train/q_mean``, ``train/td_abs`` (mean |TD error|), ``train/target_std``,
-    ``train/action_gap`` (best minus second-best valid Q-value) and ``train/demo_loss``."""
+    ``train/action_gap`` (best minus second-best valid Q-value), ``train/demo_loss`` and ``train/sibling_loss``."""
 
     def __init__(self, *args: Any, loss: str = "huber", reward_scale: float = 1.0, exploration: str = "uniform",
                  exploration_top_k: int = 3, demo: Any = None, demo_weight: float = 0.0, demo_batch_size: int = 64,
-                 warmup: str = "random", **kwargs: Any):
+                 warmup: str = "random", siblings: SiblingPlay | None = None, sibling_weight: float = 1.0,
+                 sibling_batch_size: int = 32, sibling_buffer: int = 5_000, **kwargs: Any):
         if loss not in ("huber", "mse") or exploration not in ("uniform", "top_k") or warmup not in ("random", "policy"):
             raise ValueError(f"loss {loss!r} / exploration {exploration!r} / warmup {warmup!r}")
         self.warmup = warmup
@@ -250,12 +308,17 @@ class MaskedDQN(DQN):
         self.exploration_kind, self.exploration_top_k = exploration, int(exploration_top_k)
         self.demo, self.demo_weight, self.demo_batch_size = demo, float(demo_weight), int(demo_batch_size)
         self._demo_t: tuple[th.Tensor, ...] | None = None
+        self.siblings, self.sibling_weight = siblings, float(sibling_weight)
+        self.sibling_batch_size = int(sibling_batch_size)
+        from collections import deque
+
+        self.sibling_groups: deque[dict[str, Any]] = deque(maxlen=int(sibling_buffer))
         super().__init__(*args, **kwargs)
         self.explore_rng = np.random.default_rng(self.seed)
         self.demo_rng = np.random.default_rng(None if self.seed is None else self.seed + 1)
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "demo", "_demo_t"]
+        return [*super()._excluded_save_params(), "demo", "_demo_t", "siblings", "sibling_groups"]
 
     def _explore(self, observation: np.ndarray | dict[str, np.ndarray]) -> np.ndarray:
         mask = observation_mask(observation, int(self.action_space.n))  # type: ignore[attr-defined]
@@ -299,12 +362,50 @@ class MaskedDQN(DQN):
         wi = w[idx]
         return (((diff - self.reward_scale * adv[idx]) ** 2) * wi).sum() / wi.sum().clamp(min=1.0)
 
+    def _sibling_loss(self) -> th.Tensor | None:
+        """The paired TD loss of :class:`SiblingPlay`'s groups: for ``sibling_batch_size`` groups
+        drawn from the last ``sibling_buffer``, ``Q(s,a_i) - Q(s,a_0)`` against ``y_i - y_0``, with
+        ``y = reward_scale * r + gamma * max Q_target(s')`` as SB3's target (``a_0``: greedy's
+        choice). The noise both share (the request, its service-time draws) cancels."""
+        if self.siblings is None:
+            return None
+        self.sibling_groups.extend(self.siblings.pending)
+        self.siblings.pending.clear()
+        if len(self.sibling_groups) < self.sibling_batch_size:
+            return None
+        idx = self.demo_rng.integers(len(self.sibling_groups), size=self.sibling_batch_size)
+        return self._sibling_batch_loss([self.sibling_groups[int(i)] for i in idx])
+
+    def _sibling_batch_loss(self, groups: list[dict[str, Any]]) -> th.Tensor:
+        kmax = max(len(g["actions"]) for g in groups)
+        b = len(groups)
+        acts = np.zeros((b, kmax), np.int64)
+        rew = np.zeros((b, kmax), np.float32)
+        dn = np.ones((b, kmax), np.float32)
+        w = np.zeros((b, kmax), np.float32)
+        nxt: dict[str, list[np.ndarray]] = {k: [] for k in groups[0]["next"]}
+        for i, g in enumerate(groups):
+            n = len(g["actions"])
+            acts[i, :n], rew[i, :n], dn[i, :n], w[i, :n] = g["actions"], g["rewards"], g["dones"], 1.0
+            for k in nxt:  # padding repeats the first sibling (weight 0)
+                v = g["next"][k]
+                nxt[k].append(np.concatenate([v, np.repeat(v[:1], kmax - n, axis=0)]) if n < kmax else v)
+        obs = {k: th.as_tensor(np.stack([g["obs"][k] for g in groups])) for k in groups[0]["obs"]}
+        nobs = {k: th.as_tensor(np.concatenate(v)) for k, v in nxt.items()}
+        with th.no_grad():
+            next_q = self.q_net_target(nobs).max(dim=1).values.reshape(b, kmax)
+            y = self.reward_scale * th.as_tensor(rew) + (1 - th.as_tensor(dn)) * self.gamma * next_q
+        q = self.q_net(obs).gather(1, th.as_tensor(acts))
+        wt = th.as_tensor(w)
+        err = (q - q[:, :1]) - (y - y[:, :1])
+        return ((err ** 2) * wt).sum() / wt[:, 1:].sum().clamp(min=1.0)
+
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
         """SB3 2.9's ``DQN.train`` (same sampling, target, clipping and counters) with the knobs and
         the recorded diagnostics of the class docstring."""
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
-        losses, q_mean, td_abs, t_std, gap, demo = [], [], [], [], [], []
+        losses, q_mean, td_abs, t_std, gap, demo, sib = [], [], [], [], [], [], []
         for _ in range(gradient_steps):
             replay_data = self.replay_buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[union-attr]
             discounts = replay_data.discounts if replay_data.discounts is not None else self.gamma
@@ -318,6 +419,10 @@ class MaskedDQN(DQN):
                 d_loss = self._demo_loss()
                 demo.append(float(d_loss.detach()))
                 loss = loss + self.demo_weight * d_loss
+            s_loss = self._sibling_loss() if self.sibling_weight > 0 else None
+            if s_loss is not None:
+                sib.append(float(s_loss.detach()))
+                loss = loss + self.sibling_weight * s_loss
             losses.append(loss.item())
             with th.no_grad():
                 q_mean.append(float(q.mean()))
@@ -335,7 +440,7 @@ class MaskedDQN(DQN):
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
         self.logger.record("train/loss", np.mean(losses))
         for key, vals in (("q_mean", q_mean), ("td_abs", td_abs), ("target_std", t_std), ("action_gap", gap),
-                          ("demo_loss", demo)):
+                          ("demo_loss", demo), ("sibling_loss", sib)):
             if vals:
                 self.logger.record(f"train/{key}", float(np.mean(vals)))
 

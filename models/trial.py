@@ -64,7 +64,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
 
     th.set_num_threads(1)
     from models.callbacks import ProgressCallback, Selection, ValidationCallback, WarmStartCallback
-    from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy
+    from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy, SiblingPlay
 
     cfg, seed = ctx.cfg, int(params["seed"])
     gamma, lr = float(params["gamma"]), float(params["learning_rate"])
@@ -76,6 +76,9 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
                       seed)
     d = cfg.dqn
     env: Any = FlatObservation(mix) if d.n_steps > 1 else mix  # (SB3's n-step returns need a non-Dict space)
+    siblings = None
+    if d.siblings > 0:  # (one-step targets: the config refuses n_steps > 1 with them)
+        env = siblings = SiblingPlay(mix, d.siblings, d.sibling_every)
     demo = ctx.warm_data if d.demo_weight > 0 and ctx.warm_data is not None and len(ctx.warm_data) else None
     model = MaskedDQN(
         SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
@@ -85,7 +88,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         exploration_final_eps=d.exploration_final_eps, max_grad_norm=d.max_grad_norm, seed=seed, device="cpu",
         n_steps=d.n_steps, loss=d.loss, reward_scale=d.reward_scale, exploration=d.exploration,
         exploration_top_k=d.exploration_top_k, demo=demo, demo_weight=d.demo_weight,
-        demo_batch_size=d.demo_batch_size, warmup=d.warmup,
+        demo_batch_size=d.demo_batch_size, warmup=d.warmup, siblings=siblings, sibling_weight=d.sibling_weight,
+        sibling_batch_size=d.sibling_batch_size, sibling_buffer=d.sibling_buffer,
         policy_kwargs={"net_arch": list(cfg.net.hidden), "context_dim": cfg.net.context_dim,
                        "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None,
                        "prior_scale": d.reward_scale},

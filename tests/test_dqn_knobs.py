@@ -174,3 +174,39 @@ def test_policy_warmup_fills_the_buffer_with_the_networks_own_choices(tmp_path: 
             q = model.q_net(model.policy.obs_to_tensor(obs)[0]).numpy()
         picks[warmup] = float((q.argmax(axis=1) == buf.actions[:60, 0, 0]).mean())
     assert picks["policy"] == 1.0 and picks["random"] < 0.9
+
+
+def test_siblings_are_played_on_the_same_draws_and_their_differences_are_fitted(tmp_path: Path) -> None:
+    """``dqn.siblings``: the best offerings and the one taken are played on forks before the step
+    (greedy's first), the taken one's outcome is the real step's (same request, same draws), and
+    the paired loss -- with the target network held fixed, a plain regression -- goes down."""
+    from models.qnet import SiblingPlay
+
+    setup = write_agent_setup(tmp_path)
+    env = SiblingPlay(_env(setup, tmp_path), k=3)
+    obs, _ = env.reset(seed=4)
+    for _ in range(12):
+        r_exp = env.env.expected_rewards()
+        valid = np.flatnonzero(np.isfinite(r_exp))
+        a = int(valid[-1])  # not greedy's choice, where there is a choice
+        _, r, _, _, _ = env.step(a)
+        g = env.pending[-1]
+        assert int(g["actions"][0]) == int(valid[np.argmax(r_exp[valid])])
+        assert a in g["actions"].tolist() and len(set(g["actions"].tolist())) == len(g["actions"])
+        assert float(g["rewards"][g["actions"].tolist().index(a)]) == pytest.approx(float(r), rel=1e-6)
+        assert g["next"]["offerings"].shape[0] == len(g["actions"])
+    env.pending.clear()
+    model = _model(env, siblings=env, sibling_weight=20.0, sibling_batch_size=16, learning_rate=3e-3,
+                   target_update_interval=10**6)
+    model.learn(80)  # fills the groups (learning starts at 40)
+    model.sibling_groups.extend(env.pending)
+    env.pending.clear()
+    groups = list(model.sibling_groups)
+    assert len(groups) >= 40
+    with th.no_grad():
+        before = float(model._sibling_batch_loss(groups))
+    model.learn(400, reset_num_timesteps=False)
+    assert "train/sibling_loss" in model.logger.name_to_value
+    with th.no_grad():
+        after = float(model._sibling_batch_loss(groups))
+    assert after < before
