@@ -112,6 +112,8 @@ class DQNConfig(Strict):
                                                      "and fit the differences of their TD targets (models.qnet."
                                                      "SiblingPlay); 0 = off. Needs n_steps 1")
     sibling_weight: float = Field(1.0, ge=0, description="weight of that paired loss in every update")
+    td_weight: float = Field(1.0, ge=0, description="weight of SB3's TD loss on the replayed transitions (0 = learn "
+                                                   "from the paired siblings and demonstrations alone)")
     sibling_every: int = Field(1, ge=1, description="play the siblings at every this many steps")
     sibling_batch_size: int = Field(32, ge=1, description="groups of siblings per update")
     sibling_buffer: int = Field(5_000, ge=1, description="the last this many groups are kept to draw from")

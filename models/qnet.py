@@ -291,7 +291,9 @@ class MaskedDQN(DQN):
       its labelled states (the warm start's knowledge kept in the loss, DQfD-style);
     * ``siblings`` (a :class:`SiblingPlay` around the training env) and ``sibling_weight``: every
       update also fits the differences between the paired one-step outcomes of the best offerings
-      (:meth:`_sibling_loss`).
+      (:meth:`_sibling_loss`);
+    * ``td_weight``: the weight of SB3's own TD loss on the replayed transitions (1; 0 = learn from
+      the paired siblings, and the demonstrations, alone).
 
     ``train`` is SB3's ``DQN.train`` with those added, and records beside ``train/loss`` what the
     ablations diagnose: ``train/q_mean``, ``train/td_abs`` (mean |TD error|), ``train/target_std``,
@@ -300,7 +302,7 @@ class MaskedDQN(DQN):
     def __init__(self, *args: Any, loss: str = "huber", reward_scale: float = 1.0, exploration: str = "uniform",
                  exploration_top_k: int = 3, demo: Any = None, demo_weight: float = 0.0, demo_batch_size: int = 64,
                  warmup: str = "random", siblings: SiblingPlay | None = None, sibling_weight: float = 1.0,
-                 sibling_batch_size: int = 32, sibling_buffer: int = 5_000, **kwargs: Any):
+                 sibling_batch_size: int = 32, sibling_buffer: int = 5_000, td_weight: float = 1.0, **kwargs: Any):
         if loss not in ("huber", "mse") or exploration not in ("uniform", "top_k") or warmup not in ("random", "policy"):
             raise ValueError(f"loss {loss!r} / exploration {exploration!r} / warmup {warmup!r}")
         self.warmup = warmup
@@ -308,7 +310,7 @@ class MaskedDQN(DQN):
         self.exploration_kind, self.exploration_top_k = exploration, int(exploration_top_k)
         self.demo, self.demo_weight, self.demo_batch_size = demo, float(demo_weight), int(demo_batch_size)
         self._demo_t: tuple[th.Tensor, ...] | None = None
-        self.siblings, self.sibling_weight = siblings, float(sibling_weight)
+        self.siblings, self.sibling_weight, self.td_weight = siblings, float(sibling_weight), float(td_weight)
         self.sibling_batch_size = int(sibling_batch_size)
         from collections import deque
 
@@ -415,6 +417,7 @@ class MaskedDQN(DQN):
             q_all = self.q_net(replay_data.observations)
             q = th.gather(q_all, dim=1, index=replay_data.actions.long())
             loss = tnf.smooth_l1_loss(q, target) if self.loss_kind == "huber" else tnf.mse_loss(q, target)
+            loss = self.td_weight * loss
             if self.demo is not None and self.demo_weight > 0 and len(self.demo):
                 d_loss = self._demo_loss()
                 demo.append(float(d_loss.detach()))

@@ -89,7 +89,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         n_steps=d.n_steps, loss=d.loss, reward_scale=d.reward_scale, exploration=d.exploration,
         exploration_top_k=d.exploration_top_k, demo=demo, demo_weight=d.demo_weight,
         demo_batch_size=d.demo_batch_size, warmup=d.warmup, siblings=siblings, sibling_weight=d.sibling_weight,
-        sibling_batch_size=d.sibling_batch_size, sibling_buffer=d.sibling_buffer,
+        sibling_batch_size=d.sibling_batch_size, sibling_buffer=d.sibling_buffer, td_weight=d.td_weight,
         policy_kwargs={"net_arch": list(cfg.net.hidden), "context_dim": cfg.net.context_dim,
                        "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None,
                        "prior_scale": d.reward_scale},

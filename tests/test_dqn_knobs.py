@@ -152,6 +152,8 @@ def test_demonstrations_in_every_update_pull_the_network_to_the_rollout_advantag
     ({"dqn": {"exploration": "boltzmann"}}, "dqn.exploration"),
     ({"dqn": {"reward_scale": 0}}, "dqn.reward_scale"),
     ({"dqn": {"demo_weight": -1}}, "dqn.demo_weight"),
+    ({"dqn": {"td_weight": -1}}, "dqn.td_weight"),
+    ({"dqn": {"siblings": 3, "n_steps": 5}}, "dqn"),
 ])
 def test_bad_knobs_name_the_field(tmp_path: Path, data: dict[str, Any], field: str) -> None:
     p = tmp_path / "train.yaml"
