@@ -115,6 +115,9 @@ class DQNConfig(Strict):
     td_weight: float = Field(1.0, ge=0, description="weight of SB3's TD loss on the replayed transitions (0 = learn "
                                                    "from the paired siblings and demonstrations alone)")
     sibling_every: int = Field(1, ge=1, description="play the siblings at every this many steps")
+    sibling_horizon: int = Field(1, ge=1, le=256, description="requests each sibling is played for (the later ones "
+                                                              "routed by the network being trained) before its "
+                                                              "target bootstraps")
     sibling_batch_size: int = Field(32, ge=1, description="groups of siblings per update")
     sibling_buffer: int = Field(5_000, ge=1, description="the last this many groups are kept to draw from")
     warmup: Literal["random", "policy"] = Field(

@@ -138,11 +138,19 @@ class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
     Why (``python -m models.ablation --noise``, docs/results.md): the choice between the best two
     offerings is worth ~0.002 reward over 40 requests, and one unpaired TD sample of each carries
     noise of ~0.06 -- thousands of samples per decision; paired on the same draws, tens. SB3's
-    replay holds each transition alone; a group keeps them paired."""
+    replay holds each transition alone; a group keeps them paired.
 
-    def __init__(self, env: gym.Env, k: int, every: int = 1):  # type: ignore[type-arg]
+    With ``horizon`` h > 1 each sibling is played on for h requests in all, the later ones routed by
+    ``act`` (set by :class:`MaskedDQN` to its network's greedy choice: the policy being learned;
+    greedy by expected reward until then), and the group holds the discounted sum of the h rewards,
+    the state after them and ``gamma ** h`` (0 where the episode ended)."""
+
+    def __init__(self, env: gym.Env, k: int, every: int = 1, horizon: int = 1,  # type: ignore[type-arg]
+                 gamma: float = 0.99):
         super().__init__(env)
         self.k, self.every = int(k), max(int(every), 1)
+        self.horizon, self.gamma = max(int(horizon), 1), float(gamma)
+        self.act: Any = None
         self.pending: list[dict[str, Any]] = []
         self._obs: dict[str, np.ndarray] | None = None
         self._n = 0
@@ -169,14 +177,24 @@ class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
                 acts = list(dict.fromkeys([*order[: self.k].tolist(), int(action)]))
                 nxt, rew, done = [], [], []
                 for a in acts:
-                    o2, r, term, trunc, _ = fork(env).step(int(a))
+                    sim = fork(env)
+                    o2, r, term, trunc, _ = sim.step(int(a))
+                    g, disc = float(r), self.gamma
+                    for _ in range(self.horizon - 1):
+                        if term or trunc:
+                            break
+                        nxt_a = self.act(o2) if self.act is not None else int(np.argmax(sim.expected_rewards()))
+                        o2, r, term, trunc, _ = sim.step(int(nxt_a))
+                        g += disc * float(r)
+                        disc *= self.gamma
                     nxt.append(o2)
-                    rew.append(float(r))
-                    done.append(bool(term))  # a truncated episode still has a future: bootstrap it
+                    rew.append(g)
+                    # the discount of the bootstrap: 0 once the episode ended (a truncated one still has a future)
+                    done.append(0.0 if term else disc)
                 self.pending.append({"obs": {k: np.array(v, copy=True) for k, v in self._obs.items()},
                                      "actions": np.asarray(acts, np.int64), "rewards": np.asarray(rew, np.float32),
                                      "next": {k: np.stack([o[k] for o in nxt]) for k in nxt[0]},
-                                     "dones": np.asarray(done, np.float32)})
+                                     "discounts": np.asarray(done, np.float32)})
         obs, r, term, trunc, info = self.env.step(action)
         self._obs = obs
         return obs, r, term, trunc, info
@@ -317,6 +335,9 @@ class MaskedDQN(DQN):
         self.sibling_groups: deque[dict[str, Any]] = deque(maxlen=int(sibling_buffer))
         super().__init__(*args, **kwargs)
         self.explore_rng = np.random.default_rng(self.seed)
+        if self.siblings is not None:  # its later requests are routed by the policy being learned
+            self.siblings.gamma = float(self.gamma)
+            self.siblings.act = self._greedy_action
         self.demo_rng = np.random.default_rng(None if self.seed is None else self.seed + 1)
 
     def _excluded_save_params(self) -> list[str]:
@@ -364,10 +385,15 @@ class MaskedDQN(DQN):
         wi = w[idx]
         return (((diff - self.reward_scale * adv[idx]) ** 2) * wi).sum() / wi.sum().clamp(min=1.0)
 
+    def _greedy_action(self, obs: dict[str, np.ndarray]) -> int:
+        with th.no_grad():
+            return int(self.q_net(self.policy.obs_to_tensor(obs)[0]).argmax(dim=1)[0])
+
     def _sibling_loss(self) -> th.Tensor | None:
         """The paired TD loss of :class:`SiblingPlay`'s groups: for ``sibling_batch_size`` groups
         drawn from the last ``sibling_buffer``, ``Q(s,a_i) - Q(s,a_0)`` against ``y_i - y_0``, with
-        ``y = reward_scale * r + gamma * max Q_target(s')`` as SB3's target (``a_0``: greedy's
+        ``y = reward_scale * r + gamma * max Q_target(s')`` as SB3's target (over ``horizon`` requests:
+        the discounted sum of their rewards and the discount of the state after them) (``a_0``: greedy's
         choice). The noise both share (the request, its service-time draws) cancels."""
         if self.siblings is None:
             return None
@@ -383,12 +409,12 @@ class MaskedDQN(DQN):
         b = len(groups)
         acts = np.zeros((b, kmax), np.int64)
         rew = np.zeros((b, kmax), np.float32)
-        dn = np.ones((b, kmax), np.float32)
+        dn = np.zeros((b, kmax), np.float32)
         w = np.zeros((b, kmax), np.float32)
         nxt: dict[str, list[np.ndarray]] = {k: [] for k in groups[0]["next"]}
         for i, g in enumerate(groups):
             n = len(g["actions"])
-            acts[i, :n], rew[i, :n], dn[i, :n], w[i, :n] = g["actions"], g["rewards"], g["dones"], 1.0
+            acts[i, :n], rew[i, :n], dn[i, :n], w[i, :n] = g["actions"], g["rewards"], g["discounts"], 1.0
             for k in nxt:  # padding repeats the first sibling (weight 0)
                 v = g["next"][k]
                 nxt[k].append(np.concatenate([v, np.repeat(v[:1], kmax - n, axis=0)]) if n < kmax else v)
@@ -396,7 +422,7 @@ class MaskedDQN(DQN):
         nobs = {k: th.as_tensor(np.concatenate(v)) for k, v in nxt.items()}
         with th.no_grad():
             next_q = self.q_net_target(nobs).max(dim=1).values.reshape(b, kmax)
-            y = self.reward_scale * th.as_tensor(rew) + (1 - th.as_tensor(dn)) * self.gamma * next_q
+            y = self.reward_scale * th.as_tensor(rew) + th.as_tensor(dn) * next_q
         q = self.q_net(obs).gather(1, th.as_tensor(acts))
         wt = th.as_tensor(w)
         err = (q - q[:, :1]) - (y - y[:, :1])

@@ -198,6 +198,25 @@ def test_siblings_are_played_on_the_same_draws_and_their_differences_are_fitted(
         assert float(g["rewards"][g["actions"].tolist().index(a)]) == pytest.approx(float(r), rel=1e-6)
         assert g["next"]["offerings"].shape[0] == len(g["actions"])
     env.pending.clear()
+    # over a horizon: the discounted rewards of the next 3 requests (here routed by greedy: no network
+    # yet), the state after them and gamma ** 3 to bootstrap with
+    from models.warmstart import fork
+
+    deep = SiblingPlay(_env(setup, tmp_path), k=2, horizon=3, gamma=0.9)
+    deep.reset(seed=5)
+    for _ in range(5):
+        inner = deep.env
+        a = int(np.flatnonzero(np.isfinite(inner.expected_rewards()))[0])
+        sim = fork(inner)
+        want = 0.0
+        for t, act in enumerate([a, None, None]):
+            _, r, _, _, _ = sim.step(act if act is not None else int(np.argmax(sim.expected_rewards())))
+            want += 0.9 ** t * float(r)
+        deep.step(a)
+        g = deep.pending[-1]
+        i = g["actions"].tolist().index(a)
+        assert float(g["rewards"][i]) == pytest.approx(want, rel=1e-5)
+        assert float(g["discounts"][i]) == pytest.approx(0.9 ** 3)
     model = _model(env, siblings=env, sibling_weight=20.0, sibling_batch_size=16, learning_rate=3e-3,
                    target_update_interval=10**6)
     model.learn(80)  # fills the groups (learning starts at 40)
