@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -224,7 +225,8 @@ def run_ablation(acfg: AblationConfig, echo: Callable[[str], None] = print) -> d
     sel_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, sel.rate)})
     baseline_runs = ev.evaluate(sel.bundle, ["greedy", "cheapest"], sel_cfg, show_progress=False, seeds=2,
                                 history=sel.history)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    # one directory per invocation, also for two started in the same second (each would overwrite the other's table)
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     warm_fits = WarmFits(run_dir, _warm_key(base, bundle_hash, env_cfg) + "-" + hashlib.sha256(json.dumps(
         [base.net.model_dump(mode="json"), base.warm_start.model_dump(mode="json"), base.data.selection,
          base.data.selection_rates]).encode()).hexdigest()[:8])
