@@ -218,7 +218,8 @@ def main() -> None:
         trade = tradeoff(args.tradeoff)
     load1 = os.getloadavg()
     print()
-    print("| stream | requests | 8 policies: wall s | CPU s | oracle wall s | oracle CPU s | oracle plan followed | "
+    n_pol = len(streams[0]["policies"]) if streams else 0
+    print(f"| stream | requests | {n_pol} policies: wall s | CPU s | oracle wall s | oracle CPU s | oracle plan followed | "
           "lookahead − hindsight-greedy | oracle − best heuristic | dominates |")
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for st in streams:
