@@ -169,7 +169,7 @@ class DataConfig(Strict):
     report the ``test`` windows of ``gate``, which no selection saw. ``--telemetry`` (or
     ``telemetry``) replaces every list with one bundle."""
 
-    train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake"], min_length=1)
+    train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake", "asia"], min_length=1)
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: str = Field("mar2024", description="bundle whose validation window selects checkpoints and trials")

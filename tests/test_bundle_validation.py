@@ -378,7 +378,7 @@ def test_a_window_outside_the_bundle_says_what_it_spans(tiny: Path):
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs the shared real data (../shared/data)")
-@pytest.mark.parametrize("variant", ["feb2024", "mar2024"])
+@pytest.mark.parametrize("variant", ["feb2024", "mar2024", "asia"])
 def test_the_vendored_variants_are_current_and_really_other_windows(tmp_path: Path, variant: str):
     """The other windows of the shared data (another price date, other spot spans, another client
     and tenant mix) rebuild byte for byte, and differ from the default where they say they do."""

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "data"
 
 
-@pytest.mark.parametrize("name", ["default", "feb2024", "mar2024", "mooncake"])
+@pytest.mark.parametrize("name", ["default", "feb2024", "mar2024", "mooncake", "asia"])
 def test_every_shipped_bundle_has_an_unseen_catalog_disjoint_from_every_bundle(name: str):
     """Its regions are neither an offering region of any shipped bundle nor a client origin."""
     b = load_bundle(name)

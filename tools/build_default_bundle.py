@@ -124,6 +124,13 @@ VARIANTS: dict[str, Variant] = {
                                        ("gcp:asia-southeast1", 0.25)),
                        keep=(("code", 0.5), ("conv", 1.0))),
     "mooncake": Variant("mooncake", price_date="2024-03-31", spot_salt="mooncake", trace="mooncake"),
+    # Asia-heavy clients, as mar2024's, in another window (prices of 2024-01-15, other spot spans): the
+    # training mix had no Asia-heavy traffic (docs/results.md, "A training window with Asia-heavy clients")
+    "asia": Variant("asia", price_date="2024-01-15", spot_salt="asia",
+                       origin_weights=(("aws:us-east-2", 0.15), ("gcp:us-west4", 0.10), ("azure:uksouth", 0.10),
+                                       ("aws:eu-central-1", 0.10), ("azure:koreacentral", 0.25),
+                                       ("gcp:asia-southeast1", 0.30)),
+                       keep=(("code", 0.8), ("conv", 0.8))),
 }
 
 #: the Mooncake trace (``trace="mooncake"``): its file, the block size of its hash_ids, when its
