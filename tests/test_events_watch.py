@@ -19,10 +19,7 @@ from typing import Any
 import pytest
 
 from cloud_adapters.watch import WatchError, event_body, read_notice, watch
-from router.app import create_app
-from router.keys import add_key
-from tests.servers import ServerThread
-from tests.test_migration import PREFER_SPOT, SPOT, Live, _env
+from tests.test_migration import PREFER_SPOT, SPOT, Live, _env, serving
 from tests.test_router_support import make_setup
 
 FIX = Path(__file__).parent / "fixtures" / "cloud"
@@ -106,13 +103,8 @@ class Metadata:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     root = tmp_path_factory.mktemp("watch")
-    setup = make_setup(root, migration_poll_s=0.05, env=_env(root))
-    key = add_key(setup.settings.keys_file, "ops", "events")
-    app = create_app(setup.settings)
-    with ServerThread(app) as url:
-        lv = Live(url, setup, key, app)
+    with serving(make_setup(root, migration_poll_s=0.05, env=_env(root))) as lv:
         yield lv
-        lv.c.close()
 
 
 @pytest.mark.parametrize("cloud", ["aws", "azure", "gcp"])

@@ -11,6 +11,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from pathlib import Path
@@ -143,17 +144,26 @@ def _env(root: Path) -> dict[str, Any]:
     return {"serving_config": str(root / "serving.yaml"), "queue_timeout_s": 600.0}
 
 
+@contextmanager
+def serving(setup: RouterSetup) -> Iterator[Live]:
+    """A router on ``setup`` behind a real HTTP server, with an ops key that may post events."""
+    key = add_key(setup.settings.keys_file, "ops", "events")
+    app = create_app(setup.settings)
+    with ServerThread(app) as url:
+        lv = Live(url, setup, key, app)
+        try:
+            yield lv
+        finally:
+            lv.c.close()
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     root = tmp_path_factory.mktemp("migration")
     setup = make_setup(root, migration_poll_s=0.05, migration_timeout_s=3.0, migration_grace_s=0.5,
                        migration_region_penalty=50.0, env=_env(root))
-    key = add_key(setup.settings.keys_file, "ops", "events")
-    app = create_app(setup.settings)
-    with ServerThread(app) as url:
-        lv = Live(url, setup, key, app)
+    with serving(setup) as lv:
         yield lv
-        lv.c.close()
 
 
 def _deadline(s: float) -> str:

@@ -17,11 +17,9 @@ from typing import Any
 
 import pytest
 
-from router.app import create_app
-from router.keys import add_key
 from router.settings import load_settings
-from tests.servers import ServerThread, free_port
-from tests.test_migration import PREFER_SPOT, SPOT, Live, _deadline, _env
+from tests.servers import free_port
+from tests.test_migration import PREFER_SPOT, SPOT, Live, _deadline, _env, serving
 from tests.test_router_support import make_setup
 from xroute.errors import ConfigError
 from xroute.schema.migration import (
@@ -100,20 +98,6 @@ def _setup(root: Path, url: str, **kw: Any) -> Any:
     return make_setup(root, env=_env(root), tenants={"a": {"webhook": {"url": url, "secret": f"env:{SECRET_ENV}"}}}, **opts)
 
 
-def _live(setup: Any) -> tuple[Live, Any]:
-    key = add_key(setup.settings.keys_file, "ops", "events")
-    app = create_app(setup.settings)
-    return Live("", setup, key, app), app
-
-
-def _run(setup: Any) -> Any:
-    lv, app = _live(setup)
-    st = ServerThread(app)
-    url = st.__enter__()
-    lv = Live(url, setup, lv.E["Authorization"].split()[1], app)
-    return lv, st
-
-
 def _pair(pool: str) -> dict[str, Any]:
     """Constraints keeping a session on ``pool`` or its on-demand twin (tests that move two groups
     keep them apart: one event never moves the other's sessions)."""
@@ -149,8 +133,7 @@ def _deliveries(setup: Any) -> dict[str, tuple[str, int]]:
 
 def test_a_committed_migration_is_notified_once_signed(tmp_path: Path, secret: bytes, receiver: Receiver) -> None:
     setup = _setup(tmp_path, receiver.url)
-    lv, st = _run(setup)
-    try:
+    with serving(setup) as lv:
         on = _move(lv, "ok", SPOT["aws"], "ev-ok")
         for s in on:
             calls = receiver.wait(s, 1)
@@ -165,17 +148,13 @@ def test_a_committed_migration_is_notified_once_signed(tmp_path: Path, secret: b
         time.sleep(0.5)
         assert all(len(receiver.of(s)) == 1 for s in on)  # a 2xx ends it: never sent twice
         assert {s: v for s, v in _deliveries(setup).items()} == {s: ("delivered", 1) for s in on}
-        assert st.config.app.services.metrics.webhooks.labels("delivered")._value.get() == len(on)
+        assert lv.app.services.metrics.webhooks.labels("delivered")._value.get() == len(on)
         assert SECRET_ENV not in json.dumps(receiver.calls[0]["headers"])  # (the secret is never sent)
-    finally:
-        st.__exit__()
-        lv.c.close()
 
 
 def test_failures_are_retried_with_backoff_then_given_up(tmp_path: Path, secret: bytes, receiver: Receiver) -> None:
     setup = _setup(tmp_path, receiver.url)
-    lv, st = _run(setup)
-    try:
+    with serving(setup) as lv:
         flaky = _move(lv, "flaky", SPOT["aws"], "ev-flaky", constraints=_pair(SPOT["aws"]))
         dead = _move(lv, "dead", SPOT["gcp"], "ev-dead", constraints=_pair(SPOT["gcp"]))
         for s in flaky:
@@ -193,15 +172,11 @@ def test_failures_are_retried_with_backoff_then_given_up(tmp_path: Path, secret:
         assert all(got[s] == ("failed", 3) for s in dead), got
         time.sleep(0.6)  # (past the longest backoff: nothing more is sent for a failed delivery)
         assert all(len(receiver.of(s)) == 3 for s in dead)
-    finally:
-        st.__exit__()
-        lv.c.close()
 
 
 def test_rolled_back_and_aborted_migrations_are_notified(tmp_path: Path, secret: bytes, receiver: Receiver) -> None:
     setup = _setup(tmp_path, receiver.url)
-    lv, st = _run(setup)
-    try:
+    with serving(setup) as lv:
         # a rebalance nobody snapshots within migration_timeout_s: rolled back, the session stays
         pool = SPOT["gcp"]
         placed = lv.sessions(6, "rb", constraints=_pair(pool))
@@ -218,29 +193,21 @@ def test_rolled_back_and_aborted_migrations_are_notified(tmp_path: Path, secret:
                          "deadline": _deadline(60)}).json()["migrations"] >= 1
         n = MigrationNotice.model_validate_json(receiver.wait("lone0", 1)[0]["body"])
         assert n.type == "session.migration.aborted" and n.session.placement is None
-    finally:
-        st.__exit__()
-        lv.c.close()
 
 
 def test_a_notice_waits_out_a_dead_receiver_and_a_router_restart(tmp_path: Path, secret: bytes) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/hooks/xroute"  # nothing listens there yet
     setup = _setup(tmp_path, url, webhook_max_attempts=1000)
-    lv, st = _run(setup)
-    try:
+    with serving(setup) as lv:
         on = _move(lv, "late", SPOT["aws"], "ev-late")
         end = time.monotonic() + 10
         while not all(_deliveries(setup).get(s, ("", 0))[1] >= 2 for s in on):  # refused, retried
             assert time.monotonic() < end, _deliveries(setup)
             time.sleep(0.05)
-    finally:
-        st.__exit__()
-        lv.c.close()
     assert all(v[0] == "pending" for v in _deliveries(setup).values())
     rcv = Receiver(port)  # the receiver comes up; a new router on the same log sends what is pending
-    lv2, st2 = _run(setup)
-    try:
+    with serving(setup):
         for s in on:
             calls = rcv.wait(s, 1)
             assert MigrationNotice.model_validate_json(calls[0]["body"]).session.session_id == s
@@ -248,9 +215,6 @@ def test_a_notice_waits_out_a_dead_receiver_and_a_router_restart(tmp_path: Path,
         while not all(v[0] == "delivered" for v in _deliveries(setup).values()):
             assert time.monotonic() < end, _deliveries(setup)
             time.sleep(0.05)
-    finally:
-        st2.__exit__()
-        lv2.c.close()
         rcv.close()
 
 
