@@ -110,7 +110,8 @@ class DQNConfig(Strict):
                                                      "play this many best offerings by expected reward and the one "
                                                      "taken on forks of the environment (same request, same draws) "
                                                      "and fit the differences of their TD targets (models.qnet."
-                                                     "SiblingPlay); 0 = off. Needs n_steps 1")
+                                                     "SiblingPlay); 0 = off. Needs n_steps 1 (sibling_horizon "
+                                                     "instead)")
     sibling_weight: float = Field(1.0, ge=0, description="weight of that paired loss in every update")
     td_weight: float = Field(1.0, ge=0, description="weight of SB3's TD loss on the replayed transitions (0 = learn "
                                                    "from the paired siblings and demonstrations alone)")
@@ -128,7 +129,8 @@ class DQNConfig(Strict):
     @model_validator(mode="after")
     def _siblings_one_step(self) -> DQNConfig:
         if self.siblings > 0 and self.n_steps > 1:
-            raise ValueError("siblings: needs n_steps 1 (the paired targets are one-step)")
+            raise ValueError("siblings: needs n_steps 1 (the siblings wrap the Dict observation; "
+                             "sibling_horizon gives them multi-request targets)")
         return self
 
 

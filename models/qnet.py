@@ -14,6 +14,7 @@ through its documented extension points (a features extractor, a ``QNetwork`` su
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import pairwise
 from typing import Any
 
@@ -308,7 +309,7 @@ class MaskedDQN(DQN):
       ``Q(s,a) - Q(s,a_greedy)`` to the warm start's rollout advantages of ``demo_batch_size`` of
       its labelled states (the warm start's knowledge kept in the loss, DQfD-style);
     * ``siblings`` (a :class:`SiblingPlay` around the training env) and ``sibling_weight``: every
-      update also fits the differences between the paired one-step outcomes of the best offerings
+      update also fits the differences between the paired outcomes of the best offerings
       (:meth:`_sibling_loss`);
     * ``td_weight``: the weight of SB3's own TD loss on the replayed transitions (1; 0 = learn from
       the paired siblings, and the demonstrations, alone).
@@ -330,8 +331,6 @@ class MaskedDQN(DQN):
         self._demo_t: tuple[th.Tensor, ...] | None = None
         self.siblings, self.sibling_weight, self.td_weight = siblings, float(sibling_weight), float(td_weight)
         self.sibling_batch_size = int(sibling_batch_size)
-        from collections import deque
-
         self.sibling_groups: deque[dict[str, Any]] = deque(maxlen=int(sibling_buffer))
         super().__init__(*args, **kwargs)
         self.explore_rng = np.random.default_rng(self.seed)
@@ -392,9 +391,9 @@ class MaskedDQN(DQN):
     def _sibling_loss(self) -> th.Tensor | None:
         """The paired TD loss of :class:`SiblingPlay`'s groups: for ``sibling_batch_size`` groups
         drawn from the last ``sibling_buffer``, ``Q(s,a_i) - Q(s,a_0)`` against ``y_i - y_0``, with
-        ``y = reward_scale * r + gamma * max Q_target(s')`` as SB3's target (over ``horizon`` requests:
-        the discounted sum of their rewards and the discount of the state after them) (``a_0``: greedy's
-        choice). The noise both share (the request, its service-time draws) cancels."""
+        ``y = reward_scale * r + discount * max Q_target(s')`` as SB3's target, ``r`` the discounted
+        sum of a sibling's ``horizon`` rewards and ``discount`` ``gamma ** horizon`` (0 once the
+        episode ended); ``a_0`` is greedy's choice. The noise both share (the request, its service-time draws) cancels."""
         if self.siblings is None:
             return None
         self.sibling_groups.extend(self.siblings.pending)

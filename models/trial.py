@@ -77,8 +77,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     d = cfg.dqn
     env: Any = FlatObservation(mix) if d.n_steps > 1 else mix  # (SB3's n-step returns need a non-Dict space)
     siblings = None
-    if d.siblings > 0:  # (one-step targets: the config refuses n_steps > 1 with them)
-        env = siblings = SiblingPlay(mix, d.siblings, d.sibling_every, d.sibling_horizon, gamma)
+    if d.siblings > 0:  # (on the Dict observation: the config refuses n_steps > 1 with them; MaskedDQN sets gamma)
+        env = siblings = SiblingPlay(mix, d.siblings, d.sibling_every, d.sibling_horizon)
     demo = ctx.warm_data if d.demo_weight > 0 and ctx.warm_data is not None and len(ctx.warm_data) else None
     model = MaskedDQN(
         SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
