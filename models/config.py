@@ -121,6 +121,17 @@ class DQNConfig(Strict):
                                                               "target bootstraps")
     sibling_batch_size: int = Field(32, ge=1, description="groups of siblings per update")
     sibling_buffer: int = Field(5_000, ge=1, description="the last this many groups are kept to draw from")
+    sibling_gamma: float | None = Field(None, ge=0, le=1, description="discount within a sibling's rollout (null: "
+                                                                       "the trial's gamma)")
+    sibling_bootstrap: bool = Field(True, description="add gamma^h max Q_target(s_h) to a sibling's target (false: "
+                                                      "the truncated h-request return, as the warm start's labels)")
+    sibling_extra: Literal["taken", "policy", "none"] = Field(
+        "taken", description="the sibling beside the `siblings` best: the action taken, the network's own choice "
+                             "(not an exploring step's random offering, whose failures near -3 outweigh the "
+                             "differences that decide), or none")
+    sibling_continuation: Literal["policy", "greedy"] = Field(
+        "policy", description="who routes a sibling's later requests: the network being trained, or greedy (the "
+                              "warm start's rollouts)")
     warmup: Literal["random", "policy"] = Field(
         "random", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
                               "start's own epsilon-greedy choices (n-step returns over random actions are the random "

@@ -144,13 +144,28 @@ class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
     With ``horizon`` h > 1 each sibling is played on for h requests in all, the later ones routed by
     ``act`` (set by :class:`MaskedDQN` to its network's greedy choice: the policy being learned;
     greedy by expected reward until then), and the group holds the discounted sum of the h rewards,
-    the state after them and ``gamma ** h`` (0 where the episode ended)."""
+    the state after them and ``gamma ** h`` (0 where the episode ended).
+
+    ``extra`` is the sibling beside the ``k`` best: ``"taken"``, the action taken; ``"policy"``, the
+    network's own choice (``act``), which the taken one is unless the step explores -- an exploring
+    step's random offering can fail outright (a reward near -3, as the warm start's random candidates
+    did), and one such difference in a squared loss outweighs the ~1e-3 ones that decide, while the
+    network's own choice is where its errors are (DAgger's point); ``"none"``: the best only.
+
+    ``continuation="greedy"`` routes the later requests by greedy (expected reward) instead, as the
+    warm start's rollouts do: the labels are then the warm start's, on the states the learned policy
+    visits (DAgger-style), and each step costs a tenth of a network call."""
 
     def __init__(self, env: gym.Env, k: int, every: int = 1, horizon: int = 1,  # type: ignore[type-arg]
-                 gamma: float = 0.99):
+                 gamma: float = 0.99, continuation: str = "policy", extra: str = "taken"):
         super().__init__(env)
+        if continuation not in ("policy", "greedy"):
+            raise ValueError(f"continuation {continuation!r}: 'policy' or 'greedy'")
+        if extra not in ("taken", "policy", "none"):
+            raise ValueError(f"extra {extra!r}: 'taken', 'policy' or 'none'")
         self.k, self.every = int(k), max(int(every), 1)
         self.horizon, self.gamma = max(int(horizon), 1), float(gamma)
+        self.continuation, self.extra = continuation, extra
         self.act: Any = None
         self.pending: list[dict[str, Any]] = []
         self._obs: dict[str, np.ndarray] | None = None
@@ -175,7 +190,9 @@ class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
             valid = np.flatnonzero(np.isfinite(r_exp))
             if valid.size >= 2:
                 order = valid[np.argsort(-r_exp[valid], kind="stable")]
-                acts = list(dict.fromkeys([*order[: self.k].tolist(), int(action)]))
+                own = [int(action)] if self.extra == "taken" else \
+                    [int(self.act(self._obs))] if self.extra == "policy" and self.act is not None else []
+                acts = list(dict.fromkeys([*order[: self.k].tolist(), *own]))
                 nxt, rew, done = [], [], []
                 for a in acts:
                     sim = fork(env)
@@ -184,7 +201,8 @@ class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
                     for _ in range(self.horizon - 1):
                         if term or trunc:
                             break
-                        nxt_a = self.act(o2) if self.act is not None else int(np.argmax(sim.expected_rewards()))
+                        nxt_a = self.act(o2) if self.act is not None and self.continuation == "policy" \
+                            else int(np.argmax(sim.expected_rewards()))
                         o2, r, term, trunc, _ = sim.step(int(nxt_a))
                         g += disc * float(r)
                         disc *= self.gamma
@@ -310,7 +328,9 @@ class MaskedDQN(DQN):
       its labelled states (the warm start's knowledge kept in the loss, DQfD-style);
     * ``siblings`` (a :class:`SiblingPlay` around the training env) and ``sibling_weight``: every
       update also fits the differences between the paired outcomes of the best offerings
-      (:meth:`_sibling_loss`);
+      (:meth:`_sibling_loss`); ``sibling_gamma`` discounts within a sibling's rollout (None: ``gamma``)
+      and ``sibling_bootstrap`` False drops its ``gamma ** h max Q_target`` tail (the target is then
+      the truncated h-request return the warm start's labels are: no value compared across states);
     * ``td_weight``: the weight of SB3's own TD loss on the replayed transitions (1; 0 = learn from
       the paired siblings, and the demonstrations, alone).
 
@@ -321,7 +341,8 @@ class MaskedDQN(DQN):
     def __init__(self, *args: Any, loss: str = "huber", reward_scale: float = 1.0, exploration: str = "uniform",
                  exploration_top_k: int = 3, demo: Any = None, demo_weight: float = 0.0, demo_batch_size: int = 64,
                  warmup: str = "random", siblings: SiblingPlay | None = None, sibling_weight: float = 1.0,
-                 sibling_batch_size: int = 32, sibling_buffer: int = 5_000, td_weight: float = 1.0, **kwargs: Any):
+                 sibling_batch_size: int = 32, sibling_buffer: int = 5_000, td_weight: float = 1.0,
+                 sibling_gamma: float | None = None, sibling_bootstrap: bool = True, **kwargs: Any):
         if loss not in ("huber", "mse") or exploration not in ("uniform", "top_k") or warmup not in ("random", "policy"):
             raise ValueError(f"loss {loss!r} / exploration {exploration!r} / warmup {warmup!r}")
         self.warmup = warmup
@@ -331,11 +352,12 @@ class MaskedDQN(DQN):
         self._demo_t: tuple[th.Tensor, ...] | None = None
         self.siblings, self.sibling_weight, self.td_weight = siblings, float(sibling_weight), float(td_weight)
         self.sibling_batch_size = int(sibling_batch_size)
+        self.sibling_gamma, self.sibling_bootstrap = sibling_gamma, bool(sibling_bootstrap)
         self.sibling_groups: deque[dict[str, Any]] = deque(maxlen=int(sibling_buffer))
         super().__init__(*args, **kwargs)
         self.explore_rng = np.random.default_rng(self.seed)
         if self.siblings is not None:  # its later requests are routed by the policy being learned
-            self.siblings.gamma = float(self.gamma)
+            self.siblings.gamma = float(self.gamma if self.sibling_gamma is None else self.sibling_gamma)
             self.siblings.act = self._greedy_action
         self.demo_rng = np.random.default_rng(None if self.seed is None else self.seed + 1)
 
@@ -393,7 +415,7 @@ class MaskedDQN(DQN):
         drawn from the last ``sibling_buffer``, ``Q(s,a_i) - Q(s,a_0)`` against ``y_i - y_0``, with
         ``y = reward_scale * r + discount * max Q_target(s')`` as SB3's target, ``r`` the discounted
         sum of a sibling's ``horizon`` rewards and ``discount`` ``gamma ** horizon`` (0 once the
-        episode ended); ``a_0`` is greedy's choice. The noise both share (the request, its service-time draws) cancels."""
+        episode ended, and always without ``sibling_bootstrap``); ``a_0`` is greedy's choice. The noise both share (the request, its service-time draws) cancels."""
         if self.siblings is None:
             return None
         self.sibling_groups.extend(self.siblings.pending)
@@ -418,10 +440,11 @@ class MaskedDQN(DQN):
                 v = g["next"][k]
                 nxt[k].append(np.concatenate([v, np.repeat(v[:1], kmax - n, axis=0)]) if n < kmax else v)
         obs = {k: th.as_tensor(np.stack([g["obs"][k] for g in groups])) for k in groups[0]["obs"]}
-        nobs = {k: th.as_tensor(np.concatenate(v)) for k, v in nxt.items()}
         with th.no_grad():
-            next_q = self.q_net_target(nobs).max(dim=1).values.reshape(b, kmax)
-            y = self.reward_scale * th.as_tensor(rew) + th.as_tensor(dn) * next_q
+            y = self.reward_scale * th.as_tensor(rew)
+            if self.sibling_bootstrap:
+                nobs = {k: th.as_tensor(np.concatenate(v)) for k, v in nxt.items()}
+                y = y + th.as_tensor(dn) * self.q_net_target(nobs).max(dim=1).values.reshape(b, kmax)
         q = self.q_net(obs).gather(1, th.as_tensor(acts))
         wt = th.as_tensor(w)
         err = (q - q[:, :1]) - (y - y[:, :1])

@@ -78,7 +78,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     env: Any = FlatObservation(mix) if d.n_steps > 1 else mix  # (SB3's n-step returns need a non-Dict space)
     siblings = None
     if d.siblings > 0:  # (on the Dict observation: the config refuses n_steps > 1 with them; MaskedDQN sets gamma)
-        env = siblings = SiblingPlay(mix, d.siblings, d.sibling_every, d.sibling_horizon)
+        env = siblings = SiblingPlay(mix, d.siblings, d.sibling_every, d.sibling_horizon,
+                                         continuation=d.sibling_continuation, extra=d.sibling_extra)
     demo = ctx.warm_data if d.demo_weight > 0 and ctx.warm_data is not None and len(ctx.warm_data) else None
     model = MaskedDQN(
         SharedScorerDQNPolicy, env, learning_rate=lr, gamma=gamma, buffer_size=d.buffer_size,
@@ -90,6 +91,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         exploration_top_k=d.exploration_top_k, demo=demo, demo_weight=d.demo_weight,
         demo_batch_size=d.demo_batch_size, warmup=d.warmup, siblings=siblings, sibling_weight=d.sibling_weight,
         sibling_batch_size=d.sibling_batch_size, sibling_buffer=d.sibling_buffer, td_weight=d.td_weight,
+        sibling_gamma=d.sibling_gamma, sibling_bootstrap=d.sibling_bootstrap,
         policy_kwargs={"net_arch": list(cfg.net.hidden), "context_dim": cfg.net.context_dim,
                        "prior": asdict(RewardPrior.from_env_config(env_cfg)) if cfg.net.reward_prior else None,
                        "prior_scale": d.reward_scale},

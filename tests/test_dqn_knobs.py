@@ -154,6 +154,8 @@ def test_demonstrations_in_every_update_pull_the_network_to_the_rollout_advantag
     ({"dqn": {"demo_weight": -1}}, "dqn.demo_weight"),
     ({"dqn": {"td_weight": -1}}, "dqn.td_weight"),
     ({"dqn": {"siblings": 3, "n_steps": 5}}, "dqn"),
+    ({"dqn": {"sibling_continuation": "oracle"}}, "dqn.sibling_continuation"),
+    ({"dqn": {"sibling_gamma": 1.5}}, "dqn.sibling_gamma"),
 ])
 def test_bad_knobs_name_the_field(tmp_path: Path, data: dict[str, Any], field: str) -> None:
     p = tmp_path / "train.yaml"
@@ -231,3 +233,68 @@ def test_siblings_are_played_on_the_same_draws_and_their_differences_are_fitted(
     with th.no_grad():
         after = float(model._sibling_batch_loss(groups))
     assert after < before
+
+
+def test_siblings_without_bootstrap_fit_the_warm_starts_own_labels(tmp_path: Path) -> None:
+    """``sibling_gamma`` 1, ``sibling_bootstrap`` off and ``sibling_continuation: greedy``: a
+    sibling's target is the undiscounted h-request return with greedy routing the later requests --
+    the warm start's label -- whatever the network would route, and the paired loss no longer
+    depends on the target network (no value compared across states); with the bootstrap it does."""
+    from models.qnet import SiblingPlay
+    from models.warmstart import fork
+
+    setup = write_agent_setup(tmp_path)
+    env = SiblingPlay(_env(setup, tmp_path), k=2, horizon=4, continuation="greedy")
+    model = _model(env, siblings=env, sibling_gamma=1.0, sibling_bootstrap=False, sibling_batch_size=8)
+    assert env.gamma == 1.0 and env.act is not None  # the network is there, and greedy routes anyway
+
+    def worst_valid(o: dict[str, np.ndarray]) -> int:
+        return int(np.flatnonzero(o["mask"])[-1])
+
+    env.act = worst_valid  # a continuation policy that is never greedy's: must not be used
+    env.reset(seed=6)
+    for _ in range(6):
+        inner = env.env
+        a = int(np.flatnonzero(np.isfinite(inner.expected_rewards()))[0])
+        sim = fork(inner)
+        want = 0.0
+        for act in [a, None, None, None]:
+            _, r, _, _, _ = sim.step(act if act is not None else int(np.argmax(sim.expected_rewards())))
+            want += float(r)
+        env.step(a)
+        g = env.pending[-1]
+        assert float(g["rewards"][g["actions"].tolist().index(a)]) == pytest.approx(want, rel=1e-5)
+    groups = list(env.pending)
+    with th.no_grad():
+        before = float(model._sibling_batch_loss(groups))
+        for p in model.q_net_target.parameters():
+            p.add_(1.0)
+        assert float(model._sibling_batch_loss(groups)) == pytest.approx(before, rel=1e-6)
+        model.sibling_bootstrap = True
+        assert float(model._sibling_batch_loss(groups)) != pytest.approx(before, rel=1e-3)
+    with pytest.raises(ValueError, match="continuation"):
+        SiblingPlay(_env(setup, tmp_path), k=2, continuation="oracle")
+    # ``extra="none"``: an exploring step's offering outside the best k is not a sibling; ``"policy"``: the
+    # network's own choice is, not the one taken
+    best_only = SiblingPlay(_env(setup, tmp_path), k=2, extra="none")
+    best_only.reset(seed=7)
+    seen = 0
+    for _ in range(8):
+        r_exp = best_only.env.expected_rewards()
+        valid = np.flatnonzero(np.isfinite(r_exp))
+        order = valid[np.argsort(-r_exp[valid], kind="stable")]
+        best_only.step(int(order[-1]))
+        if valid.size >= 3:
+            g = best_only.pending[-1]
+            assert g["actions"].tolist() == order[:2].tolist()  # greedy's first, the taken worst one left out
+            seen += 1
+    assert seen >= 4
+    own = SiblingPlay(_env(setup, tmp_path), k=1, extra="policy")
+    own.act = worst_valid
+    obs, _ = own.reset(seed=8)
+    for _ in range(6):
+        r_exp = own.env.expected_rewards()
+        valid = np.flatnonzero(np.isfinite(r_exp))
+        want = list(dict.fromkeys([int(valid[np.argmax(r_exp[valid])]), worst_valid(obs)]))
+        obs, *_ = own.step(int(valid[len(valid) // 2]))  # taken: neither the best nor the network's choice
+        assert own.pending[-1]["actions"].tolist() == want
