@@ -326,7 +326,10 @@ def run_noise_study(acfg: AblationConfig, n_states: int, echo: Callable[[str], N
 
 def summarize(rows: list[dict[str, Any]], cfgs: dict[str, Any]) -> dict[str, Any]:
     """Per variant, the pooled Δ to the warm start over its seeds (each seed's own warm start):
-    the per-seed pooled means, then a t-interval over seeds x scenarios' seeds."""
+    the per-seed pooled means, then a t-interval over seeds x scenarios' seeds; and, with two or more
+    training seeds, the stricter interval over the training seeds' means alone (``*_by_seed``: a
+    training run's own randomness -- exploration, the minibatches -- is then the unit, not the
+    evaluation seed)."""
     from models.evaluate import t_interval
 
     out: list[dict[str, Any]] = []
@@ -335,26 +338,41 @@ def summarize(rows: list[dict[str, Any]], cfgs: dict[str, Any]) -> dict[str, Any
         if not rs:
             continue
 
-        def pooled(key: str, rs: list[dict[str, Any]] = rs) -> tuple[float, float, float]:
+        def per_seed(key: str, rs: list[dict[str, Any]] = rs) -> list[np.ndarray] | None:
             diffs = []
             for r in rs:
                 per = {lab: {k: np.asarray(v) for k, v in d.items()} for lab, d in r["per_scenario"].items()}
                 a, b = key.split(" - ")
                 if a not in next(iter(per.values())):
-                    return (float("nan"),) * 3
+                    return None
                 diffs.append(np.mean(np.stack([d[a] - d[b] for d in per.values()]), axis=0))
-            return t_interval(np.concatenate(diffs))
+            return diffs
+
+        def pooled(key: str) -> tuple[float, float, float]:
+            d = per_seed(key)
+            return t_interval(np.concatenate(d)) if d is not None else (float("nan"),) * 3
+
+        def by_seed(key: str) -> tuple[float, float, float]:
+            d = per_seed(key)
+            if d is None or len(d) < 2:
+                return (float("nan"),) * 3
+            return t_interval(np.asarray([x.mean() for x in d]))
 
         steps = cfgs[name] if isinstance(cfgs[name], int) else cfgs[name].total_timesteps
         out.append({"variant": name, "seeds": len(rs), "steps": steps,
                     "best": pooled("fine-tuned (best) - warm start"), "last": pooled("fine-tuned (last) - warm start"),
+                    "best_by_seed": by_seed("fine-tuned (best) - warm start"),
+                    "last_by_seed": by_seed("fine-tuned (last) - warm start"),
                     "warm_vs_greedy": pooled("warm start - greedy"),
                     "best_steps": [r["best_step"] for r in rs], "train_s": round(float(np.mean([r["train_s"] for r in rs])), 1)})
     lines = ["| variant | DQN steps | seeds | fine-tuned (best checkpoint) − warm start | fine-tuned (last) − warm start "
-             "| warm start − greedy | checkpoint kept (step) | train s |", "|---|---:|---:|---|---|---|---|---:|"]
+             "| over training seeds only: best / last | warm start − greedy | checkpoint kept (step) | train s |",
+             "|---|---:|---:|---|---|---|---|---|---:|"]
     for s in out:
+        seeds_only = f"{_fmt(s['best_by_seed'])} / {_fmt(s['last_by_seed'])}" if s["seeds"] >= 2 else "(one seed)"
         lines.append(f"| {s['variant']} | {s['steps']:,} | {s['seeds']} | {_fmt(s['best'])} | {_fmt(s['last'])} | "
-                     f"{_fmt(s['warm_vs_greedy'])} | {', '.join(map(str, s['best_steps']))} | {s['train_s']:.0f} |")
+                     f"{seeds_only} | {_fmt(s['warm_vs_greedy'])} | {', '.join(map(str, s['best_steps']))} | "
+                     f"{s['train_s']:.0f} |")
     return {"variants": out, "markdown": "\n".join(lines) + "\n"}
 
 
@@ -521,6 +539,51 @@ def noise_study(cfg: TrainConfig, n_states: int = 300, redraws: int = 4, seed: i
     return res
 
 
+def _all_rows(run_dir: str | Path) -> dict[tuple[str, int], dict[str, Any]]:
+    """The rows of every invocation under ``run_dir`` by (variant, seed); a seed run twice: its latest."""
+    root = Path(run_dir).expanduser().resolve()
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for f in sorted(root.glob("trials/*/ablation.json")):
+        for r in json.loads(f.read_text()).get("rows", []):
+            rows[(r["variant"], int(r["seed"]))] = r
+    return rows
+
+
+def compare(run_dir: str | Path, a: str, b: str, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Across variants (``--compare A B``): variant A's fine-tuned router (best checkpoint) minus
+    variant B's warm start alone, paired by training seed, gate scenario and evaluation seed (the
+    windows and evaluation seeds are the same in every invocation), pooled over the seeds both ran
+    with a 95 % t-interval. The control of a fine-tuning that adds labelled states: B = a warm start
+    given as many more (``configs/ablation_control.yaml``)."""
+    from models.evaluate import t_interval
+
+    rows = _all_rows(run_dir)
+    seeds = sorted({s for (v, s) in rows if v == a} & {s for (v, s) in rows if v == b})
+    if not seeds:
+        have = sorted({v for v, _ in rows})
+        raise ConfigError(f"--compare: no training seed that both '{a}' and '{b}' ran under {run_dir} "
+                          f"(variants there: {', '.join(have) or 'none'})")
+    diffs, per = [], {}
+    for s in seeds:
+        ra, rb = rows[(a, s)]["per_scenario"], rows[(b, s)]["per_scenario"]
+        labs = [lab for lab in ra if lab in rb]
+        d = np.stack([np.asarray(ra[lab]["fine-tuned (best)"]) - np.asarray(rb[lab]["warm start"]) for lab in labs])
+        per.update({f"{lab} (seed {s})": t_interval(d[i]) for i, lab in enumerate(labs)})
+        diffs.append(d.mean(axis=0))
+    pooled = t_interval(np.concatenate(diffs))
+    # the stricter interval: over the training seeds' means alone
+    by_seed = t_interval(np.asarray([d.mean() for d in diffs])) if len(diffs) >= 2 else (float("nan"),) * 3
+    lines = [f"| scenario | {a} (fine-tuned, best) − {b} (warm start alone) |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in per.items()] + [f"| **pooled** ({len(seeds)} seed(s)) | "
+                                                                f"**{_fmt(pooled)}** |"]
+    if len(diffs) >= 2:
+        lines.append(f"| over the training seeds' means only | {_fmt(by_seed)} |")
+    md = "\n".join(lines) + "\n"
+    echo(md)
+    return {"a": a, "b": b, "seeds": seeds, "pooled": pooled, "by_seed": by_seed, "per_scenario": per,
+            "markdown": md}
+
+
 def combine(run_dir: str | Path, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Every ablation invocation under ``run_dir`` (their ``ablation.json``) as one table and one
     pair of figures, logged as an MLflow run ``ablation-combined`` (the rows of a variant run more
@@ -583,6 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="*", help="these seeds instead of the config's")
     ap.add_argument("--noise", type=int, default=0, metavar="N",
                     help="instead: the noise study on N states (noise_study), logged as its own MLflow run")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                    help="instead: variant A's fine-tuned router minus variant B's warm start alone, paired, from "
+                         "the earlier invocations under run_dir (compare)")
     ap.add_argument("--combine", action="store_true",
                     help="instead: every earlier invocation's results under run_dir as one table and figures")
     args = ap.parse_args(argv)
@@ -593,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.combine:
             combine(acfg.run_dir)
+            return 0
+        if args.compare:
+            compare(acfg.run_dir, *args.compare)
             return 0
         if args.only:
             unknown = sorted(set(args.only) - {v.name for v in acfg.variants})

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from models.ablation import AblationConfig, combine, load_ablation_config, run_ablation
+from models.ablation import AblationConfig, combine, compare, load_ablation_config, run_ablation
 from tests.test_agent import write_agent_setup
 from xroute.errors import ConfigError
 
@@ -78,6 +78,24 @@ def test_every_variant_is_trained_compared_to_its_warm_start_and_logged(tmp_path
     assert seeds == {"plain": 2, "nstep3-topk-demo": 1}
     assert (Path(combined["out_dir"]) / "ablation_curves.png").stat().st_size > 10_000
     assert any(r.info.run_name.startswith("ablation-combined") for r in client.search_runs([exp.experiment_id]))
+    # across variants: one's fine-tuned router against the other's warm start, paired by seed, scenario and
+    # evaluation seed -- on seed 0, the only one both ran; against its own warm start it is the summary's Δ
+    cmp = compare(acfg.run_dir, "nstep3-topk-demo", "plain", echo=lambda s: None)
+    assert cmp["seeds"] == [0] and set(cmp["per_scenario"]) == {"bundle x1 (seed 0)", "bundle x4 (seed 0)"}
+    row = {r["variant"]: r for r in out["rows"]}["nstep3-topk-demo"]["per_scenario"]
+    want = np.mean([np.asarray(d["fine-tuned (best)"]) - np.asarray(b["per_scenario"][k]["warm start"])
+                    for k, d in row.items()])
+    assert cmp["pooled"][0] == pytest.approx(want)
+    own = compare(acfg.run_dir, "plain", "plain", echo=lambda s: None)
+    by_variant = {v["variant"]: v for v in combined["summary"]["variants"]}
+    pooled_plain = by_variant["plain"]["best"]
+    # two training seeds: the stricter interval over their means alone is wider, around the same mean
+    m, lo, hi = by_variant["plain"]["best_by_seed"]
+    assert m == pytest.approx(pooled_plain[0]) and hi - lo >= pooled_plain[2] - pooled_plain[1]
+    assert not np.isfinite(by_variant["nstep3-topk-demo"]["best_by_seed"][1])  # one seed: none
+    assert own["seeds"] == [0, 1] and own["pooled"] == pytest.approx(pooled_plain)
+    with pytest.raises(ConfigError, match="--compare: no training seed"):
+        compare(acfg.run_dir, "plain", "nope", echo=lambda s: None)
 
 
 def test_bad_ablation_configs_name_the_field_before_anything_trains(tmp_path: Path) -> None:
@@ -96,3 +114,19 @@ def test_bad_ablation_configs_name_the_field_before_anything_trains(tmp_path: Pa
     env_change = _config(setup, tmp_path, [{"name": "y", "overrides": {"episode_requests": 32}}])
     with pytest.raises(ConfigError, match="variant 'y'"):
         run_ablation(env_change, echo=lambda s: None)
+
+
+@pytest.mark.parametrize("name", ["ablation.yaml", "ablation_control.yaml"])
+def test_the_shipped_ablation_configs_and_every_variant_validate(name: str) -> None:
+    """Every variant of the shipped ablation configs is a valid train config (a misspelt knob in
+    one would otherwise surface only when that variant's turn came, minutes into a run)."""
+    from models.ablation import variant_config
+    from models.config import load_train_config
+
+    root = Path(__file__).resolve().parents[1]
+    acfg = load_ablation_config(root / "configs" / name)
+    base = load_train_config(root / "configs" / "train.yaml")
+    for v in acfg.variants:
+        cfg = variant_config(base, v)
+        assert cfg.model_dump() != base.model_dump() or not v.overrides
+    assert acfg.variants
