@@ -19,6 +19,7 @@ from envs.cloud_route import CloudRouteEnv
 from envs.features import N_OFFERING_FEATURES as NF
 from models.config import load_train_config
 from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy, export_router, top_k_valid_actions
+from models.warmstart import fork
 from tests.test_agent import PRIOR, _random_obs, _tiny_context, write_agent_setup
 from xroute.errors import ConfigError
 
@@ -180,6 +181,29 @@ def test_policy_warmup_fills_the_buffer_with_the_networks_own_choices(tmp_path: 
     assert picks["policy"] == 1.0 and picks["random"] < 0.9
 
 
+def _greedy_after(env: Any, a: int, n: int, gamma: float) -> float:
+    """The discounted return of ``a`` then ``n - 1`` requests routed by greedy, on a fork of ``env``
+    (the sibling's target, computed by hand)."""
+    sim = fork(env)
+    g = 0.0
+    for t in range(n):
+        _, r, _, _, _ = sim.step(a if t == 0 else int(np.argmax(sim.expected_rewards())))
+        g += gamma ** t * float(r)
+    return g
+
+
+def _play_first_valid(w: Any, steps: int, horizon: int, gamma: float) -> list[tuple[int, float, dict[str, Any]]]:
+    """Step a :class:`SiblingPlay` ``steps`` times on its first valid offering: each step's action,
+    the target computed by hand (:func:`_greedy_after`), and the group the wrapper kept."""
+    out = []
+    for _ in range(steps):
+        a = int(np.flatnonzero(np.isfinite(w.env.expected_rewards()))[0])
+        want = _greedy_after(w.env, a, horizon, gamma)
+        w.step(a)
+        out.append((a, want, w.pending[-1]))
+    return out
+
+
 def test_siblings_are_played_on_the_same_draws_and_their_differences_are_fitted(tmp_path: Path) -> None:
     """``dqn.siblings``: the best offerings and the one taken are played on forks before the step
     (greedy's first), the taken one's outcome is the real step's (same request, same draws), and
@@ -202,20 +226,9 @@ def test_siblings_are_played_on_the_same_draws_and_their_differences_are_fitted(
     env.pending.clear()
     # over a horizon: the discounted rewards of the next 3 requests (here routed by greedy: no network
     # yet), the state after them and gamma ** 3 to bootstrap with
-    from models.warmstart import fork
-
     deep = SiblingPlay(_env(setup, tmp_path), k=2, horizon=3, gamma=0.9)
     deep.reset(seed=5)
-    for _ in range(5):
-        inner = deep.env
-        a = int(np.flatnonzero(np.isfinite(inner.expected_rewards()))[0])
-        sim = fork(inner)
-        want = 0.0
-        for t, act in enumerate([a, None, None]):
-            _, r, _, _, _ = sim.step(act if act is not None else int(np.argmax(sim.expected_rewards())))
-            want += 0.9 ** t * float(r)
-        deep.step(a)
-        g = deep.pending[-1]
+    for a, want, g in _play_first_valid(deep, 5, 3, 0.9):
         i = g["actions"].tolist().index(a)
         assert float(g["rewards"][i]) == pytest.approx(want, rel=1e-5)
         assert float(g["discounts"][i]) == pytest.approx(0.9 ** 3)
@@ -241,7 +254,6 @@ def test_siblings_without_bootstrap_fit_the_warm_starts_own_labels(tmp_path: Pat
     the warm start's label -- whatever the network would route, and the paired loss no longer
     depends on the target network (no value compared across states); with the bootstrap it does."""
     from models.qnet import SiblingPlay
-    from models.warmstart import fork
 
     setup = write_agent_setup(tmp_path)
     env = SiblingPlay(_env(setup, tmp_path), k=2, horizon=4, continuation="greedy")
@@ -253,16 +265,7 @@ def test_siblings_without_bootstrap_fit_the_warm_starts_own_labels(tmp_path: Pat
 
     env.act = worst_valid  # a continuation policy that is never greedy's: must not be used
     env.reset(seed=6)
-    for _ in range(6):
-        inner = env.env
-        a = int(np.flatnonzero(np.isfinite(inner.expected_rewards()))[0])
-        sim = fork(inner)
-        want = 0.0
-        for act in [a, None, None, None]:
-            _, r, _, _, _ = sim.step(act if act is not None else int(np.argmax(sim.expected_rewards())))
-            want += float(r)
-        env.step(a)
-        g = env.pending[-1]
+    for a, want, g in _play_first_valid(env, 6, 4, 1.0):
         assert float(g["rewards"][g["actions"].tolist().index(a)]) == pytest.approx(want, rel=1e-5)
     groups = list(env.pending)
     with th.no_grad():
