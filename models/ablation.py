@@ -182,12 +182,17 @@ def evaluate_vs_warm(scenarios: list[Any], routers: dict[str, str], eval_cfg: An
     return out
 
 
+def scenario_diffs(pa: dict[str, dict[str, Any]], pb: dict[str, dict[str, Any]], a: str, b: str) -> np.ndarray:
+    """``pa[scenario][a] - pb[scenario][b]`` for the scenarios both hold: (scenarios, evaluation seeds).
+    ``pa`` and ``pb`` are rows' ``per_scenario`` (the same row's for a Δ within one run)."""
+    return np.stack([np.asarray(pa[lab][a]) - np.asarray(pb[lab][b]) for lab in pa if lab in pb])
+
+
 def paired(per_scenario: dict[str, dict[str, np.ndarray]], a: str, b: str) -> tuple[float, float, float]:
     """Pooled paired Δ (a − b): per seed the mean over scenarios, then a 95 % t-interval."""
     from models.evaluate import t_interval
 
-    d = np.mean(np.stack([v[a] - v[b] for v in per_scenario.values()]), axis=0)
-    return t_interval(d)
+    return t_interval(scenario_diffs(per_scenario, per_scenario, a, b).mean(axis=0))
 
 
 def _fmt(iv: tuple[float, float, float]) -> str:
@@ -339,14 +344,10 @@ def summarize(rows: list[dict[str, Any]], cfgs: dict[str, Any]) -> dict[str, Any
             continue
 
         def per_seed(key: str, rs: list[dict[str, Any]] = rs) -> list[np.ndarray] | None:
-            diffs = []
-            for r in rs:
-                per = {lab: {k: np.asarray(v) for k, v in d.items()} for lab, d in r["per_scenario"].items()}
-                a, b = key.split(" - ")
-                if a not in next(iter(per.values())):
-                    return None
-                diffs.append(np.mean(np.stack([d[a] - d[b] for d in per.values()]), axis=0))
-            return diffs
+            a, b = key.split(" - ")
+            if any(a not in next(iter(r["per_scenario"].values())) for r in rs):
+                return None
+            return [scenario_diffs(r["per_scenario"], r["per_scenario"], a, b).mean(axis=0) for r in rs]
 
         def pooled(key: str) -> tuple[float, float, float]:
             d = per_seed(key)
@@ -566,9 +567,8 @@ def compare(run_dir: str | Path, a: str, b: str, echo: Callable[[str], None] = p
     diffs, per = [], {}
     for s in seeds:
         ra, rb = rows[(a, s)]["per_scenario"], rows[(b, s)]["per_scenario"]
-        labs = [lab for lab in ra if lab in rb]
-        d = np.stack([np.asarray(ra[lab]["fine-tuned (best)"]) - np.asarray(rb[lab]["warm start"]) for lab in labs])
-        per.update({f"{lab} (seed {s})": t_interval(d[i]) for i, lab in enumerate(labs)})
+        d = scenario_diffs(ra, rb, "fine-tuned (best)", "warm start")
+        per.update({f"{lab} (seed {s})": t_interval(d[i]) for i, lab in enumerate(x for x in ra if x in rb)})
         diffs.append(d.mean(axis=0))
     pooled = t_interval(np.concatenate(diffs))
     # the stricter interval: over the training seeds' means alone

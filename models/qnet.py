@@ -190,9 +190,12 @@ class SiblingPlay(gym.Wrapper):  # type: ignore[type-arg]
             valid = np.flatnonzero(np.isfinite(r_exp))
             if valid.size >= 2:
                 order = valid[np.argsort(-r_exp[valid], kind="stable")]
-                own = [int(action)] if self.extra == "taken" else \
-                    [int(self.act(self._obs))] if self.extra == "policy" and self.act is not None else []
-                acts = list(dict.fromkeys([*order[: self.k].tolist(), *own]))
+                acts = order[: self.k].tolist()
+                if self.extra == "taken":
+                    acts.append(int(action))
+                elif self.extra == "policy" and self.act is not None:
+                    acts.append(int(self.act(self._obs)))
+                acts = list(dict.fromkeys(acts))
                 nxt, rew, done = [], [], []
                 for a in acts:
                     sim = fork(env)
@@ -415,7 +418,8 @@ class MaskedDQN(DQN):
         drawn from the last ``sibling_buffer``, ``Q(s,a_i) - Q(s,a_0)`` against ``y_i - y_0``, with
         ``y = reward_scale * r + discount * max Q_target(s')`` as SB3's target, ``r`` the discounted
         sum of a sibling's ``horizon`` rewards and ``discount`` ``gamma ** horizon`` (0 once the
-        episode ended, and always without ``sibling_bootstrap``); ``a_0`` is greedy's choice. The noise both share (the request, its service-time draws) cancels."""
+        episode ended, and always without ``sibling_bootstrap``); ``a_0`` is greedy's choice. The
+        noise both share (the request, its service-time draws) cancels."""
         if self.siblings is None:
             return None
         self.sibling_groups.extend(self.siblings.pending)
