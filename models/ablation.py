@@ -71,6 +71,12 @@ class AblationConfig(Strict):
         return v
 
 
+def base_config(acfg: AblationConfig) -> TrainConfig:
+    """The train config every variant starts from: ``train_config`` with ``base`` merged in."""
+    return variant_config(load_train_config(acfg.train_config), Variant(name="base", overrides=acfg.base),
+                          "ablation config: field 'base'")
+
+
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for k, v in b.items():
@@ -82,32 +88,6 @@ def variant_config(base: TrainConfig, variant: Variant, source: str | None = Non
     """The train config of ``variant`` (its overrides merged into ``base``), validated."""
     data = _merge(base.model_dump(mode="json"), variant.overrides)
     return parse_config(TrainConfig, data, source or f"ablation variant '{variant.name}': overrides")
-
-
-def _warm_key(cfg: TrainConfig, bundle_hash: str, env_cfg: Any) -> str:
-    blob = json.dumps({"warm": cfg.warm_start.model_dump(mode="json"), "data": bundle_hash, "seed": cfg.seed,
-                       "rates": cfg.rate_scales, "episode": cfg.episode_requests, "ray": cfg.ray.max_concurrent_trials,
-                       "env": env_cfg.model_dump(mode="json"), "perturbed": cfg.data.perturbed_copies},
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def warm_start_data(cfg: TrainConfig, env_cfg: Any, sc: Any, bundle_hash: str, run_dir: Path, use_cache: bool,
-                    echo: Callable[[str], None]) -> Any:
-    """The labelled warm-start states (``models.warmstart_labels``), cached in ``run_dir``."""
-    from models import warmstart as ws
-    from models.warmstart_labels import collect_warm_start
-
-    path = run_dir / f"warm_start_{_warm_key(cfg, bundle_hash, env_cfg)}.npz"
-    names = ("offerings", "request", "mask", "actions", "advantage", "weight", "greedy_reward")
-    if use_cache and path.exists():
-        z = np.load(path)
-        echo(f"warm start: {len(z['request'])} labelled states from {path}")
-        return ws.RolloutData(**{k: z[k] for k in names}, seconds=float(z["seconds"]))
-    data = collect_warm_start(cfg, env_cfg, sc.train, False, echo)
-    if data is not None:
-        np.savez_compressed(path, **{k: getattr(data, k) for k in names}, seconds=data.seconds)
-    return data
 
 
 class WarmFits(dict):  # type: ignore[type-arg]
@@ -208,9 +188,9 @@ def run_ablation(acfg: AblationConfig, echo: Callable[[str], None] = print) -> d
     from models import loader, registry, tracking
     from models.scenarios import build_scenarios, eval_env_config, train_env_config
     from models.trial import TrialContext, run_trial
+    from models.warmstart_labels import cached_warm_start, label_key
 
-    base = variant_config(load_train_config(acfg.train_config), Variant(name="base", overrides=acfg.base),
-                          "ablation config: field 'base'")
+    base = base_config(acfg)
     run_dir = Path(acfg.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfgs = {v.name: variant_config(base, v) for v in acfg.variants}  # (every variant validated before anything runs)
@@ -225,15 +205,16 @@ def run_ablation(acfg: AblationConfig, echo: Callable[[str], None] = print) -> d
     uri = loader.tracking_uri(run_dir, base.mlflow.tracking_uri)
     exp_id = registry.setup(uri, base.mlflow.experiment, run_dir)
     echo(f"MLflow: {uri} (experiment '{base.mlflow.experiment}')")
-    warm = warm_start_data(base, env_cfg, sc, bundle_hash, run_dir, acfg.warm_cache, echo)
+    warm = cached_warm_start(base, env_cfg, sc.train, bundle_hash, run_dir if acfg.warm_cache else None, False, echo)
     sel = sc.selection[0]
     sel_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, sel.rate)})
     baseline_runs = ev.evaluate(sel.bundle, ["greedy", "cheapest"], sel_cfg, show_progress=False, seeds=2,
                                 history=sel.history)
     # one directory per invocation, also for two started in the same second (each would overwrite the other's table)
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    warm_fits = WarmFits(run_dir, _warm_key(base, bundle_hash, env_cfg) + "-" + hashlib.sha256(json.dumps(
-        [base.net.model_dump(mode="json"), base.warm_start.model_dump(mode="json"), base.data.selection,
+    warm_fits = WarmFits(run_dir, label_key(base, bundle_hash, env_cfg) + "-" + hashlib.sha256(json.dumps(
+        [base.net.model_dump(mode="json"), base.warm_start.model_dump(mode="json", exclude={"cache"}),
+         base.data.selection[0] if len(base.data.selection) == 1 else base.data.selection,  # (one: its name alone)
          base.data.selection_rates]).encode()).hexdigest()[:8])
     eval_cache: dict[str, dict[str, np.ndarray]] = {}
     rows: list[dict[str, Any]] = []
@@ -316,8 +297,7 @@ def run_noise_study(acfg: AblationConfig, n_states: int, echo: Callable[[str], N
 
     from models import loader, registry
 
-    base = variant_config(load_train_config(acfg.train_config), Variant(name="base", overrides=acfg.base),
-                          "ablation config: field 'base'")
+    base = base_config(acfg)
     run_dir = Path(acfg.run_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     uri = loader.tracking_uri(run_dir, base.mlflow.tracking_uri)

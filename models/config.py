@@ -70,19 +70,21 @@ class WarmStartConfig(Strict):
     batch_size: int = Field(128, ge=1)
     learning_rate: float = Field(1e-3, gt=0)
     behaviour_epsilon: float = Field(0.1, ge=0, le=1, description="share of random valid actions on the walk")
+    cache: bool = Field(True, description="keep the labelled states in <run_dir>/warm_start/ and reuse them in a later "
+                                          "run with the same data and warm-start settings")
 
 
 class DQNConfig(Strict):
     """stable-baselines3 ``DQN`` arguments (same names). ``gamma`` and ``learning_rate`` are the
     defaults of trials whose search space does not set them."""
 
-    learning_rate: float = Field(1e-5, gt=0)
+    learning_rate: float = Field(3e-5, gt=0)
     gamma: float = Field(0.975, ge=0, le=1)
     buffer_size: int = Field(50_000, ge=1)
     learning_starts: int = Field(1_000, ge=0)
     batch_size: int = Field(64, ge=1)
     tau: float = Field(1.0, gt=0, le=1)
-    train_freq: int = Field(4, ge=1)
+    train_freq: int = Field(8, ge=1)
     gradient_steps: int = Field(1, ge=1)
     target_update_interval: int = Field(2_000, ge=1)
     exploration_fraction: float = Field(0.3, gt=0, le=1)
@@ -90,7 +92,8 @@ class DQNConfig(Strict):
     exploration_final_eps: float = Field(0.02, ge=0, le=1)
     max_grad_norm: float = Field(10.0, gt=0)
     # the knobs of the fine-tuning ablations (docs/results.md, "Why DQN fine-tuning does not beat its warm
-    # start"); the defaults are SB3's DQN as before
+    # start"); the defaults are the main job's (the ablations' api-greedy); SB3's own DQN is n_steps 1, huber,
+    # siblings 0, td_weight 1, demo_weight 0
     n_steps: int = Field(1, ge=1, le=256, description="n-step returns (SB3's NStepReplayBuffer; the training "
                                                       "observation is then flattened to one Box, which SB3 needs "
                                                       "for them)")
@@ -102,35 +105,35 @@ class DQNConfig(Strict):
         "uniform", description="an exploring step's offering: uniform over the valid ones, or uniform over the "
                                "exploration_top_k best valid ones by the current Q-values")
     exploration_top_k: int = Field(3, ge=2, description="offerings an exploring step draws from (exploration: top_k)")
-    demo_weight: float = Field(0.0, ge=0, description="weight of the warm start's labelled states in every DQN "
+    demo_weight: float = Field(1.0, ge=0, description="weight of the warm start's labelled states in every DQN "
                                                       "update (replay composition, DQfD-style): the squared error "
                                                       "of Q(s,a) - Q(s,greedy's a) against the rollout advantage")
-    demo_batch_size: int = Field(64, ge=1, description="warm-start states per update when demo_weight > 0")
-    siblings: int = Field(0, ge=0, le=16, description="before each training step (every sibling_every-th), also "
+    demo_batch_size: int = Field(32, ge=1, description="warm-start states per update when demo_weight > 0")
+    siblings: int = Field(5, ge=0, le=16, description="before each training step (every sibling_every-th), also "
                                                      "play this many best offerings by expected reward and the one "
                                                      "taken on forks of the environment (same request, same draws) "
                                                      "and fit the differences of their TD targets (models.qnet."
                                                      "SiblingPlay); 0 = off. Needs n_steps 1 (sibling_horizon "
                                                      "instead)")
     sibling_weight: float = Field(1.0, ge=0, description="weight of that paired loss in every update")
-    td_weight: float = Field(1.0, ge=0, description="weight of SB3's TD loss on the replayed transitions (0 = learn "
+    td_weight: float = Field(0.0, ge=0, description="weight of SB3's TD loss on the replayed transitions (0 = learn "
                                                    "from the paired siblings and demonstrations alone)")
-    sibling_every: int = Field(1, ge=1, description="play the siblings at every this many steps")
-    sibling_horizon: int = Field(1, ge=1, le=256, description="requests each sibling is played for (the later ones "
+    sibling_every: int = Field(4, ge=1, description="play the siblings at every this many steps")
+    sibling_horizon: int = Field(41, ge=1, le=256, description="requests each sibling is played for (the later ones "
                                                               "routed by the network being trained) before its "
                                                               "target bootstraps")
-    sibling_batch_size: int = Field(32, ge=1, description="groups of siblings per update")
-    sibling_buffer: int = Field(5_000, ge=1, description="the last this many groups are kept to draw from")
-    sibling_gamma: float | None = Field(None, ge=0, le=1, description="discount within a sibling's rollout (null: "
+    sibling_batch_size: int = Field(16, ge=1, description="groups of siblings per update")
+    sibling_buffer: int = Field(20_000, ge=1, description="the last this many groups are kept to draw from")
+    sibling_gamma: float | None = Field(1.0, ge=0, le=1, description="discount within a sibling's rollout (null: "
                                                                        "the trial's gamma)")
-    sibling_bootstrap: bool = Field(True, description="add gamma^h max Q_target(s_h) to a sibling's target (false: "
+    sibling_bootstrap: bool = Field(False, description="add gamma^h max Q_target(s_h) to a sibling's target (false: "
                                                       "the truncated h-request return, as the warm start's labels)")
     sibling_extra: Literal["taken", "policy", "none"] = Field(
         "taken", description="the sibling beside the `siblings` best: the action taken, the network's own choice "
                              "(not an exploring step's random offering, whose failures near -3 outweigh the "
                              "differences that decide), or none")
     sibling_continuation: Literal["policy", "greedy"] = Field(
-        "policy", description="who routes a sibling's later requests: the network being trained, or greedy (the "
+        "greedy", description="who routes a sibling's later requests: the network being trained, or greedy (the "
                               "warm start's rollouts)")
     warmup: Literal["random", "policy"] = Field(
         "random", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
@@ -185,14 +188,29 @@ class DataConfig(Strict):
     train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake", "asia"], min_length=1)
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
-    selection: str = Field("mar2024", description="bundle whose validation window selects checkpoints and trials")
+    selection: list[str] = Field(
+        default_factory=lambda: ["mar2024", "feb2024", "default"], min_length=1,
+        description="bundles whose validation windows select warm-start epochs, checkpoints, margins and trials (one "
+                    "name or a list)")
     selection_rates: list[float] = Field(
         default_factory=lambda: [1.0, 4.0], min_length=1,
-        description="loads the selection window is replayed at; a candidate's score is its worst paired difference "
-                    "to greedy over them (robust to the load it was not selected for)")
+        description="loads each selection window is replayed at; a candidate's score is its worst paired difference "
+                    "to greedy over every window and load (robust to the one it was not selected for)")
     gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
     gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
     gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
+
+    @field_validator("selection", mode="before")
+    @classmethod
+    def _one_or_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("selection")
+    @classmethod
+    def _distinct(cls, v: list[str]) -> list[str]:
+        if len(set(v)) < len(v):
+            raise ValueError(f"each bundle once ({next(x for x in v if v.count(x) > 1)} repeats)")
+        return v
 
     @field_validator("gate_rates", "selection_rates")
     @classmethod
@@ -211,8 +229,8 @@ class TrainConfig(Strict):
     run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the working "
                                                "directory)")
     evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
-    total_timesteps: int = Field(0, ge=0, description="DQN fine-tuning steps per trial after the warm start (0: the "
-                                 "warm start alone, the default: docs/results.md has why)")
+    total_timesteps: int = Field(10_000, ge=0, description="DQN fine-tuning steps per trial after the warm start "
+                                 "(0: the warm start alone)")
     episode_requests: int = Field(1024, ge=1, description="requests per training episode (random windows)")
     max_offerings: int | None = Field(None, ge=1, description="observation padding while training "
                                                               "(default: the evaluate config's)")

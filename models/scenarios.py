@@ -6,9 +6,10 @@
 * **Training**: the train windows of the ``data.train`` bundles, each also with its catalog
   perturbed (offerings dropped, copies added, order shuffled), replayed at the loads of
   ``rate_scales`` -- one drawn per episode (:class:`ScenarioMix`).
-* **Selection** (warm-start epoch, DQN checkpoint, margin, trial): the validation window of
-  ``data.selection``, a bundle not trained on, at each of ``data.selection_rates``; a candidate's
-  score is its worst paired difference in mean reward to greedy over those loads.
+* **Selection** (warm-start epoch, DQN checkpoint, margin, trial): the validation windows of the
+  ``data.selection`` bundles (never trained on: the training mix holds train windows only), each at
+  each of ``data.selection_rates``; a candidate's score is its worst paired difference in mean
+  reward to greedy over those windows and loads.
 * **Gate and report**: the test windows of the ``data.gate`` bundles at each of ``data.gate_rates``,
   which no selection saw; the routers start from the outputs of the windows before (``history``).
 * **Episodes**: the environment config a training episode runs with (:func:`train_env_config`)
@@ -110,7 +111,7 @@ class Scenario:
 @dataclass
 class Scenarios:
     train: list[Scenario]  # rate is drawn per episode (TrainConfig.rate_scales)
-    selection: list[Scenario]  # one window at several loads
+    selection: list[Scenario]  # the validation windows, each at several loads
     gate: list[Scenario]
     bundle_hashes: dict[str, str]
 
@@ -156,10 +157,11 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         for c in range(d.perturbed_copies):
             pb = perturb_catalog(sp.bundles["train"], 0.2, seed=1000 + 17 * k + c)
             train.append(Scenario(f"{_label(ref)}~perturbed{c}", pb, None))
-    sel_ref = names.get("selection", d.selection)
-    sp = splits(sel_ref, "train config: field 'data.selection'")
-    selection = [Scenario(f"{_label(sel_ref)} x{r:g}", sp.bundles["validation"], sp.history("validation"), r)
-                 for r in d.selection_rates]
+    selection = []
+    for k, ref in enumerate([names["selection"]] if one is not None else d.selection):
+        sp = splits(ref, f"train config: field 'data.selection[{k}]'")
+        for r in d.selection_rates:
+            selection.append(Scenario(f"{_label(ref)} x{r:g}", sp.bundles["validation"], sp.history("validation"), r))
     gate = []
     for k, ref in enumerate([names["gate"]] if one is not None else d.gate):
         sp = splits(ref, f"train config: field 'data.gate[{k}]'")

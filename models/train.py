@@ -40,7 +40,7 @@ from models.baselines import BASELINES
 from models.config import TrainConfig
 from models.scenarios import build_scenarios, eval_env_config, train_env_config
 from models.trial import TrialContext, run_trial
-from models.warmstart_labels import collect_warm_start
+from models.warmstart_labels import cached_warm_start
 
 
 @dataclass
@@ -80,8 +80,9 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     eval_cfg = cfg.evaluate_settings()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     echo(f"training: {', '.join(s.label for s in sc.train)} (train windows), loads x{', x'.join(map(str, cfg.rate_scales))}")
-    echo(f"selection: {', '.join(x.label for x in sc.selection)} (validation window, "
-         f"{len(sc.selection[0].bundle.workload)} requests)")
+    windows = {x.label.rsplit(" ", 1)[0]: len(x.bundle.workload) for x in sc.selection}
+    echo(f"selection: {', '.join(x.label for x in sc.selection)} (validation windows, "
+         f"{', '.join(f'{k} {n}' for k, n in windows.items())} requests)")
     echo(f"gate: {', '.join(s.label for s in sc.gate)} (test windows, {cfg.data.gate_seeds} seeds)")
     bundle_hash = ",".join(f"{k}={v}" for k, v in sc.bundle_hashes.items())
 
@@ -108,7 +109,8 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
         points = grid(cfg)
         env_cfg = train_env_config(cfg, eval_cfg, sc.max_offerings)
         with tune.ray_session(cfg, ray_address, use_ray):
-            ctx.warm_data = collect_warm_start(cfg, env_cfg, sc.train, use_ray, echo)
+            ctx.warm_data = cached_warm_start(cfg, env_cfg, sc.train, bundle_hash,
+                                              run_dir / "warm_start" if cfg.warm_start.cache else None, use_ray, echo)
             echo(f"{len(points)} trials x {cfg.total_timesteps} DQN steps, "
                  f"at most {cfg.ray.max_concurrent_trials} at a time")
             if use_ray:

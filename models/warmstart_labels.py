@@ -5,8 +5,12 @@ process without Ray."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,13 +39,58 @@ def collect_chunk(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Scenario
                       np.random.default_rng(seed), progress if progress_output else None)
 
 
+def _chunks(cfg: TrainConfig, use_ray: bool) -> int:
+    return max(1, min(cfg.ray.max_concurrent_trials, cfg.warm_start.samples)) if use_ray else 1
+
+
+def label_key(cfg: TrainConfig, bundle_hash: str, env_cfg: EnvConfig) -> str:
+    """What the labelled states depend on: the warm-start settings, the bundles' content, the seed,
+    the loads, the episodes, the environment and the perturbed copies."""
+    blob = json.dumps({"warm": cfg.warm_start.model_dump(mode="json", exclude={"cache"}), "data": bundle_hash, "seed": cfg.seed,
+                       "rates": cfg.rate_scales, "episode": cfg.episode_requests, "ray": cfg.ray.max_concurrent_trials,
+                       "env": env_cfg.model_dump(mode="json"), "perturbed": cfg.data.perturbed_copies},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_FIELDS = ("offerings", "request", "mask", "actions", "advantage", "weight", "greedy_reward")
+
+
+def cached_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Scenario], bundle_hash: str,
+                      cache_dir: Path | None, use_ray: bool, echo: Callable[[str], None]) -> Any:
+    """:func:`collect_warm_start`, memoized in ``cache_dir`` (None: no cache) by :func:`label_key`
+    and the number of labelling chunks (the chunks' seeds differ). The labels are a function of
+    those alone, so a later run that changes only what comes after them (the fit, the DQN knobs,
+    the selection) reuses them. Written to a temporary file and renamed: a crash leaves either
+    the whole file or none."""
+    if cfg.warm_start.samples <= 0:
+        return None
+    k = _chunks(cfg, use_ray)
+    path = None
+    if cache_dir is not None:
+        name = label_key(cfg, bundle_hash, env_cfg) + ("" if k == 1 else f"-{k}chunks")
+        path = Path(cache_dir) / f"warm_start_{name}.npz"
+        if path.exists():
+            z = np.load(path)
+            echo(f"warm start: {len(z['request'])} labelled states from {path} (labelled by an earlier run with "
+                 "the same data and warm-start settings; delete the file to label them again)")
+            return ws.RolloutData(**{f: z[f] for f in _FIELDS}, seconds=float(z["seconds"]))
+    data = collect_warm_start(cfg, env_cfg, scenarios, use_ray, echo)
+    if path is not None and data is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez_compressed(tmp, **{f: getattr(data, f) for f in _FIELDS}, seconds=data.seconds)
+        os.replace(tmp, path)
+    return data
+
+
 def collect_warm_start(cfg: TrainConfig, env_cfg: EnvConfig, scenarios: list[Scenario], use_ray: bool,
                        echo: Callable[[str], None]) -> Any:
     """The shared warm-start data set, labelled in ``ray.max_concurrent_trials`` parallel chunks."""
     n = cfg.warm_start.samples
     if n <= 0:
         return None
-    k = max(1, min(cfg.ray.max_concurrent_trials, n)) if use_ray else 1
+    k = _chunks(cfg, use_ray)
     sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
     seeds = [cfg.seed * 1000 + 17 + i for i in range(k)]
     t0 = time.perf_counter()

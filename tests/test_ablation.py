@@ -120,12 +120,11 @@ def test_bad_ablation_configs_name_the_field_before_anything_trains(tmp_path: Pa
 def test_the_shipped_ablation_configs_and_every_variant_validate(name: str) -> None:
     """Every variant of the shipped ablation configs is a valid train config (a misspelt knob in
     one would otherwise surface only when that variant's turn came, minutes into a run)."""
-    from models.ablation import variant_config
-    from models.config import load_train_config
+    from models.ablation import base_config, variant_config
 
     root = Path(__file__).resolve().parents[1]
     acfg = load_ablation_config(root / "configs" / name)
-    base = load_train_config(root / "configs" / "train.yaml")
+    base = base_config(acfg)  # (configs/train.yaml with the ablation's base, as run_ablation builds it)
     for v in acfg.variants:
         cfg = variant_config(base, v)
         assert cfg.model_dump() != base.model_dump() or not v.overrides
