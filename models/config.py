@@ -41,7 +41,7 @@ class NetConfig(Strict):
                                                    "(0 = score each row alone)")
     margins: list[float] = Field(
         default_factory=lambda: [0.0, 0.002, 0.005, 0.01], min_length=1,
-        description="trust-region margins tried on the selection window after training: the router leaves greedy's "
+        description="trust-region margins tried on the selection windows after training: the router leaves greedy's "
                     "choice only where it expects more than the margin elsewhere; the best is kept (ties: the smaller)")
     reward_prior: bool = Field(True, description="add the fixed one-step expected reward computed from the row's "
                                                  "exp_* features (models.policy.RewardPrior); the MLP learns the "
@@ -64,7 +64,7 @@ class WarmStartConfig(Strict):
     top_k: int = Field(6, ge=1, description="candidates: the best this many by expected reward ...")
     random_actions: int = Field(0, ge=0, description="... plus this many random valid offerings (0: the top_k only; docs/results.md)")
     stride: int = Field(8, ge=1, description="requests between two labelled states")
-    epochs: int = Field(12, ge=1, description="most epochs of the fit; the epoch kept is chosen on the selection window")
+    epochs: int = Field(12, ge=1, description="most epochs of the fit; the epoch kept is chosen on the selection windows")
     holdout: float = Field(0.2, ge=0, lt=1, description="share of the labelled states held out to choose the epoch "
                                                         "(by the realized advantage of the network's pick)")
     batch_size: int = Field(128, ge=1)

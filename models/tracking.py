@@ -169,7 +169,7 @@ def plot_learning_curve(validation: Any, path: str | Path, references: list[Any]
     if validation.best is not None:
         ax.axvline(validation.best.step, color="gray", ls=":", label=f"kept (step {validation.best.step})")
     ax.set_xlabel("DQN environment steps (0 = the warm start)")
-    ax.set_ylabel("Δ mean reward vs greedy, selection window")
+    ax.set_ylabel("Δ mean reward vs greedy, selection windows")
     ax.set_title("selection: checkpoints vs greedy and the baselines")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

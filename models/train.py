@@ -3,19 +3,19 @@
 Flow (``run_training``), each step in the module that does it:
 
 1. The scenarios (``models.scenarios``): the train windows of several real bundles, each also with
-   a perturbed catalog, at several loads; a selection window of a bundle not trained on; the gate's
+   a perturbed catalog, at several loads; the validation windows of the selection bundles; the gate's
    test windows of every bundle at two loads.
-2. Every baseline on the selection window (the table each trial is compared to).
+2. Every baseline on the first selection window (the table each trial is compared to).
 3. The warm start's rollout labels, collected once over the training mix
    (``models.warmstart_labels``, with ``models.warmstart``).
 4. Ray Tune runs one function trial per grid point (seeds x gamma x learning rate), at most
    ``ray.max_concurrent_trials`` at a time, one torch thread each (``models.tune``). A trial
    (``models.trial.run_trial``, which runs without Ray too) fits the warm start (keeping the epoch
-   that decides best on the selection window), trains ``MaskedDQN`` on the training mix, validates
-   the numpy export on the selection window every ``eval_every`` steps and keeps its best
+   that decides best on the selection windows), trains ``MaskedDQN`` on the training mix, validates
+   the numpy export on the selection windows every ``eval_every`` steps and keeps its best
    checkpoint, and its warm start alone for the ablation. It logs params, learning curves, tables
    and plots to its own MLflow run (``models.tracking``).
-5. The best trial (by selection-window reward) and its warm start alone are run beside every
+5. The best trial (by its worst Δ to greedy over the selection windows) and its warm start alone are run beside every
    baseline on the gate scenarios, paired by seed (``models.gate``); the verdict -- does it beat the
    best baseline on data no selection saw, and lose nowhere? -- is recorded with the model, logged
    as an MLflow pyfunc model, registered and given the alias ``challenger`` (``models.tracking``,
@@ -90,14 +90,14 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
     exp_id = registry.setup(uri, cfg.mlflow.experiment, run_dir)
     echo(f"MLflow: {uri} (experiment '{cfg.mlflow.experiment}')")
 
-    echo("baselines on the selection window ...")
     sel = sc.selection[0]
+    echo(f"baselines on the first selection window ({sel.label}) ...")
     sel_cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, sel.rate)})
     baselines = [b for b in BASELINES if b != "oracle"]  # (the hindsight oracle is no baseline to beat)
     baseline_runs = ev.evaluate(sel.bundle, baselines, sel_cfg, show_progress=False,
                                 seeds=cfg.data.gate_seeds, history=sel.history)
     bb = tracking.best_baseline(baseline_runs)
-    echo(f"best baseline on the selection window: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
+    echo(f"best baseline on {sel.label}: {bb.name} (mean reward {bb.metrics['mean_reward']:.5f})")
 
     with tracking.training_run(exp_id, f"train-{stamp}", bundle_hash) as parent:
         tracking.log_training_inputs(cfg, sc, bundle_hash, baseline_runs)

@@ -1,8 +1,8 @@
 """One training trial (``run_trial``): a DQN agent trained on the training mix and selected on the
 selection windows, without Ray (``models.tune`` runs one per grid point in Ray Tune).
 
-The trial fits the warm start (keeping the epoch that decides best on the selection window),
-trains ``MaskedDQN`` on the training mix, validates the numpy export on the selection window every
+The trial fits the warm start (keeping the epoch that decides best on the selection windows),
+trains ``MaskedDQN`` on the training mix, validates the numpy export on the selection windows every
 ``eval_every`` steps and keeps its best checkpoint, its best margin, and its warm start alone for
 the ablation; it logs to its own MLflow run (``models.tracking``). torch and stable-baselines3 are
 imported when a trial runs, not with this module.

@@ -116,7 +116,7 @@ def test_bad_ablation_configs_name_the_field_before_anything_trains(tmp_path: Pa
         run_ablation(env_change, echo=lambda s: None)
 
 
-@pytest.mark.parametrize("name", ["ablation.yaml", "ablation_control.yaml"])
+@pytest.mark.parametrize("name", ["ablation.yaml", "ablation_control.yaml", "ablation_main.yaml"])
 def test_the_shipped_ablation_configs_and_every_variant_validate(name: str) -> None:
     """Every variant of the shipped ablation configs is a valid train config (a misspelt knob in
     one would otherwise surface only when that variant's turn came, minutes into a run)."""
