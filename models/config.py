@@ -92,8 +92,8 @@ class DQNConfig(Strict):
     exploration_final_eps: float = Field(0.02, ge=0, le=1)
     max_grad_norm: float = Field(10.0, gt=0)
     # the knobs of the fine-tuning ablations (docs/results.md, "Why DQN fine-tuning does not beat its warm
-    # start"); the defaults are the main job's (the ablations' api-greedy); SB3's own DQN is n_steps 1, huber,
-    # siblings 0, td_weight 1, demo_weight 0
+    # start"); the defaults are the main job's (the ablations' api-greedy without random offerings); SB3's own DQN
+    # is n_steps 1, huber, siblings 0, td_weight 1, demo_weight 0, exploration uniform, warmup random
     n_steps: int = Field(1, ge=1, le=256, description="n-step returns (SB3's NStepReplayBuffer; the training "
                                                       "observation is then flattened to one Box, which SB3 needs "
                                                       "for them)")
@@ -102,7 +102,7 @@ class DQNConfig(Strict):
                                                        "targets with them) are multiplied by this while training; "
                                                        "the export is in reward units again")
     exploration: Literal["uniform", "top_k"] = Field(
-        "uniform", description="an exploring step's offering: uniform over the valid ones, or uniform over the "
+        "top_k", description="an exploring step's offering: uniform over the valid ones, or uniform over the "
                                "exploration_top_k best valid ones by the current Q-values")
     exploration_top_k: int = Field(3, ge=2, description="offerings an exploring step draws from (exploration: top_k)")
     demo_weight: float = Field(1.0, ge=0, description="weight of the warm start's labelled states in every DQN "
@@ -136,7 +136,7 @@ class DQNConfig(Strict):
         "greedy", description="who routes a sibling's later requests: the network being trained, or greedy (the "
                               "warm start's rollouts)")
     warmup: Literal["random", "policy"] = Field(
-        "random", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
+        "policy", description="the first learning_starts steps: random valid offerings (SB3's warm-up), or the warm "
                               "start's own epsilon-greedy choices (n-step returns over random actions are the random "
                               "policy's)")
 

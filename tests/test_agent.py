@@ -50,7 +50,8 @@ def write_agent_setup(root: Path, n_requests: int = 400, **train: Any) -> dict[s
         # SB3's own DQN (the knobs' tests, tests/test_dqn_knobs.py, and test_the_main_jobs_fine_tuning_runs
         # cover the siblings and demonstrations the shipped config turns on)
         "dqn": {"learning_starts": 50, "batch_size": 16, "buffer_size": 2000, "target_update_interval": 100,
-                "learning_rate": 1e-5, "train_freq": 4, "siblings": 0, "td_weight": 1.0, "demo_weight": 0.0},
+                "learning_rate": 1e-5, "train_freq": 4, "siblings": 0, "td_weight": 1.0, "demo_weight": 0.0,
+                "warmup": "random", "exploration": "uniform"},
         "search": {"seeds": [0], "gamma": [0.5]},
         "rate_scales": [1.0, 2.0],
         "data": {"perturbed_copies": 1, "gate_rates": [1.0, 4.0], "gate_seeds": 2},
@@ -308,16 +309,18 @@ def test_same_seed_gives_the_same_policy(tmp_path: Path) -> None:
 
 def test_the_main_jobs_fine_tuning_runs_and_serves_its_best_checkpoint(tmp_path: Path) -> None:
     """The shipped ``dqn:`` block (siblings played to the warm start's horizon under greedy,
-    demonstrations, no TD term) on the tiny setup: DQN changes the network, and the checkpoint
+    demonstrations, no TD term, no random offering among them) on the tiny setup: DQN changes the network, and the checkpoint
     kept is the one with the best selection score, the warm start (step 0) included."""
     from models.trial import run_trial
 
     shipped = yaml.safe_load((REPO / "configs" / "train.yaml").read_text())["dqn"]
-    small = {k: shipped[k] for k in shipped if k.startswith(("sibling", "demo", "td_", "train_freq"))}
+    small = {k: shipped[k] for k in shipped if k.startswith(("sibling", "demo", "td_", "train_freq", "warmup",
+                                                             "exploration"))}
     setup = write_agent_setup(tmp_path, dqn={**small, "siblings": 2, "sibling_horizon": 6, "sibling_every": 2,
                                              "sibling_batch_size": 4, "demo_batch_size": 8, "learning_rate": 1e-3},
                               total_timesteps=400, eval_every=100)
-    assert setup["cfg"].dqn.siblings > 0 and setup["cfg"].dqn.td_weight == 0 and not setup["cfg"].dqn.sibling_bootstrap
+    d = setup["cfg"].dqn
+    assert d.siblings > 0 and d.td_weight == 0 and not d.sibling_bootstrap and d.warmup == "policy"
     ctx = _tiny_context(setup)
     ctx.out_dir, ctx.save_last = str(tmp_path / "out"), True
     res = run_trial({"seed": 1, "gamma": 0.95, "learning_rate": 1e-3}, ctx)
