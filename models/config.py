@@ -71,7 +71,7 @@ class WarmStartConfig(Strict):
     learning_rate: float = Field(1e-3, gt=0)
     behaviour_epsilon: float = Field(0.1, ge=0, le=1, description="share of random valid actions on the walk")
     cache: bool = Field(True, description="keep the labelled states in <run_dir>/warm_start/ and reuse them in a later "
-                                          "run with the same data and warm-start settings")
+                                          "run with the same data, warm-start settings and labelling code")
 
 
 class DQNConfig(Strict):
@@ -120,8 +120,8 @@ class DQNConfig(Strict):
                                                    "from the paired siblings and demonstrations alone)")
     sibling_every: int = Field(4, ge=1, description="play the siblings at every this many steps")
     sibling_horizon: int = Field(41, ge=1, le=256, description="requests each sibling is played for (the later ones "
-                                                              "routed by the network being trained) before its "
-                                                              "target bootstraps")
+                                                              "routed as sibling_continuation says) before its "
+                                                              "target bootstraps (if sibling_bootstrap)")
     sibling_batch_size: int = Field(16, ge=1, description="groups of siblings per update")
     sibling_buffer: int = Field(20_000, ge=1, description="the last this many groups are kept to draw from")
     sibling_gamma: float | None = Field(1.0, ge=0, le=1, description="discount within a sibling's rollout (null: "

@@ -43,12 +43,31 @@ def _chunks(cfg: TrainConfig, use_ray: bool) -> int:
     return max(1, min(cfg.ray.max_concurrent_trials, cfg.warm_start.samples)) if use_ray else 1
 
 
+def code_fingerprint() -> str:
+    """A hash of the source that makes the labels: the environment (``envs``), the foundations it
+    runs on (``xroute``) and the labelling and its scenarios here -- so labels kept by an older
+    checkout are not reused after that code changed."""
+    import envs
+    import xroute
+
+    here = Path(__file__).resolve().parent
+    files = [*sorted(Path(envs.__file__).resolve().parent.rglob("*.py")),
+             *sorted(Path(xroute.__file__).resolve().parent.rglob("*.py")),
+             *(here / f"{m}.py" for m in ("warmstart", "warmstart_labels", "scenarios", "baselines", "config"))]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def label_key(cfg: TrainConfig, bundle_hash: str, env_cfg: EnvConfig) -> str:
     """What the labelled states depend on: the warm-start settings, the bundles' content, the seed,
-    the loads, the episodes, the environment and the perturbed copies."""
-    blob = json.dumps({"warm": cfg.warm_start.model_dump(mode="json", exclude={"cache"}), "data": bundle_hash, "seed": cfg.seed,
-                       "rates": cfg.rate_scales, "episode": cfg.episode_requests, "ray": cfg.ray.max_concurrent_trials,
-                       "env": env_cfg.model_dump(mode="json"), "perturbed": cfg.data.perturbed_copies},
+    the loads, the episodes, the environment's settings and code, and the perturbed copies."""
+    blob = json.dumps({"warm": cfg.warm_start.model_dump(mode="json", exclude={"cache"}), "data": bundle_hash,
+                       "seed": cfg.seed, "rates": cfg.rate_scales, "episode": cfg.episode_requests,
+                       "ray": cfg.ray.max_concurrent_trials, "env": env_cfg.model_dump(mode="json"),
+                       "perturbed": cfg.data.perturbed_copies, "code": code_fingerprint()},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

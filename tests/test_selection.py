@@ -81,7 +81,8 @@ def test_every_selection_bundles_validation_window_at_every_load_and_the_worst_d
     assert len({round(d, 9) for d in diffs}) > 1  # the four windows do differ: the minimum is a choice
 
 
-def test_labelled_states_are_kept_and_reused_only_for_the_same_settings(tmp_path: Path) -> None:
+def test_labelled_states_are_kept_and_reused_only_for_the_same_settings(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from models.scenarios import build_scenarios, train_env_config
     from models.warmstart_labels import cached_warm_start
 
@@ -107,6 +108,19 @@ def test_labelled_states_are_kept_and_reused_only_for_the_same_settings(tmp_path
     cached_warm_start(cfg, env_cfg, sc.train, "h2", cache, False, said.append)
     assert sum("labelling" in s for s in said) == 2
     assert len(list(cache.iterdir())) == 3  # (no temporary file left behind)
+    # after the code that makes the labels changed (an upgrade, an edit), labelled again: a checkout with other
+    # code differs in its fingerprint alone, which is what is set here
+    import models.warmstart_labels as wl
+
+    real = wl.code_fingerprint()
+    assert len(real) == 16 and wl.code_fingerprint() == real
+    key = wl.label_key(cfg, "h", env_cfg)
+    said.clear()
+    monkeypatch.setattr(wl, "code_fingerprint", lambda: "0" * 16)
+    assert wl.label_key(cfg, "h", env_cfg) != key
+    cached_warm_start(cfg, env_cfg, sc.train, "h", cache, False, said.append)
+    monkeypatch.undo()
+    assert any("labelling" in s for s in said) and len(list(cache.iterdir())) == 4
     # without a cache directory nothing is written and the labels are the same
     fresh = cached_warm_start(cfg, env_cfg, sc.train, "h", None, False, lambda s: None)
     assert np.array_equal(fresh.advantage, first.advantage)
