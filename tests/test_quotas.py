@@ -218,10 +218,20 @@ def test_the_backends_agree_on_random_sequences(redis_server: Any) -> None:
     assert sum(1 for x in embedded[:-1] if isinstance(x, tuple) and not x[0]) > 20  # limits were hit
 
 
+def _in_one_utc_day(back_s: float) -> float:
+    """``time.time()``, once the UTC day is at least ``back_s`` old: events up to ``back_s`` in the past
+    then fall in today's counters (at 00:00:30 UTC they would be yesterday's; the ledger is right, the
+    test's arithmetic would not be). Waits at most ``back_s`` seconds, only just after midnight."""
+    into = time.time() % DAY_S
+    if into < back_s:
+        time.sleep(back_s - into + 0.5)
+    return time.time()
+
+
 def test_quota_events_rebuild_the_counters(make_state: Make) -> None:
     """A restart (embedded) or a Redis that lost its data (restore) books the log's quota events:
     reservations in their day and window, their settles, concurrency slots whose hold has not passed."""
-    now = time.time()
+    now = _in_one_utc_day(100.0)
     events = [QuotaReserved("a", ("t:e", "m:e|x"), 1000, 0.5, now - 30, now + 600),
               QuotaReserved("b", ("t:e",), 2000, 0.25, now - 20, now + 600),
               QuotaReserved("c", ("t:e",), 500, 0.1, now - 90, now - 60),  # out of the window, its hold passed
