@@ -313,6 +313,11 @@ def top_k_valid_actions(q: np.ndarray, mask: np.ndarray, k: int, rng: np.random.
     return out
 
 
+def _pad_rows(v: np.ndarray, n: int) -> np.ndarray:
+    """``v`` with its first row repeated up to ``n`` rows (the padding siblings, weight 0)."""
+    return v if len(v) >= n else np.concatenate([v, np.repeat(v[:1], n - len(v), axis=0)])
+
+
 class MaskedDQN(DQN):
     """``DQN`` whose epsilon-greedy exploration (and warm-up) draws only valid actions, from a
     generator seeded with ``seed`` (not the global numpy RNG), with the knobs of the fine-tuning
@@ -436,18 +441,15 @@ class MaskedDQN(DQN):
         rew = np.zeros((b, kmax), np.float32)
         dn = np.zeros((b, kmax), np.float32)
         w = np.zeros((b, kmax), np.float32)
-        nxt: dict[str, list[np.ndarray]] = {k: [] for k in groups[0]["next"]}
         for i, g in enumerate(groups):
             n = len(g["actions"])
             acts[i, :n], rew[i, :n], dn[i, :n], w[i, :n] = g["actions"], g["rewards"], g["discounts"], 1.0
-            for k in nxt:  # padding repeats the first sibling (weight 0)
-                v = g["next"][k]
-                nxt[k].append(np.concatenate([v, np.repeat(v[:1], kmax - n, axis=0)]) if n < kmax else v)
         obs = {k: th.as_tensor(np.stack([g["obs"][k] for g in groups])) for k in groups[0]["obs"]}
         with th.no_grad():
             y = self.reward_scale * th.as_tensor(rew)
-            if self.sibling_bootstrap:
-                nobs = {k: th.as_tensor(np.concatenate(v)) for k, v in nxt.items()}
+            if self.sibling_bootstrap:  # (the states after the siblings: only the bootstrap reads them)
+                nobs = {k: th.as_tensor(np.concatenate([_pad_rows(g["next"][k], kmax) for g in groups]))
+                        for k in groups[0]["next"]}
                 y = y + th.as_tensor(dn) * self.q_net_target(nobs).max(dim=1).values.reshape(b, kmax)
         q = self.q_net(obs).gather(1, th.as_tensor(acts))
         wt = th.as_tensor(w)
