@@ -301,8 +301,11 @@ class SharedStateSync:
     router's part is marked done after (``end_restore``): until every router that noticed the
     epoch has put its log back -- and for ``state_restore_window_s`` after the epoch began, in
     which every live router notices -- a keyed request whose key the state lacks is answered 503
-    ``state_restoring`` instead of being decided anew (``router.state_redis``, "A keyed request
-    after a loss")."""
+    ``state_restoring`` instead of being decided anew, and so is a request that counts against a
+    tenant quota (the counters are not whole until then; ``router.state_redis``, "A keyed request
+    after a loss"). A router starting on a server whose epoch is that young (a server new to the
+    routers looks exactly like one that lost its data) waits the rest of the window before it
+    serves (:meth:`settle_start`), so its first requests are not refused."""
 
     #: after a restore failed (the log unreadable), the next try waits this long (seconds)
     RETRY_S = 1.0
@@ -313,6 +316,16 @@ class SharedStateSync:
         self.known: str | None = None
         self.log_id = log_identity(settings)
         self._retry_at = 0.0
+        self._started: float | None = None  # (the known epoch's start, server wall seconds)
+
+    async def settle_start(self) -> None:
+        """At start, after :meth:`check`: wait until the epoch is older than
+        ``state_restore_window_s`` (at most that long), so the first requests are decided."""
+        if self._started is not None:
+            left = min(self._started + self.settings.state_restore_window_s - time.time(),
+                       self.settings.state_restore_window_s)
+            if left > 0:
+                await asyncio.sleep(left)
 
     async def check(self) -> None:
         epoch = await self.state.epoch()
@@ -323,7 +336,7 @@ class SharedStateSync:
             # (the usual case at start: a server up for longer than any hold or key lost nothing a
             # log could give back -- skip reading it)
             await self.state.end_restore(epoch, self.log_id, True)
-            self.known = epoch.id
+            self.known, self._started = epoch.id, epoch.started
             return
         # announced before the log is read, so no router decides a keyed request anew meanwhile
         await self.state.begin_restore(epoch, self.log_id)
@@ -346,7 +359,7 @@ class SharedStateSync:
             except StateUnavailable:
                 if restored:
                     raise
-        self.known = epoch.id
+        self.known, self._started = epoch.id, epoch.started
         if counts is not None:
             LOG.info("shared state restored from the decision log", extra={"fields": {
                 **counts, "epoch": epoch.id, "epoch_began": iso(epoch.started)}})
@@ -543,6 +556,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             sync = SharedStateSync(state, store, settings, engine)
             try:
                 await sync.check()  # before the first decision, when the server answers now
+                await sync.settle_start()
             except StateUnavailable:
                 pass  # (the shared view's loop tries again)
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None

@@ -140,12 +140,11 @@ _last_state_error = [0.0]
 def state_unavailable_response(exc: Exception) -> JSONResponse:
     """The shared state cannot be reached (fail closed): 503 naming it, ``Retry-After: 1`` (logged
     at most once a second: an outage under load would otherwise log every request). Or it came back
-    empty and is being restored (:class:`StateRestoring`: a keyed request): 503 ``state_restoring``."""
+    empty and is being restored (:class:`StateRestoring`: a keyed request, or one a tenant quota counts):
+    503 ``state_restoring``, its message saying which."""
     if isinstance(exc, StateRestoring):
-        return JSONResponse(error_body("state_restoring", "the shared router state lost its data and is being "
-                                       "restored from the decision logs; an Idempotency-Key it does not hold yet "
-                                       "may have been answered before, so this request is not decided anew; retry "
-                                       "shortly"), status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(error_body("state_restoring", f"{exc}; retry shortly"), status_code=503,
+                            headers={"Retry-After": "1"})
     now = time.monotonic()
     if now - _last_state_error[0] >= 1.0:
         _last_state_error[0] = now

@@ -13,9 +13,11 @@ The limits are ``xroute.schema.quota``'s. Per bucket (a tenant, or a (tenant, mo
 Every bucket counts every request in it, whichever of its limits are set (usage is usage; a limit
 added later applies to what is already counted). A reservation (by id: the decision's) records
 what it counted where, so a settle or a release undoes exactly that, once. Its record is kept
-until it is settled or released, or ``record_ttl_s`` (:data:`RECORD_S`) after its hold has passed:
-a feedback later than that leaves the counts as reserved (memory stays O(requests of the last
-hold + minute), whether or not clients report).
+until it is released, or ``record_ttl_s`` (:data:`RECORD_S`) after its hold has passed: a feedback
+later than that leaves the counts as reserved (memory stays O(requests of the last hold + minute),
+whether or not clients report). A settled record stays until then too, marked settled, so a
+restore from the decision log (:meth:`QuotaLedger.restore`, ``QUOTA_RESTORE`` on Redis) never books
+a reservation the counters already hold -- settled or not -- a second time.
 
 Time is wall-clock seconds (``clock``); the day is the UTC day (``xroute.schema.quota.DAY_S``).
 """
@@ -142,6 +144,7 @@ class _Reservation:
     usd: float
     day: int
     expires: float
+    settled: bool = False
 
 
 class QuotaLedger:
@@ -224,9 +227,10 @@ class QuotaLedger:
         window) and its day's USD become ``tokens`` and ``usd`` (None: as reserved). False when it
         is not held (never reserved, settled or released already, or its record expired)."""
         self._expire_records(self.clock())
-        r = self._res.pop(reservation_id, None)
-        if r is None:
+        r = self._res.get(reservation_id)
+        if r is None or r.settled:
             return False
+        r.settled = True  # (kept until its record expires: module docstring)
         for key in r.keys:
             b = self._bucket(key)
             b.held.pop(reservation_id, None)
@@ -240,10 +244,11 @@ class QuotaLedger:
 
     def release(self, reservation_id: str) -> bool:
         """Undo a reservation entirely (its request was not admitted after all: no pool had room,
-        the decision could not be recorded). False when it is not held."""
-        r = self._res.pop(reservation_id, None)
-        if r is None:
+        the decision could not be recorded). False when it is not held (or settled already)."""
+        r = self._res.get(reservation_id)
+        if r is None or r.settled:
             return False
+        del self._res[reservation_id]
         for key in r.keys:
             b = self._bucket(key)
             b.held.pop(reservation_id, None)
@@ -273,7 +278,7 @@ class QuotaLedger:
     def restore(self, events: Iterable[QuotaReserved | QuotaSettled], now_wall: float | None = None) -> dict[str, int]:
         """Book the decision log's quota events (oldest first; limits are not checked: they were
         admitted): each reservation in the day and window of its time, holding its concurrency
-        slot until its ``until`` unless settled; ids already held are skipped."""
+        slot until its ``until`` unless settled; ids the ledger holds already (settled or not) are skipped."""
         now = self.clock() if now_wall is None else now_wall
         out = {"quota_reserved": 0, "quota_settled": 0}
         for ev in events:

@@ -50,6 +50,13 @@ does not cover: a key answered by a router that is down while the data is lost (
 restored when it starts again: until then its keys within their TTL can be decided anew), or by
 one that takes longer than the window to notice (an event loop stalled for a second).
 
+A quota'd request after a loss. The same guard (``_GUARD``) holds back a tenant quota reservation
+(``QUOTA_RESERVE`` answers ``{2, 0|1}``, raised as :class:`router.state.StateRestoring`): until every
+log is back the counters are not whole, and a request admitted against them could exceed a limit.
+A reservation's record (``qr:<id>``) outlives its settle, marked settled, for its record time, and
+``QUOTA_RESTORE`` books no id that has one -- so a decision counted live in the new epoch is never
+counted a second time by a restore, whatever the routers' clocks say about when it was made.
+
 Unreachable or slow server (a connection refused, or no answer within ``timeout_s``): every
 operation raises :class:`router.state.StateUnavailable` (the API's 503; or the embedded view with
 ``state_fail_open``). One reconnect is tried per call, so a restarted server is picked up at once.
@@ -224,27 +231,38 @@ for i = 1, #ARGV, 5 do
 end
 return {reserved, released}
 """
-# KEYS: the key, epoch, restoring; ARGV: ttl ms, the epoch this router has restored into ('' none;
-# '*' no epoch guard), the restore window in ms. nil: claimed now; '': another request holds it; a
-# string: its answer; {0}: this router has not restored into the current epoch (or there is none:
-# the data was lost); {1}: other routers may still be restoring theirs (the window, or a restore)
-CLAIM = """
-local v = redis.call('GET', KEYS[1])
-if v then return v end
-if ARGV[2] ~= '*' then
-  local e = redis.call('GET', KEYS[2])
-  if (not e) or e ~= ARGV[2] then return {0} end
+# The guard of a request the new epoch cannot decide yet (module docstring, "A keyed request after a
+# loss", "A quota'd request after a loss"). Args:
+# the epoch and restoring keys, the epoch this router has restored into ('' none; '*' no guard),
+# the restore window in ms. nil: decide; 0: this router has not restored into the current epoch
+# (or there is none: the data was lost); 1: other routers may still be restoring theirs (the
+# window, or a restore announced and not ended)
+_GUARD = """
+local function restoring(epoch_key, restoring_key, mine, window_ms)
+  if mine == '*' then return nil end
+  local e = redis.call('GET', epoch_key)
+  if (not e) or e ~= mine then return 0 end
   local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  if now < tonumber(string.sub(e, 1, string.find(e, ':', 1, true) - 1)) * 1000 + tonumber(ARGV[3]) then
-    return {1}
+  local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if at < tonumber(string.sub(e, 1, string.find(e, ':', 1, true) - 1)) * 1000 + tonumber(window_ms) then
+    return 1
   end
-  local r = redis.call('HGETALL', KEYS[3])
+  local r = redis.call('HGETALL', restoring_key)
   for i = 2, #r, 2 do
     local bar = string.find(r[i], '|', 1, true)
-    if bar and string.sub(r[i], 1, bar - 1) == e and tonumber(string.sub(r[i], bar + 1)) > now then return {1} end
+    if bar and string.sub(r[i], 1, bar - 1) == e and tonumber(string.sub(r[i], bar + 1)) > at then return 1 end
   end
+  return nil
 end
+"""
+# KEYS: the key, epoch, restoring; ARGV: ttl ms, the epoch this router has restored into, the
+# restore window in ms. nil: claimed now; '': another request holds it; a string: its answer;
+# {0} / {1}: the guard's (a key the state holds is answered whatever the guard says)
+CLAIM = _GUARD + """
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+local g = restoring(KEYS[2], KEYS[3], ARGV[2], ARGV[3])
+if g then return {g} end
 redis.call('SET', KEYS[1], '', 'PX', ARGV[1])
 return false
 """
@@ -261,7 +279,7 @@ return 0
 # ---- tenant quotas (router.quota_ledger's arithmetic, step for step; times in ms of the server's
 # clock). ARGV[1] is the key prefix; per bucket b: <prefix>q:<b>:c (zset id -> hold's end),
 # :w (zset id -> admitted at), :wt (hash id -> tokens), :ws (the window's sum), :d (hash 'n:<day>',
-# 'usd:<day>'); per reservation <prefix>qr:<id> (hash k: its buckets, tok, usd, day) -- KEYS[1]
+# 'usd:<day>'); per reservation <prefix>qr:<id> (hash k: its buckets, tok, usd, day, s: settled) -- KEYS[1]
 # where one is named. Every key holds the one hash tag of the prefix: one slot.
 _QUOTA = _NOW + """
 local base = ARGV[1]
@@ -282,8 +300,8 @@ local function evict(b)
   end
 end
 local function settle(rec, rid, tokens, usd)
-  local r = redis.call('HMGET', rec, 'k', 'tok', 'usd', 'day')
-  if not r[1] then return 0 end
+  local r = redis.call('HMGET', rec, 'k', 'tok', 'usd', 'day', 's')
+  if (not r[1]) or r[5] then return 0 end
   for b in string.gmatch(r[1], '[^\\n]+') do
     redis.call('ZREM', base .. b .. ':c', rid)
     if tokens ~= '' then
@@ -300,7 +318,7 @@ local function settle(rec, rid, tokens, usd)
       end
     end
   end
-  redis.call('DEL', rec)
+  redis.call('HSET', rec, 's', '1')  -- settled: kept until its TTL, so a restore never books it again
   return 1
 end
 local function book(rec, rid, keys, tokens, usd, at, day, till, ttl)
@@ -322,17 +340,21 @@ local function book(rec, rid, keys, tokens, usd, at, day, till, ttl)
   redis.call('PEXPIRE', rec, ttl)
 end
 """
-# KEYS: the reservation's record; ARGV: prefix, id, tokens, usd, hold ms, record ttl ms, buckets, then
-# per bucket: name, max_concurrent, tokens_per_minute, requests_per_day, usd_per_day (-1: none).
-# {1}: admitted; {0, bucket index, limit, its value, used, requested, retry ms (-1: never)}
-QUOTA_RESERVE = _QUOTA + """
+# KEYS: the reservation's record, epoch, restoring; ARGV: prefix, id, tokens, usd, hold ms, record ttl
+# ms, buckets, the epoch this router has restored into and the restore window ms (_GUARD), then per
+# bucket: name, max_concurrent, tokens_per_minute, requests_per_day, usd_per_day (-1: none).
+# {1}: admitted; {0, bucket index, limit, its value, used, requested, retry ms (-1: never)};
+# {2, 0 | 1}: not decided, the counters are not whole yet (the guard's answer)
+QUOTA_RESERVE = _QUOTA + _GUARD + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {1} end
+local g = restoring(KEYS[2], KEYS[3], ARGV[8], ARGV[9])
+if g then return {2, g} end
 local rid, tokens, usd = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local day = math.floor(now / 86400000)
 local nb = tonumber(ARGV[7])
 local names = {}
 for i = 0, nb - 1 do
-  local j = 8 + 5 * i
+  local j = 10 + 5 * i
   local b = ARGV[j]
   names[#names + 1] = b
   evict(b)
@@ -384,8 +406,8 @@ return settle(KEYS[1], ARGV[2], ARGV[3], ARGV[4])
 """
 # KEYS: the record; ARGV: prefix, id
 QUOTA_RELEASE = _QUOTA + """
-local r = redis.call('HMGET', KEYS[1], 'k', 'tok', 'usd', 'day')
-if not r[1] then return 0 end
+local r = redis.call('HMGET', KEYS[1], 'k', 'tok', 'usd', 'day', 's')
+if (not r[1]) or r[5] then return 0 end
 local rid = ARGV[2]
 for b in string.gmatch(r[1], '[^\\n]+') do
   redis.call('ZREM', base .. b .. ':c', rid)
@@ -421,7 +443,8 @@ return out
 """
 # ARGV: prefix, record ttl ms, then groups of 8: 'R', id, bucket names ('\n'-joined), tokens, usd,
 # ms since it was admitted, its day, ms of its hold left -- booked unless the id is held already --
-# or 'S', id, '', tokens ('' kept), usd ('' kept), 0, 0, 0 (its settle)
+# or 'S', id, '', tokens ('' kept), usd ('' kept), 0, 0, 0 (its settle). A record the new epoch
+# holds -- reserved or settled there -- is never booked again
 QUOTA_RESTORE = _QUOTA + """
 local ttl = tonumber(ARGV[2])
 local booked, settled = 0, 0
@@ -705,7 +728,7 @@ class RedisState(RouterState):
         without a task per call. A caller cancelled meanwhile cancels both futures, so what they
         reserve is given back when the answers arrive (``_send``)."""
         pool_f = self._submit(self._reserve, self._keys, self._reserve_args(candidates, reservation_id, hold_s))
-        quota_f = self._submit(self._q_reserve, [self.base + "qr:" + reservation_id],
+        quota_f = self._submit(self._q_reserve, self._quota_keys(reservation_id),
                                self._quota_args(reservation_id, buckets, tokens, usd, hold_s))
         out: list[Any] = []
         try:
@@ -786,7 +809,8 @@ class RedisState(RouterState):
         if isinstance(got, list):  # ({0}: this router's own restore is still to come; {1}: others')
             raise StateRestoring(
                 f"shared state {self.where}: it lost its data and is being restored from the routers' decision "
-                "logs; a keyed request is not decided anew until every log is back")
+                "logs; an Idempotency-Key it does not hold yet may have been answered before, so the request is not "
+                "decided anew until every log is back")
         return Claim("pending") if got == b"" else Claim("done", bytes(got))
 
     async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
@@ -805,24 +829,32 @@ class RedisState(RouterState):
     # -------------------------------------------------------------- tenant quotas (router.quota_ledger)
     async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
                             hold_s: float) -> QuotaVerdict:
-        got = await self._run(self._q_reserve, [self.base + "qr:" + reservation_id],
+        got = await self._run(self._q_reserve, self._quota_keys(reservation_id),
                               self._quota_args(reservation_id, buckets, tokens, usd, hold_s))
         return self._verdict(got)
+
+    def _quota_keys(self, reservation_id: str) -> list[str]:
+        return [self.base + "qr:" + reservation_id, self.base + "epoch", self.base + "restoring"]
 
     def _quota_args(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
                     hold_s: float) -> list[Any]:
         if not (hold_s > 0 and math.isfinite(hold_s)):
             raise ValueError(f"hold_s must be a positive number of seconds, got {hold_s!r}")
         args: list[Any] = [self.base, reservation_id, int(tokens), repr(float(usd)), max(1, math.ceil(hold_s * 1000)),
-                           self.record_ttl_ms, len(buckets)]
+                           self.record_ttl_ms, len(buckets), self._restored_epoch,
+                           max(0, math.ceil(self.restore_window_s * 1000))]
         for b in buckets:
             args += [b.key, *b.limits]
         return args
 
-    @staticmethod
-    def _verdict(got: Any) -> QuotaVerdict:
+    def _verdict(self, got: Any) -> QuotaVerdict:
         if int(got[0]) == 1:
             return QuotaVerdict(True)
+        if int(got[0]) == 2:
+            raise StateRestoring(
+                f"shared state {self.where}: it lost its data and is being restored from the routers' decision "
+                "logs; a request that counts against a tenant quota is not admitted until every log is back, so the "
+                "counters are whole")
         retry = float(got[6])
         return QuotaVerdict(False, int(got[1]), got[2].decode(), float(got[3]), float(got[4]), float(got[5]),
                             math.inf if retry < 0 else retry / 1000.0)

@@ -23,7 +23,7 @@ from router.settings import load_settings
 from router.state import EmbeddedState, RouterState
 from router.state_redis import RedisState
 from tests.servers import RedisServer, ServerThread, free_port, start_subprocess
-from tests.test_router_support import ROUTE, RouterSetup, make_setup
+from tests.test_router_support import ROUTE, RouterSetup, make_setup, retry_restoring
 from xroute.errors import ConfigError
 from xroute.schema.quota import DAY_S, QuotaBucket, TenantQuotas, buckets_for, seconds_to_next_day
 
@@ -255,6 +255,36 @@ def test_quota_events_rebuild_the_counters(make_state: Make) -> None:
     _run(make_state, body)
 
 
+def test_a_restore_never_books_what_the_counters_hold_settled_or_not(make_state: Make) -> None:
+    """A reservation counted live -- then settled by its feedback, or still held -- is skipped
+    when the decision log's events name it again (a restore overlapping live decisions: issue 34
+    saw 330 counted against 324 admitted, the settled ones booked twice). Settling or releasing
+    a settled reservation again changes nothing."""
+    now = _in_one_utc_day(100.0)
+    buckets = [_bucket("t:f", rpd=100)]
+    events = [QuotaReserved("s", ("t:f",), 1000, 0.5, now - 5, now + 600), QuotaSettled("s", 300, 0.25),
+              QuotaReserved("h", ("t:f",), 700, 0.5, now - 4, now + 600)]
+
+    async def body(s: RouterState) -> None:
+        for rid in ("s", "h"):
+            assert (await s.quota_reserve(rid, buckets, 1000 if rid == "s" else 700, 0.5, 600)).ok
+        assert await s.quota_settle("s", 300, 0.25)
+        before = (await s.quota_usage(["t:f"]))["t:f"]
+        assert before == QuotaUsage(1, 1000, 2, pytest.approx(0.75))
+        if isinstance(s, EmbeddedState):
+            out = s.rebuild(events, now_wall=now)
+        else:
+            epoch = await s.epoch()
+            assert epoch is not None
+            out = await s.restore(epoch, "log-1", events, [], now)
+        assert out is not None and out["quota_reserved"] == 0 and out["quota_settled"] == 0
+        assert (await s.quota_usage(["t:f"]))["t:f"] == before
+        assert not await s.quota_settle("s", 10, 0.0) and not await s.quota_release("s")
+        assert (await s.quota_usage(["t:f"]))["t:f"] == before
+
+    _run(make_state, body)
+
+
 # ---------------------------------------------------------------------------------------- settings
 def test_quota_settings_name_the_bad_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"field 'tenants.a.quotas.tokens_per_minut': .*(unknown|Extra)"):
@@ -451,7 +481,8 @@ def test_quota_state_survives_a_redis_restart(tmp_path: Path, own_redis: RedisSe
                 pass
             time.sleep(0.1)
         assert after == before and before["usd_day"] >= 0.5
-        assert [_route(url, setup).status_code for _ in range(3)] == [200, 200, 429]
+        # (in the new epoch's restore window a quota'd request is answered 503 state_restoring)
+        assert [retry_restoring(lambda: _route(url, setup)).status_code for _ in range(3)] == [200, 200, 429]
 
 
 # ---------------------------------------------------------------------------------------- many routers
@@ -529,6 +560,90 @@ def test_router_processes_on_one_redis_admit_exactly_the_limit(tmp_path: Path, o
         assert 1 < peak <= concurrent
         usage = httpx.get(f"{urls[1]}/v1/quotas", headers=setup.auth("a"), timeout=10).json()["buckets"][0]
         assert (usage["requests_day"], usage["concurrent"]) == (limit, 0)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except Exception:
+                p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concurrent", [None, 6])
+def test_an_empty_redis_under_unkeyed_load_admits_no_more_than_the_limit(tmp_path: Path, own_redis: RedisServer,
+                                                                         concurrent: int | None) -> None:
+    """The drill of issue 34: two ``xroute serve`` on one real Redis, 16 clients without
+    Idempotency-Keys posting routes and feedback for a tenant with ``requests_per_day: 300``; once
+    the quota is used up, redis-server is SIGKILLed and started again empty on the same port while
+    the clients go on. Until the decision logs are back in the new epoch a quota'd request is
+    answered 503 ``state_restoring`` (never admitted against empty counters), and the restore
+    books nothing the new epoch counted already: exactly 300 admitted, and the counter says 300
+    (before the fix: 324 and 330; with ``max_concurrent`` set too, 306)."""
+    setup = make_setup(tmp_path, state_backend="redis", state_url=own_redis.url)
+    limit = 300
+    more = "" if concurrent is None else f"      max_concurrent: {concurrent}\n"
+    (tmp_path / "router.yaml").write_text(f"tenants:\n  a:\n    quotas:\n      requests_per_day: {limit}\n{more}")
+    env = {"XROUTE_ROUTER_ENV__SERVING_CONFIG": str(tmp_path / "serving.yaml"),
+           "XROUTE_ROUTER_CONFIG": str(tmp_path / "router.yaml"), "XROUTE_ROUTER_STATE_BACKEND": "redis",
+           "XROUTE_ROUTER_STATE_URL": own_redis.url, "XROUTE_ROUTER_STATE_PREFIX": "qloss",
+           "XROUTE_ROUTER_STATE_HOLD_FLOOR_S": "120", "XROUTE_ROUTER_REPLAY_SPEED": "1e-6"}
+    args = ["--telemetry", str(tmp_path / "bundle"), "--keys-file", str(tmp_path / "keys.json"), "--model", "",
+            "--log-level", "WARNING"]
+    ports = [free_port(), free_port()]
+    procs = [start_subprocess([*args, "--db", str(tmp_path / f"decisions{i}.db")], env, port, tmp_path / f"{i}.log")
+             for i, port in enumerate(ports)]
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        codes: dict[tuple[int, str], int] = {}
+        admitted: list[str] = []
+        lock = threading.Lock()
+        used_up = threading.Event()
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            rng = random.Random(k)
+            with httpx.Client(base_url=urls[k % 2], timeout=20) as c:
+                while not stop.is_set():
+                    res = c.post("/v1/route", json=ROUTE, headers=setup.auth("a"))
+                    body = res.json()
+                    why = "" if res.status_code == 200 else body.get("limit", {}).get("name", body.get("error", ""))
+                    with lock:
+                        codes[(res.status_code, why)] = codes.get((res.status_code, why), 0) + 1
+                        if res.status_code == 200:
+                            admitted.append(body["decision_id"])
+                    if why == "requests_per_day":
+                        used_up.set()
+                    if res.status_code == 200:
+                        time.sleep(rng.random() * 0.005)
+                        c.post("/v1/feedback", json={"decision_id": body["decision_id"], "latency_ms": 10.0},
+                               headers=setup.auth("a"))
+                    else:
+                        time.sleep(rng.random() * 0.005)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        assert used_up.wait(120), codes
+        own_redis.kill()
+        own_redis.start()  # the same port, empty
+        time.sleep(6.0)  # the clients go on through the loss, the new epoch and the restores
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(admitted) == len(set(admitted)) == limit, (len(admitted), codes)
+        assert set(codes) <= {(200, ""), (429, "requests_per_day"), (429, "max_concurrent"),
+                              (503, "state_unavailable"), (503, "state_restoring")}, codes
+        assert codes.get((503, "state_restoring"), 0) > 0, codes  # the guard answered while the logs came back
+        deadline = time.monotonic() + 15
+        while True:  # (the counter read through either router, once both logs are back)
+            got = [httpx.get(f"{u}/v1/quotas", headers=setup.auth("a"), timeout=10) for u in urls]
+            days = [g.json()["buckets"][0]["requests_day"] if g.status_code == 200 else None for g in got]
+            if days == [limit, limit] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert days == [limit, limit], days
     finally:
         for p in procs:
             p.terminate()
