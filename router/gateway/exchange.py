@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from router.errors import loads_or_none
 from router.gateway.openai_api import chunk_texts, has_token, sse_error
 from router.gateway.upstream import Endpoint, Guard, Upstreams
 
@@ -188,10 +189,7 @@ class Exchange:
             self.received = time.perf_counter()
             o.latency_s = self.received - self.started
             self._close()
-            try:
-                answer = json.loads(body)
-            except ValueError:
-                answer = None
+            answer = loads_or_none(body)  # (not JSON it can read, nested too deeply included: relayed as it is)
             if isinstance(answer, dict):
                 _usage(o, answer.get("usage"))
                 if self.keep_text:
@@ -369,10 +367,7 @@ class Exchange:
         drop = False
         if (not self.first or self.keep_text or b'"usage":{' in data or b'"usage": {' in data
                 or b'"error"' in data):
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                obj = None
+            obj = loads_or_none(data)
             if isinstance(obj, dict):
                 if "error" in obj and not obj.get("choices"):
                     o.error = "upstream_error_event"

@@ -247,7 +247,7 @@ class Gateway:
         else:
             n_in = counter.count(model, texts, fixed)
         route["input_tokens"] = min(n_in, 2_000_000)
-        route["max_output_tokens"] = min((budget or cfg.default_max_tokens) * view.n, 1_000_000)
+        route["max_output_tokens"] = min((budget or cfg.default_max_tokens) * (view.n or 1), 1_000_000)
         try:
             first = RouteRequest.model_validate(route)  # every field checked once, named as the client gave it
         except ValidationError as e:
@@ -257,7 +257,7 @@ class Gateway:
                 name = "max_tokens"
             raise _invalid(name, str(err["msg"])) from None
         opts = view.stream_options
-        return Call(kind, raw, data, model, model, view.stream, bool(opts and opts.include_usage), tenant, route,
+        return Call(kind, raw, data, model, model, bool(view.stream), bool(opts and opts.include_usage), tenant, route,
                     first, bool(tcfg is not None and tcfg.store_prompts), request_id_var.get(), arrived)
 
     def routing_request(self, call: Call, elapsed_ms: float, tried: list[str]) -> RouteRequest:
