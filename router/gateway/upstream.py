@@ -111,6 +111,13 @@ class Upstreams:
         n = len(up)
         return min((up[(turn + k) % n] for k in range(n)), key=lambda e: e.in_flight)
 
+    def other(self, model: str, offering_id: str, tried: list[Endpoint]) -> Endpoint | None:
+        """The server of the pool to send to after those ``tried`` refused the connection: the one
+        with the fewest requests in flight among the others not marked down; None when there is none."""
+        now = time.monotonic()
+        left = [e for e in self.pools[(model, offering_id)] if e not in tried and e.down_until <= now]
+        return min(left, key=lambda e: e.in_flight) if left else None
+
     def mark_down(self, ep: Endpoint) -> None:
         """A server that refused a connection: skipped for ``upstream_down_s`` while its pool has others."""
         ep.down_until = time.monotonic() + self.down_s
