@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -215,6 +216,11 @@ def test_a_stream_whose_done_reached_the_client_is_completed(drill: Drill) -> No
 
 
 # ------------------------------------------------------------------------------------------------ 4
+def _published(drill: Drill, name: str) -> jsonschema.Draft202012Validator:
+    spec = httpx.get(f"{drill.url}/openapi.json", timeout=10).json()
+    return jsonschema.Draft202012Validator({**spec["components"]["schemas"][name], "components": spec["components"]})
+
+
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/chat/completions", "max_tokens", "12"), ("/v1/chat/completions", "max_tokens", True),
     ("/v1/chat/completions", "max_tokens", 12.5), ("/v1/chat/completions", "max_completion_tokens", "12"),
@@ -226,8 +232,12 @@ def test_a_stream_whose_done_reached_the_client_is_completed(drill: Drill) -> No
 ])
 def test_the_fields_the_gateway_reads_take_their_json_types_only(drill: Drill, path: str, field: str,
                                                                   value: Any) -> None:
+    """Each of these values is refused by the served OpenAPI document's schema for the body (JSON
+    Schema 2020-12) and by the gateway, which names the field and forwards nothing."""
     base: dict[str, Any] = {"model": MODEL, "max_tokens": 2}
     base.update({"messages": CHAT} if path.endswith("chat/completions") else {"prompt": "once upon a time"})
+    schema = _published(drill, "ChatBody" if path.endswith("chat/completions") else "CompletionBody")
+    assert schema.is_valid(base) and not schema.is_valid({**base, field: value})
     sent = len(drill.a.requests) + len(drill.b.requests) + len(drill.c.requests)
     r = httpx.post(f"{drill.url}{path}", json={**base, field: value}, headers=drill.setup.auth("y"), timeout=30)
     assert r.status_code == 422, r.text
@@ -241,6 +251,7 @@ def test_json_integers_and_nulls_pass_and_fields_the_gateway_does_not_read_go_as
     fields the gateway does not read go to the server as the client sent them."""
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 3.0, "n": None, "stream": None, "stream_options": None,
             "temperature": 0.2, "logit_bias": {"50256": -100}, "user": "u-1", "vendor_extension": {"x": [1, 2]}}
+    assert _published(drill, "ChatBody").is_valid(body)
     r = httpx.post(f"{drill.url}/v1/chat/completions", json=body, headers=drill.setup.auth("y"), timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "tok0 tok1 tok2"

@@ -24,10 +24,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, ValidationError
 
 from router.errors import NOT_JSON, error_body, is_json, json_body
-from xroute.schema.decision import JsonBool, JsonInt
+from xroute.schema.decision import JsonBool, JsonInt, json_integer
+
+#: an output budget (``max_tokens``, ``max_completion_tokens``), a number of choices: JsonInt with bounds
+Budget = Annotated[int, Field(ge=1, le=1_000_000), BeforeValidator(json_integer)]
+Choices = Annotated[int, Field(ge=1, le=128), BeforeValidator(json_integer)]
 
 
 class StreamOptions(BaseModel):
@@ -45,8 +49,8 @@ class _Body(BaseModel):
     model: Annotated[StrictStr, Field(min_length=1, max_length=256, description="a model of GET /v1/models")]
     stream: JsonBool | None = Field(None, description="stream the answer as Server-Sent Events (null: false)")
     stream_options: StreamOptions | None = None
-    max_tokens: JsonInt | None = Field(None, ge=1, le=1_000_000)
-    n: JsonInt | None = Field(None, ge=1, le=128, description="choices to generate (null: 1)")
+    max_tokens: Budget | None = None
+    n: Choices | None = Field(None, description="choices to generate (null: 1)")
 
 
 class ChatMessage(BaseModel):
@@ -60,7 +64,7 @@ class ChatBody(_Body):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: JsonInt | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: Budget | None = None
 
 
 class CompletionBody(_Body):
