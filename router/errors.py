@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException
 
 from router.engine import RouteFailure
@@ -76,6 +77,32 @@ def not_utf8(raw: bytes) -> dict[str, Any] | None:
     except UnicodeDecodeError as e:
         return _not_utf8_error(e)
     return None
+
+
+def json_body(raw: bytes) -> Any:
+    """A JSON body a route parses by hand, read by the parser ``POST /v1/route``'s pydantic model
+    reads its body with (pydantic-core's: strict RFC 8259 text in UTF-8, arrays and objects nested
+    at most 200 deep, no recursion in Python) and failing the same way: a ``RequestValidationError``
+    on ``body`` (:func:`_validation`'s 422: ``invalid JSON: <what and where>``, e.g. ``recursion
+    limit exceeded at line 1 column 202``; the body is not UTF-8: that byte) -- never a
+    ``RecursionError`` reaching the client as a 500."""
+    try:
+        return from_json(raw)
+    except ValueError as e:
+        bad = not_utf8(raw)
+        raise RequestValidationError([bad if bad is not None else
+                                      {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": None, "ctx": {"error": str(e)}}]) from None
+
+
+def loads_or_none(raw: bytes) -> Any:
+    """JSON from a server the router talks to (an inference server's answer or event), by the
+    same parser as :func:`json_body`; None when it is not JSON it can read (nested too deeply
+    included)."""
+    try:
+        return from_json(raw)
+    except ValueError:
+        return None
 
 
 def _not_utf8_error(e: UnicodeDecodeError) -> dict[str, Any]:

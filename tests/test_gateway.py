@@ -289,10 +289,11 @@ def test_when_every_offering_refuses_the_client_gets_the_429_with_each_attempt(g
 
 
 def test_the_gateways_attempts_count_in_their_tenants_quotas_and_settle_with_what_they_used(gw: Gw) -> None:
-    """Each attempt is a decision of the route (``route_decision``): it counts in its tenant's quotas,
-    and closing its loop settles them -- the concurrency slot freed, the tokens the real ones (the
-    prompt's estimate + the output measured; a failed attempt its prompt only). A retried request is
-    two attempts: two requests of the day (``docs/quotas.md``)."""
+    """The request's first attempt is a decision of the route (``route_decision``): it counts the
+    request in its tenant's quotas. A retry on another offering reserves nothing (the request is
+    counted already), and the one reservation is settled when the request ends -- the concurrency
+    slot freed, the tokens the real ones (the prompt's estimate + the output measured, once): a
+    retried request is one request of the day (``docs/quotas.md``)."""
     def usage() -> dict[str, Any]:
         got = httpx.get(f"{gw.url}/v1/quotas", headers=gw.setup.auth("q"), timeout=10).json()["buckets"]
         return {k: v for k, v in got[0].items() if k in ("concurrent", "tokens_window", "requests_day")}
@@ -309,8 +310,9 @@ def test_the_gateways_attempts_count_in_their_tenants_quotas_and_settle_with_wha
     while usage()["concurrent"] != before["concurrent"] and time.monotonic() < deadline:
         time.sleep(0.02)
     after = usage()
-    assert after["concurrent"] == before["concurrent"] and after["requests_day"] == before["requests_day"] + 2
-    assert after["tokens_window"] - before["tokens_window"] == first["input_tokens"] + second["input_tokens"] + 4
+    assert after["concurrent"] == before["concurrent"] and after["requests_day"] == before["requests_day"] + 1
+    assert after["tokens_window"] - before["tokens_window"] == first["input_tokens"] + 4
+    assert first["input_tokens"] == second["input_tokens"]  # (the same prompt)
 
 
 def test_a_dead_server_is_skipped_for_the_next_offering(gw: Gw) -> None:

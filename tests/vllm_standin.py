@@ -11,12 +11,13 @@ vLLM's metric names (``vllm:num_requests_running``, ``vllm:num_requests_waiting`
 ``vllm:kv_cache_usage_perc``, token and request counters); at most ``max_num_seqs`` requests
 generating at once, the rest waiting; a client that disconnects stops its generation (counted in
 ``cancelled``). Its timing is configurable: ``ttft_s`` before the first token, ``tpot_s`` between
-tokens. Tokens are the words ``tok0``, ``tok1``, ...; prompt tokens are counted as words.
+tokens, and ``linger_s`` between a stream's ``data: [DONE]`` and the end of its response. Tokens
+are the words ``tok0``, ``tok1``, ...; prompt tokens are counted as words.
 
 Faults, injected per request (``faults``, consumed in order, or ``POST /admin/faults`` for a
 stand-in in another process): an HTTP error status (429 with ``Retry-After``, 5xx), a hang (no
 answer until the client goes away), a dropped connection before or after some tokens, and an
-error event in the stream.
+error event in the stream, an answer of given bytes.
 
 Run it in a thread (``tests.servers.ServerThread(StandIn(...))``) or as a process:
 ``python -m tests.vllm_standin --port 8001 --ttft-ms 50 --tpot-ms 10``."""
@@ -38,12 +39,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 class Fault:
     """``status``: answer ``status`` (with ``retry_after``) instead; ``hang``: answer nothing until
     the client leaves; ``drop``: send the headers and ``after_tokens`` tokens, then drop the
-    connection; ``error_event``: after ``after_tokens`` tokens, an error event and the end."""
+    connection; ``error_event``: after ``after_tokens`` tokens, an error event and the end;
+    ``body``: answer ``status`` with ``body`` (JSON bytes, as they are) instead."""
 
-    kind: Literal["status", "hang", "drop", "error_event"]
+    kind: Literal["status", "hang", "drop", "error_event", "body"]
     status: int = 503
     after_tokens: int = 0
     retry_after: str | None = None
+    body: bytes | str | None = None
 
 
 @dataclass
@@ -57,6 +60,8 @@ class StandInConfig:
     max_num_seqs: int = 256
     #: the key clients must send (``Authorization: Bearer``); None: none needed
     api_key: str | None = None
+    #: a stream's response ends this long after its ``data: [DONE]`` (a server that lingers)
+    linger_s: float = 0.0
 
 
 class _Drop(Exception):
@@ -92,6 +97,8 @@ class StandIn:
         self.completed = 0
         self.cancelled = 0
         self.requests: list[dict[str, Any]] = []
+        #: the request bodies, as they came (parsed)
+        self.bodies: list[dict[str, Any]] = []
         self._prefixes: collections.deque[list[str]] = collections.deque(maxlen=32)
         self._slots: asyncio.Semaphore | None = None
         r = self.registry = CollectorRegistry()
@@ -171,7 +178,12 @@ class StandIn:
         self.requests.append({"path": scope["path"], "model": body.get("model"), "stream": body.get("stream", False),
                               "stream_options": body.get("stream_options"), "max_tokens": body.get("max_tokens"),
                               "authorization": _header(scope, b"authorization")})
+        self.bodies.append(body)
         fault = self.faults.popleft() if self.faults else None
+        if fault is not None and fault.kind == "body":
+            raw = fault.body.encode() if isinstance(fault.body, str) else fault.body or b""
+            await _send(send, fault.status, raw, b"application/json")
+            return
         if fault is not None and fault.kind == "status":
             headers = [(b"retry-after", fault.retry_after.encode())] if fault.retry_after else []
             await _json(send, fault.status, {"error": {"message": f"stand-in fault {fault.status}", "type": "error",
@@ -280,6 +292,8 @@ class StandIn:
         if usage is not None:
             await event(head + ',"choices":[],"usage":' + json.dumps(usage, separators=(",", ":")) + "}")
         await event("[DONE]")
+        if cfg.linger_s > 0:
+            await asyncio.sleep(cfg.linger_s)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from router.errors import loads_or_none
 from router.gateway.openai_api import chunk_texts, has_token, sse_error
 from router.gateway.upstream import Endpoint, Guard, Upstreams
 
@@ -188,10 +189,7 @@ class Exchange:
             self.received = time.perf_counter()
             o.latency_s = self.received - self.started
             self._close()
-            try:
-                answer = json.loads(body)
-            except ValueError:
-                answer = None
+            answer = loads_or_none(body)  # (not JSON it can read, nested too deeply included: relayed as it is)
             if isinstance(answer, dict):
                 _usage(o, answer.get("usage"))
                 if self.keep_text:
@@ -271,7 +269,14 @@ class Exchange:
         """The stream for the client: what :meth:`open_stream` read, then the rest as it comes. A
         server that falls silent for ``idle_s``, goes away, or ends without ``[DONE]`` ends the
         stream with an error event (never a silent truncation). Closed early (the client went
-        away): the server's request is closed, which stops it."""
+        away): the server's request is closed, which stops it.
+
+        The stream is the client's until its ``data: [DONE]`` (or a server's error event) has been
+        handed on: then it is over -- completed, measured as of ``[DONE]`` -- whatever the client's
+        connection does next (the ``openai`` client closes it as soon as it has read ``[DONE]``),
+        and the client's response ends there. What the server still sends after it (the end of its
+        response) is read in the background (``Upstreams.drain``, within ``idle_s``), so its
+        connection goes back to the pool rather than being cut."""
         o = self.outcome
         finished = False
         try:
@@ -279,49 +284,49 @@ class Exchange:
                 yield b"".join(self._out)
                 self._out.clear()
             it = self._it
-            if it is not None:
+            if it is not None and not self.ended:
                 guard = self.guard
                 guard.arm(idle_s, "idle")
                 try:
-                    while True:
+                    while not self.ended:
                         try:
                             chunk = await it.__anext__()
                         except StopAsyncIteration:
                             break
                         guard.extend(idle_s)
-                        if self.ended:
-                            continue  # after [DONE] or an error event: read the stream to its end, send nothing
                         self._feed(chunk)
                         if self._out:
                             data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
                             self._out.clear()
-                            yield data
+                            yield data  # ([DONE] handed on: no await from here to the end of the stream)
                 except asyncio.CancelledError:
                     reason = guard.take()
                     if reason is None:
                         raise
-                    if not self.ended:
-                        o.error = reason
-                        yield sse_error(reason, f"the inference server sent nothing for {idle_s:g} s; the stream "
-                                                "is incomplete")
+                    o.error = reason
+                    yield sse_error(reason, f"the inference server sent nothing for {idle_s:g} s; the stream "
+                                            "is incomplete")
                 except CLIENT_ERRORS as e:
-                    if not self.ended:
-                        _http_failure(o, e)
-                        yield sse_error(o.error or "upstream_error", "the inference server's stream broke off; the "
-                                                                     "stream is incomplete")
+                    _http_failure(o, e)
+                    yield sse_error(o.error or "upstream_error", "the inference server's stream broke off; the "
+                                                                 "stream is incomplete")
                 finally:
                     guard.stop()
             if not self.ended and o.error is None:
                 o.error = "upstream_disconnected"
                 yield sse_error(o.error, "the inference server ended the stream early; the stream is incomplete")
-            self.ended = finished = True
+            finished = True
             if o.latency_s is None:
                 o.latency_s = self._elapsed()
         finally:
-            if not finished:  # the client went away (or the server is shutting down)
+            if not finished:  # the client went away before the end (or the server is shutting down)
                 if o.error is None:
                     o.error, o.client_fault = "client_disconnected", True
-            self._close()
+                self._close()
+            elif self.ended:  # [DONE] or the server's error event: the rest of its response, read in the background
+                self._put_back(idle_s)
+            else:
+                self._close()
             if o.latency_s is None:
                 o.latency_s = self._elapsed()
             self.ended = True
@@ -369,10 +374,7 @@ class Exchange:
         drop = False
         if (not self.first or self.keep_text or b'"usage":{' in data or b'"usage": {' in data
                 or b'"error"' in data):
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                obj = None
+            obj = loads_or_none(data)
             if isinstance(obj, dict):
                 if "error" in obj and not obj.get("choices"):
                     o.error = "upstream_error_event"
@@ -405,6 +407,16 @@ class Exchange:
         o = self.outcome
         if o.output_tokens is None and (self.first or self.done) and o.answer_status is None:
             o.output_tokens = self.token_events
+
+    def _put_back(self, within_s: float) -> None:
+        """Done with a server's stream that said all it had to (``[DONE]``): its response goes back
+        to the pool now if it has ended, else once the rest has been read (``Upstreams.drain``)."""
+        response, self.response = self.response, None
+        if response is not None:
+            if response.content.at_eof():
+                response.release()
+            else:
+                self.upstreams.drain(response, within_s)
 
     def _close(self) -> None:
         """Done with the server's response: read to its end, its connection goes back to the pool;

@@ -1,6 +1,16 @@
-"""The OpenAI API as the gateway reads and answers it: the request bodies (only the fields the
-gateway uses are checked; every other field goes to the inference server as the client sent it),
-errors in OpenAI's shape, and Server-Sent Events.
+"""The OpenAI API as the gateway reads and answers it: the request bodies, errors in OpenAI's
+shape, and Server-Sent Events.
+
+A body is read by the parser ``POST /v1/route`` reads its body with (``router.errors.json_body``:
+JSON nested too deeply, or not UTF-8, is the same 422 on ``body``). The fields the gateway reads
+(``model``, ``messages``' roles and contents, ``prompt``, ``max_tokens``,
+``max_completion_tokens``, ``n``, ``stream``, ``stream_options.include_usage``) are checked with
+the types of OpenAI's published schema, as strictly as ``/v1/route`` checks its own
+(``xroute.schema.decision``: an integer is a JSON number without a fraction -- never ``"12"`` or
+``true`` --, a boolean ``true`` or ``false``; ``null`` where OpenAI's schema allows it, meaning the
+default); a bad one is a 422 naming it (``body.max_tokens``). Every other field goes to the
+inference server as the client sent it (clients send many optional fields; the server checks
+them, and its 4xx goes back to the client as it gave it).
 
 Errors: the router's error (``router.errors``: a code, a message, the fields at fault) inside the
 object OpenAI's clients read -- ``{"error": {"message", "type", "param", "code", "fields",
@@ -10,51 +20,57 @@ object OpenAI's clients read -- ``{"error": {"message", "type", "param", "code",
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, ValidationError
 
-from router.errors import NOT_JSON, error_body, is_json
+from router.errors import NOT_JSON, error_body, is_json, json_body
+from xroute.schema.decision import JsonBool, JsonInt, json_integer
+
+#: an output budget (``max_tokens``, ``max_completion_tokens``), a number of choices: JsonInt with bounds
+Budget = Annotated[int, Field(ge=1, le=1_000_000), BeforeValidator(json_integer)]
+Choices = Annotated[int, Field(ge=1, le=128), BeforeValidator(json_integer)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: bool = False
+    include_usage: JsonBool | None = None
 
 
 class _Body(BaseModel):
-    """The fields of a request body the gateway reads (others pass through unchecked)."""
+    """The fields of a request body the gateway reads, with OpenAI's types, strictly (module
+    docstring); others pass through unchecked."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1, max_length=256, description="a model of GET /v1/models")
-    stream: bool = False
+    model: Annotated[StrictStr, Field(min_length=1, max_length=256, description="a model of GET /v1/models")]
+    stream: JsonBool | None = Field(None, description="stream the answer as Server-Sent Events (null: false)")
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    n: int = Field(1, ge=1, le=128)
+    max_tokens: Budget | None = None
+    n: Choices | None = Field(None, description="choices to generate (null: 1)")
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str = Field(min_length=1)
-    content: str | list[dict[str, Any]] | None = None
+    role: Annotated[StrictStr, Field(min_length=1)]
+    content: StrictStr | list[dict[str, Any]] | None = None
 
 
 class ChatBody(_Body):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    max_completion_tokens: Budget | None = None
 
 
 class CompletionBody(_Body):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: StrictStr | list[StrictStr] | list[JsonInt] | list[list[JsonInt]]
 
 
 Kind = Literal["chat", "completion"]
@@ -68,12 +84,7 @@ def parse_body(raw: bytes, content_type: str | None, kind: Kind) -> tuple[dict[s
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     if not is_json(content_type):
         raise RequestValidationError([{"type": "content_type", "loc": ("body",), "input": None, "msg": NOT_JSON}])
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)), "input": None,
-                                       "msg": "JSON decode error", "ctx": {"error": getattr(e, "msg", str(e))}}]
-                                     ) from None
+    data = json_body(raw)
     if not isinstance(data, dict):
         raise RequestValidationError([{"type": "model_type", "loc": ("body",), "input": None,
                                        "msg": "Input should be a JSON object"}])

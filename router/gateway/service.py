@@ -14,11 +14,22 @@ for off-policy evaluation, and what the gateway measured (TTFT, TPOT, output, pr
 tokens, the request id and the attempt's number) -- goes to the decision log. A failure that is
 the client's (it went away; the server refused its request as invalid) releases the reservation
 and is recorded, but teaches the pool nothing.
+
+A server of the chosen pool that refuses the connection (nothing was sent) is followed by the
+pool's other servers within the same attempt and decision (``Gateway._exchange``); only a pool none
+of whose servers takes the connection fails the attempt.
+
+The tenant's quotas count the client's request once, however many attempts it takes: the first
+attempt's decision reserves it; the others are decided with ``reserve_quota=False`` (nothing
+checked or counted, no quota in their rows); the one reservation is settled when the request ends,
+with its last attempt's outcome -- by that attempt's own feedback when it is the first, else under
+the first decision's id (``Gateway._settle_quota``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -36,7 +47,7 @@ from router.gateway.exchange import Exchange, Outcome
 from router.gateway.openai_api import Kind, openai_error, parse_body
 from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, prompt_chars, prompt_parts
 from router.gateway.transcripts import TranscriptStore
-from router.gateway.upstream import Guard, Upstreams, upstream_pools, watch_disconnect
+from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, watch_disconnect
 from router.logs import LOG, request_id_var
 from router.metrics import LoopCounter, LoopHistogram
 from router.routes.feedback import close_the_loop, feedback_row, settle_quota
@@ -127,6 +138,9 @@ class GatewayMetrics:
                                       "the server's own time from the request sent to the first token (or answer) "
                                       "received -- reading, counting, deciding, logging, relaying (and failed "
                                       "attempts)", _OVERHEAD_BUCKETS, registry)
+        self.server_retries = LoopCounter("xroute_gateway_server_retries_total", "Requests sent on to another server "
+                                          "of the same pool (the same decision) after one refused the connection",
+                                          ("offering_id",), registry)
         self.open_streams = 0
         Gauge("xroute_gateway_open_streams", "Streams being relayed now", registry=registry).set_function(
             lambda: self.open_streams)
@@ -247,7 +261,7 @@ class Gateway:
         else:
             n_in = counter.count(model, texts, fixed)
         route["input_tokens"] = min(n_in, 2_000_000)
-        route["max_output_tokens"] = min((budget or cfg.default_max_tokens) * view.n, 1_000_000)
+        route["max_output_tokens"] = min((budget or cfg.default_max_tokens) * (view.n or 1), 1_000_000)
         try:
             first = RouteRequest.model_validate(route)  # every field checked once, named as the client gave it
         except ValidationError as e:
@@ -257,7 +271,7 @@ class Gateway:
                 name = "max_tokens"
             raise _invalid(name, str(err["msg"])) from None
         opts = view.stream_options
-        return Call(kind, raw, data, model, model, view.stream, bool(opts and opts.include_usage), tenant, route,
+        return Call(kind, raw, data, model, model, bool(view.stream), bool(opts and opts.include_usage), tenant, route,
                     first, bool(tcfg is not None and tcfg.store_prompts), request_id_var.get(), arrived)
 
     def routing_request(self, call: Call, elapsed_ms: float, tried: list[str]) -> RouteRequest:
@@ -296,75 +310,114 @@ class Gateway:
         tried: list[str] = []
         failed: list[Attempt] = []
         last: Outcome | None = None
-        while not guard.disconnected:
-            elapsed_ms = (time.perf_counter() - t0) * 1000.0
-            if tried and (len(tried) >= cfg.max_attempts or elapsed_ms >= call.route["ttft_ms"] - 1.0
-                          or len(tried) >= len(self.upstreams.offerings[call.model])):
-                break
-            body = self.routing_request(call, elapsed_ms, tried)
-            started = time.perf_counter()
-            commit: list[asyncio.Future[int]] = []
-            try:
-                # the decision-log write runs while the request goes to its server: awaited before any
-                # answer reaches the client (the decision is durable before it is acknowledged)
-                payload = await route_decision(svc, body, who, scope_state, durable=commit)
-            except RouteFailure:
-                if not tried:
+        # the request's tenant quota reservation: its first decision's, which counts the request once
+        # however many attempts it takes (the others reserve none); settled once, when the request ends
+        admitted = False
+        holder: Attempt | None = None
+        try:
+            while not guard.disconnected:
+                elapsed_ms = (time.perf_counter() - t0) * 1000.0
+                if tried and (len(tried) >= cfg.max_attempts or elapsed_ms >= call.route["ttft_ms"] - 1.0
+                              or len(tried) >= len(self.upstreams.offerings[call.model])):
+                    break
+                body = self.routing_request(call, elapsed_ms, tried)
+                started = time.perf_counter()
+                commit: list[asyncio.Future[int]] = []
+                try:
+                    # the decision-log write runs while the request goes to its server: awaited before any
+                    # answer reaches the client (the decision is durable before it is acknowledged)
+                    payload = await route_decision(svc, body, who, scope_state, durable=commit,
+                                                   reserve_quota=not admitted)
+                except RouteFailure:
+                    if not tried:
+                        raise
+                    break  # no other offering may take it now: the last failure is the answer
+                answer = json.loads(payload)
+                offering_id = answer["offering"]["offering_id"]
+                tried.append(offering_id)
+                admitted = True
+                quota = scope_state.get("quota")  # (what the tenant's quotas reserved: settled with the request)
+                ref = DecisionRef(who.tenant, call.model, svc.engine.pool_key_of(offering_id, call.model), 0,
+                                  body.input_tokens, body.max_output_tokens, body.ttft_ms, body.tpot_ms,
+                                  body.deadline_ms, float(answer["expected_cost_usd"]),
+                                  *(quota if quota is not None else (None, None)))
+                att = Attempt(len(tried), answer["decision_id"], offering_id, ref)
+                if quota is not None:
+                    holder = att
+                ok = False
+                try:
+                    ok = await self._exchange(call, att, guard, started)
+                    await commit[0]  # (StoreClosed: the log cannot record; the client gets its 503)
+                except BaseException as e:  # cancelled, the log failed, or a failure of ours: the loop still closes
+                    ex = att.exchange
+                    assert ex is not None
+                    ex.abandon()
+                    if ex.outcome.error is None or ok:
+                        ex.outcome.error = ("cancelled" if isinstance(e, asyncio.CancelledError) else
+                                            "decision_log_unavailable" if isinstance(e, StoreClosed) else
+                                            "gateway_error")
+                        ex.outcome.client_fault = True
+                    if not commit[0].done():
+                        commit[0].cancel()  # (the row goes on to the log; nobody waits for it)
+                    elif not commit[0].cancelled():
+                        commit[0].exception()  # (retrieved: the log's failure is the client's 503)
+                    self.finish(call, att, holder)
+                    holder = None
                     raise
-                break  # no other offering may take it now: the last failure is the answer
-            answer = json.loads(payload)
-            offering_id = answer["offering"]["offering_id"]
-            tried.append(offering_id)
-            quota = scope_state.get("quota")  # (what the tenant's quotas reserved: settled with the feedback)
-            ref = DecisionRef(who.tenant, call.model, svc.engine.pool_key_of(offering_id, call.model), 0,
-                              body.input_tokens, body.max_output_tokens, body.ttft_ms, body.tpot_ms, body.deadline_ms,
-                              float(answer["expected_cost_usd"]), *(quota if quota is not None else (None, None)))
-            att = Attempt(len(tried), answer["decision_id"], offering_id, ref)
-            ep = self.upstreams.pick(call.model, offering_id)
-            ok = False
-            ex = att.exchange = Exchange(self.upstreams, ep, call.kind, call.body_for(ep.served_model),
-                                         call.client_model, call.want_usage, guard, started, keep_text=call.store)
-            try:
-                if call.stream:
-                    ok = await ex.open_stream(cfg.first_token_timeout_s)
-                else:
-                    ok = await ex.complete(cfg.response_timeout_s)
-                await commit[0]  # (StoreClosed: the log cannot record; the client gets its 503)
-            except BaseException as e:  # cancelled, the log failed, or a failure of ours: the loop still closes
-                ex.abandon()
-                if ex.outcome.error is None or ok:
-                    ex.outcome.error = ("cancelled" if isinstance(e, asyncio.CancelledError) else
-                                        "decision_log_unavailable" if isinstance(e, StoreClosed) else "gateway_error")
-                    ex.outcome.client_fault = True
-                if not commit[0].done():
-                    commit[0].cancel()  # (the row goes on to the log; nobody waits for it)
-                elif not commit[0].cancelled():
-                    commit[0].exception()  # (retrieved: the log's failure is the client's 503)
-                self.finish(call, att)
-                raise
-            if ok:
-                now = time.perf_counter()
-                overhead = now - t0 - (ex.received - ex.sent)
-                self.metrics.overhead.observe(overhead)
-                headers = {"x-xroute-decision-id": att.decision_id, "x-xroute-offering": offering_id,
-                           "x-xroute-attempts": str(att.number), "x-xroute-overhead-ms": f"{overhead * 1000.0:.3f}"}
-                self.metrics.requests.inc(call.kind, "ok")
-                if call.stream:
-                    if ex.first:
-                        self.metrics.ttft.observe(now - t0)
-                    ex.on_end = lambda att=att: self.finish(call, att)
-                    return RelayResponse(ex, cfg.idle_timeout_s,
-                                         {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-                                         self.metrics)
-                self.finish(call, att)
-                assert ex.answer is not None
-                return Response(ex.answer, media_type="application/json", headers=headers)
-            self.finish(call, att)
-            failed.append(att)
-            last = ex.outcome
-            if not last.retryable:
-                break
-        return self.failed(call, failed, last)
+                ex = att.exchange
+                assert ex is not None
+                if ok:
+                    now = time.perf_counter()
+                    overhead = now - t0 - (ex.received - ex.sent)
+                    self.metrics.overhead.observe(overhead)
+                    headers = {"x-xroute-decision-id": att.decision_id, "x-xroute-offering": offering_id,
+                               "x-xroute-attempts": str(att.number),
+                               "x-xroute-overhead-ms": f"{overhead * 1000.0:.3f}"}
+                    self.metrics.requests.inc(call.kind, "ok")
+                    settles, holder = holder, None
+                    if call.stream:
+                        if ex.first:
+                            self.metrics.ttft.observe(now - t0)
+                        ex.on_end = lambda att=att, settles=settles: self.finish(call, att, settles)
+                        return RelayResponse(ex, cfg.idle_timeout_s,
+                                             {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                                             self.metrics)
+                    self.finish(call, att, settles)
+                    assert ex.answer is not None
+                    return Response(ex.answer, media_type="application/json", headers=headers)
+                self.finish(call, att, None)  # (the request's quota, if it holds it, is settled when the request ends)
+                failed.append(att)
+                last = ex.outcome
+                if not last.retryable:
+                    break
+            return self.failed(call, failed, last)
+        finally:
+            if holder is not None:  # no attempt served it: the reservation counts its last outcome
+                self._spawn(self._settle_quota(holder, last))
+
+    async def _exchange(self, call: Call, att: Attempt, guard: Guard, started: float) -> bool:
+        """Send the attempt's request to a server of its pool and read until its first token (or,
+        not streamed, its answer); True when that came. A server that refuses the connection (nothing
+        was sent) is followed by the pool's other servers, while the TTFT budget lasts -- the same
+        decision: the pool was chosen, and one dead server of it is not the pool's failure."""
+        cfg, ups = self.cfg, self.upstreams
+        tried: list[Endpoint] = []
+        ep = ups.pick(call.model, att.offering_id)
+        while True:
+            ex = att.exchange = Exchange(ups, ep, call.kind, call.body_for(ep.served_model), call.client_model,
+                                         call.want_usage, guard, started, keep_text=call.store)
+            if call.stream:
+                ok = await ex.open_stream(cfg.first_token_timeout_s)
+            else:
+                ok = await ex.complete(cfg.response_timeout_s)
+            if ok or ex.outcome.error != "connect_error" or guard.disconnected:
+                return ok
+            tried.append(ep)
+            other = ups.other(call.model, att.offering_id, tried)
+            if other is None or (time.perf_counter() - call.arrived) * 1000.0 >= call.route["ttft_ms"] - 1.0:
+                return ok
+            self.metrics.server_retries.inc(att.offering_id)
+            ep = other
 
     def failed(self, call: Call, attempts: list[Attempt], last: Outcome | None) -> Response:
         """The answer when no attempt succeeded: the server's own answer when the request was the
@@ -396,19 +449,28 @@ class Gateway:
                             f"the last: {error})", attempts=tried, headers=headers)
 
     # ------------------------------------------------------------------------------ closing the loop
-    def finish(self, call: Call, att: Attempt) -> None:
+    def finish(self, call: Call, att: Attempt, settles: Attempt | None) -> None:
         """The attempt is over: close its loop in a task of its own (after the answer, and safe from
-        the request's cancellation)."""
-        task = asyncio.get_running_loop().create_task(self._close_loop(call, att))
+        the request's cancellation). ``settles``: the attempt holding the request's tenant quota
+        reservation when this is the request's last attempt (it settles it with its outcome)."""
+        self._spawn(self._close_loop(call, att, settles))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _close_loop(self, call: Call, att: Attempt) -> None:
+    async def _close_loop(self, call: Call, att: Attempt, settles: Attempt | None) -> None:
         svc = self.svc
         ex = att.exchange
         assert ex is not None
         ex.finish_counts()
         o = ex.outcome
+        # the request's quota reservation is settled once, with its last attempt's outcome: by this
+        # attempt's own feedback when it holds it, else below; an attempt that holds it but is not the
+        # last leaves it alone
+        ref = att.ref if settles is att or att.ref.quota_tokens is None else dataclasses.replace(
+            att.ref, quota_tokens=None, quota_usd=None)
         self.metrics.attempts.inc(att.offering_id, o.error or "ok")
         failed = o.error is not None
         latency_ms = None if o.latency_s is None else min(o.latency_s * 1000.0, 86_400_000.0)
@@ -423,10 +485,12 @@ class Gateway:
         try:
             if o.client_fault:
                 await release(svc, att.decision_id)
-                await settle_quota(svc, fb, att.ref)  # (what it used of its tenant's quotas until the client left)
+                await settle_quota(svc, fb, ref)  # (what it used of its tenant's quotas until the client left)
             else:
-                reward, missed = svc.engine.feedback_reward(att.ref, fb)
-                await close_the_loop(svc, fb, att.ref)
+                reward, missed = svc.engine.feedback_reward(ref, fb)
+                await close_the_loop(svc, fb, ref)
+            if settles is not None and settles is not att:
+                await self._settle_quota(settles, o)
             measured = (o.tpot_ms, o.prompt_tokens, o.cached_tokens, call.request_id, att.number)
             await svc.store.record_feedback(feedback_row(fb, call.tenant, time.time(), None, reward, missed, measured))
             if call.store and self.transcripts is not None:
@@ -435,6 +499,20 @@ class Gateway:
         except Exception as e:  # the answer has gone: say what was not recorded (never a body)
             LOG.warning("gateway outcome not recorded", extra={"fields": {
                 "decision_id": att.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
+
+    async def _settle_quota(self, holder: Attempt, o: Outcome | None) -> None:
+        """Settle the request's tenant quota reservation (held by ``holder``'s decision) with the
+        outcome of its last attempt ``o`` (None: it has none) -- ``settled_amounts``: the prompt
+        plus the output measured, the reserved USD (the expected cost of the first attempt's
+        offering: what the decision log's rebuild of the counters also counts)."""
+        out = None if o is None or o.output_tokens is None else min(o.output_tokens, 1_000_000)
+        fb = FeedbackRequest.model_construct(decision_id=holder.decision_id, output_tokens=out, cost_usd=None,
+                                             failed=o is None or o.error is not None)
+        try:
+            await settle_quota(self.svc, fb, holder.ref)
+        except Exception as e:  # (logged by settle_quota when the state cannot be reached; anything else here)
+            LOG.warning("gateway quota not settled", extra={"fields": {
+                "decision_id": holder.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """At shutdown: the loops still closing get ``timeout_s`` to finish (before the decision

@@ -80,8 +80,6 @@ def prompt_parts(prompt: Any) -> tuple[list[str], int]:
     if isinstance(prompt, str):
         return [prompt], 0
     if isinstance(prompt, list):
-        if all(isinstance(x, int) for x in prompt):
-            return [], len(prompt)
         texts: list[str] = []
         ids = 0
         for x in prompt:
@@ -89,6 +87,8 @@ def prompt_parts(prompt: Any) -> tuple[list[str], int]:
                 texts.append(x)
             elif isinstance(x, list):
                 ids += len(x)
+            elif isinstance(x, int | float):  # a token id (JSON Schema's integer: 12 or 12.0)
+                ids += 1
         return texts, ids
     return [], 0
 

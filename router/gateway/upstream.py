@@ -91,6 +91,7 @@ class Upstreams:
         for model, offering in self.pools:
             self.offerings.setdefault(model, []).append(offering)
         self.down_s = gw.upstream_down_s
+        self._draining: set[asyncio.Task[None]] = set()
         # (made in the running loop: the lifespan builds the gateway)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=gw.max_connections, limit_per_host=0, keepalive_timeout=gw.keepalive_s),
@@ -110,11 +111,44 @@ class Upstreams:
         n = len(up)
         return min((up[(turn + k) % n] for k in range(n)), key=lambda e: e.in_flight)
 
+    def other(self, model: str, offering_id: str, tried: list[Endpoint]) -> Endpoint | None:
+        """The server of the pool to send to after those ``tried`` refused the connection: the one
+        with the fewest requests in flight among the others not marked down; None when there is none."""
+        now = time.monotonic()
+        left = [e for e in self.pools[(model, offering_id)] if e not in tried and e.down_until <= now]
+        return min(left, key=lambda e: e.in_flight) if left else None
+
     def mark_down(self, ep: Endpoint) -> None:
         """A server that refused a connection: skipped for ``upstream_down_s`` while its pool has others."""
         ep.down_until = time.monotonic() + self.down_s
 
+    def drain(self, response: aiohttp.ClientResponse, within_s: float) -> None:
+        """A streamed response the gateway is done with (its ``[DONE]`` came) whose server has not
+        ended it yet: read the rest in the background and put its connection back in the pool;
+        closed when it has not ended within ``within_s`` (or breaks off)."""
+        task = asyncio.get_running_loop().create_task(self._drain(response, within_s))
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+    @staticmethod
+    async def _drain(response: aiohttp.ClientResponse, within_s: float) -> None:
+        try:
+            async with asyncio.timeout(within_s):
+                while await response.content.readany():
+                    pass
+        except (TimeoutError, aiohttp.ClientError):
+            response.close()
+            return
+        except BaseException:
+            response.close()
+            raise
+        response.release()
+
     async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        if self._draining:
+            await asyncio.wait(list(self._draining), timeout=5.0)
         await self.session.close()
 
 

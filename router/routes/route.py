@@ -69,7 +69,7 @@ def end_route(svc: Any, offering_id: str, pinfo: dict[str, Any], t0: float) -> N
 
 
 async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, idempotency: str | None = None,
-                         durable: list[Any] | None = None) -> bytes:
+                         durable: list[Any] | None = None, reserve_quota: bool = True) -> bytes:
     """Decide, reserve, record the decision durably (group commit), then return the answer's JSON.
 
     ``durable`` (a list, without an idempotency key; the gateway's): the decision-log write is not
@@ -87,7 +87,12 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
     decides anew. ``state`` gets ``decision_id`` (for the access log); raises what
     ``RoutingEngine.rank``, the shared state and the decision log raise (``router.errors``
     renders them). ``state`` also gets ``quota``: the tokens and USD the tenant's quotas reserved
-    for the decision (None: no quota applied)."""
+    for the decision (None: no quota applied).
+
+    ``reserve_quota=False`` (the gateway's retry of a request on another offering): the request
+    holds its tenant's quotas already -- its first attempt's reservation counts it, once -- so
+    this decision checks and counts nothing in them, and its row records no quota (a rebuild of
+    the counters from the log counts the request once)."""
     t0 = time.perf_counter()
     decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
@@ -116,7 +121,7 @@ async def route_decision(svc: Any, body: RouteRequest, who: Any, state: Any, ide
         cands = engine.candidates(r)
         # the tenant's quotas, with the expected cost of the policy's choice: checked and counted at
         # once in the shared state -- on a server, in the same round trip as the pool's reservation
-        charge = engine.quota_charge(r)
+        charge = engine.quota_charge(r) if reserve_quota else None
         pool: str | None
         verdict: QuotaVerdict | None = None
         if isinstance(shared, EmbeddedState):  # in process: no await between ranking and admitting

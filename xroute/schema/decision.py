@@ -71,6 +71,10 @@ def _json_integer(v: object) -> object:
 
 #: request fields, as their JSON Schema types say (module docstring)
 JsonInt = Annotated[int, BeforeValidator(_json_integer)]
+#: JsonInt's validator, for an integer with bounds: ``Annotated[int, Field(ge=..., le=...),
+#: BeforeValidator(json_integer)]`` (the bounds before it, so the published schema says
+#: ``minimum`` / ``maximum``; after it, pydantic writes them as ``ge`` / ``le``, which JSON Schema ignores)
+json_integer = _json_integer
 JsonNumber = Annotated[float, Strict()]
 JsonBool = Annotated[bool, Strict()]
 #: one KV-cache block's id: a signed 64-bit integer (:func:`prefix_block_hashes`). The published
