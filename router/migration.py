@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from fastapi import HTTPException
 
-from router.engine import RouteFailure
+from router.engine import RouteFailure, migrated_entry
 from router.keys import Principal
 from router.logs import LOG
 from router.migration_store import MIGRATION_KEY_PREFIX, Conflict, MigrationStore, Row
@@ -492,13 +492,14 @@ class Migrator:
         self._count("committed", 1)
         self._count("recomputed", int(recomputed))
         self._count("missed_window", int(missed))
-        # new turns' affinity goes to the new placement (a hint: best effort)
+        # the session's next turn goes to the new placement (``RoutingEngine.rank`` reads the mark) when
+        # it can take it; best effort: without the entry the turn is decided as any other
         if rec.target is not None:
             req = RouteRequest.model_validate_json(row.request_json)
             pool = self.engine.pool_key_of(rec.target, req.model)
-            await self._best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}", pool.encode(),
-                                                               self.settings.prefix_ttl_s),
-                              "session placement not updated in the shared state", migration=rec.migration_id)
+            await self._best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}",
+                                                                    migrated_entry(pool), self.settings.prefix_ttl_s),
+                                    "session placement not updated in the shared state", migration=rec.migration_id)
         return rec.model_copy(update={"state": S.committed, "version": v, "recomputed": recomputed,
                                       "missed_window": missed, "updated_at": now})
 
