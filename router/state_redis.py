@@ -22,7 +22,7 @@ decision logs were restored into it); the prefix affinity index (``router.state`
 hash>`` (hash pool -> "stamp:ready ms", at most ``envs.prefix.VIEW_ENTRIES`` pools, expiring with
 the age bound), ``pfx:sent`` / ``pfx:cap`` / ``pfx:ret`` (hashes per pool), ``pfx:pred:<decision>``
 (the pool and the cached tokens predicted, until feedback or the age bound), ``sess:<session>``
-(the pool its last request went to), ``restoring`` (the restores under way: below). Memory:
+(the pool its last request went to, or its committed migration's target, marked), ``restoring`` (the restores under way: below). Memory:
 O(pools + reservations held + idempotency keys within their TTL).
 
 A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is

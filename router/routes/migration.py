@@ -157,7 +157,8 @@ async def end_event(caller: WriteEvents, event_id: EventIdPath,
 
 
 @router.get("/events/{event_id}/migrations", response_model=MigrationPage, responses={  # type: ignore[arg-type]
-    **_AUTH, 404: {"model": ErrorResponse, "description": "`not_found`: no event was posted with this id"}},
+    **_AUTH, 404: {"model": ErrorResponse, "description": "`not_found`: no event was posted with this id"},
+    422: {"model": ErrorResponse, "description": "a query parameter is invalid (named in `fields`)"}},
             summary="An event's migrations, a page at a time (admin or events key with admin:read:sessions)")
 async def event_migrations(caller: WriteEvents, event_id: EventIdPath,
                            state: Annotated[MigrationState | None, Query(description="only those in this state")] = None,
