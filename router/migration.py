@@ -26,6 +26,16 @@ every transition a compare-and-set committed before it is acted on or answered:
 
 After a restart the loop finds the unfinished migrations in the store and resumes them from the
 state they were committed in (or times them out as above): nothing is lost, nothing done twice.
+Each round reads only the migrations it has something to do with (``MigrationStore.due_migrations``),
+not those waiting for the serving side.
+
+An event's deadline lies within ``migration_max_deadline_s`` of its receipt (else a 422
+``deadline_too_far``). :meth:`Migrator.end_event` ends an event early: durable and audited, its
+pool unmasked on every router at its next read; its migrations still ``requested`` roll back, those
+with a target go on as off a pool that stays (committed when verified, else rolled back after
+``migration_timeout_s``: never committed cold). A commit marks the session's entry in the shared
+state (``router.engine.migrated_entry``): its next turn goes to the target when it can take it.
+:meth:`Migrator.many` does a batch of the serving side's snapshots or verifications at once.
 """
 
 from __future__ import annotations
