@@ -57,6 +57,24 @@ from xroute.schema.policy_ir import (
 )
 from xroute.schema.quota import QuotaBucket
 
+#: how a committed migration marks a session's entry in the shared state (``sess:<tenant>:<session>``,
+#: ``router.migration``): the target's pool key, then this suffix. The session's next decision goes
+#: to that offering when it may and can take it (:meth:`RoutingEngine.rank`); that decision writes
+#: the entry anew, unmarked, so the mark holds for one turn. (0x1f: no pool key holds it.)
+MIGRATED_MARK = "\x1fmigrated"
+
+
+def migrated_entry(pool_key: str) -> bytes:
+    """The session entry a committed migration to ``pool_key`` writes."""
+    return (pool_key + MIGRATED_MARK).encode()
+
+
+def session_entry(value: str) -> tuple[str, bool]:
+    """A session entry as stored: (the pool key, whether a committed migration put it there)."""
+    if value.endswith(MIGRATED_MARK):
+        return value[: -len(MIGRATED_MARK)], True
+    return value, False
+
 
 def env_config(settings: RouterSettings) -> EnvConfig:
     """The environment config the router serves with: the evaluate defaults with the settings'
@@ -124,6 +142,9 @@ class Ranked:
     #: what the prefix index records on the pool the reservation takes (``router.state.PrefixSend``;
     #: None: the request carried no prefix hashes and no session)
     prefix: PrefixSend | None = None
+    #: the first candidate is the session's committed migration target, put before the policy's
+    #: choice (:meth:`RoutingEngine.rank`): its propensity is unknown to off-policy evaluation
+    pinned: bool = False
 
 
 class RoutingEngine:
@@ -516,10 +537,19 @@ class RoutingEngine:
                 ret[ma[1]] = affinity.retention.get(pool, 1.0)
         sess = -1
         if affinity.session_pool is not None:
-            ma = index.get(affinity.session_pool)
+            ma = index.get(session_entry(affinity.session_pool)[0])
             if ma is not None and ma[0] == m:
                 sess = ma[1]
         return runs, ret, sess, self.block_tokens
+
+    def _migrated_to(self, m: int, affinity: Affinity | None) -> int:
+        """The offering (of model ``m``) a committed migration put the request's session on, when its
+        entry still says so (the session's first turn since); else -1."""
+        if affinity is None or affinity.session_pool is None:
+            return -1
+        pool, migrated = session_entry(affinity.session_pool)
+        ma = self.pool_index.get(pool) if migrated else None
+        return ma[1] if ma is not None and ma[0] == m else -1
 
     def _prefix_send(self, req: RouteRequest, who: Principal, m: int, cands: list[int],
                      hashes: np.ndarray | None = None) -> PrefixSend:
@@ -737,6 +767,16 @@ class RoutingEngine:
             nums = []
             for k, sc in zip(cands, [score, *alt_scores]):
                 nums += (_num(sc), _num(c_lat.item(k)), _num(c_cost.item(k)))
+        # a session's first turn after a committed migration goes where the migration put its state
+        # (router.migration), when that offering is one the policy could have chosen now (allowed,
+        # valid, preferred when a prefer rule applies); the policy's ranking follows it
+        policy_choice = cands[0]
+        pin = self._migrated_to(m_, affinity)
+        pinned = (pin >= 0 and pin != policy_choice and bool(allowed[pin]) and bool(env_mask[pin])
+                  and (pref is None or bool(pref[pin]) or not (pref & allowed & env_mask).any()))
+        if pinned:
+            cands, nums = self._first(pin, cands, nums, s if (m > 0 and valid is None) else None, m, full, bias,
+                                      has_bias)
         eps = self.epsilon.get(who.tenant, 0.0) if self.epsilon else 0.0
         ope = None
         if self.log_features:
@@ -755,8 +795,10 @@ class RoutingEngine:
                     s = None
                 req_f = env.request_features()
             assert req_f is not None
-            argmax = first = int(np.searchsorted(idx, cands[0]))
-            if eps > 0.0:
+            argmax = first = int(np.searchsorted(idx, policy_choice))
+            if pinned:  # (served by the session's placement, not drawn: no exploration, no propensity)
+                first = int(np.searchsorted(idx, cands[0]))
+            elif eps > 0.0:
                 cands, nums, drawn = self._explore(explore_key or decision_id, eps, idx, cands, nums, s, full)
                 first = argmax if drawn < 0 else drawn
             # (the record copies the rows and indices out of the buffers the next request reuses)
@@ -765,7 +807,27 @@ class RoutingEngine:
         prefix = self._prefix_send(req, who, m_, cands, hashes) if affinity is not None else None
         return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
                       n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
-                      request_json, eps, ope, ptext_answer, pcounts, prefix)
+                      request_json, eps, ope, ptext_answer, pcounts, prefix, pinned)
+
+    def _first(self, d: int, cands: list[int], nums: list[float], s: Any, m: int, full: np.ndarray | None,
+               bias: np.ndarray, has_bias: bool) -> tuple[list[int], list[float]]:
+        """``cands`` with offering ``d`` first, with its numbers (its score as the policy gives it:
+        ``s``, the fused scorer's over ``self._idx[:m]``; ``full``, the general path's; else the
+        expected reward plus the bias), the rest in their order, at most ``k_alt`` after it."""
+        if s is not None:
+            score = float(s[int(np.searchsorted(self._idx[:m], d))])
+        elif full is not None:
+            score = float(full[d])
+        else:
+            score = float(self.env.expected_rewards()[d]) + (float(bias[d]) if has_bias else 0.0)
+        env = self.env
+        out = [_num(score), _num(env.c_lat.item(d)), _num(env.c_cost.item(d))]
+        rest: list[int] = []
+        for q, c in enumerate(cands):
+            if c != d and len(rest) < self.k_alt:
+                rest.append(c)
+                out += nums[3 * q:3 * q + 3]
+        return [d, *rest], out
 
     def _explore(self, key: str, eps: float, idx: np.ndarray, cands: list[int], nums: list[float], s: Any,
                  full: np.ndarray | None) -> tuple[list[int], list[float], int]:
@@ -906,12 +968,12 @@ class RoutingEngine:
         # the propensity of what was served: unknown when the shared state moved the request off the
         # first candidate (that pool had no room)
         features = None
-        propensity = None if k else 1.0
+        propensity = None if k or r.pinned else 1.0
         if r.ope is not None:
             features, size, first, argmax = r.ope
             if k:
                 features = ope_log.serving(features, a)
-            else:
+            elif not r.pinned:
                 propensity = ope_log.propensity(r.epsilon, size, first == argmax)
         row = (decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
                req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,

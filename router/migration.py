@@ -26,6 +26,16 @@ every transition a compare-and-set committed before it is acted on or answered:
 
 After a restart the loop finds the unfinished migrations in the store and resumes them from the
 state they were committed in (or times them out as above): nothing is lost, nothing done twice.
+Each round reads only the migrations it has something to do with (``MigrationStore.due_migrations``),
+not those waiting for the serving side.
+
+An event's deadline lies within ``migration_max_deadline_s`` of its receipt (else a 422
+``deadline_too_far``). :meth:`Migrator.end_event` ends an event early: durable and audited, its
+pool unmasked on every router at its next read; its migrations still ``requested`` roll back, those
+with a target go on as off a pool that stays (committed when verified, else rolled back after
+``migration_timeout_s``: never committed cold). A commit marks the session's entry in the shared
+state (``router.engine.migrated_entry``): its next turn goes to the target when it can take it.
+:meth:`Migrator.many` does a batch of the serving side's snapshots or verifications at once.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from typing import Any
 import numpy as np
 from fastapi import HTTPException
 
-from router.engine import RouteFailure
+from router.engine import RouteFailure, migrated_entry
 from router.keys import Principal
 from router.logs import LOG
 from router.migration_store import MIGRATION_KEY_PREFIX, Conflict, MigrationStore, Row
@@ -50,6 +60,8 @@ from xroute.schema.decision import RouteRequest
 from xroute.schema.migration import (
     TERMINAL_KINDS,
     EventAccepted,
+    EventEnded,
+    ItemResult,
     MigrationRecord,
     MigrationState,
     PoolEvent,
@@ -168,6 +180,13 @@ class Migrator:
             raise RouteFailure(422, "deadline_passed", f"the event's deadline {ev.deadline.isoformat()} has passed",
                                [{"field": "body.deadline", "message": "is in the past: the pool's instances have "
                                  "stopped already", "suggestions": []}])
+        horizon = self.settings.migration_max_deadline_s
+        if ev.deadline is not None and ev.deadline.timestamp() > now + horizon:
+            raise RouteFailure(422, "deadline_too_far", f"the event's deadline {ev.deadline.isoformat()} is more than "
+                               f"{horizon:g} s ahead", [{"field": "body.deadline", "message": f"is more than "
+                                                         f"migration_max_deadline_s ({horizon:g} s) ahead: not a "
+                                                         "plausible notice (a pool would stay masked until then)",
+                                                         "suggestions": []}])
 
     async def on_event(self, ev: PoolEvent, digest: str, principal: str, body: dict[str, Any]) -> EventAccepted:
         now = time.time()
@@ -202,6 +221,25 @@ class Migrator:
         return EventAccepted(event_id=ev.event_id, kind=ev.kind, pool=ev.pool, deadline=deadline,
                              duplicate=not inserted, masked_until=masked_until,
                              deprioritized_region=region if depri_until else None, migrations=made)
+
+    async def end_event(self, event_id: str, principal: str, reason: str | None) -> EventEnded:
+        """End an event early (``POST /v1/events/{id}/end``): durable and audited before the answer
+        (``MigrationStore.end_event``), the pool unmasked here at once and on the other routers at
+        their next read of the events (``migration_poll_s``). No migration of it starts after; one
+        still ``requested`` rolls back; one with a target goes on -- committed when its target
+        verifies, else rolled back after ``migration_timeout_s`` (never committed cold or aborted at
+        the deadline: the pool stays). Ending it again answers the same, ``already_ended``."""
+        got = await self.store.submit(self.store.end_event(event_id, time.time(), principal, reason))
+        if got is None:
+            raise RouteFailure(404, "not_found", f"no pool event '{event_id}'",
+                               [{"field": "path.event_id", "message": "no event was posted with this id",
+                                 "suggestions": []}])
+        await self.reload_events()
+        if not got["already_ended"]:
+            LOG.info("pool event ended", extra={"fields": {"event_id": event_id, "pool": got["pool"],
+                                                           "by": principal, "open_migrations": got["open_migrations"]}})
+            self._wake.set()
+        return EventEnded(**got)
 
     @staticmethod
     def _reused(event_id: str) -> RouteFailure:
@@ -310,8 +348,12 @@ class Migrator:
                 LOG.warning("migrations not driven", extra={"fields": {"error": str(e)[:300]}})
 
     async def drive_all(self) -> None:
-        rows = await asyncio.to_thread(self.store.open_migrations)
+        keep = self.engine.events_keep
+        masked = [] if keep is None else [self.engine.offering_ids[a] for a in np.flatnonzero(~keep).tolist()]
         now = time.time()
+        st = self.settings
+        rows = await asyncio.to_thread(self.store.due_migrations, now, st.migration_grace_s, st.migration_timeout_s,
+                                       masked)
         todo = [r for r in rows if r.id not in self._busy and (
             r.record.state in (S.requested, S.verified) or self._out_of_time(r, now, grace=False)
             or self.masked(r.record.target))]
@@ -324,9 +366,16 @@ class Migrator:
         a = None if pool is None or keep is None else self.offering_index(pool)
         return a is not None and not bool(keep[a])
 
+    @staticmethod
+    def _going(row: Row) -> bool:
+        """Whether ``row``'s pool is going away: an event of a terminal kind, not ended since (a
+        migration of an ended event is one off a pool that stays: it rolls back rather than
+        committing cold or aborting)."""
+        return row.terminal_kind and not row.ended
+
     def _out_of_time(self, row: Row, now: float, grace: bool) -> bool:
         rec = row.record
-        if row.terminal_kind and rec.deadline is not None:  # (the notice window: the simulator's rule too)
+        if self._going(row) and rec.deadline is not None:  # (the notice window: the simulator's rule too)
             return rules.past_window(now, rec.deadline, self.settings.migration_grace_s if grace else 0.0)
         return rules.past_window(now, rec.created_at, self.settings.migration_timeout_s)
 
@@ -337,7 +386,9 @@ class Migrator:
         try:
             rec, now = row.record, time.time()
             if rec.state == S.requested:
-                if self._out_of_time(row, now, grace=False):
+                if row.ended:  # its event was ended before a target was chosen: nothing to move
+                    await self._give_up(row, f"its event {rec.event_id} was ended (POST /v1/events/{{id}}/end)")
+                elif self._out_of_time(row, now, grace=False):
                     await self._give_up(row, "no target before the deadline")
                 else:
                     await self._choose(row)
@@ -345,12 +396,12 @@ class Migrator:
                     self._out_of_time(row, now, grace=False)):
                 await self._retarget(row, f"the target {rec.target} got a pool event")
             elif rec.state == S.target_chosen and self._out_of_time(row, now, grace=False):
-                if row.terminal_kind:
+                if self._going(row):
                     await self._commit(row, recomputed=True)
                 else:
                     await self._give_up(row, "no snapshot within migration_timeout_s")
             elif rec.state == S.snapshot_announced and self._out_of_time(row, now, grace=True):
-                if row.terminal_kind:
+                if self._going(row):
                     await self._commit(row, recomputed=True)
                 else:
                     await self._give_up(row, "snapshot not verified within migration_timeout_s")
@@ -423,10 +474,10 @@ class Migrator:
         got = await self._target(row, row.attempt + 1, refused)
         if isinstance(got, RouteFailure):
             if final or got.status == 422:
-                dst = S.aborted if row.terminal_kind else S.rolled_back
+                dst = S.aborted if self._going(row) else S.rolled_back
                 text = f"{why}; no other target: {got.error}"
                 now = time.time()
-                ends = {"reason": text[:300], "tried": refused, "missed_window": row.terminal_kind}
+                ends = {"reason": text[:300], "tried": refused, "missed_window": self._going(row)}
                 await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst, now, text,
                                                               notify=self._notice(rec, dst, now, ends), **ends))
                 self._ended()
@@ -446,9 +497,9 @@ class Migrator:
 
     async def _give_up(self, row: Row, why: str) -> None:
         rec = row.record
-        dst = S.aborted if row.terminal_kind else S.rolled_back
+        dst = S.aborted if self._going(row) else S.rolled_back
         now = time.time()
-        ends = {"reason": why[:300], "missed_window": row.terminal_kind}
+        ends = {"reason": why[:300], "missed_window": self._going(row)}
         await self.store.submit(self.store.transition(rec.migration_id, rec.version, rec.state, dst, now, why,
                                                       notify=self._notice(rec, dst, now, ends), **ends))
         self._ended()
@@ -492,19 +543,23 @@ class Migrator:
         self._count("committed", 1)
         self._count("recomputed", int(recomputed))
         self._count("missed_window", int(missed))
-        # new turns' affinity goes to the new placement (a hint: best effort)
+        # the session's next turn goes to the new placement (``RoutingEngine.rank`` reads the mark) when
+        # it can take it; best effort: without the entry the turn is decided as any other
         if rec.target is not None:
             req = RouteRequest.model_validate_json(row.request_json)
             pool = self.engine.pool_key_of(rec.target, req.model)
-            await self._best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}", pool.encode(),
-                                                               self.settings.prefix_ttl_s),
-                              "session placement not updated in the shared state", migration=rec.migration_id)
+            await self._best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}",
+                                                                    migrated_entry(pool), self.settings.prefix_ttl_s),
+                                    "session placement not updated in the shared state", migration=rec.migration_id)
         return rec.model_copy(update={"state": S.committed, "version": v, "recomputed": recomputed,
                                       "missed_window": missed, "updated_at": now})
 
     # ------------------------------------------------------------------ the serving side's calls
-    async def _get(self, tenant: str | None, session_id: str, migration_id: str) -> Row:
-        row = await asyncio.to_thread(self.store.migration, migration_id)
+    async def _get(self, tenant: str | None, session_id: str, migration_id: str,
+                   read: dict[str, Row] | None = None) -> Row:
+        """The migration, checked to be the session's (404 else); ``read``: rows read already (a batch's)."""
+        row = read.get(migration_id) if read is not None else await asyncio.to_thread(self.store.migration,
+                                                                                        migration_id)
         if row is None or row.record.session_id != session_id or (tenant is not None and row.record.tenant != tenant):
             raise RouteFailure(404, "not_found", f"no migration '{migration_id}' of session '{session_id}'",
                                [{"field": "body.migration_id", "message": "unknown for this session",
@@ -518,8 +573,9 @@ class Migrator:
                                                f"{row.record.state.value}", "suggestions": []}],
                             extra={"migration": row.record.model_dump(mode="json")})
 
-    async def snapshot(self, tenant: str | None, session_id: str, body: Snapshot) -> MigrationRecord:
-        row = await self._get(tenant, session_id, body.migration_id)
+    async def snapshot(self, tenant: str | None, session_id: str, body: Snapshot,
+                       read: dict[str, Row] | None = None) -> MigrationRecord:
+        row = await self._get(tenant, session_id, body.migration_id, read)
         rec = row.record
         if rec.state != S.target_chosen:
             raise self._wrong_state(row, S.target_chosen)
@@ -537,8 +593,9 @@ class Migrator:
         return rec.model_copy(update={"state": S.snapshot_announced, "version": v, "last_ack_seq": body.last_ack_seq,
                                       "sha256": body.sha256, "uri": body.uri, "updated_at": now})
 
-    async def verify(self, tenant: str | None, session_id: str, body: Verification) -> MigrationRecord:
-        row = await self._get(tenant, session_id, body.migration_id)
+    async def verify(self, tenant: str | None, session_id: str, body: Verification,
+                     read: dict[str, Row] | None = None) -> MigrationRecord:
+        row = await self._get(tenant, session_id, body.migration_id, read)
         rec = row.record
         if rec.state != S.snapshot_announced:
             raise self._wrong_state(row, S.snapshot_announced)
@@ -572,6 +629,39 @@ class Migrator:
                                  "suggestions": []}], extra={"migration": now_row.record.model_dump(mode="json")})
         finally:
             self._busy.discard(row.id)
+
+    async def many(self, items: list[tuple[str | RouteFailure, Any]], verify: bool) -> list[ItemResult]:
+        """A batch of snapshots (or, ``verify``, verifications): each item as its single call
+        (``snapshot``, ``verify``), all read in one query and their transitions in the same group
+        commits; ``items``: (the session's tenant, or why the caller may not name it; the item)."""
+        read = await asyncio.to_thread(self.store.migrations, sorted({it.migration_id for _, it in items}))
+
+        async def one(tenant: str | RouteFailure, it: Any) -> ItemResult:
+            try:
+                if isinstance(tenant, RouteFailure):
+                    raise tenant
+                rec = await (self.verify if verify else self.snapshot)(tenant, it.session_id, it, read)
+                return ItemResult(session_id=it.session_id, status=200, migration=rec)
+            except RouteFailure as e:
+                got = e.extra.get("migration")
+                return ItemResult(session_id=it.session_id, status=e.status, error=e.error, message=e.message,
+                                  fields=e.fields, migration=None if got is None else MigrationRecord(**got))
+
+        return list(await asyncio.gather(*(one(t, it) for t, it in items)))
+
+    async def page(self, event_id: str, after: str, state: MigrationState | None, limit: int
+                   ) -> tuple[list[MigrationRecord], str | None]:
+        """A page of an event's migrations (``GET /v1/events/{id}/migrations``); 404 for an unknown event."""
+        def read() -> tuple[bool, list[Row]]:
+            known = bool(self.store.query("SELECT 1 FROM pool_events WHERE event_id = ?", (event_id,)))
+            return known, self.store.event_migrations(event_id, after, None if state is None else state.value, limit)
+
+        known, rows = await asyncio.to_thread(read)
+        if not known and not rows:
+            raise RouteFailure(404, "not_found", f"no pool event '{event_id}'",
+                               [{"field": "path.event_id", "message": "no event was posted with this id",
+                                 "suggestions": []}])
+        return [r.record for r in rows], (rows[-1].id if len(rows) == limit else None)
 
     # ------------------------------------------------------------------ reads
     async def view(self, tenant: str, session_id: str) -> SessionView | None:

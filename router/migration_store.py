@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from router import audit
 from router.store import is_postgres_url
 from xroute.schema.migration import TERMINAL, MigrationRecord, MigrationState, allowed
 
@@ -43,7 +44,10 @@ CREATE TABLE IF NOT EXISTS pool_events (
     masked_until {real} NOT NULL,
     deprioritize_until {real},
     principal TEXT NOT NULL,
-    body TEXT NOT NULL
+    body TEXT NOT NULL,
+    ended_at {real},
+    ended_by TEXT,
+    end_reason TEXT
 );
 CREATE TABLE IF NOT EXISTS migrations (
     migration_id TEXT PRIMARY KEY,
@@ -74,6 +78,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS migrations_open ON migrations (tenant, session
     WHERE state NOT IN ('committed', 'aborted', 'rolled_back');
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations (state);
 CREATE INDEX IF NOT EXISTS migrations_session ON migrations (tenant, session_id, updated_at);
+CREATE INDEX IF NOT EXISTS migrations_event ON migrations (event_id, migration_id);
 CREATE TABLE IF NOT EXISTS migration_transitions (
     migration_id TEXT NOT NULL,
     version {int} NOT NULL,
@@ -104,6 +109,9 @@ CREATE INDEX IF NOT EXISTS decisions_key ON decisions (idempotency_key) WHERE id
 """
 SQLITE_SCHEMA = _TABLES.format(real="REAL", int="INTEGER")
 PG_SCHEMA = _TABLES.format(real="DOUBLE PRECISION", int="BIGINT")
+#: columns added since the tables were first created: (table, column, SQLite type, PostgreSQL type)
+_ADDED = (("pool_events", "ended_at", "REAL", "DOUBLE PRECISION"), ("pool_events", "ended_by", "TEXT", "TEXT"),
+          ("pool_events", "end_reason", "TEXT", "TEXT"))
 _PG_LOCK = 0x78726F756D67  # "xroumg": the schema's creation across routers
 #: an idempotency key of a migration's target decision (``decisions.idempotency_key`` holds
 #: ``<tenant>:route:<key>``): such decisions are not a session's placement until committed
@@ -112,7 +120,10 @@ MIGRATION_KEY_PREFIX = "mig-"
 _COLUMNS = ("migration_id", "tenant", "session_id", "event_id", "terminal_kind", "source", "target",
             "target_decision", "state", "version", "attempt", "last_ack_seq", "sha256", "uri", "tried", "deadline",
             "recomputed", "missed_window", "reason", "request_json", "created_at", "updated_at")
-_SELECT = "SELECT " + ", ".join(_COLUMNS) + " FROM migrations"
+#: a migration with whether its event was ended (``POST /v1/events/{id}/end``): ``m.`` names its columns
+_SELECT = ("SELECT " + ", ".join(f"m.{c}" for c in _COLUMNS) + ", e.ended_at FROM migrations m "
+           "LEFT JOIN pool_events e ON e.event_id = m.event_id")
+_OPEN = tuple(s.value for s in MigrationState if s not in TERMINAL)
 
 
 class MigrationStoreError(Exception):
@@ -130,10 +141,12 @@ def _one_line(e: BaseException) -> str:
 class Row:
     """One ``migrations`` row: the record as answered, plus what the router keeps with it."""
 
-    __slots__ = ("attempt", "record", "request_json", "terminal_kind")
+    __slots__ = ("attempt", "ended", "record", "request_json", "terminal_kind")
 
     def __init__(self, t: tuple[Any, ...]):
         d = dict(zip(_COLUMNS, t))
+        #: its event was ended early: the pool stays (no cold commit, no abort at the deadline)
+        self.ended = len(t) > len(_COLUMNS) and t[len(_COLUMNS)] is not None
         self.attempt = int(d.pop("attempt"))
         self.request_json = str(d.pop("request_json"))
         self.terminal_kind = bool(d.pop("terminal_kind"))
@@ -179,6 +192,9 @@ class MigrationStore:
                 conn.execute("PRAGMA synchronous=FULL")
                 conn.execute("PRAGMA busy_timeout=10000")
                 conn.executescript(SQLITE_SCHEMA)
+                for table, col, lite, _pg in _ADDED:
+                    if col not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {lite}")
             else:
                 import psycopg
 
@@ -187,6 +203,8 @@ class MigrationStore:
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_LOCK,))
                     conn.execute(PG_SCHEMA)  # type: ignore[arg-type]
+                    for table, col, _lite, pg in _ADDED:
+                        conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col} {pg}")  # type: ignore[arg-type]
         except Exception as e:
             raise MigrationStoreError(f"migration store: {_one_line(e)}") from None
         self._conn = conn
@@ -364,6 +382,42 @@ class MigrationStore:
 
         return op
 
+    @staticmethod
+    def end_event(event_id: str, now: float, principal: str, reason: str | None) -> Op:
+        """End the event early: its mask and region bias end ``now`` (``events_active`` no longer
+        lists it, so every router unmasks the pool at its next read), who and why are kept with it,
+        and the change is audited (``router.audit``, kind ``pool_event``, action ``end``) in the same
+        transaction. Returns None for an unknown event, else the event as ended -- ``already_ended``
+        when it was before (nothing written) -- with the count of its migrations still open."""
+
+        def op(execute: Callable[..., Any]) -> dict[str, Any] | None:
+            got = execute("SELECT kind, pool, deadline, masked_until, deprioritize_until, ended_at, ended_by, "
+                          "end_reason FROM pool_events WHERE event_id = ?", (event_id,)).fetchone()
+            if got is None:
+                return None
+            kind, pool, deadline, masked, depri, ended_at, ended_by, why = got
+            n_open = int(execute(f"SELECT COUNT(*) FROM migrations WHERE event_id = ? AND state IN "
+                                 f"({', '.join('?' for _ in _OPEN)})", (event_id, *_OPEN)).fetchone()[0])
+            out = {"event_id": event_id, "kind": kind, "pool": pool, "open_migrations": n_open}
+            if ended_at is not None:
+                return {**out, "ended_at": float(ended_at), "ended_by": ended_by, "reason": why,
+                        "already_ended": True, "masked_until": float(masked)}
+            new_masked = min(float(masked), now)
+            new_depri = None if depri is None else min(float(depri), now)
+            execute("UPDATE pool_events SET ended_at = ?, ended_by = ?, end_reason = ?, masked_until = ?, "
+                    "deprioritize_until = ? WHERE event_id = ? AND ended_at IS NULL",
+                    (now, principal, reason, new_masked, new_depri, event_id))
+            before = {"kind": kind, "pool": pool, "deadline": deadline, "masked_until": masked,
+                      "deprioritize_until": depri}
+            audit.append(execute, principal, [audit.Change(
+                "end", "pool_event", event_id, before, {**before, "masked_until": new_masked,
+                                                        "deprioritize_until": new_depri, "ended_at": now,
+                                                        "reason": reason, "open_migrations": n_open})], None, at=now)
+            return {**out, "ended_at": now, "ended_by": principal, "reason": reason, "already_ended": False,
+                    "masked_until": new_masked}
+
+        return op
+
     # ------------------------------------------------------------------ webhook deliveries
     def due_webhooks(self, now: float, limit: int) -> list[tuple[str, str, str, str, int]]:
         """(delivery id, tenant, session id, body, attempts so far) of the pending deliveries due by
@@ -401,17 +455,52 @@ class MigrationStore:
                           "received_at FROM pool_events WHERE masked_until > ? OR deprioritize_until > ?", (now, now))
 
     def migration(self, migration_id: str) -> Row | None:
-        rows = self.query(_SELECT + " WHERE migration_id = ?", (migration_id,))
+        rows = self.query(_SELECT + " WHERE m.migration_id = ?", (migration_id,))
         return Row(rows[0]) if rows else None
 
+    def migrations(self, ids: list[str]) -> dict[str, Row]:
+        """The rows of ``ids`` (those that exist), in one read."""
+        out: dict[str, Row] = {}
+        for k in range(0, len(ids), 500):
+            part = ids[k:k + 500]
+            for t in self.query(_SELECT + f" WHERE m.migration_id IN ({', '.join('?' for _ in part)})", tuple(part)):
+                row = Row(t)
+                out[row.id] = row
+        return out
+
+    def event_migrations(self, event_id: str, after: str, state: str | None, limit: int) -> list[Row]:
+        """A page of ``event_id``'s migrations (in ``state``, if given), by id after ``after``."""
+        where, args = "m.event_id = ? AND m.migration_id > ?", [event_id, after]
+        if state is not None:
+            where += " AND m.state = ?"
+            args.append(state)
+        return [Row(t) for t in self.query(_SELECT + f" WHERE {where} ORDER BY m.migration_id LIMIT ?",
+                                           (*args, limit))]
+
     def open_migrations(self) -> list[Row]:
-        states = tuple(s.value for s in MigrationState if s not in TERMINAL)
-        return [Row(t) for t in self.query(_SELECT + f" WHERE state IN ({', '.join('?' for _ in states)}) "
-                                           "ORDER BY created_at", states)]
+        return [Row(t) for t in self.query(_SELECT + f" WHERE m.state IN ({', '.join('?' for _ in _OPEN)}) "
+                                           "ORDER BY m.created_at", _OPEN)]
+
+    def due_migrations(self, now: float, grace_s: float, timeout_s: float, masked: list[str]) -> list[Row]:
+        """The open migrations the router has something to do with now (``Migrator.drive``): to
+        choose a target for (``requested``), to commit (``verified``), out of time -- a pool that goes
+        away (terminal kind, a deadline, its event not ended): ``target_chosen`` past the deadline,
+        ``snapshot_announced`` past it plus ``grace_s``; otherwise older than ``timeout_s`` -- or
+        whose target a pool event masks (``masked``). Not the others, which wait for the serving side:
+        the loop reads these every ``migration_poll_s``, and a storm leaves thousands waiting."""
+        going = "m.terminal_kind = 1 AND m.deadline IS NOT NULL AND e.ended_at IS NULL"
+        where = (f"m.state IN ('requested', 'verified') OR (m.state IN ('target_chosen', 'snapshot_announced') AND ("
+                 f"({going} AND ((m.state = 'target_chosen' AND m.deadline <= ?) OR m.deadline <= ?)) "
+                 f"OR (NOT ({going}) AND m.created_at <= ?)")
+        args: list[Any] = [now, now - grace_s, now - timeout_s]
+        if masked:
+            where += f" OR m.target IN ({', '.join('?' for _ in masked)})"
+            args += masked
+        return [Row(t) for t in self.query(_SELECT + f" WHERE {where})) ORDER BY m.created_at", tuple(args))]
 
     def latest_migration(self, tenant: str, session_id: str) -> Row | None:
-        rows = self.query(_SELECT + " WHERE tenant = ? AND session_id = ? ORDER BY updated_at DESC, version DESC "
-                          "LIMIT 1", (tenant, session_id))
+        rows = self.query(_SELECT + " WHERE m.tenant = ? AND m.session_id = ? ORDER BY m.updated_at DESC, "
+                          "m.version DESC LIMIT 1", (tenant, session_id))
         return Row(rows[0]) if rows else None
 
     def transitions(self) -> list[tuple[Any, ...]]:

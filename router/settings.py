@@ -356,6 +356,9 @@ class RouterSettings(BaseSettings):
                                      "is not verified yet gets this long before its work restarts at the target")
     migration_timeout_s: float = Field(300.0, gt=0, le=86_400, description="a migration off a pool with no deadline "
                                        "(rebalance, degraded) not committed within this long rolls back")
+    migration_max_deadline_s: float = Field(6 * 3600.0, gt=0, le=30 * 86_400, description="the furthest ahead of its "
+                                            "receipt a pool event's deadline may be (a later one is refused, 422 "
+                                            "deadline_too_far): the clouds' notices are minutes, a drain is hours")
     migration_poll_s: float = Field(0.2, gt=0, le=60, description="how often unfinished migrations are driven and "
                                     "the pool events of other routers read")
     webhook_timeout_s: float = Field(5.0, gt=0, le=120, description="a webhook call's whole time limit")

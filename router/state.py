@@ -133,7 +133,8 @@ class Affinity:
     """:meth:`RouterState.prefix_lookup`'s answer: per pool with a match, the leading blocks of the
     request's prompt the index expects cached there (``runs``) and the pool's retention (the share
     of the predicted cached tokens its servers confirmed, 1 before any report); the pool the
-    request's session last went to within the age bound, or None."""
+    request's session last went to within the age bound, or None -- as stored: a committed
+    migration's target carries a mark (``router.engine.session_entry`` reads it)."""
 
     runs: dict[str, int]
     retention: dict[str, float]

@@ -22,7 +22,7 @@ decision logs were restored into it); the prefix affinity index (``router.state`
 hash>`` (hash pool -> "stamp:ready ms", at most ``envs.prefix.VIEW_ENTRIES`` pools, expiring with
 the age bound), ``pfx:sent`` / ``pfx:cap`` / ``pfx:ret`` (hashes per pool), ``pfx:pred:<decision>``
 (the pool and the cached tokens predicted, until feedback or the age bound), ``sess:<session>``
-(the pool its last request went to), ``restoring`` (the restores under way: below). Memory:
+(the pool its last request went to, or its committed migration's target, marked), ``restoring`` (the restores under way: below). Memory:
 O(pools + reservations held + idempotency keys within their TTL).
 
 A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is
@@ -509,6 +509,9 @@ local sess = false
 if ARGV[2] == '1' then sess = redis.call('GET', KEYS[4]) end
 return {out, sess}
 """
+# KEYS: the session's key; ARGV: its entry, ttl ms. A script (not a plain SET) so that it goes in the
+# iteration's pipeline: a burst of session writes (a migration storm's commits) takes one connection
+SESSION_PUT = "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])"
 # KEYS: held, sent, cap, session, prediction, then the block keys; ARGV: reservation id, ttl ms, has session,
 # entries per block, then per candidate pool: pool, capacity, predicted tokens, ms until computed.
 # Records on the pool the reservation took (nothing when it took none): run in the reservation's pipeline.
@@ -632,6 +635,7 @@ class RedisState(RouterState):
         self._pfx_lookup = self._r.register_script(PREFIX_LOOKUP)
         self._pfx_record = self._r.register_script(PREFIX_RECORD)
         self._pfx_feedback = self._r.register_script(PREFIX_FEEDBACK)
+        self._sess_put = self._r.register_script(SESSION_PUT)
         self._pfx_keys = [base + "pfx:sent", base + "pfx:cap", base + "pfx:ret"]
         #: the script calls of the current event-loop iteration, and the pipelines in flight
         self._batch: list[tuple[Any, list[str], list[Any], asyncio.Future[Any]]] = []
@@ -1022,10 +1026,7 @@ class RedisState(RouterState):
         return None if got is None else got if isinstance(got, bytes) else str(got).encode()
 
     async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
-        try:
-            await self._r.set(self.base + "sess:" + session_id, bytes(value), px=max(1, math.ceil(ttl_s * 1000)))
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            raise self._down(e) from None
+        await self._run(self._sess_put, [self.base + "sess:" + session_id], [bytes(value), max(1, math.ceil(ttl_s * 1000))])
 
     async def healthy(self) -> bool:
         """A ``PING`` within ``timeout_s`` (the readiness probe; its verdict goes into ``error``)."""

@@ -284,9 +284,10 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
 SEMANTIC_422 = frozenset({"invalid_constraints", "no_offering", "idempotency_key_reused", "invalid_prefix",
                           "invalid_cached_tokens", "invalid_policy", "invalid_tenant", "invalid_quota",
                           "invalid_binding", "invalid_role",
-                          # pool events (docs/migration.md): a deadline already past, a cloud payload (free-form
-                          # in the schema) that is no notice or is from another region than the pool
-                          "deadline_passed", "invalid_cloud_event", "location_mismatch"})
+                          # pool events (docs/migration.md): a deadline already past or beyond the plausible
+                          # (migration_max_deadline_s), a cloud payload (free-form in the schema) that is no
+                          # notice or is from another region than the pool
+                          "deadline_passed", "deadline_too_far", "invalid_cloud_event", "location_mismatch"})
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Pool events and session migrations (``router.migration``, ``docs/migration.md``):
-``POST /v1/events`` (admin or events key), ``GET /v1/sessions/{session_id}`` (the session's
+``POST /v1/events`` and ``POST /v1/events/{event_id}/end`` (admin or events key), ``GET /v1/sessions/{session_id}`` (the session's
 tenant; admin or events keys with ``?tenant=``), and the serving side's
 ``POST /v1/sessions/{session_id}/snapshot`` and ``/verify`` (admin or events key, ``?tenant=``)."""
 
@@ -25,13 +25,20 @@ from xroute.schema.access import admin_resource
 from xroute.schema.decision import ErrorResponse
 from xroute.schema.migration import (
     ID_PATTERN,
+    BatchResults,
     CloudEventEnvelope,
     EventAccepted,
+    EventEnd,
+    EventEnded,
+    MigrationPage,
     MigrationRecord,
+    MigrationState,
     PoolEvent,
     SessionView,
     Snapshot,
+    SnapshotBatch,
     Verification,
+    VerificationBatch,
 )
 
 router = APIRouter(prefix="/v1", tags=["migration"])
@@ -46,7 +53,8 @@ _EVENT_ERRORS: dict[int | str, dict[str, Any]] = {
     422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + "; a field is invalid (named in `fields`): "
           "`unknown_pool` (close "
           "matches in `suggestions`), `deadline_passed`, `invalid_cloud_event` (the cloud payload's field named), "
-          "`location_mismatch` (the payload's region is not the pool's); nothing is stored"}}
+          "`location_mismatch` (the payload's region is not the pool's), `deadline_too_far` (more than "
+          "`migration_max_deadline_s` ahead); nothing is stored"}}
 _SESSION_ERRORS: dict[int | str, dict[str, Any]] = {
     **_AUTH,
     404: {"model": ErrorResponse, "description": "`not_found`: no such session (or migration) for the tenant"},
@@ -124,11 +132,62 @@ async def post_event(caller: WriteEvents, body: Annotated[Any, Body()]) -> Event
                            headers={"Retry-After": "5"}) from None
 
 
+EventIdPath = Annotated[str, Path(pattern=ID_PATTERN, description="the event's id, as it was posted")]
+
+
+@router.post("/events/{event_id}/end", response_model=EventEnded, responses={  # type: ignore[arg-type]
+    **_AUTH, 404: {"model": ErrorResponse, "description": "`not_found`: no event was posted with this id"},
+    422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + "; a field is invalid (named in `fields`)"}},
+             summary="End a pool event early: its pool unmasked on every router (admin or events key)")
+async def end_event(caller: WriteEvents, event_id: EventIdPath,
+                    body: Annotated[EventEnd | None, Body()] = None) -> EventEnded:
+    """End (withdraw) an event: durable and audited (kind ``pool_event``, action ``end``) before
+    the answer; its pool unmasked and its region no longer de-prioritized on this router at once,
+    on the others within ``migration_poll_s``. No migration of it starts after; one still choosing
+    a target rolls back; one with a target goes on -- committed when its target verifies, else rolled
+    back after ``migration_timeout_s`` (never committed cold at the deadline: the pool stays). The
+    event stays stored: the same id posted again is a duplicate and masks nothing. Ending it again
+    answers the same with ``already_ended: true``."""
+    mig = _migrator(caller.svc)
+    try:
+        return await mig.end_event(event_id, f"key:{caller.who.key_id}", None if body is None else body.reason)
+    except MigrationStoreError as e:
+        raise RouteFailure(503, "unavailable", f"the migration log cannot record the end ({e})",
+                           headers={"Retry-After": "5"}) from None
+
+
+@router.get("/events/{event_id}/migrations", response_model=MigrationPage, responses={  # type: ignore[arg-type]
+    **_AUTH, 404: {"model": ErrorResponse, "description": "`not_found`: no event was posted with this id"},
+    422: {"model": ErrorResponse, "description": "a query parameter is invalid (named in `fields`)"}},
+            summary="An event's migrations, a page at a time (admin or events key with admin:read:sessions)")
+async def event_migrations(caller: WriteEvents, event_id: EventIdPath,
+                           state: Annotated[MigrationState | None, Query(description="only those in this state")] = None,
+                           after: Annotated[str, Query(max_length=128, description="the page after this migration "
+                                                       "id (`next_after`)")] = "",
+                           limit: Annotated[int, Query(ge=1, le=1000)] = 1000) -> MigrationPage:
+    """What a serving side moving a pool's sessions reads instead of one ``GET /v1/sessions/{id}``
+    per session: the event's migrations (every tenant's), by id."""
+    _may_read_sessions(caller)  # (every tenant's sessions)
+    try:
+        got, nxt = await _migrator(caller.svc).page(event_id, after, state, limit)
+    except MigrationStoreError as e:
+        raise RouteFailure(503, "unavailable", f"the migration log cannot be read ({e})",
+                           headers={"Retry-After": "5"}) from None
+    return MigrationPage(migrations=got, next_after=nxt)
+
+
 def _location(body: dict[str, Any]) -> str | None:
     try:
         return parse_notice(body["cloud"]).location
     except NoticeError:
         return None
+
+
+def _may_read_sessions(caller: Any) -> None:
+    """A 403 naming ``admin:read:sessions`` unless the key's roles grant it (admin, events)."""
+    who = caller.who
+    if not caller.svc.engine.access.permissions(who).allows(admin_resource("read", "sessions")):
+        raise RouteFailure(**admin_denied(who, "read", "sessions"))
 
 
 def _tenant_of(caller: Any, tenant: str | None) -> str:
@@ -137,8 +196,7 @@ def _tenant_of(caller: Any, tenant: str | None) -> str:
     who = caller.who
     if tenant is None or tenant == who.tenant:
         return str(who.tenant)
-    if not caller.svc.engine.access.permissions(who).allows(admin_resource("read", "sessions")):
-        raise RouteFailure(**admin_denied(who, "read", "sessions"))
+    _may_read_sessions(caller)
     return tenant
 
 
@@ -198,4 +256,40 @@ async def post_verify(caller: WriteEvents, session_id: SessionId, body: Verifica
         return await mig.verify(_tenant_of(caller, tenant), session_id, body)
     except MigrationStoreError as e:
         raise RouteFailure(503, "unavailable", f"the migration log cannot record it ({e})",
+                           headers={"Retry-After": "5"}) from None
+
+
+def _tenants(caller: Any, items: list[Any]) -> list[tuple[str | RouteFailure, Any]]:
+    out: list[tuple[str | RouteFailure, Any]] = []
+    for it in items:
+        try:
+            out.append((_tenant_of(caller, it.tenant), it))
+        except RouteFailure as e:
+            out.append((e, it))
+    return out
+
+
+@router.post("/sessions/snapshots", response_model=BatchResults, responses=_SESSION_ERRORS,  # type: ignore[arg-type]
+             summary="The serving side announces many migrating sessions' snapshots at once")
+async def post_snapshots(caller: WriteEvents, body: SnapshotBatch) -> BatchResults:
+    """Each item as ``POST /v1/sessions/{session_id}/snapshot`` (up to 1,000, read in one query,
+    their transitions in the same group commits), each durable before the answer; each item's
+    outcome is in ``results`` (its ``status``: what the single call would have answered)."""
+    try:
+        return BatchResults(results=await _migrator(caller.svc).many(_tenants(caller, body.items), verify=False))
+    except MigrationStoreError as e:
+        raise RouteFailure(503, "unavailable", f"the migration log cannot record them ({e})",
+                           headers={"Retry-After": "5"}) from None
+
+
+@router.post("/sessions/verifications", response_model=BatchResults,  # type: ignore[arg-type]
+             responses=_SESSION_ERRORS, summary="The targets confirm many snapshots' hashes at once")
+async def post_verifications(caller: WriteEvents, body: VerificationBatch) -> BatchResults:
+    """Each item as ``POST /v1/sessions/{session_id}/verify`` (up to 1,000, read in one query,
+    their transitions in the same group commits), each durable before the answer; each item's
+    outcome is in ``results`` (its ``status``: what the single call would have answered)."""
+    try:
+        return BatchResults(results=await _migrator(caller.svc).many(_tenants(caller, body.items), verify=True))
+    except MigrationStoreError as e:
+        raise RouteFailure(503, "unavailable", f"the migration log cannot record them ({e})",
                            headers={"Retry-After": "5"}) from None

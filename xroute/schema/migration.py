@@ -213,6 +213,91 @@ class EventAccepted(BaseModel):
     migrations: int = Field(description="migrations the event started")
 
 
+#: the most items one batch of snapshots or verifications may carry
+BATCH_MAX = 1000
+
+
+class SnapshotItem(Snapshot):
+    """One session's snapshot in a batch (``POST /v1/sessions/snapshots``)."""
+
+    session_id: str = Field(pattern=ID_PATTERN)
+    tenant: str | None = Field(None, min_length=1, max_length=64, description="the session's tenant (default: the "
+                                                                             "key's; another needs admin:read:sessions)")
+
+
+class VerificationItem(Verification):
+    """One session's verification in a batch (``POST /v1/sessions/verifications``)."""
+
+    session_id: str = Field(pattern=ID_PATTERN)
+    tenant: str | None = Field(None, min_length=1, max_length=64, description="the session's tenant (default: the "
+                                                                             "key's; another needs admin:read:sessions)")
+
+
+class SnapshotBatch(BaseModel):
+    """Many sessions' snapshots at once: a serving side moving a whole pool's sessions off one notice."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    items: list[SnapshotItem] = Field(min_length=1, max_length=BATCH_MAX)
+
+
+class VerificationBatch(BaseModel):
+    """Many sessions' verifications at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    items: list[VerificationItem] = Field(min_length=1, max_length=BATCH_MAX)
+
+
+class ItemResult(BaseModel):
+    """One item's outcome in a batch: ``status`` is what the single call would have answered, with
+    the migration as it is now (200, or a 409 that carries it) or the error (``error``,
+    ``message``, ``fields``: the single call's error body)."""
+
+    session_id: str
+    status: int
+    migration: MigrationRecord | None = None
+    error: str | None = None
+    message: str | None = None
+    fields: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class BatchResults(BaseModel):
+    """A batch's answer: one result per item, in the items' order (each durable before the answer)."""
+
+    results: list[ItemResult]
+
+
+class MigrationPage(BaseModel):
+    """``GET /v1/events/{event_id}/migrations``: a page of the event's migrations, by id."""
+
+    migrations: list[MigrationRecord]
+    next_after: str | None = Field(description="pass as `after` for the next page (None: no more)")
+
+
+class EventEnd(BaseModel):
+    """``POST /v1/events/{event_id}/end``'s body (optional): why the event is ended early."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str | None = Field(None, max_length=500, description="kept with the event and in the audit log")
+
+
+class EventEnded(BaseModel):
+    """``POST /v1/events/{event_id}/end``'s answer: the event as ended (now, or before)."""
+
+    event_id: str
+    kind: EventKind
+    pool: str
+    ended_at: float = Field(description="when it was ended (epoch seconds)")
+    ended_by: str = Field(description="who ended it (key:<key id>)")
+    reason: str | None
+    already_ended: bool = Field(description="it was ended before: nothing new was done")
+    masked_until: float = Field(description="the pool's mask ends here (the end, or earlier if it had lapsed)")
+    open_migrations: int = Field(description="its migrations not ended yet: those with a target go on to their end "
+                                             "(committed when verified, else rolled back), the others roll back")
+
+
 # ---------------------------------------------------------------------------------------- webhooks
 #: the header carrying a webhook's signature: ``t=<unix seconds>,v1=<hex HMAC-SHA256>``
 SIGNATURE_HEADER = "X-Xroute-Signature"
