@@ -39,9 +39,11 @@ def serve(
     from router.engine import RoutingEngine
     from router.gateway.service import check_settings
     from router.settings import load_settings
+    from router.startup import CLOCK
     from router.store import is_postgres_url
     from xroute.errors import ConfigError
 
+    CLOCK.mark("imports")
     if not 1 <= workers <= 256:
         raise ConfigError(f"--workers: must be from 1 to 256, got {workers}")
     pg = db is not None and is_postgres_url(db)
@@ -49,6 +51,7 @@ def serve(
                "db_path": None if pg or db is None else Path(db), "db_url": db if pg else None,
                "keys_file": keys_file, "log_level": log_level}
     settings = load_settings(config, **options)
+    CLOCK.mark("settings")
     if workers > 1 and settings.state_backend == "embedded":
         raise ConfigError(f"--workers {workers}: the embedded state lives in one process, so each worker would see "
                           "only its own decisions and could overfill the pools; set state_backend: redis with a "
@@ -64,6 +67,7 @@ def serve(
         from router.store_pg import check_reachable
 
         check_reachable(settings.db_url.get_secret_value())
+    CLOCK.mark("checks")
     serving = {"host": host, "port": port, "log_config": None, "access_log": False, "timeout_graceful_shutdown": 10,
                "server_header": False}
     if workers == 1:
