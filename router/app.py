@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import hashlib
 import math
 import socket
@@ -51,7 +50,7 @@ from router.routes import migration as migration_routes
 from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
-from router.startup import CLOCK
+from router.startup import CLOCK, release_gc
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from router.webhooks import WebhookSender
@@ -490,8 +489,8 @@ def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: 
 
 def app_from_environment() -> FastAPI:
     """The app with settings from the config file and the environment only: what each worker of
-    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``).
-    The worker dies with the command's process (``router.lifeline``)."""
+    ``xroute serve --workers N`` builds (``router.worker``; the command puts its options into
+    ``XROUTE_ROUTER_*``). The worker dies with the command's process (``router.lifeline``)."""
     from router.lifeline import follow_supervisor
 
     CLOCK.mark("imports")
@@ -607,8 +606,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
         sys.setswitchinterval(settings.gil_switch_interval_s)
-        gc.collect()
-        gc.freeze()  # start-up objects never need collecting: shorter GC pauses while serving
+        release_gc()  # start-up objects frozen: shorter GC pauses while serving (router.startup)
         CLOCK.mark("gc")
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,

@@ -31,6 +31,17 @@ def serve(
                                               "state_backend: redis (they share its view)")] = 1,
 ) -> None:
     """Serve the routing API over HTTP (see docs/router.md)."""
+    from router.startup import hold_gc, release_gc
+
+    hold_gc()  # until the app's lifespan has started (router.startup)
+    try:
+        _serve(host, port, telemetry, live, config, model, fallback, db, keys_file, log_level, workers)
+    finally:
+        release_gc(only_if_held=True)  # (a start that failed before the app's lifespan ended it)
+
+
+def _serve(host: str, port: int, telemetry: Path | None, live: bool | None, config: Path | None, model: str | None,
+           fallback: str | None, db: str | None, keys_file: Path | None, log_level: str | None, workers: int) -> None:
     import os
 
     import uvicorn
@@ -39,10 +50,11 @@ def serve(
     from router.engine import RoutingEngine
     from router.gateway.service import check_settings
     from router.settings import load_settings
-    from router.startup import CLOCK
+    from router.startup import CLOCK, freeze_imports, release_gc
     from router.store import is_postgres_url
     from xroute.errors import ConfigError
 
+    freeze_imports()
     CLOCK.mark("imports")
     if not 1 <= workers <= 256:
         raise ConfigError(f"--workers: must be from 1 to 256, got {workers}")
@@ -76,6 +88,7 @@ def serve(
     # several workers: each builds the app from the config file and the environment, so this
     # command's options go to them as the environment variables they override
     del engine
+    release_gc()  # (the supervisor runs no lifespan of its own)
     from router.lifeline import SUPERVISOR_ENV
     from router.logs import configure_logging
 
@@ -86,7 +99,7 @@ def serve(
     for field, value in options.items():
         if value is not None:
             os.environ[f"XROUTE_ROUTER_{field.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
-    uvicorn.run("router.app:app_from_environment", factory=True, workers=workers, **serving)  # type: ignore[arg-type]
+    uvicorn.run("router.worker:app", factory=True, workers=workers, **serving)  # type: ignore[arg-type]
 
 
 def export_feedback(

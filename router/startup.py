@@ -4,6 +4,16 @@ logged with ``router ready`` (``start_s``: seconds per phase, in order; ``starte
 process's start to ready). ``benchmarks/bench_startup.py`` reads it; ``docs/router.md``,
 "Start time", has the figures.
 
+The cyclic garbage collector is held off for the start (:func:`hold_gc`, by ``xroute serve``
+and by each of its workers, ``router.worker``): a start makes ~400,000 objects that live as long as
+the process -- modules, the environment, the model -- and the collector walked them again and again
+as they came, 6 full collections and ~900 young ones, 0.4-0.7 s of CPU in a start of ~3 s. The
+imports' objects are frozen once imported (:func:`freeze_imports`); at the end of the start
+(:func:`release_gc`, in the app's lifespan) one collection walks what came after them (it finds
+~3,400 unreachable objects), everything is frozen (never walked again while serving: shorter GC
+pauses) and the collector is back on. An app built in an other process (a test's server thread)
+never held it: there the end of its start collects the young generations and freezes.
+
 The process's start comes from ``/proc/self/stat`` (Linux: its start time in clock ticks since
 boot, against ``CLOCK_BOOTTIME``), so the first phase (``imports``: the interpreter and the modules
 loaded before the first mark) is measured too; elsewhere the clock starts when this module is
@@ -12,6 +22,7 @@ imported.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -58,3 +69,31 @@ class StartClock:
 
 #: this process's clock
 CLOCK = StartClock()
+#: whether :func:`hold_gc` turned the collector off (and :func:`release_gc` turns it back on)
+_held = [False]
+
+
+def hold_gc() -> None:
+    """No cyclic garbage collection until :func:`release_gc` (module docstring)."""
+    if gc.isenabled():
+        gc.disable()
+        _held[0] = True
+
+
+def freeze_imports() -> None:
+    """After the start's imports, with the collector held: their objects moved out of its reach for good."""
+    if _held[0]:
+        gc.freeze()
+
+
+def release_gc(only_if_held: bool = False) -> None:
+    """The end of the start: collect (all that is not frozen if the collector was held, else the
+    young generations), freeze what is left, and the collector back on if :func:`hold_gc` held it.
+    ``only_if_held``: nothing unless it is held (a start that failed before its end)."""
+    if only_if_held and not _held[0]:
+        return
+    gc.collect(2 if _held[0] else 1)
+    gc.freeze()
+    if _held[0]:
+        gc.enable()
+        _held[0] = False
