@@ -46,7 +46,8 @@ def _serve(host: str, port: int, telemetry: Path | None, live: bool | None, conf
 
     import uvicorn
 
-    from router.app import create_app
+    if workers == 1:  # (the supervisor of several builds no app: its workers do, router.worker)
+        from router.app import create_app
     from router.engine import RoutingEngine
     from router.gateway.service import check_settings
     from router.settings import load_settings
