@@ -50,7 +50,7 @@ from router.routes import migration as migration_routes
 from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
-from router.startup import CLOCK, release_gc
+from router.startup import CLOCK, release_gc, settle_gc
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from router.webhooks import WebhookSender
@@ -550,6 +550,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             access_store.close()
             raise
         CLOCK.mark("policy_store")
+        settle_gc()  # (router.startup)
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         CLOCK.mark("model")

@@ -51,7 +51,7 @@ def _serve(host: str, port: int, telemetry: Path | None, live: bool | None, conf
     from router.engine import RoutingEngine
     from router.gateway.service import check_settings
     from router.settings import load_settings
-    from router.startup import CLOCK, freeze_imports, release_gc
+    from router.startup import CLOCK, freeze_imports, release_gc, settle_gc
     from router.store import is_postgres_url
     from xroute.errors import ConfigError
 
@@ -89,7 +89,8 @@ def _serve(host: str, port: int, telemetry: Path | None, live: bool | None, conf
     # several workers: each builds the app from the config file and the environment, so this
     # command's options go to them as the environment variables they override
     del engine
-    release_gc()  # (the supervisor runs no lifespan of its own)
+    settle_gc()  # (the supervisor runs no lifespan of its own: its engine collected, the collector back on)
+    release_gc()
     from router.lifeline import SUPERVISOR_ENV
     from router.logs import configure_logging
 
