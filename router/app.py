@@ -551,6 +551,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             raise
         CLOCK.mark("policy_store")
         settle_gc()  # (router.startup)
+        CLOCK.mark("gc")
         models = ModelManager(engine, settings, metrics)
         await models.initial()
         CLOCK.mark("model")

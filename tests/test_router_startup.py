@@ -29,9 +29,9 @@ from tests.test_router_support import ROUTE, RouterSetup, make_setup
 #: the phases a start of ``xroute serve`` marks, in order (one worker: the engine before the server;
 #: a worker of several: the engine inside the app's lifespan)
 ONE_WORKER = ["imports", "settings", "kernels", "telemetry", "environment", "engine", "checks", "server",
-              "decision_log", "policy_store", "model", "state", "services", "gc"]
+              "decision_log", "policy_store", "gc", "model", "state", "services"]
 A_WORKER = ["imports", "settings", "server", "kernels", "telemetry", "environment", "engine", "decision_log",
-            "policy_store", "model", "state", "services", "gc"]
+            "policy_store", "gc", "model", "state", "services"]
 
 
 def test_the_clock_counts_from_the_process_start_and_adds_up_its_phases() -> None:
