@@ -130,15 +130,17 @@ def _epoch(ts: str) -> float:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
 
-def start_once(checkout: Path, workers: int, workdir: Path, label: str, numba_dir: Path, keys: Path, key: str,
+def start_once(checkout: Path, workers: int, workdir: Path, label: str, numba_dir: Path | None, keys: Path, key: str,
                redis_url: str | None, model: bool, n: int) -> dict[str, Any]:
     """One start of the checkout's ``xroute serve``: the times to ready and to the first decision,
-    and the phases its log shows."""
+    and the phases its log shows (``numba_dir``: numba's cache there; None: where numba keeps it)."""
     port = free_port()
     log = workdir / "logs" / f"{label}-w{workers}-{n}.log"
     log.parent.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(checkout), "NUMBA_CACHE_DIR": str(numba_dir),
-           "MLFLOW_DISABLE_TELEMETRY": "true", "XROUTE_ROUTER_CONFIG": str(workdir / "router.yaml")}
+    env = {**os.environ, "PYTHONPATH": str(checkout), "MLFLOW_DISABLE_TELEMETRY": "true",
+           "XROUTE_ROUTER_CONFIG": str(workdir / "router.yaml")}
+    if numba_dir is not None:
+        env["NUMBA_CACHE_DIR"] = str(numba_dir)
     env.pop("MLFLOW_TRACKING_URI", None)  # the default store: runs/mlflow.db under the working directory
     if redis_url is not None:
         env.update({"XROUTE_ROUTER_STATE_BACKEND": "redis", "XROUTE_ROUTER_STATE_URL": redis_url,
