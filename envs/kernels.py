@@ -15,16 +15,42 @@ request) both run these, so the formulas exist once:
 * :func:`exact_outcomes` -- the hindsight oracle's view (realized output, noise, true queues).
 
 Compiled on first use and cached on disk beside this file (``cache=True``).
+
+numba invalidates a cached function when its own file changes, not when a function it calls from
+another file does (nor a global constant it read, such as ``envs.features``' layout). So a compiled
+function elsewhere that calls these -- ``router.kernels``, ``models.policy`` -- is a closure over
+:data:`DIGEST`, the digest of this file and ``envs/features.py``: numba's cache key hashes a
+function's closure variables, so an edit here makes a new entry there instead of a stale load
+(``tests/test_kernels.py`` edits a copy of this file and checks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 from numba import njit
 
 from envs import features as fz
+
+
+def source_digest(*files: str | os.PathLike[str]) -> str:
+    """A digest of the files' bytes (or, when one cannot be read, a fresh random one: nothing
+    cached under it is ever found again, so nothing stale is loaded)."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        for f in files:
+            h.update(Path(f).read_bytes())
+    except OSError:
+        return os.urandom(16).hex()
+    return h.hexdigest()
+
+
+#: what a compiled function calling these kernels compiles into itself, as a digest (module docstring)
+DIGEST = source_digest(__file__, fz.__file__)
 
 _VALID, _RTT, _BUSY, _WAIT = fz.F["valid"], fz.F["rtt"], fz.F["busy"], fz.F["wait"]
 _RISK, _LAT, _COST, _VIOL = fz.F["preempt_risk"], fz.F["exp_latency"], fz.F["exp_cost"], fz.F["exp_violation"]

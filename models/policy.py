@@ -136,37 +136,49 @@ def _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx):  
     return h[:, 0].copy()
 
 
-@njit  # not cache=True: it compiles envs.kernels.expected_reward into itself (see router/kernels.py)
-def _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms):  # pragma: no cover
-    """:meth:`RewardPrior.scores` of one request: the budget back from its feature, then
-    ``envs.kernels.expected_reward`` row by row (float64, returned as float32)."""
-    budget = np.expm1(np.float64(request[ib]) * 12.0)
-    if budget < 1.0:
-        budget = 1.0
-    retry_n = retry_ms / budget
-    n = rows.shape[0]
-    out = np.empty(n, dtype=np.float32)
-    for i in range(n):
-        out[i] = env_kernels.expected_reward(np.float64(rows[i, ic]), np.float64(rows[i, il]), np.float64(rows[i, iv]),
-                                             np.float64(rows[i, ir]), retry_n, cw, lw, sp, ccap, lcap)
-    return out
+def _against(digest: str) -> tuple[Any, ...]:
+    """The kernels that compile ``envs.kernels.expected_reward`` into themselves, cached on disk as
+    closures over ``digest`` (``envs.kernels.DIGEST``): numba's cache key hashes a closure's
+    variables, so an edit of the environment's kernels is a new cache entry here, not a stale load
+    (``router/kernels.py`` says more). They call each other by their names in this module."""
+
+    @njit(cache=True)
+    def prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms):  # pragma: no cover
+        """:meth:`RewardPrior.scores` of one request: the budget back from its feature, then
+        ``envs.kernels.expected_reward`` row by row (float64, returned as float32)."""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/kernels.py)
+        budget = np.expm1(np.float64(request[ib]) * 12.0)
+        if budget < 1.0:
+            budget = 1.0
+        retry_n = retry_ms / budget
+        n = rows.shape[0]
+        out = np.empty(n, dtype=np.float32)
+        for i in range(n):
+            out[i] = env_kernels.expected_reward(np.float64(rows[i, ic]), np.float64(rows[i, il]), np.float64(rows[i, iv]),
+                                                 np.float64(rows[i, ir]), retry_n, cw, lw, sp, ccap, lcap)
+        return out
+
+    @njit(cache=True)
+    def mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, ib, cw, lw, sp,
+                       ccap, lcap, retry_ms, margin):  # pragma: no cover
+        """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
+        ``s += prior``), and ``margin`` added to the prior's best row (:attr:`RouterWeights.margin`)."""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/kernels.py)
+        s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
+        p = _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms)
+        best = 0
+        for i in range(s.shape[0]):
+            s[i] += p[i]
+            if p[i] > p[best]:
+                best = i
+        if s.shape[0] > 0:
+            s[best] += np.float32(margin)
+        return s
+
+    return prior_one, mlp_prior_one
 
 
-@njit  # not cache=True, as _prior_one
-def _mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, ib, cw, lw, sp,
-                   ccap, lcap, retry_ms, margin):  # pragma: no cover
-    """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
-    ``s += prior``), and ``margin`` added to the prior's best row (:attr:`RouterWeights.margin`)."""
-    s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
-    p = _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms)
-    best = 0
-    for i in range(s.shape[0]):
-        s[i] += p[i]
-        if p[i] > p[best]:
-            best = i
-    if s.shape[0] > 0:
-        s[best] += np.float32(margin)
-    return s
+_prior_one, _mlp_prior_one = _against(env_kernels.DIGEST)
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import hashlib
 import math
 import socket
@@ -51,6 +50,7 @@ from router.routes import migration as migration_routes
 from router.routes import policies as policy_routes
 from router.scrape import InferenceScraper
 from router.settings import RouterSettings, load_settings
+from router.startup import CLOCK, release_gc, settle_gc
 from router.state import EmbeddedState, RouterState, StateUnavailable
 from router.store import DecisionStore, GroupCommitLog
 from router.webhooks import WebhookSender
@@ -489,12 +489,15 @@ def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: 
 
 def app_from_environment() -> FastAPI:
     """The app with settings from the config file and the environment only: what each worker of
-    ``xroute serve --workers N`` builds (the command puts its options into ``XROUTE_ROUTER_*``).
-    The worker dies with the command's process (``router.lifeline``)."""
+    ``xroute serve --workers N`` builds (``router.worker``; the command puts its options into
+    ``XROUTE_ROUTER_*``). The worker dies with the command's process (``router.lifeline``)."""
     from router.lifeline import follow_supervisor
 
+    CLOCK.mark("imports")
     follow_supervisor()
-    return create_app(load_settings())
+    settings = load_settings()
+    CLOCK.mark("settings")
+    return create_app(settings)
 
 
 def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | None = None) -> FastAPI:
@@ -507,6 +510,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
 
     @asynccontextmanager
     async def lifespan(app: RouterApp) -> AsyncIterator[None]:
+        CLOCK.mark("server")
         built = prebuilt.pop() if prebuilt else None
         engine: RoutingEngine = built if built is not None else await asyncio.to_thread(RoutingEngine, settings)
         keys = KeyStore(settings.keys_file)
@@ -514,6 +518,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             LOG.warning("no API keys: every keyed route answers 401; add one with python -m router.keys add",
                         extra={"fields": {"keys_file": str(settings.keys_file)}})
         store = await open_decision_log(settings, metrics, engine)
+        CLOCK.mark("decision_log")
         # the routing policies: the versioned store on the decision log's backend, its files applied
         # and its head installed before the first decision (a store that cannot be opened, or a bad
         # policy file, stops the start: the router never decides without the policies it should have)
@@ -544,8 +549,12 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             policy_store.close()
             access_store.close()
             raise
+        CLOCK.mark("policy_store")
+        settle_gc()  # (router.startup)
+        CLOCK.mark("gc")
         models = ModelManager(engine, settings, metrics)
         await models.initial()
+        CLOCK.mark("model")
         state = await open_router_state(settings)
         sync = None
         if isinstance(state, EmbeddedState):
@@ -559,6 +568,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
                 await sync.settle_start()
             except StateUnavailable:
                 pass  # (the shared view's loop tries again)
+        CLOCK.mark("state")
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
         readiness = Readiness(store, state, settings.ready_probe_s)
         await readiness.probe()
@@ -582,6 +592,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             policy_store.close()
             access_store.close()
             raise
+        CLOCK.mark("services")
         app.services = services
         tasks = [asyncio.create_task(models.watch(), name="model-watch"),
                  asyncio.create_task(readiness.run(), name="readiness"),
@@ -597,13 +608,13 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
         switch = sys.getswitchinterval()
         sys.setswitchinterval(settings.gil_switch_interval_s)
-        gc.collect()
-        gc.freeze()  # start-up objects never need collecting: shorter GC pauses while serving
+        release_gc()  # start-up objects frozen: shorter GC pauses while serving (router.startup)
+        CLOCK.mark("gc")
         LOG.info("router ready", extra={"fields": {
             "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
             "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
             "routing_policies": engine.policy_version,
-            "decision_log": store.describe().get("url") or str(settings.db_path)}})
+            "decision_log": store.describe().get("url") or str(settings.db_path), **CLOCK.report()}})
         try:
             yield
         finally:

@@ -31,17 +31,32 @@ def serve(
                                               "state_backend: redis (they share its view)")] = 1,
 ) -> None:
     """Serve the routing API over HTTP (see docs/router.md)."""
+    from router.startup import hold_gc, release_gc
+
+    hold_gc()  # until the app's lifespan has started (router.startup)
+    try:
+        _serve(host, port, telemetry, live, config, model, fallback, db, keys_file, log_level, workers)
+    finally:
+        release_gc(only_if_held=True)  # (a start that failed before the app's lifespan ended it)
+
+
+def _serve(host: str, port: int, telemetry: Path | None, live: bool | None, config: Path | None, model: str | None,
+           fallback: str | None, db: str | None, keys_file: Path | None, log_level: str | None, workers: int) -> None:
     import os
 
     import uvicorn
 
-    from router.app import create_app
+    if workers == 1:  # (the supervisor of several builds no app: its workers do, router.worker)
+        from router.app import create_app
     from router.engine import RoutingEngine
     from router.gateway.service import check_settings
     from router.settings import load_settings
+    from router.startup import CLOCK, freeze_imports, release_gc, settle_gc
     from router.store import is_postgres_url
     from xroute.errors import ConfigError
 
+    freeze_imports()
+    CLOCK.mark("imports")
     if not 1 <= workers <= 256:
         raise ConfigError(f"--workers: must be from 1 to 256, got {workers}")
     pg = db is not None and is_postgres_url(db)
@@ -49,6 +64,7 @@ def serve(
                "db_path": None if pg or db is None else Path(db), "db_url": db if pg else None,
                "keys_file": keys_file, "log_level": log_level}
     settings = load_settings(config, **options)
+    CLOCK.mark("settings")
     if workers > 1 and settings.state_backend == "embedded":
         raise ConfigError(f"--workers {workers}: the embedded state lives in one process, so each worker would see "
                           "only its own decisions and could overfill the pools; set state_backend: redis with a "
@@ -64,6 +80,7 @@ def serve(
         from router.store_pg import check_reachable
 
         check_reachable(settings.db_url.get_secret_value())
+    CLOCK.mark("checks")
     serving = {"host": host, "port": port, "log_config": None, "access_log": False, "timeout_graceful_shutdown": 10,
                "server_header": False}
     if workers == 1:
@@ -72,6 +89,8 @@ def serve(
     # several workers: each builds the app from the config file and the environment, so this
     # command's options go to them as the environment variables they override
     del engine
+    settle_gc()  # (the supervisor runs no lifespan of its own: its engine collected, the collector back on)
+    release_gc()
     from router.lifeline import SUPERVISOR_ENV
     from router.logs import configure_logging
 
@@ -82,7 +101,7 @@ def serve(
     for field, value in options.items():
         if value is not None:
             os.environ[f"XROUTE_ROUTER_{field.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
-    uvicorn.run("router.app:app_from_environment", factory=True, workers=workers, **serving)  # type: ignore[arg-type]
+    uvicorn.run("router.worker:app", factory=True, workers=workers, **serving)  # type: ignore[arg-type]
 
 
 def export_feedback(

@@ -39,6 +39,7 @@ from router.policies import ActivePolicy, PolicySlot
 from router.quota_ledger import QuotaUsage
 from router.quotas import QuotaPlan, QuotaView, budget_failure, live_budget, quota_failure
 from router.settings import RouterSettings
+from router.startup import CLOCK
 from router.state import Affinity, EmbeddedState, PrefixSend, hold_for, pool_key
 from router.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
@@ -154,6 +155,7 @@ class RoutingEngine:
         self.settings = settings
         env_kernels.warm_up()  # compiled (or loaded from numba's cache) now, not on the first request
         kernels.warm_up()
+        CLOCK.mark("kernels")
         if source is None:
             if settings.telemetry_live:
                 assert settings.telemetry is not None  # RouterSettings checks it
@@ -163,12 +165,14 @@ class RoutingEngine:
         self.source = source
         bundle = self.source.bundle()
         self.bundle_hash = bundle.content_hash
+        CLOCK.mark("telemetry")
         if "policies" in settings.env:
             raise ConfigError("router settings: field 'env.policies': a router's routing policies come from its "
                               "policy store (policy_files, the admin API: docs/policies.md), not the env config")
         env_cfg = env_config(settings)
         self.env = env = CloudRouteEnv(bundle, env_cfg, all_models=True)
         env.reset(seed=0)
+        CLOCK.mark("environment")
         self.generation = 0
         self.n, self.N = env.n, env.N
         self.catalog = env.catalog
@@ -282,6 +286,7 @@ class RoutingEngine:
         self.prefix_ttl_s = settings.prefix_ttl_s
         kv = np.where(env.fits, np.floor(env.placement.kv_tokens / self.block_tokens), 0) * np.floor(env.replicas)
         self._cap_blocks: list[list[int]] = kv.astype(np.int64).tolist()
+        CLOCK.mark("engine")
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from router.engine import RouteFailure
 from router.logs import LOG, request_id_var
@@ -120,6 +122,22 @@ def _validation(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body("invalid_request", f"invalid request ({summary})", fields), status_code=422)
 
 
+#: the methods a route may serve, in the order an ``Allow`` header names them
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app: Any, scope: Scope) -> list[str]:
+    """The methods some route of ``app`` serves at the request's path (``METHODS`` order). A 405's
+    ``Allow`` (RFC 9110 15.5.6): Starlette's routing answers 405 from the first route whose path
+    matches and names that route's methods alone, so a path served by several routes -- ``GET``
+    and ``POST /v1/admin/policies`` -- said ``Allow: GET``. Asked of every route the same way
+    routing asks (``BaseRoute.matches``), one method at a time, on a scope of the path alone."""
+    probe = {"type": "http", "path": scope["path"], "root_path": scope.get("root_path", ""), "headers": [],
+             "query_string": b""}
+    return [method for method in METHODS
+            if any(route.matches({**probe, "method": method})[0] is Match.FULL for route in app.router.routes)]
+
+
 def _http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 400 and exc.__cause__ is not None:
@@ -133,8 +151,11 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
                           else f"{type(cause).__name__}: {cause}"[:200]}})
         return _validation(request, RequestValidationError([error]))
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:  # every route's methods at this path, not only the first route's
+        headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
     return JSONResponse(error_body(CODES.get(exc.status_code, "error"), detail), status_code=exc.status_code,
-                        headers=dict(exc.headers or {}))
+                        headers=headers)
 
 
 def _route_failure(request: Request, exc: Exception) -> JSONResponse:

@@ -1,14 +1,22 @@
 """The router's per-request mask arithmetic and decisions, compiled with numba (see
 ``envs/kernels.py`` for why one compiled pass beats a dozen numpy calls on arrays of ~100
-offerings).
+offerings), every one cached on disk (``cache=True``).
 
 :func:`greedy_decide`, :func:`valid_rows`, :func:`scored_decide` and :func:`rank_scored` call the
-environment's kernels (``envs.kernels``), so they are *not* cached on disk: numba invalidates a
+environment's kernels (``envs.kernels``) and compile them into themselves. numba invalidates a
 cached function when its own file changes, not when a function it calls from another file does,
-and a stale cache would decide with old formulas. They are compiled at each start instead
-(:func:`warm_up`, ~1.5 s)."""
+and a stale cache would decide with old formulas; so they are built by :func:`_against` as
+closures over ``envs.kernels.DIGEST`` (the digest of the environment's kernels and of the feature
+layout they read), which numba's cache key hashes: an edit there is a new cache entry here. Before,
+they were compiled at every start: 3.5 s of a router's start on 2 cores, 11 s on busy ones
+(``docs/router.md``, "Start time").
+
+Where numba keeps its cache: ``__pycache__`` beside each file when that is writable, else the
+user's cache directory; ``NUMBA_CACHE_DIR`` names another (numba's own setting)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -70,117 +78,129 @@ def _head(ints, chosen, n_valid, n_not_preferred, counts):  # pragma: no cover
         ints[3 + c] = counts[c]
 
 
-@njit  # not cache=True: it compiles envs.kernels' functions into itself (module docstring)
-def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, bias, use_bias, ref_cost, budget_ms,
-                  retry_ms, cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, ints,
-                  floats):  # pragma: no cover
-    """The greedy policy's whole ranking once the environment has computed the request's
-    candidate outcomes ``C`` (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`,
-    the expected rewards of the valid offerings (``envs.kernels.expected_rewards``) plus, with
-    ``use_bias``, the routing policies' prefer weights ``bias`` (``envs.policies``), the best and
-    the next ``k`` (``envs.kernels.rank``). The same kernels the engine's general path calls one
-    by one, so the same floats. (The chosen pool is admitted in the router's view afterwards,
-    once the shared state has reserved it: ``RoutingEngine.admit``.)
+def _against(digest: str) -> tuple[Any, ...]:
+    """The kernels that compile ``envs.kernels``' functions into themselves, as closures over
+    ``digest`` (``envs.kernels.DIGEST``; module docstring). They call one another by their names in
+    this module, not as this function's locals: a closure over a compiled function would be hashed
+    with its per-process id, and never found in the cache again."""
 
-    Writes into ``ints`` (int64, at least 7 + k) [chosen offering (-1: none valid), valid count,
-    not-preferred count, the four ``ENV_REASONS`` counts, then the alternatives' indices] and
-    ``floats`` (float64, at least 3 + 3k) [(score, expected latency ms, expected cost USD) of the
-    chosen offering and of each alternative, NaN/inf as 0.0], and returns the number of
-    alternatives. (Output buffers rather than returned arrays: boxing each new array costs the call
-    ~0.3 us.)"""
-    valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
-    r = env_kernels.expected_rewards(C, valid, ref_cost, budget_ms, retry_ms, cost_weight, latency_weight, sla_penalty,
-                                     cost_cap, latency_cap)
-    if use_bias:
-        for i in range(r.shape[0]):
+    @njit(cache=True)
+    def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, bias, use_bias, ref_cost, budget_ms,
+                      retry_ms, cost_weight, latency_weight, sla_penalty, cost_cap, latency_cap, k, ints,
+                      floats):  # pragma: no cover
+        """The greedy policy's whole ranking once the environment has computed the request's
+        candidate outcomes ``C`` (``CloudRouteEnv.set_live``), in one compiled call: :func:`combine`,
+        the expected rewards of the valid offerings (``envs.kernels.expected_rewards``) plus, with
+        ``use_bias``, the routing policies' prefer weights ``bias`` (``envs.policies``), the best and
+        the next ``k`` (``envs.kernels.rank``). The same kernels the engine's general path calls one
+        by one, so the same floats. (The chosen pool is admitted in the router's view afterwards,
+        once the shared state has reserved it: ``RoutingEngine.admit``.)
+
+        Writes into ``ints`` (int64, at least 7 + k) [chosen offering (-1: none valid), valid count,
+        not-preferred count, the four ``ENV_REASONS`` counts, then the alternatives' indices] and
+        ``floats`` (float64, at least 3 + 3k) [(score, expected latency ms, expected cost USD) of the
+        chosen offering and of each alternative, NaN/inf as 0.0], and returns the number of
+        alternatives. (Output buffers rather than returned arrays: boxing each new array costs the call
+        ~0.3 us.)"""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
+        valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
+        r = env_kernels.expected_rewards(C, valid, ref_cost, budget_ms, retry_ms, cost_weight, latency_weight, sla_penalty,
+                                         cost_cap, latency_cap)
+        if use_bias:
+            for i in range(r.shape[0]):
+                if valid[i]:
+                    r[i] += bias[i]
+        best, alt = env_kernels.rank(r, valid, k)
+        m = alt.shape[0]
+        _head(ints, best, n_valid, n_not_preferred, counts)
+        if best < 0:
+            return 0
+        for q in range(m + 1):
+            i = best if q == 0 else alt[q - 1]
+            if q > 0:
+                ints[6 + q] = i
+            floats[3 * q] = _finite(r[i])
+            floats[1 + 3 * q] = _finite(C[env_kernels.LAT, i])
+            floats[2 + 3 * q] = _finite(C[env_kernels.COST, i])
+        return m
+
+    @njit(cache=True)
+    def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_feats, rtt, C, inv_slots, ttft_ms,
+                   tpot_ms, budget_ms, ref_cost, rows, idx, ints):  # pragma: no cover
+        """A learned scorer's inputs in one compiled call: :func:`combine`, then the valid offerings'
+        indices (ascending) into ``idx`` and their observation rows into ``rows``
+        (``envs.kernels.offering_rows``, as ``CloudRouteEnv.offering_features``). Returns how many;
+        writes ``ints`` [-1, valid count, not-preferred count, the four ``ENV_REASONS`` counts], as
+        :func:`greedy_decide`."""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
+        valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
+        _head(ints, -1, n_valid, n_not_preferred, counts)
+        m = 0
+        for i in range(valid.shape[0]):
             if valid[i]:
-                r[i] += bias[i]
-    best, alt = env_kernels.rank(r, valid, k)
-    m = alt.shape[0]
-    _head(ints, best, n_valid, n_not_preferred, counts)
-    if best < 0:
-        return 0
-    for q in range(m + 1):
-        i = best if q == 0 else alt[q - 1]
-        if q > 0:
-            ints[6 + q] = i
-        floats[3 * q] = _finite(r[i])
-        floats[1 + 3 * q] = _finite(C[env_kernels.LAT, i])
-        floats[2 + 3 * q] = _finite(C[env_kernels.COST, i])
-    return m
+                idx[m] = i
+                m += 1
+        env_kernels.offering_rows(rows[:m], idx[:m], static_feats, env_mask, rtt, C, inv_slots, ttft_ms, tpot_ms,
+                                  budget_ms, ref_cost)
+        return m
+
+    @njit(cache=True)
+    def rank_finite(scores, k):  # pragma: no cover
+        """A scorer's ranking (``envs.kernels.rank`` over all of ``scores``: the best, then the next
+        ``k``), or best -1 when a score is NaN or infinite (the model failed)."""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
+        n = scores.shape[0]
+        for i in range(n):
+            if not np.isfinite(scores[i]):
+                return -1, np.empty(0, dtype=np.int64)
+        return env_kernels.rank(scores, np.ones(n, dtype=np.bool_), k)
+
+    @njit(cache=True)
+    def scored_decide(scores, idx, k, C, ints, floats):  # pragma: no cover
+        """After :func:`valid_rows` and the scorer: the best of the ``scores`` of offerings ``idx``
+        and the next ``k`` (:func:`rank_scored`'s ranking), and the same outputs as
+        :func:`greedy_decide`. Returns the number of alternatives, or -1 when a score is NaN or
+        infinite."""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
+        best, alt = _rank_finite(scores, k)
+        if best < 0:
+            return -1
+        m = alt.shape[0]
+        ints[0] = idx[best]
+        for q in range(m + 1):
+            r = best if q == 0 else alt[q - 1]
+            i = idx[r]
+            if q > 0:
+                ints[6 + q] = i
+            floats[3 * q] = scores[r]
+            floats[1 + 3 * q] = _finite(C[env_kernels.LAT, i])
+            floats[2 + 3 * q] = _finite(C[env_kernels.COST, i])
+        return m
+
+    @njit(cache=True)
+    def rank_scored(scores, idx, k):  # pragma: no cover
+        """A learned scorer's choice: ``scores`` of the offerings ``idx`` (the valid ones, ascending)
+        -> (offerings: the best then the next ``k``; their scores), ranked as ``envs.kernels.rank``
+        ranks (ties to the lower index). Offerings is empty when a score is NaN or infinite (the
+        model failed: the caller falls back)."""
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
+        best, alt = _rank_finite(scores, k)
+        if best < 0:
+            return np.empty(0, dtype=np.int64), np.empty(0)
+        m = alt.shape[0]
+        out = np.empty(m + 1, dtype=np.int64)
+        vals = np.empty(m + 1)
+        out[0] = idx[best]
+        vals[0] = scores[best]
+        for q in range(m):
+            out[q + 1] = idx[alt[q]]
+            vals[q + 1] = scores[alt[q]]
+        return out, vals
+
+    return rank_finite, greedy_decide, valid_rows, scored_decide, rank_scored
 
 
-@njit  # not cache=True, as greedy_decide
-def valid_rows(env_mask, allowed, preferred, use_preferred, static_code, static_feats, rtt, C, inv_slots, ttft_ms,
-               tpot_ms, budget_ms, ref_cost, rows, idx, ints):  # pragma: no cover
-    """A learned scorer's inputs in one compiled call: :func:`combine`, then the valid offerings'
-    indices (ascending) into ``idx`` and their observation rows into ``rows``
-    (``envs.kernels.offering_rows``, as ``CloudRouteEnv.offering_features``). Returns how many;
-    writes ``ints`` [-1, valid count, not-preferred count, the four ``ENV_REASONS`` counts], as
-    :func:`greedy_decide`."""
-    valid, n_valid, n_not_preferred, counts = combine(env_mask, allowed, preferred, use_preferred, static_code)
-    _head(ints, -1, n_valid, n_not_preferred, counts)
-    m = 0
-    for i in range(valid.shape[0]):
-        if valid[i]:
-            idx[m] = i
-            m += 1
-    env_kernels.offering_rows(rows[:m], idx[:m], static_feats, env_mask, rtt, C, inv_slots, ttft_ms, tpot_ms,
-                              budget_ms, ref_cost)
-    return m
-
-
-@njit  # not cache=True, as greedy_decide
-def _rank_finite(scores, k):  # pragma: no cover
-    """A scorer's ranking (``envs.kernels.rank`` over all of ``scores``: the best, then the next
-    ``k``), or best -1 when a score is NaN or infinite (the model failed)."""
-    n = scores.shape[0]
-    for i in range(n):
-        if not np.isfinite(scores[i]):
-            return -1, np.empty(0, dtype=np.int64)
-    return env_kernels.rank(scores, np.ones(n, dtype=np.bool_), k)
-
-
-@njit  # not cache=True, as greedy_decide
-def scored_decide(scores, idx, k, C, ints, floats):  # pragma: no cover
-    """After :func:`valid_rows` and the scorer: the best of the ``scores`` of offerings ``idx``
-    and the next ``k`` (:func:`rank_scored`'s ranking), and the same outputs as
-    :func:`greedy_decide`. Returns the number of alternatives, or -1 when a score is NaN or
-    infinite."""
-    best, alt = _rank_finite(scores, k)
-    if best < 0:
-        return -1
-    m = alt.shape[0]
-    ints[0] = idx[best]
-    for q in range(m + 1):
-        r = best if q == 0 else alt[q - 1]
-        i = idx[r]
-        if q > 0:
-            ints[6 + q] = i
-        floats[3 * q] = scores[r]
-        floats[1 + 3 * q] = _finite(C[env_kernels.LAT, i])
-        floats[2 + 3 * q] = _finite(C[env_kernels.COST, i])
-    return m
-
-
-@njit  # not cache=True, as greedy_decide
-def rank_scored(scores, idx, k):  # pragma: no cover
-    """A learned scorer's choice: ``scores`` of the offerings ``idx`` (the valid ones, ascending)
-    -> (offerings: the best then the next ``k``; their scores), ranked as ``envs.kernels.rank``
-    ranks (ties to the lower index). Offerings is empty when a score is NaN or infinite (the
-    model failed: the caller falls back)."""
-    best, alt = _rank_finite(scores, k)
-    if best < 0:
-        return np.empty(0, dtype=np.int64), np.empty(0)
-    m = alt.shape[0]
-    out = np.empty(m + 1, dtype=np.int64)
-    vals = np.empty(m + 1)
-    out[0] = idx[best]
-    vals[0] = scores[best]
-    for q in range(m):
-        out[q + 1] = idx[alt[q]]
-        vals[q + 1] = scores[alt[q]]
-    return out, vals
+_rank_finite, greedy_decide, valid_rows, scored_decide, rank_scored = _against(env_kernels.DIGEST)
 
 
 def warm_up() -> None:

@@ -18,6 +18,8 @@ import benchmarks.bench_prefix as bench_prefix
 import benchmarks.bench_quotas as bench_quotas
 import benchmarks.bench_rbac as bench_rbac
 import benchmarks.bench_router as br
+import benchmarks.bench_startup as bench_startup
+from router.keys import add_key
 
 
 def _pct_ok(d: dict[str, float]) -> None:
@@ -55,3 +57,17 @@ def test_bench_rbac_decide(tmp_path: Path) -> None:
 def test_bench_migration_run(tmp_path: Path) -> None:
     res = bench_migration.run(20, 2, tmp_path)
     assert res["sessions"] == 20 and res["missed_window"] == 0 and res["fits_30s"], res
+
+
+@pytest.mark.slow
+def test_bench_startup_start_once(tmp_path: Path) -> None:
+    """One start of this checkout's ``xroute serve`` (fallback only, numba's own cache) through the
+    benchmark's code: ready, a decision, the phases of the start read from its log."""
+    (tmp_path / "router.yaml").write_text("tenants:\n  acme: {}\n")
+    key = add_key(tmp_path / "keys.json", "acme")
+    r = bench_startup.start_once(bench_startup.REPO, 1, tmp_path, "smoke", None, tmp_path / "keys.json", key, None,
+                                 False, 0)
+    assert 0 < r["ready_s"] <= r["route_s"] and r["cpu_s"] > 0 and r["policy_kind"] == "fallback", r
+    assert {"imports", "kernels", "model"} <= set(r["phases"]) and r["started_in_s"] > 0, r
+    summary = bench_startup.summarize([r, r])
+    assert summary["ready_s"] == r["ready_s"] and summary["phases"] == r["phases"]

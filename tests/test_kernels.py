@@ -4,6 +4,14 @@ and the router's fused decisions against the kernels they fuse."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -12,6 +20,8 @@ from envs import features as fz
 from envs import kernels
 from envs.kernels import BUSY, COST, LAT, PVIOL, RISK, SERVICE, TPOT, TTFT, WAIT
 from router import kernels as rkernels
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _inputs(rng: np.random.Generator, n: int, deadline: bool, shared: bool = False) -> dict[str, object]:
@@ -358,3 +368,58 @@ def test_rank_scored_maps_the_ranking_to_offerings_and_refuses_non_finite_scores
     scores[int(rng.integers(0, n))] = [np.nan, np.inf, -np.inf][seed % 3]
     picked, vals = rkernels.rank_scored(scores, idx, k)
     assert picked.size == 0 and vals.size == 0
+
+
+_CACHED_DECISION = """
+import json
+import numpy as np
+from router import kernels as k
+ok = np.ones(3, dtype=np.bool_)
+C = np.ones((k.env_kernels.N_OUT, 3))
+C[k.env_kernels.COST] = [3e-4, 1e-4, 2e-4]
+ints, floats = np.zeros(9, dtype=np.int64), np.zeros(8)
+k.greedy_decide(ok, ok, ok, True, np.zeros(3, dtype=np.int64), C, np.zeros(3), False, 1e-4, 1000.0, 1500.0, 0.6, 0.4,
+                2.0, 5.0, 3.0, 1, ints, floats)
+s = k.greedy_decide.stats
+print(json.dumps({"file": k.__file__, "chosen": int(ints[0]), "score": float(floats[0]),
+                  "hits": sum(s.cache_hits.values()), "misses": sum(s.cache_misses.values())}))
+"""
+
+
+@pytest.mark.slow
+def test_a_router_kernel_is_cached_and_an_edit_of_the_env_kernels_it_compiles_in_recompiles_it(
+        tmp_path: Path) -> None:
+    """``router.kernels.greedy_decide`` compiles ``envs.kernels``' functions into itself. It is
+    cached on disk (before, it was compiled at every start: seconds of each router's start), and
+    numba only notices an edit of its own file: so it is keyed by ``envs.kernels.DIGEST`` as well.
+    In a copy of the packages, in fresh processes: the second start loads it from the cache with the
+    same answer; after an edit of the copy's ``envs/kernels.py`` (every expected reward one less),
+    the next start compiles it anew and decides with the edit -- not the stale cached formula."""
+    for pkg in ("envs", "xroute"):
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "router").mkdir()
+    for name in ("__init__.py", "kernels.py"):
+        shutil.copy(REPO / "router" / name, tmp_path / "router" / name)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env.pop("NUMBA_CACHE_DIR", None)  # (numba's cache beside the copy's files)
+
+    def start() -> dict[str, Any]:
+        r = subprocess.run([sys.executable, "-c", _CACHED_DECISION], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert Path(out["file"]).resolve() == (tmp_path / "router" / "kernels.py").resolve()  # the copy's code
+        return out
+
+    first, second = start(), start()
+    assert (first["misses"], first["hits"]) == (1, 0)
+    assert (second["misses"], second["hits"]) == (0, 1)  # loaded, not compiled
+    assert (second["chosen"], second["score"]) == (first["chosen"], first["score"])
+    source = tmp_path / "envs" / "kernels.py"
+    text = source.read_text()
+    assert text.count("        out[i] = r\n") == 1
+    source.write_text(text.replace("        out[i] = r\n", "        out[i] = r - 1.0\n"))
+    edited, again = start(), start()
+    assert (edited["misses"], edited["hits"]) == (1, 0)  # compiled anew
+    assert edited["chosen"] == first["chosen"] and edited["score"] == pytest.approx(first["score"] - 1.0, abs=1e-12)
+    assert (again["misses"], again["hits"]) == (0, 1) and again["score"] == edited["score"]
