@@ -852,7 +852,7 @@ class ProvisionWorld:
             t_ready = lq[0][0] if lq else np.inf
             t_ev = ev[self._ev_pos][0] if self._ev_pos < len(ev) else np.inf
             t_next = min(t_ready, t_ev)
-            if t_next >= T1:
+            if t_next > T1:  # (an event at T1 itself: after the epoch's arrivals, before the next plan)
                 break
             self._serve(t_next, args)
             if t_ready <= t_ev:
