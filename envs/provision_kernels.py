@@ -39,9 +39,10 @@ from numba import njit
 
 from envs import kernels as env_kernels
 
-# pool float rows (PF_WORK: seconds the requests placed there spend in the pool, queueing included, accumulated)
-PF_INV_PREFILL, PF_TPOT, PF_GROWTH, PF_SIGMA, PF_HAZARD, PF_PER_INST, PF_CONC, PF_WORK = range(8)
-N_PF = 8
+# pool float rows (PF_WORK: the integral over time of the router's requests in flight there -- sent, not seen
+# complete --, up to PF_LAST: what an autoscaler's concurrency metric averages)
+PF_INV_PREFILL, PF_TPOT, PF_GROWTH, PF_SIGMA, PF_HAZARD, PF_PER_INST, PF_CONC, PF_WORK, PF_LAST = range(9)
+N_PF = 9
 # pool int rows: model, first row, rows, slots per instance, instances accepting work, requests in flight (router's)
 PI_MODEL, PI_ROW0, PI_NROWS, PI_SLOTS, PI_READY, PI_INFLIGHT = range(6)
 N_PI = 6
@@ -107,6 +108,15 @@ def _heap_pop(ht, hi, ctr):  # pragma: no cover
         hi[k], hi[c] = hi[c], hi[k]
         k = c
     return t, i
+
+
+@njit(cache=True)
+def in_flight_changes(PF, PI, p, now):  # pragma: no cover
+    """Integrate pool ``p``'s requests in flight up to ``now``, before the count changes."""
+    last = PF[PF_LAST, p]
+    if now > last:
+        PF[PF_WORK, p] += PI[PI_INFLIGHT, p] * (now - last)
+        PF[PF_LAST, p] = now
 
 
 @njit(cache=True)
@@ -197,11 +207,12 @@ def _against(digest: str) -> tuple[Any, ...]:
         return best
 
     @njit(cache=True)
-    def place(i, p, t, prefill_tokens, decode_tokens, keep_first, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi,
+    def place(i, p, t, now, prefill_tokens, decode_tokens, keep_first, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi,
               ctr):  # pragma: no cover
         """Run request ``i`` on pool ``p`` from ``t`` (the truth, module docstring): ``prefill_tokens``
         to prefill, ``decode_tokens`` to decode; its first token is this attempt's unless
-        ``keep_first`` (a migrated request whose first token came before its notice). Returns its row."""
+        ``keep_first`` (a migrated request whose first token came before its notice). ``now``: when
+        the router sends it (``t``, or a migration's notice). Returns its row."""
         digest  # noqa: B018
         r0, nrows = PI[PI_ROW0, p], PI[PI_NROWS, p]
         r = -1
@@ -240,7 +251,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             RF[RF_BUSY_S, r] += end - (start if start > bu else bu)
             RF[RF_BUSY_UNTIL, r] = end
         RI[RI_SERVED, r] += 1
-        PF[PF_WORK, p] += end - t
+        in_flight_changes(PF, PI, p, now)
         QF[QF_START, i], QF[QF_PF, i], QF[QF_TP, i], QF[QF_END, i] = start, pf, tp, end
         QF[QF_RTT, i] = rtt[QI[QI_ORIGIN, i], p]
         QI[QI_POOL, i], QI[QI_ROW, i], QI[QI_STATE, i] = p, r, Q_RUNNING
@@ -249,7 +260,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         return r
 
     @njit(cache=True)
-    def advance(t, QF, QI, PI, est, prm, ht, hi, ctr, acc):  # pragma: no cover
+    def advance(t, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc):  # pragma: no cover
         """Every completion up to ``t`` becomes known: the router's in-flight count drops, the
         estimator learns the output (stale heap entries -- a request moved since -- are skipped);
         ``acc`` counts the completions and their SLO misses (:func:`slo_missed`)."""
@@ -260,6 +271,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             if QI[QI_STATE, i] != Q_RUNNING or QF[QF_END, i] != te:
                 continue
             QI[QI_STATE, i] = Q_DONE
+            in_flight_changes(PF, PI, QI[QI_POOL, i], te)
             PI[PI_INFLIGHT, QI[QI_POOL, i]] -= 1
             x = QF[QF_OUT, i]
             for key in (QI[QI_KEY, i], QI[QI_MODEL, i]):
@@ -280,7 +292,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         while ctr[C_NEXT] < n and QF[QF_T, ctr[C_NEXT]] < t_stop:
             i = ctr[C_NEXT]
             t = QF[QF_T, i]
-            advance(t, QF, QI, PI, est, prm, ht, hi, ctr, acc)
+            advance(t, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc)
             m = QI[QI_MODEL, i]
             p = route(i, t, QF, QI, PF, PI, model_pools[m], model_npools[m], rtt, est, prm)
             if p < 0:
@@ -288,10 +300,10 @@ def _against(digest: str) -> tuple[Any, ...]:
                 ctr[C_BTAIL] += 1
                 QI[QI_STATE, i] = Q_BACKLOG
             else:
-                place(i, p, t, QF[QF_IN, i], QF[QF_OUT, i], False, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi, ctr)
+                place(i, p, t, t, QF[QF_IN, i], QF[QF_OUT, i], False, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi, ctr)
                 placed += 1
             ctr[C_NEXT] = i + 1
-        advance(t_stop, QF, QI, PI, est, prm, ht, hi, ctr, acc)
+        advance(t_stop, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc)
         return placed
 
     @njit(cache=True)
@@ -311,7 +323,7 @@ def _against(digest: str) -> tuple[Any, ...]:
                 backlog[w] = i
                 w += 1
             else:
-                place(i, p, t, QF[QF_IN, i], QF[QF_OUT, i], False, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi, ctr)
+                place(i, p, t, t, QF[QF_IN, i], QF[QF_OUT, i], False, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi, ctr)
                 placed += 1
         ctr[C_BTAIL] = w
         return placed

@@ -146,9 +146,9 @@ class PlanView:
     ``preemptions``: recorded in the lookback), ``quota_room`` (instances more the quotas allow now;
     a large number without a quota), ``inflight`` (its requests the router has not seen complete)
     and what its own instances went through in the last epoch (``failed_launches``, ``noticed_last``,
-    ``work_s``: seconds the requests placed there spend in the pool, queueing included -- over
-    replicas x epoch, the mean requests in flight per replica, the concurrency an autoscaler such
-    as Knative's KPA scales on). The window's requests that arrived before
+    ``work_s``: the integral over the epoch of its requests in flight there -- over replicas x epoch,
+    the mean requests in flight per replica, the concurrency an autoscaler such as Knative's KPA
+    scales on). The window's requests that arrived before
     ``t`` (``arr_t``, ``arr_class``, ``arr_in``, ``arr_origin``) and the decayed mean output of each
     class's completed requests (``out_mean``; NaN before the first completion)."""
 
@@ -482,6 +482,7 @@ class ProvisionWorld:
         self.QF, self.QI = QF, QI
         P, R = self.P, self.R
         self.PF = self._pf0.copy()
+        self.PF[pk.PF_LAST] = T0
         self.PI = np.zeros((pk.N_PI, P), dtype=np.int64)
         self.PI[pk.PI_MODEL] = self.pools.model
         self.PI[pk.PI_ROW0] = np.arange(P) * R
@@ -709,6 +710,9 @@ class ProvisionWorld:
         self.acc[:] = 0.0
         work0 = self.PF[pk.PF_WORK].copy()
         self._run(T, T1)
+        pf = self.PF  # the in-flight integral up to the epoch's end
+        pf[pk.PF_WORK] += self.PI[pk.PI_INFLIGHT] * np.maximum(T1 - pf[pk.PF_LAST], 0.0)
+        pf[pk.PF_LAST] = np.maximum(pf[pk.PF_LAST], T1)
         cost = self._bill(T, T1)
         self.stats["cost_usd"] += cost
         self._last_busy = self.PF[pk.PF_WORK] - work0
@@ -718,6 +722,7 @@ class ProvisionWorld:
             self.count[pk.NOTICED]
         self.e += 1
         self._T = T1
+        self._settle(T1)
         done = self.e >= self.E
         if done:
             self._finish()
@@ -900,6 +905,7 @@ class ProvisionWorld:
         mc = self.cfg.migration
         notice = td - tn
         for i in moving.tolist():
+            pk.in_flight_changes(self.PF, PI, p, tn)
             PI[pk.PI_INFLIGHT, p] -= 1
             QI[pk.QI_STATE, i] = pk.Q_PENDING
             QI[pk.QI_MIGR, i] += 1
@@ -951,8 +957,8 @@ class ProvisionWorld:
                 first_kept = False
                 self.stats["tokens_recomputed"] += tokens
             self.stats[mode] += 1
-            pk.place(i, tgt, t0, pre, dec, first_kept, QF, QI, self.PF, PI, self.RF, self.RI, self.S, self.rtt_ms,
-                     self.ht, self.hi_, self.ctr)
+            pk.place(i, tgt, t0, tn, pre, dec, first_kept, QF, QI, self.PF, PI, self.RF, self.RI, self.S,
+                     self.rtt_ms, self.ht, self.hi_, self.ctr)
 
     def _bill(self, T: float, T1: float) -> float:
         """Held instance-seconds within ``[T, T1)`` x the instance's price at ``T``."""
@@ -965,7 +971,7 @@ class ProvisionWorld:
     def _finish(self) -> None:
         """The window is over: the requests in flight run to their ends (their completions count);
         the backlog's are unserved."""
-        pk.advance(np.inf, self.QF, self.QI, self.PI, self.est, self.prm, self.ht, self.hi_, self.ctr, self.acc)
+        pk.advance(np.inf, self.QF, self.QI, self.PF, self.PI, self.est, self.prm, self.ht, self.hi_, self.ctr, self.acc)
         self.acc[1] += float(self.ctr[pk.C_BTAIL] - self.ctr[pk.C_BHEAD])  # unserved: missed
         self._finished = True
 
