@@ -41,8 +41,9 @@ from envs import kernels as env_kernels
 
 # pool float rows (PF_WORK: the integral over time of the router's requests in flight there -- sent, not seen
 # complete --, up to PF_LAST: what an autoscaler's concurrency metric averages)
-PF_INV_PREFILL, PF_TPOT, PF_GROWTH, PF_SIGMA, PF_HAZARD, PF_PER_INST, PF_CONC, PF_WORK, PF_LAST = range(9)
-N_PF = 9
+# (PF_SURE: the slack above which a miss is certain not to happen -- P(miss) below 1e-30 -- so the router skips its erfc)
+PF_INV_PREFILL, PF_TPOT, PF_GROWTH, PF_SIGMA, PF_HAZARD, PF_PER_INST, PF_CONC, PF_WORK, PF_LAST, PF_SURE = range(10)
+N_PF = 10
 # pool int rows: model, first row, rows, slots per instance, instances accepting work, requests in flight (router's)
 PI_MODEL, PI_ROW0, PI_NROWS, PI_SLOTS, PI_READY, PI_INFLIGHT = range(6)
 N_PI = 6
@@ -197,7 +198,7 @@ def _against(digest: str) -> tuple[Any, ...]:
                 c3 = (dl - rt - w * 1000.0) / (s * 1000.0)
                 if c3 < c:
                     c = c3
-            pv = env_kernels.violation_probability(c, PF[PF_SIGMA, p])
+            pv = 0.0 if c >= PF[PF_SURE, p] else env_kernels.violation_probability(c, PF[PF_SIGMA, p])
             hz = PF[PF_HAZARD, p]
             risk = -math.expm1(-hz * (w + s)) if hz > 0.0 else 0.0
             sc = env_kernels.expected_reward(0.0, lat / budget, pv, risk, retry_n, prm[P_COST_W], prm[P_LAT_W],
@@ -227,9 +228,14 @@ def _against(digest: str) -> tuple[Any, ...]:
                 j = x
         start = t if S[j] < t else S[j]
         busy = 0
+        mn = np.inf  # the earliest release among the other slots
         for x in range(s0, s0 + ns):
-            if x != j and S[x] > start:
-                busy += 1
+            if x != j:
+                v = S[x]
+                if v > start:
+                    busy += 1
+                if v < mn:
+                    mn = v
         k = busy / PF[PF_PER_INST, p]
         if k > PF[PF_CONC, p] - 1.0:
             k = PF[PF_CONC, p] - 1.0
@@ -241,11 +247,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         if not keep_first:
             QF[QF_FIRST, i] = start + pf + (tp if decode_tokens >= 1.0 else 0.0)
         S[j] = end
-        mn = S[s0]
-        for x in range(s0 + 1, s0 + ns):
-            if S[x] < mn:
-                mn = S[x]
-        RF[RF_MIN, r] = mn
+        RF[RF_MIN, r] = end if end < mn else mn
         bu = RF[RF_BUSY_UNTIL, r]
         if end > bu:
             RF[RF_BUSY_S, r] += end - (start if start > bu else bu)
@@ -281,11 +283,11 @@ def _against(digest: str) -> tuple[Any, ...]:
             acc[1] += slo_missed(QF, i)
 
     @njit(cache=True)
-    def serve_until(t_stop, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, model_pools,
-                    model_npools, acc):  # pragma: no cover
-        """Place every request that arrives before ``t_stop`` (greedy, :func:`route`; the backlog
-        when none of its model's pools has an instance accepting work), then learn the completions
-        up to ``t_stop``. Returns the number placed."""
+    def serve_until(t_stop, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
+                    acc):  # pragma: no cover
+        """Place every request that arrives before ``t_stop`` (greedy, :func:`route` among its model's
+        pools with an instance taking work, ``active[m, :n_active[m]]``; the backlog when there is
+        none), then learn the completions up to ``t_stop``. Returns the number placed."""
         digest  # noqa: B018
         n = ctr[C_N]
         placed = 0
@@ -294,7 +296,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             t = QF[QF_T, i]
             advance(t, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc)
             m = QI[QI_MODEL, i]
-            p = route(i, t, QF, QI, PF, PI, model_pools[m], model_npools[m], rtt, est, prm)
+            p = route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
             if p < 0:
                 backlog[ctr[C_BTAIL]] = i
                 ctr[C_BTAIL] += 1
@@ -307,8 +309,8 @@ def _against(digest: str) -> tuple[Any, ...]:
         return placed
 
     @njit(cache=True)
-    def drain_backlog(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, model_pools,
-                      model_npools, acc):  # pragma: no cover
+    def drain_backlog(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
+                      acc):  # pragma: no cover
         """Place the backlog's requests (oldest first) that now have an instance for their model, at
         ``t``; the others keep their place in it. Returns the number placed."""
         digest  # noqa: B018
@@ -318,7 +320,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         for x in range(head, tail):
             i = backlog[x]
             m = QI[QI_MODEL, i]
-            p = route(i, t, QF, QI, PF, PI, model_pools[m], model_npools[m], rtt, est, prm)
+            p = route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
             if p < 0:
                 backlog[w] = i
                 w += 1
@@ -332,6 +334,22 @@ def _against(digest: str) -> tuple[Any, ...]:
 
 
 route, place, advance, serve_until, drain_backlog = _against(env_kernels.DIGEST)
+
+
+@njit(cache=True)
+def bill(RF, row_pool, price_s, T, T1):  # pragma: no cover
+    """Held instance-seconds within ``[T, T1)`` x each row's pool's price per second."""
+    tot = 0.0
+    for r in range(row_pool.shape[0]):
+        lo = RF[RF_LAUNCH, r]
+        if lo < T:
+            lo = T
+        hi = RF[RF_END, r]
+        if hi > T1:
+            hi = T1
+        if hi > lo:
+            tot += (hi - lo) * price_s[row_pool[r]]
+    return tot
 
 
 @njit(cache=True)

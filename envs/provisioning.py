@@ -282,6 +282,8 @@ class ProvisionWorld:
         if not ids:
             raise ConfigError("pools: no offering of the bundle can hold the stream's models")
         mod_a, off_a = np.array(mod, dtype=np.int64), np.array(off, dtype=np.int64)
+        #: the pools of each offering (one per model the offering holds)
+        self.pool_of_offering = [np.flatnonzero(off_a == i) for i in range(len(self.catalog))]
         mc = self.cfg.migration
         col = self.bundle.offerings.get("notice_s")
         notice = np.full(len(self.catalog), mc.default_notice_s) if col is None else col.to_numpy(dtype=float)
@@ -310,6 +312,8 @@ class ProvisionWorld:
             mk = int(mod_a[p])
             mp[mk, npools[mk]] = p
             npools[mk] += 1
+        #: every pool of each model (static); ``active``/``n_active``: those with an instance taking work, the
+        #: router's candidates (kept by ``_set_state``)
         self.model_pools, self.model_npools = mp, npools
         self.kv_bytes_tok = np.array([models.models[m].kv_mib_per_token * 2.0 ** 20 for m in self.model_names])
         # the compiled state's static part
@@ -320,6 +324,8 @@ class ProvisionWorld:
         pf[pk.PF_SIGMA] = self.pools.sigma
         pf[pk.PF_PER_INST] = self.pools.per_inst
         pf[pk.PF_CONC] = self.pools.conc
+        sg = self.pools.sigma
+        pf[pk.PF_SURE] = np.where(sg > 0, np.exp(8.3 * np.sqrt(2.0) * sg), 1.0)
         self._pf0 = pf
         slots = self.pools.slots
         self.row_pool = np.repeat(np.arange(P), R)
@@ -505,11 +511,14 @@ class ProvisionWorld:
         self._seed_estimator(lo)
         # per pool state counts (launching, ready, draining, noticed), the rows by state
         self.count = np.zeros((5, P), dtype=np.int64)
+        self.active = np.full((self.M, P), -1, dtype=np.int64)
+        self.n_active = np.zeros(self.M, dtype=np.int64)
         self._launch_q: list[tuple[float, int]] = []  # (ready at, row)
         # telemetry on the grid (decision-time) and the truth of the spot pools
         tel = self._grid_telemetry(self.times)
         off = self.pools.offering
         self.g_price = tel["price"][:, off]
+        self.g_price_s = np.nan_to_num(self.g_price, nan=0.0) / 3600.0
         self.g_avail = tel["avail"][:, off]
         self.g_count = tel["count"][:, off]
         self.g_hazard = tel["hazard"][:, off]
@@ -753,12 +762,26 @@ class ProvisionWorld:
             self.count[new, p] += 1
         if old == pk.READY:
             self.PI[pk.PI_READY, p] -= 1
+            if self.PI[pk.PI_READY, p] == 0:
+                self._activity(p)
         if new == pk.READY:
             self.PI[pk.PI_READY, p] += 1
+            if self.PI[pk.PI_READY, p] == 1:
+                self._activity(p)
         self.RI[pk.RI_STATE, r] = new
+
+    def _activity(self, p: int) -> None:
+        """Pool ``p`` started or stopped taking work: its model's list of the router's candidates."""
+        m = int(self.pools.model[p])
+        ps = self.model_pools[m, :self.model_npools[m]]
+        on = ps[self.PI[pk.PI_READY, ps] > 0]
+        self.active[m, :on.size] = on
+        self.n_active[m] = on.size
 
     def _settle(self, T: float) -> None:
         """Instances whose termination (a drain's end, a preemption) is past by ``T`` free their rows."""
+        if not (self.count[pk.DRAINING].any() or self.count[pk.NOTICED].any()):
+            return
         st = self.RI[pk.RI_STATE]
         done = np.flatnonzero(((st == pk.DRAINING) | (st == pk.NOTICED)) & (self.RF[pk.RF_END] <= T))
         for r in done.tolist():
@@ -846,7 +869,7 @@ class ProvisionWorld:
     # ------------------------------------------------------------------ the epoch's events
     def _kernel_args(self) -> tuple[Any, ...]:
         return (self.QF, self.QI, self.PF, self.PI, self.RF, self.RI, self.S, self.rtt_ms, self.est, self.prm, self.ht,
-                self.hi_, self.ctr, self.backlog, self.model_pools, self.model_npools, self.acc)
+                self.hi_, self.ctr, self.backlog, self.active, self.n_active, self.acc)
 
     def _run(self, T: float, T1: float) -> None:
         """The epoch's requests, interleaved with its events: instances becoming ready, spot notices."""
@@ -859,6 +882,9 @@ class ProvisionWorld:
             t_next = min(t_ready, t_ev)
             if t_next > T1:  # (an event at T1 itself: after the epoch's arrivals, before the next plan)
                 break
+            if t_ready > t_ev and not self.count[1:, self.pool_of_offering[ev[self._ev_pos][2]]].any():
+                self._ev_pos += 1  # a notice for an offering where nothing is held: nothing to do
+                continue
             self._serve(t_next, args)
             if t_ready <= t_ev:
                 _, r = heapq.heappop(lq)
@@ -880,8 +906,9 @@ class ProvisionWorld:
     def _notice(self, o: int, tn: float, td: float, args: tuple[Any, ...]) -> None:
         """A spot notice at ``tn`` for offering ``o`` (preemption at ``td``): its instances stop
         taking work; their requests migrate (``xroute.migration_rules``)."""
-        pools = np.flatnonzero(self.pools.offering == o)
-        for p in pools.tolist():
+        for p in self.pool_of_offering[o].tolist():
+            if not self.count[1:, p].any():  # (nothing held there)
+                continue
             r0 = p * self.R
             for r in range(r0, r0 + self.R):
                 st = int(self.RI[pk.RI_STATE, r])
@@ -924,7 +951,7 @@ class ProvisionWorld:
                 done_in = r_in
                 done_out = float(min(max(math.floor((ran - pf) / tp), 0), max(out - 1.0, 0.0))) if tp > 0 else 0.0
             m = int(QI[pk.QI_MODEL, i])
-            tgt = pk.route(i, t_mig, QF, QI, self.PF, PI, self.model_pools[m], self.model_npools[m], self.rtt_ms,
+            tgt = pk.route(i, t_mig, QF, QI, self.PF, PI, self.active[m], self.n_active[m], self.rtt_ms,
                            self.est, self.prm)
             if tgt < 0:  # nowhere to go yet: it waits for an instance (and re-runs from scratch there)
                 self.backlog[self.ctr[pk.C_BTAIL]] = i
@@ -962,11 +989,7 @@ class ProvisionWorld:
 
     def _bill(self, T: float, T1: float) -> float:
         """Held instance-seconds within ``[T, T1)`` x the instance's price at ``T``."""
-        lo = np.maximum(self.RF[pk.RF_LAUNCH], T)
-        hi = np.minimum(self.RF[pk.RF_END], T1)
-        held = np.maximum(hi - lo, 0.0)
-        price = np.nan_to_num(self.g_price[min(self.e, self.E - 1)], nan=0.0) / 3600.0
-        return float((held * price[self.row_pool]).sum())
+        return float(pk.bill(self.RF, self.row_pool, self.g_price_s[min(self.e, self.E - 1)], T, T1))
 
     def _finish(self) -> None:
         """The window is over: the requests in flight run to their ends (their completions count);
