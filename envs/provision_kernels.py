@@ -18,8 +18,10 @@ instances that exist, one request at a time, in arrival order:
   replicas, times its lognormal noise draw -- the routing environment's service model
   (``docs/env.md``, "Pools, batching, queueing").
 
-Requests that find no instance accepting work for their model wait in a backlog (FIFO) until one
-becomes ready: none is ever dropped. A completion becomes known to the router at its true end (a
+A pool whose expected wait (the router's view) is longer than ``queue_timeout_s`` is full, as in
+``xroute/CloudRoute-v0``; a request that finds every pool of its model full, or none taking work,
+waits in the router's queue (first come, first served) and is placed as soon as a completion or a
+new instance makes room: none is ever dropped. A completion becomes known to the router at its true end (a
 heap of ends), which is when the output estimator learns its length.
 
 Layout: pools, instances (rows), slots and requests live in a few float64 / int64 matrices whose row
@@ -67,12 +69,14 @@ QI_ORIGIN, QI_KEY, QI_MODEL, QI_POOL, QI_ROW, QI_STATE, QI_MIGR = range(7)
 N_QI = 7
 #: request states
 Q_PENDING, Q_RUNNING, Q_DONE, Q_BACKLOG = 0, 1, 2, 3
-# counters (int64)
-C_NEXT, C_HEAP, C_BHEAD, C_BTAIL, C_N = range(5)
-N_C = 5
+# counters (int64): next arrival, heap size, the router's queue (head, tail), requests in the window, requests
+# that ever waited in the router's queue
+C_NEXT, C_HEAP, C_BHEAD, C_BTAIL, C_N, C_QUEUED = range(6)
+N_C = 6
 # parameters (float64): reward weights and caps, retry overhead, the estimator's decay, shrinkage, prior fraction
-(P_COST_W, P_LAT_W, P_SLA_PEN, P_COST_CAP, P_LAT_CAP, P_RETRY_MS, P_DECAY, P_SHRINK, P_PRIOR) = range(9)
-N_P = 9
+# (P_QTIMEOUT: a pool whose expected wait is longer is full: the request waits in the router's queue instead)
+(P_COST_W, P_LAT_W, P_SLA_PEN, P_COST_CAP, P_LAT_CAP, P_RETRY_MS, P_DECAY, P_SHRINK, P_PRIOR, P_QTIMEOUT) = range(10)
+N_P = 10
 
 
 @njit(cache=True)
@@ -158,8 +162,9 @@ def _against(digest: str) -> tuple[Any, ...]:
     @njit(cache=True)
     def route(i, t, QF, QI, PF, PI, pools, n_pools, rtt, est, prm):  # pragma: no cover
         """The router's choice for request ``i`` at ``t`` among the ``n_pools`` pools in ``pools``
-        (its model's): the best one-step expected reward of those with an instance accepting work
-        (module docstring); -1 when none has one. Writes the estimate into ``QF[QF_EST, i]``."""
+        (its model's): the best one-step expected reward of those with an instance accepting work and
+        an expected wait within the queue timeout (module docstring); -1 when none. Writes the
+        estimate into ``QF[QF_EST, i]``."""
         digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
         m = QI[QI_MODEL, i]
         est_out = _estimate(est, QI[QI_KEY, i], m, QF[QF_MAXOUT, i], prm[P_SHRINK], prm[P_PRIOR])
@@ -187,6 +192,8 @@ def _against(digest: str) -> tuple[Any, ...]:
             pf = r_in * PF[PF_INV_PREFILL, p]
             s = pf + est_out * tp
             w = (b - slots + 1.0) * s / slots if b >= slots else 0.0
+            if w > prm[P_QTIMEOUT]:
+                continue  # full: its next slot is expected further away than the queue timeout
             rt = rtt[org, p]
             lat = (w + s) * 1000.0 + rt
             c = (ttft_ms - rt - w * 1000.0) / ((pf + tp) * 1000.0)
@@ -294,34 +301,52 @@ def _against(digest: str) -> tuple[Any, ...]:
         while ctr[C_NEXT] < n and QF[QF_T, ctr[C_NEXT]] < t_stop:
             i = ctr[C_NEXT]
             t = QF[QF_T, i]
-            advance(t, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc)
+            settle(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
             m = QI[QI_MODEL, i]
-            p = route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
+            # behind the router's queue when it holds requests still (first come, first served)
+            p = -1 if ctr[C_BTAIL] > ctr[C_BHEAD] else route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est,
+                                                               prm)
             if p < 0:
                 backlog[ctr[C_BTAIL]] = i
                 ctr[C_BTAIL] += 1
+                ctr[C_QUEUED] += 1
                 QI[QI_STATE, i] = Q_BACKLOG
             else:
                 place(i, p, t, t, QF[QF_IN, i], QF[QF_OUT, i], False, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi, ctr)
                 placed += 1
             ctr[C_NEXT] = i + 1
-        advance(t_stop, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc)
+        settle(t_stop, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
         return placed
+
+    @njit(cache=True)
+    def settle(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
+               acc):  # pragma: no cover
+        """The completions up to ``t`` (:func:`advance`), each followed by the router's queue taking
+        the room it freed (:func:`drain_backlog`)."""
+        digest  # noqa: B018
+        while ctr[C_HEAP] > 0 and ht[0] <= t:
+            te = ht[0]
+            advance(te, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc)
+            if ctr[C_BTAIL] > ctr[C_BHEAD]:
+                drain_backlog(te, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
 
     @njit(cache=True)
     def drain_backlog(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
                       acc):  # pragma: no cover
-        """Place the backlog's requests (oldest first) that now have an instance for their model, at
-        ``t``; the others keep their place in it. Returns the number placed."""
+        """Place the router's queued requests, oldest first, at ``t``: each where :func:`route` finds
+        room; once one of a model finds none, the later ones of that model keep their place too
+        (first come, first served). Returns the number placed."""
         digest  # noqa: B018
         head, tail = ctr[C_BHEAD], ctr[C_BTAIL]
         w = head
         placed = 0
+        blocked = np.zeros(active.shape[0], dtype=np.bool_)
         for x in range(head, tail):
             i = backlog[x]
             m = QI[QI_MODEL, i]
-            p = route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
+            p = -1 if blocked[m] else route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
             if p < 0:
+                blocked[m] = True
                 backlog[w] = i
                 w += 1
             else:
@@ -330,10 +355,10 @@ def _against(digest: str) -> tuple[Any, ...]:
         ctr[C_BTAIL] = w
         return placed
 
-    return route, place, advance, serve_until, drain_backlog
+    return route, place, advance, serve_until, settle, drain_backlog
 
 
-route, place, advance, serve_until, drain_backlog = _against(env_kernels.DIGEST)
+route, place, advance, serve_until, settle, drain_backlog = _against(env_kernels.DIGEST)
 
 
 @njit(cache=True)

@@ -149,8 +149,9 @@ class PlanView:
     ``work_s``: the integral over the epoch of its requests in flight there -- over replicas x epoch,
     the mean requests in flight per replica, the concurrency an autoscaler such as Knative's KPA
     scales on). The window's requests that arrived before
-    ``t`` (``arr_t``, ``arr_class``, ``arr_in``, ``arr_origin``) and the decayed mean output of each
-    class's completed requests (``out_mean``; NaN before the first completion)."""
+    ``t`` (``arr_t``, ``arr_class``, ``arr_in``, ``arr_origin``), the decayed mean output of each
+    class's completed requests (``out_mean``; NaN before the first completion) and the requests of
+    each class waiting in the router's queue (``queued``)."""
 
     t: float
     epoch: int
@@ -172,6 +173,7 @@ class PlanView:
     arr_in: np.ndarray
     arr_origin: np.ndarray
     out_mean: np.ndarray
+    queued: np.ndarray
 
     @property
     def held(self) -> np.ndarray:
@@ -349,8 +351,25 @@ class ProvisionWorld:
             per_off[covered] = take
             self.quotas.append((qt, room, per_off[off_a]))
 
+    def _superpose(self, w: pd.DataFrame) -> pd.DataFrame:
+        """``load_scale`` copies of a stream, copy j delayed by j x epoch_s / load_scale (arrival order kept)."""
+        k = self.cfg.load_scale
+        if k <= 1 or not len(w):
+            return w
+        step = pd.Timedelta(seconds=self.cfg.epoch_s / k)
+        parts = []
+        for j in range(k):
+            c = w.copy()
+            c["ts"] = c["ts"] + j * step
+            if "request_id" in c.columns:
+                c["request_id"] = c["request_id"].astype(str) + (f"#{j}" if j else "")
+            parts.append(c)
+        return pd.concat(parts, ignore_index=True).sort_values("ts", kind="stable").reset_index(drop=True)
+
     def _init_stream(self, history: pd.DataFrame | None) -> None:
-        w = self.bundle.workload
+        w = self._superpose(self.bundle.workload)
+        if history is not None:
+            history = self._superpose(history)
         t = to_seconds(w["ts"])
         self.t0_raw = float(t[0])
         self.arrival_raw = t
@@ -507,7 +526,9 @@ class ProvisionWorld:
         self.backlog = np.zeros(N + 1, dtype=np.int64)
         rw, ec = self.cfg.reward, self.cfg.estimator
         self.prm = np.array([rw.cost_weight, rw.latency_weight, rw.sla_penalty, rw.cost_norm_cap, rw.latency_norm_cap,
-                             self.cfg.retry_overhead_ms, 0.5 ** (1.0 / ec.half_life), ec.shrinkage, ec.prior_fraction])
+                             self.cfg.retry_overhead_ms, 0.5 ** (1.0 / ec.half_life), ec.shrinkage, ec.prior_fraction,
+                             self.cfg.queue_timeout_s])
+        assert self.prm.size == pk.N_P
         self._seed_estimator(lo)
         # per pool state counts (launching, ready, draining, noticed), the rows by state
         self.count = np.zeros((5, P), dtype=np.int64)
@@ -528,7 +549,7 @@ class ProvisionWorld:
         self._T = T0
         self.stats = {"launches": 0, "failed_launches": 0, "quota_refused": 0, "noticed": 0,
                       "migrations": 0, "transfer": 0, "recompute": 0, "resend": 0, "restart": 0, "missed_window": 0,
-                      "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0, "backlogged": 0, "cost_usd": 0.0}
+                      "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0, "cost_usd": 0.0}
         self.rec_serving = np.zeros((E, P), dtype=np.int32)   # instances taking work at each epoch's end
         self.rec_held = np.zeros((E, P), dtype=np.int32)      # instances billed at each epoch's end
         self.rec_cost = np.zeros(E)
@@ -628,7 +649,9 @@ class ProvisionWorld:
             preemptions=self.g_count[e].copy(), quota_room=self._quota_room(T), inflight=self.PI[pk.PI_INFLIGHT].copy(),
             failed_launches=self._last_failed.copy(), noticed_last=self._last_noticed.copy(),
             work_s=self._last_busy.copy(), arr_t=self.QF[pk.QF_T, :k], arr_class=self.q_class[lo:lo + k],
-            arr_in=self.QF[pk.QF_IN, :k], arr_origin=self.QI[pk.QI_ORIGIN, :k], out_mean=out_mean)
+            arr_in=self.QF[pk.QF_IN, :k], arr_origin=self.QI[pk.QI_ORIGIN, :k], out_mean=out_mean,
+            queued=np.bincount(self.q_class[lo + self.backlog[self.ctr[pk.C_BHEAD]:self.ctr[pk.C_BTAIL]]],
+                               minlength=self.C))
 
     def hindsight(self, peak_s: float = 15.0) -> Hindsight:
         """HINDSIGHT, for the oracle only (:class:`Hindsight`): it reads the realized future."""
@@ -899,9 +922,7 @@ class ProvisionWorld:
         self._serve(T1, args)
 
     def _serve(self, t: float, args: tuple[Any, ...]) -> None:
-        tail0 = int(self.ctr[pk.C_BTAIL])
         pk.serve_until(t, *args)
-        self.stats["backlogged"] += int(self.ctr[pk.C_BTAIL]) - tail0
 
     def _notice(self, o: int, tn: float, td: float, args: tuple[Any, ...]) -> None:
         """A spot notice at ``tn`` for offering ``o`` (preemption at ``td``): its instances stop
@@ -956,8 +977,8 @@ class ProvisionWorld:
             if tgt < 0:  # nowhere to go yet: it waits for an instance (and re-runs from scratch there)
                 self.backlog[self.ctr[pk.C_BTAIL]] = i
                 self.ctr[pk.C_BTAIL] += 1
+                self.ctr[pk.C_QUEUED] += 1
                 QI[pk.QI_STATE, i] = pk.Q_BACKLOG
-                self.stats["backlogged"] += 1
                 self.stats["restart"] += 1
                 self.stats["tokens_recomputed"] += done_in + done_out
                 continue
@@ -1047,7 +1068,7 @@ class ProvisionWorld:
             "launches": int(self.stats["launches"]), "failed_launches": int(self.stats["failed_launches"]),
             "quota_refused": int(self.stats["quota_refused"]), "preemptions": int(self.stats["noticed"]),
             "migrations": int(self.stats["migrations"]), "restarts": int(self.stats["restart"]),
-            "missed_window": int(self.stats["missed_window"]), "backlogged": int(self.stats["backlogged"]),
+            "missed_window": int(self.stats["missed_window"]), "backlogged": int(self.ctr[pk.C_QUEUED]),
             "latency_p50_ms": round(float(np.percentile(lat, 50)), 2) if lat.size else float("nan"),
             "latency_p95_ms": round(float(np.percentile(lat, 95)), 2) if lat.size else float("nan"),
             "ttft_p95_ms": round(float(np.nanpercentile(o["ttft_ms"], 95)), 2) if lat.size else float("nan"),

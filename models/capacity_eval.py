@@ -166,6 +166,7 @@ def report_dict(results: list[PlannerResult], bundle: Bundle, cfg: CapacityConfi
     return {
         "bundle": str(bundle.path), "bundle_hash": bundle.content_hash, "seed": cfg.seed,
         "seeds": len(results[0].runs) if results else 0, "rate_scale": cfg.world.rate_scale,
+        "load_scale": cfg.world.load_scale, "requests": world.N,
         "epoch_s": cfg.world.epoch_s, "epochs": world.E, "pools": world.P, **extra,
         "reference": reference(results).name if results else None,
         "summary": summary(results),

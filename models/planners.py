@@ -249,12 +249,13 @@ class ReactiveAutoscaler(_Base):
         k_slo = float(np.min(self.kstar[p][self.share > 0])) if np.any(self.share > 0) else 1.0
         target = a.target_utilization * max(k_slo, 1.0)
         held = int(view.held[p])
-        if reps > 0:
-            observed = float(view.work_s[p]) / (reps * self.ctx.epoch_s)
+        if reps > 0:  # requests in flight per replica (the epoch's mean), with those the router's queue holds
+            queued = float(view.queued[self.ctx.class_model == self.ctx.pools.model[p]].sum())
+            observed = (float(view.work_s[p]) / self.ctx.epoch_s + queued) / reps
             ratio = observed / target
             desired = held if abs(ratio - 1.0) <= a.tolerance else math.ceil(ready * ratio)
-        else:
-            desired = held
+        else:  # no metric (nothing ready yet): HPA keeps the current count
+            desired = int(self._cur)
         desired = max(desired, a.min_replicas)
         self._recs.append((view.t, desired))
         # stabilization (HPA): scaling down takes the highest recommendation of the window, scaling up the lowest

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -114,24 +115,25 @@ def test_spothedge_target_hysteresis(toy: ProvisionWorld) -> None:
 
 def test_autoscaler_hpa_rule_and_scale_down_window(toy: ProvisionWorld) -> None:
     """HPA: desired = ceil(ready x observed / target) -- target 0.7 x the SLO-feasible concurrency (2
-    slots) -- at once upward, downward only to the highest recommendation of the last 300 s."""
+    slots), observed the requests in flight per replica -- at once upward, downward only to the
+    highest recommendation of the last 300 s; no metric yet (nothing ready): no change."""
     w = toy
     a = ReactiveAutoscaler(PlannersConfig())
     a.reset(w.reset(seed=0))
     v0 = w.view()
     p = _idx(w, OD)
-    first = a.plan(v0)[p]
-    assert first >= 1
+    n0 = int(a.plan(v0)[p])  # starts where static peak provisioning would
+    assert n0 >= 1
 
     def at(k: int, ready: int, in_flight_per_replica: float) -> PlanView:
         work = np.zeros(w.P)
         work[p] = in_flight_per_replica * ready * 60.0
         return dataclasses.replace(_with(v0, w, ready={OD: ready}), t=v0.t + 60.0 * k, epoch=k, work_s=work)
 
-    assert a.plan(at(1, 2, 2.8))[p] == 4  # ratio 2.8 / 1.4 = 2: double
-    assert a.plan(at(2, 4, 1.45))[p] == 4  # within the 10 % tolerance
-    downs = [a.plan(at(k, 4, 0.35))[p] for k in range(3, 10)]  # desired 1, held up by the 5-minute window
-    assert downs[:4] == [4, 4, 4, 4] and downs[-1] == 1
+    assert a.plan(at(1, n0, 2.8))[p] == 2 * n0  # ratio 2.8 / 1.4 = 2: double, at once
+    assert a.plan(at(2, 2 * n0, 1.45))[p] == 2 * n0  # within the 10 % tolerance
+    downs = [a.plan(at(k, 2 * n0, 0.35))[p] for k in range(3, 10)]  # desired a quarter, held by the 5-minute window
+    assert downs[:4] == [2 * n0] * 4 and downs[-1] == math.ceil(2 * n0 / 4)
 
 
 def test_the_ilp_finds_the_cheapest_mix() -> None:

@@ -156,6 +156,22 @@ def test_quota_caps_launches(tmp_path: Path) -> None:
     assert int(w.view().held[p]) == 2
 
 
+def test_full_pools_queue_requests_at_the_router_first_come_first_served(tmp_path: Path) -> None:
+    """One instance, 2 slots, three 101 s requests at T0: the third would wait 101 / 2 s -- past the
+    20 s queue timeout -- so it waits in the router's queue; so does a short one at T0 + 5 (first
+    come, first served) though it would fit. The two slots free at T0 + 101: both start then."""
+    root = write_capbundle(tmp_path, [{"t": 0, "out": 10000}, {"t": 0, "out": 10000}, {"t": 0, "out": 10000},
+                                      {"t": 5, "out": 10}, {"t": 300}])
+    w = world(root)
+    w.reset(seed=0)
+    w.step({OD: 1})
+    assert w.view().queued.sum() == 2
+    _ = [w.step({OD: 1}) for _ in range(w.E - 1)]
+    qf = w.QF
+    assert [qf[pk.QF_START, i] - T0S for i in range(4)] == pytest.approx([0.0, 0.0, 101.0, 101.0])
+    assert w.metrics()["backlogged"] == 2
+
+
 def test_bad_plans_name_the_field(tmp_path: Path) -> None:
     root = write_capbundle(tmp_path, [{"t": 0}, {"t": 100}])
     w = world(root)

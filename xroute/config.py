@@ -194,7 +194,11 @@ class ProvisionConfig(Strict):
                                                                        "above it is an error)")
     warm_start: bool = Field(True, description="the first plan's instances are ready when the window starts (launched "
                                                "before it); false = they launch at the start like any other")
-    rate_scale: float = Field(1.0, gt=0, description="compress arrivals: 4 = four times the load")
+    rate_scale: float = Field(1.0, gt=0, description="compress arrivals: 4 = four times the load in a quarter of the "
+                                                     "time")
+    load_scale: int = Field(1, ge=1, le=100, description="the stream this many times over in the same time: copy j "
+                                                         "of every request (and of the history) arrives j x epoch_s / "
+                                                         "load_scale later -- more load without shortening the window")
     serving_config: str = Field("serving.yaml", description="service model and launch delays, under configs/")
     models_config: str = Field("models.yaml", description="the models requests name, under configs/")
     spot_lag_s: float = Field(15.0, ge=0, description="a recorded spot preemption really happened up to this long "
@@ -203,6 +207,9 @@ class ProvisionConfig(Strict):
     risk_prior_per_h: float = Field(1 / 24, ge=0, description="prior preemption rate of a spot pool, per hour")
     risk_prior_h: float = Field(1.0, gt=0, description="weight of that prior, in hours of observation")
     retry_overhead_ms: float = Field(1500.0, ge=0, description="detect + reconnect after a preemption without notice")
+    queue_timeout_s: float = Field(20.0, gt=0, description="a pool whose expected wait is longer is full (as "
+                                                           "EnvConfig.queue_timeout_s); the request waits in the "
+                                                           "router's queue for room")
     migration: MigrationConfig = MigrationConfig()
     estimator: EstimatorConfig = EstimatorConfig()
     reward: RewardConfig = RewardConfig()

@@ -79,6 +79,8 @@ def evaluate(
                                            "(docs/capacity.md): --policy names planners (static-ondemand, autoscaler, "
                                            "spothedge, melange, oracle), --config a capacity config (default "
                                            "configs/capacity.yaml), --window defaults to test")] = False,
+    load_scale: Annotated[int | None, typer.Option(help="with --capacity: the stream this many times over in the same "
+                                                   "time, copy j delayed by j/N of an epoch (world.load_scale)")] = None,
 ) -> None:
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
@@ -90,6 +92,8 @@ def evaluate(
         raise ConfigError(f"--rate-scale: must be > 0, got {rate_scale}")
     if seeds is not None and seeds < 1:
         raise ConfigError(f"--seeds: must be at least 1, got {seeds}")
+    if load_scale is not None and not capacity:
+        raise ConfigError("--load-scale: only with --capacity")
     if capacity:
         for flag, given in (("--sample", sample is not None), ("--policies", policies is not None),
                             ("--swap-offerings", swap_offerings is not None),
@@ -97,7 +101,7 @@ def evaluate(
             if given:
                 raise ConfigError(f"{flag}: not available with --capacity")
         _evaluate_capacity(policy, telemetry, start, end, window or "test", train_config, seeds, rate_scale, output,
-                           plot, no_plot, config, seed, quiet, versus)
+                           plot, no_plot, config, seed, quiet, versus, load_scale)
         return
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
@@ -178,7 +182,7 @@ def evaluate(
 def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str | None, end: str | None, window: str,
                        train_config: Path | None, seeds: int | None, rate_scale: float, output: Path | None,
                        plot: Path | None, no_plot: bool, config: Path | None, seed: int | None, quiet: bool,
-                       versus: str | None) -> None:
+                       versus: str | None, load_scale: int | None = None) -> None:
     """``xroute evaluate --capacity``: the planners in the provisioning world (``models.capacity_eval``)."""
     from models import capacity_eval as ce
     from models import evaluate as ev
@@ -194,7 +198,12 @@ def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str |
         raise ConfigError(f"--versus: '{versus}' is not one of the --policy options ({', '.join(planners)})")
     cfg_file = config if config is not None else config_path("capacity.yaml")
     cfg = load_config(CapacityConfig, cfg_file)
-    upd: dict[str, object] = {"world": cfg.world.model_copy(update={"rate_scale": rate_scale})}
+    if load_scale is not None and load_scale < 1:
+        raise ConfigError(f"--load-scale: must be at least 1, got {load_scale}")
+    wupd: dict[str, object] = {"rate_scale": rate_scale}
+    if load_scale is not None:
+        wupd["load_scale"] = load_scale
+    upd: dict[str, object] = {"world": cfg.world.model_copy(update=wupd)}
     if seed is not None:
         upd["seed"] = seed
     if seeds is not None:
@@ -210,7 +219,7 @@ def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str |
                                           progress=not quiet)
     span = win.time_span()
     title = (f"xroute evaluate --capacity — {win.path.name}, {window} window {span[0]:%Y-%m-%d %H:%M}–"
-             f"{span[1]:%H:%M} UTC, {len(win.workload)} requests, rate x{rate_scale:g}, {world.P} pools, "
+             f"{span[1]:%H:%M} UTC, {world.N} requests, rate x{rate_scale:g}, load x{cfg.world.load_scale}, {world.P} pools, "
              f"{world.E} epochs of {cfg.world.epoch_s:g} s")
     ce.print_table(results, title)
     out = output if output is not None else ev.default_report_path()
@@ -219,8 +228,8 @@ def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str |
     typer.echo(f"report: {out}")
     if not no_plot:
         png = plot if plot is not None else out.with_suffix(".png")
-        ce.plot(results, world, png, title=f"{win.path.name} {window} window, rate x{rate_scale:g}: instances per pool "
-                                           "(first seed) and the request rate")
+        ce.plot(results, world, png, title=f"{win.path.name} {window} window, rate x{rate_scale:g}, load "
+                                           f"x{cfg.world.load_scale}: instances per pool (first seed) and the request rate")
         typer.echo(f"plot: {png}")
 
 
