@@ -239,3 +239,19 @@ def test_gym_env_runs_an_episode() -> None:
         assert not term and r <= 0.0
         total += r
     assert "metrics" in info and info["metrics"]["lost"] == 0
+
+
+def test_the_benchmark_runs(tmp_path: Path) -> None:
+    """``benchmarks/bench_provisioning.py``'s measuring code, once, on the hand-made bundle."""
+    import pandas as pd
+
+    import benchmarks.bench_provisioning as bp
+
+    hist = pd.DataFrame({"ts": [T0 - pd.Timedelta(seconds=30 - k) for k in range(30)],
+                         "request_id": [f"h{k}" for k in range(30)], "origin": "aws:us-east-1", "input_tokens": 1000,
+                         "output_tokens": 100, "tenant": "a"})
+    root = write_capbundle(tmp_path, [{"t": k * 5.0} for k in range(60)])
+    w = ProvisionWorld(str(root), {"serving_config": str((root / "serving.yaml").resolve())}, history=hist)
+    eps, rps, n = bp.world_rate(w, 0)
+    assert n == w.E == 5 and eps > 0 and rps > 0
+    assert len(bp.plan_times(w, "melange", 0)) == w.E and len(bp.plan_times(w, "oracle", 0)) == 1
