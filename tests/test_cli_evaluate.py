@@ -143,3 +143,38 @@ def test_errors_say_where_the_answer_is(tiny_bundle_dir, tmp_path):
                     "no such offering_id", "did you mean aws:us-east-1:g5.xlarge:on_demand", "offerings.csv")
     _one_line_error(xroute("evaluate", "--telemetry", str(tiny_bundle_dir), "--policy", "greedy", "--seeds", "0"),
                     "--seeds")
+
+
+def test_evaluate_capacity_writes_the_report_and_the_plot(tmp_path):
+    """``xroute evaluate --capacity``: the planners over the shipped bundle's test window, paired by seed."""
+    from models.capacity_eval import METRICS as CAP_METRICS
+
+    out = tmp_path / "cap.json"
+    p = xroute("evaluate", "--capacity", "--policy", "static-ondemand", "--policy", "spothedge", "--policy", "oracle",
+               "--seeds", "2", "--output", str(out), "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert "spothedge" in p.stdout and "oracle (hindsight)" in p.stdout
+    rep = json.loads(out.read_text())
+    assert set(rep["planners"]) == {"static-ondemand", "spothedge", "oracle (hindsight)"}
+    assert rep["reference"] == "static-ondemand" and rep["window"] == "test" and rep["seeds"] == 2
+    ref = rep["planners"]["static-ondemand"]["per_seed"]
+    for name, m in rep["planners"].items():
+        assert set(CAP_METRICS) <= set(m) and len(m["per_seed"]) == 2
+        assert m["lost"] == 0 and "slo_attainment[code]" in m and "slo_attainment[conv]" in m
+        ratios = [a["cost_usd"] / b["cost_usd"] for a, b in zip(m["per_seed"], ref)]
+        assert m["vs_reference"]["cost_ratio"]["mean"] == pytest.approx(sum(ratios) / 2, abs=2e-6), name
+    assert rep["summary"]["best_baseline"] in {"static-ondemand", "spothedge"}
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_capacity_bad_input_gives_one_readable_line(tmp_path):
+    _one_line_error(xroute("evaluate", "--capacity", "--policy", "greedy"), "unknown planner 'greedy'")
+    _one_line_error(xroute("evaluate", "--capacity", "--policy", "spothedge", "--sample", "100"),
+                    "--sample: not available with --capacity")
+    _one_line_error(xroute("evaluate", "--policy", "greedy", "--load-scale", "2"), "--load-scale: only with --capacity")
+    cfg = tmp_path / "cap.yaml"
+    cfg.write_text("planners:\n  spothedge:\n    overprovision: 2\n")
+    _one_line_error(xroute("evaluate", "--capacity", "--policy", "spothedge", "--config", str(cfg)),
+                    "planners.spothedge.overprovision", "unknown key")
+    cfg.write_text("world:\n  epoch_s: -60\n")
+    _one_line_error(xroute("evaluate", "--capacity", "--policy", "spothedge", "--config", str(cfg)), "world.epoch_s")

@@ -241,3 +241,83 @@ def test_the_servers_caches_do_change_outcomes_and_the_oracle(prefix_bundle: Any
     oa.reset(env_a, 4)
     ob.reset(env_b, 4)
     assert oa.total > ob.total  # the oracle plans on the real caches (its planned outcome is better with them)
+
+
+# ------------------------------------------------------------------------------ capacity planners
+# The provisioning world (envs.provisioning): a planner decides every epoch from its PlanView. Two worlds
+# replay the shipped stream's validation window with the same seed; in the second, after epoch k, the future
+# is changed -- the later requests' sizes and noise, the outputs of the requests still in flight at k (longer
+# still), when later spot notices and preemptions come, where later launches find capacity. A planner of the
+# past plans the same up to and including epoch k; the hindsight oracle, which plans on the whole window, does not.
+PLANNERS = ("static-ondemand", "autoscaler", "spothedge", "melange")
+EPOCHS = (3, 7)
+
+
+def _planner_world(bundle: Any) -> Any:
+    from envs.provisioning import ProvisionWorld
+    from models.config import load_train_config
+    from models.scenarios import split_bundle
+
+    sp = split_bundle(bundle, load_train_config(None).split)
+    return ProvisionWorld(sp.bundles["validation"], history=sp.history("validation"), rate_scale=1.5)
+
+
+def _world_future_changed(w: Any, k: int, rng: np.random.Generator, ends: np.ndarray) -> None:
+    from envs import provision_kernels as pk
+
+    t_k = w.T0 + k * w.dt
+    qf = w.QF
+    ik = int(np.searchsorted(qf[pk.QF_T], t_k))
+    idx = np.arange(ik, w.N)
+    qf[pk.QF_OUT, idx] = np.minimum(3 * qf[pk.QF_OUT, rng.permutation(idx)] + 1, qf[pk.QF_MAXOUT, idx])
+    qf[pk.QF_IN, idx] = qf[pk.QF_IN, rng.permutation(idx)]
+    qf[pk.QF_Z, idx] = qf[pk.QF_Z, rng.permutation(idx)]
+    flying = np.flatnonzero((np.arange(w.N) < ik) & (ends > t_k))
+    qf[pk.QF_OUT, flying] = np.minimum(2 * qf[pk.QF_OUT, flying] + 1, qf[pk.QF_MAXOUT, flying])
+    w._events = [(tn + 40.0, kind, i, td + 40.0) if tn >= t_k else (tn, kind, i, td) for tn, kind, i, td in w._events]
+    later = w.g_launchable[k + 1:]
+    w.g_launchable[k + 1:] = (rng.random(later.shape) < 0.5) | ~w.pools.is_spot[None, :]
+
+
+def _plan_run(w: Any, name: str, change_at: int | None = None, ends: np.ndarray | None = None
+              ) -> tuple[list[list[int]], np.ndarray, dict[str, Any]]:
+    from envs import provision_kernels as pk
+    from models.planners import make_planner
+
+    planner = make_planner(name)
+    ctx = w.reset(seed=5)
+    if change_at is not None:
+        assert ends is not None
+        _world_future_changed(w, change_at, np.random.default_rng(change_at), ends)
+    if name == "oracle":
+        planner.bind(w)
+    planner.reset(ctx)
+    plans = []
+    while True:
+        tg = planner.plan(w.view())
+        plans.append([int(x) for x in tg])
+        if w.step(tg).done:
+            break
+    return plans, w.QF[pk.QF_END].copy(), w.metrics()
+
+
+@pytest.fixture(scope="module")
+def planner_world(bundle: Any) -> Any:
+    return _planner_world(bundle)
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+def test_no_plan_depends_on_the_realized_future(planner_world: Any, name: str) -> None:
+    base, ends, m_base = _plan_run(planner_world, name)
+    assert len({tuple(p) for p in base}) > 1 or name == "static-ondemand", "the planner changes its plan"
+    for k in EPOCHS:
+        changed, _, m_changed = _plan_run(planner_world, name, change_at=k, ends=ends)
+        assert changed[:k + 1] == base[:k + 1], (name, k)
+        assert m_changed != m_base  # the future really changed
+
+
+def test_the_future_does_change_the_oracles_plan(planner_world: Any) -> None:
+    base, ends, _ = _plan_run(planner_world, "oracle")
+    k = EPOCHS[-1]
+    changed, _, _ = _plan_run(planner_world, "oracle", change_at=k, ends=ends)
+    assert changed[:k + 1] != base[:k + 1]

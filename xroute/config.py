@@ -185,6 +185,121 @@ class EvaluateConfig(Strict):
     env: EnvConfig = EnvConfig(episode_requests=None)
 
 
+class ProvisionConfig(Strict):
+    """The provisioning world (``envs.provisioning``, ``docs/capacity.md``): a planner sets the
+    instances held per pool every ``epoch_s`` of trace time; requests are routed on what exists."""
+
+    epoch_s: float = Field(60.0, gt=0, le=3600, description="trace seconds between two plans")
+    max_instances_per_pool: int = Field(32, ge=1, le=4096, description="most instances one pool may hold (a plan "
+                                                                       "above it is an error)")
+    warm_start: bool = Field(True, description="the first plan's instances are ready when the window starts (launched "
+                                               "before it); false = they launch at the start like any other")
+    rate_scale: float = Field(1.0, gt=0, description="compress arrivals: 4 = four times the load in a quarter of the "
+                                                     "time")
+    load_scale: int = Field(1, ge=1, le=100, description="the stream this many times over in the same time: copy j "
+                                                         "of every request (and of the history) arrives j x epoch_s / "
+                                                         "load_scale later -- more load without shortening the window")
+    serving_config: str = Field("serving.yaml", description="service model and launch delays, under configs/")
+    models_config: str = Field("models.yaml", description="the models requests name, under configs/")
+    spot_lag_s: float = Field(15.0, ge=0, description="a recorded spot preemption really happened up to this long "
+                                                      "before the telemetry shows it (as EnvConfig.spot_lag_s)")
+    risk_lookback_h: float = Field(6.0, gt=0, description="window of the spot-preemption history (hazard)")
+    risk_prior_per_h: float = Field(1 / 24, ge=0, description="prior preemption rate of a spot pool, per hour")
+    risk_prior_h: float = Field(1.0, gt=0, description="weight of that prior, in hours of observation")
+    retry_overhead_ms: float = Field(1500.0, ge=0, description="detect + reconnect after a preemption without notice")
+    queue_timeout_s: float = Field(20.0, gt=0, description="a pool whose expected wait is longer is full (as "
+                                                           "EnvConfig.queue_timeout_s); the request waits in the "
+                                                           "router's queue for room")
+    migration: MigrationConfig = MigrationConfig()
+    estimator: EstimatorConfig = EstimatorConfig()
+    reward: RewardConfig = RewardConfig()
+    slo_miss_usd: float = Field(0.01, ge=0, description="the Gymnasium env's reward: -(held cost in the epoch + this "
+                                                        "x SLO misses completed in it), USD")
+
+
+class ForecastConfig(Strict):
+    """The load forecast every planner but the oracle reads: the past only."""
+
+    window_s: float = Field(300.0, gt=0, description="arrivals of the last window_s seconds")
+    peak_s: float = Field(15.0, gt=0, description="the rate is the busiest peak_s sub-window's (bursts)")
+    margin: float = Field(0.1, ge=0, le=10, description="planned above the forecast by this fraction")
+
+
+class StaticPlannerConfig(Strict):
+    """Static peak provisioning on demand: one pool, sized once for the history's peak."""
+
+    offering: str | None = Field(None, description="its offering id; None = the on-demand offering with the lowest "
+                                                   "price per unit of SLO-feasible throughput")
+
+
+class AutoscalerConfig(Strict):
+    """A reactive target-utilization autoscaler (Kubernetes HPA's rule and default behaviour)."""
+
+    target_utilization: float = Field(0.7, gt=0, le=1, description="target share of an instance's SLO-feasible "
+                                                                   "concurrency in use (KPA's default 0.7)")
+    tolerance: float = Field(0.1, ge=0, le=1, description="no change while |ratio - 1| <= tolerance (HPA: 0.1)")
+    scale_up_stabilization_s: float = Field(0.0, ge=0, description="HPA default: 0 (scale up at once)")
+    scale_down_stabilization_s: float = Field(300.0, ge=0, description="HPA default: 300 (the highest "
+                                                                       "recommendation of the last 5 minutes)")
+    min_replicas: int = Field(1, ge=0)
+
+
+class SpotHedgeConfig(Strict):
+    """SpotHedge (SkyServe): knobs as SkyPilot's service spec names them (``docs/capacity.md``)."""
+
+    num_overprovision: int = Field(1, ge=0, le=1000, description="extra spot replicas over the target")
+    base_ondemand_fallback_replicas: int = Field(0, ge=0, le=1000)
+    dynamic_ondemand_fallback: bool = True
+    upscale_delay_s: float = Field(300.0, ge=0, description="SkyServe's default upscale delay")
+    downscale_delay_s: float = Field(1200.0, ge=0, description="SkyServe's default downscale delay")
+    target_qps_per_replica: float | None = Field(None, gt=0, description="None = the SLO-feasible throughput of its "
+                                                                         "replica x planners.headroom")
+    accelerators: list[str] | None = Field(None, description="the replica's accelerators (its spot locations are "
+                                                             "every spot pool of these); None = the static pool's")
+
+
+class MelangeConfig(Strict):
+    """A Mélange-style cost-optimal GPU mix, re-solved every epoch for the forecast."""
+
+    include_spot: bool = Field(False, description="Mélange plans on-demand GPUs only; true adds the spot pools "
+                                                  "available now")
+    switch_cost: bool = Field(True, description="charge a new instance its launch time at its price (keeps the mix "
+                                                "from churning)")
+    horizon_s: float = Field(600.0, gt=0, le=86_400, description="the instances' price is counted over this long "
+                                                                 "against a new one's launch cost")
+    time_limit_s: float = Field(5.0, gt=0, le=3600, description="HiGHS time limit per solve")
+
+
+class CapacityOracleConfig(Strict):
+    """The hindsight oracle of the provisioning world: the same ILP over the whole window with the
+    true load and availability (it sees the future)."""
+
+    time_limit_s: float = Field(120.0, gt=0, le=36000, description="HiGHS time limit")
+    mip_rel_gap: float = Field(0.005, ge=0, le=1, description="HiGHS relative MIP gap")
+
+
+class PlannersConfig(Strict):
+    """Knobs of the provisioning baselines (``models.planners``)."""
+
+    headroom: float = Field(0.8, gt=0, le=1, description="plan an instance for this share of its SLO-feasible "
+                                                        "throughput (queueing margin), every planner alike")
+    forecast: ForecastConfig = ForecastConfig()
+    static: StaticPlannerConfig = StaticPlannerConfig()
+    autoscaler: AutoscalerConfig = AutoscalerConfig()
+    spothedge: SpotHedgeConfig = SpotHedgeConfig()
+    melange: MelangeConfig = MelangeConfig()
+    oracle: CapacityOracleConfig = CapacityOracleConfig()
+
+
+class CapacityConfig(Strict):
+    """``configs/capacity.yaml``: ``xroute evaluate --capacity`` (the world, the planners, the seeds)."""
+
+    seed: int = Field(0, description="first seed")
+    seeds: int = Field(5, ge=1, le=1000, description="seeds per planner (service-time noise, spot preemption instants)")
+    world: ProvisionConfig = ProvisionConfig()
+    planners: PlannersConfig = PlannersConfig()
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -247,10 +362,27 @@ class AcceleratorSpeed(Strict):
     derivation: str = ""
 
 
+class LaunchConfig(Strict):
+    """How long a new replica takes from the launch call to serving (the provisioning world,
+    ``envs.provisioning``): the instance's provisioning and boot, then the inference engine's start
+    -- its fixed part (imports, compilation, CUDA graphs, KV-cache profiling) and loading the
+    model's weights from the instance's disk. Sources and arithmetic in ``configs/serving.yaml``."""
+
+    boot_s_single_gpu: float = Field(gt=0, le=7200, description="launch call -> instance booted, one-GPU instances")
+    boot_s_multi_gpu: float = Field(gt=0, le=7200, description="the same for multi-GPU instances")
+    boot_s: dict[str, float] = Field(default_factory=dict, description="per accelerator, overriding the two above")
+    engine_start_s: float = Field(ge=0, le=7200, description="the engine's start less its weight loading")
+    weights_gb_per_s: float = Field(gt=0, le=1000, description="weights loaded from the instance's disk, GB/s")
+    sources: list[str] = Field(default_factory=list)
+    derivation: str = ""
+
+
 class ServingConfig(Strict):
     reference_model: str = ""
     reference_accelerator: str = "A10G"
     accelerators: dict[str, AcceleratorSpeed]
+    #: launch delays of the provisioning world (``envs.provisioning``); None: that world refuses the file
+    launch: LaunchConfig | None = None
 
 
 class ModelSpec(Strict):

@@ -75,6 +75,12 @@ def evaluate(
     unseen_catalog: Annotated[Path | None, typer.Option(help="catalog directory --swap-offerings draws from "
                                                         "(default data/catalogs/unseen/<bundle name>)")] = None,
     swap_seed: Annotated[int, typer.Option(help="which offerings --swap-offerings swaps")] = 0,
+    capacity: Annotated[bool, typer.Option("--capacity", help="compare capacity planners in the provisioning world "
+                                           "(docs/capacity.md): --policy names planners (static-ondemand, autoscaler, "
+                                           "spothedge, melange, oracle), --config a capacity config (default "
+                                           "configs/capacity.yaml), --window defaults to test")] = False,
+    load_scale: Annotated[int | None, typer.Option(help="with --capacity: the stream this many times over in the same "
+                                                   "time, copy j delayed by j/N of an epoch (world.load_scale)")] = None,
 ) -> None:
     """Replay the same request stream through each policy, for several seeds, and compare them."""
     import pandas as pd
@@ -86,6 +92,17 @@ def evaluate(
         raise ConfigError(f"--rate-scale: must be > 0, got {rate_scale}")
     if seeds is not None and seeds < 1:
         raise ConfigError(f"--seeds: must be at least 1, got {seeds}")
+    if load_scale is not None and not capacity:
+        raise ConfigError("--load-scale: only with --capacity")
+    if capacity:
+        for flag, given in (("--sample", sample is not None), ("--policies", policies is not None),
+                            ("--swap-offerings", swap_offerings is not None),
+                            ("--unseen-catalog", unseen_catalog is not None)):
+            if given:
+                raise ConfigError(f"{flag}: not available with --capacity")
+        _evaluate_capacity(policy, telemetry, start, end, window or "test", train_config, seeds, rate_scale, output,
+                           plot, no_plot, config, seed, quiet, versus, load_scale)
+        return
     if sample is not None and sample < 1:
         raise ConfigError(f"--sample: must be at least 1 request, got {sample}")
     cfg = _evaluate_config(config)
@@ -159,6 +176,60 @@ def evaluate(
     if not no_plot:
         png = plot if plot is not None else out.with_suffix(".png")
         ev.plot(results, png, title=f"{bundle.path.name}, {what}, rate x{rate_scale:g}, {cfg.seeds} seed(s)")
+        typer.echo(f"plot: {png}")
+
+
+def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str | None, end: str | None, window: str,
+                       train_config: Path | None, seeds: int | None, rate_scale: float, output: Path | None,
+                       plot: Path | None, no_plot: bool, config: Path | None, seed: int | None, quiet: bool,
+                       versus: str | None, load_scale: int | None = None) -> None:
+    """``xroute evaluate --capacity``: the planners in the provisioning world (``models.capacity_eval``)."""
+    from models import capacity_eval as ce
+    from models import evaluate as ev
+    from models.config import load_train_config
+    from models.planners import make_planner
+    from models.scenarios import SPLITS, split_bundle
+    from xroute.bundle import load_bundle
+    from xroute.config import CapacityConfig, config_path, load_config
+
+    for name in planners:  # (an unknown planner fails before any work)
+        make_planner(name)
+    if versus is not None and versus not in planners:
+        raise ConfigError(f"--versus: '{versus}' is not one of the --policy options ({', '.join(planners)})")
+    cfg_file = config if config is not None else config_path("capacity.yaml")
+    cfg = load_config(CapacityConfig, cfg_file)
+    if load_scale is not None and load_scale < 1:
+        raise ConfigError(f"--load-scale: must be at least 1, got {load_scale}")
+    wupd: dict[str, object] = {"rate_scale": rate_scale}
+    if load_scale is not None:
+        wupd["load_scale"] = load_scale
+    upd: dict[str, object] = {"world": cfg.world.model_copy(update=wupd)}
+    if seed is not None:
+        upd["seed"] = seed
+    if seeds is not None:
+        upd["seeds"] = seeds
+    cfg = cfg.model_copy(update=upd)
+    if window not in SPLITS:
+        raise ConfigError(f"--window: '{window}' is not one of {', '.join(SPLITS)}")
+    bundle = load_bundle(telemetry)
+    splits = split_bundle(bundle, load_train_config(train_config).split)
+    history = splits.history(window)
+    win = splits.bundles[window].window(_ts(start, "--start"), _ts(end, "--end"))
+    results, world = ce.evaluate_capacity(win, list(dict.fromkeys(planners)), cfg, history, versus=versus,
+                                          progress=not quiet)
+    span = win.time_span()
+    title = (f"xroute evaluate --capacity — {win.path.name}, {window} window {span[0]:%Y-%m-%d %H:%M}–"
+             f"{span[1]:%H:%M} UTC, {world.N} requests, rate x{rate_scale:g}, load x{cfg.world.load_scale}, {world.P} pools, "
+             f"{world.E} epochs of {cfg.world.epoch_s:g} s")
+    ce.print_table(results, title)
+    out = output if output is not None else ev.default_report_path()
+    ev.write_json(ce.report_dict(results, win, cfg, world, {"window": window, "start": str(span[0]),
+                                                            "end": str(span[1])}), out)
+    typer.echo(f"report: {out}")
+    if not no_plot:
+        png = plot if plot is not None else out.with_suffix(".png")
+        ce.plot(results, world, png, title=f"{win.path.name} {window} window, rate x{rate_scale:g}, load "
+                                           f"x{cfg.world.load_scale}: instances per pool (first seed) and the request rate")
         typer.echo(f"plot: {png}")
 
 
