@@ -1,14 +1,14 @@
 """Prefix affinity's cost: the shared index's lookup in process and on Redis over loopback, and the
 environment's step rate with prefix caching on vs off.
 
-* **In process** (``router.state.EmbeddedState``): an index filled with 20,000 earlier decisions
+* **In process** (``router.state.embedded.EmbeddedState``): an index filled with 20,000 earlier decisions
   (conversations of 64-block prompts over a catalog of 100 offerings, the shipped bundle's cycled),
   then, per lookup, a 64-block prompt whose prefix some pools hold: the state's lookup plus the
   engine's conversion to the environment's arrays (``RoutingEngine._live_prefix``) -- what the
   affinity adds before a decision -- and the record after it; and a whole decision
   (``RoutingEngine.decide`` with the embedded state) with and without the request's prefix hashes
   and session, side by side. Target: the lookup <= 15 us p99.
-* **Redis** (``router.state_redis.RedisState``, a real redis-server on loopback, no persistence):
+* **Redis** (``router.state.redis.RedisState``, a real redis-server on loopback, no persistence):
   the same index; the lookup awaited one at a time (one round trip), and the reservation with the
   prefix's record in its pipeline (``reserve_recording``) next to the reservation alone. Target:
   the lookup <= 1 ms p99.
@@ -44,12 +44,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from envs.cloud_route import CloudRouteEnv  # noqa: E402
-from router.engine import RoutingEngine  # noqa: E402
-from router.keys import Principal  # noqa: E402
-from router.settings import load_settings  # noqa: E402
-from router.state import EmbeddedState, PrefixSend, RouterState  # noqa: E402
+from router.core.settings import load_settings  # noqa: E402
+from router.decision.engine import RoutingEngine  # noqa: E402
+from router.state.base import PrefixSend, RouterState  # noqa: E402
+from router.state.embedded import EmbeddedState  # noqa: E402
 from xroute.bundle import load_bundle  # noqa: E402
 from xroute.catalog_tools import resize_catalog  # noqa: E402
+from xroute.schema.access import Principal  # noqa: E402
 from xroute.schema.decision import RouteRequest  # noqa: E402
 
 BLOCKS = 64
@@ -139,7 +140,7 @@ def in_process(n: int, tmp: Path) -> dict[str, Any]:
 
 
 async def on_redis(url: str, n: int) -> dict[str, Any]:
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
 
     state: RouterState = RedisState(url, prefix=f"bench-prefix-{time.time_ns()}")
     try:

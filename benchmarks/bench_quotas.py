@@ -47,7 +47,8 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from router.state import EmbeddedState, RouterState  # noqa: E402
+from router.state.base import RouterState  # noqa: E402
+from router.state.embedded import EmbeddedState  # noqa: E402
 from xroute.schema.quota import TenantQuotas, buckets_for  # noqa: E402
 
 #: every limit set, none ever reached in a run
@@ -107,7 +108,7 @@ def bench_lifecycles(url: str, server_pid: int, rounds: int, tasks: int = 32, pe
     CPU time, unlike a rate, hardly moves with what else the shared cores run."""
     from bench_router import proc_stat
 
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
 
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
 
@@ -135,9 +136,9 @@ def bench_decide(n: int, rounds: int) -> dict[str, Any]:
     """``RoutingEngine.decide`` with an embedded state, the tenant's quotas on and off."""
     import tempfile
 
-    from router.engine import RoutingEngine
-    from router.keys import Principal
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     work = Path(tempfile.mkdtemp(prefix="xroute-bench-quotas-"))
@@ -180,7 +181,7 @@ def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int) -
     """``POST /v1/route`` with quotas on and off (module docstring, 3)."""
     import bench_router as br
 
-    from router.keys import add_key
+    from router.control.keys import add_key
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     key = add_key(work / "keys.json", "bench")
@@ -242,7 +243,7 @@ def main() -> None:
     for name, v in (("--n", a.n), ("--redis-n", a.redis_n), ("--decide-n", a.decide_n)):
         if v < 1000:
             ap.error(f"{name} must be at least 1000 (got {v})")
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
     from tests.servers import RedisServer, ServerError
 
     res: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores (nproc), Python "

@@ -150,10 +150,10 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[str, Any]:
-    from router.engine import RoutingEngine
-    from router.keys import Principal
-    from router.policies import ActivePolicy
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
+    from router.decision.model_slot import ActivePolicy
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     empty = Path(tempfile.mkdtemp()) / "router.yaml"
@@ -213,10 +213,10 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
     """``RoutingEngine.decide`` with each of :data:`OPE_VARIANTS`' settings, greedy and learned:
     ``rounds`` rounds of ``n`` decisions per engine, the engines interleaved within each round;
     the medians of the rounds' p50 and p99."""
-    from router.engine import RoutingEngine
-    from router.keys import Principal
-    from router.policies import ActivePolicy
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
+    from router.decision.model_slot import ActivePolicy
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     empty = Path(tempfile.mkdtemp()) / "router.yaml"
@@ -271,7 +271,7 @@ def bench_ope_http(work: Path, seconds: float, rounds: int) -> dict[str, Any]:
     medians (:func:`_median_of`), and the bytes each decision took in the log."""
     if shutil.which("wrk") is None:
         return {"skipped": "wrk not found: sudo apt-get install wrk"}
-    from router.keys import add_key
+    from router.control.keys import add_key
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     key = add_key(work / "keys.json", "bench")
@@ -403,8 +403,8 @@ def _stub(part: str) -> None:
     logging; ``log`` -> decisions are made but never written (the log's future is already done)."""
     import asyncio
 
-    from router import store
-    from router.routes import route
+    from router.api import route
+    from router.store import sqlite as store
 
     if part == "decision":
         answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
@@ -426,9 +426,9 @@ def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = Non
     import uvicorn
 
     if kind == "route":  # the router's app as ``xroute serve`` builds it, settings from XROUTE_ROUTER_*
-        from router.app import create_app
-        from router.engine import RoutingEngine
-        from router.settings import load_settings
+        from router.app.factory import create_app
+        from router.core.settings import load_settings
+        from router.decision.engine import RoutingEngine
 
         if stub:
             _stub(stub)
@@ -439,7 +439,7 @@ def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = Non
                     loop=loop, http=http)
         return
     app = {"trivial": trivial_app, "numpy": numpy_app, "bare": bare_app}[kind]()
-    # the same server settings as ``xroute serve`` (router/cli.py): no uvicorn access log, no server header
+    # the same server settings as ``xroute serve`` (router/app/cli.py): no uvicorn access log, no server header
     loop, http = STACKS[stack]
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
                 loop=loop, http=http)
@@ -566,7 +566,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
     up throughout and their order rotated each round; their figures are medians over the rounds."""
     if shutil.which("wrk") is None:
         return {"skipped": "wrk not found: sudo apt-get install wrk"}
-    from router.keys import add_key
+    from router.control.keys import add_key
 
     results: dict[str, Any] = {}
     env = {**os.environ, "PYTHONPATH": str(REPO)}

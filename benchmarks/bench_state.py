@@ -1,4 +1,4 @@
-"""The router state's own operations (``router/state.py``): p50/p99 per call, for both backends.
+"""The router state's own operations (``router/state/base.py``): p50/p99 per call, for both backends.
 
 Each operation is awaited one at a time on one event loop (what a request's task pays; no
 pipelining), timed with ``perf_counter`` around the ``await``: reserve (a ranked list of 3
@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from router.state import EmbeddedState, RouterState  # noqa: E402
+from router.state.base import RouterState  # noqa: E402
+from router.state.embedded import EmbeddedState  # noqa: E402
 
 CANDIDATES = [(f"pool-{i}", 1_000_000) for i in range(3)]
 
@@ -76,7 +77,7 @@ def main() -> None:
     for name, v in (("--n", a.n), ("--redis-n", a.redis_n)):
         if v < 1000:
             ap.error(f"{name} must be at least 1000 (got {v})")
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
     from tests.servers import RedisServer, ServerError
 
     res: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores (nproc), Python "

@@ -27,12 +27,12 @@ import httpx
 import openai
 import pytest
 
-from router.app import create_app
+from router.app.factory import create_app
+from router.control.keys import add_key
+from router.core.settings import load_settings
 from router.gateway.openai_api import has_token
 from router.gateway.tokens import PromptCounter, chat_texts, estimate
-from router.keys import add_key
-from router.scrape import parse_metrics
-from router.settings import load_settings
+from router.service.scrape import parse_metrics
 from tests.servers import ServerThread, free_port
 from tests.test_router_support import LogCapture, RouterSetup, make_setup
 from tests.vllm_standin import Fault, StandIn, StandInConfig
@@ -520,7 +520,7 @@ def test_the_servers_key_comes_from_the_environment_and_is_never_logged(tmp_path
 
 
 def test_gateway_settings_are_checked_naming_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.engine import RoutingEngine
+    from router.decision.engine import RoutingEngine
     from router.gateway.service import check_settings
 
     monkeypatch.delenv("XROUTE_NO_SUCH_KEY", raising=False)

@@ -35,8 +35,8 @@ import jsonschema
 import openai
 import pytest
 
-from router.app import create_app
-from router.keys import add_key
+from router.app.factory import create_app
+from router.control.keys import add_key
 from tests.servers import ServerThread, free_port
 from tests.test_router_support import RouterSetup, make_setup
 from tests.vllm_standin import Fault, StandIn, StandInConfig

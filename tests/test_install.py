@@ -71,7 +71,7 @@ def test_the_core_install_has_no_training_stack(venv: Path, tmp_path: Path) -> N
     for mod in ("torch", "stable_baselines3", "ray"):
         r = _run([py, "-c", f"import {mod}"], cwd=tmp_path)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, mod
-    r = _run([py, "-c", "import xroute, envs, models.policy, router.app; print(xroute.__file__)"], cwd=tmp_path)
+    r = _run([py, "-c", "import xroute, envs, models.policy, router.app.factory; print(xroute.__file__)"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert str(REPO) not in r.stdout  # the installed package, not the checkout
 
@@ -101,7 +101,7 @@ def test_serve_a_router_exported_earlier(venv: Path, tmp_path: Path) -> None:
     layers = [(rng.normal(0, 0.1, (a, b)).astype(np.float32), np.zeros(b, np.float32)) for a, b in itertools.pairwise(dims)]
     export = save_router(RouterWeights(layers=layers, prior=RewardPrior.from_env_config(EnvConfig())), tmp_path / "export")
     bin_ = venv / "bin"
-    r = _run([str(bin_ / "python"), "-m", "router.keys", "add", "--tenant", "t", "--keys-file", "keys.json"], cwd=tmp_path)
+    r = _run([str(bin_ / "python"), "-m", "router.control.keys", "add", "--tenant", "t", "--keys-file", "keys.json"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     key = r.stdout.strip().splitlines()[-1]
     port = free_port()

@@ -105,7 +105,7 @@ def test_no_decision_of_any_policy_lands_outside_the_policies(stream: Bundle, ca
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from router.engine import RoutingEngine
+    from router.decision.engine import RoutingEngine
     from tests.test_router_support import make_setup
 
     setup = make_setup(tmp_path_factory.mktemp("prop"), tenants={"acme": {}}, alternatives=3)
@@ -122,9 +122,9 @@ def test_no_decision_of_the_router_lands_outside_the_policies(engine: Any, polic
     constraints): every answer's offering and alternatives are allowed by the reference, every
     exclusion it reports is counted under the policy the reference names."""
     from models.baselines import make_baseline
-    from router.engine import RouteFailure
-    from router.keys import Principal
-    from router.policies import ActivePolicy
+    from router.decision.engine import RouteFailure
+    from router.decision.model_slot import ActivePolicy
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     rng = np.random.default_rng(policy_seed)

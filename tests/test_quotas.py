@@ -17,11 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.quota_ledger import QuotaReserved, QuotaSettled, QuotaUsage
-from router.settings import load_settings
-from router.state import EmbeddedState, RouterState
-from router.state_redis import RedisState
+from router.app.factory import create_app
+from router.core.settings import load_settings
+from router.state.base import RouterState
+from router.state.embedded import EmbeddedState
+from router.state.ledger import QuotaReserved, QuotaSettled, QuotaUsage
+from router.state.redis import RedisState
 from tests.servers import RedisServer, ServerThread, free_port, start_subprocess
 from tests.test_router_support import ROUTE, RouterSetup, make_setup, retry_restoring
 from xroute.errors import ConfigError
@@ -179,7 +180,7 @@ def test_days_reset_at_utc_midnight_and_a_late_feedback_settles_its_own_day() ->
 
 def test_the_backends_agree_on_random_sequences(redis_server: Any) -> None:
     """The same random sequence of reserves, settles and releases on both backends gives the same
-    verdicts and the same usage (the Lua scripts repeat router.quota_ledger's arithmetic)."""
+    verdicts and the same usage (the Lua scripts repeat router.state.ledger's arithmetic)."""
     rng = random.Random(5)
     quotas = TenantQuotas.model_validate({"max_concurrent": 6, "tokens_per_minute": 20_000, "requests_per_day": 40,
                                           "usd_per_day": 2.0, "models": {"x": {"max_concurrent": 3, "usd_per_day": 1.0}}})
@@ -297,7 +298,7 @@ def test_quota_settings_name_the_bad_field(tmp_path: Path) -> None:
 
 
 def create_app_engine(setup: RouterSetup) -> Any:
-    from router.engine import RoutingEngine
+    from router.decision.engine import RoutingEngine
 
     return RoutingEngine(setup.settings)
 

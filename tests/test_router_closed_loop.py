@@ -28,9 +28,10 @@ import httpx
 import pytest
 import redis
 
-from router.app import create_app
-from router.backends import iter_decisions
-from router.state import EmbeddedState, pool_key
+from router.app.factory import create_app
+from router.state.base import pool_key
+from router.state.embedded import EmbeddedState
+from router.store.readers import iter_decisions
 from tests.servers import REPO_ROOT, RedisServer, ServerThread, free_port, start_subprocess
 from tests.test_router_support import ROUTE, RouterSetup, make_setup, retry_restoring
 from tests.tinybundle import SERVING_YAML

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.backends import iter_decisions
+from router.store.readers import iter_decisions
 from tests.servers import free_port, start_subprocess
 from tests.test_router_support import ROUTE, make_setup
 
@@ -159,7 +159,7 @@ def test_a_batch_larger_than_the_writers_socket_buffer_is_committed_whole(tmp_pa
 
     import uvloop
 
-    from router.store import DECISION_COLUMNS, DecisionStore
+    from router.store.sqlite import DECISION_COLUMNS, DecisionStore
 
     def row(i: int) -> tuple[object, ...]:  # (each its own bytes: pickle would send one shared object once)
         values = {"decision_id": f"d_{i:06d}", "tenant": "a", "created_at": 1.0, "telemetry_ts": 1.0,

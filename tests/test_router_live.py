@@ -13,13 +13,13 @@ import httpx
 import pandas as pd
 import pytest
 
-from router.app import create_app
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.telemetry import LiveSource
+from router.app.factory import create_app
+from router.decision.engine import RoutingEngine
+from router.decision.telemetry import LiveSource
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, make_setup
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 A = Principal("a", "tenant", "k1")

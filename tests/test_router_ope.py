@@ -23,17 +23,23 @@ import pytest
 
 from envs import kernels
 from envs.features import N_OFFERING_FEATURES
-from router import ope_log
-from router.app import create_app
-from router.backends import iter_decisions
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.settings import EXPLORE_MAX
-from router.state import EmbeddedState
-from router.store import ADDED_COLUMNS, DECISION_COLUMNS, DecisionStore, GroupCommitLog, read_catalogs
+from router.app.factory import create_app
+from router.core.settings import EXPLORE_MAX
+from router.decision import ope_log
+from router.decision.engine import RoutingEngine
+from router.state.embedded import EmbeddedState
+from router.store.readers import iter_decisions
+from router.store.sqlite import (
+    ADDED_COLUMNS,
+    DECISION_COLUMNS,
+    DecisionStore,
+    GroupCommitLog,
+    read_catalogs,
+)
 from tests.servers import REPO_ROOT, ServerThread
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 from xroute.schema.ope import read_log
 
@@ -345,7 +351,7 @@ def _drop_ope_columns(target: Path | str) -> None:
 
 async def _open(target: Path | str) -> GroupCommitLog:
     if isinstance(target, str):
-        from router.store_pg import PostgresLog
+        from router.store.postgres import PostgresLog
 
         log: GroupCommitLog = PostgresLog(target)
         await log.open()  # type: ignore[attr-defined]

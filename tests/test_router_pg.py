@@ -16,17 +16,17 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.backends import iter_decisions
-from router.engine import RoutingEngine
-from router.export import export_bundle
-from router.keys import Principal
-from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed
-from router.store_pg import PostgresLog, check_reachable, redact
+from router.app.factory import create_app
+from router.decision.engine import RoutingEngine
+from router.service.export import export_bundle
+from router.store.postgres import PostgresLog, check_reachable, redact
+from router.store.readers import iter_decisions
+from router.store.sqlite import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed
 from tests.servers import PostgresServer, ServerThread
 from tests.test_router_support import ROUTE, LogCapture, make_setup
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 A = Principal("a", "tenant", "k1")

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from envs.features import F
-from router.engine import RouteFailure, RoutingEngine
-from router.keys import Principal
-from router.state import EmbeddedState, PrefixSend, RouterState
-from router.state_redis import RedisState
+from router.decision.engine import RouteFailure, RoutingEngine
+from router.state.base import PrefixSend, RouterState
+from router.state.embedded import EmbeddedState
+from router.state.redis import RedisState
 from tests.servers import RedisServer, ServerThread
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest, prefix_block_hashes
 
 A = Principal("a", "tenant", "k1")
@@ -88,7 +89,7 @@ def test_too_many_blocks_for_the_prompt_is_a_422_naming_the_field(engine: Routin
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RouterSetup]]:
     setup = make_setup(tmp_path_factory.mktemp("prefix-http"), replay_speed=1.0)
-    from router.app import create_app
+    from router.app.factory import create_app
 
     with ServerThread(create_app(setup.settings)) as url:
         yield url, setup
@@ -195,7 +196,7 @@ def test_two_routers_on_one_redis_share_the_affinity(tmp_path: Path, redis_serve
     """Router A places a conversation's first turn; router B, another process's view of the same
     Redis, sees that pool holding the prefix and the session there when the next turn comes to it,
     and a cached-token report sent to B lowers the pool's retention A then reads."""
-    from router.app import create_app
+    from router.app.factory import create_app
 
     prefix = f"pfx-two-{time.time_ns()}"
     setups = [make_setup(tmp_path / name, replay_speed=1.0, state_backend="redis", state_url=redis_server.url,

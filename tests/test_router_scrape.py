@@ -1,4 +1,4 @@
-"""The pools' inference servers' own load (``router/scrape.py``): vLLM's Prometheus exposition parsed,
+"""The pools' inference servers' own load (``router/service/scrape.py``): vLLM's Prometheus exposition parsed,
 servers scraped over real HTTP (a local server standing in for vLLM's ``/metrics``), combined per
 pool, and read by the decision: a pool whose servers report a long queue loses the request it would
 otherwise get, and a server that stops answering is forgotten after ``inference_stale_s``."""
@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.scrape import ServerLoad, parse_metrics
+from router.app.factory import create_app
+from router.decision.engine import RoutingEngine
+from router.service.scrape import ServerLoad, parse_metrics
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, make_setup
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")

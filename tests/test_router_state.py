@@ -1,4 +1,4 @@
-"""The router's state (``router/state.py``, ``router/state_redis.py``): one suite run against both
+"""The router's state (``router/state/base.py``, ``router/state/redis.py``): one suite run against both
 backends -- the embedded one and a real redis-server (``tests/servers.py``) -- then the embedded
 backend rebuilt from a real SQLite decision log, the Redis backend with its server stopped (fail
 closed, and fail open), and OS processes hammering one Redis without ever admitting more than a
@@ -18,13 +18,9 @@ from typing import Any
 import pytest
 import redis.asyncio
 
-from router.backends import StateSettings, decision_events, open_state
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.state import (
+from router.decision.engine import RoutingEngine
+from router.state.base import (
     Claim,
-    EmbeddedState,
-    FailOpenState,
     Released,
     Reserved,
     RouterState,
@@ -33,10 +29,15 @@ from router.state import (
     hold_for,
     pool_key,
 )
-from router.state_redis import RedisState, redact
-from router.store import DECISION_COLUMNS, DecisionStore
+from router.state.embedded import EmbeddedState
+from router.state.failopen import FailOpenState
+from router.state.open import StateSettings, open_state
+from router.state.redis import RedisState, redact
+from router.store.readers import decision_events
+from router.store.sqlite import DECISION_COLUMNS, DecisionStore
 from tests.servers import RedisServer
 from tests.test_router_support import ROUTE, make_setup
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 _prefixes = (f"t{i}-{time.time_ns()}" for i in itertools.count())
@@ -198,7 +199,7 @@ def test_sessions_expire(make_state: Make) -> None:
 
 
 def _id_at(t: float, i: int) -> str:
-    """A decision id as ``router.logs.new_sorted_id`` makes them at wall time ``t``."""
+    """A decision id as ``router.core.logs.new_sorted_id`` makes them at wall time ``t``."""
     return f"d_{int(t * 1000):012x}{i:020x}"
 
 
@@ -320,7 +321,7 @@ def test_open_state_and_redacted_urls(redis_server: Any) -> None:
 def test_settings_name_the_field_and_the_router_reports_its_state(redis_server: Any, tmp_path: Path) -> None:
     import httpx
 
-    from router.app import create_app
+    from router.app.factory import create_app
     from tests.servers import ServerThread
     from xroute.errors import ConfigError
 

@@ -15,19 +15,21 @@ import numpy as np
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from router.backends import iter_decisions
-from router.engine import RouteFailure, RoutingEngine
-from router.export import export_bundle
-from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
-from router.policies import ActivePolicy, resolve
-from router.routes.route import route_request
-from router.settings import load_settings
-from router.state import EmbeddedState, pool_key
-from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed
-from router.telemetry import ReplaySource
+from router.api.route import route_request
+from router.control.keys import KeyStore, add_key, list_keys, revoke_key
+from router.core.settings import load_settings
+from router.decision.engine import RouteFailure, RoutingEngine
+from router.decision.model_slot import ActivePolicy, resolve
+from router.decision.telemetry import ReplaySource
+from router.service.export import export_bundle
+from router.state.base import pool_key
+from router.state.embedded import EmbeddedState
+from router.store.readers import iter_decisions
+from router.store.sqlite import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.offering import Offering
 from xroute.schema.policy_ir import CatalogIndex, ConstraintError, Constraints, Rule, compile_constraints
@@ -112,7 +114,7 @@ def test_a_key_verified_once_is_remembered_until_its_record_changes(tmp_path: Pa
 def test_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from router.metrics import LoopHistogram
+    from router.core.metrics import LoopHistogram
 
     buckets = (25e-6, 1e-3, 0.5)
     ours_reg, theirs_reg = CollectorRegistry(), CollectorRegistry()
@@ -132,7 +134,7 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None
 def test_loop_counter_exposes_what_prometheus_clients_counter_does() -> None:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-    from router.metrics import LoopCounter
+    from router.core.metrics import LoopCounter
 
     ours_reg, theirs_reg = CollectorRegistry(), CollectorRegistry()
     ours = LoopCounter("x_total", "doc", ("offering_id", "kind"), ours_reg)
@@ -149,12 +151,12 @@ def test_loop_counter_exposes_what_prometheus_clients_counter_does() -> None:
 
 
 def test_the_direct_access_line_is_the_formatted_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``router.logs.access`` writes its line itself when only the router's handler listens: the
+    """``router.core.logs.access`` writes its line itself when only the router's handler listens: the
     same JSON object, keys in the same order, as ``JsonFormatter`` makes of the logged record."""
     import io
     import re
 
-    from router import logs
+    from router.core import logs
 
     logs.configure_logging("INFO")
     h = logs._handler
@@ -325,7 +327,7 @@ def test_model_error_at_decision_time_falls_back_for_that_request(engine: Routin
 
 
 def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path) -> None:
-    """The greedy policy decided in one compiled call (``router.kernels.greedy_decide``) and through
+    """The greedy policy decided in one compiled call (``router.decision.kernels.greedy_decide``) and through
     ``_choose`` like every other policy give byte-identical answers, the same log rows, the same
     429s, and leave the same pool state, over requests with tenant, request and prefer
     constraints that fill the pools."""
@@ -334,7 +336,7 @@ def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path
 
 @pytest.mark.parametrize("hidden", [[64, 64], [32]])
 def test_the_compiled_learned_decision_answers_as_the_general_path(tmp_path: Path, hidden: list[int]) -> None:
-    """A learned scorer's decision through ``router.kernels.valid_rows`` / ``scored_decide`` and
+    """A learned scorer's decision through ``router.decision.kernels.valid_rows`` / ``scored_decide`` and
     through ``_choose`` (``offering_features``, the scorer, ``rank_scored``, ``commit_live``): the
     same bytes, rows, 429s and pool state, with and without a context layer and reward prior."""
     import itertools
@@ -719,7 +721,7 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
     import os
     import signal
 
-    from router.store import PROCESS_BATCHES_IN_FLIGHT
+    from router.store.sqlite import PROCESS_BATCHES_IN_FLIGHT
 
     req = RouteRequest.model_validate(ROUTE)
     rows = [engine.decide(req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]

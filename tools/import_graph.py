@@ -3,7 +3,7 @@ module imports, how many of them inside a function), and the cycles, between pac
 modules. Built with grimp, the graph import-linter checks (``make lint``'s ``lint-imports``).
 
     python tools/import_graph.py                        # the top-level packages
-    python tools/import_graph.py --unit router.engine   # and router.engine as a node of its own
+    python tools/import_graph.py --unit router.decision.engine   # and router.decision.engine as a node of its own
 
 A module belongs to the longest ``--unit`` (or top-level package) that contains it. An import
 "inside a function" is one whose statement is indented (in a function, or the one

@@ -3,12 +3,12 @@ router's own decision path, forwarded to the chosen pool's server, retried on th
 when that fails before the first token, relayed to the client, and its measured outcome closes the
 loop.
 
-Each attempt is one decision of ``router.routes.route.route_decision`` -- the same ranking,
+Each attempt is one decision of ``router.service.admission.route_decision`` -- the same ranking,
 admission, reservation and durable decision-log row as ``POST /v1/route``, with the tenant's
 constraints and policies -- for a routing request whose constraints allow only the offerings that
 have servers for the model (``upstreams``) and deny the ones already tried, and whose TTFT (and
 deadline) is what is left of the request's. Its outcome closes the loop as ``POST /v1/feedback``
-does (``router.routes.feedback``): the reservation is released, the pool's statistics and the
+does (``router.api.feedback``): the reservation is released, the pool's statistics and the
 output-length estimator learn it, and its feedback row -- with its realized reward and SLO verdict
 for off-policy evaluation, and what the gateway measured (TTFT, TPOT, output, prompt and cached
 tokens, the request id and the attempt's number) -- goes to the decision log. A failure that is
@@ -42,17 +42,17 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from router.engine import RouteFailure
+from router.core.logs import LOG, request_id_var
+from router.core.metrics import LoopCounter, LoopHistogram
+from router.decision.engine import RouteFailure
 from router.gateway.exchange import Exchange, Outcome
 from router.gateway.openai_api import Kind, openai_error, parse_body
 from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, prompt_chars, prompt_parts
 from router.gateway.transcripts import TranscriptStore
 from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, watch_disconnect
-from router.logs import LOG, request_id_var
-from router.metrics import LoopCounter, LoopHistogram
-from router.routes.feedback import close_the_loop, feedback_row, settle_quota
-from router.routes.route import release, route_decision
-from router.store import DecisionRef, StoreClosed
+from router.service.admission import release, route_decision
+from router.service.outcomes import close_the_loop, feedback_row, settle_quota
+from router.store.sqlite import DecisionRef, StoreClosed
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import Constraints, Rule

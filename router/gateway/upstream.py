@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from router.settings import read_secret
+from router.core.settings import read_secret
 from xroute.errors import ConfigError
 
 

@@ -1,0 +1,380 @@
+"""The router's FastAPI app: :func:`create_app` (factory) and its lifespan.
+
+At start the lifespan loads the telemetry and the live environment, opens the decision log, loads
+the model (within ``model_load_timeout_s``; otherwise it serves the fallback and keeps trying), then
+starts two background tasks: the telemetry refresher and the model watcher. At shutdown it stops
+them and lets the decision log commit what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic.json_schema import models_json_schema
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.api import access as access_routes
+from router.api import admin, decisions, feedback, health, offerings, quotas, route
+from router.api import metrics as metrics_routes
+from router.api import migration as migration_routes
+from router.api import policies as policy_routes
+from router.control.access_store import AccessStore, AccessSync
+from router.control.keys import KeyStore
+from router.control.policy_sync import PolicySync
+from router.core.logs import LOG, configure_logging, flush_logs, iso
+from router.core.metrics import Metrics
+from router.core.settings import RouterSettings, load_settings
+from router.core.startup import CLOCK, release_gc, settle_gc
+from router.decision.engine import RoutingEngine
+from router.gateway import routes as gateway_routes
+from router.gateway.openai_api import ChatBody, CompletionBody
+from router.gateway.service import Gateway
+from router.http import errors
+from router.http.middleware import RequestContext
+from router.service import admission
+from router.service.migration import Migrator
+from router.service.models import ModelManager
+from router.service.readiness import Readiness
+from router.service.recovery import SharedStateSync, rebuild_embedded_state, refresh_shared_view
+from router.service.scrape import InferenceScraper
+from router.service.services import Services
+from router.service.webhooks import WebhookSender
+from router.state.base import RouterState, StateUnavailable
+from router.state.embedded import EmbeddedState
+from router.state.open import StateSettings, open_state
+from router.store.migrations import MigrationStore
+from router.store.policies import PolicyStore, PolicyStoreError
+from router.store.sqlite import DecisionStore, GroupCommitLog
+from xroute.schema.decision import RouteRequest
+from xroute.schema.migration import CloudEventEnvelope, PoolEvent
+
+API_VERSION = "1.0.0"
+
+
+async def _refresh_telemetry(engine: RoutingEngine, metrics: Metrics, every: float) -> None:
+    fresh = engine.freshness
+    first = True
+    while True:
+        if not first:
+            await asyncio.sleep(every)
+        first = False
+        source = engine.source
+        try:
+            new = await asyncio.to_thread(source.poll)
+            if new is not None:  # a live source's new commit: built off the loop, swapped in between decisions
+                prepared = await asyncio.to_thread(engine.prepare_telemetry, new)
+                engine.apply_telemetry(prepared)
+                source.accept()
+                LOG.info("telemetry reloaded", extra={"fields": {"bundle_hash": engine.bundle_hash,
+                                                                 "as_of": iso(source.as_of())}})
+        except Exception as e:
+            if fresh.last_error is None:
+                LOG.warning("telemetry source unreachable or invalid; its data ages", extra={"fields": {"error": str(e)}})
+            fresh.last_error = f"{type(e).__name__}: {e}"
+        else:
+            fresh.last_ok_wall = source.as_of()
+            fresh.last_error = None
+        metrics.telemetry_age.set(fresh.age(time.time()))
+        flush_logs()
+
+
+async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: RoutingEngine) -> GroupCommitLog:
+    """The decision log the settings name, started: PostgreSQL when ``db_url`` is set, else SQLite
+    at ``db_path`` (answers compressed against the engine's dictionary with ``db_compress``)."""
+    store: GroupCommitLog
+    if settings.db_url is not None:
+        from router.store.postgres import PostgresLog
+
+        pg = PostgresLog(settings.db_url.get_secret_value(), settings.db_batch_max, on_commit=metrics.committed)
+        await pg.open()
+        store = pg
+    else:
+        sqlite = DecisionStore(settings.db_path, settings.db_synchronous, settings.db_batch_max,
+                               on_commit=metrics.committed, checkpoint_rows=settings.db_checkpoint_rows,
+                               checkpoint_s=settings.db_checkpoint_s,
+                               on_checkpoint=metrics.log_checkpoint_seconds.observe)
+        if settings.db_compress:
+            sqlite.use_dictionary(engine.response_dictionary())
+        store = sqlite
+    store.start()
+    if settings.log_features:  # the decisions' OPE records name their offerings by index into it
+        await store.register_catalog(engine.catalog_key, engine.offering_ids)
+    return store
+
+
+async def open_router_state(settings: RouterSettings) -> RouterState:
+    """The shared state the settings name (``router.state.base``). A server that cannot be reached at
+    start is logged, not fatal: each operation raises ``StateUnavailable`` (or answers locally with
+    ``state_fail_open``) until it is back."""
+
+    def failover(why: str) -> None:
+        LOG.warning("shared state unreachable; answering from this process's own view (state_fail_open)",
+                    extra={"fields": {"error": why}})
+
+    url = settings.state_url.get_secret_value() if settings.state_url is not None else None
+    state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
+                                     settings.state_prefix, settings.state_stats_alpha,
+                                     settings.state_restore_window_s), on_failover=failover)
+    if not await state.healthy():
+        LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
+    return state
+
+
+PUBLIC_PATHS = ("/healthz", "/readyz")
+
+
+class RouterApp(FastAPI):
+    """The FastAPI app behind one pure-ASGI front, :class:`RequestContext` (request id, trace,
+    body limit, access log), around FastAPI itself: every route, ``POST /v1/route`` included, goes
+    through both and through any middleware added with ``add_middleware``. (In front of FastAPI's
+    own stack rather than added to it, so that the 500 its ``ServerErrorMiddleware`` renders still
+    carries the request id and gets its access line.)"""
+
+    front: ASGIApp | None = None
+    #: what every route uses (``router.service.services.Services``), set by the lifespan while serving, else None;
+    #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
+    #: read on every request by the dependency)
+    services: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.front
+        if front is None or scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+        else:
+            await front(scope, receive, send)
+
+
+def _document_security(app: FastAPI) -> None:
+    """Declare the API-key schemes in the OpenAPI document (checked by ``router.http.deps.authenticate``,
+    not by FastAPI security dependencies, which cost a dependency resolution each per request), and
+    the schemas of the bodies a route validates itself."""
+
+    built_for: list[Any] = [None]
+
+    def openapi() -> dict[str, Any]:
+        services = getattr(app, "services", None)
+        catalog = ((tuple(services.engine.origins), tuple(services.engine.servable_models()),
+                    tuple(services.engine.offering_ids)) if services is not None else None)
+        if app.openapi_schema is None or built_for[0] != catalog:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=[*route.router.routes, *gateway_routes.docs.routes, *app.routes])
+            # the bodies routes read themselves (``POST /v1/route``'s and the gateway's, documented by their
+            # openapi_extra)
+            _, defs = models_json_schema([(RouteRequest, "validation"), (ChatBody, "validation"),
+                                          (CompletionBody, "validation"), (PoolEvent, "validation"),
+                                          (CloudEventEnvelope, "validation")],
+                                         ref_template="#/components/schemas/{model}")
+            for name, definition in defs.get("$defs", {}).items():
+                schema.setdefault("components", {}).setdefault("schemas", {}).setdefault(name, definition)
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "API key as a bearer token"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+            }
+            schema["security"] = [{"bearer": []}, {"apiKey": []}]
+            for path in PUBLIC_PATHS:
+                for op in schema["paths"].get(path, {}).values():
+                    op["security"] = []
+            if catalog is not None:
+                _document_catalog(schema, *catalog)
+            app.openapi_schema = schema
+            built_for[0] = catalog
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _document_catalog(schema: dict[str, Any], origins: tuple[str, ...], models: tuple[str, ...],
+                      offerings: tuple[str, ...] = ()) -> None:
+    """What the served telemetry accepts, as enums of ``RouteRequest``: an origin the catalog lacks
+    or a model no pool holds is a 422 (``unknown_origin``, ``unknown_model``, ``model_unavailable``),
+    so the document says
+    which values are valid rather than leaving generated clients and fuzzers to guess. The document
+    is rebuilt when the telemetry's origins or models change (a live refresh)."""
+    props = schema.get("components", {}).get("schemas", {}).get("RouteRequest", {}).get("properties", {})
+    if "origin" in props:
+        props["origin"]["enum"] = list(origins)
+    model = props.get("model")
+    if model is not None:
+        for branch in model.get("anyOf", [model]):
+            if branch.get("type") == "string":
+                branch["enum"] = list(models)
+    for name, field in (("PoolEvent", "pool"), ("CloudEventEnvelope", "pool"), ("Verification", "target")):
+        prop = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get(field)
+        if prop is not None and offerings:  # a pool the catalog lacks is a 422 (unknown_pool, wrong_target)
+            prop["enum"] = list(offerings)
+
+
+def app_from_environment() -> FastAPI:
+    """The app with settings from the config file and the environment only: what each worker of
+    ``xroute serve --workers N`` builds (``router.app.worker``; the command puts its options into
+    ``XROUTE_ROUTER_*``). The worker dies with the command's process (``router.app.lifeline``)."""
+    from router.app.lifeline import follow_supervisor
+
+    CLOCK.mark("imports")
+    follow_supervisor()
+    settings = load_settings()
+    CLOCK.mark("settings")
+    return create_app(settings)
+
+
+def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | None = None) -> FastAPI:
+    """The app. ``settings`` default to :func:`router.core.settings.load_settings` (file + environment);
+    ``engine`` (built from the same settings) lets a caller fail fast on bad telemetry before serving."""
+    settings = settings or load_settings()
+    prebuilt = [engine]
+    configure_logging(settings.log_level)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: RouterApp) -> AsyncIterator[None]:
+        CLOCK.mark("server")
+        built = prebuilt.pop() if prebuilt else None
+        engine: RoutingEngine = built if built is not None else await asyncio.to_thread(RoutingEngine, settings)
+        keys = KeyStore(settings.keys_file)
+        if keys.empty:
+            LOG.warning("no API keys: every keyed route answers 401; add one with xroute keys add",
+                        extra={"fields": {"keys_file": str(settings.keys_file)}})
+        store = await open_decision_log(settings, metrics, engine)
+        CLOCK.mark("decision_log")
+        # the routing policies: the versioned store on the decision log's backend, its files applied
+        # and its head installed before the first decision (a store that cannot be opened, or a bad
+        # policy file, stops the start: the router never decides without the policies it should have)
+        try:
+            policy_store = await asyncio.to_thread(PolicyStore, settings.log_target)
+        except PolicyStoreError:
+            await store.close()
+            raise
+        policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
+        access_store = None
+        try:
+            await policy_sync.start()
+            # tenants, quotas, roles and bindings: the access store (the same backend and machinery),
+            # installed before the quota counters are rebuilt (they follow the tenants' quotas)
+            access_store = await asyncio.to_thread(AccessStore, settings.log_target)
+            access_sync = AccessSync(engine, access_store, settings.tenants, settings.policy_poll_s)
+            await access_sync.start()
+        except BaseException:
+            await store.close()
+            policy_store.close()
+            if access_store is not None:
+                access_store.close()
+            raise
+        try:  # pool events and migrations: tables on the same backend (router.store.migrations)
+            migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
+        except Exception:
+            await store.close()
+            policy_store.close()
+            access_store.close()
+            raise
+        CLOCK.mark("policy_store")
+        settle_gc()  # (router.core.startup)
+        CLOCK.mark("gc")
+        models = ModelManager(engine, settings, metrics)
+        await models.initial()
+        CLOCK.mark("model")
+        state = await open_router_state(settings)
+        sync = None
+        if isinstance(state, EmbeddedState):
+            await rebuild_embedded_state(state, store, settings, engine)
+            engine.quota_usage = state.quota_usage_now  # (exact, in process)
+        else:
+            engine.quota_usage = engine.quota_view.get  # (read with the shared view)
+            sync = SharedStateSync(state, store, settings, engine)
+            try:
+                await sync.check()  # before the first decision, when the server answers now
+                await sync.settle_start()
+            except StateUnavailable:
+                pass  # (the shared view's loop tries again)
+        CLOCK.mark("state")
+        scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
+        readiness = Readiness(store, state, settings.ready_probe_s)
+        await readiness.probe()
+        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
+                            readiness=readiness, access=access_sync)
+        gateway = services.gateway = Gateway(services)
+        gateway.tenant_cfg = {name: t.gateway for name, t in access_sync.tenants().items()}
+        access_sync.on_install.append(lambda tenants: setattr(gateway, "tenant_cfg", {
+            name: t.gateway for name, t in tenants.items()}))
+        webhooks = services.webhooks = WebhookSender(settings, migration_store, metrics, access_sync.tenants())
+        access_sync.on_install.append(webhooks.set_tenants)
+        migrator = services.migrator = Migrator(services, migration_store, admission.route_decision,
+                                                admission.release, admission.best_effort)
+        try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
+            await migrator.start()
+        except BaseException:
+            await gateway.close()
+            await migration_store.close()
+            await store.close()
+            await state.close()
+            policy_store.close()
+            access_store.close()
+            raise
+        CLOCK.mark("services")
+        app.services = services
+        tasks = [asyncio.create_task(models.watch(), name="model-watch"),
+                 asyncio.create_task(readiness.run(), name="readiness"),
+                 asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
+                                     name="telemetry-refresh"),
+                 asyncio.create_task(refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
+                                     name="shared-view"),
+                 asyncio.create_task(policy_sync.run(), name="policy-sync"),
+                 asyncio.create_task(access_sync.run(), name="access-sync"),
+                 asyncio.create_task(migrator.run(), name="migrations"),
+                 asyncio.create_task(webhooks.run(), name="webhooks")]
+        if scraper is not None:
+            tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(settings.gil_switch_interval_s)
+        release_gc()  # start-up objects frozen: shorter GC pauses while serving (router.core.startup)
+        CLOCK.mark("gc")
+        LOG.info("router ready", extra={"fields": {
+            "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
+            "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
+            "routing_policies": engine.policy_version,
+            "decision_log": store.describe().get("url") or str(settings.db_path), **CLOCK.report()}})
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await gateway.close()  # its outcomes still being recorded, before the log closes
+            await webhooks.close()
+            await migration_store.close()
+            await store.close()
+            await state.close()
+            policy_store.close()
+            access_store.close()
+            sys.setswitchinterval(switch)
+            app.services = None
+            LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
+            flush_logs()
+
+    app = RouterApp(title="xroute router", version=API_VERSION, lifespan=lifespan,
+                  description="Routes LLM inference requests to cloud offerings (provider x region x instance "
+                              "type x pricing mode) with the champion RL policy. Every route except /healthz and "
+                              "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
+    # POST /v1/route: a Starlette Route of this app (below FastAPI's middleware and exception handlers
+    # like every route, ~60 us a request cheaper than an APIRoute); documented from its APIRoute
+    app.router.routes.append(route.SERVED)
+    app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
+    for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
+              health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
+              quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router):
+        app.include_router(r)
+    errors.install(app)
+    _document_security(app)
+    inner = functools.partial(FastAPI.__call__, app)
+    app.front = RequestContext(inner, max_body_bytes=settings.max_body_bytes, metrics=metrics,
+                               access_log=settings.access_log,
+                               path_limits=dict.fromkeys(gateway_routes.PATHS, settings.gateway.max_body_bytes))
+    return app

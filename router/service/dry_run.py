@@ -1,0 +1,125 @@
+"""A policy change tried on the last N decisions of the decision log, without applying it
+(``POST /v1/admin/policies/dry-run``; ``docs/policies.md``, "Dry run").
+
+For each decision (newest first) the request is put back in its context -- tenant, model, request
+class, origin, the tenant's and the request's own constraints -- and judged twice: under the policy
+set in force now and under the proposed one. A verdict is one of
+
+* ``unchanged`` -- the offering it went to is allowed, with the same prefer bias;
+* ``rebiased`` -- still allowed, but the prefer policies weigh it (or the other allowed offerings)
+  differently: the choice may move;
+* ``excluded`` -- a policy excludes the offering it went to (named): the request would go to another
+  of the offerings still allowed (how many: ``allowed``);
+* ``refused`` -- no offering remains allowed: the route would answer 422 ``no_offering``.
+
+What it reads: the attributes exactly (the catalog), the numbers *as the router sees them now* --
+the price and the RTT from the request's origin in the current telemetry -- and every pool at full
+headroom (the router's view of the pools back then is not in the log): a ``min_headroom`` policy
+never excludes in a dry run, and a price or RTT ceiling is judged on today's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from envs import policies as env_policies
+from router.store import sqlite as store
+from xroute.schema.policy_ir import Constraints, PolicySet
+
+_SQL = ("SELECT decision_id, tenant, created_at, origin, model, offering_id, request_json FROM decisions "
+        "ORDER BY created_at DESC, decision_id DESC LIMIT {p}")
+VERDICTS = ("unchanged", "rebiased", "excluded", "refused")
+
+
+def recent_decisions(target: Path | str, limit: int) -> list[tuple[Any, ...]]:
+    """The last ``limit`` decisions of the log (newest first): id, tenant, created_at, origin,
+    model, offering id, request JSON."""
+    if store.is_postgres_url(target):
+        import psycopg  # (the PostgreSQL client only where a PostgreSQL log is read)
+
+        with psycopg.connect(target, connect_timeout=10) as conn:
+            return list(conn.execute(_SQL.format(p="%s"), (limit,)).fetchall())  # type: ignore[arg-type]
+    conn3 = store.connect(Path(target), readonly=True)
+    try:
+        return list(conn3.execute(_SQL.format(p="?"), (limit,)).fetchall())
+    finally:
+        conn3.close()
+
+
+class _Judge:
+    """One policy set, compiled against the engine's catalog, judging logged requests."""
+
+    def __init__(self, ps: PolicySet, engine: Any):
+        self.compiled = env_policies.CompiledPolicies(ps, engine.catalog)
+        self.out = self.compiled.outcome_buffers()
+        self.n = engine.n
+
+    def judge(self, env: Any, tenant: str, model: int, explicit: str | None, req: dict[str, Any], origin: str,
+              o: int, pre: np.ndarray, chosen: int) -> tuple[str, str | None, np.ndarray, np.ndarray]:
+        p = self.compiled
+        cls = p.request_class(explicit, float(req["ttft_ms"]), float(req["tpot_ms"]), req.get("deadline_ms"))
+        ctx = p.context(tenant, env.model_names[model], cls, origin)
+        if ctx.empty:
+            allowed, bias, reason = pre.copy(), np.zeros(self.n), -1
+        else:
+            mask = np.ones(self.n, dtype=bool)
+            out = p.apply(ctx, pre, env.usd_h, env.rtt_ms[o], np.zeros(self.n), env.slots[model], mask, self.out)
+            allowed, bias, reason = pre & out.allowed, out.bias.copy(), int(out.reason[chosen])
+        if not allowed.any():
+            return "refused", None, allowed, bias
+        if not allowed[chosen]:
+            return "excluded", (p.names[reason] if reason >= 0 else None), allowed, bias
+        return "allowed", None, allowed, bias
+
+
+def dry_run(engine: Any, proposed: PolicySet, rows: Sequence[tuple[Any, ...]], sample: int) -> dict[str, Any]:
+    """The verdicts (module docstring) of ``rows`` (:func:`recent_decisions`) under the set in
+    force and under ``proposed``: counts of each, how many changed, and a sample of the changed."""
+    env = engine.env
+    now, new = _Judge(engine.policies.set, engine), _Judge(proposed, engine)
+    index = {oid: i for i, oid in enumerate(engine.offering_ids)}
+    origin_index = {o: k for k, o in enumerate(env.origins)}
+    counts_now = dict.fromkeys(VERDICTS, 0)
+    counts = dict.fromkeys(VERDICTS, 0)
+    changed: dict[str, int] = {}
+    out_sample: list[dict[str, Any]] = []
+    skipped = 0
+    for did, tenant, created, origin, model, offering_id, request_json in rows:
+        m = env.model_index.get(str(model), -1)
+        chosen = index.get(str(offering_id), -1)
+        o = origin_index.get(str(origin), -1)
+        if m < 0 or chosen < 0 or o < 0:  # a catalog, model or origin this router lacks
+            skipped += 1
+            continue
+        try:
+            req = json.loads(request_json)
+            cons = req.get("constraints")
+            compiled, _, _, _ = engine.constraints_for(str(tenant), Constraints.model_validate(cons) if cons else None)
+        except Exception:
+            skipped += 1
+            continue
+        pre = compiled.allowed
+        explicit = req.get("request_class")
+        v0, _, _, b0 = now.judge(env, str(tenant), m, explicit, req, str(origin), o, pre, chosen)
+        v1, by, allowed, b1 = new.judge(env, str(tenant), m, explicit, req, str(origin), o, pre, chosen)
+        v0 = "unchanged" if v0 == "allowed" else v0
+        if v1 == "allowed":
+            v1 = "unchanged" if np.array_equal(b0[allowed], b1[allowed]) else "rebiased"
+        counts_now[v0] += 1
+        counts[v1] += 1
+        if v1 != v0:
+            key = f"{v0}->{v1}"
+            changed[key] = changed.get(key, 0) + 1
+            if len(out_sample) < sample:
+                out_sample.append({"decision_id": did, "tenant": tenant, "model": model, "origin": origin,
+                                   "offering_id": offering_id, "created_at": float(created), "now": v0, "proposed": v1,
+                                   "excluded_by": by, "allowed": int(allowed.sum()),
+                                   "bias": {"now": round(float(b0[chosen]), 9), "proposed": round(float(b1[chosen]), 9)}})
+    judged = sum(counts.values())
+    return {"decisions": judged, "skipped": skipped, "policy_version": engine.policy_version, "now": counts_now,
+            "proposed": counts, "changed": sum(changed.values()), "transitions": changed, "sample": out_sample}
