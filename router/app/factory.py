@@ -279,6 +279,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         settle_gc()  # (router.core.startup)
         CLOCK.mark("gc")
         models = ModelManager(engine, settings, metrics)
+        engine.stage_timer = metrics.stage_seconds.observe_as  # (every route's stages, timed)
         await models.initial()
         CLOCK.mark("model")
         state = await open_router_state(settings)

@@ -13,6 +13,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
+#: a stage takes from ~1 us (a mask) to ~100 us (a learned scorer)
+_STAGE_BUCKETS = (1e-6, 2.5e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3)
 
 
 class Metrics:
@@ -24,6 +26,9 @@ class Metrics:
         self.route_seconds = LoopHistogram(
             "xroute_router_route_seconds", "POST /v1/route handler time including the durable log write",
             _LATENCY_BUCKETS, r)
+        self.stage_seconds = LoopHistogram(
+            "xroute_router_stage_seconds", "Each stage of a decision (router.decision.stages), by stage",
+            _STAGE_BUCKETS, r, label="stage")
         self.decisions = LoopCounter("xroute_router_decisions_total", "Decisions by chosen offering and policy kind",
                                      ("offering_id", "policy_kind"), r)
         self.fallbacks = LoopCounter("xroute_router_fallback_decisions_total",
@@ -94,29 +99,47 @@ class LoopHistogram(Collector):
     additions per observation, no lock (0.12 us an observation, measured here, against 0.58 for
     ``prometheus_client.Histogram``, which locks its sum and its bucket; twice per routed request, on
     the event loop that is the router's bottleneck). Exported by the same registry, in the same
-    format (``_bucket{le=...}`` cumulative, ``_count``, ``_sum``).
+    format (``_bucket{le=...}`` cumulative, ``_count``, ``_sum``). With ``label``, one histogram per
+    value of that label (:meth:`observe_as`).
     A scrape from another thread reads a copy; at worst it sees one observation in ``_count`` and
     not yet in ``_sum``."""
 
-    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry):
-        self.name, self.documentation = name, documentation
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry,
+                 label: str | None = None):
+        self.name, self.documentation, self.label = name, documentation, label
         self.bounds = tuple(sorted(float(b) for b in buckets))
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (le="+Inf" only)
         self.sum = 0.0
+        #: label value -> [counts, sum] (``label`` only)
+        self.children: dict[str, list[Any]] = {}
         registry.register(self)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # "le": value <= bound
         self.sum += value
 
+    def observe_as(self, label_value: str, value: float) -> None:
+        child = self.children.get(label_value)
+        if child is None:
+            child = self.children[label_value] = [[0] * (len(self.bounds) + 1), 0.0]
+        child[0][bisect.bisect_left(self.bounds, value)] += 1
+        child[1] += value
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        counts, total = list(self.counts), self.sum
+        if self.label is None:
+            family = HistogramMetricFamily(self.name, self.documentation)
+            family.add_metric([], self._buckets(list(self.counts)), self.sum)
+        else:
+            family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+            for value, (counts, total) in list(self.children.items()):
+                family.add_metric([value], self._buckets(list(counts)), total)
+        yield family
+
+    def _buckets(self, counts: list[int]) -> list[tuple[str, int]]:
         cumulative = list(itertools.accumulate(counts))
         buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)]
         buckets.append(("+Inf", cumulative[-1]))
-        family = HistogramMetricFamily(self.name, self.documentation)
-        family.add_metric([], buckets, total)
-        yield family
+        return buckets
 
 
 class LoopCounter(Collector):

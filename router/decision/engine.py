@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from math import isfinite
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -35,16 +35,17 @@ from router.core.logs import iso, json_str
 from router.core.settings import RouterSettings
 from router.core.startup import CLOCK
 from router.decision import kernels, ope_log
-from router.decision.access import AccessControl, denied
+from router.decision.access import AccessControl
 from router.decision.model_slot import ActivePolicy, PolicySlot
-from router.decision.quotas import QuotaPlan, QuotaView, budget_failure, live_budget, quota_failure
+from router.decision.quotas import QuotaPlan, QuotaView, quota_failure
+from router.decision.stages import EXPLAIN, ROUTE, RULES, Decision, RouteFailure, Stage, _num
 from router.decision.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
 from router.state.embedded import EmbeddedState
 from router.state.ledger import QuotaUsage
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
-from xroute.schema.access import Principal, model_resource
+from xroute.schema.access import Principal
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import (
     CatalogIndex,
@@ -86,18 +87,6 @@ def env_config(settings: RouterSettings) -> EnvConfig:
     migration = {**(mig if isinstance(mig, dict) else {}), "notice": False}
     return parse_config(EnvConfig, {**settings.env, "episode_requests": None, "migration": migration},
                         "router settings: field 'env'")
-
-
-class RouteFailure(Exception):
-    """A request the router cannot place; becomes a 4xx JSON body (see ``router.http.errors``)."""
-
-    def __init__(self, status: int, error: str, message: str, fields: list[dict[str, Any]] | None = None,
-                 headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.status, self.error, self.message = status, error, message
-        self.fields = fields or []
-        self.headers = headers or {}
-        self.extra = extra or {}
 
 
 @dataclass(slots=True)
@@ -286,6 +275,15 @@ class RoutingEngine:
         self.prefix_ttl_s = settings.prefix_ttl_s
         kv = np.where(env.fits, np.floor(env.placement.kv_tokens / self.block_tokens), 0) * np.floor(env.replicas)
         self._cap_blocks: list[list[int]] = kv.astype(np.int64).tolist()
+        #: the decision's stages (``router.decision.stages``): a route's, an explanation's, the rules'
+        self.route_stages: list[Stage] = [stage(self) for stage in ROUTE]
+        self.explain_stages: list[Stage] = [stage(self) for stage in EXPLAIN]
+        self.rule_stages: list[Stage] = [stage(self) for stage in RULES]
+        #: (stage name, seconds) of a timed route (``run_stages``; the app sets the metrics' histogram),
+        #: every ``stage_timing_every``-th route
+        self.stage_timer: Callable[[str, float], None] | None = None
+        self.stage_timing_every = 1
+        self._stage_runs = 0
         CLOCK.mark("engine")
 
     def response_dictionary(self) -> bytes:
@@ -573,246 +571,45 @@ class RoutingEngine:
              request_json: str | None = None, explore_key: str | None = None,
              affinity: Affinity | None = None, hashes: np.ndarray | None = None) -> Ranked:
         """Rank the offerings for one request: the chosen one and up to ``alternatives`` next
-        best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`).
-
-        With ``log_features`` the action set -- the valid offerings, the ones the policy ranked --
-        and the rows and request vector of it are kept for the decision log; for an exploring
-        tenant the chosen one is, with its ``explore_epsilon``, an offering drawn uniformly from
-        that set (``router.decision.ope_log``: the draw is a function of ``explore_key``, the request's
-        idempotency key, else of ``decision_id``), the policy's choice then coming next.
+        best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`) -- the stages of
+        ``router.decision.stages.ROUTE`` in order, each timed (``xroute_router_stage_seconds``).
 
         ``affinity``: what the shared prefix index said of the request's prefix hashes (``hashes``,
-        as :meth:`prefix_array` gives them, when the caller has them already) and session
-        (``router.state.base.RouterState.prefix_lookup``): the expected cached prefix on each pool lowers
-        its expected prefill, cost and TTFT, and shows in the features (``exp_cached``,
-        ``session_here``) -- a soft preference every policy weighs against load, cost and the SLO;
-        an offering the constraints exclude is never a candidate, pinned or not.
+        as :meth:`prefix_array` gives them, when the caller has them already) and session: the
+        expected cached prefix on each pool lowers its expected prefill, cost and TTFT, and shows
+        in the features (``exp_cached``, ``session_here``) -- a soft preference every policy weighs
+        against load, cost and the SLO; an offering the constraints exclude is never a candidate.
+        ``explore_key``: what an exploring tenant's draw is a function of (the request's
+        idempotency key; else ``decision_id``). Raises :class:`RouteFailure` (the stages')."""
+        d = Decision(req, who, who.tenant, decision_id, wall, request_json, explore_key, affinity, hashes)
+        self.run_stages(self.route_stages, d)
+        prefix = self._prefix_send(req, who, d.m, d.cands, hashes) if affinity is not None else None
+        svc = self.env.c_service
+        return Ranked(req, who, decision_id, wall, d.t, d.age, d.m, d.pinfo, d.score_kind, d.ccounts, d.ctext,
+                      d.n_valid, d.n_not_preferred, d.env_counts, d.cands, d.nums, [svc.item(k) for k in d.cands],
+                      self.bundle_hash, request_json, d.epsilon, d.ope, d.ptext, d.pcounts, prefix, d.pinned)
 
-        Raises :class:`RouteFailure` for an unknown origin, constraints that exclude everything, or
-        no allowed offering able to take the request now.
-
-        The greedy policy (the default fallback) ranks in one compiled call after the
-        environment's candidate outcomes (``router.decision.kernels.greedy_decide``); a learned scorer in
-        two around it (``valid_rows``: masks and its input rows; ``scored_decide``: the ranking);
-        every other policy, and a scorer that fails or returns a non-finite score, goes through
-        :meth:`_choose` (which falls back). The compiled and general paths give the same answers
-        byte for byte (``tests/test_router_unit.py``).
-        """
-        if who.tenant not in self.tenant_names and not self.open_tenants:
-            raise self.unknown_tenant(who.tenant)
-        origin = req.origin
-        if origin not in self.origin_set:
-            close = difflib.get_close_matches(origin, self.origins, n=5, cutoff=0.4)
-            raise RouteFailure(422, "unknown_origin", f"unknown origin '{origin}'",
-                               [{"field": "body.origin", "message": f"unknown origin '{origin}'; "
-                                 f"known origins: GET /v1/offerings", "suggestions": close}])
-        compiled, ccounts, any_allowed, ctext = self.constraints_for(who.tenant, req.constraints)
-        allowed = compiled.allowed
-        if not any_allowed:
-            raise RouteFailure(422, "no_offering", "the constraints (tenant defaults and request) exclude every offering",
-                               [{"field": "body.constraints", "message": "excludes every offering",
-                                 "suggestions": []}], extra={"excluded": ccounts})
-        # access control (router.decision.access): the regions the caller may not use for this model are masked
-        # out like a deny policy (counted as ``permission``); none left is a 403 naming one it lacks
-        model_name = req.model or self.models[0]
-        perm = self.access.inference_mask(who, model_name) if model_name in self.env.model_index else None
-        if perm is not None:
-            hit = self._masked.get((id(compiled), id(perm)))
-            if hit is None or hit[0] is not compiled or hit[1] is not perm:
-                kept = allowed & perm
-                cut = int(allowed.sum() - kept.sum())
-                hit = (compiled, perm, kept, cut, {**ccounts, "permission": cut},
-                       f'{ctext},"permission":{cut}' if ctext else f'"permission":{cut}', not kept.any())
-                if len(self._masked) >= 1024:
-                    self._masked.clear()
-                self._masked[(id(compiled), id(perm))] = hit
-            if hit[3]:
-                if hit[6]:  # nothing the request could use is permitted
-                    a = int(np.flatnonzero(allowed)[0])
-                    raise RouteFailure(**denied(who, model_resource("inference", model_name, self.refs[a]["region"]),
-                                                f"a request of model '{model_name}'"))
-                allowed, ccounts, ctext = hit[2], hit[4], hit[5]
-        keep = self.events_keep
-        if keep is not None:  # pools a pool event masked (router.service.migration; docs/migration.md)
-            hidden = int((allowed & ~keep).sum())
-            if hidden:
-                allowed = allowed & keep
-                ccounts = {**ccounts, "pool_event": hidden}
-                ctext = f'{ctext},"pool_event":{hidden}' if ctext else f'"pool_event":{hidden}'
-                if not allowed.any():
-                    raise RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
-                                       "(a preemption, a drain or a degradation: docs/migration.md)",
-                                       headers={"Retry-After": "5"}, extra={"excluded": ccounts})
-        t = self.now(wall)
-        env = self.env
-        budget, binding, buckets = None, -1, None
-        if self.quota_plan and self.quota_usage is not None:  # the tenant's budget as the decision sees it
-            buckets, keys = self.quota_plan.budgeted(who.tenant, req.model or self.models[0])
-            if buckets:
-                budget, binding = live_budget(buckets, self.quota_usage(keys), wall)
-        live_prefix = None
-        if affinity is not None:
-            self.check_prefix(req)
-            m_req = env.default_model if req.model is None else env.model_index.get(req.model, -1)
-            if m_req >= 0:
-                live_prefix = self._live_prefix(m_req, affinity)
+    def run_stages(self, stages: Sequence[Stage], d: Decision) -> None:
+        """Apply ``stages`` to ``d`` in order; with a :attr:`stage_timer`, every
+        :attr:`stage_timing_every`-th run is timed stage by stage (a stage that raises is timed too)."""
+        timer = self.stage_timer
+        self._stage_runs += 1
+        if timer is None or self._stage_runs % self.stage_timing_every:
+            for stage in stages:
+                stage.apply(d)
+            return
+        t0 = perf_counter()
+        name = ""
         try:
-            env_mask = env.set_live(t, origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
-                                    req.deadline_ms, req.model, who.tenant, decision_id,
-                                    request_class=req.request_class, prefix=live_prefix, pre=allowed,
-                                    budget=budget)
-        except ValueError:
-            close = difflib.get_close_matches(str(req.model), self.models, n=3, cutoff=0.4)
-            raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
-                               [{"field": "body.model", "message": f"unknown model '{req.model}'; known models: "
-                                 f"{', '.join(self.models)} (GET /v1/offerings)", "suggestions": close}]) from None
-        # the routing policies (envs.policies, applied by set_live): their mask narrows the layers'
-        # (counted first by the layers, then by the policy that excluded it), their bias adds to scores
-        pout = env.r_policy
-        pctx = pout.ctx
-        n_pol_pref = 0
-        pcounts = None
-        if pctx is not None and not pctx.empty:
-            allowed = allowed & pout.allowed
-            n_pol_pref = pout.not_preferred
-            if pout.excluded:
-                ptext = self.policies.counts_text(pout)
-                ctext = f"{ctext},{ptext}" if ctext else ptext
-                pcounts = (self.policies, pout.counts.copy())
-                if not allowed.any():
-                    raise RouteFailure(422, "no_offering", "the routing policies, the tenant's defaults and the "
-                                       "request's constraints exclude every offering",
-                                       [{"field": "body", "message": "excludes every offering (see excluded.by_reason "
-                                         "and POST /v1/explain)", "suggestions": []}],
-                                       extra={"excluded": self._all_counts(ccounts, pcounts)})
-        bias = env.r_bias
-        has_bias = env.r_has_bias
-        if self.events_bias is not None:  # a just-preempted region, de-prioritized (router.service.migration)
-            bias = bias + self.events_bias
-            has_bias = True
-        ptext_answer = self._policies_text(pctx, pout)
-        m_ = env.r_m
-        holds = env.fits[m_] & (env.slots[m_] > 0)
-        if not (holds & allowed).any():
-            raise RouteFailure(422, "model_unavailable", f"no allowed offering holds model '{env.model_names[m_]}'",
-                               [{"field": "body.model", "message": f"no allowed offering has replicas of "
-                                 f"'{env.model_names[m_]}' (it needs more accelerator memory, or the constraints "
-                                 "exclude the offerings that hold it)", "suggestions": []}])
-        if budget is not None and env.r_over is not None and binding >= 0 and not (env_mask & allowed).any() \
-                and (env.r_over & allowed).any():  # its tenant's USD left pays for no allowed offering
-            assert buckets is not None
-            cheapest = float(env.c_cost[env.r_over & allowed].min())
-            raise RouteFailure(**budget_failure(buckets[binding], budget, cheapest, wall,
-                                                {**ccounts, "budget": int((env.r_over & allowed).sum())}))
-        codes = self._static_codes(m_)
-        pref = compiled.preferred
-        age = self.freshness.age(wall)
-        active, pinfo = self.slot.current(age > self.max_age)
-        ints, floats = self._out
-        n_alt = -1  # >= 0: ranked by the compiled calls, their outputs in ints / floats
-        m = -1  # >= 0: the fused learned path's action set is in self._idx[:m], its rows in self._rows[:m]
-        s: Any = None
-        req_f: np.ndarray | None = None
-        valid: np.ndarray | None = None
-        full: np.ndarray | None = None
-        if active.scorer is None:
-            if self.fused_greedy and active.name == "greedy":
-                n_alt = kernels.greedy_decide(
-                    env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.C, bias,
-                    has_bias, env.r_ref_cost, env.r_budget, *self._reward_args, self.k_alt, ints, floats)
-                score_kind = "expected_reward"
-        elif self.fused_learned:
-            m = kernels.valid_rows(
-                env_mask, allowed, allowed if pref is None else pref, pref is not None, codes, env.static_feats[m_],
-                env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot, env.r_budget, env.r_ref_cost, self._rows,
-                self._idx, ints)
-            if m == 0:
-                n_alt = 0  # no capacity (ints[0] is -1)
-            else:
-                req_f = env.request_features()
-                try:
-                    s = active.scorer(self._rows[:m], req_f)
-                    if has_bias and s is not None:  # the prefer policies' weights, reward units
-                        s = s + bias[self._idx[:m]]
-                except Exception:  # the general path below asks again, and falls back
-                    s = None
-                if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
-                    n_alt = kernels.scored_decide(s, self._idx, self.k_alt, env.C, ints, floats)
-            score_kind = "q_value"
-        if n_alt >= 0:
-            # ii: [chosen, valid, not preferred, 4 env reason counts, alternatives...]; nums: (score,
-            # latency, cost) of the chosen and of each alternative
-            ii, nums = ints.tolist()[: 7 + n_alt], floats.tolist()[: 3 + 3 * n_alt]
-            a, n_valid, n_not_preferred = ii[0], ii[1], ii[2] + n_pol_pref
-            env_counts = self._quota_counts(ii[3:7], allowed)
-            if a < 0:
-                self._no_capacity(allowed, self._counts(self._all_counts(ccounts, pcounts), n_not_preferred,
-                                                        env_counts))
-            cands = [a, *ii[7:]]
-        else:
-            valid, n_valid, n_not_preferred, env_counts_a = kernels.combine(
-                env_mask, allowed, allowed if pref is None else pref, pref is not None, codes)
-            env_counts = self._quota_counts(env_counts_a.tolist(), allowed)
-            n_not_preferred += n_pol_pref
-            if n_valid == 0:
-                self._no_capacity(allowed, self._counts(self._all_counts(ccounts, pcounts), n_not_preferred,
-                                                        env_counts))
-            m = -1
-            pbias = bias if has_bias else None
-            try:
-                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid, pbias)
-            except Exception as e:  # a model that fails at decision time: this request goes to the fallback
-                if active is self.slot.fallback:
-                    raise
-                self.slot.failed(f"decision error: {type(e).__name__}: {e}")
-                active, pinfo = self.slot.fallback, {**self.slot.fallback.info, "reason": f"model error: {type(e).__name__}"}
-                a, score, alt_idx, alt_scores, score_kind, full = self._choose(active, valid, pbias)
-            c_lat, c_cost = env.c_lat, env.c_cost  # nums as the compiled path's
-            cands = [a, *alt_idx]
-            nums = []
-            for k, sc in zip(cands, [score, *alt_scores]):
-                nums += (_num(sc), _num(c_lat.item(k)), _num(c_cost.item(k)))
-        # a session's first turn after a committed migration goes where the migration put its state
-        # (router.service.migration), when that offering is one the policy could have chosen now (allowed,
-        # valid, preferred when a prefer rule applies); the policy's ranking follows it
-        policy_choice = cands[0]
-        pin = self._migrated_to(m_, affinity)
-        pinned = (pin >= 0 and pin != policy_choice and bool(allowed[pin]) and bool(env_mask[pin])
-                  and (pref is None or bool(pref[pin]) or not (pref & allowed & env_mask).any()))
-        if pinned:
-            cands, nums = self._first(pin, cands, nums, s if (m > 0 and valid is None) else None, m, full, bias,
-                                      has_bias)
-        eps = self.epsilon.get(who.tenant, 0.0) if self.epsilon else 0.0
-        ope = None
-        if self.log_features:
-            if m > 0 and valid is None:  # the fused learned path: its scorer's inputs
-                idx, rows = self._idx[:m], self._rows[:m]
-            else:
-                if valid is None:  # the fused greedy path: the same compiled pass the learned one makes
-                    m = kernels.valid_rows(
-                        env_mask, allowed, allowed if pref is None else pref, pref is not None, codes,
-                        env.static_feats[m_], env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot,
-                        env.r_budget, env.r_ref_cost, self._rows, self._idx, self._ints_log)
-                    idx, rows = self._idx[:m], self._rows[:m]
-                else:
-                    idx = np.flatnonzero(valid)
-                    rows = env.offering_features(idx)
-                    s = None
-                req_f = env.request_features()
-            assert req_f is not None
-            argmax = first = int(np.searchsorted(idx, policy_choice))
-            if pinned:  # (served by the session's placement, not drawn: no exploration, no propensity)
-                first = int(np.searchsorted(idx, cands[0]))
-            elif eps > 0.0:
-                cands, nums, drawn = self._explore(explore_key or decision_id, eps, idx, cands, nums, s, full)
-                first = argmax if drawn < 0 else drawn
-            # (the record copies the rows and indices out of the buffers the next request reuses)
-            ope = (ope_log.pack(self._catalog_key, idx, first, argmax, req_f, rows), idx.shape[0], first, argmax)
-        svc = env.c_service
-        prefix = self._prefix_send(req, who, m_, cands, hashes) if affinity is not None else None
-        return Ranked(req, who, decision_id, wall, t, age, m_, pinfo, score_kind, ccounts, ctext, n_valid,
-                      n_not_preferred, env_counts, cands, nums, [svc.item(k) for k in cands], self.bundle_hash,
-                      request_json, eps, ope, ptext_answer, pcounts, prefix, pinned)
+            for stage in stages:
+                name = stage.name
+                stage.apply(d)
+                t1 = perf_counter()
+                timer(name, t1 - t0)
+                t0 = t1
+        except BaseException:
+            timer(name, perf_counter() - t0)
+            raise
 
     def _first(self, d: int, cands: list[int], nums: list[float], s: Any, m: int, full: np.ndarray | None,
                bias: np.ndarray, has_bias: bool) -> tuple[list[int], list[float]]:
@@ -1156,50 +953,23 @@ class RoutingEngine:
     # ------------------------------------------------------------------ explain
     def explain(self, req: RouteRequest, tenant: str, wall: float, who: Principal | None = None) -> dict[str, Any]:
         """Why each offering is or is not eligible for ``req`` of ``tenant`` now (``POST
-        /v1/explain``): the same layers as :meth:`rank` -- the tenant's and the request's
-        constraints, the routing policies, the pools' state -- without deciding anything. Makes the
+        /v1/explain``): the route's own stages up to feasibility (``router.decision.stages.EXPLAIN``)
+        with a per-offering trace -- each offering excluded by the first stage that excluded it, as
+        the route counts it -- without deciding anything. ``who``: the caller, whose permissions
+        apply when it explains its own tenant (None: an admin explaining another's). Makes the
         request current in the environment (as ranking would); admits nothing."""
-        if not self.tenant_known(tenant):
-            raise self.unknown_tenant(tenant)
-        if req.origin not in self.origin_set:
-            close = difflib.get_close_matches(req.origin, self.origins, n=5, cutoff=0.4)
-            raise RouteFailure(422, "unknown_origin", f"unknown origin '{req.origin}'",
-                               [{"field": "body.origin", "message": f"unknown origin '{req.origin}'",
-                                 "suggestions": close}])
-        compiled, _, _, _ = self.constraints_for(tenant, req.constraints)
-        env = self.env
-        model_name = req.model or self.models[0]
-        perm = (self.access.inference_mask(who, model_name) if who is not None and model_name in env.model_index
-                else None)  # (the caller's own permissions: ``router.decision.access``)
-        try:
-            env_mask = env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
-                                    req.tpot_ms, req.deadline_ms, req.model, tenant, None,
-                                    request_class=req.request_class,
-                                    pre=compiled.allowed if perm is None else compiled.allowed & perm)
-        except ValueError:
-            raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
-                               [{"field": "body.model", "message": f"unknown model '{req.model}'",
-                                 "suggestions": difflib.get_close_matches(str(req.model), self.models, n=3)}]) from None
-        pout, pctx = env.r_policy, env.r_policy.ctx
-        pol = self.policies
+        d = self.trace_stages(self.explain_stages, req, tenant, wall, who, own_permissions=who is not None)
+        env, pol = self.env, self.policies
+        pctx, pout = d.pctx, d.pout
         applies = pctx is not None and not pctx.empty
-        m = env.r_m
-        codes = self._static_codes(m)
-        busy, slots = env.C[env_kernels.BUSY], env.slots[m]
+        busy, slots = env.C[env_kernels.BUSY], env.slots[d.m]
         rows = []
-        for i in range(self.n):
-            layer = compiled.reason[i].replace("constraints:", "request:")
-            if not layer and perm is not None and not perm[i]:
-                layer = "permission"
+        assert d.trace is not None
+        for i, why in enumerate(d.trace):
             head = env_policies.headroom(float(busy[i]), float(slots[i]))
             usd = float(env.usd_h[i])
-            p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies and pctx is not None
+            p = (pol.explain(pctx, pout, i, usd, float(env.c_rtt[i]), head) if applies
                  else {"allowed": True, "excluded_by": None, "bias": 0.0, "biased_by": []})
-            why = layer or (f"{env_policies.REASON_PREFIX}{p['excluded_by']}" if p["excluded_by"] else None)
-            if why is None and self.events_keep is not None and not self.events_keep[i]:
-                why = "pool_event"  # (router.service.migration: masked by a pool event)
-            if why is None and not env_mask[i]:
-                why = kernels.ENV_REASONS[int(codes[i])]
             rows.append({"offering": self.refs[i], "eligible": why is None, "excluded_by": why, "policy": p,
                          "usd_per_hour": usd if np.isfinite(usd) else None, "rtt_ms": _num(env.c_rtt[i]),
                          "headroom": round(head, 6)})
@@ -1210,29 +980,27 @@ class RoutingEngine:
 
     def rule_exclusion(self, req: RouteRequest, tenant: str, wall: float, offering: int) -> str | None:
         """What in the tenant's constraints or the routing policies excludes ``offering`` for
-        ``req`` now (``"tenant:deny"``, ``"policy:<name>"``), None when they allow it. The pools'
-        state does not count (full headroom assumed: a busy pool is no reason to move a session); a
-        price ceiling does, at today's price (``router.service.migration``: placements the rules no longer
-        allow are migrated). Makes ``req`` current in the environment; admits nothing."""
+        ``req`` now (``"tenant:deny"``, ``"policy:<name>"``), None when they allow it: the rule
+        stages (``router.decision.stages.RULES``) with every pool at full headroom (a busy pool is
+        no reason to move a session); a price ceiling counts, at today's price
+        (``router.service.migration``: placements the rules no longer allow are migrated)."""
         if not self.tenant_known(tenant):
             return None
-        compiled, _, _, _ = self.constraints_for(tenant, None)
-        why = compiled.reason[offering]
-        if why:
-            return why
-        env = self.env
-        try:
-            env.set_live(self.now(wall), req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms, req.tpot_ms,
-                         req.deadline_ms, req.model, tenant, None, request_class=req.request_class,
-                         pre=compiled.allowed)
-        except ValueError:  # (a model this router no longer serves: not the rules' business)
-            return None
-        pctx = env.r_policy.ctx
-        if pctx is None or pctx.empty:
-            return None
-        p = self.policies.explain(pctx, env.r_policy, offering, float(env.usd_h[offering]),
-                                  float(env.c_rtt[offering]), 1.0)
-        return f"{env_policies.REASON_PREFIX}{p['excluded_by']}" if p["excluded_by"] else None
+        d = self.trace_stages(self.rule_stages, req, tenant, wall, request_constraints=False, full_headroom=True)
+        assert d.trace is not None
+        return d.trace[offering]
+
+    def trace_stages(self, stages: Sequence[Stage], req: RouteRequest, tenant: str, wall: float,
+                     who: Principal | None = None, **how: Any) -> Decision:
+        """``stages`` applied to ``req`` of ``tenant`` with a per-offering trace, nothing failing
+        for want of offerings (``Decision``'s ``trace`` and ``strict``); ``how``: the decision's
+        other switches (``own_permissions``, ``request_constraints``, ``full_headroom``, ``policies``)."""
+        d = Decision(req, who if who is not None else Principal(tenant, "tenant", ""), tenant, None, wall,
+                     trace=[None] * self.n, strict=False, **how)
+        for stage in stages:
+            stage.apply(d)
+        return d
+
 
     # ------------------------------------------------------------------ state
     def offerings_state(self, wall: float, reserved: dict[str, int] | None = None) -> dict[str, Any]:
@@ -1274,9 +1042,3 @@ def _answer_format(alternatives: int) -> str:
             f'"alternatives":[{",".join([alt] * alternatives)}],"policy":%s,'
             '"excluded":{"total":%d,"by_reason":{%s}},"policies":%s,"telemetry":%s%s","age_s":%r,"stale":%s}}')
     return fmt
-
-
-def _num(x: Any) -> float:
-    """A JSON-safe float (the env never yields NaN/inf for a valid offering; guard anyway)."""
-    v = float(x)
-    return v if isfinite(v) else 0.0

@@ -21,6 +21,7 @@ never excludes in a dry run, and a price or RTT ceiling is judged on today's num
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ import numpy as np
 
 from envs import policies as env_policies
 from router.store import sqlite as store
-from xroute.schema.policy_ir import Constraints, PolicySet
+from xroute.schema.decision import RouteRequest
+from xroute.schema.policy_ir import PolicySet
 
 _SQL = ("SELECT decision_id, tenant, created_at, origin, model, offering_id, request_json FROM decisions "
         "ORDER BY created_at DESC, decision_id DESC LIMIT {p}")
@@ -52,28 +54,28 @@ def recent_decisions(target: Path | str, limit: int) -> list[tuple[Any, ...]]:
 
 
 class _Judge:
-    """One policy set, compiled against the engine's catalog, judging logged requests."""
+    """One policy set, compiled against the engine's catalog, judging logged requests with the rule
+    stages of a route (``router.decision.stages.RULES``: the constraint layers, then the policies at
+    full headroom) -- the same stages ``/v1/route`` and ``/v1/explain`` run."""
 
     def __init__(self, ps: PolicySet, engine: Any):
         self.compiled = env_policies.CompiledPolicies(ps, engine.catalog)
-        self.out = self.compiled.outcome_buffers()
-        self.n = engine.n
+        self.engine = engine
 
-    def judge(self, env: Any, tenant: str, model: int, explicit: str | None, req: dict[str, Any], origin: str,
-              o: int, pre: np.ndarray, chosen: int) -> tuple[str, str | None, np.ndarray, np.ndarray]:
-        p = self.compiled
-        cls = p.request_class(explicit, float(req["ttft_ms"]), float(req["tpot_ms"]), req.get("deadline_ms"))
-        ctx = p.context(tenant, env.model_names[model], cls, origin)
-        if ctx.empty:
-            allowed, bias, reason = pre.copy(), np.zeros(self.n), -1
-        else:
-            mask = np.ones(self.n, dtype=bool)
-            out = p.apply(ctx, pre, env.usd_h, env.rtt_ms[o], np.zeros(self.n), env.slots[model], mask, self.out)
-            allowed, bias, reason = pre & out.allowed, out.bias.copy(), int(out.reason[chosen])
+    def judge(self, req: RouteRequest, tenant: str, wall: float, chosen: int
+              ) -> tuple[str, str | None, np.ndarray, np.ndarray]:
+        """(``allowed`` | ``excluded`` | ``refused``, the policy that excluded ``chosen``, the
+        offerings still allowed, the policies' bias)."""
+        d = self.engine.trace_stages(self.engine.rule_stages, req, tenant, wall, full_headroom=True,
+                                     policies=self.compiled)
+        allowed, bias = d.allowed, d.bias if d.bias is not None else np.zeros(self.engine.n)
         if not allowed.any():
             return "refused", None, allowed, bias
         if not allowed[chosen]:
-            return "excluded", (p.names[reason] if reason >= 0 else None), allowed, bias
+            why = d.trace[chosen] if d.trace is not None else None
+            policy = why[len(env_policies.REASON_PREFIX):] if why and why.startswith(env_policies.REASON_PREFIX) \
+                else None
+            return "excluded", policy, allowed, bias
         return "allowed", None, allowed, bias
 
 
@@ -84,6 +86,7 @@ def dry_run(engine: Any, proposed: PolicySet, rows: Sequence[tuple[Any, ...]], s
     now, new = _Judge(engine.policies.set, engine), _Judge(proposed, engine)
     index = {oid: i for i, oid in enumerate(engine.offering_ids)}
     origin_index = {o: k for k, o in enumerate(env.origins)}
+    wall = time.time()
     counts_now = dict.fromkeys(VERDICTS, 0)
     counts = dict.fromkeys(VERDICTS, 0)
     changed: dict[str, int] = {}
@@ -96,17 +99,13 @@ def dry_run(engine: Any, proposed: PolicySet, rows: Sequence[tuple[Any, ...]], s
         if m < 0 or chosen < 0 or o < 0:  # a catalog, model or origin this router lacks
             skipped += 1
             continue
-        try:
-            req = json.loads(request_json)
-            cons = req.get("constraints")
-            compiled, _, _, _ = engine.constraints_for(str(tenant), Constraints.model_validate(cons) if cons else None)
+        try:  # the logged request, for the model it was decided for
+            req = RouteRequest.model_validate({**json.loads(request_json), "model": str(model)})
+            v0, _, _, b0 = now.judge(req, str(tenant), wall, chosen)
+            v1, by, allowed, b1 = new.judge(req, str(tenant), wall, chosen)
         except Exception:
             skipped += 1
             continue
-        pre = compiled.allowed
-        explicit = req.get("request_class")
-        v0, _, _, b0 = now.judge(env, str(tenant), m, explicit, req, str(origin), o, pre, chosen)
-        v1, by, allowed, b1 = new.judge(env, str(tenant), m, explicit, req, str(origin), o, pre, chosen)
         v0 = "unchanged" if v0 == "allowed" else v0
         if v1 == "allowed":
             v1 = "unchanged" if np.array_equal(b0[allowed], b1[allowed]) else "rebiased"
