@@ -162,6 +162,16 @@ class RoutingEngine:
         self.env = env = CloudRouteEnv(bundle, env_cfg, all_models=True)
         env.reset(seed=0)
         CLOCK.mark("environment")
+        self._init_catalog(env)
+        self._init_tenants(settings)
+        self._check_servers(settings)
+        self._init_slot(settings, env_cfg)
+        self._init_answers(env_cfg)
+        self._init_buffers(settings)
+        CLOCK.mark("engine")
+
+    def _init_catalog(self, env: CloudRouteEnv) -> None:
+        """The catalog, origins and models the environment serves, the pool-event masks."""
         self.generation = 0
         self.n, self.N = env.n, env.N
         self.catalog = env.catalog
@@ -182,6 +192,10 @@ class RoutingEngine:
         #: bias (reward units) on offerings of a just-preempted region (None: none)
         self.events_keep: np.ndarray | None = None
         self.events_bias: np.ndarray | None = None
+
+    def _init_tenants(self, settings: RouterSettings) -> None:
+        """The declared tenants, their constraints (compiled once to check them), the routing
+        policies (none until the store's version is installed), exploration, access control."""
         #: the declared tenants (``tenants:``); a key of another is refused unless ``undeclared_tenants: allow``
         self.tenant_names = frozenset(settings.tenants)
         self.open_tenants = settings.undeclared_tenants == "allow"
@@ -205,14 +219,20 @@ class RoutingEngine:
         self.access = AccessControl({}, {}, self.refs)
         #: (constraints, permission mask) -> the two combined, their counts (``rank``)
         self._masked: dict[tuple[int, int], tuple[Any, ...]] = {}
+
+    def _check_servers(self, settings: RouterSettings) -> None:
+        """The inference servers the settings name exist in the catalog (an error naming the field)."""
         for i, server in enumerate(settings.inference_servers):
             where = f"router settings: field 'inference_servers[{i}]"
             if server.offering_id not in self.offering_ids:
                 close = difflib.get_close_matches(server.offering_id, self.offering_ids, n=3, cutoff=0.4)
                 raise ConfigError(f"{where}.offering_id': unknown offering '{server.offering_id}'"
                                   + (f" (did you mean {', '.join(close)}?)" if close else ""))
-            if server.model is not None and server.model not in env.model_index:
+            if server.model is not None and server.model not in self.env.model_index:
                 raise ConfigError(f"{where}.model': unknown model '{server.model}' (known: {', '.join(self.models)})")
+
+    def _init_slot(self, settings: RouterSettings, env_cfg: EnvConfig) -> None:
+        """The constraint cache, the quota plan, the freshness clock and the model slot with its fallback."""
         self._compiled: OrderedDict[tuple[str, str], tuple[CompiledConstraints, dict[str, int], bool, str]] = OrderedDict()
         #: the tenants' quotas as buckets (``router.decision.quotas``); what a decision reads of them -- the
         #: embedded state's counters, or the shared view (``quota_view``) -- is set by the app
@@ -224,7 +244,7 @@ class RoutingEngine:
         self.k_alt = settings.alternatives
         try:
             fb = make_baseline(settings.fallback_policy, EvaluateConfig(env=env_cfg))
-            fb.reset(env, 0)
+            fb.reset(self.env, 0)
         except ConfigError as e:
             raise ConfigError(f"router settings: field 'fallback_policy': {e}") from None
         self.slot = PolicySlot(ActivePolicy.make(fb, fb.name, "fallback"), settings.model_uri)
@@ -232,6 +252,9 @@ class RoutingEngine:
         self.clock = self.source.describe_clock()
         self.source_name = self.source.name
         self.decisions = 0
+
+    def _init_answers(self, env_cfg: EnvConfig) -> None:
+        """The answer's pre-serialized pieces and the reward's constants the compiled paths take."""
         # the response is assembled from pre-serialized pieces: json.dumps of the whole nested
         # answer was a fifth of a decision's cost. Its expectations and scores carry 9 significant
         # digits (estimates, far coarser than that; the decision log's columns keep every bit):
@@ -244,8 +267,13 @@ class RoutingEngine:
         self._quota_only = np.zeros(self.n, dtype=bool)
         self._static_code = np.zeros(self.n, dtype=np.int64)
         rw = env_cfg.reward
-        self._reward_args = (float(env.cfg.retry_overhead_ms), float(rw.cost_weight), float(rw.latency_weight),
+        self._reward_args = (float(self.env.cfg.retry_overhead_ms), float(rw.cost_weight), float(rw.latency_weight),
                              float(rw.sla_penalty), float(rw.cost_norm_cap), float(rw.latency_norm_cap))
+
+    def _init_buffers(self, settings: RouterSettings) -> None:
+        """The compiled paths' buffers, the pool keys, this process's own reservations, the
+        prefix caches' capacities and the stages."""
+        env = self.env
         #: the greedy policy in one compiled call (``decide``); False sends it through ``_choose``
         #: like every other policy (the same answers: the tests compare the two)
         self.fused_greedy = True
@@ -284,7 +312,6 @@ class RoutingEngine:
         self.stage_timer: Callable[[str, float], None] | None = None
         self.stage_timing_every = 1
         self._stage_runs = 0
-        CLOCK.mark("engine")
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
