@@ -254,7 +254,7 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
                     _, row, _, _ = eng.decide(reqs[i % 256], who, f"d_{r}_{i}", wall0 + 0.02 * i)
                     took.append(time.perf_counter() - t0)
                     if r and i % 100 == 0:
-                        blob[v].append(len(row[-3]) if row[-3] is not None else 0)
+                        blob[v].append(len(row.features) if row.features is not None else 0)
                 if r:
                     q = _pct(took)
                     p50[v].append(q["p50_us"])

@@ -42,6 +42,7 @@ from router.decision.telemetry import Freshness, LiveSource, ReplaySource, Telem
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
 from router.state.embedded import EmbeddedState
 from router.state.ledger import QuotaUsage
+from router.store.rows import DecisionRow
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.access import Principal, model_resource
@@ -468,7 +469,7 @@ class RoutingEngine:
 
     # ------------------------------------------------------------------ the decision
     def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-               state: EmbeddedState | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+               state: EmbeddedState | None = None) -> tuple[bytes, DecisionRow, str, dict[str, Any]]:
         """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
         candidate with room in it and the tenant's quotas, then :meth:`admit`. Returns (response JSON, decision-log row,
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
@@ -926,7 +927,7 @@ class RoutingEngine:
                                                             counts)})
 
     def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None,
-              quota: tuple[int, float] | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+              quota: tuple[int, float] | None = None) -> tuple[bytes, DecisionRow, str, dict[str, Any]]:
         """The request ranked as ``r`` goes to its ``k``-th candidate (the first the shared state
         had room on; the ones before it count as ``queue_full``): the router's view holds that
         pool's slot for its expected service time (``CloudRouteEnv.admit_live``), and, with
@@ -980,11 +981,16 @@ class RoutingEngine:
                 features = ope_log.serving(features, a)
             elif not r.pinned:
                 propensity = ope_log.propensity(r.epsilon, size, first == argmax)
-        row = (decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
-               req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
-               pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],
-               None if hold_s is None else wall + hold_s, idempotency_key, propensity, r.epsilon, features,
-               None if quota is None else int(quota[0]), None if quota is None else float(quota[1]), request_json, text)
+        row = DecisionRow(
+            decision_id=decision_id, tenant=who.tenant, created_at=wall, telemetry_ts=t, origin=req.origin,
+            input_tokens=req.input_tokens, max_output_tokens=req.max_output_tokens, ttft_ms=req.ttft_ms,
+            tpot_ms=req.tpot_ms, deadline_ms=req.deadline_ms, model=self.env.model_names[r.m],
+            session_id=req.session_id, offering_id=offering_id, expected_latency_ms=exp_lat, expected_cost_usd=exp_cost,
+            policy=pinfo["name"], policy_kind=pinfo["kind"], policy_version=pinfo["version"],
+            bundle_hash=r.bundle_hash, pool=self.pool_keys[r.m][a], hold_until=None if hold_s is None else wall + hold_s,
+            idempotency_key=idempotency_key, propensity=propensity, epsilon=r.epsilon, features=features,
+            quota_tokens=None if quota is None else int(quota[0]), quota_usd=None if quota is None else float(quota[1]),
+            request_json=request_json, response_json=text)
         return text.encode(), row, offering_id, pinfo
 
     def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:
