@@ -20,6 +20,7 @@ from router.decision.engine import RouteFailure
 from router.http.deps import CallerDep, WriteEvents
 from router.http.errors import BODY_NOT_JSON_422
 from router.service.migration import Migrator, body_digest
+from router.service.services import Services
 from router.store.migrations import MigrationStoreError
 from xroute.schema.access import admin_resource
 from xroute.schema.decision import ErrorResponse
@@ -68,11 +69,11 @@ _EVENT_BODY = {"required": True, "content": {"application/json": {"schema": {"on
     {"$ref": "#/components/schemas/PoolEvent"}, {"$ref": "#/components/schemas/CloudEventEnvelope"}]}}}}
 
 
-def _migrator(svc: Any) -> Migrator:
-    m = getattr(svc, "migrator", None)
+def _migrator(svc: Services) -> Migrator:
+    m = svc.migrator
     if m is None:
         raise RouteFailure(503, "unavailable", "migrations are not running on this router", headers={"Retry-After": "5"})
-    return m  # type: ignore[no-any-return]
+    return m
 
 
 def _invalid(errors: list[Any], prefix: tuple[str, ...] = ("body",)) -> RequestValidationError:

@@ -141,7 +141,7 @@ class RouterApp(FastAPI):
     #: what every route uses (``router.service.services.Services``), set by the lifespan while serving, else None;
     #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
     #: read on every request by the dependency)
-    services: Any = None
+    services: Services | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.front

@@ -52,6 +52,7 @@ from router.gateway.transcripts import TranscriptStore
 from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, watch_disconnect
 from router.service.admission import release, route_decision
 from router.service.outcomes import close_the_loop, feedback_row, settle_quota
+from router.service.services import Services
 from router.store.sqlite import DecisionRef, StoreClosed
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
@@ -185,7 +186,7 @@ def check_settings(settings: Any, engine: Any) -> PromptCounter:
 class Gateway:
     """Built by the app's lifespan (``Services.gateway``); closed at shutdown."""
 
-    def __init__(self, svc: Any):
+    def __init__(self, svc: Services):
         settings = svc.settings
         self.svc = svc
         self.cfg = cfg = settings.gateway
