@@ -44,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.logs import LOG, request_id_var
 from router.core.metrics import LoopCounter, LoopHistogram
+from router.core.text import one_line
 from router.decision.engine import RouteFailure
 from router.gateway.exchange import Exchange, Outcome
 from router.gateway.openai_api import Kind, openai_error, parse_body
@@ -512,7 +513,7 @@ class Gateway:
                                            call.raw, ex.texts)
         except Exception as e:  # the answer has gone: say what was not recorded (never a body)
             LOG.warning("gateway outcome not recorded", extra={"fields": {
-                "decision_id": att.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
+                "decision_id": att.decision_id, "error": one_line(e)}})
 
     async def _settle_quota(self, holder: Attempt, o: Outcome | None) -> None:
         """Settle the request's tenant quota reservation (held by ``holder``'s decision) with the
@@ -526,7 +527,7 @@ class Gateway:
             await settle_quota(self.svc, fb, holder.ref)
         except Exception as e:  # (logged by settle_quota when the state cannot be reached; anything else here)
             LOG.warning("gateway quota not settled", extra={"fields": {
-                "decision_id": holder.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
+                "decision_id": holder.decision_id, "error": one_line(e)}})
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """At shutdown: the loops still closing get ``timeout_s`` to finish (before the decision

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from router.core.logs import LOG, flush_logs
+from router.core.text import one_line
 from router.state.base import RouterState
 from router.store.sqlite import GroupCommitLog
 
@@ -66,4 +67,4 @@ class Readiness:
             try:
                 await self.probe()
             except Exception as e:  # never stop probing
-                LOG.warning("readiness probe failed", extra={"fields": {"error": f"{type(e).__name__}: {e}"[:300]}})
+                LOG.warning("readiness probe failed", extra={"fields": {"error": one_line(e)}})
