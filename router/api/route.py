@@ -1,8 +1,8 @@
 """``POST /v1/route``: place one request -- an ordinary route of the app.
 
 It is served as a Starlette ``Route`` added to the FastAPI app (:data:`SERVED`): below the same
-ASGI front, FastAPI middleware stack and exception handlers as every route, ~80 us of server CPU a
-request cheaper than an ``APIRoute`` (``docs/router.md``); the ``APIRoute`` of the same handler
+ASGI front, FastAPI middleware stack and exception handlers as every route, and cheaper in server
+CPU than an ``APIRoute`` (``docs/results.md``, "Router"); the ``APIRoute`` of the same handler
 (``router``) is kept for the OpenAPI document. What keeps it cheap is on public APIs: the handler
 takes the :class:`Request` (no dependency to resolve), authenticates like every keyed route
 (``router.http.deps.authenticate``), reads the body and validates it in one pass into
