@@ -38,8 +38,10 @@
    decision takes in the log.
 
 5. ``--against DIR`` (alone): this checkout against another one (``DIR``, e.g. ``git worktree add
-   /tmp/base main``) side by side -- ``POST /v1/route`` served by each checkout's own code (greedy
-   and a learned scorer of the DQN's default shape), the servers up throughout, ``--rounds`` rounds
+   /tmp/base main``) side by side -- in process, ``RoutingEngine.decide`` on the shipped bundle
+   (greedy and a learned scorer of the DQN's default shape), ``--rounds`` rounds alternating the
+   checkouts, each a process of that checkout's own code; medians of the rounds' p50/p99 -- and
+   ``POST /v1/route`` served by each checkout's code, the servers up throughout, ``--rounds`` rounds
    in rotated order, every run paired with the trivial endpoint; medians, with the server's and
    its log writer's CPU a request and the bytes a decision took in the log.
 
@@ -344,12 +346,39 @@ def bench_against_http(work: Path, other: Path, seconds: float, rounds: int) -> 
     return out
 
 
+#: what a checkout's own process runs for ``--against``'s in-process rows: its ``bench_inprocess``
+_INPROCESS = ("import json, sys; from pathlib import Path; import benchmarks.bench_router as br; "
+              "res = br.bench_inprocess(br.REPO / 'data' / 'bundles' / 'default', Path(sys.argv[1]) if sys.argv[1] "
+              "else None, int(sys.argv[2])); print(json.dumps({k: v['engine_decide'] for k, v in res.items()}))")
+
+
+def bench_against_inprocess(work: Path, other: Path, n: int, rounds: int) -> dict[str, Any]:
+    """``engine.decide`` p50/p99 in each checkout's own process, ``rounds`` rounds alternating
+    the checkouts (module docstring, 5); medians of the rounds."""
+    model = learned_export(work / "learned-inprocess")
+    trees = {"this": REPO, "against": other.resolve()}
+    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+    for r in range(rounds):
+        for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            out = subprocess.run([sys.executable, "-c", _INPROCESS, str(model or ""), str(n)], cwd=trees[tree],
+                                 env={**os.environ, "PYTHONPATH": str(trees[tree])}, capture_output=True, text=True,
+                                 check=True)
+            runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  in process, round {r + 1}/{rounds} {tree}: {runs[tree][-1]}", file=sys.stderr, flush=True)
+    return {tree: {pol: {q: float(np.median([run[pol][q] for run in rs])) for q in ("p50_us", "p99_us")}
+                   for pol in rs[0]} for tree, rs in runs.items()}
+
+
 def against_table(res: dict[str, Any]) -> str:
     http = res["http"]
-    lines = [f"machine: {res['machine']}; load average {res['load_average_at_start']} -> {res['load_average_at_end']}"]
+    lines = [f"machine: {res['machine']}; load average {res['load_average_at_start']} -> {res['load_average_at_end']}",
+             "", "| engine.decide (shipped bundle, in process) | checkout | p50 us | p99 us |", "|---|---|---:|---:|"]
+    for tree, pols in res["inprocess"].items():
+        for pol, q in pols.items():
+            lines.append(f"| {pol} | {tree} | {q['p50_us']} | {q['p99_us']} |")
     if "skipped" in http:
         return "\n".join([*lines, "", f"HTTP: {http['skipped']}"])
-    lines += [f"this: {http['trees']['this']}; against: {http['trees']['against']}", "",
+    lines += ["", f"this: {http['trees']['this']}; against: {http['trees']['against']}", "",
               "| POST /v1/route (wrk -c10, one worker) | req/s | vs trivial [range] | server CPU us/req (writer) "
               "| p50 ms | p99 ms | log bytes/decision |", "|---|---:|---:|---:|---:|---:|---:|"]
     for v, x in http.items():
@@ -940,8 +969,9 @@ def main() -> None:
             ap.error(f"--against: {a.against} is not a checkout of this repository")
         try:
             res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                   "load_average_at_start": os.getloadavg(), "http": bench_against_http(work, a.against, a.duration,
-                                                                                       a.rounds),
+                   "load_average_at_start": os.getloadavg(),
+                   "inprocess": bench_against_inprocess(work, a.against, a.decisions, a.rounds),
+                   "http": bench_against_http(work, a.against, a.duration, a.rounds),
                    "load_average_at_end": os.getloadavg()}
         finally:
             shutil.rmtree(work, ignore_errors=True)
