@@ -7,6 +7,7 @@ pool's capacity."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import multiprocessing
@@ -34,7 +35,8 @@ from router.state.failopen import FailOpenState
 from router.state.open import StateSettings, open_state
 from router.state.redis import RedisState, redact
 from router.store.readers import decision_events
-from router.store.sqlite import DECISION_COLUMNS, DecisionStore
+from router.store.rows import DecisionRow
+from router.store.sqlite import DecisionStore
 from tests.servers import RedisServer
 from tests.test_router_support import ROUTE, make_setup
 from xroute.schema.access import Principal
@@ -213,10 +215,9 @@ def test_the_embedded_state_is_rebuilt_from_the_sqlite_decision_log(tmp_path: Pa
     req = RouteRequest.model_validate({**ROUTE, "max_output_tokens": 5})
     now = time.time()
     db = tmp_path / "d.db"
-    col = DECISION_COLUMNS.index
     book = EmbeddedState()  # the state the router had (rows 0-4 reserved in it; 5-9 as an older router wrote them)
 
-    async def write() -> list[tuple[Any, ...]]:
+    async def write() -> list[DecisionRow]:
         log = DecisionStore(db)
         log.start()
         rows = []
@@ -224,30 +225,30 @@ def test_the_embedded_state_is_rebuilt_from_the_sqlite_decision_log(tmp_path: Pa
             t = now - 30 + i
             row = engine.decide(req, who, _id_at(t, i), t, state=book if i < 5 else None)[1]
             if i < 5:
-                assert row[col("pool")] == book._held[row[0]][0] and row[col("hold_until")] > t
-                row = (*row[:col("hold_until")], now + 600, *row[col("hold_until") + 1:])  # a long hold
+                assert row.pool == book._held[row.decision_id][0] and row.hold_until > t  # type: ignore[operator]
+                row = dataclasses.replace(row, hold_until=now + 600)  # a long hold
             else:
-                assert row[col("pool")] is not None and row[col("hold_until")] is None
-                row = (*row[:col("pool")], None, *row[col("pool") + 1:])  # an old row: no pool either
+                assert row.pool is not None and row.hold_until is None
+                row = dataclasses.replace(row, pool=None)  # an old row: no pool either
             rows.append(row)
         old = engine.decide(req, who, _id_at(now - 7200, 99), now - 7200)[1]  # its hold passed long ago
         await asyncio.gather(*(log.record_decision(r) for r in [old, *rows]))
         for r in rows[3:7]:  # four outcomes came back
-            await log.record_feedback((r[0], "a", now - 5, 100.0, None, 5, 0, None, 40.0, None, None, None))
+            await log.record_feedback((r.decision_id, "a", now - 5, 100.0, None, 5, 0, None, 40.0, None, None, None))
         await log.close()
         return rows
 
     rows = asyncio.run(write())
-    pool = {r[0]: pool_key(r[col("model")], r[col("offering_id")]) for r in rows}
+    pool = {r.decision_id: pool_key(r.model, r.offering_id) for r in rows}
     events = list(decision_events(db, since=now - 3 * 3600))
     assert sum(isinstance(e, Reserved) for e in events) == 11 and sum(isinstance(e, Released) for e in events) == 4
     first = events[0]
     assert isinstance(first, Reserved) and first.reservation_id == _id_at(now - 7200, 99) and first.slots == 1
-    expected_s = engine.decide(req, who, "x", now)[1][col("expected_latency_ms")] / 1000.0
+    expected_s = engine.decide(req, who, "x", now)[1].expected_latency_ms / 1000.0
     assert first.until == pytest.approx(now - 7200 + hold_for(expected_s), abs=5)
     assert {e.reservation_id: e.pool for e in events if isinstance(e, Reserved)} == {
         **pool, first.reservation_id: first.pool}
-    assert [e.until for e in events if isinstance(e, Reserved) and e.reservation_id == rows[0][0]] == [now + 600]
+    assert [e.until for e in events if isinstance(e, Reserved) and e.reservation_id == rows[0].decision_id] == [now + 600]
     # only rows from `since` on are read (found by the decision id's time prefix)
     assert len(list(decision_events(db, since=now - 60))) == 10 + 4
     state = EmbeddedState()
@@ -256,12 +257,12 @@ def test_the_embedded_state_is_rebuilt_from_the_sqlite_decision_log(tmp_path: Pa
     assert out == {"reserved": 11, "released": 4, "held": 3, "expired": 4}
     want: dict[str, int] = {}
     for r in rows[:3]:
-        want[pool[r[0]]] = want.get(pool[r[0]], 0) + 1
+        want[pool[r.decision_id]] = want.get(pool[r.decision_id], 0) + 1
     assert asyncio.run(state.in_flight()) == want
     assert sum(asyncio.run(state.expired()).values()) == 4
     # replaying twice books nothing more; a decision's feedback after the restart releases it
     assert state.rebuild(events, now_wall=now)["held"] == 3
-    assert state.release_now(rows[1][0]) == pool[rows[1][0]]
+    assert state.release_now(rows[1].decision_id) == pool[rows[1].decision_id]
 
 
 def test_redis_unreachable_fails_closed_then_recovers_and_fail_open_answers_locally() -> None:

@@ -25,7 +25,8 @@ from router.service.export import export_bundle
 from router.state.base import pool_key
 from router.state.embedded import EmbeddedState
 from router.store.readers import iter_decisions
-from router.store.sqlite import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed
+from router.store.rows import DECISION_COLUMNS, DecisionRef, DecisionRow
+from router.store.sqlite import DecisionStore, StoreClosed
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
@@ -220,7 +221,7 @@ def _decide(engine: RoutingEngine, who: Principal = A, wall: float | None = None
     req = RouteRequest.model_validate({**ROUTE, **body})
     payload, row, oid, info = engine.decide(req, who, "d_test", engine.source.start_wall if wall is None else wall)
     out = json.loads(payload)
-    assert out["offering"]["offering_id"] == oid == row[DECISION_COLUMNS.index("offering_id")]
+    assert out["offering"]["offering_id"] == oid == row.offering_id
     return out
 
 
@@ -518,7 +519,7 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
             ids.append(did)
         await asyncio.gather(*(store.record_decision(r) for r in rows))
         # a duplicate id fails alone, not the batch it was committed with
-        dup, fresh = rows[3], (f"d_{99:04d}", *rows[4][1:])
+        dup, fresh = rows[3], dataclasses.replace(rows[4], decision_id=f"d_{99:04d}")
         res = await asyncio.gather(store.record_decision(dup), store.record_decision(fresh), return_exceptions=True)
         assert isinstance(res[0], StoreClosed) and not isinstance(res[1], BaseException)
         conn0 = sqlite3.connect(db)
@@ -570,10 +571,10 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         failed INTEGER NOT NULL, error TEXT);""")
     req = RouteRequest.model_validate(ROUTE)
     old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
-    old_row = tuple(v for c, v in zip(DECISION_COLUMNS, old_row) if c not in ("pool", "hold_until", "idempotency_key", "propensity",
-                                                                        "epsilon", "features", "quota_tokens",
-                                                                        "quota_usd"))
-    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_row))})", old_row)
+    old_values = tuple(v for c, v in zip(DECISION_COLUMNS, old_row.astuple())
+                       if c not in ("pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features",
+                                    "quota_tokens", "quota_usd"))
+    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_values))})", old_values)
     legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
                    "VALUES ('d_old', 'a', 1.0, 800.0, 0)")
     legacy.commit()
@@ -598,8 +599,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         assert old is not None and old.input_tokens == ROUTE["input_tokens"]  # what the reward needs, read back
         assert dataclasses.replace(old, input_tokens=0, max_output_tokens=0, ttft_ms=0.0, tpot_ms=0.0,
                                    expected_cost_usd=0.0) == DecisionRef(
-            "a", old_row[DECISION_COLUMNS.index("model")], pool_key(old_row[DECISION_COLUMNS.index("model")],
-                                                                    old_row[DECISION_COLUMNS.index("offering_id")]), 1)
+            "a", old_row.model, pool_key(old_row.model, old_row.offering_id), 1)
         assert (await store.get_decision("d_old", "a"))["feedback"][0]["ttft_ms"] is None  # type: ignore[index]
         await store.close()
         return sent
@@ -633,8 +633,8 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
     legacy.execute("INSERT INTO zdicts (sha256, data) VALUES (?, ?)", (hashlib.sha256(data).hexdigest(), data))
     c = zlib.compressobj(6, zdict=data)
     deflated = c.compress(old_text) + c.flush()
-    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * (len(old_row) + 1))})",
-                   (*old_row[:-1], deflated, 1))
+    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * (len(DECISION_COLUMNS) + 1))})",
+                   (*old_row.astuple()[:-1], deflated, 1))
     legacy.commit()
     legacy.close()
 
@@ -671,8 +671,9 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         store.start()
         biggest = 0
         for i in range(60):
-            rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0, "g", "fallback",
-                     None, "h", None, None, None, None, None, None, None, None, "{}", pad) for j in range(50)]
+            rows = [DecisionRow(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0,
+                                "g", "fallback", None, "h", None, None, None, None, None, None, None, None, "{}", pad)
+                    for j in range(50)]
             await asyncio.gather(*(store.record_decision(r) for r in rows))
             wal = db.with_name(db.name + "-wal")
             biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)

@@ -117,7 +117,7 @@ def _check_tenant(caller: Caller, name: str, cfg: TenantConfig) -> None:
     if cfg.gateway.origin is not None and cfg.gateway.origin not in engine.origin_set:
         raise _invalid("body.gateway.origin", f"unknown origin '{cfg.gateway.origin}' (GET /v1/offerings lists them)")
     gw = svc.gateway
-    if cfg.gateway.store_prompts and (gw is None or getattr(gw, "transcripts", None) is None):
+    if cfg.gateway.store_prompts and (gw is None or gw.transcripts is None):
         raise _invalid("body.gateway.store_prompts", "this router opened no transcript store (no tenant of its "
                        "config keeps prompts); set it in the router config")
 

@@ -31,7 +31,7 @@ async def status(caller: ReadStatus) -> dict[str, object]:
         "decisions_since_start": eng.decisions,
         "decision_log": st.describe(),
         "state": await state_status(svc.state),
-        "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,  # type: ignore[attr-defined]
+        "inference_servers": svc.scraper.describe() if svc.scraper is not None else None,
         "routing_policies": svc.policies.describe() if svc.policies is not None else None,
         "access": svc.access.describe() if svc.access is not None else None,
     }
@@ -52,6 +52,6 @@ async def state_status(state: RouterState) -> dict[str, object]:
 @router.post("/model/reload", summary="Check the model URI now; swap if it points to a new version")
 async def reload_model(caller: WriteModel) -> dict[str, object]:
     svc = caller.svc
-    outcome = await svc.models.check()  # type: ignore[attr-defined]
+    outcome = await svc.models.check()
     return {"outcome": outcome, "model_version": svc.engine.slot.loaded_version,
             "model_error": svc.engine.slot.last_error}

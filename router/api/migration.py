@@ -20,6 +20,7 @@ from router.decision.engine import RouteFailure
 from router.http.deps import CallerDep, WriteEvents
 from router.http.errors import BODY_NOT_JSON_422
 from router.service.migration import Migrator, body_digest
+from router.service.services import Services
 from router.store.migrations import MigrationStoreError
 from xroute.schema.access import admin_resource
 from xroute.schema.decision import ErrorResponse
@@ -68,11 +69,11 @@ _EVENT_BODY = {"required": True, "content": {"application/json": {"schema": {"on
     {"$ref": "#/components/schemas/PoolEvent"}, {"$ref": "#/components/schemas/CloudEventEnvelope"}]}}}}
 
 
-def _migrator(svc: Any) -> Migrator:
-    m = getattr(svc, "migrator", None)
+def _migrator(svc: Services) -> Migrator:
+    m = svc.migrator
     if m is None:
         raise RouteFailure(503, "unavailable", "migrations are not running on this router", headers={"Retry-After": "5"})
-    return m  # type: ignore[no-any-return]
+    return m
 
 
 def _invalid(errors: list[Any], prefix: tuple[str, ...] = ("body",)) -> RequestValidationError:
@@ -275,11 +276,7 @@ async def post_snapshots(caller: WriteEvents, body: SnapshotBatch) -> BatchResul
     """Each item as ``POST /v1/sessions/{session_id}/snapshot`` (up to 1,000, read in one query,
     their transitions in the same group commits), each durable before the answer; each item's
     outcome is in ``results`` (its ``status``: what the single call would have answered)."""
-    try:
-        return BatchResults(results=await _migrator(caller.svc).many(_tenants(caller, body.items), verify=False))
-    except MigrationStoreError as e:
-        raise RouteFailure(503, "unavailable", f"the migration log cannot record them ({e})",
-                           headers={"Retry-After": "5"}) from None
+    return await _batch(caller, body.items, verify=False)
 
 
 @router.post("/sessions/verifications", response_model=BatchResults,  # type: ignore[arg-type]
@@ -288,8 +285,14 @@ async def post_verifications(caller: WriteEvents, body: VerificationBatch) -> Ba
     """Each item as ``POST /v1/sessions/{session_id}/verify`` (up to 1,000, read in one query,
     their transitions in the same group commits), each durable before the answer; each item's
     outcome is in ``results`` (its ``status``: what the single call would have answered)."""
+    return await _batch(caller, body.items, verify=True)
+
+
+async def _batch(caller: Any, items: list[Any], verify: bool) -> BatchResults:
+    """A batch of snapshots (``verify`` False) or verifications, each item as its single call would
+    be answered; 503 when the migration log cannot record them."""
     try:
-        return BatchResults(results=await _migrator(caller.svc).many(_tenants(caller, body.items), verify=True))
+        return BatchResults(results=await _migrator(caller.svc).many(_tenants(caller, items), verify=verify))
     except MigrationStoreError as e:
         raise RouteFailure(503, "unavailable", f"the migration log cannot record them ({e})",
                            headers={"Retry-After": "5"}) from None

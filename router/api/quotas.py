@@ -5,13 +5,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from router.http.deps import CallerDep, ReadQuotas
 from router.service.admission import state_call
+from router.service.services import Services
 from xroute.schema.decision import ErrorResponse
 from xroute.schema.quota import LIMITS, QuotaBucket
 
@@ -36,7 +35,7 @@ class QuotasResponse(BaseModel):
     buckets: list[BucketState]
 
 
-async def _buckets(svc: Any, tenants: list[str]) -> QuotasResponse:
+async def _buckets(svc: Services, tenants: list[str]) -> QuotasResponse:
     plan = svc.engine.quota_plan
     seen: dict[str, QuotaBucket] = {}
     for tenant in tenants:

@@ -1,8 +1,8 @@
 """``POST /v1/route``: place one request -- an ordinary route of the app.
 
 It is served as a Starlette ``Route`` added to the FastAPI app (:data:`SERVED`): below the same
-ASGI front, FastAPI middleware stack and exception handlers as every route, ~80 us of server CPU a
-request cheaper than an ``APIRoute`` (``docs/router.md``); the ``APIRoute`` of the same handler
+ASGI front, FastAPI middleware stack and exception handlers as every route, and cheaper in server
+CPU than an ``APIRoute`` (``docs/results.md``, "Router"); the ``APIRoute`` of the same handler
 (``router``) is kept for the OpenAPI document. What keeps it cheap is on public APIs: the handler
 takes the :class:`Request` (no dependency to resolve), authenticates like every keyed route
 (``router.http.deps.authenticate``), reads the body and validates it in one pass into
@@ -110,7 +110,7 @@ async def route(request: Request) -> Response:
     The answer names the offering, its expected latency and cost, the next best alternatives with
     their scores, the policy that decided (model version or fallback, with the reason), the
     offerings excluded and why, and the telemetry time and age used."""
-    # the caller and the body without FastAPI's dependency and body machinery (~25 us a request):
+    # the caller and the body without FastAPI's dependency and body machinery (docs/results.md):
     # the same checks and errors as ``CallerDep`` and a ``RouteRequest`` parameter
     caller = await authenticate_inference(request)
     body = route_request(await request.body(), request.headers.get("content-type"))

@@ -52,7 +52,7 @@ def _serve(host: str, port: int, telemetry: Path | None, live: bool | None, conf
     from router.core.startup import CLOCK, freeze_imports, release_gc, settle_gc
     from router.decision.engine import RoutingEngine
     from router.gateway.service import check_settings
-    from router.store.sqlite import is_postgres_url
+    from router.store.dialect import is_postgres_url
     from xroute.errors import ConfigError
 
     freeze_imports()

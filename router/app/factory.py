@@ -1,9 +1,13 @@
 """The router's FastAPI app: :func:`create_app` (factory) and its lifespan.
 
-At start the lifespan loads the telemetry and the live environment, opens the decision log, loads
-the model (within ``model_load_timeout_s``; otherwise it serves the fallback and keeps trying), then
-starts two background tasks: the telemetry refresher and the model watcher. At shutdown it stops
-them and lets the decision log commit what it holds.
+At start the lifespan loads the telemetry and the live environment, opens the decision log, the
+policy, access and migration stores, loads the model (within ``model_load_timeout_s``; otherwise it
+serves the fallback and keeps trying), opens and restores the shared state, builds the services
+(:func:`start_services`), then starts the background loops (model watch, readiness, telemetry
+refresh, shared view, policy and access sync, migrations, webhooks, scrape). Everything it opens is
+on one ``AsyncExitStack``: at shutdown -- or when the start fails part way -- the loops are
+cancelled and each part closed in the reverse order of its opening, so the gateway's last outcomes
+and whatever the decision log holds are committed before the log closes.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import functools
 import sys
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -50,7 +54,7 @@ from router.state.base import RouterState, StateUnavailable
 from router.state.embedded import EmbeddedState
 from router.state.open import StateSettings, open_state
 from router.store.migrations import MigrationStore
-from router.store.policies import PolicyStore, PolicyStoreError
+from router.store.policies import PolicyStore
 from router.store.sqlite import DecisionStore, GroupCommitLog
 from xroute.schema.decision import RouteRequest
 from xroute.schema.migration import CloudEventEnvelope, PoolEvent
@@ -141,7 +145,7 @@ class RouterApp(FastAPI):
     #: what every route uses (``router.service.services.Services``), set by the lifespan while serving, else None;
     #: a plain attribute rather than ``app.state.services`` (``State`` is a Python-level ``__getattr__``,
     #: read on every request by the dependency)
-    services: Any = None
+    services: Services | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.front
@@ -226,6 +230,144 @@ def app_from_environment() -> FastAPI:
     return create_app(settings)
 
 
+async def _open_control(stack: AsyncExitStack, settings: RouterSettings, engine: RoutingEngine
+                        ) -> tuple[PolicySync, AccessSync, MigrationStore]:
+    """The routing policies (the versioned store on the decision log's backend, its files applied and
+    its head installed before the first decision: a store that cannot be opened, or a bad policy
+    file, stops the start -- the router never decides without the policies it should have); then
+    tenants, quotas, roles and bindings (the access store: the same backend and machinery), installed
+    before the quota counters are rebuilt (they follow the tenants' quotas); then the pool events'
+    and migrations' tables (``router.store.migrations``). Each store closed by ``stack``."""
+    policy_store = await asyncio.to_thread(PolicyStore, settings.log_target)
+    stack.callback(policy_store.close)
+    policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
+    await policy_sync.start()
+    access_store = await asyncio.to_thread(AccessStore, settings.log_target)
+    stack.callback(access_store.close)
+    access_sync = AccessSync(engine, access_store, settings.tenants, settings.policy_poll_s)
+    await access_sync.start()
+    migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
+    stack.push_async_callback(migration_store.close)
+    return policy_sync, access_sync, migration_store
+
+
+async def _restore_state(state: RouterState, store: GroupCommitLog, settings: RouterSettings,
+                         engine: RoutingEngine) -> SharedStateSync | None:
+    """The embedded state rebuilt from the decision log; a shared one checked for a loss of its data
+    before the first decision (``router.service.recovery``) -- its sync, which the shared view's loop
+    runs."""
+    if isinstance(state, EmbeddedState):
+        await rebuild_embedded_state(state, store, settings, engine)
+        engine.quota_usage = state.quota_usage_now  # (exact, in process)
+        return None
+    engine.quota_usage = engine.quota_view.get  # (read with the shared view)
+    sync = SharedStateSync(state, store, settings, engine)
+    try:
+        await sync.check()  # before the first decision, when the server answers now
+        await sync.settle_start()
+    except StateUnavailable:
+        pass  # (the shared view's loop tries again)
+    return sync
+
+
+async def _serving_parts(stack: AsyncExitStack, services: Services, migration_store: MigrationStore,
+                         access_sync: AccessSync) -> None:
+    """The parts built on :class:`Services`: the gateway, the migration webhooks' sender and the
+    migrator, whose start installs the active pool events' masks before the first decision
+    (unfinished migrations resume in its loop). The gateway closes before the decision log (its
+    outcomes are still being recorded), the sender before the migration store."""
+    gateway = Gateway(services)
+    services.gateway = gateway
+    stack.push_async_callback(gateway.close)
+    gateway.tenant_cfg = {name: t.gateway for name, t in access_sync.tenants().items()}
+    access_sync.on_install.append(lambda tenants: setattr(gateway, "tenant_cfg", {
+        name: t.gateway for name, t in tenants.items()}))
+    webhooks = services.webhooks = WebhookSender(services.settings, migration_store, services.metrics,
+                                                 access_sync.tenants())
+    stack.push_async_callback(webhooks.close)
+    access_sync.on_install.append(webhooks.set_tenants)
+    migrator = services.migrator = Migrator(services, migration_store, admission.route_decision,
+                                            admission.release, admission.best_effort)
+    await migrator.start()
+
+
+async def start_services(stack: AsyncExitStack, settings: RouterSettings, metrics: Metrics,
+                         engine: RoutingEngine | None) -> tuple[Services, SharedStateSync | None]:
+    """Open every part of a serving router, in order, each closed by ``stack`` in the reverse order
+    (a start that fails closes what it had opened): the engine (unless built already), the keys,
+    the decision log, the policy, access and migration stores, the model, the shared state (restored
+    from the log), the readiness probe, the gateway and the migrator. Returns the services and the
+    shared state's sync (None for the embedded state)."""
+    if engine is None:
+        engine = await asyncio.to_thread(RoutingEngine, settings)
+    keys = KeyStore(settings.keys_file)
+    if keys.empty:
+        LOG.warning("no API keys: every keyed route answers 401; add one with xroute keys add",
+                    extra={"fields": {"keys_file": str(settings.keys_file)}})
+    store = await open_decision_log(settings, metrics, engine)
+    stack.push_async_callback(store.close)
+    CLOCK.mark("decision_log")
+    policy_sync, access_sync, migration_store = await _open_control(stack, settings, engine)
+    CLOCK.mark("policy_store")
+    settle_gc()  # (router.core.startup)
+    CLOCK.mark("gc")
+    models = ModelManager(engine, settings, metrics)
+    engine.stage_timer = metrics.stage_seconds.observe_as  # (every route's stages, timed)
+    await models.initial()
+    CLOCK.mark("model")
+    state = await open_router_state(settings)
+    stack.push_async_callback(state.close)
+    sync = await _restore_state(state, store, settings, engine)
+    CLOCK.mark("state")
+    scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
+    readiness = Readiness(store, state, settings.ready_probe_s)
+    await readiness.probe()
+    services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
+                        readiness=readiness, access=access_sync)
+    await _serving_parts(stack, services, migration_store, access_sync)
+    CLOCK.mark("services")
+    return services, sync
+
+
+def _background(services: Services, sync: SharedStateSync | None) -> list[asyncio.Task[Any]]:
+    """The loops a serving router runs: the model watch, the readiness probe, the telemetry refresh,
+    the shared view, the policy and access syncs, the migrations, the webhooks, the scrape."""
+    svc, settings = services, services.settings
+    assert svc.readiness is not None and svc.policies is not None and svc.access is not None
+    assert svc.migrator is not None and svc.webhooks is not None
+    loops = {"model-watch": svc.models.watch(), "readiness": svc.readiness.run(),
+             "telemetry-refresh": _refresh_telemetry(svc.engine, svc.metrics, settings.telemetry_refresh_s),
+             "shared-view": refresh_shared_view(svc.engine, svc.state, settings.state_view_refresh_s, sync),
+             "policy-sync": svc.policies.run(), "access-sync": svc.access.run(), "migrations": svc.migrator.run(),
+             "webhooks": svc.webhooks.run()}
+    if svc.scraper is not None:
+        loops["inference-scrape"] = svc.scraper.run()
+    return [asyncio.create_task(coro, name=name) for name, coro in loops.items()]
+
+
+async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _ready(services: Services) -> None:
+    engine, settings = services.engine, services.settings
+    LOG.info("router ready", extra={"fields": {
+        "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
+        "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
+        "routing_policies": engine.policy_version,
+        "decision_log": services.store.describe().get("url") or str(settings.db_path), **CLOCK.report()}})
+
+
+def _stopped(app: RouterApp, started: list[Services]) -> None:
+    """The last step of a shutdown (after every part has closed)."""
+    app.services = None
+    if started:
+        LOG.info("router stopped", extra={"fields": {"decisions": started[0].engine.decisions}})
+    flush_logs()
+
+
 def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | None = None) -> FastAPI:
     """The app. ``settings`` default to :func:`router.core.settings.load_settings` (file + environment);
     ``engine`` (built from the same settings) lets a caller fail fast on bad telemetry before serving."""
@@ -236,136 +378,28 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
 
     @asynccontextmanager
     async def lifespan(app: RouterApp) -> AsyncIterator[None]:
+        """Everything opened on one exit stack, closed in the reverse order at shutdown (module docstring)."""
         CLOCK.mark("server")
-        built = prebuilt.pop() if prebuilt else None
-        engine: RoutingEngine = built if built is not None else await asyncio.to_thread(RoutingEngine, settings)
-        keys = KeyStore(settings.keys_file)
-        if keys.empty:
-            LOG.warning("no API keys: every keyed route answers 401; add one with xroute keys add",
-                        extra={"fields": {"keys_file": str(settings.keys_file)}})
-        store = await open_decision_log(settings, metrics, engine)
-        CLOCK.mark("decision_log")
-        # the routing policies: the versioned store on the decision log's backend, its files applied
-        # and its head installed before the first decision (a store that cannot be opened, or a bad
-        # policy file, stops the start: the router never decides without the policies it should have)
-        try:
-            policy_store = await asyncio.to_thread(PolicyStore, settings.log_target)
-        except PolicyStoreError:
-            await store.close()
-            raise
-        policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
-        access_store = None
-        try:
-            await policy_sync.start()
-            # tenants, quotas, roles and bindings: the access store (the same backend and machinery),
-            # installed before the quota counters are rebuilt (they follow the tenants' quotas)
-            access_store = await asyncio.to_thread(AccessStore, settings.log_target)
-            access_sync = AccessSync(engine, access_store, settings.tenants, settings.policy_poll_s)
-            await access_sync.start()
-        except BaseException:
-            await store.close()
-            policy_store.close()
-            if access_store is not None:
-                access_store.close()
-            raise
-        try:  # pool events and migrations: tables on the same backend (router.store.migrations)
-            migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
-        except Exception:
-            await store.close()
-            policy_store.close()
-            access_store.close()
-            raise
-        CLOCK.mark("policy_store")
-        settle_gc()  # (router.core.startup)
-        CLOCK.mark("gc")
-        models = ModelManager(engine, settings, metrics)
-        engine.stage_timer = metrics.stage_seconds.observe_as  # (every route's stages, timed)
-        await models.initial()
-        CLOCK.mark("model")
-        state = await open_router_state(settings)
-        sync = None
-        if isinstance(state, EmbeddedState):
-            await rebuild_embedded_state(state, store, settings, engine)
-            engine.quota_usage = state.quota_usage_now  # (exact, in process)
-        else:
-            engine.quota_usage = engine.quota_view.get  # (read with the shared view)
-            sync = SharedStateSync(state, store, settings, engine)
-            try:
-                await sync.check()  # before the first decision, when the server answers now
-                await sync.settle_start()
-            except StateUnavailable:
-                pass  # (the shared view's loop tries again)
-        CLOCK.mark("state")
-        scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
-        readiness = Readiness(store, state, settings.ready_probe_s)
-        await readiness.probe()
-        services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
-                            readiness=readiness, access=access_sync)
-        gateway = services.gateway = Gateway(services)
-        gateway.tenant_cfg = {name: t.gateway for name, t in access_sync.tenants().items()}
-        access_sync.on_install.append(lambda tenants: setattr(gateway, "tenant_cfg", {
-            name: t.gateway for name, t in tenants.items()}))
-        webhooks = services.webhooks = WebhookSender(settings, migration_store, metrics, access_sync.tenants())
-        access_sync.on_install.append(webhooks.set_tenants)
-        migrator = services.migrator = Migrator(services, migration_store, admission.route_decision,
-                                                admission.release, admission.best_effort)
-        try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
-            await migrator.start()
-        except BaseException:
-            await gateway.close()
-            await migration_store.close()
-            await store.close()
-            await state.close()
-            policy_store.close()
-            access_store.close()
-            raise
-        CLOCK.mark("services")
-        app.services = services
-        tasks = [asyncio.create_task(models.watch(), name="model-watch"),
-                 asyncio.create_task(readiness.run(), name="readiness"),
-                 asyncio.create_task(_refresh_telemetry(engine, metrics, settings.telemetry_refresh_s),
-                                     name="telemetry-refresh"),
-                 asyncio.create_task(refresh_shared_view(engine, state, settings.state_view_refresh_s, sync),
-                                     name="shared-view"),
-                 asyncio.create_task(policy_sync.run(), name="policy-sync"),
-                 asyncio.create_task(access_sync.run(), name="access-sync"),
-                 asyncio.create_task(migrator.run(), name="migrations"),
-                 asyncio.create_task(webhooks.run(), name="webhooks")]
-        if scraper is not None:
-            tasks.append(asyncio.create_task(scraper.run(), name="inference-scrape"))
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(settings.gil_switch_interval_s)
-        release_gc()  # start-up objects frozen: shorter GC pauses while serving (router.core.startup)
-        CLOCK.mark("gc")
-        LOG.info("router ready", extra={"fields": {
-            "offerings": engine.n, "origins": len(engine.origins), "telemetry": engine.source_name,
-            "clock": engine.clock, "policy": (engine.slot.model or engine.slot.fallback).name,
-            "routing_policies": engine.policy_version,
-            "decision_log": store.describe().get("url") or str(settings.db_path), **CLOCK.report()}})
-        try:
+        async with AsyncExitStack() as stack:
+            started: list[Services] = []
+            stack.callback(_stopped, app, started)
+            services, sync = await start_services(stack, settings, metrics, prebuilt.pop() if prebuilt else None)
+            started.append(services)
+            app.services = services
+            stack.push_async_callback(_cancel, _background(services, sync))
+            stack.callback(sys.setswitchinterval, sys.getswitchinterval())
+            sys.setswitchinterval(settings.gil_switch_interval_s)
+            release_gc()  # start-up objects frozen: shorter GC pauses while serving (router.core.startup)
+            CLOCK.mark("gc")
+            _ready(services)
             yield
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await gateway.close()  # its outcomes still being recorded, before the log closes
-            await webhooks.close()
-            await migration_store.close()
-            await store.close()
-            await state.close()
-            policy_store.close()
-            access_store.close()
-            sys.setswitchinterval(switch)
-            app.services = None
-            LOG.info("router stopped", extra={"fields": {"decisions": engine.decisions}})
-            flush_logs()
 
     app = RouterApp(title="xroute router", version=API_VERSION, lifespan=lifespan,
                   description="Routes LLM inference requests to cloud offerings (provider x region x instance "
                               "type x pricing mode) with the champion RL policy. Every route except /healthz and "
                               "/readyz needs an API key (Authorization: Bearer <key> or X-API-Key).")
     # POST /v1/route: a Starlette Route of this app (below FastAPI's middleware and exception handlers
-    # like every route, ~60 us a request cheaper than an APIRoute); documented from its APIRoute
+    # like every route, cheaper than an APIRoute: docs/results.md); documented from its APIRoute
     app.router.routes.append(route.SERVED)
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,

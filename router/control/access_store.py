@@ -33,30 +33,9 @@ from router.core.settings import TenantConfig
 from router.decision.access import AccessControl
 from router.decision.engine import RoutingEngine
 from router.store import audit
-from router.store.policies import PG_SCHEMA as _POLICY_PG
-from router.store.policies import SQLITE_SCHEMA as _POLICY_SQLITE
 from router.store.policies import PolicyChangeError, PolicyStore
 from xroute.schema.access import BUILTIN_ROLES, PermissionError_, Role, RoleBinding
 from xroute.schema.quota import TenantQuotas
-
-SQLITE_SCHEMA = _POLICY_SQLITE + """
-CREATE TABLE IF NOT EXISTS access_versions (
-    version INTEGER PRIMARY KEY,
-    created_at REAL NOT NULL,
-    principal TEXT NOT NULL,
-    document TEXT NOT NULL,
-    files TEXT
-);
-"""
-PG_SCHEMA = _POLICY_PG + """
-CREATE TABLE IF NOT EXISTS access_versions (
-    version BIGINT PRIMARY KEY,
-    created_at DOUBLE PRECISION NOT NULL,
-    principal TEXT NOT NULL,
-    document TEXT NOT NULL,
-    files TEXT
-);
-"""
 
 
 class TenantRecord(BaseModel):
@@ -81,11 +60,10 @@ class AccessSet(BaseModel):
 
 
 class AccessStore(PolicyStore):
-    """:class:`~router.store.policies.PolicyStore`'s machinery over ``access_versions``."""
+    """:class:`~router.store.policies.PolicyStore`'s machinery over ``access_versions`` (its table
+    created with the policies' and the audit log's: ``PolicyStore.schema``)."""
 
     TABLE = "access_versions"
-    SQLITE_SCHEMA = SQLITE_SCHEMA
-    PG_SCHEMA = PG_SCHEMA
     DOC = AccessSet
 
 

@@ -61,7 +61,7 @@ class KeyStore:
         self._records: dict[str, dict[str, Any]] = {}
         self._ready: dict[str, tuple[dict[str, Any], bytes, Principal]] = {}
         # keys already verified -> (their record, principal): a service presents the same key on every
-        # request, and hashing it each time cost ~2 us of the route's event-loop time. Held only in
+        # request, and hashing it each time cost the route's event loop (docs/results.md). Held only in
         # this process's memory (never written or logged), checked against the current record so a
         # revoked or replaced key fails at the next reload, bounded so random keys cannot grow it.
         self._verified: dict[str, tuple[dict[str, Any], Principal]] = {}

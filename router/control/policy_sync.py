@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from router.core.logs import LOG
+from router.core.text import one_line
 from router.decision.engine import RoutingEngine
 from router.store.policies import Mutation, PolicyStore, PolicyStoreError
 from xroute.config import load_policies
@@ -109,8 +110,8 @@ class PolicySync:
             except Exception as e:  # the store down, or a version that does not read: keep the current set
                 if self.last_error is None:
                     LOG.warning("policy store unreadable; the current routing policies stay", extra={"fields": {
-                        "error": f"{type(e).__name__}: {e}"[:300]}})
-                self.last_error = f"{type(e).__name__}: {e}"[:300]
+                        "error": one_line(e)}})
+                self.last_error = one_line(e)
 
     async def write(self, principal: str, mutation: Mutation, request_id: str | None = None) -> PolicySet:
         """Commit a change to the store (durable before it returns), then install it here."""

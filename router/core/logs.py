@@ -21,8 +21,8 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("req
 #: the request's W3C trace id (from its ``traceparent``; set by ``router.http.middleware``), for log lines that name it
 trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
 
-#: ids come from a PRNG seeded once from the OS: os.urandom costs ~40 us a call on some VMs, and ids
-#: need uniqueness (128 bits), not secrecy (a decision is readable only with its tenant's key)
+#: ids come from a PRNG seeded once from the OS: os.urandom is a system call, slow on some VMs, and
+#: ids need uniqueness (128 bits), not secrecy (a decision is readable only with its tenant's key)
 _ids = random.Random(os.urandom(32))
 
 
@@ -107,10 +107,11 @@ def access(rid: str, method: str, route: str, status: int, ms: float, tenant: st
     request id, method, route, status, ms and, when known, tenant, decision id and trace id.
 
     When the only destination is the router's own handler, the same JSON line is written without
-    the logging machinery (record, caller lookup, handler chain: ~15 us a request) and without a
-    JSON encoder (the fixed keys are literals; the strings that can need escaping -- method, route,
-    tenant -- are encoded once each and remembered): ~1 us instead of ~5. Through ``logging``
-    otherwise (a test's capture, a custom handler)."""
+    the logging machinery (record, caller lookup, handler chain) and without a JSON encoder (the
+    fixed keys are literals; the strings that can need escaping -- method, route, tenant -- are
+    encoded once each and remembered): the same bytes for a fraction of the CPU
+    (``docs/results.md``, "Figures behind the code"). Through ``logging`` otherwise (a test's
+    capture, a custom handler)."""
     h = _handler
     if (h is None or ACCESS.disabled or ACCESS.handlers or ACCESS.filters or _ROUTER.handlers or _ROUTER.filters
             or _XROUTE.handlers != [h] or _XROUTE.filters or h.filters or _XROUTE.propagate

@@ -5,18 +5,17 @@ process's start to ready). ``benchmarks/bench_startup.py`` reads it; ``docs/rout
 "Start time", has the figures.
 
 The cyclic garbage collector is held off for the start (:func:`hold_gc`, by ``xroute serve`` and
-by each of its workers, ``router.app.worker``): a start makes ~400,000 objects that live as long as the
-process -- modules, the environment, the model -- and the collector walked them again and again as
-they came, 6 full collections and ~900 young ones (0.6-0.9 s on a loaded machine, ~0.45 s of CPU),
-then once more before freezing them. What is made is frozen (out of the collector's reach for good:
-never walked again, also not while serving) in three steps: the imports' objects once imported
-(:func:`freeze_imports`); the engine, the stores and what else the start built, once collected
-(:func:`settle_gc`, before the model loads: ~450 unreachable objects, 0.02 s); and at the end
-(:func:`release_gc`) the model's load, frozen without a collection -- it is mostly MLflow's and
-SQLAlchemy's modules, imported then, whose ~2,900 unreachable import-time objects (~0.7 MB) are
-frozen with them, as the imports' own are, rather than walked for 0.15 s -- and the collector is
-back on. An app started in a process that never held it (a test's server thread) collects its young
-generations and freezes at the end.
+by each of its workers, ``router.app.worker``): a start makes hundreds of thousands of objects that
+live as long as the process -- modules, the environment, the model -- which the collector would
+otherwise walk again and again as they come. What is made is frozen (out of the collector's reach
+for good: never walked again, also not while serving) in three steps: the imports' objects once
+imported (:func:`freeze_imports`); the engine, the stores and what else the start built, once
+collected (:func:`settle_gc`, before the model loads); and at the end (:func:`release_gc`) the
+model's load, frozen without a collection -- mostly MLflow's and SQLAlchemy's modules, imported
+then, whose unreachable import-time objects are frozen with them, as the imports' own are, rather
+than walked -- and the collector is back on. An app started in a process that never held it (a
+test's server thread) collects its young generations and freezes at the end. (What each step
+saves: ``docs/results.md``, "Figures behind the code".)
 
 The process's start comes from ``/proc/self/stat`` (Linux: its start time in clock ticks since
 boot, against ``CLOCK_BOOTTIME``), so the first phase (``imports``: the interpreter and the modules

@@ -43,6 +43,7 @@ from router.decision.telemetry import Freshness, LiveSource, ReplaySource, Telem
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
 from router.state.embedded import EmbeddedState
 from router.state.ledger import QuotaUsage
+from router.store.rows import DecisionRow
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.access import Principal
@@ -493,7 +494,7 @@ class RoutingEngine:
 
     # ------------------------------------------------------------------ the decision
     def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-               state: EmbeddedState | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+               state: EmbeddedState | None = None) -> tuple[bytes, DecisionRow, str, dict[str, Any]]:
         """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
         candidate with room in it and the tenant's quotas, then :meth:`admit`. Returns (response JSON, decision-log row,
         offering id, policy info). Without ``state`` nothing is reserved (the environment's view
@@ -750,7 +751,7 @@ class RoutingEngine:
                                                             counts)})
 
     def admit(self, r: Ranked, k: int = 0, hold_s: float | None = None, idempotency_key: str | None = None,
-              quota: tuple[int, float] | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
+              quota: tuple[int, float] | None = None) -> tuple[bytes, DecisionRow, str, dict[str, Any]]:
         """The request ranked as ``r`` goes to its ``k``-th candidate (the first the shared state
         had room on; the ones before it count as ``queue_full``): the router's view holds that
         pool's slot for its expected service time (``CloudRouteEnv.admit_live``), and, with
@@ -804,11 +805,14 @@ class RoutingEngine:
                 features = ope_log.serving(features, a)
             elif not r.pinned:
                 propensity = ope_log.propensity(r.epsilon, size, first == argmax)
-        row = (decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
-               req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id, offering_id, exp_lat, exp_cost,
-               pinfo["name"], pinfo["kind"], pinfo["version"], r.bundle_hash, self.pool_keys[r.m][a],
-               None if hold_s is None else wall + hold_s, idempotency_key, propensity, r.epsilon, features,
-               None if quota is None else int(quota[0]), None if quota is None else float(quota[1]), request_json, text)
+        # DecisionRow's fields in their order (positional: a keyword call costs the hot path several times more)
+        row = DecisionRow(decision_id, who.tenant, wall, t, req.origin, req.input_tokens, req.max_output_tokens,
+                          req.ttft_ms, req.tpot_ms, req.deadline_ms, self.env.model_names[r.m], req.session_id,
+                          offering_id, exp_lat, exp_cost, pinfo["name"], pinfo["kind"], pinfo["version"],
+                          r.bundle_hash, self.pool_keys[r.m][a], None if hold_s is None else wall + hold_s,
+                          idempotency_key, propensity, r.epsilon, features,
+                          None if quota is None else int(quota[0]), None if quota is None else float(quota[1]),
+                          request_json, text)
         return text.encode(), row, offering_id, pinfo
 
     def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:

@@ -7,9 +7,8 @@ environment's kernels (``envs.kernels``) and compile them into themselves. numba
 cached function when its own file changes, not when a function it calls from another file does,
 and a stale cache would decide with old formulas; so they are built by :func:`_against` as
 closures over ``envs.kernels.DIGEST`` (the digest of the environment's kernels and of the feature
-layout they read), which numba's cache key hashes: an edit there is a new cache entry here. Before,
-they were compiled at every start: 3.5 s of a router's start on 2 cores, 11 s on busy ones
-(``docs/router.md``, "Start time").
+layout they read), which numba's cache key hashes: an edit there is a new cache entry here, and a
+start with a warm cache compiles nothing (what that saves a start: ``docs/results.md``, "Router").
 
 Where numba keeps its cache: ``__pycache__`` beside each file when that is writable, else the
 user's cache directory; ``NUMBA_CACHE_DIR`` names another (numba's own setting)."""

@@ -28,7 +28,7 @@ from typing import Any
 from envs.budget import LiveBudget
 from router.core.logs import id_floor
 from router.state.ledger import QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
-from router.store import sqlite as store
+from router.store.dialect import reading
 from xroute.errors import ConfigError
 from xroute.schema.quota import (
     DAY_S,
@@ -181,24 +181,15 @@ def quota_events(target: Path | str, since: float, keys_of: Callable[[str, str],
     feedback (its first: what ``POST /v1/feedback`` settled, ``settled_amounts``). ``keys_of(tenant,
     model)``: the buckets it counts in now (the settings' quotas). ``before``: only decisions made
     before that wall time -- what a shared state begun then lost."""
-    upto = "" if before is None else " AND d.created_at < {p}"
+    upto = "" if before is None else " AND d.created_at < ?"
     sql = ("SELECT d.decision_id, d.tenant, d.model, d.created_at, d.hold_until, d.input_tokens, d.quota_tokens, "
            "d.quota_usd, f.output_tokens, f.cost_usd, f.failed FROM decisions d LEFT JOIN feedback f ON "
            "f.feedback_id = (SELECT MIN(feedback_id) FROM feedback WHERE decision_id = d.decision_id) "
-           "WHERE d.decision_id >= {p} AND d.created_at >= {p} AND d.quota_tokens IS NOT NULL" + upto
+           "WHERE d.decision_id >= ? AND d.created_at >= ? AND d.quota_tokens IS NOT NULL" + upto
            + " ORDER BY d.created_at, d.decision_id")
     args: tuple[Any, ...] = (id_floor(since), since) if before is None else (id_floor(since), since, before)
-    if store.is_postgres_url(target):
-        import psycopg  # (the PostgreSQL client only where a PostgreSQL log is read)
-
-        with psycopg.connect(target, connect_timeout=10) as conn:
-            rows = conn.execute(sql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
-    else:
-        conn3 = store.connect(Path(target), readonly=True)
-        try:
-            rows = conn3.execute(sql.format(p="?"), args).fetchall()
-        finally:
-            conn3.close()
+    with reading(target) as query:
+        rows = query(sql, args)
     for did, tenant, model, created, hold_until, n_in, q_tok, q_usd, out, cost, failed in rows:
         keys = tuple(keys_of(str(tenant), str(model)))
         if not keys:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -47,9 +47,6 @@ from router.decision.quotas import budget_failure, live_budget
 from router.state.base import Affinity, PrefixSend
 from xroute.schema.access import Principal, model_resource
 from xroute.schema.decision import RouteRequest
-
-if TYPE_CHECKING:
-    from router.decision.engine import RoutingEngine
 
 
 class RouteFailure(Exception):
@@ -159,7 +156,8 @@ class Stage:
     #: the stage's name: ``xroute_router_stage_seconds{stage}``, the module docstring's table
     name = ""
 
-    def __init__(self, engine: RoutingEngine):
+    def __init__(self, engine: Any):
+        #: the ``RoutingEngine`` that owns the stage (typed loosely: the engine imports this module)
         self.engine = engine
 
     def apply(self, d: Decision) -> None:

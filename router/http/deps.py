@@ -2,8 +2,8 @@
 
 One dependency per route, ``async``: FastAPI runs plain ``def`` dependencies in a thread pool (a
 thread hop per call, and the environment must only be touched from the event-loop thread), and
-every extra dependency costs ~10-20 us of resolution per request, a sizeable share of a ~250 us
-decision. The security schemes are therefore declared in the OpenAPI document by the app
+every extra dependency's resolution is a sizeable share of a decision's CPU (``docs/results.md``,
+"Figures behind the code"). The security schemes are therefore declared in the OpenAPI document by the app
 (``router.app.factory``) rather than through ``Security(HTTPBearer())`` sub-dependencies.
 """
 

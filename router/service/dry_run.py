@@ -29,28 +29,20 @@ from typing import Any
 import numpy as np
 
 from envs import policies as env_policies
-from router.store import sqlite as store
+from router.store.dialect import reading
 from xroute.schema.decision import RouteRequest
 from xroute.schema.policy_ir import PolicySet
 
 _SQL = ("SELECT decision_id, tenant, created_at, origin, model, offering_id, request_json FROM decisions "
-        "ORDER BY created_at DESC, decision_id DESC LIMIT {p}")
+        "ORDER BY created_at DESC, decision_id DESC LIMIT ?")
 VERDICTS = ("unchanged", "rebiased", "excluded", "refused")
 
 
 def recent_decisions(target: Path | str, limit: int) -> list[tuple[Any, ...]]:
     """The last ``limit`` decisions of the log (newest first): id, tenant, created_at, origin,
     model, offering id, request JSON."""
-    if store.is_postgres_url(target):
-        import psycopg  # (the PostgreSQL client only where a PostgreSQL log is read)
-
-        with psycopg.connect(target, connect_timeout=10) as conn:
-            return list(conn.execute(_SQL.format(p="%s"), (limit,)).fetchall())  # type: ignore[arg-type]
-    conn3 = store.connect(Path(target), readonly=True)
-    try:
-        return list(conn3.execute(_SQL.format(p="?"), (limit,)).fetchall())
-    finally:
-        conn3.close()
+    with reading(target) as query:
+        return list(query(_SQL, (limit,)))
 
 
 class _Judge:

@@ -21,9 +21,9 @@ import pandas as pd
 import psycopg
 
 from router.core.logs import iso
-from router.store.postgres import one_line, redact
+from router.core.text import one_line, redact
+from router.store.dialect import is_postgres_url
 from router.store.readers import iter_decisions
-from router.store.sqlite import is_postgres_url
 from xroute.bundle import DEFAULT_BUNDLE, load_bundle
 from xroute.errors import ConfigError
 from xroute.schema.telemetry import TABLE_SUFFIXES, TABLES, WORKLOAD

@@ -52,6 +52,7 @@ import numpy as np
 from fastapi import HTTPException
 
 from router.core.logs import LOG
+from router.core.text import one_line
 from router.decision.engine import RouteFailure, migrated_entry
 from router.store.migrations import MIGRATION_KEY_PREFIX, Conflict, MigrationStore, Row
 from xroute import migration_rules as rules
@@ -447,7 +448,7 @@ class Migrator:
                 k += 1
                 continue
             except Exception as e:  # (state or log down: tried again next round)
-                return RouteFailure(503, "unavailable", f"{type(e).__name__}: {e}"[:300])
+                return RouteFailure(503, "unavailable", one_line(e))
             self._pending_since.pop(key, None)
             break
         ans = json.loads(payload)

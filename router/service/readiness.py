@@ -1,17 +1,15 @@
 """What ``/readyz`` answers, kept current in the background whatever the traffic.
 
-Before, a worker checked its decision log only after one of its own writes had failed: with
-PostgreSQL stopped and no traffic every probe said ready, and under load two workers alternated
-200/503 (each knew only of its own failures), so a load balancer kept sending requests to a router
-that could not commit. Now every worker probes both backends every ``ready_probe_s`` (0.5 s) --
+Every worker probes both backends every ``ready_probe_s`` (0.5 s) -- whatever its own traffic, so
+a worker with no requests, or one whose neighbour saw the failure, still answers what holds --
 the decision log (``GroupCommitLog.healthy``: on PostgreSQL a query on the server, which also
 drops idle connections the server closed; on SQLite whether its writer process is alive) and the
 shared state (``RouterState.healthy``: a Redis ``PING`` within ``state_timeout_s``) -- at the same
 time, so one slow backend does not delay the other's verdict. ``/readyz`` answers from what was
 seen last of each backend: the last probe, or a request since (a commit or a state operation that
-failed, or succeeded, after it: ``GroupCommitLog.error``, ``RouterState.error``). Measured
-(``tests/test_router_drill.py``, ``docs/router.md``): ``/readyz`` turns 503 within about a probe
-interval of PostgreSQL stopping and 200 again within about one of its return.
+failed, or succeeded, after it: ``GroupCommitLog.error``, ``RouterState.error``). So ``/readyz``
+turns 503 within about a probe interval of a backend stopping and 200 again within about one of its
+return (``tests/test_router_drill.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import time
 from typing import Any
 
 from router.core.logs import LOG, flush_logs
+from router.core.text import one_line
 from router.state.base import RouterState
 from router.store.sqlite import GroupCommitLog
 
@@ -66,4 +65,4 @@ class Readiness:
             try:
                 await self.probe()
             except Exception as e:  # never stop probing
-                LOG.warning("readiness probe failed", extra={"fields": {"error": f"{type(e).__name__}: {e}"[:300]}})
+                LOG.warning("readiness probe failed", extra={"fields": {"error": one_line(e)}})

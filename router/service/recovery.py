@@ -17,6 +17,7 @@ from typing import Any
 
 from router.core.logs import LOG, iso
 from router.core.settings import RouterSettings
+from router.core.text import one_line, redact
 from router.decision.engine import RoutingEngine
 from router.decision.quotas import quota_events
 from router.state.base import RouterState, StateUnavailable
@@ -85,8 +86,6 @@ def log_identity(settings: RouterSettings) -> str:
     PostgreSQL log by its server and database (every router writing it restores it once), a
     SQLite file by this host and its path (each router its own)."""
     if settings.db_url is not None:
-        from router.store.postgres import redact
-
         who = "postgresql:" + redact(settings.db_url.get_secret_value())
     else:
         who = f"sqlite:{socket.gethostname()}:{settings.db_path.resolve()}"
@@ -198,7 +197,7 @@ async def refresh_shared_view(engine: RoutingEngine, state: RouterState, every: 
         except Exception as e:  # e.g. the log unreadable during a restore: tried again next time
             if not failing:  # (logged once until a refresh succeeds)
                 LOG.warning("shared view not refreshed (or the state not restored); trying again", extra={"fields": {
-                    "error": f"{type(e).__name__}: {e}"[:300]}})
+                    "error": one_line(e)}})
             failing = True
         tick += 1
         await asyncio.sleep(every)

@@ -1,17 +1,36 @@
 """What every route and service uses, built once by the app's lifespan (``router.app.factory``):
-settings, engine, decision log, keys, metrics, model slot, shared state and the optional parts."""
+settings, engine, decision log, keys, metrics, model slot, shared state and the optional parts.
+
+Every field is typed with what it holds. The one part built above this layer, the OpenAI-compatible
+gateway (``router.gateway.service.Gateway``: ``router.gateway`` imports this package, never the
+reverse), is typed by what the layers below read of it, :class:`GatewayView`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
+from router.control.access_store import AccessSync
 from router.control.keys import KeyStore
+from router.control.policy_sync import PolicySync
 from router.core.metrics import Metrics
 from router.core.settings import RouterSettings
 from router.decision.engine import RoutingEngine
+from router.service.migration import Migrator
+from router.service.models import ModelManager
+from router.service.readiness import Readiness
+from router.service.scrape import InferenceScraper
+from router.service.webhooks import WebhookSender
 from router.state.base import RouterState
 from router.store.sqlite import GroupCommitLog
+
+
+class GatewayView(Protocol):
+    """What the layers below the gateway read of it: its transcript store (None: no tenant of this
+    router keeps prompts)."""
+
+    @property
+    def transcripts(self) -> object | None: ...
 
 
 @dataclass
@@ -23,20 +42,21 @@ class Services:
     store: GroupCommitLog
     keys: KeyStore
     metrics: Metrics
-    models: object  # router.service.models.ModelManager (kept loose to avoid an import cycle)
+    #: the model slot's loading and hot swap
+    models: ModelManager
     #: in-flight work, outcome statistics, idempotency keys (router.state.base)
     state: RouterState
-    #: the pools' inference servers' own metrics (router.service.scrape.InferenceScraper), when configured
-    scraper: object | None = None
-    #: the OpenAI-compatible gateway (router.gateway.service.Gateway), set once built
-    gateway: object | None = None
-    #: the routing policies' store and its sync (router.control.policy_sync.PolicySync)
-    policies: Any = None
-    #: what /readyz answers, probed in the background (router.service.readiness.Readiness)
-    readiness: object | None = None
-    #: pool events and session migrations (router.service.migration.Migrator), set once built
-    migrator: Any = None
-    #: the migration webhooks' sender (router.service.webhooks.WebhookSender), set once built
-    webhooks: Any = None
-    #: tenants, quotas, roles and bindings: the access store and its sync (router.control.access_store.AccessSync)
-    access: Any = None
+    #: the pools' inference servers' own metrics, when configured
+    scraper: InferenceScraper | None = None
+    #: the OpenAI-compatible gateway, set once built
+    gateway: GatewayView | None = None
+    #: the routing policies' store and its sync
+    policies: PolicySync | None = None
+    #: what /readyz answers, probed in the background
+    readiness: Readiness | None = None
+    #: pool events and session migrations, set once built
+    migrator: Migrator | None = None
+    #: the migration webhooks' sender, set once built
+    webhooks: WebhookSender | None = None
+    #: tenants, quotas, roles and bindings: the access store and its sync
+    access: AccessSync | None = None

@@ -37,6 +37,7 @@ import aiohttp
 
 from router.core.logs import LOG
 from router.core.settings import TenantConfig
+from router.core.text import one_line
 from router.service.migration import woken_or_timeout
 from router.store.migrations import Conflict, MigrationStore
 from xroute.errors import ConfigError
@@ -157,7 +158,7 @@ class WebhookSender:
             except ConfigError as e:
                 error = str(e)
             except (aiohttp.ClientError, TimeoutError) as e:
-                error = f"{type(e).__name__}: {e}"[:300] if str(e) else type(e).__name__
+                error = one_line(e)
             if attempts >= self.settings.webhook_max_attempts:
                 await self._record(delivery_id, "failed", attempts, status, error)
                 LOG.warning("webhook failed for good", extra={"fields": {

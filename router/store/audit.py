@@ -22,47 +22,44 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.core.logs import iso
+from router.store.dialect import Dialect
 
-#: the table and its append-only triggers, per dialect
-SQLITE_SCHEMA = """
+#: the table, written once for both dialects (``router.store.dialect``) ...
+TABLE = """
 CREATE TABLE IF NOT EXISTS audit_log (
-    audit_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at REAL NOT NULL,
+    audit_id {serial},
+    at {real} NOT NULL,
     principal TEXT NOT NULL,
     action TEXT NOT NULL,
     kind TEXT NOT NULL,
     resource TEXT NOT NULL,
-    version INTEGER,
+    version {bigint},
     before_json TEXT,
     after_json TEXT,
     request_id TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_resource ON audit_log (kind, resource, audit_id);
+"""
+#: ... and its append-only triggers, which each backend spells its own way
+TRIGGERS = {"sqlite": """
 CREATE TRIGGER IF NOT EXISTS audit_log_no_update BEFORE UPDATE ON audit_log
 BEGIN SELECT RAISE(ABORT, 'audit_log is append-only'); END;
 CREATE TRIGGER IF NOT EXISTS audit_log_no_delete BEFORE DELETE ON audit_log
 BEGIN SELECT RAISE(ABORT, 'audit_log is append-only'); END;
-"""
-PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS audit_log (
-    audit_id BIGSERIAL PRIMARY KEY,
-    at DOUBLE PRECISION NOT NULL,
-    principal TEXT NOT NULL,
-    action TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    resource TEXT NOT NULL,
-    version BIGINT,
-    before_json TEXT,
-    after_json TEXT,
-    request_id TEXT
-);
-CREATE INDEX IF NOT EXISTS audit_resource ON audit_log (kind, resource, audit_id);
+""", "postgresql": """
 CREATE OR REPLACE FUNCTION xroute_audit_append_only() RETURNS trigger AS $$
 BEGIN RAISE EXCEPTION 'audit_log is append-only'; END; $$ LANGUAGE plpgsql;
 DROP TRIGGER IF EXISTS audit_log_append_only ON audit_log;
 CREATE TRIGGER audit_log_append_only BEFORE UPDATE OR DELETE ON audit_log
 FOR EACH ROW EXECUTE FUNCTION xroute_audit_append_only();
-"""
+"""}
+
+
+def schema(dialect: Dialect) -> str:
+    """The audit log's table and triggers in ``dialect``."""
+    return dialect.ddl(TABLE) + TRIGGERS[dialect.name]
+
+
 COLUMNS = ("audit_id", "at", "principal", "action", "kind", "resource", "version", "before_json", "after_json",
            "request_id")
 _INSERT = ("INSERT INTO audit_log (at, principal, action, kind, resource, version, before_json, after_json, "
@@ -87,7 +84,7 @@ def _json(v: Any) -> str | None:
 def append(execute: Any, principal: str, changes: list[Change], version: int | None, request_id: str | None = None,
            at: float | None = None) -> None:
     """Write ``changes`` through ``execute(sql, params)`` -- the caller's open transaction (``?``
-    placeholders; the caller translates them for its dialect)."""
+    placeholders: ``router.store.dialect.Database.transaction``'s ``execute`` spells them for its backend)."""
     now = time.time() if at is None else at
     for c in changes:
         execute(_INSERT, (now, principal, c.action, c.kind, c.resource, version, _json(c.before), _json(c.after),

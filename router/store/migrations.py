@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from router.store import audit
-from router.store.sqlite import is_postgres_url
+from router.store.dialect import Database
 from xroute.schema.migration import TERMINAL, MigrationRecord, MigrationState, allowed
 
 _TABLES = """
@@ -59,9 +57,9 @@ CREATE TABLE IF NOT EXISTS migrations (
     target TEXT,
     target_decision TEXT,
     state TEXT NOT NULL,
-    version {int} NOT NULL,
+    version {bigint} NOT NULL,
     attempt INTEGER NOT NULL DEFAULT 0,
-    last_ack_seq {int},
+    last_ack_seq {bigint},
     sha256 TEXT,
     uri TEXT,
     tried TEXT NOT NULL DEFAULT '[]',
@@ -81,7 +79,7 @@ CREATE INDEX IF NOT EXISTS migrations_session ON migrations (tenant, session_id,
 CREATE INDEX IF NOT EXISTS migrations_event ON migrations (event_id, migration_id);
 CREATE TABLE IF NOT EXISTS migration_transitions (
     migration_id TEXT NOT NULL,
-    version {int} NOT NULL,
+    version {bigint} NOT NULL,
     state TEXT NOT NULL,
     at {real} NOT NULL,
     detail TEXT,
@@ -107,11 +105,8 @@ CREATE INDEX IF NOT EXISTS decisions_session ON decisions (tenant, session_id, c
     WHERE session_id IS NOT NULL;
 CREATE INDEX IF NOT EXISTS decisions_key ON decisions (idempotency_key) WHERE idempotency_key IS NOT NULL;
 """
-SQLITE_SCHEMA = _TABLES.format(real="REAL", int="INTEGER")
-PG_SCHEMA = _TABLES.format(real="DOUBLE PRECISION", int="BIGINT")
-#: columns added since the tables were first created: (table, column, SQLite type, PostgreSQL type)
-_ADDED = (("pool_events", "ended_at", "REAL", "DOUBLE PRECISION"), ("pool_events", "ended_by", "TEXT", "TEXT"),
-          ("pool_events", "end_reason", "TEXT", "TEXT"))
+#: columns added since the tables were first created: per table, (name, SQLite type)
+_ADDED = (("pool_events", (("ended_at", "REAL"), ("ended_by", "TEXT"), ("end_reason", "TEXT"))),)
 _PG_LOCK = 0x78726F756D67  # "xroumg": the schema's creation across routers
 #: an idempotency key of a migration's target decision (``decisions.idempotency_key`` holds
 #: ``<tenant>:route:<key>``): such decisions are not a session's placement until committed
@@ -132,10 +127,6 @@ class MigrationStoreError(Exception):
 
 class Conflict(Exception):
     """A transition from a state (or version) the migration is no longer in."""
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300]
 
 
 class Row:
@@ -168,78 +159,23 @@ class MigrationStore:
 
     def __init__(self, target: Path | str, batch_max: int = 512):
         self.target = target
-        self.dialect = "postgresql" if is_postgres_url(target) else "sqlite"
+        self.db = Database(target, lambda d: d.ddl(_TABLES), lock=_PG_LOCK, application="xroute-migrations",
+                           error=MigrationStoreError, label="migration store", added=_ADDED)
+        #: "sqlite" or "postgresql"
+        self.dialect = self.db.dialect.name
         self.batch_max = batch_max
-        self._conn: Any = None
-        self._lock = threading.Lock()
         self._pending: list[tuple[Op, asyncio.Future[Any]]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        with self._lock:
-            self._connect()
-
-    # ------------------------------------------------------------------ connection
-    def _connect(self) -> Any:
-        if self._conn is not None and not (self.dialect == "postgresql" and self._conn.closed):
-            return self._conn
-        conn: Any
-        try:
-            if self.dialect == "sqlite":
-                path = Path(self.target)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=FULL")
-                conn.execute("PRAGMA busy_timeout=10000")
-                conn.executescript(SQLITE_SCHEMA)
-                for table, col, lite, _pg in _ADDED:
-                    if col not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
-                        conn.execute(f"ALTER TABLE {table} ADD COLUMN {col} {lite}")
-            else:
-                import psycopg
-
-                conn = psycopg.connect(str(self.target), autocommit=True, connect_timeout=5,
-                                       application_name="xroute-migrations")
-                with conn.transaction():
-                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_LOCK,))
-                    conn.execute(PG_SCHEMA)  # type: ignore[arg-type]
-                    for table, col, _lite, pg in _ADDED:
-                        conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col} {pg}")  # type: ignore[arg-type]
-        except Exception as e:
-            raise MigrationStoreError(f"migration store: {_one_line(e)}") from None
-        self._conn = conn
-        return conn
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.dialect == "postgresql" else sql
-
-    def _drop(self) -> None:
-        if self.dialect == "postgresql" and self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:
-                pass
-            self._conn = None
 
     def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            conn = self._connect()
-            try:
-                return list(conn.execute(self._sql(sql), args).fetchall())
-            except Exception as e:
-                self._drop()
-                raise MigrationStoreError(f"migration store: {_one_line(e)}") from None
+        return self.db.query(sql, args)
 
     def _tx(self, ops: list[Op]) -> list[Any]:
         """Run ``ops`` in one transaction; each gets ``execute(sql, args) -> cursor``. An op that
         raises :class:`Conflict` returns it (its writes so far are kept: ops check before writing)."""
-        with self._lock:
-            conn = self._connect()
-
-            def execute(sql: str, args: tuple[Any, ...] = ()) -> Any:
-                return conn.execute(self._sql(sql), args)
-
-            def run_all() -> list[Any]:
+        try:
+            with self.db.transaction(lock=False) as execute:
                 out: list[Any] = []
                 for op in ops:
                     try:
@@ -247,22 +183,10 @@ class MigrationStore:
                     except Conflict as c:
                         out.append(c)
                 return out
-
-            try:
-                if self.dialect == "sqlite":
-                    conn.execute("BEGIN IMMEDIATE")
-                    try:
-                        out = run_all()
-                    except BaseException:
-                        conn.execute("ROLLBACK")
-                        raise
-                    conn.execute("COMMIT")
-                    return out
-                with conn.transaction():
-                    return run_all()
-            except Exception as e:
-                self._drop()
-                raise MigrationStoreError(f"migration store: {_one_line(e)}") from None
+        except MigrationStoreError:
+            raise
+        except Exception as e:  # (an op's own failure fails its batch alike)
+            raise self.db.fail(e) from None
 
     # ------------------------------------------------------------------ group commit
     async def submit(self, op: Op) -> Any:
@@ -305,10 +229,7 @@ class MigrationStore:
                 await asyncio.sleep(0.01)
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        self.db.close()
 
     # ------------------------------------------------------------------ writes (ops)
     @staticmethod

@@ -22,36 +22,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from router.store import audit
-from router.store.sqlite import is_postgres_url
+from router.store.dialect import Database, Dialect
 from xroute.schema.policy_ir import Policy, PolicySet
 
-SQLITE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS policy_versions (
-    version INTEGER PRIMARY KEY,
-    created_at REAL NOT NULL,
+#: a versioned document's table (the policies', the access store's), written once for both dialects
+VERSIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS {table} (
+    version {bigint} PRIMARY KEY,
+    created_at {real} NOT NULL,
     principal TEXT NOT NULL,
     document TEXT NOT NULL,
     files TEXT
 );
-""" + audit.SQLITE_SCHEMA
-PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS policy_versions (
-    version BIGINT PRIMARY KEY,
-    created_at DOUBLE PRECISION NOT NULL,
-    principal TEXT NOT NULL,
-    document TEXT NOT NULL,
-    files TEXT
-);
-""" + audit.PG_SCHEMA
+"""
 #: the advisory lock serializing policy changes (and the schema's creation) across routers
 _PG_LOCK = 0x78726F757470  # "xroutp"
 
@@ -82,136 +71,48 @@ def policy_json(p: Policy | None) -> dict[str, Any] | None:
 
 class PolicyStore:
     """The policy versions and the audit log on SQLite (a file path) or PostgreSQL (a URL).
-    Blocking calls (a router runs them in a thread); one connection, one call at a time.
+    Blocking calls (a router runs them in a thread); one connection, one call at a time
+    (``router.store.dialect.Database``).
 
-    The versioned-document machinery (connection, write lock, head, versions, ``change``) is
-    shared by the access store (``router.control.access_store.AccessStore``: tenants, roles, bindings),
-    which names its own table and document type."""
+    The versioned-document machinery (head, versions, ``change``) is shared by the access store
+    (``router.control.access_store.AccessStore``: tenants, roles, bindings), which names its own
+    table and document type."""
 
-    #: the table of versions, its schema per dialect, and the document each version holds
+    #: the table of versions and the document each version holds
     TABLE = "policy_versions"
-    SQLITE_SCHEMA = SQLITE_SCHEMA
-    PG_SCHEMA = PG_SCHEMA
     DOC: Any = PolicySet
 
     def __init__(self, target: Path | str):
         self.target = target
-        self.dialect = "postgresql" if is_postgres_url(target) else "sqlite"
-        self._conn: Any = None
-        self._lock = threading.Lock()
-        with self._lock:
-            self._connect()
+        self.db = Database(target, self.schema, lock=_PG_LOCK, application="xroute-policies",
+                           error=PolicyStoreError, label="policy store")
+        #: "sqlite" or "postgresql"
+        self.dialect = self.db.dialect.name
 
-    # ------------------------------------------------------------------ connection
-    def _connect(self) -> Any:
-        if self._conn is not None and not self._closed(self._conn):
-            return self._conn
-        conn: Any
-        try:
-            if self.dialect == "sqlite":
-                path = Path(self.target)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=FULL")
-                conn.execute("PRAGMA busy_timeout=10000")
-                conn.executescript(self.SQLITE_SCHEMA)
-            else:
-                import psycopg  # (the PostgreSQL client only where a PostgreSQL store is opened)
-
-                conn = psycopg.connect(str(self.target), autocommit=True, connect_timeout=5,
-                                       application_name="xroute-policies")
-                with conn.transaction():
-                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_LOCK,))
-                    conn.execute(self.PG_SCHEMA)
-        except Exception as e:
-            raise PolicyStoreError(f"policy store {self.describe()}: {_one_line(e)}") from None
-        self._conn = conn
-        return conn
-
-    def _closed(self, conn: Any) -> bool:
-        return bool(getattr(conn, "closed", False)) if self.dialect == "postgresql" else False
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.dialect == "postgresql" else sql
-
-    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            conn = self._connect()
-            try:
-                return list(conn.execute(self._sql(sql), args).fetchall())
-            except Exception as e:
-                self._drop()
-                raise PolicyStoreError(f"policy store {self.describe()}: {_one_line(e)}") from None
-
-    def _drop(self) -> None:
-        if self.dialect == "postgresql" and self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:
-                pass
-            self._conn = None
-
-    @contextmanager
-    def _transaction(self) -> Iterator[Callable[..., Any]]:
-        """A write transaction under the store's write lock; yields ``execute(sql, args)``."""
-        with self._lock:
-            conn = self._connect()
-
-            def execute(sql: str, args: tuple[Any, ...] = ()) -> Any:
-                return conn.execute(self._sql(sql), args)
-
-            if self.dialect == "sqlite":
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                except sqlite3.Error as e:
-                    raise PolicyStoreError(f"policy store {self.describe()}: {_one_line(e)}") from None
-                try:
-                    yield execute
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                try:
-                    conn.execute("COMMIT")
-                except sqlite3.Error as e:
-                    conn.execute("ROLLBACK")
-                    raise PolicyStoreError(f"policy store {self.describe()}: {_one_line(e)}") from None
-                return
-            import psycopg
-
-            try:
-                with conn.transaction():
-                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_LOCK,))
-                    yield execute
-            except psycopg.Error as e:
-                self._drop()
-                raise PolicyStoreError(f"policy store {self.describe()}: {_one_line(e)}") from None
+    @classmethod
+    def schema(cls, dialect: Dialect) -> str:
+        """The store's tables: the policy versions, this store's own versions, the audit log."""
+        tables = dict.fromkeys(("policy_versions", cls.TABLE))  # (in order, once)
+        return "".join(dialect.ddl(VERSIONS_TABLE, table=t) for t in tables) + audit.schema(dialect)
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        self.db.close()
 
     def describe(self) -> str:
-        if self.dialect == "postgresql":
-            from router.store.postgres import redact
-
-            return redact(str(self.target))
-        return str(self.target)
+        return self.db.where
 
     # ------------------------------------------------------------------ reads
     def head(self) -> int:
         """The current version (0: no policy set was ever stored)."""
-        rows = self._query(f"SELECT MAX(version) FROM {self.TABLE}")
+        rows = self.db.query(f"SELECT MAX(version) FROM {self.TABLE}")
         return int(rows[0][0] or 0)
 
     def at(self, version: int | None = None) -> Any:
         """The policy set of ``version`` (default: the head); an empty set at version 0."""
         if version is None:
-            rows = self._query(f"SELECT version, document FROM {self.TABLE} ORDER BY version DESC LIMIT 1")
+            rows = self.db.query(f"SELECT version, document FROM {self.TABLE} ORDER BY version DESC LIMIT 1")
         else:
-            rows = self._query(f"SELECT version, document FROM {self.TABLE} WHERE version = ?", (version,))
+            rows = self.db.query(f"SELECT version, document FROM {self.TABLE} WHERE version = ?", (version,))
         if not rows:
             if version not in (None, 0):
                 raise PolicyChangeError(404, "not_found", f"no {self.TABLE.split('_')[0]} set version {version}")
@@ -219,27 +120,27 @@ class PolicyStore:
         return self.DOC.model_validate_json(rows[0][1])
 
     def versions(self, limit: int = 100) -> list[dict[str, Any]]:
-        rows = self._query(f"SELECT version, created_at, principal FROM {self.TABLE} ORDER BY version DESC LIMIT ?",
+        rows = self.db.query(f"SELECT version, created_at, principal FROM {self.TABLE} ORDER BY version DESC LIMIT ?",
                            (limit,))
         return [{"version": int(v), "created_at": float(c), "principal": p} for v, c, p in rows]
 
     def files_applied(self) -> dict[str, Any] | None:
         """The last ``policy_files`` apply: ``{"digest", "names", "paths"}`` (None: never)."""
-        rows = self._query("SELECT files FROM policy_versions WHERE files IS NOT NULL ORDER BY version DESC LIMIT 1")
+        rows = self.db.query("SELECT files FROM policy_versions WHERE files IS NOT NULL ORDER BY version DESC LIMIT 1")
         return json.loads(rows[0][0]) if rows else None
 
     def audit(self, kind: str | None = None, resource: str | None = None, after: int = 0, limit: int = 100
               ) -> list[dict[str, Any]]:
         """Audit entries, oldest first, after the entry id ``after``."""
         sql, args = audit.read_sql(kind, resource, after, limit)
-        return [audit.entry(r) for r in self._query(sql, args)]
+        return [audit.entry(r) for r in self.db.query(sql, args)]
 
     # ------------------------------------------------------------------ writes
     def change(self, principal: str, mutate: Any, request_id: str | None = None) -> Any:
         """Apply ``mutate`` to the head set under the write lock: it returns the new set and the
         audited changes (none: nothing is written and the head is returned). The new version and its
         audit entries commit together. Raises what ``mutate`` raises (nothing written)."""
-        with self._transaction() as execute:
+        with self.db.transaction() as execute:
             rows = execute(f"SELECT version, document FROM {self.TABLE} ORDER BY version DESC LIMIT 1").fetchall()
             head = int(rows[0][0]) if rows else 0
             current = self.DOC.model_validate_json(rows[0][1]) if rows else self.DOC()
@@ -250,7 +151,7 @@ class PolicyStore:
             doc = document(new, version)
             execute(f"INSERT INTO {self.TABLE} (version, created_at, principal, document) VALUES (?, ?, ?, ?)",
                     (version, time.time(), principal, doc))
-            audit.append(lambda sql, args: execute(sql, args), principal, changes, version, request_id)
+            audit.append(execute, principal, changes, version, request_id)
         return self.DOC.model_validate_json(doc)
 
     def apply_files(self, principal: str, files: PolicySet, paths: list[str]) -> PolicySet | None:
@@ -261,7 +162,7 @@ class PolicyStore:
         marker = {"digest": digest, "names": sorted(p.name for p in files.policies), "paths": paths}
         applied: list[PolicySet] = []
 
-        with self._transaction() as execute:
+        with self.db.transaction() as execute:
             rows = execute("SELECT files FROM policy_versions WHERE files IS NOT NULL ORDER BY version DESC "
                            "LIMIT 1").fetchall()
             last = json.loads(rows[0][0]) if rows else None
@@ -278,7 +179,7 @@ class PolicyStore:
             doc = document(new, version)
             execute("INSERT INTO policy_versions (version, created_at, principal, document, files) VALUES (?, ?, ?, ?, ?)",
                     (version, time.time(), principal, doc, json.dumps(marker)))
-            audit.append(lambda sql, args: execute(sql, args), principal, changes, version)
+            audit.append(execute, principal, changes, version)
             applied.append(PolicySet.model_validate_json(doc))
         return applied[0]
 
@@ -378,7 +279,3 @@ def apply_files(files: PolicySet, previous_names: list[str]) -> Mutation:
         return _rebuild(current, kept, **sections), changes
     return mutate
 
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text}"[:300]

@@ -35,7 +35,7 @@ pending until the log says whether its row is there). Reads are retried once on 
 Credentials never appear in code, configs or logs: the URL may name the user, host, port and
 database; the password comes from libpq's usual places (``PGPASSWORD``, ``PGPASSFILE`` or
 ``~/.pgpass``, or a ``passfile=`` parameter), and whatever the URL holds is shown only through
-:func:`redact`.
+:func:`router.core.text.redact`.
 """
 
 from __future__ import annotations
@@ -44,105 +44,48 @@ import asyncio
 import json
 import select
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 
 from router.core.logs import id_floor
-from router.store.sqlite import (
+from router.core.text import one_line, redact
+from router.store.dialect import POSTGRESQL
+from router.store.rows import (
     ADDED_COLUMNS,
     DECISION_COLUMNS,
     FEEDBACK_COLUMNS,
+    GET_DECISION_SQL,
+    GET_TENANT_DECISION_SQL,
     KEYED_DECISIONS_SQL,
     KEYED_FEEDBACK_SQL,
     LOOKUP_SQL,
+    OWNER_SQL,
     RECORD_FEEDBACK_SQL,
     REGISTER_CATALOG_SQL,
-    CommitInDoubt,
+    TABLES,
     DecisionRef,
-    GroupCommitLog,
-    Item,
-    Result,
-    StoreClosed,
     decision_record,
     decision_ref,
-    export_columns,
-    export_params,
 )
+from router.store.sqlite import CommitInDoubt, GroupCommitLog, Item, Result, StoreClosed
 
-#: PostgreSQL's names of the SQLite types ``ADDED_COLUMNS`` uses
-_PG_TYPES = {"REAL": "DOUBLE PRECISION", "BLOB": "BYTEA"}
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS decisions (
-    decision_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    telemetry_ts DOUBLE PRECISION NOT NULL,
-    origin TEXT NOT NULL,
-    input_tokens INTEGER NOT NULL,
-    max_output_tokens INTEGER NOT NULL,
-    ttft_ms DOUBLE PRECISION NOT NULL,
-    tpot_ms DOUBLE PRECISION NOT NULL,
-    deadline_ms DOUBLE PRECISION,
-    model TEXT NOT NULL,
-    session_id TEXT,
-    offering_id TEXT NOT NULL,
-    expected_latency_ms DOUBLE PRECISION NOT NULL,
-    expected_cost_usd DOUBLE PRECISION NOT NULL,
-    policy TEXT NOT NULL,
-    policy_kind TEXT NOT NULL,
-    policy_version TEXT,
-    bundle_hash TEXT NOT NULL,
-    request_json TEXT NOT NULL,
-    response_json TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS decisions_tenant_time ON decisions (tenant, created_at);
-CREATE TABLE IF NOT EXISTS feedback (
-    feedback_id BIGSERIAL PRIMARY KEY,
-    decision_id TEXT NOT NULL REFERENCES decisions(decision_id),
-    tenant TEXT NOT NULL,
-    received_at DOUBLE PRECISION NOT NULL,
-    latency_ms DOUBLE PRECISION,
-    cost_usd DOUBLE PRECISION,
-    output_tokens INTEGER,
-    failed INTEGER NOT NULL,
-    error TEXT
-);
-CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
-CREATE TABLE IF NOT EXISTS catalogs (
-    catalog_key TEXT PRIMARY KEY,
-    offering_ids TEXT NOT NULL
-);
-""" + "".join(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {_PG_TYPES.get(kind, kind)};\n"
-              for table, added in ADDED_COLUMNS.items() for name, kind in added)
+SCHEMA = POSTGRESQL.ddl(TABLES, answer="TEXT", answer_dictionary="") + "".join(
+    f"{stmt};\n" for table, added in ADDED_COLUMNS.items() for stmt in POSTGRESQL.add_columns_sql(table, added))
 #: the advisory lock key under which the schema is created (routers starting together)
 _SCHEMA_LOCK = 0x78726F757465  # "xroute"
 
-_INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) "
-                    f"VALUES ({', '.join(['%s'] * len(DECISION_COLUMNS))})")
-_INSERT_FEEDBACK = (f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
-                    f"VALUES ({', '.join(['%s'] * len(FEEDBACK_COLUMNS))}) RETURNING feedback_id")
-
-
-def redact(url: str) -> str:
-    """``url`` as it may be shown or logged: user, host, port and database only (never a password,
-    nor any other parameter)."""
-    try:
-        info = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        return "postgresql://(unparsable URL)"
-    user = f"{info['user']}@" if info.get("user") else ""
-    port = f":{info['port']}" if info.get("port") else ""
-    return f"postgresql://{user}{info.get('host') or ''}{port}/{info.get('dbname') or ''}"
-
-
-def one_line(e: BaseException) -> str:
-    """A connection or server error as one line, without the URL (psycopg's messages name host and
-    port, never the password)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return f"{type(e).__name__}: {text}"[:300]
+_INSERT_DECISION = POSTGRESQL.insert("decisions", DECISION_COLUMNS)
+_INSERT_FEEDBACK = POSTGRESQL.insert("feedback", FEEDBACK_COLUMNS, " RETURNING feedback_id")
+_GET_DECISION = POSTGRESQL.sql(GET_DECISION_SQL.format(z=""))
+_GET_TENANT_DECISION = POSTGRESQL.sql(GET_TENANT_DECISION_SQL.format(z=""))
+_OWNER = POSTGRESQL.sql(OWNER_SQL)
+_RECORD_FEEDBACK = POSTGRESQL.sql(RECORD_FEEDBACK_SQL)
+_LOOKUP = POSTGRESQL.sql(LOOKUP_SQL)
+_KEYED_DECISIONS = POSTGRESQL.sql(KEYED_DECISIONS_SQL.format(z=""))
+_KEYED_FEEDBACK = POSTGRESQL.sql(KEYED_FEEDBACK_SQL + " ORDER BY feedback_id")
+_REGISTER_CATALOG = POSTGRESQL.sql(REGISTER_CATALOG_SQL + " RETURNING catalog_key")
 
 
 def check_reachable(url: str, timeout_s: float = 5.0) -> None:
@@ -330,32 +273,29 @@ class PostgresLog(GroupCommitLog):
 
     async def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
         if tenant is None:
-            rows = await self._read("SELECT response_json, request_json FROM decisions WHERE decision_id = %s",
-                                    (decision_id,))
+            rows = await self._read(_GET_DECISION, (decision_id,))
         else:
-            rows = await self._read("SELECT response_json, request_json FROM decisions WHERE decision_id = %s "
-                                    "AND tenant = %s", (decision_id, tenant))
+            rows = await self._read(_GET_TENANT_DECISION, (decision_id, tenant))
         if not rows:
             return None
-        feedback = await self._read(RECORD_FEEDBACK_SQL.format(p="%s"), (decision_id,))
+        feedback = await self._read(_RECORD_FEEDBACK, (decision_id,))
         return decision_record(json.loads(rows[0][0]), rows[0][1], feedback)
 
     async def owner(self, decision_id: str) -> str | None:
-        rows = await self._read("SELECT tenant FROM decisions WHERE decision_id = %s", (decision_id,))
+        rows = await self._read(_OWNER, (decision_id,))
         return None if not rows else str(rows[0][0])
 
     async def lookup(self, decision_id: str) -> DecisionRef | None:
-        rows = await self._read(LOOKUP_SQL.format(p="%s"), (decision_id,))
+        rows = await self._read(_LOOKUP, (decision_id,))
         return decision_ref(rows[0] if rows else None)
 
     async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-
-        decisions = await self._read(KEYED_DECISIONS_SQL.format(p="%s", z=""), (id_floor(since), since))
-        feedback = await self._read(KEYED_FEEDBACK_SQL.replace("{p}", "%s") + " ORDER BY feedback_id", (since,))
+        decisions = await self._read(_KEYED_DECISIONS, (id_floor(since), since))
+        feedback = await self._read(_KEYED_FEEDBACK, (since,))
         return [tuple(r) for r in decisions], [tuple(r) for r in feedback]
 
     async def register_catalog(self, key: str, offering_ids: list[str]) -> None:
-        await self._read(REGISTER_CATALOG_SQL.format(p="%s") + " RETURNING catalog_key", (key, json.dumps(offering_ids)))
+        await self._read(_REGISTER_CATALOG, (key, json.dumps(offering_ids)))
 
     async def healthy(self) -> bool:
         """The readiness probe (run every ``ready_probe_s`` by the app, whatever the traffic): the
@@ -387,13 +327,3 @@ class PostgresLog(GroupCommitLog):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": self.where}
 
-
-def iter_decisions(url: str, tenant: str | None = None, since: float | None = None, until: float | None = None,
-                   ope: bool = False) -> Iterator[dict[str, Any]]:
-    """Every decision (oldest first) with its latest feedback (for export), read in pages
-    (``router.store.readers.iter_decisions``)."""
-    sql, cols = export_columns("%s", tenant is not None, ope, since is not None, until is not None)
-    with psycopg.connect(url, connect_timeout=10) as conn, conn.cursor(name="xroute_export") as cur:
-        cur.execute(sql, export_params(tenant, since, until))  # type: ignore[arg-type]
-        for row in cur:
-            yield dict(zip(cols, row))

@@ -10,7 +10,8 @@ from typing import Any
 
 from router.core.logs import id_floor
 from router.state.base import Released, Reserved, hold_for, pool_key
-from router.store import sqlite as store
+from router.store.dialect import reading, stream
+from router.store.rows import export_columns, export_params
 
 
 def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str, Any]], float] | None = None,
@@ -27,26 +28,15 @@ def decision_events(target: Path | str, since: float, hold_s: Callable[[dict[str
     releases) -- what a shared state that began then lost (``RouterState.restore``)."""
     pool = pool_of or (lambda row: pool_key(str(row["model"]), str(row["offering_id"])))
     hold = hold_s or (lambda row: hold_for(float(row["expected_latency_ms"]) / 1000.0))
-    upto = "" if before is None else " AND d.created_at < {p}"
+    upto = "" if before is None else " AND d.created_at < ?"
     dsql = ("SELECT decision_id, created_at, model, offering_id, expected_latency_ms, pool, hold_until FROM decisions d "
-            "WHERE decision_id >= {p} AND created_at >= {p}" + upto + " ORDER BY created_at, decision_id")
+            "WHERE decision_id >= ? AND created_at >= ?" + upto + " ORDER BY created_at, decision_id")
     fsql = ("SELECT f.decision_id, MIN(f.received_at) FROM feedback f JOIN decisions d "
-            "ON d.decision_id = f.decision_id WHERE d.decision_id >= {p} AND d.created_at >= {p}" + upto
+            "ON d.decision_id = f.decision_id WHERE d.decision_id >= ? AND d.created_at >= ?" + upto
             + " GROUP BY f.decision_id")
     args: tuple[Any, ...] = (id_floor(since), since) if before is None else (id_floor(since), since, before)
-    if store.is_postgres_url(target):
-        import psycopg  # (the PostgreSQL client only where a PostgreSQL log is read)
-
-        with psycopg.connect(target, connect_timeout=10) as conn:
-            drows = conn.execute(dsql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
-            frows = conn.execute(fsql.format(p="%s"), args).fetchall()  # type: ignore[arg-type]
-    else:
-        conn3 = store.connect(Path(target), readonly=True)
-        try:
-            drows = conn3.execute(dsql.format(p="?"), args).fetchall()
-            frows = conn3.execute(fsql.format(p="?"), args).fetchall()
-        finally:
-            conn3.close()
+    with reading(target) as query:
+        drows, frows = query(dsql, args), query(fsql, args)
     timeline: list[tuple[float, int, Reserved | Released]] = []
     for did, created, model, offering, expected_ms, pool_col, hold_until in drows:
         row = {"decision_id": did, "created_at": created, "model": model, "offering_id": offering,
@@ -63,10 +53,8 @@ def iter_decisions(target: Path | str, tenant: str | None = None, since: float |
                    until: float | None = None, ope: bool = False) -> Iterator[dict[str, Any]]:
     """Every decision (oldest first) with its latest feedback, read-only (for export), from a
     SQLite file or a ``postgresql://`` URL; ``since``/``until``: wall-time bounds on when it was
-    made; ``ope``: with the OPE columns (``router.store.sqlite.export_columns``)."""
-    if store.is_postgres_url(target):
-        from router.store import postgres as store_pg
-
-        yield from store_pg.iter_decisions(str(target), tenant, since, until, ope)
-    else:
-        yield from store.iter_sqlite_decisions(Path(target), tenant, since, until, ope)
+    made; ``ope``: with the OPE columns (``router.store.rows.export_columns``). Read as consumed
+    (``router.store.dialect.stream``: on PostgreSQL in pages)."""
+    sql, cols = export_columns(tenant is not None, ope, since is not None, until is not None)
+    for row in stream(target, sql, export_params(tenant, since, until)):
+        yield dict(zip(cols, row))

@@ -14,30 +14,25 @@ each batch over a pipe, compresses, inserts, commits, and answers over the pipe;
 reads the answer like any socket. Up to two batches are at the writer at once
 (``PROCESS_BATCHES_IN_FLIGHT``), each its own transaction, committed and answered in order: the
 writer starts the next commit when one ends rather than after the server has read the answer and
-sent what queued meanwhile (+10-15 % decisions/s under ``wrk -c10``). Nothing it does competes
-with the event loop for the GIL. It exits when the server closes the pipe or dies (tested: no
-orphan after ``kill -9``); if it dies, every waiting and later request fails with
-:class:`StoreClosed` (503) and ``/readyz`` says so. It is the only writer: a writer thread and
-commits on the event loop were kept for comparison until measured once more side by side (wrk
--c10, one worker, 2 shared cores, 2026-12-03): writer process 8,396 decisions/s, thread 4,437
-(its compression and inserts hold the GIL, and after each fsync it must win the GIL back from the
-busy loop), event loop 5,263 (every fsync stalls every request).
+sent what queued meanwhile. Nothing it does competes with the event loop for the GIL. It exits when
+the server closes the pipe or dies (tested: no orphan after ``kill -9``); if it dies, every waiting
+and later request fails with :class:`StoreClosed` (503) and ``/readyz`` says so. It is the only
+writer: a writer thread and commits on the event loop were measured against it and dropped
+(``docs/results.md``, "Figures behind the code", decision log).
 
 WAL checkpoints: a checkpointer thread in the writer process copies the WAL into the database every
 ``checkpoint_s / 4`` seconds, concurrently with the commits (the copy and its fsync never sit
 inside a request's commit). On its own it never *finishes* under a steady stream of commits, and
-SQLite only rewinds a fully checkpointed WAL — the WAL grew by ~40 MB/s under load. So once
-``checkpoint_rows`` rows or ``checkpoint_s`` seconds have gone by, the writer itself runs a
+SQLite only rewinds a fully checkpointed WAL, so the WAL would grow without bound under load. So
+once ``checkpoint_rows`` rows or ``checkpoint_s`` seconds have gone by, the writer itself runs a
 checkpoint right after a batch is acknowledged: with no other writer it completes (copying only
 what arrived since the checkpointer's last pass), and the next commit rewinds the WAL, which stays
 a few MB (``journal_size_limit`` trims it after a burst).
 
 Those checkpoints pause the commits (the batches behind one wait for it), so they are small and
-frequent: every 500 rows or 0.25 s by default, ~1.1 ms each here. Every 2,000 rows or 1 s they took
-~2.4 ms while the disk kept up, but 12-66 ms once it slowed down -- this machine's disk did, in every
-long run, after 0.5-2 GB had gone into the log -- and two 5-minute soaks' p99 were 18.3 and 9.2 ms
-against 7.0 and 5.5 ms with the small ones (``docs/results.md``, "Router"). Their durations are the
-metric ``xroute_router_log_checkpoint_seconds`` (``on_checkpoint``).
+frequent: every 500 rows or 0.25 s by default (larger ones held the commits for much longer once
+the disk slowed down: the figures are in ``docs/results.md``). Their durations are the metric
+``xroute_router_log_checkpoint_seconds`` (``on_checkpoint``).
 
 ``synchronous=FULL`` (the default) fsyncs the WAL at every commit, so an acknowledged decision
 survives a power loss or kernel crash, not only a killed process. ``NORMAL`` in WAL mode skips that
@@ -47,13 +42,11 @@ but a power loss may drop the last commits.
 The answer sent for each decision is stored as it was sent, compressed by the writer with
 Zstandard against a raw-content dictionary (:meth:`DecisionStore.use_dictionary`: the catalog's
 offering objects and the response's constant parts, kept in table ``zdicts`` with its codec so old
-rows stay readable after the catalog changes): ~1.9 kB of JSON becomes ~460 bytes, and a row fits
-a B-tree page several times over instead of taking one to itself. Zstandard rather than the
-standard library's deflate: deflate took ~25 µs a row (it builds or copies ~256 kB of state for
-every stream) and was the largest part of the writer's CPU — at ~5,000 decisions/s the writer
-process used 52 % of a core, 30 % with Zstandard (~7.5 µs a row, ~100 bytes larger). Rows
-written by older versions hold the JSON text (no dictionary) or deflate against a ``zlib``
-dictionary; both stay readable.
+rows stay readable after the catalog changes), so a row fits a B-tree page several times over
+instead of taking one to itself; the OPE record (``features``) is compressed too, without a
+dictionary. Zstandard rather than the standard library's deflate: it costs the writer a fraction of
+deflate's CPU a row for a few bytes more (``docs/results.md``). Rows written by older versions
+hold the JSON text (no dictionary) or deflate against a ``zlib`` dictionary; both stay readable.
 
 Reads (``GET /v1/decisions/{id}``, export) use a separate connection; WAL lets them run while a
 transaction is open, and they only ever see committed transactions.
@@ -71,126 +64,69 @@ import sqlite3
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import zstandard
 
-from router.core.logs import configure_logging, id_floor, iso
+from router.core.logs import configure_logging, id_floor
 from router.core.settings import CHECKPOINT_ROWS, CHECKPOINT_S
+from router.store.dialect import SQLITE, add_columns, connect_sqlite, reading
+from router.store.rows import (
+    ADDED_COLUMNS,
+    CATALOGS_SQL,
+    DECISION_COLUMNS,
+    FEEDBACK_COLUMNS,
+    GET_DECISION_SQL,
+    GET_TENANT_DECISION_SQL,
+    KEYED_DECISIONS_SQL,
+    KEYED_FEEDBACK_COLUMNS,
+    LOOKUP_SQL,
+    OWNER_SQL,
+    RECORD_FEEDBACK_SQL,
+    REGISTER_CATALOG_SQL,
+    TABLES,
+    DecisionRef,
+    DecisionRow,
+    decision_record,
+    decision_ref,
+)
 from xroute.errors import ConfigError
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS decisions (
-    decision_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    telemetry_ts REAL NOT NULL,
-    origin TEXT NOT NULL,
-    input_tokens INTEGER NOT NULL,
-    max_output_tokens INTEGER NOT NULL,
-    ttft_ms REAL NOT NULL,
-    tpot_ms REAL NOT NULL,
-    deadline_ms REAL,
-    model TEXT NOT NULL,
-    session_id TEXT,
-    offering_id TEXT NOT NULL,
-    expected_latency_ms REAL NOT NULL,
-    expected_cost_usd REAL NOT NULL,
-    policy TEXT NOT NULL,
-    policy_kind TEXT NOT NULL,
-    policy_version TEXT,
-    bundle_hash TEXT NOT NULL,
-    pool TEXT,
-    hold_until REAL,
-    idempotency_key TEXT,
-    propensity REAL,
-    epsilon REAL,
-    features BLOB,
-    quota_tokens INTEGER,
-    quota_usd REAL,
-    request_json TEXT NOT NULL,
-    response_json BLOB NOT NULL,
-    response_zdict INTEGER REFERENCES zdicts(zdict_id)
-);
-CREATE INDEX IF NOT EXISTS decisions_tenant_time ON decisions (tenant, created_at);
+#: SQLite's own table: the dictionaries the answers are compressed against
+ZDICTS = """
 CREATE TABLE IF NOT EXISTS zdicts (
     zdict_id INTEGER PRIMARY KEY,
     sha256 TEXT NOT NULL UNIQUE,
     data BLOB NOT NULL,
     codec TEXT NOT NULL DEFAULT 'zlib'
 );
-CREATE TABLE IF NOT EXISTS feedback (
-    feedback_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    decision_id TEXT NOT NULL REFERENCES decisions(decision_id),
-    tenant TEXT NOT NULL,
-    received_at REAL NOT NULL,
-    latency_ms REAL,
-    cost_usd REAL,
-    output_tokens INTEGER,
-    failed INTEGER NOT NULL,
-    error TEXT,
-    ttft_ms REAL,
-    idempotency_key TEXT,
-    reward REAL,
-    sla_violation INTEGER
-);
-CREATE INDEX IF NOT EXISTS feedback_decision ON feedback (decision_id);
-CREATE TABLE IF NOT EXISTS catalogs (
-    catalog_key TEXT PRIMARY KEY,
-    offering_ids TEXT NOT NULL
-);
 """
-#: columns added since the first release, with their types: a log written before gets them on
-#: start (``ALTER TABLE ... ADD COLUMN``; its old rows hold NULL there), in either backend. The
-#: decisions' OPE columns (``router.decision.ope_log``): the propensity of the offering served (NULL: unknown),
-#: the tenant's exploration probability, the action set with the features its policy saw; the
-#: feedback's realized reward (``envs.kernels.realized_reward``; NULL: the feedback did not say
-#: enough) and whether the SLO was missed; what the gateway measured itself (``router.gateway``):
-#: the time per output token, the prompt tokens the server counted and those it had cached, the
-#: gateway request the attempt belonged to (its X-Request-ID: every attempt of one request shares
-#: it) and the attempt's number; the tenant quotas' reservation of a decision (tokens, USD; NULL: no
-#: quota applied: ``router.decision.quotas.quota_events`` rebuilds the counters from them)
-ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
-                               ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB"),
-                               ("quota_tokens", "INTEGER"), ("quota_usd", "REAL")),
-                 "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
-                              ("sla_violation", "INTEGER"), ("tpot_ms", "REAL"), ("prompt_tokens", "INTEGER"),
-                              ("cached_tokens", "INTEGER"), ("request_id", "TEXT"), ("attempt", "INTEGER"))}
-
-DECISION_COLUMNS = ("decision_id", "tenant", "created_at", "telemetry_ts", "origin", "input_tokens",
-                    "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "model", "session_id", "offering_id",
-                    "expected_latency_ms",
-                    "expected_cost_usd", "policy", "policy_kind", "policy_version", "bundle_hash",
-                    "pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features", "quota_tokens",
-                    "quota_usd", "request_json", "response_json")
-FEEDBACK_COLUMNS = ("decision_id", "tenant", "received_at", "latency_ms", "cost_usd", "output_tokens", "failed",
-                    "error", "ttft_ms", "idempotency_key", "reward", "sla_violation", "tpot_ms", "prompt_tokens",
-                    "cached_tokens", "request_id", "attempt")
-#: what ``GET /v1/decisions/{id}`` shows of each feedback row (:func:`decision_record`)
-RECORD_FEEDBACK_SQL = ("SELECT feedback_id, received_at, latency_ms, cost_usd, output_tokens, failed, error, ttft_ms, "
-                       "tpot_ms, prompt_tokens, cached_tokens, request_id, attempt "
-                       "FROM feedback WHERE decision_id = {p} ORDER BY feedback_id")
+SCHEMA = SQLITE.ddl(TABLES, answer="BLOB", answer_dictionary=",\n    response_zdict INTEGER REFERENCES zdicts(zdict_id)"
+                    ) + ZDICTS
+#: columns added since the first release of each table (``rows.ADDED_COLUMNS``, and SQLite's own)
+_ADDED = {**ADDED_COLUMNS, "decisions": (*ADDED_COLUMNS["decisions"],
+                                         ("response_zdict", "INTEGER REFERENCES zdicts(zdict_id)")),
+          "zdicts": (("codec", "TEXT NOT NULL DEFAULT 'zlib'"),)}
 #: where a decision row holds its OPE record (compressed by the SQLite writer)
 _FEATURES = DECISION_COLUMNS.index("features")
-_INSERT_DECISION = (f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}, response_zdict) "
-                    f"VALUES ({', '.join('?' * (len(DECISION_COLUMNS) + 1))})")
+_INSERT_DECISION = SQLITE.insert("decisions", (*DECISION_COLUMNS, "response_zdict"))
+_INSERT_FEEDBACK = SQLITE.insert("feedback", FEEDBACK_COLUMNS)
+_GET_DECISION = GET_DECISION_SQL.format(z=", response_zdict")
+_GET_TENANT_DECISION = GET_TENANT_DECISION_SQL.format(z=", response_zdict")
+_KEYED_DECISIONS = KEYED_DECISIONS_SQL.format(z=", response_zdict")
 #: the dictionary size kept (deflate's window, the most older logs' ``zlib`` dictionaries use)
 ZDICT_MAX = 32768
-#: Zstandard level for the answers (on the shipped catalog's ~1.9 kB answers: level 3 -> ~460 bytes in
-#: ~7.5 us; deflate at 6 -> ~360 bytes in ~25 us; zstd 6 -> ~390 bytes in ~14 us)
+#: Zstandard level for the answers (the levels' sizes and costs: ``docs/results.md``, "Figures behind the code")
 ZSTD_LEVEL = 3
 #: ... and for the decisions' OPE records (``router.decision.ope_log``; float32 rows: no dictionary, the fastest level)
 FEATURES_ZSTD_LEVEL = 1
 
 #: batches sent to the writer process before the first is acknowledged. Two, so the
 #: writer starts the next commit as soon as one ends instead of waiting for the server to read the
-#: acknowledgement and send what queued meanwhile (that round trip was ~40 % of a commit cycle)
+#: acknowledgement and send what queued meanwhile
 PROCESS_BATCHES_IN_FLIGHT = 2
-_INSERT_FEEDBACK = (f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
-                    f"VALUES ({', '.join('?' * len(FEEDBACK_COLUMNS))})")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -213,17 +149,6 @@ class CommitInDoubt(StoreClosed):
     after its ``COMMIT``). Answered 503 like :class:`StoreClosed`; a keyed request's key stays
     pending -- its retries get 409, never a second decision -- until the log, readable again, says
     whether the row is there (``router.service.admission.settle``)."""
-
-
-def connect(path: Path, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
-    if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, isolation_level=None)
-    else:
-        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={synchronous}")
-    conn.execute("PRAGMA busy_timeout=5000")
-    return conn
 
 
 Item = tuple[str, tuple[Any, ...], "asyncio.Future[int]"]
@@ -276,10 +201,11 @@ class GroupCommitLog:
             loop.call_soon(self._flush)  # after every request of this loop iteration has queued its row
         return fut
 
-    def record_decision(self, row: tuple[Any, ...]) -> asyncio.Future[int]:
+    def record_decision(self, row: DecisionRow) -> asyncio.Future[int]:
         """Queue ``row`` for the next group commit; await the result to know it is durable. Raises
-        :class:`StoreClosed` at once when the log accepts no writes."""
-        return self._submit("decision", row)
+        :class:`StoreClosed` at once when the log accepts no writes. (The row goes to the backend
+        as a plain tuple in ``DECISION_COLUMNS``' order, built here once.)"""
+        return self._submit("decision", row.astuple())
 
     def record_feedback(self, row: tuple[Any, ...]) -> asyncio.Future[int]:
         """As :meth:`record_decision`; the awaited result is the feedback row's id. ``row`` follows
@@ -382,66 +308,6 @@ class GroupCommitLog:
         return {"backend": self.backend, "commits": self.commits, "rows": self.rows, "error": self.error}
 
 
-@dataclass(frozen=True, slots=True)
-class DecisionRef:
-    """A stored decision as feedback needs it: its tenant, model, pool (``router.state.base``'s key:
-    the row's ``pool``, or the model and offering for rows written before it existed), how many
-    feedback rows it has, and what the reward of its outcome needs of the request (its tokens and
-    objectives) and of the decision (its expected cost)."""
-
-    tenant: str
-    model: str
-    pool: str
-    feedback: int
-    input_tokens: int = 0
-    max_output_tokens: int = 0
-    ttft_ms: float = 0.0
-    tpot_ms: float = 0.0
-    deadline_ms: float | None = None
-    expected_cost_usd: float = 0.0
-    #: what the tenant's quotas reserved for it (None: no quota applied)
-    quota_tokens: int | None = None
-    quota_usd: float | None = None
-
-
-#: the columns :meth:`GroupCommitLog.lookup` reads (and how a backend builds its answer: :func:`decision_ref`)
-LOOKUP_SQL = ("SELECT d.tenant, d.model, d.offering_id, d.pool, (SELECT COUNT(*) FROM feedback f WHERE "
-              "f.decision_id = d.decision_id), d.input_tokens, d.max_output_tokens, d.ttft_ms, d.tpot_ms, "
-              "d.deadline_ms, d.expected_cost_usd, d.quota_tokens, d.quota_usd FROM decisions d WHERE d.decision_id = {p}")
-#: how a backend keeps a catalog (:meth:`GroupCommitLog.register_catalog`; both accept the syntax)
-REGISTER_CATALOG_SQL = "INSERT INTO catalogs (catalog_key, offering_ids) VALUES ({p}, {p}) ON CONFLICT DO NOTHING"
-#: the keyed decisions and feedback since a time (:meth:`GroupCommitLog.keyed_since`); decision ids are
-#: time-sorted, so the id bound (``router.core.logs.id_floor``) finds them by the primary key
-KEYED_DECISIONS_SQL = ("SELECT idempotency_key, request_json, response_json{z}, created_at FROM decisions "
-                       "WHERE decision_id >= {p} AND created_at >= {p} AND idempotency_key IS NOT NULL")
-KEYED_FEEDBACK_COLUMNS = ("idempotency_key, feedback_id, decision_id, received_at, latency_ms, ttft_ms, cost_usd, "
-                          "output_tokens, failed, error")
-KEYED_FEEDBACK_SQL = (f"SELECT {KEYED_FEEDBACK_COLUMNS} FROM feedback "
-                      "WHERE received_at >= {p} AND idempotency_key IS NOT NULL")
-
-
-def decision_ref(row: tuple[Any, ...] | None) -> DecisionRef | None:
-    if row is None:
-        return None
-    tenant, model, offering_id, pool, n, n_in, max_out, ttft, tpot, deadline, cost, q_tok, q_usd = row
-    from router.state.base import pool_key
-
-    return DecisionRef(str(tenant), str(model), str(pool) if pool else pool_key(str(model), str(offering_id)), int(n),
-                       int(n_in), int(max_out), float(ttft), float(tpot), None if deadline is None else float(deadline),
-                       float(cost), None if q_tok is None else int(q_tok), None if q_usd is None else float(q_usd))
-
-
-def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """What ``get_decision`` returns, from the stored answer, the stored request and the feedback
-    rows (``RECORD_FEEDBACK_SQL``'s columns)."""
-    response["request"] = json.loads(request_json)
-    response["feedback"] = [
-        {"feedback_id": r[0], "received_at": iso(r[1]), "latency_ms": r[2], "cost_usd": r[3],
-         "output_tokens": r[4], "failed": bool(r[5]), "error": r[6], "ttft_ms": r[7], "tpot_ms": r[8],
-         "prompt_tokens": r[9], "cached_tokens": r[10], "request_id": r[11], "attempt": r[12]} for r in feedback]
-    return response
-
-
 def _zstd_dictionary(conn: sqlite3.Connection, data: bytes) -> tuple[int, Callable[[bytes], bytes]]:
     """Store dictionary ``data`` once (its ``sha256`` is of the codec's name, a NUL and the data;
     a ``zlib`` row's, of the data) and return its id and a compressor prepared with it."""
@@ -479,7 +345,7 @@ class DecisionStore(GroupCommitLog):
         self.on_checkpoint = on_checkpoint
         self.checkpoint_s = checkpoint_s
         self.checkpoint_rows = checkpoint_rows
-        conn = self._conn = connect(self.path, synchronous)
+        conn = self._conn = connect_sqlite(self.path, synchronous)
         conn.executescript(SCHEMA)
         cols = {r[1] for r in conn.execute("PRAGMA table_info(decisions)")}
         if "sla_ms" in cols and "ttft_ms" not in cols:  # before requests carried a TTFT/TPOT objective
@@ -487,18 +353,11 @@ class DecisionStore(GroupCommitLog):
             raise StoreFormatError(f"{self.path}: this decision log was written by an earlier xroute (requests with "
                                    "sla_ms, not ttft_ms/tpot_ms); keep it for its records and start the router on a "
                                    "new --db path")
-        if "response_zdict" not in cols:  # a log written before responses were compressed
-            conn.execute("ALTER TABLE decisions ADD COLUMN response_zdict INTEGER REFERENCES zdicts(zdict_id)")
-        if "codec" not in {r[1] for r in conn.execute("PRAGMA table_info(zdicts)")}:  # deflate only, before
-            conn.execute("ALTER TABLE zdicts ADD COLUMN codec TEXT NOT NULL DEFAULT 'zlib'")
-        for table, added in ADDED_COLUMNS.items():  # before the state's pool, hold and idempotency columns
-            have = {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
-            for name, kind in added:
-                if name not in have:
-                    conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+        for table, added in _ADDED.items():  # (a log written by an earlier version)
+            add_columns(conn.execute, SQLITE, table, added)
         self._zdict: bytes | None = None
         self._decoders: dict[int, Callable[[bytes], bytes]] = {}
-        self._reader = connect(self.path, synchronous)
+        self._reader = connect_sqlite(self.path, synchronous)
         self._proc: Any = None
         self._pipe: Any = None  # the writer's acknowledgements (read on the loop)
         self._batches: Any = None  # the batches (written blocking; never polled)
@@ -599,32 +458,27 @@ class DecisionStore(GroupCommitLog):
     async def get_decision(self, decision_id: str, tenant: str | None) -> dict[str, Any] | None:
         # (a local file: the read is short enough to run on the loop)
         if tenant is None:
-            row = self._reader.execute(
-                "SELECT response_json, request_json, response_zdict FROM decisions WHERE decision_id = ?",
-                (decision_id,)).fetchone()
+            row = self._reader.execute(_GET_DECISION, (decision_id,)).fetchone()
         else:
-            row = self._reader.execute(
-                "SELECT response_json, request_json, response_zdict FROM decisions WHERE decision_id = ? AND tenant = ?",
-                (decision_id, tenant)).fetchone()
+            row = self._reader.execute(_GET_TENANT_DECISION, (decision_id, tenant)).fetchone()
         if row is None:
             return None
-        feedback = self._reader.execute(RECORD_FEEDBACK_SQL.format(p="?"), (decision_id,)).fetchall()
+        feedback = self._reader.execute(RECORD_FEEDBACK_SQL, (decision_id,)).fetchall()
         return decision_record(json.loads(self._unpack(row[0], row[2])), row[1], feedback)
 
     async def owner(self, decision_id: str) -> str | None:
-        row = self._reader.execute("SELECT tenant FROM decisions WHERE decision_id = ?", (decision_id,)).fetchone()
+        row = self._reader.execute(OWNER_SQL, (decision_id,)).fetchone()
         return None if row is None else str(row[0])
 
     async def register_catalog(self, key: str, offering_ids: list[str]) -> None:
-        self._reader.execute(REGISTER_CATALOG_SQL.format(p="?"), (key, json.dumps(offering_ids)))
+        self._reader.execute(REGISTER_CATALOG_SQL, (key, json.dumps(offering_ids)))
 
     async def lookup(self, decision_id: str) -> DecisionRef | None:
-        return decision_ref(self._reader.execute(LOOKUP_SQL.format(p="?"), (decision_id,)).fetchone())
+        return decision_ref(self._reader.execute(LOOKUP_SQL, (decision_id,)).fetchone())
 
     async def keyed_since(self, since: float) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-
         args = (id_floor(since), since)
-        rows = self._reader.execute(KEYED_DECISIONS_SQL.format(p="?", z=", response_zdict"), args).fetchall()
+        rows = self._reader.execute(_KEYED_DECISIONS, args).fetchall()
         decisions = [(k, rj, self._unpack(blob, zid), at) for k, rj, blob, zid, at in rows]
         # feedback from the newest back (its key is the row id: no scan of older rows)
         feedback = []
@@ -647,7 +501,7 @@ class _SqliteWriter:
     def __init__(self, path: Path, synchronous: str, zdict: bytes | None, checkpoint_rows: int,
                  checkpoint_s: float, on_checkpoint: Callable[[float], None]):
         self.path, self.synchronous = path, synchronous
-        self.conn = connect(path, synchronous)
+        self.conn = connect_sqlite(path, synchronous)
         # checkpoints (copying the WAL into the database, with an fsync even under NORMAL) run
         # between batches, never inside a request's commit
         self.conn.execute("PRAGMA wal_autocheckpoint=0")
@@ -705,7 +559,7 @@ class _SqliteWriter:
         return list(ids)
 
     def _checkpoint_loop(self) -> None:
-        conn = connect(self.path, self.synchronous)
+        conn = connect_sqlite(self.path, self.synchronous)
         try:
             while not self._checkpoint_stop.wait(self.checkpoint_s / 4.0):
                 try:
@@ -746,68 +600,13 @@ class _SqliteWriter:
         self.conn.close()
 
 
-def export_columns(placeholder: str, by_tenant: bool, ope: bool = False, since: bool = False,
-                   until: bool = False) -> tuple[str, list[str]]:
-    """The export's query (every decision with its latest feedback, oldest first; ``placeholder``
-    is the backend's parameter marker) and the names of its columns. ``ope``: also each decision's
-    OPE record (``features``) and its feedback's TTFT, reward and SLO verdict. Parameters, in this
-    order, for those given: the tenant, the earliest and the latest-excluded ``created_at``."""
-    skip = {"response_json"} if ope else {"response_json", "features"}
-    dcols = [c for c in DECISION_COLUMNS if c not in skip]
-    fcols = ["latency_ms", "cost_usd", "output_tokens", "failed", "error", "received_at"]
-    names = ["observed_latency_ms", "observed_cost_usd", "observed_output_tokens", "failed", "error", "feedback_at"]
-    if ope:
-        fcols += ["ttft_ms", "reward", "sla_violation"]
-        names += ["observed_ttft_ms", "reward", "sla_violation"]
-    sql = (f"SELECT {', '.join('d.' + c for c in dcols)}, {', '.join('f.' + c for c in fcols)} "
-           "FROM decisions d LEFT JOIN feedback f ON f.feedback_id = "
-           "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
-    where = [w for w, on in ((f"d.tenant = {placeholder}", by_tenant), (f"d.created_at >= {placeholder}", since),
-                             (f"d.created_at < {placeholder}", until)) if on]
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY d.created_at, d.decision_id"
-    return sql, dcols + names
-
-
-def export_params(tenant: str | None, since: float | None, until: float | None) -> tuple[Any, ...]:
-    """:func:`export_columns`' parameters."""
-    return tuple(v for v in (tenant, since, until) if v is not None)
-
-
-def is_postgres_url(target: object) -> TypeGuard[str]:
-    """Whether a decision-log target names PostgreSQL (else it is a SQLite file)."""
-    return isinstance(target, str) and target.startswith(("postgresql://", "postgres://"))
-
-
-def iter_sqlite_decisions(path: Path, tenant: str | None = None, since: float | None = None,
-                          until: float | None = None, ope: bool = False) -> Iterator[dict[str, Any]]:
-    """:func:`router.store.readers.iter_decisions` for a SQLite file."""
-    sql, cols = export_columns("?", tenant is not None, ope, since is not None, until is not None)
-    conn = connect(Path(path), readonly=True)
-    try:
-        for row in conn.execute(sql, export_params(tenant, since, until)):
-            yield dict(zip(cols, row))
-    finally:
-        conn.close()
-
-
 def read_catalogs(target: Path | str) -> dict[str, list[str]]:
     """The catalogs the log keeps (:meth:`GroupCommitLog.register_catalog`): key -> offering ids."""
-    sql = "SELECT catalog_key, offering_ids FROM catalogs"
-    if is_postgres_url(target):
-        import psycopg
-
-        with psycopg.connect(target, connect_timeout=10) as pg:
-            rows = pg.execute(sql).fetchall()
-    else:
-        conn = connect(Path(target), readonly=True)
+    with reading(target) as query:
         try:
-            rows = conn.execute(sql).fetchall()
+            rows = query(CATALOGS_SQL)
         except sqlite3.OperationalError:  # a log from before the table: no catalog kept
             rows = []
-        finally:
-            conn.close()
     return {str(k): list(json.loads(ids)) for k, ids in rows}
 
 
