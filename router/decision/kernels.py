@@ -5,7 +5,7 @@ offerings), every one cached on disk (``cache=True``).
 :func:`greedy_decide`, :func:`valid_rows`, :func:`scored_decide` and :func:`rank_scored` call the
 environment's kernels (``envs.kernels``) and compile them into themselves. numba invalidates a
 cached function when its own file changes, not when a function it calls from another file does,
-and a stale cache would decide with old formulas; so they are built by :func:`_against` as
+and a stale cache would decide with old formulas; so they are built by :func:`_deciders` and :func:`_rankers` as
 closures over ``envs.kernels.DIGEST`` (the digest of the environment's kernels and of the feature
 layout they read), which numba's cache key hashes: an edit there is a new cache entry here, and a
 start with a warm cache compiles nothing (what that saves a start: ``docs/results.md``, "Router").
@@ -77,11 +77,12 @@ def _head(ints, chosen, n_valid, n_not_preferred, counts):  # pragma: no cover
         ints[3 + c] = counts[c]
 
 
-def _against(digest: str) -> tuple[Any, ...]:
+def _deciders(digest: str) -> tuple[Any, ...]:
     """The kernels that compile ``envs.kernels``' functions into themselves, as closures over
-    ``digest`` (``envs.kernels.DIGEST``; module docstring). They call one another by their names in
-    this module, not as this function's locals: a closure over a compiled function would be hashed
-    with its per-process id, and never found in the cache again."""
+    ``digest`` (``envs.kernels.DIGEST``; module docstring): the greedy decision and a learned
+    scorer's inputs. They call one another by their names in this module, not as this function's
+    locals: a closure over a compiled function would be hashed with its per-process id, and never
+    found in the cache again."""
 
     @njit(cache=True)
     def greedy_decide(env_mask, allowed, preferred, use_preferred, static_code, C, bias, use_bias, ref_cost, budget_ms,
@@ -143,6 +144,12 @@ def _against(digest: str) -> tuple[Any, ...]:
                                   budget_ms, ref_cost)
         return m
 
+    return greedy_decide, valid_rows
+
+
+def _rankers(digest: str) -> tuple[Any, ...]:
+    """The rankings of a learned scorer's scores (closures over ``digest``, as :func:`_deciders`)."""
+
     @njit(cache=True)
     def rank_finite(scores, k):  # pragma: no cover
         """A scorer's ranking (``envs.kernels.rank`` over all of ``scores``: the best, then the next
@@ -196,10 +203,11 @@ def _against(digest: str) -> tuple[Any, ...]:
             vals[q + 1] = scores[alt[q]]
         return out, vals
 
-    return rank_finite, greedy_decide, valid_rows, scored_decide, rank_scored
+    return rank_finite, scored_decide, rank_scored
 
 
-_rank_finite, greedy_decide, valid_rows, scored_decide, rank_scored = _against(env_kernels.DIGEST)
+greedy_decide, valid_rows = _deciders(env_kernels.DIGEST)
+_rank_finite, scored_decide, rank_scored = _rankers(env_kernels.DIGEST)
 
 
 def warm_up() -> None:
