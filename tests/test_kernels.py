@@ -397,8 +397,8 @@ def test_a_router_kernel_is_cached_and_an_edit_of_the_env_kernels_it_compiles_in
     the next start compiles it anew and decides with the edit -- not the stale cached formula."""
     for pkg in ("envs", "xroute"):
         shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "router").mkdir()
-    for name in ("__init__.py", "kernels.py"):
+    (tmp_path / "router" / "decision").mkdir(parents=True)
+    for name in ("__init__.py", "decision/__init__.py", "decision/kernels.py"):
         shutil.copy(REPO / "router" / name, tmp_path / "router" / name)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop("NUMBA_CACHE_DIR", None)  # (numba's cache beside the copy's files)
@@ -408,7 +408,7 @@ def test_a_router_kernel_is_cached_and_an_edit_of_the_env_kernels_it_compiles_in
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert Path(out["file"]).resolve() == (tmp_path / "router" / "kernels.py").resolve()  # the copy's code
+        assert Path(out["file"]).resolve() == (tmp_path / "router" / "decision" / "kernels.py").resolve()  # the copy's code
         return out
 
     first, second = start(), start()
