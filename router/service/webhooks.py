@@ -101,10 +101,14 @@ class WebhookSender:
         if self.metrics is not None:
             self.metrics.webhooks.labels(outcome).inc()
 
+    #: how often the store is asked for due deliveries while no tenant has a webhook (a delivery
+    #: queued for one removed since is then failed; a migration ending here wakes the loop at once)
+    IDLE_POLL_S = 5.0
+
     async def run(self) -> None:
-        poll = self.settings.migration_poll_s
         while True:
-            await woken_or_timeout(self._wake, poll)
+            busy = any(t.webhook is not None for t in self.tenants.values())
+            await woken_or_timeout(self._wake, self.settings.migration_poll_s if busy else self.IDLE_POLL_S)
             try:
                 await self.send_due()
             except asyncio.CancelledError:
