@@ -38,16 +38,15 @@ from router.gateway.openai_api import ChatBody, CompletionBody
 from router.gateway.service import Gateway
 from router.http import errors
 from router.http.middleware import RequestContext
-from router.service import admission
 from router.service.migration import Migrator
 from router.service.models import ModelManager
+from router.service.ports import SharedState
 from router.service.readiness import Readiness
-from router.service.recovery import SharedStateSync, rebuild_embedded_state, refresh_shared_view
+from router.service.recovery import SharedStateSync, refresh_shared_view
 from router.service.scrape import InferenceScraper
 from router.service.services import Services
 from router.service.webhooks import WebhookSender
-from router.state.base import RouterState, StateUnavailable
-from router.state.embedded import EmbeddedState
+from router.state.base import StateUnavailable
 from router.state.open import StateSettings, open_state
 from router.store.migrations import MigrationStore
 from router.store.policies import PolicyStore, PolicyStoreError
@@ -109,7 +108,7 @@ async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: 
     return store
 
 
-async def open_router_state(settings: RouterSettings) -> RouterState:
+async def open_router_state(settings: RouterSettings) -> SharedState:
     """The shared state the settings name (``router.state.base``). A server that cannot be reached at
     start is logged, not fatal: each operation raises ``StateUnavailable`` (or answers locally with
     ``state_fail_open``) until it is back."""
@@ -119,9 +118,9 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
                     extra={"fields": {"error": why}})
 
     url = settings.state_url.get_secret_value() if settings.state_url is not None else None
-    state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
-                                     settings.state_prefix, settings.state_stats_alpha,
-                                     settings.state_restore_window_s), on_failover=failover)
+    state: SharedState = open_state(StateSettings(
+        settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s, settings.state_prefix,
+        settings.state_stats_alpha, restore_window_s=settings.state_restore_window_s), on_failover=failover)
     if not await state.healthy():
         LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
     return state
@@ -282,18 +281,13 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
         await models.initial()
         CLOCK.mark("model")
         state = await open_router_state(settings)
-        sync = None
-        if isinstance(state, EmbeddedState):
-            await rebuild_embedded_state(state, store, settings, engine)
-            engine.quota_usage = state.quota_usage_now  # (exact, in process)
-        else:
-            engine.quota_usage = engine.quota_view.get  # (read with the shared view)
-            sync = SharedStateSync(state, store, settings, engine)
-            try:
-                await sync.check()  # before the first decision, when the server answers now
-                await sync.settle_start()
-            except StateUnavailable:
-                pass  # (the shared view's loop tries again)
+        # the decisions' quota usage: exact in process, else read with the shared view
+        engine.quota_usage = state.quota_reader or engine.quota_view.get
+        sync = SharedStateSync(state, store, settings, engine)
+        try:  # before the first decision: rebuilt from the log in process; a server's epoch checked when it answers
+            await sync.start()
+        except StateUnavailable:
+            pass  # (the shared view's loop tries again)
         CLOCK.mark("state")
         scraper = InferenceScraper(engine, settings) if settings.inference_servers else None
         readiness = Readiness(store, state, settings.ready_probe_s)
@@ -306,8 +300,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
             name: t.gateway for name, t in tenants.items()}))
         webhooks = services.webhooks = WebhookSender(settings, migration_store, metrics, access_sync.tenants())
         access_sync.on_install.append(webhooks.set_tenants)
-        migrator = services.migrator = Migrator(services, migration_store, admission.route_decision,
-                                                admission.release, admission.best_effort)
+        migrator = services.migrator = Migrator(services, migration_store)
         try:  # the active events' masks before the first decision; unfinished migrations resume in the loop
             await migrator.start()
         except BaseException:

@@ -40,7 +40,6 @@ from router.decision.model_slot import ActivePolicy, PolicySlot
 from router.decision.quotas import QuotaPlan, QuotaView, budget_failure, live_budget, quota_failure
 from router.decision.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
-from router.state.embedded import EmbeddedState
 from router.state.ledger import QuotaUsage
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
@@ -466,38 +465,6 @@ class RoutingEngine:
             hit = self._policy_json[id(pinfo)] = (pinfo, _dumps(pinfo))
         return hit[1]
 
-    # ------------------------------------------------------------------ the decision
-    def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-               state: EmbeddedState | None = None) -> tuple[bytes, tuple[Any, ...], str, dict[str, Any]]:
-        """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
-        candidate with room in it and the tenant's quotas, then :meth:`admit`. Returns (response JSON, decision-log row,
-        offering id, policy info). Without ``state`` nothing is reserved (the environment's view
-        alone, as before the shared state). The HTTP route does the same with any backend
-        (``router.api.route``)."""
-        affinity = hashes = None
-        if state is not None and self.wants_affinity(req):
-            self.check_prefix(req)
-            hashes = self.prefix_array(req)
-            affinity = state.prefix_lookup_now(hashes, self.session_key(who, req), self.prefix_ttl_s)
-        r = self.rank(req, who, decision_id, wall, affinity=affinity, hashes=hashes)
-        if state is None:
-            return self.admit(r, 0)
-        hold = self.hold_s(r)
-        pool = state.reserve_now(self.candidates(r), decision_id, hold)
-        if pool is None:
-            raise self.shared_full(r)
-        k = self.candidate_of(r, pool)
-        charge = self.quota_charge(r)
-        if charge is not None:
-            verdict = state.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
-            if not verdict.ok:
-                state.release_now(decision_id)
-                self.release_local(decision_id, wall)
-                raise self.quota_exceeded(charge[0], verdict)
-        if r.prefix is not None:
-            state.prefix_record_now(decision_id, pool, r.prefix)
-        return self.admit(r, k, hold, quota=None if charge is None else charge[1:])
-
     # ------------------------------------------------------------------ prefix affinity and sessions
     @staticmethod
     def wants_affinity(req: RouteRequest) -> bool:
@@ -583,7 +550,7 @@ class RoutingEngine:
 
         ``affinity``: what the shared prefix index said of the request's prefix hashes (``hashes``,
         as :meth:`prefix_array` gives them, when the caller has them already) and session
-        (``router.state.base.RouterState.prefix_lookup``): the expected cached prefix on each pool lowers
+        (``router.service.ports.DecisionState.lookup``): the expected cached prefix on each pool lowers
         its expected prefill, cost and TTFT, and shows in the features (``exp_cached``,
         ``session_here``) -- a soft preference every policy weighs against load, cost and the SLO;
         an offering the constraints exclude is never a candidate, pinned or not.
@@ -879,7 +846,7 @@ class RoutingEngine:
 
     @staticmethod
     def quota_exceeded(buckets: Sequence[QuotaBucket], verdict: Any) -> RouteFailure:
-        """The 429 (or 422) of a request the state refused (``RouterState.quota_reserve``'s verdict)."""
+        """The 429 (or 422) of a request the state refused (an admission's quota refusal, ``router.state.base.Admitted``)."""
         return RouteFailure(**quota_failure(buckets[verdict.bucket], verdict))
 
     def candidates(self, r: Ranked) -> list[tuple[str, int]]:
@@ -1036,8 +1003,8 @@ class RoutingEngine:
         return self.env.complete_live(reservation_id, self.now(wall)) or h is not None
 
     def apply_shared_view(self, in_flight: dict[str, int], durations_ms: dict[str, float]) -> None:
-        """The shared state's in-flight work per pool (``RouterState.in_flight``) and observed mean
-        durations (``durations``), as the decisions use them: the work this process does not hold
+        """The shared state's in-flight work per pool (``router.state.base.StateView``) and observed mean
+        durations (its ``durations``), as the decisions use them: the work this process does not hold
         itself -- ``max(0, shared - own)`` per pool -- goes into the environment's ``view_others``,
         the durations (seconds) into ``view_service_s`` (``envs.kernels.candidate_outcomes_into``
         documents the formula)."""

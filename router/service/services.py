@@ -10,7 +10,7 @@ from router.control.keys import KeyStore
 from router.core.metrics import Metrics
 from router.core.settings import RouterSettings
 from router.decision.engine import RoutingEngine
-from router.state.base import RouterState
+from router.service.ports import SharedState
 from router.store.sqlite import GroupCommitLog
 
 
@@ -24,8 +24,9 @@ class Services:
     keys: KeyStore
     metrics: Metrics
     models: object  # router.service.models.ModelManager (kept loose to avoid an import cycle)
-    #: in-flight work, outcome statistics, idempotency keys (router.state.base)
-    state: RouterState
+    #: the shared state as the services consume it (router.service.ports): admission, outcomes,
+    #: affinity, the shared view, idempotency, recovery
+    state: SharedState
     #: the pools' inference servers' own metrics (router.service.scrape.InferenceScraper), when configured
     scraper: object | None = None
     #: the OpenAI-compatible gateway (router.gateway.service.Gateway), set once built
