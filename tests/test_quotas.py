@@ -240,12 +240,10 @@ def test_quota_events_rebuild_the_counters(make_state: Make) -> None:
               QuotaSettled("a", 400, 0.2)]
 
     async def body(s: SharedState) -> None:
-        if isinstance(s, EmbeddedState):
-            out = s.core.rebuild(events, now_wall=now)
-        else:
-            epoch = await s.epoch()
-            assert epoch is not None
-            out = await s.restore(epoch, "log-1", events, [], now)
+        epoch = await s.epoch()  # (None in this process: restored at start)
+        assert (epoch is None) == isinstance(s, EmbeddedState)
+        out = await s.restore(epoch, "log-1", events, [], now)
+        if epoch is not None:
             assert await s.restore(epoch, "log-1", events, [], now) is None  # once per epoch and log
         assert out is not None and out["quota_reserved"] == 3 and out["quota_settled"] == 1
         u = (await quota_usage(s, ["t:e", "m:e|x"]))
@@ -273,12 +271,7 @@ def test_a_restore_never_books_what_the_counters_hold_settled_or_not(make_state:
         assert await quota_settle(s, "s", 300, 0.25)
         before = (await quota_usage(s, ["t:f"]))["t:f"]
         assert before == QuotaUsage(1, 1000, 2, pytest.approx(0.75))
-        if isinstance(s, EmbeddedState):
-            out = s.core.rebuild(events, now_wall=now)
-        else:
-            epoch = await s.epoch()
-            assert epoch is not None
-            out = await s.restore(epoch, "log-1", events, [], now)
+        out = await s.restore(await s.epoch(), "log-1", events, [], now)
         assert out is not None and out["quota_reserved"] == 0 and out["quota_settled"] == 0
         assert (await quota_usage(s, ["t:f"]))["t:f"] == before
         assert not await quota_settle(s, "s", 10, 0.0) and not await quota_release(s, "s")
