@@ -73,7 +73,8 @@ async def decide(engine: RoutingEngine, state: DecisionState, body: RouteRequest
     quota = None
     if charge is not None:
         quota = (charge[1], charge[2])
-        engine.quota_view.add_own(*charge)  # (the shared view's usage, until its next read)
+        if state.quota_reader is None:  # (the decisions read a shared view: this process's own since its last read)
+            engine.quota_view.add_own(*charge)
     try:
         payload, row, offering_id, pinfo = engine.admit(r, engine.candidate_of(r, got.pool), hold, key, quota)
     except BaseException:
