@@ -10,11 +10,15 @@ import json
 import time
 from typing import Any
 
+from fastapi import HTTPException
+
 from router.core.logs import LOG, iso
-from router.service.admission import settle_in_doubt
+from router.decision.engine import RouteFailure
+from router.service.admission import abandon, claim, idempotency_digest, remember, replayed, settle_in_doubt
 from router.service.services import Services
 from router.state.base import PoolOutcome, QuotaSettle, Settlement
-from router.store.sqlite import DecisionRef
+from router.store.sqlite import CommitInDoubt, DecisionRef
+from xroute.schema.access import Principal
 from xroute.schema.decision import FeedbackRequest
 from xroute.schema.quota import settled_amounts
 
@@ -103,3 +107,49 @@ async def close_the_loop(svc: Services, body: FeedbackRequest, ref: DecisionRef)
     engine = svc.engine
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)
+
+
+async def record_feedback(svc: Services, body: FeedbackRequest, who: Principal, idempotency: str | None = None
+                          ) -> bytes:
+    """``POST /v1/feedback``'s pipeline: claim the key (its first answer again, or 409), find the
+    decision (the caller's tenant's: 404 else), check the cached tokens against its prompt (422),
+    store the feedback row with its realized reward (durable before the answer), then close the
+    loop (:func:`close_the_loop`) and complete the key. A commit in doubt keeps the key pending
+    until the log says (``settle_in_doubt``); any other failure drops the claim."""
+    key = digest = ref = None
+    if idempotency is not None:
+        digest = idempotency_digest(body.model_dump_json())
+        key = f"{who.tenant}:feedback:{idempotency}"
+        first = await claim(svc.state, key, svc.settings.idempotency_ttl_s)
+        if first is not None:
+            return replayed(first, digest)
+    now = 0.0
+    try:
+        ref = await svc.store.lookup(body.decision_id)
+        if ref is None or ref.tenant != who.tenant:
+            raise HTTPException(404, f"no decision '{body.decision_id}' for tenant '{who.tenant}'")
+        if body.cached_tokens is not None and body.cached_tokens > ref.input_tokens:
+            msg = (f"{body.cached_tokens} cached tokens for a request of {ref.input_tokens} input tokens: at most its "
+                   "input_tokens")
+            raise RouteFailure(422, "invalid_cached_tokens", msg, [{"field": "body.cached_tokens", "message": msg,
+                                                                     "suggestions": []}])
+        now = time.time()
+        reward, missed = svc.engine.feedback_reward(ref, body)
+        # a client's report of cached_tokens goes where the gateway writes what it measured (its column)
+        fid = await svc.store.record_feedback(feedback_row(body, who.tenant, now, key, reward, missed,
+                                                           (None, None, body.cached_tokens)))
+    except CommitInDoubt:
+        if key is not None:  # stored or not? the key waits for the log to say
+            assert digest is not None and ref is not None
+            settle_feedback(svc, key, digest, body, ref, now)
+        raise
+    except BaseException:
+        if key is not None:
+            await abandon(svc.state, key)
+        raise
+    answer = feedback_answer(fid, body.decision_id, now)
+    await close_the_loop(svc, body, ref)
+    if key is not None:
+        assert digest is not None
+        await remember(svc.state, key, digest + answer, svc.settings.idempotency_ttl_s)
+    return answer

@@ -42,6 +42,10 @@ carry 64 % of the weight, the half-life is ~13.5 outcomes), the first observatio
 ``mean = x, var = 0``; each later one ``d = x - mean; mean += alpha * d;
 var = (1 - alpha) * (var + alpha * d * d)`` (the incremental exponentially weighted variance,
 Finch 2009). The failure rate is the same mean over 0/1. Counts are kept exactly.
+
+The per-request types (an admission, a settlement and their answers, a lookup's affinity) are
+plain slotted dataclasses -- not frozen, whose construction costs five times as much -- and are not
+changed once made.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ class Epoch:
     started: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Affinity:
     """The lookup's answer (``router.service.ports.DecisionState.lookup``): per pool with a match, the leading blocks of the
     request's prompt the index expects cached there (``runs``) and the pool's retention (the share
@@ -112,7 +116,7 @@ class Affinity:
     session_pool: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixSend:
     """What a decision records in the prefix index with its :class:`Admission`: the
     prompt's block hashes, the session key (or None), the age bound (``ttl_s``), and per candidate
@@ -125,7 +129,7 @@ class PrefixSend:
     candidates: dict[str, tuple[int, float, float]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QuotaCharge:
     """What a request counts in its tenant's quotas: the buckets it counts in (all of them, or
     none), its tokens (``input_tokens + max_output_tokens``) and USD (the expected cost), one
@@ -136,7 +140,7 @@ class QuotaCharge:
     usd: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
     """One decision's admission, all or nothing (one Lua script on Redis, one round trip): reserve
     ``slots`` on the first ``(pool, capacity)`` of ``candidates`` whose in-flight work plus
@@ -154,7 +158,7 @@ class Admission:
     slots: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admitted:
     """An admission's answer: the pool reserved, or None when nothing was taken -- then ``refused``
     is the quota's verdict when a limit refused it (the first limit hit), None when no candidate
@@ -164,7 +168,7 @@ class Admitted:
     refused: QuotaVerdict | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PoolOutcome:
     """One outcome of work on ``pool``, for its statistics (the module docstring's estimator)."""
 
@@ -174,7 +178,7 @@ class PoolOutcome:
     failed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QuotaSettle:
     """What a settlement does with the decision's tenant quota reservation: reconcile it with what
     the request used (``tokens`` while in the sliding window, ``usd`` in its day; None keeps what was
@@ -186,11 +190,11 @@ class QuotaSettle:
     undo: bool = False
 
 
-#: a settlement's quota part that undoes the reservation
+#: a settlement's quota part that undoes the reservation (shared: never changed)
 QUOTA_UNDO = QuotaSettle(undo=True)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Settlement:
     """One decision's outcome, or its undo, in one call (one Lua script on Redis): ``release`` its
     pool's reservation (twice is harmless), fold ``outcome`` into the pool's statistics, settle or
@@ -206,7 +210,7 @@ class Settlement:
     retention_alpha: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Settled:
     """What a settlement found: the pool released (None: not held -- never reserved, released or
     expired already), whether a quota reservation was settled or undone (False: none held, or
@@ -217,7 +221,7 @@ class Settled:
     retention_pool: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StateView:
     """The state as the decisions and the status pages read it: slots reserved per pool (pools
     with none absent), reservations expired per pool since the state began, the observed mean

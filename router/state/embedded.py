@@ -112,8 +112,10 @@ class EmbeddedCore:
             return Admitted(held[0])
         _check_reserve(a.candidates, a.hold_s, a.slots)
         in_flight, slots = self._in_flight, a.slots
-        pool = next((p for p, capacity in a.candidates if in_flight.get(p, 0) + slots <= capacity), None)
-        if pool is None:
+        for pool, capacity in a.candidates:
+            if in_flight.get(pool, 0) + slots <= capacity:
+                break
+        else:
             return Admitted(None)
         q = a.quota
         if q is not None:
