@@ -23,8 +23,8 @@
    ``bench_router.py`` (so the machine's drift does not bias the ratios); reported: median req/s,
    p99, the server's CPU per request, and the ratios to ``off`` of each round's ``vs_trivial``
    (median and range). Targets (issue 35): ``on`` >= 0.9 of ``off``, ``both`` >= 0.85 of ``off``.
-   ``--http-only`` runs this part alone -- it needs nothing of the router but ``xroute serve``, so
-   the same file measures another checkout (copy it there) on the same machine.
+   ``--against DIR`` adds another checkout's servers (e.g. a ``git worktree`` of main) to the same
+   rounds, so before and after face the same machine; ``--http-only`` runs this part alone.
 
 Usage::
 
@@ -227,29 +227,67 @@ def _variants(work: Path, redis_url: str | None) -> dict[str, tuple[dict[str, st
     return out
 
 
-def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int) -> dict[str, Any]:
-    """``POST /v1/route`` with quotas off, on, and with prefix affinity too (module docstring, 3)."""
-    import bench_router as br
+def _route_server(br: Any, work: Path, key: str, env: dict[str, str], label: str, prefix: bool,
+                  checkout: Path) -> Any:
+    """``xroute serve`` of ``checkout`` (its code: ``PYTHONPATH`` and working directory), with its
+    wrk script (the ``both`` variant's: :data:`_PREFIX_LUA`)."""
     import httpx
+
+    saved = br.REPO
+    br.REPO = checkout  # (the server's working directory: python -m imports from there first)
+    try:
+        srv = br._Server.route(work, None, "", key, {**env, "PYTHONPATH": str(checkout)}, label)
+    finally:
+        br.REPO = saved
+    if prefix:
+        origins = httpx.get(srv.url.replace("/v1/route", "/v1/offerings"),
+                            headers={"Authorization": f"Bearer {key}"}).json()["origins"]
+        srv.script = work / f"route-{label}.lua"
+        srv.script.write_text(_PREFIX_LUA % {"origins": ", ".join(f'"{o}"' for o in origins), "key": key})
+    return srv
+
+
+def _ratios(runs: dict[str, list[dict[str, Any]]], tag: str = "") -> dict[str, Any]:
+    """Each round's ``vs_trivial`` of ``on`` and ``both`` over ``off``'s (the same backend and
+    checkout): median and range, and the server CPU a request they add."""
+    out: dict[str, Any] = {}
+    for pair in ("on_vs_off", "both_vs_off"):
+        for backend in ("embedded", "redis"):
+            a, b = f"{tag}{backend}_{pair.split('_vs_')[0]}", f"{tag}{backend}_off"
+            if a in runs and b in runs:
+                ratios = [x["vs_trivial"] / y["vs_trivial"] for x, y in zip(runs[a], runs[b])]
+                cpu = [x.get("server_cpu_us_per_req", np.nan) - y.get("server_cpu_us_per_req", np.nan)
+                       for x, y in zip(runs[a], runs[b])]
+                out[f"{tag}{backend}_{pair}"] = {"median": round(float(np.median(ratios)), 3),
+                                                 "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+                                                 "server_cpu_us_per_req_added": round(float(np.nanmedian(cpu)), 1)}
+    return out
+
+
+def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int,
+               against: Path | None = None) -> dict[str, Any]:
+    """``POST /v1/route`` with quotas off, on, and with prefix affinity too (module docstring, 3);
+    with ``against`` (another checkout), its servers too -- labelled ``against:`` -- in the same
+    rounds, so both face the same machine."""
+    import bench_router as br
 
     from router.control.keys import add_key
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     key = add_key(work / "keys.json", "bench")
-    variants = _variants(work, redis_url)
-    ref = br._Server.simple(work, "trivial", "auto", env)
+    variants = {v: (o, pf, REPO) for v, (o, pf) in _variants(work, redis_url).items()}
+    if against is not None:
+        variants.update({f"against:{v}": ({**o, **({"XROUTE_ROUTER_STATE_PREFIX": f"against-{o['XROUTE_ROUTER_STATE_PREFIX']}"}
+                                                   if "XROUTE_ROUTER_STATE_PREFIX" in o else {})}, pf, against)
+                         for v, (o, pf) in _variants(work, redis_url).items()})
+    ref = br._Server.simple(work, "trivial", "auto", {**env, "PYTHONPATH": str(REPO)})
     servers: dict[str, Any] = {}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         ref.warm_up()
-        for v, (overrides, prefix) in variants.items():
-            srv = servers[v] = br._Server.route(work, None, "", key, {**env, **overrides}, f"quotas-{v}")
-            if prefix:
-                origins = httpx.get(srv.url.replace("/v1/route", "/v1/offerings"),
-                                    headers={"Authorization": f"Bearer {key}"}).json()["origins"]
-                srv.script = work / f"route-{v}.lua"
-                srv.script.write_text(_PREFIX_LUA % {"origins": ", ".join(f'"{o}"' for o in origins), "key": key})
-            srv.warm_up()
+        for v, (overrides, prefix, checkout) in variants.items():
+            servers[v] = _route_server(br, work, key, {**env, **overrides}, v.replace(":", "-"), prefix, checkout)
+            servers[v].warm_up()
         order = list(variants)
         for r in range(rounds):
             for v in order[r % len(order):] + order[: r % len(order)]:
@@ -266,20 +304,15 @@ def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int) -
         for srv in servers.values():
             srv.stop()
     out: dict[str, Any] = {v: br._median_of(runs[v]) for v in variants}
-    for pair in ("on_vs_off", "both_vs_off"):
-        for backend in ("embedded", "redis"):
-            a, b = f"{backend}_{pair.split('_vs_')[0]}", f"{backend}_off"
-            if a in runs:
-                ratios = [x["vs_trivial"] / y["vs_trivial"] for x, y in zip(runs[a], runs[b])]
-                cpu = [x.get("server_cpu_us_per_req", np.nan) - y.get("server_cpu_us_per_req", np.nan)
-                       for x, y in zip(runs[a], runs[b])]
-                out[f"{backend}_{pair}"] = {"median": round(float(np.median(ratios)), 3),
-                                            "min": round(min(ratios), 3), "max": round(max(ratios), 3),
-                                            "server_cpu_us_per_req_added": round(float(np.nanmedian(cpu)), 1)}
+    out.update(_ratios(runs))
+    if against is not None:
+        out.update(_ratios(runs, "against:"))
+        out["against"] = str(against)
     return out
 
 
-def _http_part(res: dict[str, Any], redis_url: str | None, seconds: float, rounds: int) -> None:
+def _http_part(res: dict[str, Any], redis_url: str | None, seconds: float, rounds: int,
+               against: Path | None = None) -> None:
     if shutil.which("wrk") is None:
         res["http"] = {"skipped": "wrk not found: sudo apt-get install wrk"}
         return
@@ -287,7 +320,7 @@ def _http_part(res: dict[str, Any], redis_url: str | None, seconds: float, round
 
     work = Path(tempfile.mkdtemp(prefix="xroute-bench-quotas-http-"))
     try:
-        res["http"] = bench_http(work, redis_url, seconds, rounds)
+        res["http"] = bench_http(work, redis_url, seconds, rounds, against)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -323,6 +356,8 @@ def main() -> None:
                                                         "affinity (wrk)")
     ap.add_argument("--http-only", action="store_true", help="only the HTTP part (any checkout's xroute serve)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per HTTP run")
+    ap.add_argument("--against", type=Path, default=None, help="another checkout (e.g. a git worktree of main) whose "
+                                                               "servers run in the same HTTP rounds")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "quotas.json")
     a = ap.parse_args()
     for name, v in (("--n", a.n), ("--redis-n", a.redis_n), ("--decide-n", a.decide_n)):
@@ -341,7 +376,7 @@ def main() -> None:
         if not a.http_only:
             _state_parts(res, server, a)
         if a.http or a.http_only:
-            _http_part(res, server.url, a.duration, a.rounds)
+            _http_part(res, server.url, a.duration, a.rounds, a.against)
     finally:
         server.close()
     res["load_average_at_end"] = os.getloadavg()
@@ -374,7 +409,7 @@ def table(res: dict[str, Any]) -> str:
     if http and "skipped" not in http:
         lines += ["", "| POST /v1/route | req/s | p99 ms | server CPU us/req | vs trivial |", "|---|---:|---:|---:|---:|"]
         for v, m in http.items():
-            if "_vs_" not in v:
+            if "_vs_" not in v and isinstance(m, dict):
                 lines.append(f"| {v} | {m['rps']} | {m['p99_ms']} | {m.get('server_cpu_us_per_req')} | "
                              f"{m['vs_trivial']} |")
         for k, x in http.items():
