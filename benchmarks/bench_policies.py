@@ -191,6 +191,7 @@ def _engine(bundle: Path, settings_env: dict[str, str], install: bool, work: Pat
 
 def bench_engine(bundle: Path, n: int, rounds: int, work: Path) -> dict[str, Any]:
     """Part 2, in process: ``RoutingEngine.decide`` per variant, interleaved in rounds."""
+    from tests.state_support import decide
     from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
@@ -209,7 +210,7 @@ def bench_engine(bundle: Path, n: int, rounds: int, work: Path) -> dict[str, Any
                 wall = wall0 + 0.02 * clock[v]
                 clock[v] += 1
                 t0 = time.perf_counter()
-                eng.decide(reqs[i % 256], who, f"d_{r}_{i}", wall)
+                decide(eng, reqs[i % 256], who, f"d_{r}_{i}", wall)
                 times.append(time.perf_counter() - t0)
             skip = min(1000, n // 10) if r == 0 else 0
             p = _pct(times[skip:])

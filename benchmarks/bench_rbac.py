@@ -112,6 +112,7 @@ def bench_check(eng: Any, n: int) -> dict[str, Any]:
 
 def bench_decide(eng: Any, n: int, rounds: int) -> dict[str, Any]:
     from router.decision.access import AccessControl
+    from tests.state_support import decide
     from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
@@ -130,7 +131,7 @@ def bench_decide(eng: Any, n: int, rounds: int) -> dict[str, Any]:
                 wall = wall0 + 0.02 * clock
                 clock += 1
                 t0 = time.perf_counter()
-                eng.decide(reqs[i % 256], w, f"d_{v}_{r}_{i}", wall)
+                decide(eng, reqs[i % 256], w, f"d_{v}_{r}_{i}", wall)
                 times.append(time.perf_counter() - t0)
             skip = min(500, n // 10) if r == 0 else 0
             p = _pct(times[skip:])

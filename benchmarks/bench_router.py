@@ -162,6 +162,7 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
     from router.core.settings import load_settings
     from router.decision.engine import RoutingEngine
     from router.decision.model_slot import ActivePolicy
+    from tests.state_support import decide
     from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
@@ -205,7 +206,7 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
             wall = wall0 + 0.02 * (n + i)
             r = constrained if i % 4 == 0 else reqs[i % 256]
             t0 = time.perf_counter()
-            eng.decide(r, who, f"d_{i}", wall)
+            decide(eng, r, who, f"d_{i}", wall)
             full.append(time.perf_counter() - t0)
         skip = min(1000, n // 10)  # the first decisions warm caches and compile: not measured
         out[label] = {"offerings": env.n, "features_to_argmax": _pct(core[skip:]), "engine_decide": _pct(full[skip:])}
@@ -225,6 +226,7 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
     from router.core.settings import load_settings
     from router.decision.engine import RoutingEngine
     from router.decision.model_slot import ActivePolicy
+    from tests.state_support import decide
     from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
@@ -260,7 +262,7 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
                 took = []
                 for i in range(n):
                     t0 = time.perf_counter()
-                    _, row, _, _ = eng.decide(reqs[i % 256], who, f"d_{r}_{i}", wall0 + 0.02 * i)
+                    _, row, _, _ = decide(eng, reqs[i % 256], who, f"d_{r}_{i}", wall0 + 0.02 * i)
                     took.append(time.perf_counter() - t0)
                     if r and i % 100 == 0:
                         blob[v].append(len(row.features) if row.features is not None else 0)

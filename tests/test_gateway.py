@@ -34,6 +34,7 @@ from router.gateway.openai_api import has_token
 from router.gateway.tokens import PromptCounter, chat_texts, estimate
 from router.service.scrape import parse_metrics
 from tests.servers import ServerThread, free_port
+from tests.state_support import core_stats
 from tests.test_router_support import LogCapture, RouterSetup, make_setup
 from tests.vllm_standin import Fault, StandIn, StandInConfig
 from xroute.errors import ConfigError
@@ -82,7 +83,7 @@ class Gw:
             time.sleep(0.05)
 
     def in_flight(self) -> dict[str, int]:
-        return dict(self.services.state.in_flight_now())
+        return dict(self.services.state.core.view().in_flight)
 
     def settle(self, timeout: float = 5.0) -> None:
         """Wait until no reservation is held (the loops close after the answers)."""
@@ -192,7 +193,7 @@ def test_a_streamed_chat_is_relayed_measured_and_closes_the_loop(gw: Gw) -> None
     # the closed loop, as POST /v1/feedback closes it: released, the pool's statistics, the estimator
     gw.settle()
     assert gw.in_flight() == {}
-    st = gw.services.state.stats_now(engine.pool_key_of(offering, MODEL))
+    st = core_stats(gw.services.state, engine.pool_key_of(offering, MODEL))
     assert st.outcomes >= 1 and st.ttft_ms_mean is not None
     assert float(engine.env.est_n.sum()) > est_before
     # the decision, with the measured outcome, over the API

@@ -22,6 +22,7 @@ from envs.kernels import BUSY
 from models.baselines import BASELINES
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights
 from tests.policy_cases import random_policy_set, reference
+from tests.state_support import decide
 from xroute.bundle import Bundle, load_bundle
 from xroute.catalog_tools import perturb_catalog
 from xroute.config import EnvConfig, EvaluateConfig
@@ -153,7 +154,7 @@ def test_no_decision_of_the_router_lands_outside_the_policies(engine: Any, polic
             body["request_class"] = str(rng.choice(["gold", "batch", "fast"]))
         req = RouteRequest.model_validate(body)
         try:
-            text, *_ = engine.decide(req, Principal(tenant, "tenant", "k"), f"d_{policy_seed}_{k}", time.time())
+            text, *_ = decide(engine, req, Principal(tenant, "tenant", "k"), f"d_{policy_seed}_{k}", time.time())
         except RouteFailure as e:
             assert e.status in (422, 429), e.message
             continue

@@ -28,11 +28,13 @@ from router.app.factory import create_app
 from router.core.settings import EXPLORE_MAX
 from router.decision import ope_log
 from router.decision.engine import RoutingEngine
+from router.state.base import Admission
 from router.state.embedded import EmbeddedState
 from router.store.readers import iter_decisions
 from router.store.rows import ADDED_COLUMNS
 from router.store.sqlite import DecisionStore, GroupCommitLog, read_catalogs
 from tests.servers import REPO_ROOT, ServerThread
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 from xroute.errors import ConfigError
 from xroute.schema.access import Principal
@@ -315,8 +317,8 @@ def test_a_request_the_shared_state_moves_logs_what_it_served_and_no_propensity(
     state = EmbeddedState()
     first = eng.candidates(eng.rank(req, who, "probe", wall))[0]  # ranked, not admitted
     for i in range(first[1]):  # another router fills that pool (this one's view does not know yet)
-        assert state.reserve_now([first], f"other-{i}", 600.0) == first[0]
-    _, row, served, _ = eng.decide(req, who, "d_moved", wall, state=state)
+        assert state.core.admit(Admission(f"other-{i}", [first], 600.0)).pool == first[0]
+    _, row, served, _ = decide(eng, req, who, "d_moved", wall, state=state)
     assert row.features is not None
     rec = ope_log.unpack(row.features)
     offering_ids = eng.offering_ids
@@ -324,7 +326,7 @@ def test_a_request_the_shared_state_moves_logs_what_it_served_and_no_propensity(
     assert offering_ids[rec.action_idx[rec.chosen]] == served
     assert eng.pool_key_of(offering_ids[rec.action_idx[rec.argmax]]) == first[0]
     assert row.propensity is None
-    _, row, _, _ = eng.decide(req, who, "d_free", wall)  # without the shared state's refusal: known
+    _, row, _, _ = decide(eng, req, who, "d_free", wall)  # without the shared state's refusal: known
     assert row.propensity == 1.0
 
 
@@ -373,7 +375,7 @@ def test_a_log_written_before_is_migrated_and_its_old_rows_are_left_out_of_the_e
         log = await _open(target)
         await log.register_catalog(engine.catalog_key, engine.offering_ids)
         for i in range(n):
-            _, row, _, _ = engine.decide(req, who, f"{prefix}{i}", engine.source.start_wall + i)
+            _, row, _, _ = decide(engine, req, who, f"{prefix}{i}", engine.source.start_wall + i)
             if prefix == "d_old":  # written by the previous version: none of the new columns
                 row = dataclasses.replace(row, propensity=None, epsilon=None, features=None)
             await log.record_decision(row)

@@ -26,6 +26,7 @@ from router.store.readers import iter_decisions
 from router.store.rows import DecisionRef, DecisionRow
 from router.store.sqlite import DecisionStore, GroupCommitLog, StoreClosed
 from tests.servers import PostgresServer, ServerThread
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, LogCapture, make_setup
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
@@ -63,7 +64,7 @@ async def _open(target: str | Path, **kw: Any) -> GroupCommitLog:
 
 def _rows(engine: RoutingEngine, n: int, prefix: str = "d_", start: float = 0.0) -> list[DecisionRow]:
     req = RouteRequest.model_validate(ROUTE)
-    return [engine.decide(req, A, f"{prefix}{i:04d}", engine.source.start_wall + start + i * 0.5)[1]  # type: ignore[attr-defined]
+    return [decide(engine, req, A, f"{prefix}{i:04d}", engine.source.start_wall + start + i * 0.5)[1]  # type: ignore[attr-defined]
             for i in range(n)]
 
 

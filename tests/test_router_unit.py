@@ -27,6 +27,7 @@ from router.state.embedded import EmbeddedState
 from router.store.readers import iter_decisions
 from router.store.rows import DECISION_COLUMNS, DecisionRef, DecisionRow
 from router.store.sqlite import DecisionStore, StoreClosed
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
@@ -219,7 +220,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> RoutingEngine:
 
 def _decide(engine: RoutingEngine, who: Principal = A, wall: float | None = None, **body: object) -> dict:
     req = RouteRequest.model_validate({**ROUTE, **body})
-    payload, row, oid, info = engine.decide(req, who, "d_test", engine.source.start_wall if wall is None else wall)
+    payload, row, oid, info = decide(engine, req, who, "d_test", engine.source.start_wall if wall is None else wall)
     out = json.loads(payload)
     assert out["offering"]["offering_id"] == oid == row.offering_id
     return out
@@ -289,12 +290,12 @@ def test_replay_clock_maps_and_wraps(tmp_path: Path) -> None:
 
     req = RouteRequest.model_validate({**ROUTE, "max_output_tokens": 1000})  # expected to take ~30 s
     for k in range(5):
-        eng.decide(req, A, f"d_{k}", 1000.0 + k * 0.01, state=state)
+        decide(eng, req, A, f"d_{k}", 1000.0 + k * 0.01, state=state)
     assert busy() == 5 and eng.generation == 0
     before = eng.env.est_free.copy()
-    eng.decide(req, A, "d_5", 1000.0 + 0.15, state=state)  # 1.5 s later: wrapped
+    decide(eng, req, A, "d_5", 1000.0 + 0.15, state=state)  # 1.5 s later: wrapped
     assert eng.generation == 1 and busy() == 6  # still in flight
-    assert sum(state.in_flight_now().values()) == 6
+    assert sum(state.core.view().in_flight.values()) == 6
     moved = np.isfinite(before)  # the slots expected to free: moved back by the window
     assert moved.sum() == 5 and np.allclose(eng.env.est_free[moved], before[moved] - src.span)
     _decide(eng, wall=1000.0 + 6.0)  # 60 s later: the six have ended as expected
@@ -391,7 +392,7 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
         got = []
         for eng, state in zip((fused, general), states):
             try:
-                payload, row, oid, info = eng.decide(req, who, f"d_{i}", wall, state=state if i % 2 else None)
+                payload, row, oid, info = decide(eng, req, who, f"d_{i}", wall, state=state if i % 2 else None)
                 got.append((200, payload, row, oid))
                 kinds.add(json.loads(payload)["score_kind"])
             except RouteFailure as e:
@@ -400,7 +401,7 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
         assert got[0] == got[1], i
         outcomes[got[0][0]] += 1
     assert outcomes[200] > 100 and outcomes[429] > 20  # both the answers and the full pools were compared
-    assert states[0].in_flight_now() == states[1].in_flight_now() and states[0].in_flight_now()
+    assert states[0].core.view().in_flight == states[1].core.view().in_flight and states[0].core.view().in_flight
     assert shared_full > 0  # the shared capacity refused some (both engines alike)
     assert kinds == {"expected_reward" if policy is None else "q_value"}
     for k in ("est_free", "est_min", "inflight", "shift"):
@@ -430,15 +431,15 @@ def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: P
         got = []
         for eng, st_ in ((alone, None), (shared, state)):
             try:
-                got.append(eng.decide(req, A, f"d_{i}", wall, state=st_)[0])
+                got.append(decide(eng, req, A, f"d_{i}", wall, state=st_)[0])
             except RouteFailure as e:
                 got.append((e.status, e.error))
         assert got[0] == got[1], i
         answered += isinstance(got[0], bytes)
         if i % 10 == 0:
-            shared.apply_shared_view(state.in_flight_now(), {})
+            shared.apply_shared_view(state.core.view().in_flight, {})
             assert not shared.env.view_others.any()
-    assert answered > 250 and sum(state.in_flight_now().values()) > 20  # load, and reservations held
+    assert answered > 250 and sum(state.core.view().in_flight.values()) > 20  # load, and reservations held
 
 
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
@@ -514,7 +515,7 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
         for i in range(40):
             req = RouteRequest.model_validate({**ROUTE, "session_id": f"s{i}"})
             did = f"d_{i:04d}"
-            _, row, _, _ = engine.decide(req, A, did, engine.source.start_wall + i * 0.5)
+            _, row, _, _ = decide(engine, req, A, did, engine.source.start_wall + i * 0.5)
             rows.append(row)
             ids.append(did)
         await asyncio.gather(*(store.record_decision(r) for r in rows))
@@ -570,7 +571,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         tenant TEXT NOT NULL, received_at REAL NOT NULL, latency_ms REAL, cost_usd REAL, output_tokens INTEGER,
         failed INTEGER NOT NULL, error TEXT);""")
     req = RouteRequest.model_validate(ROUTE)
-    old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
+    old_text, old_row, _, _ = decide(engine, req, A, "d_old", engine.source.start_wall)
     old_values = tuple(v for c, v in zip(DECISION_COLUMNS, old_row.astuple())
                        if c not in ("pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features",
                                     "quota_tokens", "quota_usd"))
@@ -586,7 +587,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         store.start()
         sent = []
         for i in range(50):
-            text, row, _, _ = engine.decide(req, A, f"d_{i:03d}", engine.source.start_wall + 1 + i)
+            text, row, _, _ = decide(engine, req, A, f"d_{i:03d}", engine.source.start_wall + 1 + i)
             await store.record_decision(row)
             sent.append((f"d_{i:03d}", text))
         for did, text in [("d_old", old_text), *sent]:
@@ -626,7 +627,7 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
     asyncio.run(store.close())
     data = engine.response_dictionary()[-32768:]
     req = RouteRequest.model_validate(ROUTE)
-    old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
+    old_text, old_row, _, _ = decide(engine, req, A, "d_old", engine.source.start_wall)
     legacy = sqlite3.connect(db)  # rewrite the table as the deflate versions made it
     legacy.executescript("DROP TABLE zdicts; CREATE TABLE zdicts (zdict_id INTEGER PRIMARY KEY, "
                          "sha256 TEXT NOT NULL UNIQUE, data BLOB NOT NULL);")
@@ -642,7 +643,7 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
         store = DecisionStore(db)
         assert store.use_dictionary(engine.response_dictionary()) == 2
         store.start()
-        text, row, _, _ = engine.decide(req, A, "d_new", engine.source.start_wall + 1)
+        text, row, _, _ = decide(engine, req, A, "d_new", engine.source.start_wall + 1)
         await store.record_decision(row)
         for did, sent in (("d_old", old_text), ("d_new", text)):
             rec = await store.get_decision(did, "a")
@@ -700,10 +701,10 @@ def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, en
         store = DecisionStore(tmp_path / "d.db")
         store.start()
         req = RouteRequest.model_validate(ROUTE)
-        _, row, _, _ = engine.decide(req, A, "d_first", engine.source.start_wall)
+        _, row, _, _ = decide(engine, req, A, "d_first", engine.source.start_wall)
         await store.record_decision(row)  # the writer works
         os.kill(store._proc.pid, signal.SIGKILL)
-        _, row2, _, _ = engine.decide(req, A, "d_second", engine.source.start_wall + 1)
+        _, row2, _, _ = decide(engine, req, A, "d_second", engine.source.start_wall + 1)
         with pytest.raises(StoreClosed, match="writer process exited"):
             await asyncio.wait_for(store.record_decision(row2), timeout=10)
         with pytest.raises(StoreClosed):
@@ -725,7 +726,7 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
     from router.store.sqlite import PROCESS_BATCHES_IN_FLIGHT
 
     req = RouteRequest.model_validate(ROUTE)
-    rows = [engine.decide(req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]
+    rows = [decide(engine, req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]
 
     async def run() -> None:
         store = DecisionStore(tmp_path / "d.db")

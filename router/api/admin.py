@@ -7,7 +7,8 @@ import time
 from fastapi import APIRouter
 
 from router.http.deps import ReadStatus, WriteModel
-from router.state.base import RouterState, StateUnavailable
+from router.service.ports import SharedState
+from router.state.base import StateUnavailable
 from xroute.schema.decision import ErrorResponse
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"],
@@ -37,13 +38,14 @@ async def status(caller: ReadStatus) -> dict[str, object]:
     }
 
 
-async def state_status(state: RouterState) -> dict[str, object]:
+async def state_status(state: SharedState) -> dict[str, object]:
     """The shared state's description, its in-flight work and expired reservations per pool (or
     the error that kept them from being read)."""
     out: dict[str, object] = dict(state.describe())
     try:
-        out["in_flight"] = await state.in_flight()
-        out["expired"] = await state.expired()
+        view = await state.view()
+        out["in_flight"] = view.in_flight
+        out["expired"] = view.expired
     except StateUnavailable as e:
         out["error"] = str(e)
     return out

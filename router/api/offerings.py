@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1", tags=["offerings"])
             summary="Current state of every offering, and the known origins")
 async def offerings(caller: CallerDep) -> dict[str, object]:
     try:
-        reserved: dict[str, int] | None = await caller.svc.state.in_flight()
+        reserved: dict[str, int] | None = (await caller.svc.state.view()).in_flight
     except StateUnavailable:
         reserved = None
     return caller.svc.engine.offerings_state(time.time(), reserved)

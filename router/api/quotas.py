@@ -9,7 +9,6 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from router.http.deps import CallerDep, ReadQuotas
-from router.service.admission import state_call
 from router.service.services import Services
 from xroute.schema.decision import ErrorResponse
 from xroute.schema.quota import LIMITS, QuotaBucket
@@ -45,7 +44,7 @@ async def _buckets(svc: Services, tenants: list[str]) -> QuotasResponse:
         for model in ["", *q.models]:
             for b in plan.buckets(tenant, model):
                 seen.setdefault(b.key, b)
-    usage = await state_call(svc.state, "quota_usage", list(seen)) if seen else {}
+    usage = (await svc.state.view(list(seen))).quotas if seen else {}
     out = []
     for key, b in seen.items():
         u = usage[key]

@@ -42,16 +42,15 @@ from router.gateway.openai_api import ChatBody, CompletionBody
 from router.gateway.service import Gateway
 from router.http import errors
 from router.http.middleware import RequestContext
-from router.service import admission
 from router.service.migration import Migrator
 from router.service.models import ModelManager
+from router.service.ports import SharedState
 from router.service.readiness import Readiness
-from router.service.recovery import SharedStateSync, rebuild_embedded_state, refresh_shared_view
+from router.service.recovery import SharedStateSync, refresh_shared_view
 from router.service.scrape import InferenceScraper
 from router.service.services import Services
 from router.service.webhooks import WebhookSender
-from router.state.base import RouterState, StateUnavailable
-from router.state.embedded import EmbeddedState
+from router.state.base import StateUnavailable
 from router.state.open import StateSettings, open_state
 from router.store.migrations import MigrationStore
 from router.store.policies import PolicyStore
@@ -113,7 +112,7 @@ async def open_decision_log(settings: RouterSettings, metrics: Metrics, engine: 
     return store
 
 
-async def open_router_state(settings: RouterSettings) -> RouterState:
+async def open_router_state(settings: RouterSettings) -> SharedState:
     """The shared state the settings name (``router.state.base``). A server that cannot be reached at
     start is logged, not fatal: each operation raises ``StateUnavailable`` (or answers locally with
     ``state_fail_open``) until it is back."""
@@ -123,9 +122,9 @@ async def open_router_state(settings: RouterSettings) -> RouterState:
                     extra={"fields": {"error": why}})
 
     url = settings.state_url.get_secret_value() if settings.state_url is not None else None
-    state = open_state(StateSettings(settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s,
-                                     settings.state_prefix, settings.state_stats_alpha,
-                                     settings.state_restore_window_s), on_failover=failover)
+    state: SharedState = open_state(StateSettings(
+        settings.state_backend, url, settings.state_fail_open, settings.state_timeout_s, settings.state_prefix,
+        settings.state_stats_alpha, restore_window_s=settings.state_restore_window_s), on_failover=failover)
     if not await state.healthy():
         LOG.warning("shared state unreachable at start", extra={"fields": state.describe()})
     return state
@@ -251,20 +250,16 @@ async def _open_control(stack: AsyncExitStack, settings: RouterSettings, engine:
     return policy_sync, access_sync, migration_store
 
 
-async def _restore_state(state: RouterState, store: GroupCommitLog, settings: RouterSettings,
-                         engine: RoutingEngine) -> SharedStateSync | None:
-    """The embedded state rebuilt from the decision log; a shared one checked for a loss of its data
-    before the first decision (``router.service.recovery``) -- its sync, which the shared view's loop
-    runs."""
-    if isinstance(state, EmbeddedState):
-        await rebuild_embedded_state(state, store, settings, engine)
-        engine.quota_usage = state.quota_usage_now  # (exact, in process)
-        return None
-    engine.quota_usage = engine.quota_view.get  # (read with the shared view)
+async def _restore_state(state: SharedState, store: GroupCommitLog, settings: RouterSettings,
+                         engine: RoutingEngine) -> SharedStateSync:
+    """The shared state restored before the first decision (``router.service.recovery``): an
+    embedded one rebuilt from the decision log, a server's checked for a loss of its data when it
+    answers now -- its sync, which the shared view's loop runs. The decisions' quota usage is exact in
+    process, else read with the shared view."""
+    engine.quota_usage = state.quota_reader or engine.quota_view.get
     sync = SharedStateSync(state, store, settings, engine)
     try:
-        await sync.check()  # before the first decision, when the server answers now
-        await sync.settle_start()
+        await sync.start()
     except StateUnavailable:
         pass  # (the shared view's loop tries again)
     return sync
@@ -286,18 +281,17 @@ async def _serving_parts(stack: AsyncExitStack, services: Services, migration_st
                                                  access_sync.tenants())
     stack.push_async_callback(webhooks.close)
     access_sync.on_install.append(webhooks.set_tenants)
-    migrator = services.migrator = Migrator(services, migration_store, admission.route_decision,
-                                            admission.release, admission.best_effort)
+    migrator = services.migrator = Migrator(services, migration_store)
     await migrator.start()
 
 
 async def start_services(stack: AsyncExitStack, settings: RouterSettings, metrics: Metrics,
-                         engine: RoutingEngine | None) -> tuple[Services, SharedStateSync | None]:
+                         engine: RoutingEngine | None) -> tuple[Services, SharedStateSync]:
     """Open every part of a serving router, in order, each closed by ``stack`` in the reverse order
     (a start that fails closes what it had opened): the engine (unless built already), the keys,
     the decision log, the policy, access and migration stores, the model, the shared state (restored
     from the log), the readiness probe, the gateway and the migrator. Returns the services and the
-    shared state's sync (None for the embedded state)."""
+    shared state's sync."""
     if engine is None:
         engine = await asyncio.to_thread(RoutingEngine, settings)
     keys = KeyStore(settings.keys_file)
@@ -329,7 +323,7 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     return services, sync
 
 
-def _background(services: Services, sync: SharedStateSync | None) -> list[asyncio.Task[Any]]:
+def _background(services: Services, sync: SharedStateSync) -> list[asyncio.Task[Any]]:
     """The loops a serving router runs: the model watch, the readiness probe, the telemetry refresh,
     the shared view, the policy and access syncs, the migrations, the webhooks, the scrape."""
     svc, settings = services, services.settings

@@ -41,7 +41,6 @@ from router.decision.quotas import QuotaPlan, QuotaView, quota_failure
 from router.decision.stages import EXPLAIN, ROUTE, RULES, Decision, RouteFailure, Stage, _num
 from router.decision.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
-from router.state.embedded import EmbeddedState
 from router.state.ledger import QuotaUsage
 from router.store.rows import DecisionRow
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
@@ -492,38 +491,6 @@ class RoutingEngine:
             hit = self._policy_json[id(pinfo)] = (pinfo, _dumps(pinfo))
         return hit[1]
 
-    # ------------------------------------------------------------------ the decision
-    def decide(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
-               state: EmbeddedState | None = None) -> tuple[bytes, DecisionRow, str, dict[str, Any]]:
-        """Place one request: :meth:`rank`, then (with an embedded ``state``) reserve the first
-        candidate with room in it and the tenant's quotas, then :meth:`admit`. Returns (response JSON, decision-log row,
-        offering id, policy info). Without ``state`` nothing is reserved (the environment's view
-        alone, as before the shared state). The HTTP route does the same with any backend
-        (``router.api.route``)."""
-        affinity = hashes = None
-        if state is not None and self.wants_affinity(req):
-            self.check_prefix(req)
-            hashes = self.prefix_array(req)
-            affinity = state.prefix_lookup_now(hashes, self.session_key(who, req), self.prefix_ttl_s)
-        r = self.rank(req, who, decision_id, wall, affinity=affinity, hashes=hashes)
-        if state is None:
-            return self.admit(r, 0)
-        hold = self.hold_s(r)
-        pool = state.reserve_now(self.candidates(r), decision_id, hold)
-        if pool is None:
-            raise self.shared_full(r)
-        k = self.candidate_of(r, pool)
-        charge = self.quota_charge(r)
-        if charge is not None:
-            verdict = state.quota_reserve_now(decision_id, charge[0], charge[1], charge[2], hold)
-            if not verdict.ok:
-                state.release_now(decision_id)
-                self.release_local(decision_id, wall)
-                raise self.quota_exceeded(charge[0], verdict)
-        if r.prefix is not None:
-            state.prefix_record_now(decision_id, pool, r.prefix)
-        return self.admit(r, k, hold, quota=None if charge is None else charge[1:])
-
     # ------------------------------------------------------------------ prefix affinity and sessions
     @staticmethod
     def wants_affinity(req: RouteRequest) -> bool:
@@ -603,10 +570,11 @@ class RoutingEngine:
         ``router.decision.stages.ROUTE`` in order, each timed (``xroute_router_stage_seconds``).
 
         ``affinity``: what the shared prefix index said of the request's prefix hashes (``hashes``,
-        as :meth:`prefix_array` gives them, when the caller has them already) and session: the
-        expected cached prefix on each pool lowers its expected prefill, cost and TTFT, and shows
-        in the features (``exp_cached``, ``session_here``) -- a soft preference every policy weighs
-        against load, cost and the SLO; an offering the constraints exclude is never a candidate.
+        as :meth:`prefix_array` gives them, when the caller has them already) and session
+        (``router.service.ports.DecisionState.lookup``): the expected cached prefix on each pool lowers
+        its expected prefill, cost and TTFT, and shows in the features (``exp_cached``,
+        ``session_here``) -- a soft preference every policy weighs against load, cost and the SLO;
+        an offering the constraints exclude is never a candidate, pinned or not.
         ``explore_key``: what an exploring tenant's draw is a function of (the request's
         idempotency key; else ``decision_id``). Raises :class:`RouteFailure` (the stages')."""
         d = Decision(req, who, who.tenant, decision_id, wall, request_json, explore_key, affinity, hashes)
@@ -704,7 +672,7 @@ class RoutingEngine:
 
     @staticmethod
     def quota_exceeded(buckets: Sequence[QuotaBucket], verdict: Any) -> RouteFailure:
-        """The 429 (or 422) of a request the state refused (``RouterState.quota_reserve``'s verdict)."""
+        """The 429 (or 422) of a request the state refused (an admission's quota refusal, ``router.state.base.Admitted``)."""
         return RouteFailure(**quota_failure(buckets[verdict.bucket], verdict))
 
     def candidates(self, r: Ranked) -> list[tuple[str, int]]:
@@ -864,8 +832,8 @@ class RoutingEngine:
         return self.env.complete_live(reservation_id, self.now(wall)) or h is not None
 
     def apply_shared_view(self, in_flight: dict[str, int], durations_ms: dict[str, float]) -> None:
-        """The shared state's in-flight work per pool (``RouterState.in_flight``) and observed mean
-        durations (``durations``), as the decisions use them: the work this process does not hold
+        """The shared state's in-flight work per pool (``router.state.base.StateView``) and observed mean
+        durations (its ``durations``), as the decisions use them: the work this process does not hold
         itself -- ``max(0, shared - own)`` per pool -- goes into the environment's ``view_others``,
         the durations (seconds) into ``view_service_s`` (``envs.kernels.candidate_outcomes_into``
         documents the formula)."""

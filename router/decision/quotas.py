@@ -5,17 +5,19 @@ the decisions know of them, the 429, and the quota events the decision log impli
   buckets of each (tenant, model) (``xroute.schema.quota.buckets_for``), checked against the
   served models;
 * :class:`QuotaView` -- what the decisions read of the buckets with a shared server: the usage
-  read with the shared view (``router.app.factory``), plus this process's own reservations since;
-  the embedded state is read directly (it is exact and in process);
+  read with the shared view (``router.service.recovery.refresh_shared_view``), plus this
+  process's own reservations since; the embedded state is read directly (``quota_reader``: exact,
+  in process);
 * :func:`live_budget` -- a request's tenant budget as the environment takes it
   (``envs.budget.LiveBudget``: its features, and the offerings it cannot afford masked);
 * :func:`quota_failure` -- the 429 ``quota_exceeded`` naming the limit hit, with ``Retry-After`` (as
   the arguments of ``router.decision.engine.RouteFailure``, which the engine raises);
 * :func:`quota_events` -- the reservations and settles a decision log implies, to rebuild the
-  counters after a restart (``RouterState.rebuild`` / ``restore``).
+  counters after a restart (the state's ``restore``, ``router.service.ports.Recovery``).
 
-The check that admits a request is the state's (``RouterState.quota_reserve``: atomic and exact
-across every router sharing it); the view only shapes the decision (features, the budget mask).
+The check that admits a request is the state's (its ``admit`` with a quota charge,
+``router.service.ports.DecisionState``: atomic and exact across every router sharing it); the view
+only shapes the decision (features, the budget mask).
 """
 
 from __future__ import annotations

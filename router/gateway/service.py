@@ -51,7 +51,7 @@ from router.gateway.openai_api import Kind, openai_error, parse_body
 from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, prompt_chars, prompt_parts
 from router.gateway.transcripts import TranscriptStore
 from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, watch_disconnect
-from router.service.admission import release, route_decision
+from router.service.admission import route_decision
 from router.service.outcomes import close_the_loop, feedback_row, settle_quota
 from router.service.services import Services
 from router.store.sqlite import DecisionRef, StoreClosed
@@ -498,9 +498,8 @@ class Gateway:
                                              cached_tokens=cached)
         reward = missed = None
         try:
-            if o.client_fault:
-                await release(svc, att.decision_id)
-                await settle_quota(svc, fb, ref)  # (what it used of its tenant's quotas until the client left)
+            if o.client_fault:  # released, with what it used of its tenant's quotas until the client left
+                await settle_quota(svc, fb, ref, release=True)
             else:
                 reward, missed = svc.engine.feedback_reward(ref, fb)
                 await close_the_loop(svc, fb, ref)

@@ -45,7 +45,6 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,8 @@ from fastapi import HTTPException
 from router.core.logs import LOG
 from router.core.text import one_line
 from router.decision.engine import RouteFailure, migrated_entry
+from router.service.admission import give_back, route_decision
+from router.service.ports import Sessions
 from router.store.migrations import MIGRATION_KEY_PREFIX, Conflict, MigrationStore, Row
 from xroute import migration_rules as rules
 from xroute.schema.access import Principal
@@ -73,8 +74,6 @@ from xroute.schema.migration import (
 from xroute.schema.policy_ir import Constraints, Rule
 
 S = MigrationState
-#: ``router.service.admission.route_decision``'s signature: (services, body, caller, request state, idempotency key)
-Decide = Callable[[Any, RouteRequest, Principal, dict[str, Any], str | None], Awaitable[bytes]]
 
 
 async def woken_or_timeout(wake: asyncio.Event, timeout_s: float) -> None:
@@ -104,13 +103,11 @@ class Migrator:
     #: a later sweep of an event re-reads this much before the previous one began
     SWEEP_OVERLAP_S = 10.0
 
-    def __init__(self, svc: Any, store: MigrationStore, decide: Decide, release: Callable[[Any, str], Awaitable[None]],
-                 best_effort: Callable[..., Awaitable[None]]):
-        """``decide``, ``release``, ``best_effort``: the live decision path's
-        (``router.api.route``: ``route_decision``, ``release``, ``best_effort``), given by the
-        app (the routes import this module, not the other way)."""
+    def __init__(self, svc: Any, store: MigrationStore):
+        """``svc``: the services (``router.service.services.Services``): a target is decided by
+        the live decision path (``router.service.admission.route_decision``), a committed target
+        written as the session's entry in the shared state (``router.service.ports.Sessions``)."""
         self.svc, self.store = svc, store
-        self._decide, self._release_reservation, self._best_effort = decide, release, best_effort
         self.settings = svc.settings
         self.engine = svc.engine
         self._busy: set[str] = set()
@@ -434,7 +431,7 @@ class Migrator:
                     self._pending_since.pop(key, None)
                     return got
                 async with self._deciding:
-                    payload = await self._decide(self.svc, body, who, {}, key)
+                    payload = await route_decision(self.svc, body, who, {}, key)
             except RouteFailure as e:
                 return e
             except HTTPException as e:
@@ -494,7 +491,7 @@ class Migrator:
 
     async def _release(self, decision_id: str | None) -> None:
         if decision_id:
-            await self._release_reservation(self.svc, decision_id)
+            await give_back(self.svc, decision_id)
 
     async def _give_up(self, row: Row, why: str) -> None:
         rec = row.record
@@ -549,9 +546,13 @@ class Migrator:
         if rec.target is not None:
             req = RouteRequest.model_validate_json(row.request_json)
             pool = self.engine.pool_key_of(rec.target, req.model)
-            await self._best_effort(self.svc.state, "put_session", (f"{rec.tenant}:{rec.session_id}",
-                                                                    migrated_entry(pool), self.settings.prefix_ttl_s),
-                                    "session placement not updated in the shared state", migration=rec.migration_id)
+            sessions: Sessions = self.svc.state
+            try:
+                await sessions.put_session(f"{rec.tenant}:{rec.session_id}", migrated_entry(pool),
+                                           self.settings.prefix_ttl_s)
+            except Exception as e:
+                LOG.warning("session placement not updated in the shared state", extra={"fields": {
+                    "migration": rec.migration_id, "error": str(e)}})
         return rec.model_copy(update={"state": S.committed, "version": v, "recomputed": recomputed,
                                       "missed_window": missed, "updated_at": now})
 

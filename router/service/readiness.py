@@ -4,12 +4,12 @@ Every worker probes both backends every ``ready_probe_s`` (0.5 s) -- whatever it
 a worker with no requests, or one whose neighbour saw the failure, still answers what holds --
 the decision log (``GroupCommitLog.healthy``: on PostgreSQL a query on the server, which also
 drops idle connections the server closed; on SQLite whether its writer process is alive) and the
-shared state (``RouterState.healthy``: a Redis ``PING`` within ``state_timeout_s``) -- at the same
+shared state (``Health.healthy``, ``router.service.ports``: a Redis ``PING`` within ``state_timeout_s``) -- at the same
 time, so one slow backend does not delay the other's verdict. ``/readyz`` answers from what was
 seen last of each backend: the last probe, or a request since (a commit or a state operation that
-failed, or succeeded, after it: ``GroupCommitLog.error``, ``RouterState.error``). So ``/readyz``
-turns 503 within about a probe interval of a backend stopping and 200 again within about one of its
-return (``tests/test_router_drill.py``).
+failed, or succeeded, after it: ``GroupCommitLog.error``, ``Health.error``). Measured
+(``tests/test_router_drill.py``, ``docs/router.md``): ``/readyz`` turns 503 within about a probe
+interval of PostgreSQL stopping and 200 again within about one of its return.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Any
 
 from router.core.logs import LOG, flush_logs
 from router.core.text import one_line
-from router.state.base import RouterState
+from router.service.ports import Health
 from router.store.sqlite import GroupCommitLog
 
 
 class Readiness:
     """The backends' health as last seen (module docstring): by the probe, or by a request since."""
 
-    def __init__(self, store: GroupCommitLog, state: RouterState, every_s: float):
+    def __init__(self, store: GroupCommitLog, state: Health, every_s: float):
         self.store, self.state, self.every_s = store, state, every_s
         self._was = (True, True)
         self.probed_at: float | None = None
@@ -40,7 +40,7 @@ class Readiness:
 
     @property
     def state_ok(self) -> bool:
-        """The shared state as last seen: by the last probe, or an operation since (``RouterState.error``)."""
+        """The shared state as last seen: by the last probe, or an operation since (``Health.error``)."""
         return self.state.error is None
 
     async def probe(self) -> None:

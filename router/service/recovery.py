@@ -1,7 +1,8 @@
-"""The shared state and the decision log kept consistent: an embedded state rebuilt from the log at
-start (:func:`rebuild_embedded_state`), a Redis state that lost its data restored from every
-router's log once per epoch (:class:`SharedStateSync`), and the loop that reads the shared view --
-in-flight work, durations, quota usage -- into the engine (:func:`refresh_shared_view`).
+"""The shared state and the decision log kept consistent (:class:`SharedStateSync`, on the
+``Recovery`` protocol of ``router.service.ports``): a state in this process rebuilt from the log at
+start, a Redis state that lost its data restored from every router's log once per epoch; and the
+loop that reads the shared view -- in-flight work, durations, quota usage: one ``view`` -- into the
+engine (:func:`refresh_shared_view`).
 
 Contract: a reservation, quota booking or idempotency answer the log holds is put back exactly
 once per epoch and log; a restore never books what the state already holds (``router.state``)."""
@@ -20,8 +21,8 @@ from router.core.settings import RouterSettings
 from router.core.text import one_line, redact
 from router.decision.engine import RoutingEngine
 from router.decision.quotas import quota_events
-from router.state.base import RouterState, StateUnavailable
-from router.state.embedded import EmbeddedState
+from router.service.ports import DecisionState, LogEvent, Recovery
+from router.state.base import StateUnavailable
 from router.store.readers import decision_events
 from router.store.sqlite import GroupCommitLog
 from xroute.schema.quota import DAY_S, day_index
@@ -65,22 +66,6 @@ async def logged_quota_events(engine: RoutingEngine, settings: RouterSettings, n
         target, since, lambda tenant, model: [b.key for b in plan.buckets(tenant, model)], before)))
 
 
-async def rebuild_embedded_state(state: EmbeddedState, store: GroupCommitLog, settings: RouterSettings,
-                                 engine: RoutingEngine | None = None) -> None:
-    """After a restart, the embedded state from the decision log: the reservations whose hold has
-    not passed and whose feedback has not come (``router.store.readers.decision_events``), the tenant
-    quota counters (``logged_quota_events``), and the idempotency keys still within their TTL with
-    their answers, the same bytes."""
-    now = time.time()
-    target = settings.log_target
-    events = await asyncio.to_thread(lambda: list(decision_events(target, since=now - settings.state_hold_max_s)))
-    if engine is not None:
-        events += await logged_quota_events(engine, settings, now)
-    counts = state.rebuild(events, now_wall=now)
-    counts["idempotency_keys"] = state.restore_answers(await logged_answers(store, settings, now), now_wall=now)
-    LOG.info("shared state rebuilt from the decision log", extra={"fields": counts})
-
-
 def log_identity(settings: RouterSettings) -> str:
     """Which decision log this router writes, as the shared state's restore claims it: a
     PostgreSQL log by its server and database (every router writing it restores it once), a
@@ -93,13 +78,18 @@ def log_identity(settings: RouterSettings) -> str:
 
 
 class SharedStateSync:
-    """Notices a shared state that lost its data (a new :class:`router.state.base.Epoch`) and restores
-    this router's decision log into it (``RouterState.restore``: the reservations made before the
-    epoch began whose hold has not passed and whose feedback has not come, and the idempotency
-    keys within their TTL). Run at start and with every refresh of the shared view
-    (``state_view_refresh_s``); a restore that fails is tried again a second later.
+    """At start (:meth:`start`), a state in this process (it has no epoch) gets back what the log
+    knows: the reservations whose hold has not passed and whose feedback has not come
+    (``router.store.readers.decision_events``), the tenant quota counters (``logged_quota_events``),
+    and the idempotency keys still within their TTL with their answers, the same bytes.
 
-    The restore is announced (``RouterState.begin_restore``) before the log is read and this
+    On a shared server, it notices a state that lost its data (a new :class:`router.state.base.Epoch`)
+    and restores this router's decision log into it (``Recovery.restore``: the reservations made
+    before the epoch began whose hold has not passed and whose feedback has not come, the quota
+    events, and the idempotency keys within their TTL). Run at start and with every refresh of the
+    shared view (``state_view_refresh_s``); a restore that fails is tried again a second later.
+
+    The restore is announced (``Recovery.begin_restore``) before the log is read and this
     router's part is marked done after (``end_restore``): until every router that noticed the
     epoch has put its log back -- and for ``state_restore_window_s`` after the epoch began, in
     which every live router notices -- a keyed request whose key the state lacks is answered 503
@@ -112,13 +102,37 @@ class SharedStateSync:
     #: after a restore failed (the log unreadable), the next try waits this long (seconds)
     RETRY_S = 1.0
 
-    def __init__(self, state: RouterState, store: GroupCommitLog, settings: RouterSettings,
+    def __init__(self, state: Recovery, store: GroupCommitLog, settings: RouterSettings,
                  engine: RoutingEngine | None = None):
         self.state, self.store, self.settings, self.engine = state, store, settings, engine
         self.known: str | None = None
         self.log_id = log_identity(settings)
         self._retry_at = 0.0
         self._started: float | None = None  # (the known epoch's start, server wall seconds)
+
+    async def start(self) -> None:
+        """Before the first decision: a state in this process rebuilt from the log; a shared one's
+        epoch checked (:meth:`check`: restored when new), then :meth:`settle_start`. Raises
+        ``StateUnavailable`` when the server does not answer (the shared view's loop tries again)."""
+        if await self.state.epoch() is None:
+            now = time.time()
+            events, answers = await self._logged(now, None)
+            counts = await self.state.restore(None, self.log_id, events, answers, now)
+            LOG.info("shared state rebuilt from the decision log", extra={"fields": counts})
+            return
+        await self.check()
+        await self.settle_start()
+
+    async def _logged(self, now: float, before: float | None) -> tuple[list[LogEvent], list[tuple[str, bytes, float]]]:
+        """What the log holds that a state may lack at ``now``: the events of the decisions of the
+        last ``state_hold_max_s`` (and of the quota days) and the idempotency answers within their
+        TTL; ``before``: only those made before that wall time (an epoch's start)."""
+        target = self.settings.log_target
+        events: list[LogEvent] = await asyncio.to_thread(lambda: list(decision_events(
+            target, since=now - self.settings.state_hold_max_s, before=before)))
+        if self.engine is not None:
+            events += await logged_quota_events(self.engine, self.settings, now, before=before)
+        return events, await logged_answers(self.store, self.settings, now, before=before)
 
     async def settle_start(self) -> None:
         """At start, after :meth:`check`: wait until the epoch is older than
@@ -144,12 +158,7 @@ class SharedStateSync:
         await self.state.begin_restore(epoch, self.log_id)
         restored = False
         try:
-            target = self.settings.log_target
-            events: list[Any] = await asyncio.to_thread(lambda: list(decision_events(
-                target, since=now - self.settings.state_hold_max_s, before=epoch.started)))
-            if self.engine is not None:
-                events += await logged_quota_events(self.engine, self.settings, now, before=epoch.started)
-            answers = await logged_answers(self.store, self.settings, now, before=epoch.started)
+            events, answers = await self._logged(now, epoch.started)
             counts = await self.state.restore(epoch, self.log_id, events, answers, now)
             restored = True
         except BaseException:
@@ -167,10 +176,11 @@ class SharedStateSync:
                 **counts, "epoch": epoch.id, "epoch_began": iso(epoch.started)}})
 
 
-async def refresh_shared_view(engine: RoutingEngine, state: RouterState, every: float,
+async def refresh_shared_view(engine: RoutingEngine, state: DecisionState, every: float,
                                sync: SharedStateSync | None = None) -> None:
-    """Read the shared state's in-flight work (every ``every`` s) and observed durations (about
-    once a second) into the engine's view (``RoutingEngine.apply_shared_view``). While the state
+    """Read the shared state's in-flight work and the tenant quotas' usage (every ``every`` s) and
+    the observed durations (about once a second) into the engine's view
+    (``RoutingEngine.apply_shared_view``, ``QuotaView.apply``): one ``view`` a tick. While the state
     cannot be read the last view stays (logged once per outage). ``sync``: checked every time
     (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
     noticed within ``every`` -- well inside ``state_restore_window_s``."""
@@ -181,13 +191,14 @@ async def refresh_shared_view(engine: RoutingEngine, state: RouterState, every: 
         try:
             if sync is not None:  # (one short script: a loss is noticed within a tick)
                 await sync.check()
-            counts = await state.in_flight()
-            if tick % durations_every == 0:
-                durations = await state.durations(sorted(counts))
-            engine.apply_shared_view(counts, durations)
             quota_keys = engine.quota_plan.keys()  # (the plan changes with the access store: router.control.access_store)
+            asked = tick % durations_every == 0
+            view = await state.view(quota_keys, durations=asked)
+            if asked:
+                durations = view.durations
+            engine.apply_shared_view(view.in_flight, durations)
             if quota_keys:  # the tenant quotas' usage, for the decisions' budgets (router.decision.quotas.QuotaView)
-                engine.quota_view.apply(await state.quota_usage(quota_keys))
+                engine.quota_view.apply(view.quotas)
             down = failing = False
         except StateUnavailable as e:
             if not down:

@@ -18,10 +18,10 @@ from router.core.settings import RouterSettings
 from router.decision.engine import RoutingEngine
 from router.service.migration import Migrator
 from router.service.models import ModelManager
+from router.service.ports import SharedState
 from router.service.readiness import Readiness
 from router.service.scrape import InferenceScraper
 from router.service.webhooks import WebhookSender
-from router.state.base import RouterState
 from router.store.sqlite import GroupCommitLog
 
 
@@ -44,8 +44,9 @@ class Services:
     metrics: Metrics
     #: the model slot's loading and hot swap
     models: ModelManager
-    #: in-flight work, outcome statistics, idempotency keys (router.state.base)
-    state: RouterState
+    #: the shared state as the services consume it (router.service.ports): admission, outcomes,
+    #: affinity, the shared view, idempotency, recovery
+    state: SharedState
     #: the pools' inference servers' own metrics, when configured
     scraper: InferenceScraper | None = None
     #: the OpenAI-compatible gateway, set once built

@@ -1,42 +1,40 @@
-"""The router's state besides telemetry, behind one interface (:class:`RouterState`), two backends.
+"""The router's state besides telemetry: the types its operations take and answer, and its two
+backends' shared arithmetic. The operations themselves are declared where they are consumed
+(``router.service.ports``: the decision path's ``admit``, ``settle``, ``lookup``, ``view``;
+idempotency; recovery), each backend implementing them:
+:class:`router.state.embedded.EmbeddedState` (the default; one synchronous core in this process,
+behind one generic async adapter; durable through the decision log) and
+``router.state.redis.RedisState`` (Redis or Valkey: any number of router processes and hosts share
+one view; every operation is one server-side Lua script, ``router/state/lua/``).
 
-What the decision loop reads and writes:
+What the state holds:
 
-* **in-flight work per pool** -- :meth:`RouterState.reserve` checks and reserves ``slots`` on the
-  first of a ranked list of ``(pool, capacity)`` candidates that has room, in one atomic step;
-  :meth:`~RouterState.release` frees it (feedback came, the request failed, or the answer could not
-  be sent); a reservation whose release never comes is released after the ``hold_s`` given at
-  reserve time (derived from the work's expected time: :func:`hold_for`), and counted per pool
-  (:meth:`~RouterState.expired`). The pool key is an opaque string; capacity an int of slots.
-* **outcome statistics per pool** -- :meth:`~RouterState.observe` folds one outcome (observed time
-  to first token, duration, failure) into an exponentially weighted mean and variance of each
-  (:class:`PoolStats`; the estimator below): O(1) memory per pool, whatever the traffic.
-* **idempotency keys** -- :meth:`~RouterState.claim` takes a key for ``ttl_s`` or returns what the
-  first request with it answered (:class:`Claim`); :meth:`~RouterState.complete` stores that answer,
-  :meth:`~RouterState.abandon` drops a claim whose request failed, so a retry decides anew.
-* **tenant quotas** -- :meth:`~RouterState.quota_reserve` checks a request against every limit of
-  the buckets it counts in (``xroute.schema.quota``) and counts it in all of them, in one atomic
-  step; :meth:`~RouterState.quota_settle` reconciles it with its feedback,
-  :meth:`~RouterState.quota_release` undoes it (the request was not admitted after all);
-  :meth:`~RouterState.quota_usage` reads the buckets (``router.state.ledger`` holds the arithmetic);
+* **in-flight work per pool** -- an :class:`Admission` reserves ``slots`` on the first of a ranked
+  list of ``(pool, capacity)`` candidates that has room, until its :class:`Settlement` releases it
+  or its ``hold_s`` passes (derived from the work's expected time: :func:`hold_for`; then counted
+  per pool as expired). The pool key is an opaque string (:func:`pool_key`); capacity an int of slots.
+* **tenant quotas** -- the same admission checks an optional :class:`QuotaCharge` against every
+  limit of the buckets it counts in (``xroute.schema.quota``) and counts it in all of them: the
+  pool and the quotas are taken together or not at all (``router.state.ledger`` holds the
+  arithmetic); the settlement reconciles them with what the request used, or undoes them.
+* **outcome statistics per pool** -- a settlement's :class:`PoolOutcome` (time to first token,
+  duration, failure) folds into an exponentially weighted mean and variance of each (the estimator
+  below): O(1) memory per pool, whatever the traffic; the decisions read the mean durations
+  (:class:`StateView`).
 * **prefix affinity and sessions** -- which pool recently received which KV-cache blocks of the
   prompts the router sent (``envs.prefix``: the router's view, an aging record, never the servers'
-  real caches): :meth:`~RouterState.prefix_lookup` answers, for a request's block hashes, the
-  leading blocks each pool is expected to hold (an :class:`Affinity`, with the pools' retention and
-  the pool the request's session last went to); :meth:`~RouterState.prefix_record` records a
-  decision's blocks, session and prediction on the pool the reservation took
-  (:meth:`~RouterState.reserve_recording`: both in one step -- one round trip on Redis);
-  :meth:`~RouterState.prefix_feedback` folds the cached tokens a server reported into the pool's
-  retention. Sessions alone: :meth:`~RouterState.get_session`, :meth:`~RouterState.put_session`.
-  Every worker and host sharing the state sees the same affinity.
+  real caches): the lookup answers, for a request's block hashes, the leading blocks each pool is
+  expected to hold (an :class:`Affinity`, with the pools' retention and the pool the request's
+  session last went to); the admission records a decision's blocks, session and prediction on the
+  pool it took (:class:`PrefixSend`); a settlement's ``cached_tokens`` corrects the pool's
+  retention. Every worker and host sharing the state sees the same affinity.
+* **idempotency keys** -- a claim takes a key for ``ttl_s`` or returns what the first request with
+  it answered (:class:`Claim`); complete stores that answer, abandon drops a claim whose request
+  failed, so a retry decides anew.
 
-Backends: :class:`EmbeddedState` (the default; in this process, no server; durable through the
-decision log -- :meth:`EmbeddedState.rebuild` replays the reservations and releases the log
-implies, ``router.store.readers.decision_events``) and ``router.state.redis.RedisState`` (Redis or Valkey: any
-number of router processes and hosts share one view; every operation that must be atomic across
-processes is one server-side script). When Redis cannot be reached its operations raise
-:class:`StateUnavailable` -- the API's 503 (fail closed, the default); :class:`FailOpenState`
-(``state_fail_open``) answers from an embedded view instead while the server is away.
+When Redis cannot be reached its operations raise :class:`StateUnavailable` -- the API's 503 (fail
+closed, the default); ``router.state.failopen.FailOpenState`` (``state_fail_open``) answers from an
+embedded view instead while the server is away.
 
 The estimator (both backends, the same arithmetic): for each pool and each measure ``x`` (TTFT ms,
 duration ms) with weight ``alpha`` (``state_stats_alpha``, default 0.05: the last ~20 outcomes
@@ -44,24 +42,23 @@ carry 64 % of the weight, the half-life is ~13.5 outcomes), the first observatio
 ``mean = x, var = 0``; each later one ``d = x - mean; mean += alpha * d;
 var = (1 - alpha) * (var + alpha * d * d)`` (the incremental exponentially weighted variance,
 Finch 2009). The failure rate is the same mean over 0/1. Counts are kept exactly.
+
+The per-request types (an admission, a settlement and their answers, a lookup's affinity) are
+plain slotted dataclasses -- not frozen, whose construction costs five times as much -- and are not
+changed once made.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 from router.core.settings import HOLD_FACTOR, HOLD_FLOOR_S, HOLD_MAX_S
-from router.state.ledger import (
-    QuotaReserved,
-    QuotaSettled,
-    QuotaUsage,
-    QuotaVerdict,
-)
+from router.state.ledger import QuotaUsage, QuotaVerdict
 from xroute.schema.quota import QuotaBucket
 
 
@@ -86,25 +83,9 @@ def hold_for(expected_s: float, factor: float = HOLD_FACTOR, floor_s: float = HO
 
 
 @dataclass(frozen=True, slots=True)
-class PoolStats:
-    """One pool's observed outcomes (exponentially weighted; module docstring) and its work now."""
-
-    pool: str
-    outcomes: int = 0
-    failures: int = 0
-    failure_rate: float | None = None
-    ttft_ms_mean: float | None = None
-    ttft_ms_std: float | None = None
-    duration_ms_mean: float | None = None
-    duration_ms_std: float | None = None
-    in_flight: int = 0
-    expired: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Claim:
-    """:meth:`RouterState.claim`'s answer: ``"new"`` (the key is the caller's now: decide, then
-    :meth:`~RouterState.complete` or :meth:`~RouterState.abandon`), ``"pending"`` (another request
+    """A claim's answer (``router.service.ports.Idempotency``): ``"new"`` (the key is the caller's
+    now: decide, then complete or abandon), ``"pending"`` (another request
     with the key is being decided: answer 409) or ``"done"`` (``answer`` is the first answer: send
     it again, book nothing)."""
 
@@ -114,7 +95,7 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Epoch:
-    """One lifetime of a shared state on its server (:meth:`RouterState.epoch`): ``id`` changes
+    """One lifetime of a shared state on its server (``router.service.ports.Recovery.epoch``): ``id`` changes
     when the server lost its data (restarted without persistence, flushed); ``started`` is when
     that lifetime began (wall seconds, the server's clock)."""
 
@@ -122,9 +103,9 @@ class Epoch:
     started: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Affinity:
-    """:meth:`RouterState.prefix_lookup`'s answer: per pool with a match, the leading blocks of the
+    """The lookup's answer (``router.service.ports.DecisionState.lookup``): per pool with a match, the leading blocks of the
     request's prompt the index expects cached there (``runs``) and the pool's retention (the share
     of the predicted cached tokens its servers confirmed, 1 before any report); the pool the
     request's session last went to within the age bound, or None -- as stored: a committed
@@ -135,9 +116,9 @@ class Affinity:
     session_pool: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixSend:
-    """What a decision records in the prefix index (:meth:`RouterState.prefix_record`): the
+    """What a decision records in the prefix index with its :class:`Admission`: the
     prompt's block hashes, the session key (or None), the age bound (``ttl_s``), and per candidate
     pool (the reservation picks one) its cache capacity in blocks, the cached tokens the view
     predicted there and the seconds until the blocks are expected computed (its expected TTFT)."""
@@ -146,6 +127,111 @@ class PrefixSend:
     session: str | None
     ttl_s: float
     candidates: dict[str, tuple[int, float, float]]
+
+
+@dataclass(slots=True)
+class QuotaCharge:
+    """What a request counts in its tenant's quotas: the buckets it counts in (all of them, or
+    none), its tokens (``input_tokens + max_output_tokens``) and USD (the expected cost), one
+    request and one concurrency slot."""
+
+    buckets: Sequence[QuotaBucket]
+    tokens: int
+    usd: float
+
+
+@dataclass(slots=True)
+class Admission:
+    """One decision's admission, all or nothing (one Lua script on Redis, one round trip): reserve
+    ``slots`` on the first ``(pool, capacity)`` of ``candidates`` whose in-flight work plus
+    ``slots`` stays within its capacity, until a settlement releases it or ``hold_s`` seconds pass;
+    with ``quota``, count the request in its tenant's quotas when every limit of every bucket has
+    room (the concurrency slot held as long); with ``prefix``, record its blocks, session and
+    prediction on the pool taken. An id that holds a reservation already gets its pool back and
+    books nothing (a retry). Nothing is taken when no candidate has room or a quota refuses."""
+
+    reservation_id: str
+    candidates: Sequence[tuple[str, int]]
+    hold_s: float
+    quota: QuotaCharge | None = None
+    prefix: PrefixSend | None = None
+    slots: int = 1
+
+
+@dataclass(slots=True)
+class Admitted:
+    """An admission's answer: the pool reserved, or None when nothing was taken -- then ``refused``
+    is the quota's verdict when a limit refused it (the first limit hit), None when no candidate
+    had room (checked first: a full pool's request is not counted against a quota)."""
+
+    pool: str | None
+    refused: QuotaVerdict | None = None
+
+
+@dataclass(slots=True)
+class PoolOutcome:
+    """One outcome of work on ``pool``, for its statistics (the module docstring's estimator)."""
+
+    pool: str
+    ttft_ms: float | None = None
+    duration_ms: float | None = None
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class QuotaSettle:
+    """What a settlement does with the decision's tenant quota reservation: reconcile it with what
+    the request used (``tokens`` while in the sliding window, ``usd`` in its day; None keeps what was
+    reserved; its concurrency slot frees) -- once -- or, ``undo``, give back everything it counted
+    (the request was not admitted after all)."""
+
+    tokens: int | None = None
+    usd: float | None = None
+    undo: bool = False
+
+
+#: a settlement's quota part that undoes the reservation (shared: never changed)
+QUOTA_UNDO = QuotaSettle(undo=True)
+
+
+@dataclass(slots=True)
+class Settlement:
+    """One decision's outcome, or its undo, in one call (one Lua script on Redis): ``release`` its
+    pool's reservation (twice is harmless), fold ``outcome`` into the pool's statistics, settle or
+    undo its ``quota`` reservation, and fold ``cached_tokens`` (what a server reported cached of the
+    prompt) into the retention of the pool its prefix was recorded on (``envs.prefix.retention_update``,
+    weight ``retention_alpha``; once per decision). Every part optional."""
+
+    reservation_id: str
+    release: bool = True
+    outcome: PoolOutcome | None = None
+    quota: QuotaSettle | None = None
+    cached_tokens: float | None = None
+    retention_alpha: float = 0.0
+
+
+@dataclass(slots=True)
+class Settled:
+    """What a settlement found: the pool released (None: not held -- never reserved, released or
+    expired already), whether a quota reservation was settled or undone (False: none held, or
+    settled already), the pool whose retention learned the cached tokens (None: no prediction)."""
+
+    pool: str | None = None
+    quota: bool = False
+    retention_pool: str | None = None
+
+
+@dataclass(slots=True)
+class StateView:
+    """The state as the decisions and the status pages read it: slots reserved per pool (pools
+    with none absent), reservations expired per pool since the state began, the observed mean
+    duration (ms) of the pools with work in flight (when asked), and each asked quota bucket's
+    usage (zeros for one never used)."""
+
+    in_flight: dict[str, int]
+    expired: dict[str, int] = field(default_factory=dict)
+    durations: dict[str, float] = field(default_factory=dict)
+    quotas: dict[str, QuotaUsage] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,189 +249,6 @@ class Released:
     """A decision log event: ``reservation_id``'s work ended (feedback came)."""
 
     reservation_id: str
-
-
-class RouterState:
-    """The interface (module docstring). Every method may raise :class:`StateUnavailable` in a
-    backend with a server."""
-
-    backend = ""
-    #: the server's failure as last seen (an operation or :meth:`healthy`; None: it answered), for
-    #: ``/readyz`` between two probes; always None for a state in this process
-    error: str | None = None
-    #: True when the backend also offers the operations as plain calls (``reserve_now``,
-    #: ``release_now``, ``claim_now``, ...): the embedded one, whose callers need not await
-    sync = False
-
-    # -------------------------------------------------------------- in-flight work
-    async def reserve(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
-                      slots: int = 1) -> str | None:
-        """Reserve ``slots`` on the first ``(pool, capacity)`` of ``candidates`` whose in-flight
-        work plus ``slots`` stays within its capacity, until :meth:`release` or ``hold_s`` seconds;
-        returns that pool, or None when none has room. An id that already holds a reservation
-        returns its pool and books nothing (a retry)."""
-        raise NotImplementedError
-
-    async def release(self, reservation_id: str) -> str | None:
-        """Free a reservation; returns its pool, or None when it was not held (never reserved,
-        already released, or expired) -- releasing twice is harmless."""
-        raise NotImplementedError
-
-    async def in_flight(self) -> dict[str, int]:
-        """Slots reserved now, per pool (pools with none may be absent)."""
-        raise NotImplementedError
-
-    async def expire(self) -> int:
-        """Release every reservation past its hold now (:meth:`reserve` does it too); returns how many."""
-        raise NotImplementedError
-
-    async def expired(self) -> dict[str, int]:
-        """Reservations released by expiry since the state began, per pool."""
-        raise NotImplementedError
-
-    # -------------------------------------------------------------- outcomes
-    async def observe(self, pool: str, ttft_ms: float | None = None, duration_ms: float | None = None,
-                      failed: bool = False) -> None:
-        """Fold one outcome of work on ``pool`` into its statistics."""
-        raise NotImplementedError
-
-    async def stats(self, pool: str) -> PoolStats:
-        raise NotImplementedError
-
-    async def durations(self, pools: Sequence[str]) -> dict[str, float]:
-        """The observed mean duration (ms) of each of ``pools`` that has one."""
-        raise NotImplementedError
-
-    # -------------------------------------------------------------- idempotency
-    async def claim(self, key: str, ttl_s: float) -> Claim:
-        """Take ``key`` for ``ttl_s`` seconds, or learn who has it (:class:`Claim`). Callers scope
-        keys themselves (tenant, route, the client's ``Idempotency-Key``)."""
-        raise NotImplementedError
-
-    async def complete(self, key: str, answer: bytes, ttl_s: float) -> None:
-        """Store the answer of the request that claimed ``key``; retries get it for ``ttl_s``."""
-        raise NotImplementedError
-
-    async def abandon(self, key: str) -> None:
-        """Drop a claim whose request failed (unless it was completed), so a retry decides anew."""
-        raise NotImplementedError
-
-    # -------------------------------------------------------------- a server that lost its data
-    async def epoch(self) -> Epoch | None:
-        """The shared state's current :class:`Epoch`, begun by this call when the server has none
-        (it is new, or lost its data); None for a state that lives in this process (the embedded
-        one is rebuilt from the decision log at start instead)."""
-        return None
-
-    async def restore(self, epoch: Epoch, log_id: str,
-                      events: Iterable[Reserved | Released | QuotaReserved | QuotaSettled],
-                      answers: Iterable[tuple[str, bytes, float]], now_wall: float | None = None
-                      ) -> dict[str, int] | None:
-        """Put back into ``epoch`` what the server lost and one decision log knows: the
-        reservations of ``events`` whose hold has not passed (released where the log has their
-        feedback; capacity is not checked: they were admitted), the tenant quota reservations of
-        its quota events (settled where the log has their feedback) and the idempotency ``answers``
-        (``(key, answer, until)``, ``until`` wall clock) a key does not already hold. Done once per
-        epoch and log (``log_id``): returns counts, or None when another router restored this log
-        into this epoch already. Reservations already held are left as they are, so a restore that
-        overlaps the live decisions books nothing twice."""
-        raise NotImplementedError
-
-    # -------------------------------------------------------------- tenant quotas
-    async def quota_reserve(self, reservation_id: str, buckets: Sequence[QuotaBucket], tokens: int, usd: float,
-                            hold_s: float) -> QuotaVerdict:
-        """Check one request (``tokens``, ``usd``, one request, one concurrency slot) against every
-        limit of ``buckets`` and, when all have room, count it in each -- atomically, across every
-        router sharing the state. A refusal names the first limit hit (:class:`QuotaVerdict`). An
-        id that holds a reservation already is admitted and books nothing (a retry). The
-        concurrency slot is held until :meth:`quota_settle`, :meth:`quota_release` or ``hold_s``."""
-        raise NotImplementedError
-
-    async def reserve_with_quota(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
-                                 buckets: Sequence[QuotaBucket], tokens: int, usd: float
-                                 ) -> tuple[str | BaseException | None, QuotaVerdict | BaseException]:
-        """:meth:`reserve` and :meth:`quota_reserve` of one request at once (a shared server gets
-        both in one round trip). Each result, or the exception its call raised: the caller gives
-        back whichever succeeded when the other did not."""
-        out: list[Any] = []
-        for call in (lambda: self.reserve(candidates, reservation_id, hold_s),
-                     lambda: self.quota_reserve(reservation_id, buckets, tokens, usd, hold_s)):
-            try:
-                out.append(await call())
-            except Exception as e:
-                out.append(e)
-        return out[0], out[1]
-
-    async def quota_settle(self, reservation_id: str, tokens: int | None, usd: float | None) -> bool:
-        """The reservation's feedback: its concurrency slot is freed and what it counts becomes
-        ``tokens`` (while in the sliding window) and ``usd`` (in its day); None keeps what was
-        reserved. Once per reservation; False when none is held."""
-        raise NotImplementedError
-
-    async def quota_release(self, reservation_id: str) -> bool:
-        """Undo a reservation entirely (its request was not admitted after all); False when none is held."""
-        raise NotImplementedError
-
-    async def quota_usage(self, keys: Sequence[str]) -> dict[str, QuotaUsage]:
-        """What each bucket of ``keys`` holds now (zeros for one never used)."""
-        raise NotImplementedError
-
-    async def begin_restore(self, epoch: Epoch, log_id: str) -> None:
-        """Say, before reading the decision log ``log_id``, that this router is restoring it into
-        ``epoch``: until :meth:`end_restore` (or a deadline, should this router die), no router
-        decides a keyed request whose key the state lacks (:class:`StateRestoring`). Nothing to say
-        for a state in this process."""
-
-    async def end_restore(self, epoch: Epoch, log_id: str, restored: bool) -> None:
-        """The restore :meth:`begin_restore` announced is over; ``restored``: this router's part in
-        ``epoch`` is done (its log is back, or had nothing the epoch lacked), so keyed requests may
-        be decided here once every other restore has ended."""
-
-    # -------------------------------------------------------------- prefix affinity and sessions
-    async def prefix_lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
-        """The pools expected to hold the leading blocks of ``hashes`` (int64, prompt order) now,
-        by the index's record (module docstring; ``envs.prefix.view_lookup``: an entry counts
-        once its blocks are expected computed, within ``ttl_s``, and while fewer than the pool's
-        capacity of blocks were sent there after it), and where ``session`` last went."""
-        raise NotImplementedError
-
-    async def prefix_record(self, decision_id: str, pool: str, send: PrefixSend) -> None:
-        """The decision ``decision_id`` sent ``send.hashes`` (and its session) to ``pool``, one of
-        ``send.candidates``; the prediction is kept for :meth:`prefix_feedback` for ``send.ttl_s``."""
-        raise NotImplementedError
-
-    async def reserve_recording(self, candidates: Sequence[tuple[str, int]], reservation_id: str, hold_s: float,
-                                send: PrefixSend, slots: int = 1) -> str | None:
-        """:meth:`reserve`, then :meth:`prefix_record` on the pool reserved (nothing when none had
-        room) -- in one round trip where the backend has a server."""
-        pool = await self.reserve(candidates, reservation_id, hold_s, slots)
-        if pool is not None:
-            await self.prefix_record(reservation_id, pool, send)
-        return pool
-
-    async def prefix_feedback(self, decision_id: str, cached_tokens: float, alpha: float) -> str | None:
-        """A server reported ``cached_tokens`` of the decision's prompt cached: the pool's retention
-        learns it (``envs.prefix.retention_update``, weight ``alpha``) once per decision. Returns the
-        pool, or None when the decision recorded no prediction (or it expired, or was used)."""
-        raise NotImplementedError
-
-    async def get_session(self, session_id: str) -> bytes | None:
-        """The value stored for ``session_id`` (the pool its last request went to), or None."""
-        raise NotImplementedError
-
-    async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
-        raise NotImplementedError
-
-    # -------------------------------------------------------------- life
-    async def healthy(self) -> bool:
-        return True
-
-    def describe(self) -> dict[str, Any]:
-        """What ``/v1/admin/status`` shows (never a credential)."""
-        return {"backend": self.backend}
-
-    async def close(self) -> None:
-        pass
 
 
 def _ewm(n: int, mean: float, var: float, x: float, alpha: float) -> tuple[float, float]:

@@ -52,6 +52,10 @@ class QuotaVerdict:
     retry_after_s: float = 0.0
 
 
+#: an admitted request's verdict
+ADMITTED = QuotaVerdict(True)
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaUsage:
     """What one bucket holds now: requests in flight, tokens in the sliding window, requests and
@@ -182,25 +186,44 @@ class QuotaLedger:
         now = self.clock() if now is None else now
         self._expire_records(now)
         if reservation_id in self._res:
-            return QuotaVerdict(True)
+            return ADMITTED
         d = day_index(now)
+        window_s = self.window_s
+        found = []
         for i, qb in enumerate(buckets):
-            b = self._bucket(qb.key)
-            b.evict(now, self.window_s)
+            b = self._buckets.get(qb.key)
+            if b is None:
+                b = self._buckets[qb.key] = _Bucket()
+            b.evict(now, window_s)
+            found.append(b)
             cc, tpm, rpd, usd_limit = qb.limits
             if cc >= 0 and len(b.held) + 1 > cc:
                 return QuotaVerdict(False, i, LIMITS[0], cc, float(len(b.held)), 1.0, 1.0)
             if tpm >= 0 and b.tokens_sum + tokens > tpm:
                 return QuotaVerdict(False, i, LIMITS[1], tpm, float(b.tokens_sum), float(tokens),
-                                    b.retry_tokens(tokens, tpm, now, self.window_s))
+                                    b.retry_tokens(tokens, tpm, now, window_s))
             n, spent = b.days.get(d, (0.0, 0.0))
             if rpd >= 0 and n + 1 > rpd:
                 return QuotaVerdict(False, i, LIMITS[2], rpd, n, 1.0, (d + 1) * DAY_S - now)
             if usd_limit >= 0 and spent + usd > usd_limit:
                 return QuotaVerdict(False, i, LIMITS[3], usd_limit, spent, usd, (d + 1) * DAY_S - now)
-        self._book(reservation_id, [qb.key for qb in buckets], tokens, usd, now, d, now + hold_s,
-                   now + hold_s + self.record_ttl_s)
-        return QuotaVerdict(True)
+        # booked now: the slot held until the hold, the tokens in the window, the request and USD in the day
+        until, tokens = now + hold_s, int(tokens)
+        for b in found:
+            b.held[reservation_id] = until
+            heapq.heappush(b.due, (until, reservation_id))
+            b.window.append((now, reservation_id))
+            if len(b.window) > 1 and b.window[-2][0] > now:  # (the wall clock stepped back: keep it sorted)
+                b.window = deque(sorted(b.window))
+            b.tokens[reservation_id] = (now, tokens)
+            b.tokens_sum += tokens
+            day = b.day(d)
+            day[0] += 1
+            day[1] += usd
+        expires = until + self.record_ttl_s
+        self._res[reservation_id] = _Reservation(tuple(qb.key for qb in buckets), tokens, float(usd), d, expires)
+        heapq.heappush(self._res_due, (expires, reservation_id))
+        return ADMITTED
 
     def _book(self, rid: str, keys: Sequence[str], tokens: int, usd: float, at: float, d: int, until: float,
               expires: float, now: float | None = None) -> None:

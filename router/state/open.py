@@ -1,17 +1,19 @@
 """Which state backend: :func:`open_state` opens the one the settings name (embedded, Redis/Valkey,
-either failing open), so the interfaces (``router.state.base``) never pick their backends."""
+either failing open), so the backends never pick each other."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from router.core.settings import STATS_ALPHA
-from router.state.base import RouterState
 from router.state.embedded import EmbeddedState
 from router.state.failopen import FailOpenState
 from router.state.ledger import RECORD_S
+
+if TYPE_CHECKING:
+    from router.state.redis import RedisState
 
 
 @dataclass
@@ -29,7 +31,8 @@ class StateSettings:
     restore_window_s: float = 1.0
 
 
-def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None) -> RouterState:
+def open_state(cfg: StateSettings, on_failover: Callable[[str], None] | None = None
+               ) -> EmbeddedState | RedisState | FailOpenState:
     """The backend ``cfg`` names (a Redis one wrapped in :class:`FailOpenState` with ``fail_open``)."""
     if cfg.backend == "embedded":
         return EmbeddedState(cfg.alpha, record_ttl_s=cfg.record_ttl_s)
