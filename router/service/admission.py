@@ -25,6 +25,7 @@ from router.decision.engine import RouteFailure, RoutingEngine
 from router.service.ports import DecisionState, Idempotency
 from router.service.services import Services
 from router.state.base import QUOTA_UNDO, Admission, QuotaCharge, Settlement
+from router.store.rows import DecisionRow
 from router.store.sqlite import CommitInDoubt, StoreClosed
 from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
@@ -37,7 +38,7 @@ class Decided:
     quotas reserved (tokens, USD; None: no quota applied)."""
 
     payload: bytes
-    row: tuple[Any, ...]
+    row: DecisionRow
     offering_id: str
     pinfo: dict[str, Any]
     quota: tuple[int, float] | None

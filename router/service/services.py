@@ -8,7 +8,7 @@ reverse), is typed by what the layers below read of it, :class:`GatewayView`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from router.control.access_store import AccessSync
 from router.control.keys import KeyStore
@@ -16,13 +16,16 @@ from router.control.policy_sync import PolicySync
 from router.core.metrics import Metrics
 from router.core.settings import RouterSettings
 from router.decision.engine import RoutingEngine
-from router.service.migration import Migrator
 from router.service.models import ModelManager
 from router.service.ports import SharedState
 from router.service.readiness import Readiness
 from router.service.scrape import InferenceScraper
-from router.service.webhooks import WebhookSender
 from router.store.sqlite import GroupCommitLog
+
+if TYPE_CHECKING:  # types only: the migrator (and the webhooks' sender, which waits on its wake-ups) place
+    # through router.service.admission, which reads Services
+    from router.service.migration import Migrator
+    from router.service.webhooks import WebhookSender
 
 
 class GatewayView(Protocol):
