@@ -14,10 +14,11 @@ test:
 test-fast:  ## skips the slow tier (CI runs everything)
 	$(PY) -m pytest -q -m "not slow"
 
-lint:  ## ruff, mypy, and the import contracts of pyproject.toml (docs/architecture.md, "Layers")
+lint:  ## ruff, mypy, the import contracts of pyproject.toml and router/'s function lengths (docs/architecture.md)
 	.venv/bin/ruff check .
 	.venv/bin/mypy
 	.venv/bin/lint-imports --no-logo
+	.venv/bin/python tools/function_length.py
 
 bundle:  ## rebuild the shipped bundle from ../shared/data (deterministic)
 	$(PY) tools/build_default_bundle.py --shared ../shared/data --out data/bundles/default

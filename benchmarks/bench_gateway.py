@@ -297,7 +297,7 @@ def main() -> None:
                                              "--max-num-seqs", "8192"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         br._wait_ready(f"{standin}/v1/models", standin_proc)
         key_file = work / "keys.json"
-        key = subprocess.run([sys.executable, "-m", "router.keys", "add", "--tenant", "bench", "--keys-file",
+        key = subprocess.run([sys.executable, "-m", "router.control.keys", "add", "--tenant", "bench", "--keys-file",
                               str(key_file)], capture_output=True, text=True, check=True,
                              cwd=REPO).stdout.strip().splitlines()[-1]
         auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}

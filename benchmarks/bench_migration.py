@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from router.keys import add_key  # noqa: E402
+from router.control.keys import add_key  # noqa: E402
 from tests.servers import free_port, start_subprocess  # noqa: E402
 from tests.test_router_support import ROUTE, make_setup  # noqa: E402
 

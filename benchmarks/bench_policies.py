@@ -168,8 +168,8 @@ def bench_masks(bundle: Path, n: int) -> dict[str, Any]:
 
 
 def _engine(bundle: Path, settings_env: dict[str, str], install: bool, work: Path) -> Any:
-    from router.engine import RoutingEngine
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
 
     cfg = work / "router.yaml"
     cfg.write_text("{}\n")
@@ -191,7 +191,8 @@ def _engine(bundle: Path, settings_env: dict[str, str], install: bool, work: Pat
 
 def bench_engine(bundle: Path, n: int, rounds: int, work: Path) -> dict[str, Any]:
     """Part 2, in process: ``RoutingEngine.decide`` per variant, interleaved in rounds."""
-    from router.keys import Principal
+    from tests.state_support import decide
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     engines = {v: _engine(bundle, s, on, work) for v, (s, on) in VARIANTS.items()}
@@ -209,7 +210,7 @@ def bench_engine(bundle: Path, n: int, rounds: int, work: Path) -> dict[str, Any
                 wall = wall0 + 0.02 * clock[v]
                 clock[v] += 1
                 t0 = time.perf_counter()
-                eng.decide(reqs[i % 256], who, f"d_{r}_{i}", wall)
+                decide(eng, reqs[i % 256], who, f"d_{r}_{i}", wall)
                 times.append(time.perf_counter() - t0)
             skip = min(1000, n // 10) if r == 0 else 0
             p = _pct(times[skip:])
@@ -236,7 +237,7 @@ def bench_http(work: Path, bundle: Path, seconds: float, rounds: int) -> dict[st
     import yaml
 
     from envs.cloud_route import CloudRouteEnv
-    from router.keys import add_key
+    from router.control.keys import add_key
     from xroute.config import EnvConfig
 
     key = add_key(work / "keys.json", TENANT)

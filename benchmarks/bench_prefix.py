@@ -1,17 +1,16 @@
 """Prefix affinity's cost: the shared index's lookup in process and on Redis over loopback, and the
 environment's step rate with prefix caching on vs off.
 
-* **In process** (``router.state.EmbeddedState``): an index filled with 20,000 earlier decisions
+* **In process** (``router.state.embedded.EmbeddedState``): an index filled with 20,000 earlier decisions
   (conversations of 64-block prompts over a catalog of 100 offerings, the shipped bundle's cycled),
   then, per lookup, a 64-block prompt whose prefix some pools hold: the state's lookup plus the
   engine's conversion to the environment's arrays (``RoutingEngine._live_prefix``) -- what the
-  affinity adds before a decision -- and the record after it; and a whole decision
-  (``RoutingEngine.decide`` with the embedded state) with and without the request's prefix hashes
-  and session, side by side. Target: the lookup <= 15 us p99.
-* **Redis** (``router.state_redis.RedisState``, a real redis-server on loopback, no persistence):
-  the same index; the lookup awaited one at a time (one round trip), and the reservation with the
-  prefix's record in its pipeline (``reserve_recording``) next to the reservation alone. Target:
-  the lookup <= 1 ms p99.
+  affinity adds before a decision -- and the admission with the record after it; and a whole
+  decision (the service's ``decide`` with the embedded state) with and without the request's
+  prefix hashes and session, side by side. Target: the lookup <= 15 us p99.
+* **Redis** (``router.state.redis.RedisState``, a real redis-server on loopback, no persistence):
+  the same index; the lookup awaited one at a time (one round trip), and the admission with the
+  prefix's record (one script) next to the admission alone. Target: the lookup <= 1 ms p99.
 * **The environment** (``xroute/CloudRoute-v0`` on the Mooncake bundle, 3,993 requests, 93
   offerings): steps per second with its ``prefix_hashes`` and without them (the same bundle, the
   column dropped), rounds interleaved, CPU time of this process, the action the first valid
@@ -44,12 +43,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from envs.cloud_route import CloudRouteEnv  # noqa: E402
-from router.engine import RoutingEngine  # noqa: E402
-from router.keys import Principal  # noqa: E402
-from router.settings import load_settings  # noqa: E402
-from router.state import EmbeddedState, PrefixSend, RouterState  # noqa: E402
+from router.core.settings import load_settings  # noqa: E402
+from router.decision.engine import RoutingEngine  # noqa: E402
+from router.state.base import Admission, PrefixSend  # noqa: E402
+from router.state.embedded import EmbeddedState  # noqa: E402
+from tests.state_support import decide  # noqa: E402
 from xroute.bundle import load_bundle  # noqa: E402
 from xroute.catalog_tools import resize_catalog  # noqa: E402
+from xroute.schema.access import Principal  # noqa: E402
 from xroute.schema.decision import RouteRequest  # noqa: E402
 
 BLOCKS = 64
@@ -103,8 +104,9 @@ def in_process(n: int, tmp: Path) -> dict[str, Any]:
     pools = engine.pool_keys[engine.env.default_model]
     prompts = _prompts(rng, HISTORY + n)
     for i in range(HISTORY):
-        state.prefix_record_now(f"h{i}", pools[int(rng.integers(len(pools)))],
-                                _send(engine, prompts[i], pools[0], f"bench:s{i % 3000}"))
+        pool = pools[int(rng.integers(len(pools)))]
+        state.core.admit(Admission(f"h{i}", [(pool, 10**9)], 3600.0,
+                                   prefix=_send(engine, prompts[i], pool, f"bench:s{i % 3000}")))
     m = engine.env.default_model
     look, conv, rec = np.empty(n), np.empty(n), np.empty(n)
     matched = 0
@@ -112,11 +114,12 @@ def in_process(n: int, tmp: Path) -> dict[str, Any]:
         h = prompts[HISTORY + i]
         sess = f"bench:s{i % 3000}"
         t0 = time.perf_counter()
-        aff = state.prefix_lookup_now(h, sess, 600.0)
+        aff = state.core.lookup(h, sess, 600.0)
         t1 = time.perf_counter()
         engine._live_prefix(m, aff)
         t2 = time.perf_counter()
-        state.prefix_record_now(f"q{i}", pools[i % len(pools)], _send(engine, h, pools[i % len(pools)], sess))
+        pool = pools[i % len(pools)]
+        state.core.admit(Admission(f"q{i}", [(pool, 10**9)], 3600.0, prefix=_send(engine, h, pool, sess)))
         t3 = time.perf_counter()
         look[i], conv[i], rec[i] = t1 - t0, t2 - t0, t3 - t2
         matched += bool(aff.runs)
@@ -130,43 +133,41 @@ def in_process(n: int, tmp: Path) -> dict[str, Any]:
         for arr, body in ((with_p, {**base, "prefix_hashes": h, "session_id": f"s{i % 3000}"}), (without, base)):
             req = RouteRequest.model_validate(body)
             t0 = time.perf_counter()
-            engine.decide(req, WHO, f"d{i}{len(body)}", wall + i * 1e-3, state)
+            decide(engine, req, WHO, f"d{i}{len(body)}", wall + i * 1e-3, state)
             arr[i] = time.perf_counter() - t0
-    return {"lookup": _pct(look), "lookup_and_conversion": _pct(conv), "record": _pct(rec),
+    return {"lookup": _pct(look), "lookup_and_conversion": _pct(conv), "admit_recording": _pct(rec),
             "lookups_with_a_match": round(matched / n, 3), "decision_with_prefix": _pct(with_p),
             "decision_without": _pct(without), "offerings": engine.n, "blocks_per_prompt": BLOCKS,
             "index_decisions_before": HISTORY}
 
 
 async def on_redis(url: str, n: int) -> dict[str, Any]:
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
 
-    state: RouterState = RedisState(url, prefix=f"bench-prefix-{time.time_ns()}")
+    state = RedisState(url, prefix=f"bench-prefix-{time.time_ns()}")
     try:
         rng = np.random.default_rng(0)
         pools = [f"llama-2-7b|o{k}" for k in range(OFFERINGS)]
         prompts = _prompts(rng, HISTORY // 4 + n)
         for i in range(HISTORY // 4):  # the index filled through the pipeline, 50 at a time
-            await asyncio.gather(*[state.reserve_recording(
-                [(pools[int(rng.integers(len(pools)))], 10**9)], f"h{i}-{j}", 3600.0,
-                PrefixSend(prompts[i], f"s{i % 3000}", 600.0, {p: (4096, 0.0, 0.0) for p in pools}))
-                for j in range(1)])
+            await state.admit(Admission(f"h{i}", [(pools[int(rng.integers(len(pools)))], 10**9)], 3600.0, prefix=PrefixSend(
+                prompts[i], f"s{i % 3000}", 600.0, {p: (4096, 0.0, 0.0) for p in pools})))
         look, both, alone = np.empty(n), np.empty(n), np.empty(n)
         matched = 0
         for i in range(n):
             h = prompts[HISTORY // 4 + i]
             t0 = time.perf_counter()
-            aff = await state.prefix_lookup(h, f"s{i % 3000}", 600.0)
+            aff = await state.lookup(h, f"s{i % 3000}", 600.0)
             t1 = time.perf_counter()
             pool = pools[i % len(pools)]
-            await state.reserve_recording([(pool, 10**9)], f"q{i}", 3600.0,
-                                          PrefixSend(h, f"s{i % 3000}", 600.0, {pool: (4096, 0.0, 0.0)}))
+            await state.admit(Admission(f"q{i}", [(pool, 10**9)], 3600.0,
+                                        prefix=PrefixSend(h, f"s{i % 3000}", 600.0, {pool: (4096, 0.0, 0.0)})))
             t2 = time.perf_counter()
-            await state.reserve([(pool, 10**9)], f"r{i}", 3600.0)
+            await state.admit(Admission(f"r{i}", [(pool, 10**9)], 3600.0))
             t3 = time.perf_counter()
             look[i], both[i], alone[i] = t1 - t0, t2 - t1, t3 - t2
             matched += bool(aff.runs)
-        return {"lookup": _pct(look), "reserve_recording": _pct(both), "reserve_alone": _pct(alone),
+        return {"lookup": _pct(look), "admit_recording": _pct(both), "admit_alone": _pct(alone),
                 "lookups_with_a_match": round(matched / n, 3)}
     finally:
         await state.close()
@@ -239,12 +240,12 @@ def main() -> None:
     for label, d, target in (
             ("in process: lookup", ip["lookup"], ""),
             ("in process: lookup + conversion to the env's arrays", ip["lookup_and_conversion"], "<= 15 us p99"),
-            ("in process: record", ip["record"], ""),
+            ("in process: admission with the record", ip["admit_recording"], ""),
             ("in process: decision with prefix + session", ip["decision_with_prefix"], ""),
             ("in process: decision without", ip["decision_without"], ""),
             ("Redis loopback: lookup (one round trip)", rd["lookup"], "<= 1 ms p99"),
-            ("Redis loopback: reserve + record (one pipeline)", rd["reserve_recording"], ""),
-            ("Redis loopback: reserve alone", rd["reserve_alone"], "")):
+            ("Redis loopback: admission with the record (one script)", rd["admit_recording"], ""),
+            ("Redis loopback: admission alone", rd["admit_alone"], "")):
         print(f"| {label} | {d['p50_us']} | {d['p99_us']} | {target} |")
     print(f"\nlookups that matched some pool: in process {ip['lookups_with_a_match']:.0%}, Redis "
           f"{rd['lookups_with_a_match']:.0%}\n")

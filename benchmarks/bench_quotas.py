@@ -1,27 +1,35 @@
 """Tenant quotas (``docs/quotas.md``): what the check-and-reserve costs, and what quotas cost the route.
 
-1. The state's quota operations, awaited one at a time on one event loop (what a request's task
-   pays), p50/p99 per call: ``quota_reserve`` of a request counted in two buckets (its tenant's
-   and its (tenant, model) one, every limit set, always admitted: the sliding window fills to the
-   run's length), ``quota_settle``, ``quota_release``, ``quota_usage`` -- on the embedded state in
-   this process and on a real ``redis-server`` over loopback (one Lua script per call, redis-py's
-   asyncio client). Targets (issue 22): check-and-reserve p99 <= 0.5 ms embedded, <= 1 ms on Redis.
-2. Redis: a request's state calls as the route and the feedback make them -- reserve a pool and
-   (quotas on) the quotas in one event-loop iteration, then release (and settle) -- 32 concurrent
-   lifecycles, quotas on and off in interleaved rounds: this process's CPU per request (redis-py),
-   the server's (the Lua scripts), and the rate. In process: ``RoutingEngine.decide`` (rank, pool reservation, quota reservation, admit) on the
-   shipped bundle with the embedded state, the tenant with and without quotas, interleaved rounds.
+1. The state's operations with a quota charge, awaited one at a time on one event loop (what a
+   request's task pays), p50/p99 per call: ``admit`` of a request counted in two buckets (its
+   tenant's and its (tenant, model) one, every limit set, always admitted: the sliding window
+   fills to the run's length) on a pool with room, ``settle`` (the pool released, the quotas
+   reconciled), ``settle`` undoing an admission, ``view`` of the two buckets -- on the embedded
+   state in this process and on a real ``redis-server`` over loopback (one Lua script per call,
+   redis-py's asyncio client). Targets (issue 22): check-and-reserve p99 <= 0.5 ms embedded,
+   <= 1 ms on Redis.
+2. Redis: a request's state calls as the route and the feedback make them -- one ``admit`` (with
+   the quota charge, quotas on), one ``settle`` (release, outcome, and the quotas) -- 32
+   concurrent lifecycles, quotas on and off in interleaved rounds: this process's CPU per request
+   (redis-py), the server's (the Lua scripts), and the rate. In process: the service's decision
+   (``router.service.admission.decide``: rank, one admission of the pool and the quotas, the
+   engine's admission) on the shipped bundle with the embedded state, the tenant with and without
+   quotas, interleaved rounds.
 3. HTTP (``--http``; needs wrk): ``POST /v1/route`` of ``xroute serve`` (one worker, greedy,
-   shipped bundle) with the tenant's quotas on and off -- on the embedded state and on Redis --
-   servers up throughout, ``--rounds`` rounds in rotated order, each run paired with the trivial
-   endpoint of ``bench_router.py`` (so the machine's drift does not bias the ratios); reported:
-   median req/s, p99, the server's CPU per request, and the on/off ratio of each round's
-   ``vs_trivial`` (median and range).
+   shipped bundle) on the embedded state and on Redis, three ways each -- ``off`` (neither quotas
+   nor prefix affinity), ``on`` (the tenant's quotas), ``both`` (the quotas, and every request
+   carrying prefix block hashes and a session: the affinity's lookup and record) -- servers up
+   throughout, ``--rounds`` rounds in rotated order, each run paired with the trivial endpoint of
+   ``bench_router.py`` (so the machine's drift does not bias the ratios); reported: median req/s,
+   p99, the server's CPU per request, and the ratios to ``off`` of each round's ``vs_trivial``
+   (median and range). Targets (issue 35): ``on`` >= 0.9 of ``off``, ``both`` >= 0.85 of ``off``.
+   ``--against DIR`` adds another checkout's servers (e.g. a ``git worktree`` of main) to the same
+   rounds, so before and after face the same machine; ``--http-only`` runs this part alone.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_quotas.py                        # 1 and 2 (~1 min)
-    .venv/bin/python benchmarks/bench_quotas.py --http --duration 10   # and 3 (~8 min)
+    .venv/bin/python benchmarks/bench_quotas.py --http --duration 10   # and 3 (~12 min)
 
 Prints a markdown table and writes ``benchmarks/results/quotas.json``.
 """
@@ -47,7 +55,6 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from router.state import EmbeddedState, RouterState  # noqa: E402
 from xroute.schema.quota import TenantQuotas, buckets_for  # noqa: E402
 
 #: every limit set, none ever reached in a run
@@ -67,34 +74,36 @@ async def _time(n: int, op: Callable[[int], Awaitable[Any]]) -> dict[str, float]
             "mean_us": round(float(ts.mean()), 1), "calls": int(ts.size)}
 
 
-async def bench_ops(state: RouterState, n: int) -> dict[str, dict[str, float]]:
+async def bench_ops(state: Any, n: int) -> dict[str, dict[str, float]]:
+    from router.state.base import QUOTA_UNDO, Admission, QuotaCharge, QuotaSettle, Settlement
+
     assert len(BUCKETS) == 2
-    out = {"quota_reserve": await _time(n, lambda i: state.quota_reserve(f"r{i}", BUCKETS, 2000, 1e-5, 300))}
-    out["quota_settle"] = await _time(n // 2, lambda i: state.quota_settle(f"r{i}", 1200, 8e-6))
-    out["quota_release"] = await _time(n // 2, lambda i: state.quota_release(f"r{n // 2 + i}"))
-    out["quota_usage"] = await _time(n // 2, lambda i: state.quota_usage([b.key for b in BUCKETS]))
+    charge = QuotaCharge(BUCKETS, 2000, 1e-5)
+    out = {"admit": await _time(n, lambda i: state.admit(Admission(f"r{i}", CANDIDATES, 300, charge)))}
+    out["settle"] = await _time(n // 2, lambda i: state.settle(Settlement(f"r{i}", quota=QuotaSettle(1200, 8e-6))))
+    out["undo"] = await _time(n // 2, lambda i: state.settle(Settlement(f"r{n // 2 + i}", quota=QUOTA_UNDO)))
+    out["view"] = await _time(n // 2, lambda i: state.view([b.key for b in BUCKETS]))
     return out
 
 
 CANDIDATES = [(f"pool-{i}", 1_000_000) for i in range(3)]
 
 
-async def _lifecycles(state: RouterState, tag: str, quotas: bool, tasks: int, per_task: int) -> int:
+async def _lifecycles(state: Any, tag: str, quotas: bool, tasks: int, per_task: int) -> int:
     """``tasks`` concurrent request lifecycles on ``state``, as the route and the feedback make
-    them: reserve a pool (and the quotas, in the same round trip: ``reserve_with_quota``), then
-    release it, and fold the outcome into the pool's statistics (and settle the quotas, in the same
-    round trip)."""
+    them: one admission (the pool, and the quotas), then one settlement (the pool released, the
+    outcome folded into its statistics, and the quotas reconciled)."""
+    from router.state.base import Admission, PoolOutcome, QuotaCharge, QuotaSettle, Settlement
+
+    charge = QuotaCharge(BUCKETS, 2000, 1e-5) if quotas else None
+    settle = QuotaSettle(1200, 8e-6) if quotas else None
+    outcome = PoolOutcome("pool-0", 100.0, 900.0)
+
     async def one(t: int) -> None:
         for i in range(per_task):
             rid = f"{tag}-{t}-{i}"
-            if quotas:  # what the route and the feedback do
-                await state.reserve_with_quota(CANDIDATES, rid, 300, BUCKETS, 2000, 1e-5)
-                await state.release(rid)
-                await asyncio.gather(state.observe("pool-0", 100.0, 900.0), state.quota_settle(rid, 1200, 8e-6))
-            else:
-                await state.reserve(CANDIDATES, rid, 300)
-                await state.release(rid)
-                await state.observe("pool-0", 100.0, 900.0)
+            await state.admit(Admission(rid, CANDIDATES, 300, charge))
+            await state.settle(Settlement(rid, outcome=outcome, quota=settle))
 
     await asyncio.gather(*(one(t) for t in range(tasks)))
     return tasks * per_task
@@ -107,7 +116,7 @@ def bench_lifecycles(url: str, server_pid: int, rounds: int, tasks: int = 32, pe
     CPU time, unlike a rate, hardly moves with what else the shared cores run."""
     from bench_router import proc_stat
 
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
 
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
 
@@ -132,12 +141,15 @@ def bench_lifecycles(url: str, server_pid: int, rounds: int, tasks: int = 32, pe
 
 
 def bench_decide(n: int, rounds: int) -> dict[str, Any]:
-    """``RoutingEngine.decide`` with an embedded state, the tenant's quotas on and off."""
+    """The service's decision with an embedded state, the tenant's quotas on and off."""
     import tempfile
 
-    from router.engine import RoutingEngine
-    from router.keys import Principal
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
+    from router.state.base import Settlement
+    from router.state.embedded import EmbeddedState
+    from tests.state_support import decide
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     work = Path(tempfile.mkdtemp(prefix="xroute-bench-quotas-"))
@@ -148,7 +160,7 @@ def bench_decide(n: int, rounds: int) -> dict[str, Any]:
         engines[v] = RoutingEngine(load_settings(work / "router.yaml", model_uri="", db_path=work / "d.db",
                                                  tenants=tenants, replay_speed=1e-6))
         states[v] = EmbeddedState()
-        engines[v].quota_usage = states[v].quota_usage_now
+        engines[v].quota_usage = states[v].quota_reader
     who = Principal("bench", "tenant", "k")
     origins = engines["off"].origins
     reqs = [RouteRequest.model_validate({"origin": origins[i % len(origins)], "input_tokens": 200 + (i * 37) % 1800,
@@ -163,9 +175,9 @@ def bench_decide(n: int, rounds: int) -> dict[str, Any]:
             for i, req in enumerate(reqs):
                 did = f"d_{r}_{i}"
                 t0 = time.perf_counter()
-                eng.decide(req, who, did, wall0 + i * 1e-3, state=st)
+                decide(eng, req, who, did, wall0 + i * 1e-3, state=st)
                 ts[i] = time.perf_counter() - t0
-                st.release_now(did)  # (the pools would fill: this measures the decision, not admission)
+                st.core.settle(Settlement(did))  # (the pools would fill: this measures the decision, not admission)
             runs[v].append(ts[200:] * 1e6)
     shutil.rmtree(work, ignore_errors=True)
     out: dict[str, Any] = {}
@@ -176,31 +188,105 @@ def bench_decide(n: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int) -> dict[str, Any]:
-    """``POST /v1/route`` with quotas on and off (module docstring, 3)."""
-    import bench_router as br
+#: the ``both`` variant's requests: a conversation's prompt is its blocks' ids chained from the session's
+#: number (``prefix_hashes``: as many as the prompt has blocks of 512 tokens), so each session's turns
+#: share their leading blocks and the affinity index matches them
+_PREFIX_LUA = """local origins = {%(origins)s}
+local i = 0
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %(key)s"
+request = function()
+  i = i + 1
+  local o = origins[(i %% #origins) + 1]
+  local input = 200 + (i * 37) %% 1800
+  local s = i %% 64
+  local hashes = {}
+  for b = 1, math.ceil(input / 512) do hashes[b] = tostring(s * 1000 + b) end
+  local body = string.format('{"origin":"%%s","input_tokens":%%d,"max_output_tokens":%%d,"ttft_ms":2000,"tpot_ms":100,'
+    .. '"session_id":"c%%d","prefix_hashes":[%%s]}', o, input, 10 + (i * 13) %% 40, s, table.concat(hashes, ","))
+  return wrk.format(nil, nil, nil, body)
+end
+"""
 
-    from router.keys import add_key
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    key = add_key(work / "keys.json", "bench")
+def _variants(work: Path, redis_url: str | None) -> dict[str, tuple[dict[str, str], bool]]:
+    """Each HTTP variant: its settings, and whether its requests carry prefix hashes and a session."""
     cfg = work / "quotas.yaml"
     cfg.write_text(json.dumps({"tenants": {"bench": {"quotas": QUOTAS}}}))
     (work / "none.yaml").write_text("{}\n")
-    variants: dict[str, dict[str, str]] = {"embedded_off": {"XROUTE_ROUTER_CONFIG": str(work / "none.yaml")},
-                                           "embedded_on": {"XROUTE_ROUTER_CONFIG": str(cfg)}}
+    off, on = {"XROUTE_ROUTER_CONFIG": str(work / "none.yaml")}, {"XROUTE_ROUTER_CONFIG": str(cfg)}
+    backends: dict[str, dict[str, str]] = {"embedded": {}}
     if redis_url is not None:
-        shared = {"XROUTE_ROUTER_STATE_BACKEND": "redis", "XROUTE_ROUTER_STATE_URL": redis_url}
-        variants["redis_off"] = {**shared, "XROUTE_ROUTER_CONFIG": str(work / "none.yaml"),
-                                 "XROUTE_ROUTER_STATE_PREFIX": "off"}
-        variants["redis_on"] = {**shared, "XROUTE_ROUTER_CONFIG": str(cfg), "XROUTE_ROUTER_STATE_PREFIX": "on"}
-    ref = br._Server.simple(work, "trivial", "auto", env)
+        backends["redis"] = {"XROUTE_ROUTER_STATE_BACKEND": "redis", "XROUTE_ROUTER_STATE_URL": redis_url}
+    out: dict[str, tuple[dict[str, str], bool]] = {}
+    for backend, shared in backends.items():
+        for v, (quota, prefix) in {"off": (off, False), "on": (on, False), "both": (on, True)}.items():
+            prefixed = {"XROUTE_ROUTER_STATE_PREFIX": v} if backend == "redis" else {}
+            out[f"{backend}_{v}"] = ({**shared, **prefixed, **quota}, prefix)
+    return out
+
+
+def _route_server(br: Any, work: Path, key: str, env: dict[str, str], label: str, prefix: bool,
+                  checkout: Path) -> Any:
+    """``xroute serve`` of ``checkout`` (its code: ``PYTHONPATH`` and working directory), with its
+    wrk script (the ``both`` variant's: :data:`_PREFIX_LUA`)."""
+    import httpx
+
+    saved = br.REPO
+    br.REPO = checkout  # (the server's working directory: python -m imports from there first)
+    try:
+        srv = br._Server.route(work, None, "", key, {**env, "PYTHONPATH": str(checkout)}, label)
+    finally:
+        br.REPO = saved
+    if prefix:
+        origins = httpx.get(srv.url.replace("/v1/route", "/v1/offerings"),
+                            headers={"Authorization": f"Bearer {key}"}).json()["origins"]
+        srv.script = work / f"route-{label}.lua"
+        srv.script.write_text(_PREFIX_LUA % {"origins": ", ".join(f'"{o}"' for o in origins), "key": key})
+    return srv
+
+
+def _ratios(runs: dict[str, list[dict[str, Any]]], tag: str = "") -> dict[str, Any]:
+    """Each round's ``vs_trivial`` of ``on`` and ``both`` over ``off``'s (the same backend and
+    checkout): median and range, and the server CPU a request they add."""
+    out: dict[str, Any] = {}
+    for pair in ("on_vs_off", "both_vs_off"):
+        for backend in ("embedded", "redis"):
+            a, b = f"{tag}{backend}_{pair.split('_vs_')[0]}", f"{tag}{backend}_off"
+            if a in runs and b in runs:
+                ratios = [x["vs_trivial"] / y["vs_trivial"] for x, y in zip(runs[a], runs[b])]
+                cpu = [x.get("server_cpu_us_per_req", np.nan) - y.get("server_cpu_us_per_req", np.nan)
+                       for x, y in zip(runs[a], runs[b])]
+                out[f"{tag}{backend}_{pair}"] = {"median": round(float(np.median(ratios)), 3),
+                                                 "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+                                                 "server_cpu_us_per_req_added": round(float(np.nanmedian(cpu)), 1)}
+    return out
+
+
+def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int,
+               against: Path | None = None) -> dict[str, Any]:
+    """``POST /v1/route`` with quotas off, on, and with prefix affinity too (module docstring, 3);
+    with ``against`` (another checkout), its servers too -- labelled ``against:`` -- in the same
+    rounds, so both face the same machine."""
+    import bench_router as br
+
+    from router.control.keys import add_key
+
+    env = dict(os.environ)
+    key = add_key(work / "keys.json", "bench")
+    variants = {v: (o, pf, REPO) for v, (o, pf) in _variants(work, redis_url).items()}
+    if against is not None:
+        variants.update({f"against:{v}": ({**o, **({"XROUTE_ROUTER_STATE_PREFIX": f"against-{o['XROUTE_ROUTER_STATE_PREFIX']}"}
+                                                   if "XROUTE_ROUTER_STATE_PREFIX" in o else {})}, pf, against)
+                         for v, (o, pf) in _variants(work, redis_url).items()})
+    ref = br._Server.simple(work, "trivial", "auto", {**env, "PYTHONPATH": str(REPO)})
     servers: dict[str, Any] = {}
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         ref.warm_up()
-        for v, overrides in variants.items():
-            servers[v] = br._Server.route(work, None, "", key, {**env, **overrides}, f"quotas-{v}")
+        for v, (overrides, prefix, checkout) in variants.items():
+            servers[v] = _route_server(br, work, key, {**env, **overrides}, v.replace(":", "-"), prefix, checkout)
             servers[v].warm_up()
         order = list(variants)
         for r in range(rounds):
@@ -218,15 +304,46 @@ def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int) -
         for srv in servers.values():
             srv.stop()
     out: dict[str, Any] = {v: br._median_of(runs[v]) for v in variants}
-    for backend in ("embedded", "redis"):
-        if f"{backend}_on" in runs:
-            ratios = [a["vs_trivial"] / b["vs_trivial"] for a, b in zip(runs[f"{backend}_on"], runs[f"{backend}_off"])]
-            cpu = [a.get("server_cpu_us_per_req", np.nan) - b.get("server_cpu_us_per_req", np.nan)
-                   for a, b in zip(runs[f"{backend}_on"], runs[f"{backend}_off"])]
-            out[f"{backend}_on_vs_off"] = {"median": round(float(np.median(ratios)), 3),
-                                           "min": round(min(ratios), 3), "max": round(max(ratios), 3),
-                                           "server_cpu_us_per_req_added": round(float(np.nanmedian(cpu)), 1)}
+    out.update(_ratios(runs))
+    if against is not None:
+        out.update(_ratios(runs, "against:"))
+        out["against"] = str(against)
     return out
+
+
+def _http_part(res: dict[str, Any], redis_url: str | None, seconds: float, rounds: int,
+               against: Path | None = None) -> None:
+    if shutil.which("wrk") is None:
+        res["http"] = {"skipped": "wrk not found: sudo apt-get install wrk"}
+        return
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="xroute-bench-quotas-http-"))
+    try:
+        res["http"] = bench_http(work, redis_url, seconds, rounds, against)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _state_parts(res: dict[str, Any], server: Any, a: argparse.Namespace) -> None:
+    """Parts 1 and 2 (module docstring)."""
+    from router.state.embedded import EmbeddedState
+    from router.state.redis import RedisState
+
+    res["embedded"] = asyncio.run(bench_ops(EmbeddedState(), a.n))
+
+    async def run_redis() -> dict[str, dict[str, float]]:
+        state = RedisState(server.url, prefix="bench")
+        try:
+            return await bench_ops(state, a.redis_n)
+        finally:
+            await state.close()
+
+    res["redis"] = asyncio.run(run_redis())
+    res["redis_server"] = "redis-server on 127.0.0.1 (loopback), no persistence"
+    assert server.proc is not None
+    res["lifecycles"] = bench_lifecycles(server.url, server.proc.pid, a.rounds)
+    res["decide"] = bench_decide(a.decide_n, a.rounds)
 
 
 def main() -> None:
@@ -235,48 +352,31 @@ def main() -> None:
     ap.add_argument("--redis-n", type=int, default=5000, help="calls per operation, Redis (>= 1000)")
     ap.add_argument("--decide-n", type=int, default=4000, help="decisions per in-process round (>= 1000)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (in process and HTTP)")
-    ap.add_argument("--http", action="store_true", help="also POST /v1/route with quotas on and off (wrk)")
+    ap.add_argument("--http", action="store_true", help="also POST /v1/route with quotas off, on, and with prefix "
+                                                        "affinity (wrk)")
+    ap.add_argument("--http-only", action="store_true", help="only the HTTP part (any checkout's xroute serve)")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per HTTP run")
+    ap.add_argument("--against", type=Path, default=None, help="another checkout (e.g. a git worktree of main) whose "
+                                                               "servers run in the same HTTP rounds")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "quotas.json")
     a = ap.parse_args()
     for name, v in (("--n", a.n), ("--redis-n", a.redis_n), ("--decide-n", a.decide_n)):
         if v < 1000:
             ap.error(f"{name} must be at least 1000 (got {v})")
-    from router.state_redis import RedisState
     from tests.servers import RedisServer, ServerError
 
     res: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores (nproc), Python "
                                       f"{platform.python_version()}; shared with other work",
-                           "load_average_at_start": os.getloadavg()}
-    res["embedded"] = asyncio.run(bench_ops(EmbeddedState(), a.n))
+                           "checkout": str(REPO), "load_average_at_start": os.getloadavg()}
     try:
         server = RedisServer().start()
     except ServerError as e:
         sys.exit(f"bench_quotas: error: {e}")
     try:
-        async def run_redis() -> dict[str, dict[str, float]]:
-            state = RedisState(server.url, prefix="bench")
-            try:
-                return await bench_ops(state, a.redis_n)
-            finally:
-                await state.close()
-
-        res["redis"] = asyncio.run(run_redis())
-        res["redis_server"] = "redis-server on 127.0.0.1 (loopback), no persistence"
-        assert server.proc is not None
-        res["lifecycles"] = bench_lifecycles(server.url, server.proc.pid, a.rounds)
-        res["decide"] = bench_decide(a.decide_n, a.rounds)
-        if a.http:
-            if shutil.which("wrk") is None:
-                res["http"] = {"skipped": "wrk not found: sudo apt-get install wrk"}
-            else:
-                import tempfile
-
-                work = Path(tempfile.mkdtemp(prefix="xroute-bench-quotas-http-"))
-                try:
-                    res["http"] = bench_http(work, server.url, a.duration, a.rounds)
-                finally:
-                    shutil.rmtree(work, ignore_errors=True)
+        if not a.http_only:
+            _state_parts(res, server, a)
+        if a.http or a.http_only:
+            _http_part(res, server.url, a.duration, a.rounds, a.against)
     finally:
         server.close()
     res["load_average_at_end"] = os.getloadavg()
@@ -287,33 +387,34 @@ def main() -> None:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"machine: {res['machine']}; load average {res['load_average_at_start'][0]:.2f} at start", "",
-             "| operation | embedded p50 / p99 us | Redis (loopback) p50 / p99 us |", "|---|---:|---:|"]
-    for op in res["embedded"]:
-        e, r = res["embedded"][op], res["redis"][op]
-        lines.append(f"| {op} | {e['p50_us']} / {e['p99_us']} | {r['p50_us']} / {r['p99_us']} |")
-    lc = res["lifecycles"]
-    lines += ["", f"| Redis: {lc['tasks']} concurrent lifecycles (reserve, release, observe) | client CPU us/req | "
-                  "server CPU us/req | req/s |", "|---|---:|---:|---:|"]
-    for v in ("off", "on"):
-        x = lc[v]
-        lines.append(f"| quotas {v} | {x['client_cpu_us_per_req']} | {x['server_cpu_us_per_req']} | {x['req_per_s']} |")
-    d = res["decide"]
-    lines += ["", "| RoutingEngine.decide (embedded state) | p50 us | p99 us |", "|---|---:|---:|",
-              f"| quotas off | {d['off']['p50_us']} | {d['off']['p99_us']} |",
-              f"| quotas on | {d['on']['p50_us']} | {d['on']['p99_us']} |"]
+    lines = [f"machine: {res['machine']}; load average {res['load_average_at_start'][0]:.2f} at start"]
+    if "embedded" in res:
+        lines += ["", "| operation (quota charged) | embedded p50 / p99 us | Redis (loopback) p50 / p99 us |",
+                  "|---|---:|---:|"]
+        for op in res["embedded"]:
+            e, r = res["embedded"][op], res["redis"][op]
+            lines.append(f"| {op} | {e['p50_us']} / {e['p99_us']} | {r['p50_us']} / {r['p99_us']} |")
+        lc = res["lifecycles"]
+        lines += ["", f"| Redis: {lc['tasks']} concurrent lifecycles (admit, settle) | client CPU us/req | "
+                      "server CPU us/req | req/s |", "|---|---:|---:|---:|"]
+        for v in ("off", "on"):
+            x = lc[v]
+            lines.append(f"| quotas {v} | {x['client_cpu_us_per_req']} | {x['server_cpu_us_per_req']} | "
+                         f"{x['req_per_s']} |")
+        d = res["decide"]
+        lines += ["", "| the service's decision (embedded state) | p50 us | p99 us |", "|---|---:|---:|",
+                  f"| quotas off | {d['off']['p50_us']} | {d['off']['p99_us']} |",
+                  f"| quotas on | {d['on']['p50_us']} | {d['on']['p99_us']} |"]
     http = res.get("http")
     if http and "skipped" not in http:
         lines += ["", "| POST /v1/route | req/s | p99 ms | server CPU us/req | vs trivial |", "|---|---:|---:|---:|---:|"]
         for v, m in http.items():
-            if v.endswith("_vs_off"):
-                continue
-            lines.append(f"| {v} | {m['rps']} | {m['p99_ms']} | {m.get('server_cpu_us_per_req')} | {m['vs_trivial']} |")
-        for backend in ("embedded", "redis"):
-            k = f"{backend}_on_vs_off"
-            if k in http:
-                x = http[k]
-                lines.append(f"\n{backend}: quotas on / off = {x['median']} (rounds {x['min']}-{x['max']}), "
+            if "_vs_" not in v and isinstance(m, dict):
+                lines.append(f"| {v} | {m['rps']} | {m['p99_ms']} | {m.get('server_cpu_us_per_req')} | "
+                             f"{m['vs_trivial']} |")
+        for k, x in http.items():
+            if "_vs_" in k:
+                lines.append(f"\n{k}: {x['median']} (rounds {x['min']}-{x['max']}), "
                              f"+{x['server_cpu_us_per_req_added']} us server CPU per request")
     elif http:
         lines.append(f"\nHTTP: {http['skipped']}")

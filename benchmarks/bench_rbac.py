@@ -1,7 +1,7 @@
 """Access control's cost per request, side by side in one run (``docs/policies.md``, "Access
 control").
 
-1. **The check alone**, at 100 offerings: what ``router.deps`` and ``RoutingEngine.rank`` do per
+1. **The check alone**, at 100 offerings: what ``router.http.deps`` and ``RoutingEngine.rank`` do per
    request -- the caller's compiled permissions (cached per key), ``can_infer``, and the offering
    mask of the request's model (cached per key and model) -- for a built-in tenant key (every region:
    no mask), a key whose role grants 10 region wildcards (a mask), and an admin check
@@ -50,8 +50,8 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def _engine(bundle: Path, work: Path) -> Any:
-    from router.engine import RoutingEngine
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
 
     cfg = work / "router.yaml"
     cfg.write_text("{}\n")
@@ -72,8 +72,8 @@ def _roles(eng: Any) -> dict[str, Any]:
 
 
 def bench_check(eng: Any, n: int) -> dict[str, Any]:
-    from router.access import AccessControl
-    from router.keys import Principal
+    from router.decision.access import AccessControl
+    from xroute.schema.access import Principal
 
     roles = _roles(eng)
     model = eng.models[0]
@@ -111,8 +111,9 @@ def bench_check(eng: Any, n: int) -> dict[str, Any]:
 
 
 def bench_decide(eng: Any, n: int, rounds: int) -> dict[str, Any]:
-    from router.access import AccessControl
-    from router.keys import Principal
+    from router.decision.access import AccessControl
+    from tests.state_support import decide
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     eng.install_access(AccessControl(_roles(eng), {}, eng.refs, 1))
@@ -130,7 +131,7 @@ def bench_decide(eng: Any, n: int, rounds: int) -> dict[str, Any]:
                 wall = wall0 + 0.02 * clock
                 clock += 1
                 t0 = time.perf_counter()
-                eng.decide(reqs[i % 256], w, f"d_{v}_{r}_{i}", wall)
+                decide(eng, reqs[i % 256], w, f"d_{v}_{r}_{i}", wall)
                 times.append(time.perf_counter() - t0)
             skip = min(500, n // 10) if r == 0 else 0
             p = _pct(times[skip:])

@@ -37,15 +37,24 @@
    rounds in rotated order, each run paired with the trivial endpoint; medians), with the bytes a
    decision takes in the log.
 
+5. ``--against DIR`` (alone): this checkout against another one (``DIR``, e.g. ``git worktree add
+   /tmp/base main``) side by side -- in process, ``RoutingEngine.decide`` on the shipped bundle
+   (greedy and a learned scorer of the DQN's default shape), ``--rounds`` rounds alternating the
+   checkouts, each a process of that checkout's own code; medians of the rounds' p50/p99 -- and
+   ``POST /v1/route`` served by each checkout's code, the servers up throughout, ``--rounds`` rounds
+   in rotated order, every run paired with the trivial endpoint; medians, with the server's and
+   its log writer's CPU a request and the bytes a decision took in the log.
+
 Usage::
 
     sudo apt-get install wrk            # wrk 4.x; the HTTP parts are skipped without it
     .venv/bin/python benchmarks/bench_router.py                  # everything (~25 min)
     .venv/bin/python benchmarks/bench_router.py --soak-s 0 --duration 10   # no soak (~9 min)
     .venv/bin/python benchmarks/bench_router.py --ope-ab --duration 10     # OPE logging on vs off (~6 min)
+    .venv/bin/python benchmarks/bench_router.py --against /tmp/base --duration 10  # this vs another checkout (~5 min)
 
-Writes ``benchmarks/results/router.json`` (``router_ope.json`` with ``--ope-ab``) and prints a
-markdown table.
+Writes ``benchmarks/results/router.json`` (``router_ope.json`` with ``--ope-ab``, ``router_against.json``
+with ``--against``) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -150,10 +159,11 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[str, Any]:
-    from router.engine import RoutingEngine
-    from router.keys import Principal
-    from router.policies import ActivePolicy
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
+    from router.decision.model_slot import ActivePolicy
+    from tests.state_support import decide
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     empty = Path(tempfile.mkdtemp()) / "router.yaml"
@@ -196,7 +206,7 @@ def bench_inprocess(bundle: Path, model: Path | None, n: int = 20000) -> dict[st
             wall = wall0 + 0.02 * (n + i)
             r = constrained if i % 4 == 0 else reqs[i % 256]
             t0 = time.perf_counter()
-            eng.decide(r, who, f"d_{i}", wall)
+            decide(eng, r, who, f"d_{i}", wall)
             full.append(time.perf_counter() - t0)
         skip = min(1000, n // 10)  # the first decisions warm caches and compile: not measured
         out[label] = {"offerings": env.n, "features_to_argmax": _pct(core[skip:]), "engine_decide": _pct(full[skip:])}
@@ -213,10 +223,11 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
     """``RoutingEngine.decide`` with each of :data:`OPE_VARIANTS`' settings, greedy and learned:
     ``rounds`` rounds of ``n`` decisions per engine, the engines interleaved within each round;
     the medians of the rounds' p50 and p99."""
-    from router.engine import RoutingEngine
-    from router.keys import Principal
-    from router.policies import ActivePolicy
-    from router.settings import load_settings
+    from router.core.settings import load_settings
+    from router.decision.engine import RoutingEngine
+    from router.decision.model_slot import ActivePolicy
+    from tests.state_support import decide
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     empty = Path(tempfile.mkdtemp()) / "router.yaml"
@@ -251,10 +262,10 @@ def bench_ope_inprocess(bundle: Path, model: Path | None, n: int, rounds: int) -
                 took = []
                 for i in range(n):
                     t0 = time.perf_counter()
-                    _, row, _, _ = eng.decide(reqs[i % 256], who, f"d_{r}_{i}", wall0 + 0.02 * i)
+                    _, row, _, _ = decide(eng, reqs[i % 256], who, f"d_{r}_{i}", wall0 + 0.02 * i)
                     took.append(time.perf_counter() - t0)
                     if r and i % 100 == 0:
-                        blob[v].append(len(row[-3]) if row[-3] is not None else 0)
+                        blob[v].append(len(row.features) if row.features is not None else 0)
                 if r:
                     q = _pct(took)
                     p50[v].append(q["p50_us"])
@@ -271,19 +282,32 @@ def bench_ope_http(work: Path, seconds: float, rounds: int) -> dict[str, Any]:
     medians (:func:`_median_of`), and the bytes each decision took in the log."""
     if shutil.which("wrk") is None:
         return {"skipped": "wrk not found: sudo apt-get install wrk"}
-    from router.keys import add_key
+    from router.control.keys import add_key
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     key = add_key(work / "keys.json", "bench")
+    variants = {v: (lambda v=v, o=overrides: _Server.route(work, None, "", key, {**env, **o}, f"ope-{v}"))  # type: ignore[misc]
+                for v, overrides in OPE_VARIANTS.items()}
+    out: dict[str, Any] = {}
+    for v, (median, srv) in _rotated_pairs(work, env, variants, seconds, rounds).items():
+        out[v] = {**median, **_log_bytes(srv.db), "settings": OPE_VARIANTS[v] or "defaults"}
+    return out
+
+
+def _rotated_pairs(work: Path, env: dict[str, str], variants: dict[str, Any], seconds: float, rounds: int
+                   ) -> dict[str, tuple[dict[str, Any], _Server]]:
+    """Start every variant's server (``variants``: label -> a function starting it) and the trivial
+    endpoint, all up throughout; ``rounds`` rounds in rotated order, every run paired with a run of
+    the trivial endpoint right before it; each variant's medians (:func:`_median_of`) and server."""
     ref = _Server.simple(work, "trivial", "auto", env)
     servers: dict[str, _Server] = {}
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in OPE_VARIANTS}
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         ref.warm_up()
-        for v, overrides in OPE_VARIANTS.items():
-            servers[v] = _Server.route(work, None, "", key, {**env, **overrides}, f"ope-{v}")
+        for v, start in variants.items():
+            servers[v] = start()
             servers[v].warm_up()
-        order = list(OPE_VARIANTS)
+        order = list(variants)
         for r in range(rounds):
             for v in order[r % len(order):] + order[: r % len(order)]:
                 base = ref.measure(seconds)
@@ -298,10 +322,75 @@ def bench_ope_http(work: Path, seconds: float, rounds: int) -> dict[str, Any]:
         ref.stop()
         for srv in servers.values():
             srv.stop()
-    out: dict[str, Any] = {}
-    for v, srv in servers.items():
-        out[v] = {**_median_of(runs[v]), **_log_bytes(srv.db), "settings": OPE_VARIANTS[v] or "defaults"}
+    return {v: (_median_of(runs[v]), servers[v]) for v in variants}
+
+
+def bench_against_http(work: Path, other: Path, seconds: float, rounds: int) -> dict[str, Any]:
+    """``POST /v1/route`` served by this checkout and by ``other`` (each its own code, bundle and
+    settings' defaults), greedy and a learned scorer: :func:`_rotated_pairs` (module docstring, 5)."""
+    if shutil.which("wrk") is None:
+        return {"skipped": "wrk not found: sudo apt-get install wrk"}
+    from router.control.keys import add_key
+
+    key = add_key(work / "keys.json", "bench")
+    learned = str(learned_export(work / "learned-http") or "")
+    trees = {"this": REPO, "against": other.resolve()}
+    variants = {f"{tree}_{pol}": (lambda t=t, m=m, label=f"{tree}_{pol}": _Server.route(  # type: ignore[misc]
+        work, None, m, key, {**os.environ, "PYTHONPATH": str(t)}, label, cwd=t))
+        for tree, t in trees.items() for pol, m in (("greedy", ""), ("learned", learned)) if pol == "greedy" or m}
+    out: dict[str, Any] = {"trees": {k: str(v) for k, v in trees.items()}}
+    for v, (median, srv) in _rotated_pairs(work, {**os.environ, "PYTHONPATH": str(REPO)}, variants, seconds,
+                                           rounds).items():
+        out[v] = {**median, **_log_bytes(srv.db)}
+    for pol in ("greedy", "learned"):
+        if f"this_{pol}" in out:
+            out[f"{pol}_this_vs_against"] = round(out[f"this_{pol}"]["vs_trivial"] / out[f"against_{pol}"]["vs_trivial"], 3)
     return out
+
+
+#: what a checkout's own process runs for ``--against``'s in-process rows: its ``bench_inprocess``
+_INPROCESS = ("import json, sys; from pathlib import Path; import benchmarks.bench_router as br; "
+              "res = br.bench_inprocess(br.REPO / 'data' / 'bundles' / 'default', Path(sys.argv[1]) if sys.argv[1] "
+              "else None, int(sys.argv[2])); print(json.dumps({k: v['engine_decide'] for k, v in res.items()}))")
+
+
+def bench_against_inprocess(work: Path, other: Path, n: int, rounds: int) -> dict[str, Any]:
+    """``engine.decide`` p50/p99 in each checkout's own process, ``rounds`` rounds alternating
+    the checkouts (module docstring, 5); medians of the rounds."""
+    model = learned_export(work / "learned-inprocess")
+    trees = {"this": REPO, "against": other.resolve()}
+    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+    for r in range(rounds):
+        for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            out = subprocess.run([sys.executable, "-c", _INPROCESS, str(model or ""), str(n)], cwd=trees[tree],
+                                 env={**os.environ, "PYTHONPATH": str(trees[tree])}, capture_output=True, text=True,
+                                 check=True)
+            runs[tree].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  in process, round {r + 1}/{rounds} {tree}: {runs[tree][-1]}", file=sys.stderr, flush=True)
+    return {tree: {pol: {q: float(np.median([run[pol][q] for run in rs])) for q in ("p50_us", "p99_us")}
+                   for pol in rs[0]} for tree, rs in runs.items()}
+
+
+def against_table(res: dict[str, Any]) -> str:
+    http = res["http"]
+    lines = [f"machine: {res['machine']}; load average {res['load_average_at_start']} -> {res['load_average_at_end']}",
+             "", "| engine.decide (shipped bundle, in process) | checkout | p50 us | p99 us |", "|---|---|---:|---:|"]
+    for tree, pols in res["inprocess"].items():
+        for pol, q in pols.items():
+            lines.append(f"| {pol} | {tree} | {q['p50_us']} | {q['p99_us']} |")
+    if "skipped" in http:
+        return "\n".join([*lines, "", f"HTTP: {http['skipped']}"])
+    lines += ["", f"this: {http['trees']['this']}; against: {http['trees']['against']}", "",
+              "| POST /v1/route (wrk -c10, one worker) | req/s | vs trivial [range] | server CPU us/req (writer) "
+              "| p50 ms | p99 ms | log bytes/decision |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for v, x in http.items():
+        if isinstance(x, dict) and "rps" in x:
+            lines.append(f"| {v} | {x['rps']} | {x['vs_trivial']} [{x['vs_trivial_range'][0]}-"
+                         f"{x['vs_trivial_range'][1]}] | {x.get('server_cpu_us_per_req')} "
+                         f"({x.get('children_cpu_us_per_req')}) | {x['p50_ms']} | {x['p99_ms']} | "
+                         f"{x['log_bytes_per_decision']} |")
+    lines += ["", *(f"{k}: {v}" for k, v in http.items() if k.endswith("_this_vs_against"))]
+    return "\n".join(lines)
 
 
 def _log_bytes(db: Path | None) -> dict[str, Any]:
@@ -403,8 +492,8 @@ def _stub(part: str) -> None:
     logging; ``log`` -> decisions are made but never written (the log's future is already done)."""
     import asyncio
 
-    from router import store
-    from router.routes import route
+    from router.api import route
+    from router.store import sqlite as store
 
     if part == "decision":
         answer = b'{"decision_id":"d_0","padding":"' + b"x" * (ANSWER_BYTES - 34) + b'"}'
@@ -426,9 +515,9 @@ def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = Non
     import uvicorn
 
     if kind == "route":  # the router's app as ``xroute serve`` builds it, settings from XROUTE_ROUTER_*
-        from router.app import create_app
-        from router.engine import RoutingEngine
-        from router.settings import load_settings
+        from router.app.factory import create_app
+        from router.core.settings import load_settings
+        from router.decision.engine import RoutingEngine
 
         if stub:
             _stub(stub)
@@ -439,7 +528,7 @@ def _serve_app(kind: str, port: int, stack: str = "auto", stub: str | None = Non
                     loop=loop, http=http)
         return
     app = {"trivial": trivial_app, "numpy": numpy_app, "bare": bare_app}[kind]()
-    # the same server settings as ``xroute serve`` (router/cli.py): no uvicorn access log, no server header
+    # the same server settings as ``xroute serve`` (router/app/cli.py): no uvicorn access log, no server header
     loop, http = STACKS[stack]
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
                 loop=loop, http=http)
@@ -566,7 +655,7 @@ def bench_http(work: Path, bundle: Path | None, seconds: float, soak_s: float, m
     up throughout and their order rotated each round; their figures are medians over the rounds."""
     if shutil.which("wrk") is None:
         return {"skipped": "wrk not found: sudo apt-get install wrk"}
-    from router.keys import add_key
+    from router.control.keys import add_key
 
     results: dict[str, Any] = {}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -692,9 +781,9 @@ class _Server:
 
     @classmethod
     def route(cls, work: Path, bundle: Path | None, model: str, key: str, env: dict[str, str], label: str,
-              extra: list[str] | None = None) -> _Server:
+              extra: list[str] | None = None, cwd: Path = REPO) -> _Server:
         """``xroute serve`` with ``env``'s settings and ``extra`` options (or, for the pure stack
-        and the ablations, the same app served by this script)."""
+        and the ablations, the same app served by this script), run in ``cwd`` (a checkout)."""
         import httpx
 
         port = free_port()
@@ -713,7 +802,7 @@ class _Server:
             if bundle is not None:
                 env["XROUTE_ROUTER_TELEMETRY"] = str(bundle)
         log = open(work / f"router-{label}.log", "wb")
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=log)
         try:
             _wait_ready(f"http://127.0.0.1:{port}/healthz", proc)
             origins = httpx.get(f"http://127.0.0.1:{port}/v1/offerings",
@@ -870,12 +959,30 @@ def main() -> None:
     ap.add_argument("--stack", choices=sorted(STACKS), default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--ope-ab", action="store_true", help="only: the OPE logging's cost, on vs off (module docstring)")
+    ap.add_argument("--against", type=Path, help="only: this checkout against the checkout DIR (module docstring)")
     a = ap.parse_args()
     at_least(ap, ("--decisions", a.decisions, 100), ("--rounds", a.rounds, 1), ("--duration", a.duration, 1))
     if a.serve:
         _serve_app(a.serve, a.port, a.stack, a.stub)
         return
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    if a.against is not None:
+        if not (a.against / "router").is_dir():
+            ap.error(f"--against: {a.against} is not a checkout of this repository")
+        try:
+            res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+                   "load_average_at_start": os.getloadavg(),
+                   "inprocess": bench_against_inprocess(work, a.against, a.decisions, a.rounds),
+                   "http": bench_against_http(work, a.against, a.duration, a.rounds),
+                   "load_average_at_end": os.getloadavg()}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        out = a.out if a.out != ap.get_default("out") else a.out.with_name("router_against.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2))
+        print(against_table(res))
+        print(f"\nwritten: {out}")
+        return
     if a.ope_ab:
         try:
             model = learned_export(work / "learned")

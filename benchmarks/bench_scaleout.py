@@ -125,7 +125,7 @@ def _pin_process(pid: int, core: int) -> None:
 
 def bench_http(work: Path, redis_url: str, seconds: float, rounds: int, connections: int,
                redis_pid: int | None = None, pin: bool = False) -> dict[str, Any]:
-    from router.keys import add_key
+    from router.control.keys import add_key
 
     keys = work / "keys.json"
     key = add_key(keys, "bench")
@@ -201,8 +201,8 @@ def main() -> None:
                 ("--state-n", a.state_n, 1000), ("--redis-n", a.redis_n, 1000))
     if shutil.which("wrk") is None:
         sys.exit("bench_scaleout: error: wrk not found (sudo apt-get install wrk)")
-    from router.state import EmbeddedState
-    from router.state_redis import RedisState
+    from router.state.embedded import EmbeddedState
+    from router.state.redis import RedisState
     from tests.servers import RedisServer, ServerError
 
     try:

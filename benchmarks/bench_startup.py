@@ -12,7 +12,7 @@ need the Redis state: a local ``redis-server``). Measured from the moment the pr
 * ``route_s``: until the first ``POST /v1/route`` then answers 200;
 * ``cpu_s``: the CPU time the router's processes used until ready (user + system, the decision
   log's writer and the workers included): what the start costs whatever else runs on the machine;
-* the phases of the start (``router.startup``: the ``start_s`` of the ``router ready`` log line --
+* the phases of the start (``router.core.startup``: the ``start_s`` of the ``router ready`` log line --
   imports, settings, compiled kernels, telemetry, environment, decision log, policy store, model,
   state, ...) where the checkout logs them; for any checkout, from uvicorn's own log lines: until
   the serving process starts (``to_server_s``: for one worker the interpreter, the imports and the
@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from router.keys import add_key  # noqa: E402
+from router.control.keys import add_key  # noqa: E402
 from tests.servers import RedisServer, descendants, free_port  # noqa: E402
 
 ROUTE = {"origin": "aws:us-east-2", "input_tokens": 500, "max_output_tokens": 100, "ttft_ms": 2000, "tpot_ms": 100}
@@ -195,7 +195,7 @@ def start_once(checkout: Path, workers: int, workdir: Path, label: str, numba_di
     if ready_lines and started and waiting:
         out["to_server_s"] = round(_epoch(started[0]["ts"]) - wall0, 3)
         out["lifespan_s"] = round(_epoch(ready_lines[0]["ts"]) - _epoch(waiting[0]["ts"]), 3)
-        if "start_s" in ready_lines[0]:  # this checkout's own account of its start (router.startup)
+        if "start_s" in ready_lines[0]:  # this checkout's own account of its start (router.core.startup)
             out["started_in_s"] = ready_lines[0]["started_in_s"]
             out["phases"] = ready_lines[0]["start_s"]
             if workers > 1:  # the supervisor's part: from spawn until the worker process began

@@ -1,10 +1,11 @@
-"""The router state's own operations (``router/state.py``): p50/p99 per call, for both backends.
+"""The router state's own operations (``router/service/ports.py``): p50/p99 per call, for both backends.
 
 Each operation is awaited one at a time on one event loop (what a request's task pays; no
-pipelining), timed with ``perf_counter`` around the ``await``: reserve (a ranked list of 3
-candidate pools, the first one with room taken), release, observe (one outcome into the EWMA
-statistics), stats, idempotency claim of a new key, complete, claim of a completed key, and the
-in-flight read. The embedded backend in this process; the Redis backend against a real
+pipelining), timed with ``perf_counter`` around the ``await``: admit (a ranked list of 4 candidate
+pools, the first full: the first with room taken), settle (the reservation released), settle of an
+outcome (one outcome into the EWMA statistics, nothing held), lookup (a prompt of 8 blocks and a
+session, nothing recorded), idempotency claim of a new key, complete, claim of a completed key,
+and the view (in-flight work and expiries). The embedded backend in this process; the Redis backend against a real
 ``redis-server`` started on a loopback port for the run (``tests/servers.py``; no persistence),
 through redis-py's asyncio client with hiredis. Targets (issue 17): embedded p99 <= 20 us, Redis
 over loopback p99 <= 1 ms.
@@ -36,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from router.state import EmbeddedState, RouterState  # noqa: E402
+from router.state.base import Admission, PoolOutcome, Settlement  # noqa: E402
+from router.state.embedded import EmbeddedState  # noqa: E402
 
 CANDIDATES = [(f"pool-{i}", 1_000_000) for i in range(3)]
 
@@ -52,17 +54,19 @@ async def _time(n: int, op: Callable[[int], Awaitable[Any]]) -> dict[str, float]
             "mean_us": round(float(ts.mean()), 1), "calls": int(ts.size)}
 
 
-async def bench(state: RouterState, n: int) -> dict[str, dict[str, float]]:
+async def bench(state: Any, n: int) -> dict[str, dict[str, float]]:
     full = [("full", 0), *CANDIDATES]  # the first candidate never has room: the script walks on
+    hashes = np.arange(1, 9, dtype=np.int64)
     out = {
-        "reserve": await _time(n, lambda i: state.reserve(full, f"r{i}", 300)),
-        "release": await _time(n, lambda i: state.release(f"r{i}")),
-        "observe": await _time(n, lambda i: state.observe("pool-0", 100.0 + i % 50, 2000.0 + i % 300, i % 20 == 0)),
-        "stats": await _time(n, lambda i: state.stats("pool-0")),
+        "admit": await _time(n, lambda i: state.admit(Admission(f"r{i}", full, 300))),
+        "settle": await _time(n, lambda i: state.settle(Settlement(f"r{i}"))),
+        "settle_outcome": await _time(n, lambda i: state.settle(Settlement(f"o{i}", release=False, outcome=PoolOutcome(
+            "pool-0", 100.0 + i % 50, 2000.0 + i % 300, i % 20 == 0)))),
+        "lookup": await _time(n, lambda i: state.lookup(hashes, f"s{i % 100}", 600.0)),
         "claim_new": await _time(n, lambda i: state.claim(f"k{i}", 300)),
         "complete": await _time(n, lambda i: state.complete(f"k{i}", b'{"decision_id":"d_x"}' * 60, 300)),
         "claim_done": await _time(n, lambda i: state.claim(f"k{i}", 300)),
-        "in_flight": await _time(n, lambda i: state.in_flight()),
+        "view": await _time(n, lambda i: state.view()),
     }
     return out
 
@@ -76,7 +80,7 @@ def main() -> None:
     for name, v in (("--n", a.n), ("--redis-n", a.redis_n)):
         if v < 1000:
             ap.error(f"{name} must be at least 1000 (got {v})")
-    from router.state_redis import RedisState
+    from router.state.redis import RedisState
     from tests.servers import RedisServer, ServerError
 
     res: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores (nproc), Python "

@@ -2,7 +2,7 @@
 
 The limits are ``xroute.schema.quota``'s (``EnvConfig.tenants``: the workload's ``tenant`` column
 picks the tenant; per-model limits under ``models``). The simulation keeps, per bucket (a tenant,
-or a (tenant, model) pair), what a router's quota state keeps (``router.quota_ledger``):
+or a (tenant, model) pair), what a router's quota state keeps (``router.state.ledger``):
 
 * the USD of the current period (``EnvConfig.budget_period_s``: the router's UTC day by default):
   at admission the *expected* cost of the offering chosen (what the router reserves), replaced by

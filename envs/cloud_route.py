@@ -139,7 +139,7 @@ _NO_MIGRATION = {"migration": None, "tokens_recomputed": 0.0, "kv_bytes_moved": 
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     """``xroute/CloudRoute-v0`` (the module docstring is the spec).
 
-    Beside the Gymnasium API (``reset``, ``step``), a live router (``router.engine``) reaches the
+    Beside the Gymnasium API (``reset``, ``step``), a live router (``router.decision.engine``) reaches the
     environment only through this interface -- never through an attribute whose name starts with
     ``_`` -- so the simulation may change how it keeps its state:
 
@@ -247,7 +247,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.sigma = pl.sigma
         self.gpus_per_slot = np.where(pl.fits, pl.gpus / np.maximum(pl.conc, 1.0), 0.0)
         self.inv_slots = 1.0 / np.maximum(self.slots, 1)
-        #: a live router's shared view (``router.state``): per pool, the work other routers hold there
+        #: a live router's shared view (``router.state.base``): per pool, the work other routers hold there
         #: and its observed mean duration in seconds (0: none observed); zero in training and evaluation
         self.view_others = np.zeros((self.M, self.n), dtype=np.int64)
         self.view_service_s = np.zeros((self.M, self.n))
@@ -1384,7 +1384,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         (its expectations, as ``observe_live``) and returns its action mask over the ``n``
         offerings (``c_mask``; read-only, overwritten by the next request). Raises ``KeyError`` for
         an unknown origin, ``ValueError`` for an unknown model. ``prefix``: what the router's shared
-        prefix index says of the request's prompt (``router.state``): per offering, the leading
+        prefix index says of the request's prompt (``router.state.base``): per offering, the leading
         blocks it expects there (int64) and the pool's retention (float), the offering its session
         last went to (-1: none) and the block size in tokens. ``budget``: its tenant's budget as
         the router's quota state has it (``envs.budget``: the features, and the offerings it cannot

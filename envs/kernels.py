@@ -18,7 +18,7 @@ Compiled on first use and cached on disk beside this file (``cache=True``).
 
 numba invalidates a cached function when its own file changes, not when a function it calls from
 another file does (nor a global constant it read, such as ``envs.features``' layout). So a compiled
-function elsewhere that calls these -- ``router.kernels``, ``models.policy`` -- is a closure over
+function elsewhere that calls these -- ``router.decision.kernels``, ``models.policy`` -- is a closure over
 :data:`DIGEST`, the digest of this file and ``envs/features.py``: numba's cache key hashes a
 function's closure variables, so an edit here makes a new entry there instead of a stale load
 (``tests/test_kernels.py`` edits a copy of this file and checks).
@@ -86,8 +86,8 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
 
     * in flight: ``b`` = this router's requests not yet seen complete (``inflight``) + ``others``,
       the work other routers (or this one before a restart) hold on the pool in the shared state
-      (``router.state``); where the pool's inference servers report their load (``server_busy``
-      >= 0: requests running + waiting there, ``router.scrape``), ``b`` is at least that. Training
+      (``router.state.base``); where the pool's inference servers report their load (``server_busy``
+      >= 0: requests running + waiting there, ``router.service.scrape``), ``b`` is at least that. Training
       and evaluation pass zeros and -1: ``b`` is the router's own view;
     * wait: until the earliest expected slot release (``est_min``), 0 when one is free; when
       ``b`` exceeds the router's own requests, at least the queue's ``max(0, b - slots + 1) x S /

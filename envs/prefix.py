@@ -282,7 +282,7 @@ class HashedView:
     """The router's view keyed by the clients' block hashes (any int64): an open-addressing table
     whose rows hold the view's entries, grown (and its expired rows dropped) as it fills. Pools
     are small ints the caller assigns; times are seconds (stored as microseconds). The in-process
-    shared state (``router.state.EmbeddedState``) keeps one; the environment, which knows its
+    shared state (``router.state.embedded.EmbeddedState``) keeps one; the environment, which knows its
     stream's blocks in advance, indexes the entries by dense block ids instead. Memory: 8 x (1 + 3
     x ``k``) bytes a slot, two to four slots a block recorded within the age bound."""
 

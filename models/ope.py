@@ -207,7 +207,7 @@ class Uniform:
 @dataclass
 class Explore:
     """Stochastic: ``base`` with probability 1 - ``epsilon``, an offering of the set drawn uniformly
-    otherwise -- a router exploring around its policy (``router.ope_log``); ``--policy
+    otherwise -- a router exploring around its policy (``router.decision.ope_log``); ``--policy
     NAME:epsilon=EPS``."""
 
     name: str

@@ -140,13 +140,13 @@ def _against(digest: str) -> tuple[Any, ...]:
     """The kernels that compile ``envs.kernels.expected_reward`` into themselves, cached on disk as
     closures over ``digest`` (``envs.kernels.DIGEST``): numba's cache key hashes a closure's
     variables, so an edit of the environment's kernels is a new cache entry here, not a stale load
-    (``router/kernels.py`` says more). They call each other by their names in this module."""
+    (``router/decision/kernels.py`` says more). They call each other by their names in this module."""
 
     @njit(cache=True)
     def prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms):  # pragma: no cover
         """:meth:`RewardPrior.scores` of one request: the budget back from its feature, then
         ``envs.kernels.expected_reward`` row by row (float64, returned as float32)."""
-        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/kernels.py)
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/decision/kernels.py)
         budget = np.expm1(np.float64(request[ib]) * 12.0)
         if budget < 1.0:
             budget = 1.0
@@ -163,7 +163,7 @@ def _against(digest: str) -> tuple[Any, ...]:
                        ccap, lcap, retry_ms, margin):  # pragma: no cover
         """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
         ``s += prior``), and ``margin`` added to the prior's best row (:attr:`RouterWeights.margin`)."""
-        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/kernels.py)
+        digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/decision/kernels.py)
         s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
         p = _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms)
         best = 0

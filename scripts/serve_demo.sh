@@ -7,7 +7,7 @@ PY=.venv/bin/python
 mkdir -p runs/demo
 KEYS=runs/demo/keys.json DB=runs/demo/decisions.db
 rm -f "$KEYS"
-KEY=$($PY -m router.keys add --tenant demo --keys-file "$KEYS" | tail -n1)   # printed once, stored hashed
+KEY=$(.venv/bin/xroute keys add --tenant demo --keys-file "$KEYS" | tail -n1)   # printed once, stored hashed
 printf 'tenants:\n  demo: {}\n' > runs/demo/router.yaml   # the tenants the router serves (others: 403)
 PORT=$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 .venv/bin/xroute serve --config runs/demo/router.yaml --host 127.0.0.1 --port "$PORT" --keys-file "$KEYS" --db "$DB" \

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.app import create_app
-from router.keys import add_key
+from router.app.factory import create_app
+from router.control.keys import add_key
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, LogCapture, RouterSetup, make_setup
 from xroute.schema.access import ADMIN_KINDS, PermissionError_, Role, check_permission, compile_grant
@@ -110,8 +110,8 @@ REFS = [{"region": reg, "location": f"{prov}:{reg}"} for prov, reg in (
        model=st.sampled_from(["llama3-8b", "mistral-7b", "other"]), role=st.sampled_from(["tenant", "custom", "admin"]))
 def test_a_callers_offering_mask_is_the_union_of_its_grants(grants: list[tuple[str, str, bool]], model: str,
                                                            role: str) -> None:
-    from router.access import AccessControl
-    from router.keys import Principal
+    from router.decision.access import AccessControl
+    from xroute.schema.access import Principal
 
     patterns = [f"model:inference:{m}:*" if tail else f"model:inference:{m}:{r}" for m, r, tail in grants]
     acc = AccessControl({"custom": Role(grants=patterns)}, {}, REFS)
@@ -485,7 +485,7 @@ def test_the_keys_command_gives_a_key_any_role_and_refuses_a_bad_one(tmp_path: P
     import sys
 
     kf = tmp_path / "keys.json"
-    run = [sys.executable, "-m", "router.keys"]
+    run = [sys.executable, "-m", "router.control.keys"]
     out = subprocess.run([*run, "add", "--tenant", "ops", "--role", "auditor", "--keys-file", str(kf)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("xr_"), out.stderr
@@ -501,8 +501,8 @@ def test_the_keys_command_gives_a_key_any_role_and_refuses_a_bad_one(tmp_path: P
 def test_a_stored_tenant_this_catalog_cannot_serve_is_refused_and_the_rest_installed(tmp_path: Path) -> None:
     """A tenant written through a router with another catalog (a provider this one lacks) fails
     closed here; the other tenants, the roles and the bindings of that version still apply."""
-    from router.access_store import AccessStore, put_binding, put_role, put_tenant
-    from router.settings import TenantConfig
+    from router.control.access_store import AccessStore, put_binding, put_role, put_tenant
+    from router.core.settings import TenantConfig
     from xroute.schema.access import RoleBinding
     from xroute.schema.policy_ir import Constraints, Rule
 

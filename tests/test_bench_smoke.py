@@ -19,7 +19,7 @@ import benchmarks.bench_quotas as bench_quotas
 import benchmarks.bench_rbac as bench_rbac
 import benchmarks.bench_router as br
 import benchmarks.bench_startup as bench_startup
-from router.keys import add_key
+from router.control.keys import add_key
 
 
 def _pct_ok(d: dict[str, float]) -> None:

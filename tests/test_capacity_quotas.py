@@ -14,7 +14,7 @@ import pytest
 from envs.cloud_route import CloudRouteEnv
 from models.baselines import make_baseline
 from models.evaluate import run_policy
-from router.app import create_app
+from router.app.factory import create_app
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, make_setup
 from tests.tinybundle import write_serving_yaml, write_tiny_bundle

@@ -1,5 +1,5 @@
 """Spot notices and migration: the shared rules (``xroute.migration_rules``), the environment that
-applies them (``envs.cloud_route``), the router that applies them too (``router.migration``), and the
+applies them (``envs.cloud_route``), the router that applies them too (``router.service.migration``), and the
 bundle's ``offerings.notice_s`` column and ``throughput`` table."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_the_region_penalty_holds_for_its_duration_then_expires() -> None:
 
 
 def test_the_router_and_the_environment_default_to_the_same_settings() -> None:
-    from router.settings import RouterSettings
+    from router.core.settings import RouterSettings
     from xroute.config import EnvConfig
 
     s, m = RouterSettings(), EnvConfig().migration
@@ -259,8 +259,8 @@ def test_the_oracle_sees_the_migration_outcome(tmp_path: Path) -> None:
 def test_the_router_applies_the_same_region_bias_as_the_environment(tmp_path: Path) -> None:
     """The router's ``Migrator.apply_masks`` (an interruption's row in its store) and the
     environment (a notice in its telemetry) de-prioritize the same offerings by the same amount."""
-    from router.migration import Migrator
-    from router.settings import RouterSettings
+    from router.core.settings import RouterSettings
+    from router.service.migration import Migrator
 
     env = _env(_bundle(tmp_path / "b"))
     env.reset(seed=0)

@@ -27,13 +27,14 @@ import httpx
 import openai
 import pytest
 
-from router.app import create_app
+from router.app.factory import create_app
+from router.control.keys import add_key
+from router.core.settings import load_settings
 from router.gateway.openai_api import has_token
 from router.gateway.tokens import PromptCounter, chat_texts, estimate
-from router.keys import add_key
-from router.scrape import parse_metrics
-from router.settings import load_settings
+from router.service.scrape import parse_metrics
 from tests.servers import ServerThread, free_port
+from tests.state_support import core_stats
 from tests.test_router_support import LogCapture, RouterSetup, make_setup
 from tests.vllm_standin import Fault, StandIn, StandInConfig
 from xroute.errors import ConfigError
@@ -82,7 +83,7 @@ class Gw:
             time.sleep(0.05)
 
     def in_flight(self) -> dict[str, int]:
-        return dict(self.services.state.in_flight_now())
+        return dict(self.services.state.core.view().in_flight)
 
     def settle(self, timeout: float = 5.0) -> None:
         """Wait until no reservation is held (the loops close after the answers)."""
@@ -192,7 +193,7 @@ def test_a_streamed_chat_is_relayed_measured_and_closes_the_loop(gw: Gw) -> None
     # the closed loop, as POST /v1/feedback closes it: released, the pool's statistics, the estimator
     gw.settle()
     assert gw.in_flight() == {}
-    st = gw.services.state.stats_now(engine.pool_key_of(offering, MODEL))
+    st = core_stats(gw.services.state, engine.pool_key_of(offering, MODEL))
     assert st.outcomes >= 1 and st.ttft_ms_mean is not None
     assert float(engine.env.est_n.sum()) > est_before
     # the decision, with the measured outcome, over the API
@@ -520,7 +521,7 @@ def test_the_servers_key_comes_from_the_environment_and_is_never_logged(tmp_path
 
 
 def test_gateway_settings_are_checked_naming_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.engine import RoutingEngine
+    from router.decision.engine import RoutingEngine
     from router.gateway.service import check_settings
 
     monkeypatch.delenv("XROUTE_NO_SUCH_KEY", raising=False)

@@ -35,9 +35,10 @@ import jsonschema
 import openai
 import pytest
 
-from router.app import create_app
-from router.keys import add_key
+from router.app.factory import create_app
+from router.control.keys import add_key
 from tests.servers import ServerThread, free_port
+from tests.state_support import core_stats
 from tests.test_router_support import RouterSetup, make_setup
 from tests.vllm_standin import Fault, StandIn, StandInConfig
 
@@ -88,7 +89,7 @@ class Drill:
 
     def settle(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.services.state.in_flight_now() and time.monotonic() < deadline:
+        while self.services.state.core.view().in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def metric(self, line_start: str) -> float:
@@ -194,7 +195,7 @@ def test_a_stream_whose_done_reached_the_client_is_completed(drill: Drill) -> No
     drill.b.config = StandInConfig(ttft_s=0.02, tpot_s=0.005, linger_s=0.2)
     engine = drill.services.engine
     pool = engine.pool_key_of(Y, MODEL)
-    outcomes = drill.services.state.stats_now(pool).outcomes
+    outcomes = core_stats(drill.services.state, pool).outcomes
     cancelled = drill.b.cancelled
     rids = []
     for i in range(10):
@@ -211,7 +212,7 @@ def test_a_stream_whose_done_reached_the_client_is_completed(drill: Drill) -> No
         assert att["output_tokens"] == 6 and att["ttft_ms"] is not None and att["reward"] is not None
     drill.settle()
     time.sleep(0.3)  # (the last server response's 200 ms)
-    assert drill.services.state.stats_now(pool).outcomes == outcomes + 10
+    assert core_stats(drill.services.state, pool).outcomes == outcomes + 10
     assert drill.b.cancelled == cancelled  # read to the end, not cut off
 
 

@@ -48,7 +48,9 @@ def test_the_wheel_ships_every_bundle_and_config_without_a_packaging_warning(bui
     want |= {f"xroute/resources/catalogs/{p.relative_to(REPO / 'data' / 'catalogs').as_posix()}" for p in cats}
     want |= {f"xroute/resources/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     want |= {f"xroute/resources/configs/policies/{p.name}" for p in (REPO / "configs" / "policies").glob("*.yaml")}
-    assert len(want) > 15 and want <= names, sorted(want - names)
+    lua = [p for p in (REPO / "router" / "state" / "lua").rglob("*.lua")]  # the shared state's scripts
+    want |= {p.relative_to(REPO).as_posix() for p in lua}
+    assert len(lua) > 10 and len(want) > 15 and want <= names, sorted(want - names)
     assert "absent from the `packages` configuration" not in log, log[-3000:]
 
 
@@ -71,8 +73,12 @@ def test_the_core_install_has_no_training_stack(venv: Path, tmp_path: Path) -> N
     for mod in ("torch", "stable_baselines3", "ray"):
         r = _run([py, "-c", f"import {mod}"], cwd=tmp_path)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, mod
-    r = _run([py, "-c", "import xroute, envs, models.policy, router.app; print(xroute.__file__)"], cwd=tmp_path)
+    r = _run([py, "-c", "import xroute, envs, models.policy, router.app.factory; print(xroute.__file__)"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    # the Redis state's Lua scripts, read from the installed package (each with its libraries)
+    r = _run([py, "-c", "from router.state.redis import SCRIPTS, lua; print(sum(len(lua(n)) for n in SCRIPTS))"],
+             cwd=tmp_path)
+    assert r.returncode == 0 and int(r.stdout) > 10_000, r.stderr
     assert str(REPO) not in r.stdout  # the installed package, not the checkout
 
 
@@ -101,7 +107,7 @@ def test_serve_a_router_exported_earlier(venv: Path, tmp_path: Path) -> None:
     layers = [(rng.normal(0, 0.1, (a, b)).astype(np.float32), np.zeros(b, np.float32)) for a, b in itertools.pairwise(dims)]
     export = save_router(RouterWeights(layers=layers, prior=RewardPrior.from_env_config(EnvConfig())), tmp_path / "export")
     bin_ = venv / "bin"
-    r = _run([str(bin_ / "python"), "-m", "router.keys", "add", "--tenant", "t", "--keys-file", "keys.json"], cwd=tmp_path)
+    r = _run([str(bin_ / "python"), "-m", "router.control.keys", "add", "--tenant", "t", "--keys-file", "keys.json"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     key = r.stdout.strip().splitlines()[-1]
     port = free_port()

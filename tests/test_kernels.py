@@ -1,4 +1,4 @@
-"""The compiled kernels (``envs/kernels.py``, ``router/kernels.py``) against plain-numpy
+"""The compiled kernels (``envs/kernels.py``, ``router/decision/kernels.py``) against plain-numpy
 transcriptions of the same formulas, the torch prior against the one expected-reward definition,
 and the router's fused decisions against the kernels they fuse."""
 
@@ -19,7 +19,7 @@ from scipy import stats
 from envs import features as fz
 from envs import kernels
 from envs.kernels import BUSY, COST, LAT, PVIOL, RISK, SERVICE, TPOT, TTFT, WAIT
-from router import kernels as rkernels
+from router.decision import kernels as rkernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def _inputs(rng: np.random.Generator, n: int, deadline: bool, shared: bool = Fal
         "deadline_ms": float(rng.uniform(2000, 30000)) if deadline else np.nan,
         "queue_timeout_s": 2.0,
         "unseen_s": float(rng.uniform(0, 10)),
-        # other routers' work on each pool (router.state), with its observed duration or none
+        # other routers' work on each pool (router.state.base), with its observed duration or none
         "others": np.where(rng.random(n) < 0.5, rng.integers(0, 30, n), 0).astype(np.int64) if shared
         else np.zeros(n, dtype=np.int64),
         "others_service_s": np.where(rng.random(n) < 0.5, rng.uniform(0.1, 20.0, n), 0.0),
@@ -373,7 +373,7 @@ def test_rank_scored_maps_the_ranking_to_offerings_and_refuses_non_finite_scores
 _CACHED_DECISION = """
 import json
 import numpy as np
-from router import kernels as k
+from router.decision import kernels as k
 ok = np.ones(3, dtype=np.bool_)
 C = np.ones((k.env_kernels.N_OUT, 3))
 C[k.env_kernels.COST] = [3e-4, 1e-4, 2e-4]
@@ -389,7 +389,7 @@ print(json.dumps({"file": k.__file__, "chosen": int(ints[0]), "score": float(flo
 @pytest.mark.slow
 def test_a_router_kernel_is_cached_and_an_edit_of_the_env_kernels_it_compiles_in_recompiles_it(
         tmp_path: Path) -> None:
-    """``router.kernels.greedy_decide`` compiles ``envs.kernels``' functions into itself. It is
+    """``router.decision.kernels.greedy_decide`` compiles ``envs.kernels``' functions into itself. It is
     cached on disk (before, it was compiled at every start: seconds of each router's start), and
     numba only notices an edit of its own file: so it is keyed by ``envs.kernels.DIGEST`` as well.
     In a copy of the packages, in fresh processes: the second start loads it from the cache with the
@@ -397,8 +397,8 @@ def test_a_router_kernel_is_cached_and_an_edit_of_the_env_kernels_it_compiles_in
     the next start compiles it anew and decides with the edit -- not the stale cached formula."""
     for pkg in ("envs", "xroute"):
         shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "router").mkdir()
-    for name in ("__init__.py", "kernels.py"):
+    (tmp_path / "router" / "decision").mkdir(parents=True)
+    for name in ("__init__.py", "decision/__init__.py", "decision/kernels.py"):
         shutil.copy(REPO / "router" / name, tmp_path / "router" / name)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop("NUMBA_CACHE_DIR", None)  # (numba's cache beside the copy's files)
@@ -408,7 +408,7 @@ def test_a_router_kernel_is_cached_and_an_edit_of_the_env_kernels_it_compiles_in
                            text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert Path(out["file"]).resolve() == (tmp_path / "router" / "kernels.py").resolve()  # the copy's code
+        assert Path(out["file"]).resolve() == (tmp_path / "router" / "decision" / "kernels.py").resolve()  # the copy's code
         return out
 
     first, second = start(), start()

@@ -1,4 +1,4 @@
-"""Pool events and session migrations (``router/migration.py``, ``docs/migration.md``) against a
+"""Pool events and session migrations (``router/service/migration.py``, ``docs/migration.md``) against a
 real router (uvicorn on loopback, the tiny bundle, the SQLite decision log): events in xroute's
 schema and as the clouds emit them, the masks, the state machine through the HTTP API, bad events
 refused with nothing changed, and a restart that resumes unfinished migrations."""
@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from cloud_adapters.events import NoticeError, parse_notice
-from router.app import create_app
-from router.keys import add_key
+from router.app.factory import create_app
+from router.control.keys import add_key
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 from xroute.schema.migration import valid_path
@@ -416,7 +416,7 @@ def test_the_outcomes_are_counted_in_the_metrics(live: Live) -> None:
 def test_an_events_key_is_made_with_its_own_role(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from router.keys import KeyStore, cli
+    from router.control.keys import KeyStore, cli
     from xroute.schema.access import BUILTIN_ROLES
 
     keys = tmp_path / "keys.json"

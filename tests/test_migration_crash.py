@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.keys import add_key
+from router.control.keys import add_key
 from tests.servers import descendants, free_port, port_free, start_subprocess
 from tests.test_migration import SPOT, aws_notice, azure_notice, iso
 from tests.test_router_support import ROUTE, make_setup

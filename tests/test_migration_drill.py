@@ -26,9 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.engine import migrated_entry
-from router.keys import add_key
+from router.app.factory import create_app
+from router.control.keys import add_key
+from router.decision.engine import migrated_entry
 from tests.servers import ServerThread
 from tests.test_migration import SPOT, aws_notice, iso
 from tests.test_router_support import ROUTE, LogCapture, RouterSetup, make_setup
@@ -133,7 +133,7 @@ def test_an_event_deadline_beyond_the_plausible_is_refused_naming_it(tmp_path: P
 def test_the_deadline_bound_is_a_checked_setting(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from router.settings import RouterSettings
+    from router.core.settings import RouterSettings
 
     assert RouterSettings().migration_max_deadline_s == 6 * 3600
     for bad in (0, -1, 31 * 86_400):

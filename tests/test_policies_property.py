@@ -22,6 +22,7 @@ from envs.kernels import BUSY
 from models.baselines import BASELINES
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights
 from tests.policy_cases import random_policy_set, reference
+from tests.state_support import decide
 from xroute.bundle import Bundle, load_bundle
 from xroute.catalog_tools import perturb_catalog
 from xroute.config import EnvConfig, EvaluateConfig
@@ -105,7 +106,7 @@ def test_no_decision_of_any_policy_lands_outside_the_policies(stream: Bundle, ca
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from router.engine import RoutingEngine
+    from router.decision.engine import RoutingEngine
     from tests.test_router_support import make_setup
 
     setup = make_setup(tmp_path_factory.mktemp("prop"), tenants={"acme": {}}, alternatives=3)
@@ -122,9 +123,9 @@ def test_no_decision_of_the_router_lands_outside_the_policies(engine: Any, polic
     constraints): every answer's offering and alternatives are allowed by the reference, every
     exclusion it reports is counted under the policy the reference names."""
     from models.baselines import make_baseline
-    from router.engine import RouteFailure
-    from router.keys import Principal
-    from router.policies import ActivePolicy
+    from router.decision.engine import RouteFailure
+    from router.decision.model_slot import ActivePolicy
+    from xroute.schema.access import Principal
     from xroute.schema.decision import RouteRequest
 
     rng = np.random.default_rng(policy_seed)
@@ -153,7 +154,7 @@ def test_no_decision_of_the_router_lands_outside_the_policies(engine: Any, polic
             body["request_class"] = str(rng.choice(["gold", "batch", "fast"]))
         req = RouteRequest.model_validate(body)
         try:
-            text, *_ = engine.decide(req, Principal(tenant, "tenant", "k"), f"d_{policy_seed}_{k}", time.time())
+            text, *_ = decide(engine, req, Principal(tenant, "tenant", "k"), f"d_{policy_seed}_{k}", time.time())
         except RouteFailure as e:
             assert e.status in (422, 429), e.message
             continue

@@ -1,5 +1,5 @@
-"""The versioned policy store and its append-only audit log (``router/policy_store.py``,
-``router/audit.py``) on both backends -- SQLite (the decision log's file) and a real PostgreSQL --
+"""The versioned policy store and its append-only audit log (``router/store/policies.py``,
+``router/store/audit.py``) on both backends -- SQLite (the decision log's file) and a real PostgreSQL --
 : versions, per-policy versions, optimistic concurrency, concurrent writers, the policy files'
 apply, append-only enforced by the database, durability across a kill."""
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from router.audit import Change, append
-from router.policy_store import (
+from router.store.audit import Change, append
+from router.store.policies import (
     PolicyChangeError,
     PolicyStore,
     PolicyStoreError,
@@ -212,7 +212,7 @@ def test_an_acknowledged_change_survives_a_kill(tmp_path: Path) -> None:
     change is there when the store is opened again (synchronous commit before acknowledgement)."""
     db = tmp_path / "decisions.db"
     code = ("import os, sys\n"
-            "from router.policy_store import PolicyStore, create_policy\n"
+            "from router.store.policies import PolicyStore, create_policy\n"
             "from xroute.schema.policy_ir import Policy\n"
             f"s = PolicyStore({str(db)!r})\n"
             "for k in range(20):\n"
@@ -236,7 +236,7 @@ def test_an_unreachable_postgres_store_is_one_line_without_secrets(postgres: Any
 
 
 def test_audit_entries_are_written_in_the_callers_transaction(tmp_path: Path) -> None:
-    """``router.audit.append`` is generic (a later wave audits quotas, tenants, role bindings the
+    """``router.store.audit.append`` is generic (a later wave audits quotas, tenants, role bindings the
     same way): entries written inside a transaction that rolls back leave nothing."""
     store = PolicyStore(tmp_path / "d.db")
     conn = sqlite3.connect(tmp_path / "d.db", isolation_level=None)

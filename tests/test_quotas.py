@@ -17,18 +17,20 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.quota_ledger import QuotaReserved, QuotaSettled, QuotaUsage
-from router.settings import load_settings
-from router.state import EmbeddedState, RouterState
-from router.state_redis import RedisState
+from router.app.factory import create_app
+from router.core.settings import load_settings
+from router.service.ports import SharedState
+from router.state.embedded import EmbeddedState
+from router.state.ledger import QuotaReserved, QuotaSettled, QuotaUsage
+from router.state.redis import RedisState
 from tests.servers import RedisServer, ServerThread, free_port, start_subprocess
+from tests.state_support import quota_release, quota_reserve, quota_settle, quota_usage, run_now
 from tests.test_router_support import ROUTE, RouterSetup, make_setup, retry_restoring
 from xroute.errors import ConfigError
 from xroute.schema.quota import DAY_S, QuotaBucket, TenantQuotas, buckets_for, seconds_to_next_day
 
 _prefixes = (f"q{i}-{time.time_ns()}" for i in itertools.count())
-Make = Callable[..., RouterState]
+Make = Callable[..., SharedState]
 
 
 @pytest.fixture(params=["embedded", "redis"])
@@ -41,7 +43,7 @@ def make_state(request: pytest.FixtureRequest) -> Make:
     return lambda window_s=60.0: RedisState(url, prefix=prefix, quota_window_s=window_s)
 
 
-def _run(make: Make, body: Callable[[RouterState], Awaitable[None]], **kw: Any) -> None:
+def _run(make: Make, body: Callable[[SharedState], Awaitable[None]], **kw: Any) -> None:
     async def main() -> None:
         state = make(**kw)
         try:
@@ -58,54 +60,54 @@ def _bucket(key: str, cc: float = -1, tpm: float = -1, rpd: float = -1, usd: flo
 
 # ---------------------------------------------------------------------------------------- the counters
 def test_every_limit_is_checked_and_counted_all_or_nothing(make_state: Make) -> None:
-    async def body(s: RouterState) -> None:
+    async def body(s: SharedState) -> None:
         model = _bucket("m:a|x", rpd=3)
         tenant = _bucket("t:a", cc=10, tpm=10_000, usd=1.0)
         both = [model, tenant]
         for i in range(3):
-            assert (await s.quota_reserve(f"r{i}", both, 1000, 0.25, 60)).ok
-        v = await s.quota_reserve("r3", both, 1000, 0.25, 60)  # the model's requests_per_day
+            assert (await quota_reserve(s, f"r{i}", both, 1000, 0.25, 60)).ok
+        v = await quota_reserve(s, "r3", both, 1000, 0.25, 60)  # the model's requests_per_day
         assert not v.ok and (v.bucket, v.name, v.limit, v.used, v.requested) == (0, "requests_per_day", 3, 3, 1)
         assert v.retry_after_s == pytest.approx(seconds_to_next_day(time.time()), abs=5)
         # refused: counted nowhere -- the tenant's bucket holds the three admitted only
-        assert await s.quota_usage(["m:a|x", "t:a"]) == {"m:a|x": QuotaUsage(3, 3000, 3, 0.75),
+        assert await quota_usage(s, ["m:a|x", "t:a"]) == {"m:a|x": QuotaUsage(3, 3000, 3, 0.75),
                                                           "t:a": QuotaUsage(3, 3000, 3, 0.75)}
-        v = await s.quota_reserve("r4", [tenant], 1000, 0.5, 60)  # the tenant's usd_per_day: 0.75 + 0.5 > 1
+        v = await quota_reserve(s, "r4", [tenant], 1000, 0.5, 60)  # the tenant's usd_per_day: 0.75 + 0.5 > 1
         assert not v.ok and (v.bucket, v.name, v.used, v.requested) == (0, "usd_per_day", 0.75, 0.5)
-        v = await s.quota_reserve("r5", [tenant], 7001, 0.0, 60)  # tokens: 3000 + 7001 > 10000
+        v = await quota_reserve(s, "r5", [tenant], 7001, 0.0, 60)  # tokens: 3000 + 7001 > 10000
         assert not v.ok and v.name == "tokens_per_minute" and 0 < v.retry_after_s <= 60
-        v = await s.quota_reserve("r6", [tenant], 20_000, 0.0, 60)  # never fits
+        v = await quota_reserve(s, "r6", [tenant], 20_000, 0.0, 60)  # never fits
         assert not v.ok and v.retry_after_s == float("inf")
-        assert (await s.quota_reserve("r0", both, 1000, 0.25, 60)).ok  # a retry of an admitted id books nothing
-        assert (await s.quota_usage(["t:a"]))["t:a"] == QuotaUsage(3, 3000, 3, 0.75)
+        assert (await quota_reserve(s, "r0", both, 1000, 0.25, 60)).ok  # a retry of an admitted id books nothing
+        assert (await quota_usage(s, ["t:a"]))["t:a"] == QuotaUsage(3, 3000, 3, 0.75)
         # feedback: the real tokens and cost, the concurrency slot freed -- once
-        assert await s.quota_settle("r0", 1200, 0.1)
-        assert not await s.quota_settle("r0", 1, 0.0)
-        assert (await s.quota_usage(["t:a"]))["t:a"] == QuotaUsage(2, 3200, 3, pytest.approx(0.6))
-        assert await s.quota_settle("r1", None, None)  # nothing reported: counts what was reserved
-        assert (await s.quota_usage(["t:a"]))["t:a"] == QuotaUsage(1, 3200, 3, pytest.approx(0.6))
+        assert await quota_settle(s, "r0", 1200, 0.1)
+        assert not await quota_settle(s, "r0", 1, 0.0)
+        assert (await quota_usage(s, ["t:a"]))["t:a"] == QuotaUsage(2, 3200, 3, pytest.approx(0.6))
+        assert await quota_settle(s, "r1", None, None)  # nothing reported: counts what was reserved
+        assert (await quota_usage(s, ["t:a"]))["t:a"] == QuotaUsage(1, 3200, 3, pytest.approx(0.6))
         # a release undoes everything (the request was not admitted after all)
-        assert await s.quota_release("r2") and not await s.quota_release("r2")
-        assert (await s.quota_usage(["m:a|x"]))["m:a|x"] == QuotaUsage(0, 2200, 2, pytest.approx(0.35))
-        assert (await s.quota_reserve("r7", both, 1000, 0.25, 60)).ok  # room again
-        assert await s.quota_usage(["never"]) == {"never": QuotaUsage()}
+        assert await quota_release(s, "r2") and not await quota_release(s, "r2")
+        assert (await quota_usage(s, ["m:a|x"]))["m:a|x"] == QuotaUsage(0, 2200, 2, pytest.approx(0.35))
+        assert (await quota_reserve(s, "r7", both, 1000, 0.25, 60)).ok  # room again
+        assert await quota_usage(s, ["never"]) == {"never": QuotaUsage()}
 
     _run(make_state, body)
 
 
 def test_concurrency_slots_free_on_feedback_or_when_their_hold_passes(make_state: Make) -> None:
-    async def body(s: RouterState) -> None:
+    async def body(s: SharedState) -> None:
         b = [_bucket("t:c", cc=2)]
-        assert (await s.quota_reserve("a", b, 1, 0.0, 0.3)).ok
-        assert (await s.quota_reserve("b", b, 1, 0.0, 60)).ok
-        v = await s.quota_reserve("c", b, 1, 0.0, 60)
+        assert (await quota_reserve(s, "a", b, 1, 0.0, 0.3)).ok
+        assert (await quota_reserve(s, "b", b, 1, 0.0, 60)).ok
+        v = await quota_reserve(s, "c", b, 1, 0.0, 60)
         assert not v.ok and v.name == "max_concurrent" and v.retry_after_s == 1.0
         await asyncio.sleep(0.4)  # "a"'s hold passed (its feedback never came)
-        assert (await s.quota_reserve("c", b, 1, 0.0, 60)).ok
-        assert not (await s.quota_reserve("d", b, 1, 0.0, 60)).ok
-        assert await s.quota_settle("b", None, None)
-        assert (await s.quota_reserve("d", b, 1, 0.0, 60)).ok
-        assert (await s.quota_usage(["t:c"]))["t:c"].concurrent == 2
+        assert (await quota_reserve(s, "c", b, 1, 0.0, 60)).ok
+        assert not (await quota_reserve(s, "d", b, 1, 0.0, 60)).ok
+        assert await quota_settle(s, "b", None, None)
+        assert (await quota_reserve(s, "d", b, 1, 0.0, 60)).ok
+        assert (await quota_usage(s, ["t:c"]))["t:c"].concurrent == 2
 
     _run(make_state, body)
 
@@ -113,23 +115,23 @@ def test_concurrency_slots_free_on_feedback_or_when_their_hold_passes(make_state
 def test_the_token_window_slides(make_state: Make) -> None:
     """A true sliding window (here 1.5 s long): tokens leave it one window after their request was
     admitted, one by one -- not at a fixed boundary, which admits up to twice the limit across it."""
-    async def body(s: RouterState) -> None:
+    async def body(s: SharedState) -> None:
         b = [_bucket("t:w", tpm=1000)]
         t0 = time.monotonic()
-        assert (await s.quota_reserve("x", b, 600, 0.0, 60)).ok
+        assert (await quota_reserve(s, "x", b, 600, 0.0, 60)).ok
         await asyncio.sleep(0.75)
-        assert (await s.quota_reserve("y", b, 400, 0.0, 60)).ok
-        v = await s.quota_reserve("z", b, 300, 0.0, 60)
+        assert (await quota_reserve(s, "y", b, 400, 0.0, 60)).ok
+        v = await quota_reserve(s, "z", b, 300, 0.0, 60)
         assert not v.ok and v.used == 1000
         # "x" leaves 1.5 s after it came: that is when 300 more fit
         assert 1.5 - (time.monotonic() - t0) - 0.3 <= v.retry_after_s <= 1.5 - 0.75 + 0.05
         await asyncio.sleep(max(0.0, t0 + 1.75 - time.monotonic()))
-        assert (await s.quota_usage(["t:w"]))["t:w"].tokens_window == 400
-        assert (await s.quota_reserve("z", b, 600, 0.0, 60)).ok  # 400 + 600
-        assert not (await s.quota_reserve("q", b, 1, 0.0, 60)).ok
+        assert (await quota_usage(s, ["t:w"]))["t:w"].tokens_window == 400
+        assert (await quota_reserve(s, "z", b, 600, 0.0, 60)).ok  # 400 + 600
+        assert not (await quota_reserve(s, "q", b, 1, 0.0, 60)).ok
         # feedback inside the window lowers what "z" counts: 600 -> 100
-        assert await s.quota_settle("z", 100, None)
-        assert (await s.quota_reserve("q", b, 500, 0.0, 60)).ok
+        assert await quota_settle(s, "z", 100, None)
+        assert (await quota_reserve(s, "q", b, 500, 0.0, 60)).ok
 
     _run(make_state, body, window_s=1.5)
 
@@ -146,7 +148,7 @@ def test_a_sliding_window_never_holds_more_than_the_limit_where_a_fixed_one_doub
     for i in range(4000):
         now[0] += rng.expovariate(20.0)
         tokens = rng.randint(50, 900)
-        if state.quota_reserve_now(f"r{i}", b, tokens, 0.0, 30).ok:
+        if run_now(quota_reserve(state, f"r{i}", b, tokens, 0.0, 30)).ok:
             admitted.append((now[0], tokens))
     times = [t for t, _ in admitted]
     import bisect
@@ -168,18 +170,18 @@ def test_days_reset_at_utc_midnight_and_a_late_feedback_settles_its_own_day() ->
     now = [2 * DAY_S - 10.0]  # 10 s before midnight UTC
     s = EmbeddedState(wall_clock=lambda: now[0], record_ttl_s=3600)
     b = [_bucket("t:d", rpd=2, usd=1.0)]
-    assert s.quota_reserve_now("a", b, 10, 0.6, 60).ok
-    assert not s.quota_reserve_now("b", b, 10, 0.6, 60).ok
+    assert run_now(quota_reserve(s, "a", b, 10, 0.6, 60)).ok
+    assert not run_now(quota_reserve(s, "b", b, 10, 0.6, 60)).ok
     now[0] += 20.0  # the next day
-    assert s.quota_usage_now(["t:d"])["t:d"] == QuotaUsage(1, 10, 0, 0.0)
-    assert s.quota_reserve_now("b", b, 10, 0.6, 60).ok
-    assert s.quota_settle_now("a", 10, 0.9)  # yesterday's request: its cost stays in yesterday
-    assert s.quota_usage_now(["t:d"])["t:d"].usd_day == pytest.approx(0.6)
+    assert run_now(quota_usage(s, ["t:d"]))["t:d"] == QuotaUsage(1, 10, 0, 0.0)
+    assert run_now(quota_reserve(s, "b", b, 10, 0.6, 60)).ok
+    assert run_now(quota_settle(s, "a", 10, 0.9))  # yesterday's request: its cost stays in yesterday
+    assert run_now(quota_usage(s, ["t:d"]))["t:d"].usd_day == pytest.approx(0.6)
 
 
 def test_the_backends_agree_on_random_sequences(redis_server: Any) -> None:
     """The same random sequence of reserves, settles and releases on both backends gives the same
-    verdicts and the same usage (the Lua scripts repeat router.quota_ledger's arithmetic)."""
+    verdicts and the same usage (the Lua scripts repeat router.state.ledger's arithmetic)."""
     rng = random.Random(5)
     quotas = TenantQuotas.model_validate({"max_concurrent": 6, "tokens_per_minute": 20_000, "requests_per_day": 40,
                                           "usd_per_day": 2.0, "models": {"x": {"max_concurrent": 3, "usd_per_day": 1.0}}})
@@ -195,18 +197,18 @@ def test_the_backends_agree_on_random_sequences(redis_server: Any) -> None:
         else:
             ops.append(("release", rid))
 
-    async def play(s: RouterState) -> list[Any]:
+    async def play(s: SharedState) -> list[Any]:
         out: list[Any] = []
         try:
             for op in ops:
                 if op[0] == "reserve":
-                    v = await s.quota_reserve(op[1], buckets_for(quotas, "a", op[2]), op[3], op[4], 60)
+                    v = await quota_reserve(s, op[1], buckets_for(quotas, "a", op[2]), op[3], op[4], 60)
                     out.append((v.ok, v.bucket, v.name, v.limit, round(v.used, 9), v.requested))
                 elif op[0] == "settle":
-                    out.append(await s.quota_settle(op[1], op[2], op[3]))
+                    out.append(await quota_settle(s, op[1], op[2], op[3]))
                 else:
-                    out.append(await s.quota_release(op[1]))
-            u = await s.quota_usage(["t:a", "m:a|x", "m:a|y"])
+                    out.append(await quota_release(s, op[1]))
+            u = await quota_usage(s, ["t:a", "m:a|x", "m:a|y"])
             out.append({k: (v.concurrent, v.tokens_window, v.requests_day, round(v.usd_day, 9)) for k, v in u.items()})
         finally:
             await s.close()
@@ -237,20 +239,18 @@ def test_quota_events_rebuild_the_counters(make_state: Make) -> None:
               QuotaReserved("c", ("t:e",), 500, 0.1, now - 90, now - 60),  # out of the window, its hold passed
               QuotaSettled("a", 400, 0.2)]
 
-    async def body(s: RouterState) -> None:
-        if isinstance(s, EmbeddedState):
-            out = s.rebuild(events, now_wall=now)
-        else:
-            epoch = await s.epoch()
-            assert epoch is not None
-            out = await s.restore(epoch, "log-1", events, [], now)
+    async def body(s: SharedState) -> None:
+        epoch = await s.epoch()  # (None in this process: restored at start)
+        assert (epoch is None) == isinstance(s, EmbeddedState)
+        out = await s.restore(epoch, "log-1", events, [], now)
+        if epoch is not None:
             assert await s.restore(epoch, "log-1", events, [], now) is None  # once per epoch and log
         assert out is not None and out["quota_reserved"] == 3 and out["quota_settled"] == 1
-        u = (await s.quota_usage(["t:e", "m:e|x"]))
+        u = (await quota_usage(s, ["t:e", "m:e|x"]))
         assert u["t:e"] == QuotaUsage(1, 2400, 3, pytest.approx(0.55))
         assert u["m:e|x"] == QuotaUsage(0, 400, 1, pytest.approx(0.2))
-        assert await s.quota_settle("b", 100, 0.0)  # a feedback after the restart settles it
-        assert (await s.quota_usage(["t:e"]))["t:e"] == QuotaUsage(0, 500, 3, pytest.approx(0.3))
+        assert await quota_settle(s, "b", 100, 0.0)  # a feedback after the restart settles it
+        assert (await quota_usage(s, ["t:e"]))["t:e"] == QuotaUsage(0, 500, 3, pytest.approx(0.3))
 
     _run(make_state, body)
 
@@ -265,22 +265,17 @@ def test_a_restore_never_books_what_the_counters_hold_settled_or_not(make_state:
     events = [QuotaReserved("s", ("t:f",), 1000, 0.5, now - 5, now + 600), QuotaSettled("s", 300, 0.25),
               QuotaReserved("h", ("t:f",), 700, 0.5, now - 4, now + 600)]
 
-    async def body(s: RouterState) -> None:
+    async def body(s: SharedState) -> None:
         for rid in ("s", "h"):
-            assert (await s.quota_reserve(rid, buckets, 1000 if rid == "s" else 700, 0.5, 600)).ok
-        assert await s.quota_settle("s", 300, 0.25)
-        before = (await s.quota_usage(["t:f"]))["t:f"]
+            assert (await quota_reserve(s, rid, buckets, 1000 if rid == "s" else 700, 0.5, 600)).ok
+        assert await quota_settle(s, "s", 300, 0.25)
+        before = (await quota_usage(s, ["t:f"]))["t:f"]
         assert before == QuotaUsage(1, 1000, 2, pytest.approx(0.75))
-        if isinstance(s, EmbeddedState):
-            out = s.rebuild(events, now_wall=now)
-        else:
-            epoch = await s.epoch()
-            assert epoch is not None
-            out = await s.restore(epoch, "log-1", events, [], now)
+        out = await s.restore(await s.epoch(), "log-1", events, [], now)
         assert out is not None and out["quota_reserved"] == 0 and out["quota_settled"] == 0
-        assert (await s.quota_usage(["t:f"]))["t:f"] == before
-        assert not await s.quota_settle("s", 10, 0.0) and not await s.quota_release("s")
-        assert (await s.quota_usage(["t:f"]))["t:f"] == before
+        assert (await quota_usage(s, ["t:f"]))["t:f"] == before
+        assert not await quota_settle(s, "s", 10, 0.0) and not await quota_release(s, "s")
+        assert (await quota_usage(s, ["t:f"]))["t:f"] == before
 
     _run(make_state, body)
 
@@ -297,7 +292,7 @@ def test_quota_settings_name_the_bad_field(tmp_path: Path) -> None:
 
 
 def create_app_engine(setup: RouterSetup) -> Any:
-    from router.engine import RoutingEngine
+    from router.decision.engine import RoutingEngine
 
     return RoutingEngine(setup.settings)
 
@@ -375,6 +370,26 @@ def test_feedback_reconciles_tokens_usd_and_frees_the_concurrency_slot(tmp_path:
                           timeout=10).status_code == 201
         assert _usage(url, setup)["t:a"]["tokens_window"] == ROUTE["input_tokens"] + 12
         assert _route(url, setup).status_code == 200  # the slot is free again
+
+
+@pytest.mark.parametrize("backend", ["embedded", "redis"])
+def test_a_feedback_after_the_hold_still_reconciles_its_quota(tmp_path: Path, backend: str, redis_server: Any) -> None:
+    """A quota reservation's record waits ``RECORD_S`` (a minute) after its hold for the feedback
+    (``router.state.ledger``), so a request slower than its hold is still counted at what it used.
+    The router used to hand ``state_restore_window_s`` (1 s) to the state as that time -- a
+    positional argument one place off -- and a feedback 1 s after the hold was lost: its tokens
+    stayed as reserved."""
+    shared = {"state_backend": "redis", "state_url": redis_server.url, "state_prefix": next(_prefixes)} \
+        if backend == "redis" else {}
+    setup = _setup(tmp_path, {"tokens_per_minute": 100_000}, state_hold_floor_s=0.2, state_hold_max_s=0.5, **shared)
+    with ServerThread(create_app(setup.settings)) as url:
+        first = retry_restoring(lambda: _route(url, setup))
+        assert first.status_code == 200, first.text
+        assert _usage(url, setup)["t:a"]["tokens_window"] == ROUTE["input_tokens"] + ROUTE["max_output_tokens"]
+        time.sleep(2.5)  # its hold (0.5 s) and a second and more have passed
+        fb = {"decision_id": first.json()["decision_id"], "latency_ms": 2400.0, "ttft_ms": 200.0, "output_tokens": 12}
+        assert httpx.post(f"{url}/v1/feedback", json=fb, headers=setup.auth("a"), timeout=10).status_code == 201
+        assert _usage(url, setup)["t:a"]["tokens_window"] == ROUTE["input_tokens"] + 12
 
 
 def test_a_budget_masks_what_it_cannot_pay_for_then_refuses(tmp_path: Path) -> None:

@@ -109,7 +109,7 @@ def test_the_gateway_config_and_client_run_as_written(tmp_path: Path) -> None:
         config["db_path"] = str(tmp_path / "decisions.db")
         (tmp_path / "router.yaml").write_text(yaml.safe_dump(config))
         keys = tmp_path / "keys.json"
-        key = subprocess.run([str(BIN / "python"), "-m", "router.keys", "add", "--tenant", "acme", "--keys-file",
+        key = subprocess.run([str(BIN / "python"), "-m", "router.control.keys", "add", "--tenant", "acme", "--keys-file",
                               str(keys)], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         port = free_port()
         env = {**user_env(), "VLLM_API_KEY": server_key}

@@ -28,10 +28,12 @@ import httpx
 import pytest
 import redis
 
-from router.app import create_app
-from router.backends import iter_decisions
-from router.state import EmbeddedState, pool_key
+from router.app.factory import create_app
+from router.state.base import pool_key
+from router.state.embedded import EmbeddedState
+from router.store.readers import iter_decisions
 from tests.servers import REPO_ROOT, RedisServer, ServerThread, free_port, start_subprocess
+from tests.state_support import core_stats
 from tests.test_router_support import ROUTE, RouterSetup, make_setup, retry_restoring
 from tests.tinybundle import SERVING_YAML
 
@@ -100,7 +102,7 @@ def test_feedback_updates_the_pools_statistics_once_and_frees_this_routers_view(
         assert httpx.post(f"{url}/v1/feedback", json=fb, headers=setup.auth("a")).status_code == 201
         assert httpx.post(f"{url}/v1/feedback", json={**fb, "latency_ms": 10.0},
                           headers=setup.auth("a")).status_code == 201
-        st = state.stats_now(pool)
+        st = core_stats(state, pool)
         assert (st.outcomes, st.ttft_ms_mean, st.duration_ms_mean, st.in_flight) == (1, 120.0, 900.0, 0)
         # this router's view learned the request ended: nothing of it left in flight or held as its own
         assert int(engine.env.inflight.sum()) == 0 and int(engine.own_held.sum()) == 0
@@ -180,13 +182,13 @@ def test_a_failure_after_the_decision_releases_its_reservation(tmp_path: Path) -
         os.kill(writer, signal.SIGKILL)
         t.join(timeout=15)
         assert out[0].status_code == 503 and out[0].json()["error"] == "unavailable"
-        assert svc.state.claim_now("a:route:k-503", 1).status == "pending"  # in doubt, not decided anew
+        assert svc.state.core.claim("a:route:k-503", 1).status == "pending"  # in doubt, not decided anew
         deadline = time.monotonic() + 10
         while sum(_in_flight(url, setup).values()) != 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert sum(_in_flight(url, setup).values()) == 1  # released once the log said it is not there
         assert int(svc.engine.env.inflight.sum()) == 1 and int(svc.engine.own_held.sum()) == 1
-        assert svc.state.claim_now("a:route:k-503", 1).status == "new"  # the key was dropped
+        assert svc.state.core.claim("a:route:k-503", 1).status == "new"  # the key was dropped
 
 
 def test_a_restart_rebuilds_the_embedded_state_from_the_log(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ import jsonschema
 import psycopg
 import pytest
 
-from router.app import create_app
+from router.app.factory import create_app
 from tests.servers import (
     REPO_ROOT,
     PostgresServer,

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.backends import iter_decisions
+from router.store.readers import iter_decisions
 from tests.servers import free_port, start_subprocess
 from tests.test_router_support import ROUTE, make_setup
 
@@ -159,15 +159,16 @@ def test_a_batch_larger_than_the_writers_socket_buffer_is_committed_whole(tmp_pa
 
     import uvloop
 
-    from router.store import DECISION_COLUMNS, DecisionStore
+    from router.store.rows import DECISION_COLUMNS, DecisionRow
+    from router.store.sqlite import DecisionStore
 
-    def row(i: int) -> tuple[object, ...]:  # (each its own bytes: pickle would send one shared object once)
+    def row(i: int) -> DecisionRow:  # (each its own bytes: pickle would send one shared object once)
         values = {"decision_id": f"d_{i:06d}", "tenant": "a", "created_at": 1.0, "telemetry_ts": 1.0,
                   "origin": "o", "input_tokens": 1, "max_output_tokens": 1, "ttft_ms": 1.0, "tpot_ms": 1.0,
                   "model": "m", "offering_id": "x", "expected_latency_ms": 1.0, "expected_cost_usd": 0.0,
                   "policy": "greedy", "policy_kind": "fallback", "bundle_hash": "h", "features": os.urandom(8192),
                   "request_json": '{"pad":"' + f"{i:06d}" * 700 + '"}', "response_json": "{}"}
-        return tuple(values.get(c) for c in DECISION_COLUMNS)
+        return DecisionRow(**{c: values.get(c) for c in DECISION_COLUMNS})  # type: ignore[arg-type]
 
     async def main() -> tuple[int, str | None]:
         store = DecisionStore(tmp_path / "d.db", "NORMAL", 100)  # two batches go out at once: the second while the writer works

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import checks as C
 
-from router.app import create_app
+from router.app.factory import create_app
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, LogCapture, RouterSetup, make_setup
 
@@ -341,7 +341,7 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
     _route(client, setup, "a")
     client.get("/v1/decisions/d_nope", headers={"X-API-Key": setup.keys["b"]})
     client.get("/metrics", headers=setup.auth("admin"))
-    access = [r for r in logs.records() if r["logger"] == "xroute.router.access"]
+    access = [r for r in logs.records() if r["logger"] == "xroute.router.decision.access"]
     assert access and all(r["request_id"] and r["route"] and r["status"] for r in access)
     assert any(r.get("tenant") == "a" and r.get("decision_id") for r in access)
     text = "\n".join(logs.lines)

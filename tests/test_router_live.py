@@ -13,13 +13,14 @@ import httpx
 import pandas as pd
 import pytest
 
-from router.app import create_app
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.telemetry import LiveSource
+from router.app.factory import create_app
+from router.decision.engine import RoutingEngine
+from router.decision.telemetry import LiveSource
 from tests.servers import ServerThread
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, make_setup
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 A = Principal("a", "tenant", "k1")
@@ -59,7 +60,7 @@ def test_live_source_clock_reload_and_catalog_change(tmp_path: Path) -> None:
     assert abs(src.as_of() - (time.time() - 5.0)) < 2.0
 
     wall = time.time()
-    text, _, chosen, _ = engine.decide(RouteRequest.model_validate(ROUTE), A, "d_1", wall)
+    text, _, chosen, _ = decide(engine, RouteRequest.model_validate(ROUTE), A, "d_1", wall)
     ans = json.loads(text)
     assert ans["telemetry"]["source"] == "live:live"
     assert abs(pd.Timestamp(ans["telemetry"]["telemetry_time"]).timestamp() - wall) < 0.002  # the wall clock
@@ -75,7 +76,7 @@ def test_live_source_clock_reload_and_catalog_change(tmp_path: Path) -> None:
     after = {r["offering"]["offering_id"]: r["usd_per_hour"] for r in engine.offerings_state(time.time())["offerings"]}
     assert after[chosen] == pytest.approx(before[chosen] * 50)
     assert engine.bundle_hash == new.content_hash
-    _, _, chosen2, _ = engine.decide(RouteRequest.model_validate(ROUTE), A, "d_2", time.time())
+    _, _, chosen2, _ = decide(engine, RouteRequest.model_validate(ROUTE), A, "d_2", time.time())
     assert chosen2 != chosen
 
     # a commit that changes the catalog is refused (needs a restart); polls keep offering it, the data ages
@@ -154,6 +155,6 @@ def test_collector_output_served_live(tmp_path: Path, monkeypatch: pytest.Monkey
     setup = make_setup(tmp_path / "s5", telemetry=out, telemetry_live=True, env={}, max_telemetry_age_s=600.0)
     engine = RoutingEngine(setup.settings)
     assert ORIGIN in engine.origins
-    text, _, chosen, _ = engine.decide(RouteRequest(origin=ORIGIN, input_tokens=300, max_output_tokens=60,
+    text, _, chosen, _ = decide(engine, RouteRequest(origin=ORIGIN, input_tokens=300, max_output_tokens=60,
                                                     ttft_ms=2500, tpot_ms=100), A, "d_e2e", time.time())
     assert chosen in engine.offering_ids and json.loads(text)["telemetry"]["stale"] is False

@@ -13,7 +13,7 @@ from tests.servers import REPO_ROOT
 
 _SCRIPT = r'''
 import asyncio, gc, logging, threading, warnings
-from router.logs import configure_logging, flush_logs
+from router.core.logs import configure_logging, flush_logs
 
 configure_logging("INFO")
 logging.getLogger("psycopg").warning("error ignored terminating %r: %s", "<psycopg.AsyncPipeline [BAD]>", "gone")

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from router.app import create_app
+from router.app.factory import create_app
 from tests.servers import ServerThread, free_port
 from tests.test_router_support import ROUTE, make_setup, write_model
 

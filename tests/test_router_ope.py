@@ -7,6 +7,7 @@ and ``xroute export-ope`` then ``xroute ope`` end to end on what the router logg
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -23,17 +24,20 @@ import pytest
 
 from envs import kernels
 from envs.features import N_OFFERING_FEATURES
-from router import ope_log
-from router.app import create_app
-from router.backends import iter_decisions
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.settings import EXPLORE_MAX
-from router.state import EmbeddedState
-from router.store import ADDED_COLUMNS, DECISION_COLUMNS, DecisionStore, GroupCommitLog, read_catalogs
+from router.app.factory import create_app
+from router.core.settings import EXPLORE_MAX
+from router.decision import ope_log
+from router.decision.engine import RoutingEngine
+from router.state.base import Admission
+from router.state.embedded import EmbeddedState
+from router.store.readers import iter_decisions
+from router.store.rows import ADDED_COLUMNS
+from router.store.sqlite import DecisionStore, GroupCommitLog, read_catalogs
 from tests.servers import REPO_ROOT, ServerThread
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 from xroute.schema.ope import read_log
 
@@ -313,16 +317,17 @@ def test_a_request_the_shared_state_moves_logs_what_it_served_and_no_propensity(
     state = EmbeddedState()
     first = eng.candidates(eng.rank(req, who, "probe", wall))[0]  # ranked, not admitted
     for i in range(first[1]):  # another router fills that pool (this one's view does not know yet)
-        assert state.reserve_now([first], f"other-{i}", 600.0) == first[0]
-    _, row, served, _ = eng.decide(req, who, "d_moved", wall, state=state)
-    rec = ope_log.unpack(row[DECISION_COLUMNS.index("features")])
+        assert state.core.admit(Admission(f"other-{i}", [first], 600.0)).pool == first[0]
+    _, row, served, _ = decide(eng, req, who, "d_moved", wall, state=state)
+    assert row.features is not None
+    rec = ope_log.unpack(row.features)
     offering_ids = eng.offering_ids
     assert eng.pool_key_of(served) != first[0]
     assert offering_ids[rec.action_idx[rec.chosen]] == served
     assert eng.pool_key_of(offering_ids[rec.action_idx[rec.argmax]]) == first[0]
-    assert row[DECISION_COLUMNS.index("propensity")] is None
-    _, row, _, _ = eng.decide(req, who, "d_free", wall)  # without the shared state's refusal: known
-    assert row[DECISION_COLUMNS.index("propensity")] == 1.0
+    assert row.propensity is None
+    _, row, _, _ = decide(eng, req, who, "d_free", wall)  # without the shared state's refusal: known
+    assert row.propensity == 1.0
 
 
 # ------------------------------------------------------------------------------ migration
@@ -345,7 +350,7 @@ def _drop_ope_columns(target: Path | str) -> None:
 
 async def _open(target: Path | str) -> GroupCommitLog:
     if isinstance(target, str):
-        from router.store_pg import PostgresLog
+        from router.store.postgres import PostgresLog
 
         log: GroupCommitLog = PostgresLog(target)
         await log.open()  # type: ignore[attr-defined]
@@ -370,10 +375,9 @@ def test_a_log_written_before_is_migrated_and_its_old_rows_are_left_out_of_the_e
         log = await _open(target)
         await log.register_catalog(engine.catalog_key, engine.offering_ids)
         for i in range(n):
-            _, row, _, _ = engine.decide(req, who, f"{prefix}{i}", engine.source.start_wall + i)
+            _, row, _, _ = decide(engine, req, who, f"{prefix}{i}", engine.source.start_wall + i)
             if prefix == "d_old":  # written by the previous version: none of the new columns
-                row = tuple(None if c in ("propensity", "epsilon", "features") else v
-                            for c, v in zip(DECISION_COLUMNS, row))
+                row = dataclasses.replace(row, propensity=None, epsilon=None, features=None)
             await log.record_decision(row)
         await log.close()
 

@@ -6,6 +6,7 @@ and coming back, and credentials that never reach a log."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -16,17 +17,20 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.backends import iter_decisions
-from router.engine import RoutingEngine
-from router.export import export_bundle
-from router.keys import Principal
-from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, GroupCommitLog, StoreClosed
-from router.store_pg import PostgresLog, check_reachable, redact
+from router.app.factory import create_app
+from router.core.text import redact
+from router.decision.engine import RoutingEngine
+from router.service.export import export_bundle
+from router.store.postgres import PostgresLog, check_reachable
+from router.store.readers import iter_decisions
+from router.store.rows import DecisionRef, DecisionRow
+from router.store.sqlite import DecisionStore, GroupCommitLog, StoreClosed
 from tests.servers import PostgresServer, ServerThread
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, LogCapture, make_setup
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 A = Principal("a", "tenant", "k1")
@@ -58,9 +62,9 @@ async def _open(target: str | Path, **kw: Any) -> GroupCommitLog:
     return log
 
 
-def _rows(engine: RoutingEngine, n: int, prefix: str = "d_", start: float = 0.0) -> list[tuple[Any, ...]]:
+def _rows(engine: RoutingEngine, n: int, prefix: str = "d_", start: float = 0.0) -> list[DecisionRow]:
     req = RouteRequest.model_validate(ROUTE)
-    return [engine.decide(req, A, f"{prefix}{i:04d}", engine.source.start_wall + start + i * 0.5)[1]  # type: ignore[attr-defined]
+    return [decide(engine, req, A, f"{prefix}{i:04d}", engine.source.start_wall + start + i * 0.5)[1]  # type: ignore[attr-defined]
             for i in range(n)]
 
 
@@ -68,14 +72,14 @@ def test_both_backends_group_commit_read_and_export(target: str | Path, engine: 
     """Rows of one loop iteration share a commit; a duplicate id fails alone; feedback gets
     increasing ids; reads see only the caller's tenant; the export reads either backend."""
     rows = _rows(engine, 40)
-    ids = [r[0] for r in rows]
+    ids = [r.decision_id for r in rows]
 
     async def run() -> None:
         log = await _open(target)
         assert await log.healthy()
         await asyncio.gather(*(log.record_decision(r) for r in rows))
         assert log.rows == 40 and log.commits < 40  # grouped
-        dup, fresh = rows[3], ("d_9999", *rows[4][1:])
+        dup, fresh = rows[3], dataclasses.replace(rows[4], decision_id="d_9999")
         res = await asyncio.gather(log.record_decision(dup), log.record_decision(fresh), return_exceptions=True)
         assert isinstance(res[0], StoreClosed) and res[1] == 0
         f1 = await log.record_feedback((ids[0], "a", 1.0, 900.0, None, 42, 0, None, 120.0, None, -0.5, 0))
@@ -110,25 +114,24 @@ def test_both_backends_look_up_decisions_and_read_back_keyed_rows(target: str | 
     """What feedback reads of a decision (tenant, model, pool, feedback so far), and the rows made
     under an idempotency key since a time -- the answer exactly as sent -- for restoring the keys
     after a restart; the new feedback column (TTFT) reads back."""
-    col = DECISION_COLUMNS.index
     now = time.time()
     rows = _rows(engine, 3)
     kid = f"d_{int(now * 1000):012x}{7:020x}"  # a decision id as the router makes them (time-sorted)
-    keyed = list(rows[2])
-    keyed[col("decision_id")], keyed[col("created_at")], keyed[col("idempotency_key")] = kid, now, "a:route:k1"
+    keyed = dataclasses.replace(rows[2], decision_id=kid, created_at=now, idempotency_key="a:route:k1")
 
     async def run() -> None:
         log = await _open(target)
-        await asyncio.gather(*(log.record_decision(r) for r in [*rows[:2], tuple(keyed)]))
-        await log.record_feedback((rows[0][0], "a", now, 900.0, None, None, 0, None, 120.0, None, None, None))
+        await asyncio.gather(*(log.record_decision(r) for r in [*rows[:2], keyed]))
+        await log.record_feedback((rows[0].decision_id, "a", now, 900.0, None, None, 0, None, 120.0, None, None, None))
         await log.record_feedback((kid, "a", now, 5.0, None, 3, 0, None, None, "a:feedback:k2", None, None))
-        ref = await log.lookup(rows[0][0])
-        assert ref == DecisionRef("a", rows[0][col("model")], rows[0][col("pool")], 1, *(rows[0][col(c)] for c in (
-            "input_tokens", "max_output_tokens", "ttft_ms", "tpot_ms", "deadline_ms", "expected_cost_usd")))
-        assert (await log.lookup(rows[1][0])).feedback == 0 and await log.lookup("d_nope") is None  # type: ignore[union-attr]
-        assert (await log.get_decision(rows[0][0], "a"))["feedback"][0]["ttft_ms"] == 120.0  # type: ignore[index]
+        r0 = rows[0]
+        ref = await log.lookup(r0.decision_id)
+        assert ref == DecisionRef("a", r0.model, r0.pool, 1, r0.input_tokens, r0.max_output_tokens,  # type: ignore[arg-type]
+                                  r0.ttft_ms, r0.tpot_ms, r0.deadline_ms, r0.expected_cost_usd)
+        assert (await log.lookup(rows[1].decision_id)).feedback == 0 and await log.lookup("d_nope") is None  # type: ignore[union-attr]
+        assert (await log.get_decision(r0.decision_id, "a"))["feedback"][0]["ttft_ms"] == 120.0  # type: ignore[index]
         decisions, feedback = await log.keyed_since(now - 60)
-        assert [(d[0], d[1], d[2]) for d in decisions] == [("a:route:k1", keyed[col("request_json")], keyed[-1])]
+        assert [(d[0], d[1], d[2]) for d in decisions] == [("a:route:k1", keyed.request_json, keyed.response_json)]
         assert [f[:4] for f in feedback] == [("a:feedback:k2", feedback[0][1], kid, now)]
         assert feedback[0][4:] == (5.0, None, None, 3, 0, None)
         assert await log.keyed_since(now + 3600) == ([], [])
@@ -162,12 +165,12 @@ def test_several_logs_write_one_postgres_database_concurrently(postgres: Postgre
         await asyncio.gather(*(log.record_decision(r) for i in range(per) for log, rs in zip(logs, rows)
                                for r in [rs[i]]))
         for k, log in enumerate(logs):
-            other = rows[(k + 1) % 4][7][0]
+            other = rows[(k + 1) % 4][7].decision_id
             assert await log.get_decision(other, "a") is not None
             await log.close()
 
     asyncio.run(run())
-    assert sorted(d["decision_id"] for d in iter_decisions(url)) == sorted(r[0] for rs in rows for r in rs)
+    assert sorted(d["decision_id"] for d in iter_decisions(url)) == sorted(r.decision_id for rs in rows for r in rs)
 
 
 @pytest.mark.slow
@@ -189,7 +192,7 @@ def test_postgres_down_answers_storeclosed_and_recovers(engine: RoutingEngine) -
             assert log.error is not None and "decision log postgresql://" in log.error
             assert not await log.healthy()
             with pytest.raises(StoreClosed):
-                await log.get_decision(rows[0][0], "a")
+                await log.get_decision(rows[0].decision_id, "a")
             server.start()
             assert await log.healthy()  # the probe reconnects
             for _ in range(3):  # each idle connection notices the restart on its first use
@@ -197,13 +200,13 @@ def test_postgres_down_answers_storeclosed_and_recovers(engine: RoutingEngine) -
                 if all(r == 0 for r in res):
                     break
             assert all(r == 0 for r in res), res
-            assert await log.get_decision(rows[10][0], "a") is not None
+            assert await log.get_decision(rows[10].decision_id, "a") is not None
             await log.close()
 
         asyncio.run(run())
         stored = {d["decision_id"] for d in iter_decisions(url)}
-        assert rows[0][0] in stored and rows[5][0] in stored
-        assert not stored & {r[0] for r in rows[1:5]}  # failed, and never acknowledged
+        assert rows[0].decision_id in stored and rows[5].decision_id in stored
+        assert not stored & {r.decision_id for r in rows[1:5]}  # failed, and never acknowledged
     finally:
         server.close()
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.keys import add_key
+from router.app.factory import create_app
+from router.control.keys import add_key
 from tests.servers import ServerThread
 from tests.test_router_support import ROUTE, LogCapture, RouterSetup, make_setup
 

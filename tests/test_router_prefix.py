@@ -18,12 +18,15 @@ import numpy as np
 import pytest
 
 from envs.features import F
-from router.engine import RouteFailure, RoutingEngine
-from router.keys import Principal
-from router.state import EmbeddedState, PrefixSend, RouterState
-from router.state_redis import RedisState
+from router.decision.engine import RouteFailure, RoutingEngine
+from router.service.ports import SharedState
+from router.state.base import PrefixSend
+from router.state.embedded import EmbeddedState
+from router.state.redis import RedisState
 from tests.servers import RedisServer, ServerThread
+from tests.state_support import decide, prefix_feedback, reserve_recording
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest, prefix_block_hashes
 
 A = Principal("a", "tenant", "k1")
@@ -56,13 +59,13 @@ def test_a_next_turn_goes_where_its_prefix_is_and_a_constraint_breaks_the_pin(en
     state = EmbeddedState()
     h = prefix_block_hashes(TOKENS, engine.block_tokens)
     wall = engine.source.start_wall
-    first = json.loads(engine.decide(_req(prefix_hashes=h, session_id="s1"), A, "d_1", wall, state)[0])
+    first = json.loads(decide(engine, _req(prefix_hashes=h, session_id="s1"), A, "d_1", wall, state)[0])
     oid = first["offering"]["offering_id"]
     a = engine.offering_ids.index(oid)
     time.sleep(0.7)  # the blocks are expected computed after the first request's expected TTFT (~0.5 s)
-    aff = state.prefix_lookup_now(np.array(h), "a:s1", 600.0)
+    aff = state.core.lookup(np.array(h), "a:s1", 600.0)
     assert aff.runs == {engine.pool_keys[engine.env.default_model][a]: 6} and aff.session_pool is not None
-    second = json.loads(engine.decide(_req(prefix_hashes=h, session_id="s1"), A, "d_2", wall + 0.7, state)[0])
+    second = json.loads(decide(engine, _req(prefix_hashes=h, session_id="s1"), A, "d_2", wall + 0.7, state)[0])
     env = engine.env
     assert env.r_cached[a] == 3000.0 and env.r_sess_here[a] == 1.0  # the view: the whole prompt cached there
     rows = env.offering_features(np.arange(env.n))
@@ -70,7 +73,7 @@ def test_a_next_turn_goes_where_its_prefix_is_and_a_constraint_breaks_the_pin(en
     assert rows[:, F["exp_cached"]].sum() == 1.0  # nowhere else
     assert second["offering"]["offering_id"] == oid  # no prefill there: greedy's best
     # a request the tenant's constraints keep off that offering goes elsewhere, pin or not
-    third = json.loads(engine.decide(_req(prefix_hashes=h, session_id="s1",
+    third = json.loads(decide(engine, _req(prefix_hashes=h, session_id="s1",
                                           constraints={"deny": [{"offering_ids": [oid]}]}), A, "d_3", wall + 0.8,
                                      state)[0])
     assert third["offering"]["offering_id"] != oid
@@ -79,7 +82,7 @@ def test_a_next_turn_goes_where_its_prefix_is_and_a_constraint_breaks_the_pin(en
 def test_too_many_blocks_for_the_prompt_is_a_422_naming_the_field(engine: RoutingEngine) -> None:
     h = prefix_block_hashes(TOKENS, engine.block_tokens)
     with pytest.raises(RouteFailure) as e:
-        engine.decide(_req(prefix_hashes=h, input_tokens=1024), A, "d_x", engine.source.start_wall, EmbeddedState())
+        decide(engine, _req(prefix_hashes=h, input_tokens=1024), A, "d_x", engine.source.start_wall, EmbeddedState())
     assert e.value.status == 422 and e.value.fields[0]["field"] == "body.prefix_hashes"
     assert "at most ceil(input_tokens / 512) = 2" in e.value.message
 
@@ -88,7 +91,7 @@ def test_too_many_blocks_for_the_prompt_is_a_422_naming_the_field(engine: Routin
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RouterSetup]]:
     setup = make_setup(tmp_path_factory.mktemp("prefix-http"), replay_speed=1.0)
-    from router.app import create_app
+    from router.app.factory import create_app
 
     with ServerThread(create_app(setup.settings)) as url:
         yield url, setup
@@ -137,7 +140,7 @@ def _send(hashes: np.ndarray, pool: str, cap: int, predicted: float, session: st
     return PrefixSend(hashes, session, 600.0, {pool: (cap, predicted, 0.0)})
 
 
-async def _drive(state: RouterState, rng: np.random.Generator) -> list[tuple[dict[str, int], str | None]]:
+async def _drive(state: SharedState, rng: np.random.Generator) -> list[tuple[dict[str, int], str | None]]:
     """A random stream of conversations through ``state``: what each lookup answered."""
     prompts: list[list[int]] = []
     pools = [f"m|o{k}" for k in range(5)]
@@ -152,14 +155,14 @@ async def _drive(state: RouterState, rng: np.random.Generator) -> list[tuple[dic
         prompts.append(prompt)
         h = np.array(prompt, dtype=np.int64)
         sess = f"a:s{int(rng.integers(5))}"
-        aff = await state.prefix_lookup(h, sess, 600.0)
+        aff = await state.lookup(h, sess, 600.0)
         out.append((aff.runs, aff.session_pool))
         pool = pools[int(rng.integers(len(pools)))]
         rid = f"d_{i}"
-        got = await state.reserve_recording([(pool, 1000)], rid, 60.0, _send(h, pool, caps[pool], 512.0, sess))
+        got = await reserve_recording(state, [(pool, 1000)], rid, 60.0, _send(h, pool, caps[pool], 512.0, sess))
         assert got == pool
         if i % 7 == 0:
-            assert await state.prefix_feedback(rid, 128.0, 0.5) == pool
+            assert await prefix_feedback(state, rid, 128.0, 0.5) == pool
     return out
 
 
@@ -176,10 +179,10 @@ def test_the_redis_index_answers_as_the_embedded_one(redis_server: RedisServer) 
             # every pool's retention as each backend holds it (a lookup on a block every pool got)
             for st in (emb, red):
                 for k in range(5):
-                    await st.reserve_recording([(f"m|o{k}", 1000)], f"probe{k}", 60.0,
+                    await reserve_recording(st, [(f"m|o{k}", 1000)], f"probe{k}", 60.0,
                                                _send(probe, f"m|o{k}", 10, 0.0))
-            ra = (await emb.prefix_lookup(probe, None, 600.0)).retention
-            rb = (await red.prefix_lookup(probe, None, 600.0)).retention
+            ra = (await emb.lookup(probe, None, 600.0)).retention
+            rb = (await red.lookup(probe, None, 600.0)).retention
             return a, b, ra, rb
         finally:
             await red.close()
@@ -195,7 +198,7 @@ def test_two_routers_on_one_redis_share_the_affinity(tmp_path: Path, redis_serve
     """Router A places a conversation's first turn; router B, another process's view of the same
     Redis, sees that pool holding the prefix and the session there when the next turn comes to it,
     and a cached-token report sent to B lowers the pool's retention A then reads."""
-    from router.app import create_app
+    from router.app.factory import create_app
 
     prefix = f"pfx-two-{time.time_ns()}"
     setups = [make_setup(tmp_path / name, replay_speed=1.0, state_backend="redis", state_url=redis_server.url,

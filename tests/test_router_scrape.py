@@ -1,4 +1,4 @@
-"""The pools' inference servers' own load (``router/scrape.py``): vLLM's Prometheus exposition parsed,
+"""The pools' inference servers' own load (``router/service/scrape.py``): vLLM's Prometheus exposition parsed,
 servers scraped over real HTTP (a local server standing in for vLLM's ``/metrics``), combined per
 pool, and read by the decision: a pool whose servers report a long queue loses the request it would
 otherwise get, and a server that stops answering is forgotten after ``inference_stale_s``."""
@@ -15,13 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
-from router.engine import RoutingEngine
-from router.keys import Principal
-from router.scrape import ServerLoad, parse_metrics
+from router.app.factory import create_app
+from router.decision.engine import RoutingEngine
+from router.service.scrape import ServerLoad, parse_metrics
 from tests.servers import ServerThread
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, make_setup
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
 NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -88,7 +89,7 @@ def test_a_scraped_queue_moves_the_request_and_a_silent_server_is_forgotten(tmp_
     base = make_setup(tmp_path / "base", replay_speed=1e-6)
     engine = RoutingEngine(base.settings)
     req = RouteRequest.model_validate(ROUTE)
-    chosen = engine.decide(req, Principal("a", "tenant", "k"), "d_0", engine.source.start_wall)[2]  # type: ignore[attr-defined]
+    chosen = decide(engine, req, Principal("a", "tenant", "k"), "d_0", engine.source.start_wall)[2]  # type: ignore[attr-defined]
     servers = [{"offering_id": chosen, "endpoints": [url, url]}]  # two servers (the same stand-in twice)
     setup = make_setup(tmp_path, replay_speed=1e-6, inference_servers=servers, inference_scrape_s=0.05,
                        inference_stale_s=0.6)

@@ -1,4 +1,4 @@
-"""The router's start (``router.startup``, ``docs/router.md``, "Start time"): the phases each start
+"""The router's start (``router.core.startup``, ``docs/router.md``, "Start time"): the phases each start
 logs, the cyclic GC held off and given back, and readiness that is honest -- the first ``/readyz``
 200 of a real ``xroute serve`` (one worker, and two on the Redis state) is followed at once by a
 ``/v1/route`` the configured model decides. (How long a start takes is measured by
@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from router import startup
+from router.core import startup
 from tests.servers import REPO_ROOT, RedisServer, free_port
 from tests.test_router_support import ROUTE, RouterSetup, make_setup
 

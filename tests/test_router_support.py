@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from envs.features import F
-from router.keys import add_key
-from router.logs import JsonFormatter
-from router.settings import RouterSettings, load_settings
+from router.control.keys import add_key
+from router.core.logs import JsonFormatter
+from router.core.settings import RouterSettings, load_settings
 from tests.tinybundle import write_serving_yaml, write_tiny_bundle
 
 

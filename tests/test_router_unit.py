@@ -15,19 +15,23 @@ import numpy as np
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from router.backends import iter_decisions
-from router.engine import RouteFailure, RoutingEngine
-from router.export import export_bundle
-from router.keys import KeyStore, Principal, add_key, list_keys, revoke_key
-from router.policies import ActivePolicy, resolve
-from router.routes.route import route_request
-from router.settings import load_settings
-from router.state import EmbeddedState, pool_key
-from router.store import DECISION_COLUMNS, DecisionRef, DecisionStore, StoreClosed
-from router.telemetry import ReplaySource
+from router.api.route import route_request
+from router.control.keys import KeyStore, add_key, list_keys, revoke_key
+from router.core.settings import load_settings
+from router.decision.engine import RouteFailure, RoutingEngine
+from router.decision.model_slot import ActivePolicy, resolve
+from router.decision.telemetry import ReplaySource
+from router.service.export import export_bundle
+from router.state.base import pool_key
+from router.state.embedded import EmbeddedState
+from router.store.readers import iter_decisions
+from router.store.rows import DECISION_COLUMNS, DecisionRef, DecisionRow
+from router.store.sqlite import DecisionStore, StoreClosed
+from tests.state_support import decide
 from tests.test_router_support import ROUTE, LogCapture, make_setup, write_model
 from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
+from xroute.schema.access import Principal
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.offering import Offering
 from xroute.schema.policy_ir import CatalogIndex, ConstraintError, Constraints, Rule, compile_constraints
@@ -112,7 +116,7 @@ def test_a_key_verified_once_is_remembered_until_its_record_changes(tmp_path: Pa
 def test_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from router.metrics import LoopHistogram
+    from router.core.metrics import LoopHistogram
 
     buckets = (25e-6, 1e-3, 0.5)
     ours_reg, theirs_reg = CollectorRegistry(), CollectorRegistry()
@@ -132,7 +136,7 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_does() -> None
 def test_loop_counter_exposes_what_prometheus_clients_counter_does() -> None:
     from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-    from router.metrics import LoopCounter
+    from router.core.metrics import LoopCounter
 
     ours_reg, theirs_reg = CollectorRegistry(), CollectorRegistry()
     ours = LoopCounter("x_total", "doc", ("offering_id", "kind"), ours_reg)
@@ -149,12 +153,12 @@ def test_loop_counter_exposes_what_prometheus_clients_counter_does() -> None:
 
 
 def test_the_direct_access_line_is_the_formatted_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``router.logs.access`` writes its line itself when only the router's handler listens: the
+    """``router.core.logs.access`` writes its line itself when only the router's handler listens: the
     same JSON object, keys in the same order, as ``JsonFormatter`` makes of the logged record."""
     import io
     import re
 
-    from router import logs
+    from router.core import logs
 
     logs.configure_logging("INFO")
     h = logs._handler
@@ -216,9 +220,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> RoutingEngine:
 
 def _decide(engine: RoutingEngine, who: Principal = A, wall: float | None = None, **body: object) -> dict:
     req = RouteRequest.model_validate({**ROUTE, **body})
-    payload, row, oid, info = engine.decide(req, who, "d_test", engine.source.start_wall if wall is None else wall)
+    payload, row, oid, info = decide(engine, req, who, "d_test", engine.source.start_wall if wall is None else wall)
     out = json.loads(payload)
-    assert out["offering"]["offering_id"] == oid == row[DECISION_COLUMNS.index("offering_id")]
+    assert out["offering"]["offering_id"] == oid == row.offering_id
     return out
 
 
@@ -286,12 +290,12 @@ def test_replay_clock_maps_and_wraps(tmp_path: Path) -> None:
 
     req = RouteRequest.model_validate({**ROUTE, "max_output_tokens": 1000})  # expected to take ~30 s
     for k in range(5):
-        eng.decide(req, A, f"d_{k}", 1000.0 + k * 0.01, state=state)
+        decide(eng, req, A, f"d_{k}", 1000.0 + k * 0.01, state=state)
     assert busy() == 5 and eng.generation == 0
     before = eng.env.est_free.copy()
-    eng.decide(req, A, "d_5", 1000.0 + 0.15, state=state)  # 1.5 s later: wrapped
+    decide(eng, req, A, "d_5", 1000.0 + 0.15, state=state)  # 1.5 s later: wrapped
     assert eng.generation == 1 and busy() == 6  # still in flight
-    assert sum(state.in_flight_now().values()) == 6
+    assert sum(state.core.view().in_flight.values()) == 6
     moved = np.isfinite(before)  # the slots expected to free: moved back by the window
     assert moved.sum() == 5 and np.allclose(eng.env.est_free[moved], before[moved] - src.span)
     _decide(eng, wall=1000.0 + 6.0)  # 60 s later: the six have ended as expected
@@ -325,7 +329,7 @@ def test_model_error_at_decision_time_falls_back_for_that_request(engine: Routin
 
 
 def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path) -> None:
-    """The greedy policy decided in one compiled call (``router.kernels.greedy_decide``) and through
+    """The greedy policy decided in one compiled call (``router.decision.kernels.greedy_decide``) and through
     ``_choose`` like every other policy give byte-identical answers, the same log rows, the same
     429s, and leave the same pool state, over requests with tenant, request and prefer
     constraints that fill the pools."""
@@ -334,7 +338,7 @@ def test_the_compiled_greedy_decision_answers_as_the_general_path(tmp_path: Path
 
 @pytest.mark.parametrize("hidden", [[64, 64], [32]])
 def test_the_compiled_learned_decision_answers_as_the_general_path(tmp_path: Path, hidden: list[int]) -> None:
-    """A learned scorer's decision through ``router.kernels.valid_rows`` / ``scored_decide`` and
+    """A learned scorer's decision through ``router.decision.kernels.valid_rows`` / ``scored_decide`` and
     through ``_choose`` (``offering_features``, the scorer, ``rank_scored``, ``commit_live``): the
     same bytes, rows, 429s and pool state, with and without a context layer and reward prior."""
     import itertools
@@ -388,7 +392,7 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
         got = []
         for eng, state in zip((fused, general), states):
             try:
-                payload, row, oid, info = eng.decide(req, who, f"d_{i}", wall, state=state if i % 2 else None)
+                payload, row, oid, info = decide(eng, req, who, f"d_{i}", wall, state=state if i % 2 else None)
                 got.append((200, payload, row, oid))
                 kinds.add(json.loads(payload)["score_kind"])
             except RouteFailure as e:
@@ -397,7 +401,7 @@ def _compare_fused_and_general(tmp_path: Path, switch: str, policy: Any) -> None
         assert got[0] == got[1], i
         outcomes[got[0][0]] += 1
     assert outcomes[200] > 100 and outcomes[429] > 20  # both the answers and the full pools were compared
-    assert states[0].in_flight_now() == states[1].in_flight_now() and states[0].in_flight_now()
+    assert states[0].core.view().in_flight == states[1].core.view().in_flight and states[0].core.view().in_flight
     assert shared_full > 0  # the shared capacity refused some (both engines alike)
     assert kinds == {"expected_reward" if policy is None else "q_value"}
     for k in ("est_free", "est_min", "inflight", "shift"):
@@ -427,15 +431,15 @@ def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: P
         got = []
         for eng, st_ in ((alone, None), (shared, state)):
             try:
-                got.append(eng.decide(req, A, f"d_{i}", wall, state=st_)[0])
+                got.append(decide(eng, req, A, f"d_{i}", wall, state=st_)[0])
             except RouteFailure as e:
                 got.append((e.status, e.error))
         assert got[0] == got[1], i
         answered += isinstance(got[0], bytes)
         if i % 10 == 0:
-            shared.apply_shared_view(state.in_flight_now(), {})
+            shared.apply_shared_view(state.core.view().in_flight, {})
             assert not shared.env.view_others.any()
-    assert answered > 250 and sum(state.in_flight_now().values()) > 20  # load, and reservations held
+    assert answered > 250 and sum(state.core.view().in_flight.values()) > 20  # load, and reservations held
 
 
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:
@@ -511,12 +515,12 @@ def test_group_commit_log_and_export_bundle(tmp_path: Path, engine: RoutingEngin
         for i in range(40):
             req = RouteRequest.model_validate({**ROUTE, "session_id": f"s{i}"})
             did = f"d_{i:04d}"
-            _, row, _, _ = engine.decide(req, A, did, engine.source.start_wall + i * 0.5)
+            _, row, _, _ = decide(engine, req, A, did, engine.source.start_wall + i * 0.5)
             rows.append(row)
             ids.append(did)
         await asyncio.gather(*(store.record_decision(r) for r in rows))
         # a duplicate id fails alone, not the batch it was committed with
-        dup, fresh = rows[3], (f"d_{99:04d}", *rows[4][1:])
+        dup, fresh = rows[3], dataclasses.replace(rows[4], decision_id=f"d_{99:04d}")
         res = await asyncio.gather(store.record_decision(dup), store.record_decision(fresh), return_exceptions=True)
         assert isinstance(res[0], StoreClosed) and not isinstance(res[1], BaseException)
         conn0 = sqlite3.connect(db)
@@ -567,11 +571,11 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         tenant TEXT NOT NULL, received_at REAL NOT NULL, latency_ms REAL, cost_usd REAL, output_tokens INTEGER,
         failed INTEGER NOT NULL, error TEXT);""")
     req = RouteRequest.model_validate(ROUTE)
-    old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
-    old_row = tuple(v for c, v in zip(DECISION_COLUMNS, old_row) if c not in ("pool", "hold_until", "idempotency_key", "propensity",
-                                                                        "epsilon", "features", "quota_tokens",
-                                                                        "quota_usd"))
-    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_row))})", old_row)
+    old_text, old_row, _, _ = decide(engine, req, A, "d_old", engine.source.start_wall)
+    old_values = tuple(v for c, v in zip(DECISION_COLUMNS, old_row.astuple())
+                       if c not in ("pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features",
+                                    "quota_tokens", "quota_usd"))
+    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_values))})", old_values)
     legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
                    "VALUES ('d_old', 'a', 1.0, 800.0, 0)")
     legacy.commit()
@@ -583,7 +587,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         store.start()
         sent = []
         for i in range(50):
-            text, row, _, _ = engine.decide(req, A, f"d_{i:03d}", engine.source.start_wall + 1 + i)
+            text, row, _, _ = decide(engine, req, A, f"d_{i:03d}", engine.source.start_wall + 1 + i)
             await store.record_decision(row)
             sent.append((f"d_{i:03d}", text))
         for did, text in [("d_old", old_text), *sent]:
@@ -596,8 +600,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         assert old is not None and old.input_tokens == ROUTE["input_tokens"]  # what the reward needs, read back
         assert dataclasses.replace(old, input_tokens=0, max_output_tokens=0, ttft_ms=0.0, tpot_ms=0.0,
                                    expected_cost_usd=0.0) == DecisionRef(
-            "a", old_row[DECISION_COLUMNS.index("model")], pool_key(old_row[DECISION_COLUMNS.index("model")],
-                                                                    old_row[DECISION_COLUMNS.index("offering_id")]), 1)
+            "a", old_row.model, pool_key(old_row.model, old_row.offering_id), 1)
         assert (await store.get_decision("d_old", "a"))["feedback"][0]["ttft_ms"] is None  # type: ignore[index]
         await store.close()
         return sent
@@ -624,15 +627,15 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
     asyncio.run(store.close())
     data = engine.response_dictionary()[-32768:]
     req = RouteRequest.model_validate(ROUTE)
-    old_text, old_row, _, _ = engine.decide(req, A, "d_old", engine.source.start_wall)
+    old_text, old_row, _, _ = decide(engine, req, A, "d_old", engine.source.start_wall)
     legacy = sqlite3.connect(db)  # rewrite the table as the deflate versions made it
     legacy.executescript("DROP TABLE zdicts; CREATE TABLE zdicts (zdict_id INTEGER PRIMARY KEY, "
                          "sha256 TEXT NOT NULL UNIQUE, data BLOB NOT NULL);")
     legacy.execute("INSERT INTO zdicts (sha256, data) VALUES (?, ?)", (hashlib.sha256(data).hexdigest(), data))
     c = zlib.compressobj(6, zdict=data)
     deflated = c.compress(old_text) + c.flush()
-    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * (len(old_row) + 1))})",
-                   (*old_row[:-1], deflated, 1))
+    legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * (len(DECISION_COLUMNS) + 1))})",
+                   (*old_row.astuple()[:-1], deflated, 1))
     legacy.commit()
     legacy.close()
 
@@ -640,7 +643,7 @@ def test_deflated_answers_from_older_logs_stay_readable(tmp_path: Path, engine: 
         store = DecisionStore(db)
         assert store.use_dictionary(engine.response_dictionary()) == 2
         store.start()
-        text, row, _, _ = engine.decide(req, A, "d_new", engine.source.start_wall + 1)
+        text, row, _, _ = decide(engine, req, A, "d_new", engine.source.start_wall + 1)
         await store.record_decision(row)
         for did, sent in (("d_old", old_text), ("d_new", text)):
             rec = await store.get_decision(did, "a")
@@ -669,8 +672,9 @@ def test_wal_stays_bounded_under_a_steady_stream_of_commits(tmp_path: Path) -> N
         store.start()
         biggest = 0
         for i in range(60):
-            rows = [(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0, "g", "fallback",
-                     None, "h", None, None, None, None, None, None, None, None, "{}", pad) for j in range(50)]
+            rows = [DecisionRow(f"d_{i:03d}_{j:02d}", "a", 1.0, 1.0, "o", 1, 1, 1.0, 1.0, None, "m", None, "x", 1.0, 1.0,
+                                "g", "fallback", None, "h", None, None, None, None, None, None, None, None, "{}", pad)
+                    for j in range(50)]
             await asyncio.gather(*(store.record_decision(r) for r in rows))
             wal = db.with_name(db.name + "-wal")
             biggest = max(biggest, wal.stat().st_size if wal.exists() else 0)
@@ -697,10 +701,10 @@ def test_a_dead_writer_process_fails_waiting_requests_cleanly(tmp_path: Path, en
         store = DecisionStore(tmp_path / "d.db")
         store.start()
         req = RouteRequest.model_validate(ROUTE)
-        _, row, _, _ = engine.decide(req, A, "d_first", engine.source.start_wall)
+        _, row, _, _ = decide(engine, req, A, "d_first", engine.source.start_wall)
         await store.record_decision(row)  # the writer works
         os.kill(store._proc.pid, signal.SIGKILL)
-        _, row2, _, _ = engine.decide(req, A, "d_second", engine.source.start_wall + 1)
+        _, row2, _, _ = decide(engine, req, A, "d_second", engine.source.start_wall + 1)
         with pytest.raises(StoreClosed, match="writer process exited"):
             await asyncio.wait_for(store.record_decision(row2), timeout=10)
         with pytest.raises(StoreClosed):
@@ -719,10 +723,10 @@ def test_the_process_writer_pipelines_batches_in_order(tmp_path: Path, engine: R
     import os
     import signal
 
-    from router.store import PROCESS_BATCHES_IN_FLIGHT
+    from router.store.sqlite import PROCESS_BATCHES_IN_FLIGHT
 
     req = RouteRequest.model_validate(ROUTE)
-    rows = [engine.decide(req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]
+    rows = [decide(engine, req, A, f"d_p{i:04d}", engine.source.start_wall + i)[1] for i in range(80)]
 
     async def run() -> None:
         store = DecisionStore(tmp_path / "d.db")

@@ -1,4 +1,4 @@
-"""Migration webhooks (``router/webhooks.py``, ``docs/migration.md`` "Webhooks"): a real router
+"""Migration webhooks (``router/service/webhooks.py``, ``docs/migration.md`` "Webhooks"): a real router
 (uvicorn on loopback, the SQLite log) notifies a real HTTP receiver on loopback when a migration
 ends -- signed, retried with backoff, delivered after a restart, given up after its attempts."""
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from router.settings import load_settings
+from router.core.settings import load_settings
 from tests.servers import free_port
 from tests.test_migration import PREFER_SPOT, SPOT, Live, _deadline, _env, serving
 from tests.test_router_support import make_setup

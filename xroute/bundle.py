@@ -382,7 +382,7 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
     ``feb2024``, ...) where no such directory exists.
 
     ``workload``: the request table to use when the directory has none (a collector's directory
-    served live, see ``router.telemetry.LiveSource``); validated like a file.
+    served live, see ``router.decision.telemetry.LiveSource``); validated like a file.
 
     Raises :class:`BundleError` with file, row and column on the first problem found.
     """

@@ -63,9 +63,9 @@ class PrefixConfig(Strict):
 
 class MigrationConfig(Strict):
     """Spot preemption with notice and migration (``docs/env.md``, "Preemption and migration"): the
-    rules are ``xroute.migration_rules``, shared with the router (``router.migration``), and so are
+    rules are ``xroute.migration_rules``, shared with the router (``router.service.migration``), and so are
     the defaults of the two the router also has (``migration_deprioritize_s``,
-    ``migration_region_penalty`` in ``router/settings.py``)."""
+    ``migration_region_penalty`` in ``router/core/settings.py``)."""
 
     notice: bool = Field(True, description="spot pools get their notice (offerings.notice_s) before they stop and "
                                            "the work on them migrates; false = no notice (the pool dies unannounced, "

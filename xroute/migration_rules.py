@@ -1,6 +1,6 @@
 """The migration rules the router and the simulator share (``docs/migration.md``, ``docs/env.md``).
 
-One module, imported by ``router.migration`` (a live notice) and ``envs.cloud_route`` (a simulated
+One module, imported by ``router.service.migration`` (a live notice) and ``envs.cloud_route`` (a simulated
 one), so the two apply the same rules rather than two copies of them:
 
 * the **de-prioritized region**: after an interruption notice the interrupted pool's region loses

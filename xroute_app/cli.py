@@ -10,8 +10,9 @@ import typer
 
 from cloud_adapters.cli import events_app, telemetry_app
 from models.cli import promote, train
-from router.cli import export_feedback, export_ope, serve
-from router.policy_cli import policies_app
+from router.app.cli import export_feedback, export_ope, serve
+from router.app.policy_cli import policies_app
+from router.control.keys import cli as keys_app
 from xroute.errors import ConfigError, XrouteError
 
 if TYPE_CHECKING:
@@ -339,6 +340,7 @@ app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision l
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
 app.add_typer(events_app, name="events", help="Preemption notices from an instance's metadata service to the router "
                                               "(docs/migration.md).")
+app.add_typer(keys_app, name="keys", help="The router's API keys: add, list, revoke (docs/router.md).")
 app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
                                                   "(docs/policies.md).")
 

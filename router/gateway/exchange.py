@@ -28,9 +28,9 @@ from typing import Any
 
 import aiohttp
 
-from router.errors import loads_or_none
 from router.gateway.openai_api import chunk_texts, has_token, sse_error
 from router.gateway.upstream import Endpoint, Guard, Upstreams
+from router.http.errors import loads_or_none
 
 #: server answers that another offering may do better with, before the first token
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})

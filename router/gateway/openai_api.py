@@ -1,7 +1,7 @@
 """The OpenAI API as the gateway reads and answers it: the request bodies, errors in OpenAI's
 shape, and Server-Sent Events.
 
-A body is read by the parser ``POST /v1/route`` reads its body with (``router.errors.json_body``:
+A body is read by the parser ``POST /v1/route`` reads its body with (``router.http.errors.json_body``:
 JSON nested too deeply, or not UTF-8, is the same 422 on ``body``). The fields the gateway reads
 (``model``, ``messages``' roles and contents, ``prompt``, ``max_tokens``,
 ``max_completion_tokens``, ``n``, ``stream``, ``stream_options.include_usage``) are checked with
@@ -12,7 +12,7 @@ default); a bad one is a 422 naming it (``body.max_tokens``). Every other field 
 inference server as the client sent it (clients send many optional fields; the server checks
 them, and its 4xx goes back to the client as it gave it).
 
-Errors: the router's error (``router.errors``: a code, a message, the fields at fault) inside the
+Errors: the router's error (``router.http.errors``: a code, a message, the fields at fault) inside the
 object OpenAI's clients read -- ``{"error": {"message", "type", "param", "code", "fields",
 "request_id", ...}}`` -- so ``openai.APIStatusError.code`` is the router's code (``no_capacity``,
 ``upstream_unavailable``, ...) and ``.param`` the first field named."""
@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, ValidationError
 
-from router.errors import NOT_JSON, error_body, is_json, json_body
+from router.http.errors import NOT_JSON, error_body, is_json, json_body
 from xroute.schema.decision import JsonBool, JsonInt, json_integer
 
 #: an output budget (``max_tokens``, ``max_completion_tokens``), a number of choices: JsonInt with bounds
@@ -112,7 +112,7 @@ def openai_error(status: int, code: str, message: str, fields: list[dict[str, An
 
 
 def reshape(body: dict[str, Any], status: int) -> dict[str, Any]:
-    """The router's error body (``router.errors.error_body``) as OpenAI's error object."""
+    """The router's error body (``router.http.errors.error_body``) as OpenAI's error object."""
     inner = dict(body)
     code = inner.pop("error", "error")
     message = inner.pop("message", "")

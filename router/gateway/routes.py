@@ -3,9 +3,9 @@
 
 Served as Starlette ``Route``s of the app (:data:`SERVED`), like ``POST /v1/route``: under the same
 front (request id, trace, body limit -- ``gateway.max_body_bytes`` for these two --, access log),
-FastAPI middleware stack and API keys (``router.deps.authenticate``) as every route, without an
+FastAPI middleware stack and API keys (``router.http.deps.authenticate``) as every route, without an
 ``APIRoute``'s per-request dependency and body machinery; the ``APIRoute``s of :data:`docs` are
-for the OpenAPI document only. Errors are the router's (``router.errors``: the same codes,
+for the OpenAPI document only. Errors are the router's (``router.http.errors``: the same codes,
 messages and fields), rendered by the app's own exception handlers and put in OpenAI's shape
 (``router.gateway.openai_api``)."""
 
@@ -19,10 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from router.deps import authenticate, authenticate_inference
-from router.errors import unexpected_response
 from router.gateway.openai_api import ChatBody, CompletionBody, Kind, reshape_response
-from router.routes.route import _Route
+from router.http.deps import authenticate, authenticate_inference
+from router.http.errors import unexpected_response
+from router.http.routing import ServedRoute
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -75,9 +75,9 @@ async def list_models(request: Request) -> Response:
 
 
 #: what the app serves
-SERVED = [_Route("/v1/chat/completions", chat_completions, methods=["POST"], name="chat_completions"),
-          _Route("/v1/completions", completions, methods=["POST"], name="completions"),
-          _Route("/v1/models", list_models, methods=["GET"], name="models")]
+SERVED = [ServedRoute("/v1/chat/completions", chat_completions, methods=["POST"], name="chat_completions"),
+          ServedRoute("/v1/completions", completions, methods=["POST"], name="completions"),
+          ServedRoute("/v1/models", list_models, methods=["GET"], name="models")]
 
 # ------------------------------------------------------------------------------------ the document
 docs = APIRouter(prefix="/v1", tags=["gateway"])

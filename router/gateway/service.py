@@ -3,12 +3,12 @@ router's own decision path, forwarded to the chosen pool's server, retried on th
 when that fails before the first token, relayed to the client, and its measured outcome closes the
 loop.
 
-Each attempt is one decision of ``router.routes.route.route_decision`` -- the same ranking,
+Each attempt is one decision of ``router.service.admission.route_decision`` -- the same ranking,
 admission, reservation and durable decision-log row as ``POST /v1/route``, with the tenant's
 constraints and policies -- for a routing request whose constraints allow only the offerings that
 have servers for the model (``upstreams``) and deny the ones already tried, and whose TTFT (and
 deadline) is what is left of the request's. Its outcome closes the loop as ``POST /v1/feedback``
-does (``router.routes.feedback``): the reservation is released, the pool's statistics and the
+does (``router.api.feedback``): the reservation is released, the pool's statistics and the
 output-length estimator learn it, and its feedback row -- with its realized reward and SLO verdict
 for off-policy evaluation, and what the gateway measured (TTFT, TPOT, output, prompt and cached
 tokens, the request id and the attempt's number) -- goes to the decision log. A failure that is
@@ -42,17 +42,19 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from router.engine import RouteFailure
+from router.core.logs import LOG, request_id_var
+from router.core.metrics import LoopCounter, LoopHistogram
+from router.core.text import one_line
+from router.decision.engine import RouteFailure
 from router.gateway.exchange import Exchange, Outcome
 from router.gateway.openai_api import Kind, openai_error, parse_body
 from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, prompt_chars, prompt_parts
 from router.gateway.transcripts import TranscriptStore
 from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, watch_disconnect
-from router.logs import LOG, request_id_var
-from router.metrics import LoopCounter, LoopHistogram
-from router.routes.feedback import close_the_loop, feedback_row, settle_quota
-from router.routes.route import release, route_decision
-from router.store import DecisionRef, StoreClosed
+from router.service.admission import route_decision
+from router.service.outcomes import close_the_loop, feedback_row, settle_quota
+from router.service.services import Services
+from router.store.sqlite import DecisionRef, StoreClosed
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
 from xroute.schema.policy_ir import Constraints, Rule
@@ -185,7 +187,7 @@ def check_settings(settings: Any, engine: Any) -> PromptCounter:
 class Gateway:
     """Built by the app's lifespan (``Services.gateway``); closed at shutdown."""
 
-    def __init__(self, svc: Any):
+    def __init__(self, svc: Services):
         settings = svc.settings
         self.svc = svc
         self.cfg = cfg = settings.gateway
@@ -349,42 +351,14 @@ class Gateway:
                     ok = await self._exchange(call, att, guard, started)
                     await commit[0]  # (StoreClosed: the log cannot record; the client gets its 503)
                 except BaseException as e:  # cancelled, the log failed, or a failure of ours: the loop still closes
-                    ex = att.exchange
-                    assert ex is not None
-                    ex.abandon()
-                    if ex.outcome.error is None or ok:
-                        ex.outcome.error = ("cancelled" if isinstance(e, asyncio.CancelledError) else
-                                            "decision_log_unavailable" if isinstance(e, StoreClosed) else
-                                            "gateway_error")
-                        ex.outcome.client_fault = True
-                    if not commit[0].done():
-                        commit[0].cancel()  # (the row goes on to the log; nobody waits for it)
-                    elif not commit[0].cancelled():
-                        commit[0].exception()  # (retrieved: the log's failure is the client's 503)
-                    self.finish(call, att, holder)
+                    self._abandon(call, att, commit[0], e, ok, holder)
                     holder = None
                     raise
                 ex = att.exchange
                 assert ex is not None
                 if ok:
-                    now = time.perf_counter()
-                    overhead = now - t0 - (ex.received - ex.sent)
-                    self.metrics.overhead.observe(overhead)
-                    headers = {"x-xroute-decision-id": att.decision_id, "x-xroute-offering": offering_id,
-                               "x-xroute-attempts": str(att.number),
-                               "x-xroute-overhead-ms": f"{overhead * 1000.0:.3f}"}
-                    self.metrics.requests.inc(call.kind, "ok")
                     settles, holder = holder, None
-                    if call.stream:
-                        if ex.first:
-                            self.metrics.ttft.observe(now - t0)
-                        ex.on_end = lambda att=att, settles=settles: self.finish(call, att, settles)
-                        return RelayResponse(ex, cfg.idle_timeout_s,
-                                             {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-                                             self.metrics)
-                    self.finish(call, att, settles)
-                    assert ex.answer is not None
-                    return Response(ex.answer, media_type="application/json", headers=headers)
+                    return self._served(call, att, settles)
                 self.finish(call, att, None)  # (the request's quota, if it holds it, is settled when the request ends)
                 failed.append(att)
                 last = ex.outcome
@@ -394,6 +368,47 @@ class Gateway:
         finally:
             if holder is not None:  # no attempt served it: the reservation counts its last outcome
                 self._spawn(self._settle_quota(holder, last))
+
+    def _abandon(self, call: Call, att: Attempt, commit: asyncio.Future[int], e: BaseException, ok: bool,
+                 holder: Attempt | None) -> None:
+        """An attempt ended by ``e`` -- cancelled, the log failed, or a failure of ours: its exchange
+        abandoned, its outcome named (the client's fault: no server is blamed), its log write no
+        longer awaited, and the loop closed as for any attempt (``holder``: the request's quota
+        reservation, settled with it)."""
+        ex = att.exchange
+        assert ex is not None
+        ex.abandon()
+        if ex.outcome.error is None or ok:
+            ex.outcome.error = ("cancelled" if isinstance(e, asyncio.CancelledError) else
+                                "decision_log_unavailable" if isinstance(e, StoreClosed) else "gateway_error")
+            ex.outcome.client_fault = True
+        if not commit.done():
+            commit.cancel()  # (the row goes on to the log; nobody waits for it)
+        elif not commit.cancelled():
+            commit.exception()  # (retrieved: the log's failure is the client's 503)
+        self.finish(call, att, holder)
+
+    def _served(self, call: Call, att: Attempt, settles: Attempt | None) -> Response:
+        """The answer of the attempt a server took: the relayed stream (its loop closed when the
+        stream ends) or the whole body, with the gateway's headers; ``settles``: the request's quota
+        reservation, settled when it ends."""
+        ex = att.exchange
+        assert ex is not None
+        now = time.perf_counter()
+        overhead = now - call.arrived - (ex.received - ex.sent)
+        self.metrics.overhead.observe(overhead)
+        headers = {"x-xroute-decision-id": att.decision_id, "x-xroute-offering": att.offering_id,
+                   "x-xroute-attempts": str(att.number), "x-xroute-overhead-ms": f"{overhead * 1000.0:.3f}"}
+        self.metrics.requests.inc(call.kind, "ok")
+        if call.stream:
+            if ex.first:
+                self.metrics.ttft.observe(now - call.arrived)
+            ex.on_end = lambda: self.finish(call, att, settles)
+            return RelayResponse(ex, self.cfg.idle_timeout_s,
+                                 {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}, self.metrics)
+        self.finish(call, att, settles)
+        assert ex.answer is not None
+        return Response(ex.answer, media_type="application/json", headers=headers)
 
     async def _exchange(self, call: Call, att: Attempt, guard: Guard, started: float) -> bool:
         """Send the attempt's request to a server of its pool and read until its first token (or,
@@ -483,9 +498,8 @@ class Gateway:
                                              cached_tokens=cached)
         reward = missed = None
         try:
-            if o.client_fault:
-                await release(svc, att.decision_id)
-                await settle_quota(svc, fb, ref)  # (what it used of its tenant's quotas until the client left)
+            if o.client_fault:  # released, with what it used of its tenant's quotas until the client left
+                await settle_quota(svc, fb, ref, release=True)
             else:
                 reward, missed = svc.engine.feedback_reward(ref, fb)
                 await close_the_loop(svc, fb, ref)
@@ -498,7 +512,7 @@ class Gateway:
                                            call.raw, ex.texts)
         except Exception as e:  # the answer has gone: say what was not recorded (never a body)
             LOG.warning("gateway outcome not recorded", extra={"fields": {
-                "decision_id": att.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
+                "decision_id": att.decision_id, "error": one_line(e)}})
 
     async def _settle_quota(self, holder: Attempt, o: Outcome | None) -> None:
         """Settle the request's tenant quota reservation (held by ``holder``'s decision) with the
@@ -512,7 +526,7 @@ class Gateway:
             await settle_quota(self.svc, fb, holder.ref)
         except Exception as e:  # (logged by settle_quota when the state cannot be reached; anything else here)
             LOG.warning("gateway quota not settled", extra={"fields": {
-                "decision_id": holder.decision_id, "error": f"{type(e).__name__}: {e}"[:300]}})
+                "decision_id": holder.decision_id, "error": one_line(e)}})
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """At shutdown: the loops still closing get ``timeout_s`` to finish (before the decision

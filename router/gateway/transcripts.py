@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from router.store.dialect import connect_sqlite
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS transcripts (
     decision_id TEXT PRIMARY KEY,
@@ -42,9 +44,7 @@ class TranscriptStore:
         self._pool.submit(self._open).result()
 
     def _open(self) -> None:
-        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        conn = connect_sqlite(self.path, synchronous="NORMAL")
         conn.executescript(SCHEMA)
         self._conn = conn
 

@@ -11,9 +11,9 @@ connections pooled per server (``max_connections`` open in all, an idle one kept
 ``keepalive_s``), the connect phase -- and the wait for a pooled connection -- bounded by
 ``connect_timeout_s``, no proxies from the environment, no redirects, no compression
 (``Accept-Encoding: identity``: the streams are relayed as they come). aiohttp rather than httpx:
-measured side by side here (``benchmarks/bench_gateway.py``, "client"), a proxied request costs
-httpx's client (httpcore over anyio) about 1 ms of CPU, aiohttp's about 0.2-0.3 ms -- and one
-worker's CPU is what bounds the requests per second it forwards. The read phases are bounded by
+a proxied request costs httpx's client several times aiohttp's CPU, and one worker's CPU is what
+bounds the requests per second it forwards (``benchmarks/bench_gateway.py``, "client"; the figures:
+``docs/results.md``, "Gateway"). The read phases are bounded by
 :class:`Guard` rather than a per-read timeout, so the first token and the gaps between tokens
 have their own limits: one timer per request, moved forward by a float assignment per chunk."""
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from router.settings import read_secret
+from router.core.settings import read_secret
 from xroute.errors import ConfigError
 
 

@@ -213,3 +213,29 @@ def valid_subject(subject: str) -> bool:
 
 def valid_name(name: str) -> bool:
     return bool(_NAME.match(name))
+
+
+# ---------------------------------------------------------------------------------------- the caller
+#: a key's own role: ``tenant`` or ``admin`` (built in), or a role defined through the admin API
+#: (:class:`Role`; more roles can be bound to the key, its tenant: ``router.decision.access``)
+KeyRole = str
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the tenant, its role, and which key (by id, never the secret)."""
+
+    tenant: str
+    role: KeyRole
+    key_id: str
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+    @property
+    def subjects(self) -> tuple[str, ...]:
+        """What role bindings may name this caller by (``xroute.schema.access``): its key, its
+        tenant. (A caller authenticated by an identity provider's token would be known by
+        ``idp:<issuer>:<subject>`` and its ``group:<name>``s.)"""
+        return (f"key:{self.key_id}", f"tenant:{self.tenant}")

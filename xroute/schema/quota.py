@@ -1,6 +1,6 @@
 """Tenant quotas -- defined here only.
 
-A tenant's quotas (``router.settings.TenantConfig.quotas``; the simulated world's
+A tenant's quotas (``router.core.settings.TenantConfig.quotas``; the simulated world's
 ``xroute.config.EnvConfig.tenants``) are :class:`TenantQuotas`: limits for the tenant as a whole
 and, under ``models``, for its requests of one model. Every limit is optional (absent: none):
 

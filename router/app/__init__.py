@@ -1,0 +1,1 @@
+"""The composition root: the app factory and lifespan (``factory``), ``xroute serve`` and the other router commands (``cli``, ``policy_cli``), the workers and their lifeline, what a worker imports (``worker``)."""

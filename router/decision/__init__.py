@@ -1,0 +1,1 @@
+"""The decision itself: the engine (telemetry clock, masks, live features, the policy's ranking, the answer and the log row), its compiled kernels, the model slot, tenant quota plans and views, access masks, the OPE record."""

@@ -1,0 +1,597 @@
+"""The decision as a list of stages.
+
+A :class:`Stage` has one method, :meth:`~Stage.apply`, over one request's :class:`Decision`: it
+narrows the offerings the request may use (``allowed``), adds a bias to their scores, prepares what
+later stages read, or fails with the router's error shape (:class:`RouteFailure`). Ranking a request
+(``RoutingEngine.rank``) is the loop over :data:`ROUTE`; ``POST /v1/explain`` runs the filtering
+stages of the same list with a per-offering trace; the rules sweep of migration and the policy dry
+run run the rule stages (:data:`RULES`) the same way. Each exclusion reason and each failure is
+written once, in its stage, so the four cannot drift.
+
+The route's list, in order (the exclusion counts are by the first stage that excluded an offering):
+
+=================  =======================================================================  ===========================
+stage              what it does                                                             fails with
+=================  =======================================================================  ===========================
+``validate``       the caller's tenant is served, the origin known, the prefix hashes fit   403 unknown_tenant, 422
+``constraints``    the tenant's and the request's allow/deny/prefer (``tenant:``, ``request:``)  422 no_offering
+``access``         regions the caller may not use for the model (``permission``)            403 (a permission it lacks)
+``pool_events``    pools masked by a preemption, drain or degradation (``pool_event``)      429 no_capacity
+``prepare``        the tenant's USD budget and the prefix affinity, as the environment takes them
+``environment``    the request made current: expectations on every offering, its mask       422 unknown_model
+``policies``       the routing policies' mask (``policy:<name>``) and bias; a notice's region bias  422 no_offering
+``feasibility``    the model held somewhere allowed; the budget pays for something          422 model_unavailable, 429
+``score``          the active model's (or the fallback's) ranking of the valid offerings;   429 no_capacity
+                   the environment's reasons (``unavailable`` .. ``budget``) and ``not_preferred``
+``pin``            a session's first turn after a committed migration goes to its target
+``explore``        an exploring tenant's draw, and the off-policy record
+=================  =======================================================================  ===========================
+
+In a trace (:class:`Decision` with ``trace``), every offering gets the reason of the first stage
+that excluded it (None: eligible), and a stage that would fail because nothing is left records
+instead (``strict`` False). ``GET /metrics`` has each stage's time (``xroute_router_stage_seconds``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from envs import policies as env_policies
+from router.decision import kernels, ope_log
+from router.decision.access import denied
+from router.decision.quotas import budget_failure, live_budget
+from router.state.base import Affinity, PrefixSend
+from xroute.schema.access import Principal, model_resource
+from xroute.schema.decision import RouteRequest
+
+
+class RouteFailure(Exception):
+    """A request the router cannot place; becomes a 4xx JSON body (see ``router.http.errors``)."""
+
+    def __init__(self, status: int, error: str, message: str, fields: list[dict[str, Any]] | None = None,
+                 headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.status, self.error, self.message = status, error, message
+        self.fields = fields or []
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+def _num(x: Any) -> float:
+    """A finite float for an answer (NaN and infinities -> 0.0: JSON has neither)."""
+    v = float(x)
+    return v if np.isfinite(v) else 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Decision:
+    """One request's scratch, shared by the stages (filled in their order)."""
+
+    req: RouteRequest
+    who: Principal
+    tenant: str
+    decision_id: str | None
+    wall: float
+    request_json: str | None = None
+    explore_key: str | None = None
+    affinity: Affinity | None = None
+    hashes: np.ndarray | None = None
+    #: a trace (explain, the rules sweep, the dry run): per offering, the first stage's reason that
+    #: excluded it, else None; ``strict`` False: a stage that would fail for want of offerings records
+    trace: list[str | None] | None = None
+    strict: bool = True
+    #: the caller's permissions apply (False: an admin explaining another tenant)
+    own_permissions: bool = True
+    #: the request's own constraints apply (False: the rules sweep judges a placement by the tenant's)
+    request_constraints: bool = True
+    #: the rules (sweep, dry run): every pool at full headroom, this compiled set (None: the engine's)
+    full_headroom: bool = False
+    policies: env_policies.CompiledPolicies | None = None
+    # ---- filled by the stages
+    compiled: Any = None
+    allowed: Any = None
+    ccounts: dict[str, int] = None  # type: ignore[assignment]
+    ctext: str = ""
+    t: float = 0.0
+    budget: Any = None
+    binding: int = -1
+    buckets: Any = None
+    live_prefix: Any = None
+    env_mask: Any = None
+    pout: Any = None
+    pctx: Any = None
+    n_pol_pref: int = 0
+    pcounts: tuple[Any, np.ndarray] | None = None
+    bias: Any = None
+    has_bias: bool = False
+    ptext: str = "{}"
+    m: int = -1
+    codes: Any = None
+    age: float = 0.0
+    pinfo: dict[str, Any] = None  # type: ignore[assignment]
+    score_kind: str = ""
+    n_valid: int = 0
+    n_not_preferred: int = 0
+    env_counts: list[int] = None  # type: ignore[assignment]
+    cands: list[int] = None  # type: ignore[assignment]
+    nums: list[float] = None  # type: ignore[assignment]
+    #: the fused learned path's action set size (its rows in the engine's buffers), the scorer's
+    #: scores, the general path's valid mask and scores of every offering, the request vector
+    fused_m: int = -1
+    scores: Any = None
+    valid: np.ndarray | None = None
+    full: np.ndarray | None = None
+    req_f: np.ndarray | None = None
+    policy_choice: int = -1
+    pinned: bool = False
+    epsilon: float = 0.0
+    ope: tuple[bytes, int, int, int] | None = None
+    prefix: PrefixSend | None = None
+
+    def exclude(self, mask: np.ndarray, reason: str) -> None:
+        """Record ``reason`` for the offerings of ``mask`` that no earlier stage excluded (a trace)."""
+        trace = self.trace
+        if trace is not None:
+            for i in np.flatnonzero(mask).tolist():
+                if trace[i] is None:
+                    trace[i] = reason
+
+    def narrow(self, keep: np.ndarray, reason: str, count: int) -> None:
+        """``allowed &= keep``, counted under ``reason`` (and traced)."""
+        if self.trace is not None:
+            self.exclude(self.allowed & ~keep, reason)
+        self.allowed = self.allowed & keep
+        self.ccounts = {**self.ccounts, reason: count}
+        self.ctext = f'{self.ctext},"{reason}":{count}' if self.ctext else f'"{reason}":{count}'
+
+
+class Stage:
+    """One step of the decision (module docstring): :meth:`apply` narrows ``d.allowed``, adds to
+    ``d.bias``, fills what later stages read, or raises :class:`RouteFailure`."""
+
+    #: the stage's name: ``xroute_router_stage_seconds{stage}``, the module docstring's table
+    name = ""
+
+    def __init__(self, engine: Any):
+        #: the ``RoutingEngine`` that owns the stage (typed loosely: the engine imports this module)
+        self.engine = engine
+
+    def apply(self, d: Decision) -> None:
+        raise NotImplementedError
+
+
+class Validate(Stage):
+    name = "validate"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        if not e.tenant_known(d.tenant):
+            raise e.unknown_tenant(d.tenant)
+        origin = d.req.origin
+        if origin not in e.origin_set:
+            close = difflib.get_close_matches(origin, e.origins, n=5, cutoff=0.4)
+            raise RouteFailure(422, "unknown_origin", f"unknown origin '{origin}'",
+                               [{"field": "body.origin", "message": f"unknown origin '{origin}'; "
+                                 f"known origins: GET /v1/offerings", "suggestions": close}])
+        if d.affinity is not None:
+            e.check_prefix(d.req)
+
+
+class ConstraintLayers(Stage):
+    """The tenant's defaults and the request's constraints (``xroute.schema.policy_ir``), compiled
+    and counted once per distinct set (``RoutingEngine.constraints_for``)."""
+
+    name = "constraints"
+
+    def apply(self, d: Decision) -> None:
+        compiled, ccounts, any_allowed, ctext = self.engine.constraints_for(
+            d.tenant, d.req.constraints if d.request_constraints else None)
+        d.compiled, d.allowed, d.ccounts, d.ctext = compiled, compiled.allowed, ccounts, ctext
+        if d.trace is not None:
+            for i, why in enumerate(compiled.reason):
+                if why:
+                    d.trace[i] = why.replace("constraints:", "request:")
+        if not any_allowed and d.strict:
+            raise RouteFailure(422, "no_offering", "the constraints (tenant defaults and request) exclude every offering",
+                               [{"field": "body.constraints", "message": "excludes every offering",
+                                 "suggestions": []}], extra={"excluded": ccounts})
+
+
+class Access(Stage):
+    """Access control (``router.decision.access``): the regions the caller may not use for this model
+    are masked out like a deny policy (``permission``); none left is a 403 naming one it lacks."""
+
+    name = "access"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        if not d.own_permissions:
+            return
+        model_name = d.req.model or e.models[0]
+        perm = e.access.inference_mask(d.who, model_name) if model_name in e.env.model_index else None
+        if perm is None:
+            return
+        compiled, allowed = d.compiled, d.allowed
+        hit = e._masked.get((id(compiled), id(perm)))
+        if hit is None or hit[0] is not compiled or hit[1] is not perm:
+            kept = allowed & perm
+            cut = int(allowed.sum() - kept.sum())
+            hit = (compiled, perm, kept, cut, {**d.ccounts, "permission": cut},
+                   f'{d.ctext},"permission":{cut}' if d.ctext else f'"permission":{cut}', not kept.any())
+            if len(e._masked) >= 1024:
+                e._masked.clear()
+            e._masked[(id(compiled), id(perm))] = hit
+        if not hit[3]:
+            return
+        if d.trace is not None:
+            d.exclude(allowed & ~perm, "permission")
+        if hit[6] and d.strict:  # nothing the request could use is permitted
+            a = int(np.flatnonzero(allowed)[0])
+            raise RouteFailure(**denied(d.who, model_resource("inference", model_name, e.refs[a]["region"]),
+                                        f"a request of model '{model_name}'"))
+        d.allowed, d.ccounts, d.ctext = hit[2], hit[4], hit[5]
+
+
+class PoolEvents(Stage):
+    """Pools a pool event masked (``router.service.migration``; docs/migration.md)."""
+
+    name = "pool_events"
+
+    def apply(self, d: Decision) -> None:
+        keep = self.engine.events_keep
+        if keep is None:
+            return
+        hidden = int((d.allowed & ~keep).sum())
+        if not hidden:
+            return
+        d.narrow(keep, "pool_event", hidden)
+        if not d.allowed.any() and d.strict:
+            raise RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
+                               "(a preemption, a drain or a degradation: docs/migration.md)",
+                               headers={"Retry-After": "5"}, extra={"excluded": d.ccounts})
+
+
+class Prepare(Stage):
+    """What the environment takes besides the request: its tenant's USD budget as the quota state
+    has it (``router.decision.quotas.live_budget``) and the shared prefix index's answer."""
+
+    name = "prepare"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        d.t = e.now(d.wall)
+        if e.quota_plan and e.quota_usage is not None:
+            buckets, keys = e.quota_plan.budgeted(d.tenant, d.req.model or e.models[0])
+            if buckets:
+                d.buckets = buckets
+                d.budget, d.binding = live_budget(buckets, e.quota_usage(keys), d.wall)
+        if d.affinity is not None:
+            env = e.env
+            m_req = env.default_model if d.req.model is None else env.model_index.get(d.req.model, -1)
+            if m_req >= 0:
+                d.live_prefix = e._live_prefix(m_req, d.affinity)
+
+
+class Environment(Stage):
+    """The request made current in the environment (``CloudRouteEnv.set_live``): its expectations
+    on every offering, the environment's mask, the routing policies' outcome under the live view."""
+
+    name = "environment"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        req = d.req
+        try:
+            d.env_mask = e.env.set_live(d.t, req.origin, req.input_tokens, req.max_output_tokens, req.ttft_ms,
+                                        req.tpot_ms, req.deadline_ms, req.model, d.tenant, d.decision_id,
+                                        request_class=req.request_class, prefix=d.live_prefix, pre=d.allowed,
+                                        budget=d.budget)
+        except ValueError:
+            close = difflib.get_close_matches(str(req.model), e.models, n=3, cutoff=0.4)
+            raise RouteFailure(422, "unknown_model", f"unknown model '{req.model}'",
+                               [{"field": "body.model", "message": f"unknown model '{req.model}'; known models: "
+                                 f"{', '.join(e.models)} (GET /v1/offerings)", "suggestions": close}]) from None
+        d.m = e.env.r_m
+
+
+class Policies(Stage):
+    """The routing policies (``envs.policies``, applied by the environment): their mask narrows the
+    layers' (each offering counted by the first policy that excluded it), their bias adds to the
+    scores; a just-preempted region's de-prioritization adds too. Under the rules (``full_headroom``:
+    the migration sweep, the dry run) the same compiled policies are applied with every pool at full
+    headroom, without the environment."""
+
+    name = "policies"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        if d.full_headroom:
+            self._rules(d)
+            return
+        env = e.env
+        pout = d.pout = env.r_policy
+        pctx = d.pctx = pout.ctx
+        if pctx is not None and not pctx.empty:
+            if d.trace is not None:
+                excluded = d.allowed & ~pout.allowed
+                for i in np.flatnonzero(excluded).tolist():
+                    if d.trace[i] is None:
+                        d.trace[i] = e.policies.reasons[int(pout.reason[i])]
+            d.allowed = d.allowed & pout.allowed
+            d.n_pol_pref = pout.not_preferred
+            if pout.excluded:
+                ptext = e.policies.counts_text(pout)
+                d.ctext = f"{d.ctext},{ptext}" if d.ctext else ptext
+                d.pcounts = (e.policies, pout.counts.copy())
+                if not d.allowed.any() and d.strict:
+                    raise RouteFailure(422, "no_offering", "the routing policies, the tenant's defaults and the "
+                                       "request's constraints exclude every offering",
+                                       [{"field": "body", "message": "excludes every offering (see excluded.by_reason "
+                                         "and POST /v1/explain)", "suggestions": []}],
+                                       extra={"excluded": e._all_counts(d.ccounts, d.pcounts)})
+        d.bias, d.has_bias = env.r_bias, env.r_has_bias
+        if e.events_bias is not None:  # a just-preempted region, de-prioritized (router.service.migration)
+            d.bias = d.bias + e.events_bias
+            d.has_bias = True
+        d.ptext = e._policies_text(pctx, pout)
+
+    def _rules(self, d: Decision) -> None:
+        e = self.engine
+        env = e.env
+        p = d.policies if d.policies is not None else e.policies
+        req = d.req
+        model = req.model or e.models[0]
+        m = env.model_index.get(model, -1)
+        o = env.origin_index.get(req.origin, -1)
+        if m < 0 or o < 0:  # (a model or origin this router no longer serves: not the rules' business)
+            return
+        d.m = m
+        cls = p.request_class(req.request_class, float(req.ttft_ms), float(req.tpot_ms), req.deadline_ms)
+        ctx = d.pctx = p.context(d.tenant, model, cls, req.origin)
+        if ctx.empty:
+            d.bias = np.zeros(e.n)
+            return
+        out = d.pout = p.outcome_buffers()
+        p.apply(ctx, d.allowed, env.usd_h, env.rtt_ms[o], np.zeros(e.n), env.slots[m], np.ones(e.n, dtype=bool), out)
+        if d.trace is not None:
+            for i in np.flatnonzero(d.allowed & ~out.allowed).tolist():
+                if d.trace[i] is None:
+                    d.trace[i] = p.reasons[int(out.reason[i])]
+        d.allowed = d.allowed & out.allowed
+        d.bias = out.bias.copy()
+
+
+class Feasibility(Stage):
+    """Whether anything allowed can serve the request at all: some allowed offering holds the
+    model; the tenant's USD left pays for some allowed offering. Then the environment's reasons
+    for each offering it masks (static ones cached per telemetry snapshot)."""
+
+    name = "feasibility"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        env = e.env
+        m_ = d.m
+        allowed = d.allowed
+        holds = env.fits[m_] & (env.slots[m_] > 0)
+        if not (holds & allowed).any() and d.strict:
+            raise RouteFailure(422, "model_unavailable", f"no allowed offering holds model '{env.model_names[m_]}'",
+                               [{"field": "body.model", "message": f"no allowed offering has replicas of "
+                                 f"'{env.model_names[m_]}' (it needs more accelerator memory, or the constraints "
+                                 "exclude the offerings that hold it)", "suggestions": []}])
+        d.codes = e._static_codes(m_)
+        if d.budget is not None and env.r_over is not None and d.binding >= 0 and d.strict \
+                and not (d.env_mask & allowed).any() and (env.r_over & allowed).any():
+            cheapest = float(env.c_cost[env.r_over & allowed].min())  # its USD left pays for none allowed
+            raise RouteFailure(**budget_failure(d.buckets[d.binding], d.budget, cheapest, d.wall, self._counts(d)))
+        if d.trace is not None:
+            self._trace(d)
+
+    def _counts(self, d: Decision) -> dict[str, int]:
+        """The exclusions by reason of a request nothing valid is left to, as the score counts them."""
+        e = self.engine
+        pref = d.compiled.preferred
+        _, _, n_not_preferred, env_counts = kernels.combine(
+            d.env_mask, d.allowed, d.allowed if pref is None else pref, pref is not None, d.codes)
+        return e._counts(e._all_counts(d.ccounts, d.pcounts), n_not_preferred + d.n_pol_pref,
+                         e._quota_counts(env_counts.tolist(), d.allowed))
+
+    def _trace(self, d: Decision) -> None:
+        """Each allowed offering the environment masks, by its reason (as the score's counts), and
+        the allowed valid ones a preference leaves out (``not_preferred``)."""
+        e = self.engine
+        env = e.env
+        trace = d.trace
+        assert trace is not None
+        quota_only, over = e._quota_only, env.r_over
+        codes = d.codes
+        for i in np.flatnonzero(d.allowed & ~d.env_mask).tolist():
+            if trace[i] is None:
+                why = kernels.ENV_REASONS[int(codes[i])]
+                if why == "no_capacity" and env.capacity.active and quota_only[i]:
+                    why = "quota"
+                elif why == "queue_full" and over is not None and over[i]:
+                    why = "budget"
+                trace[i] = why
+        pref = d.compiled.preferred
+        if pref is not None:
+            ok = d.allowed & d.env_mask
+            n_pref = int((ok & pref).sum())
+            if 0 < n_pref < int(ok.sum()):
+                d.exclude(ok & ~pref, "not_preferred")
+
+
+class Score(Stage):
+    """The active model's ranking (or the fallback's, when the telemetry is stale or the model
+    fails): greedy in one compiled call (``router.decision.kernels.greedy_decide``), a learned scorer
+    in two around it (``valid_rows``, ``scored_decide``), every other policy -- and a scorer that
+    fails or returns a non-finite score -- through ``RoutingEngine._choose``. The compiled and
+    general paths give the same answers byte for byte (``tests/test_router_unit.py``)."""
+
+    name = "score"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        d.age = e.freshness.age(d.wall)
+        active, d.pinfo = e.slot.current(d.age > e.max_age)
+        n_alt = self._fused(d, active)
+        if n_alt >= 0:
+            # ints: [chosen, valid, not preferred, 4 env reason counts, alternatives...]; floats: (score,
+            # latency, cost) of the chosen and of each alternative
+            ints, floats = e._out
+            ii, d.nums = ints.tolist()[: 7 + n_alt], floats.tolist()[: 3 + 3 * n_alt]
+            a, d.n_valid, d.n_not_preferred = ii[0], ii[1], ii[2] + d.n_pol_pref
+            d.env_counts = e._quota_counts(ii[3:7], d.allowed)
+            if a < 0:
+                e._no_capacity(d.allowed, e._counts(e._all_counts(d.ccounts, d.pcounts), d.n_not_preferred,
+                                                    d.env_counts))
+            d.cands = [a, *ii[7:]]
+        else:
+            self._general(d, active)
+        d.policy_choice = d.cands[0]
+
+    def _fused(self, d: Decision, active: Any) -> int:
+        """The compiled paths: the number of alternatives ranked (their outputs in the engine's
+        buffers), or -1 for the general path."""
+        e = self.engine
+        env = e.env
+        pref = d.compiled.preferred
+        allowed, m_ = d.allowed, d.m
+        ints, floats = e._out
+        if active.scorer is None:
+            if e.fused_greedy and active.name == "greedy":
+                d.score_kind = "expected_reward"
+                return int(kernels.greedy_decide(
+                    d.env_mask, allowed, allowed if pref is None else pref, pref is not None, d.codes, env.C, d.bias,
+                    d.has_bias, env.r_ref_cost, env.r_budget, *e._reward_args, e.k_alt, ints, floats))
+            return -1
+        if not e.fused_learned:
+            return -1
+        d.score_kind = "q_value"
+        m = d.fused_m = kernels.valid_rows(
+            d.env_mask, allowed, allowed if pref is None else pref, pref is not None, d.codes, env.static_feats[m_],
+            env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot, env.r_budget, env.r_ref_cost, e._rows,
+            e._idx, ints)
+        if m == 0:
+            return 0  # no capacity (ints[0] is -1)
+        d.req_f = env.request_features()
+        try:
+            s = active.scorer(e._rows[:m], d.req_f)
+            if d.has_bias and s is not None:  # the prefer policies' weights, reward units
+                s = s + d.bias[e._idx[:m]]
+        except Exception:  # the general path asks again, and falls back
+            s = None
+        d.scores = s
+        if s is not None and s.shape == (m,):  # -1 for a NaN or infinite score: the general path
+            return int(kernels.scored_decide(s, e._idx, e.k_alt, env.C, ints, floats))
+        return -1
+
+    def _general(self, d: Decision, active: Any) -> None:
+        e = self.engine
+        env = e.env
+        pref = d.compiled.preferred
+        valid, d.n_valid, n_not_preferred, env_counts_a = kernels.combine(
+            d.env_mask, d.allowed, d.allowed if pref is None else pref, pref is not None, d.codes)
+        d.valid = valid
+        d.env_counts = e._quota_counts(env_counts_a.tolist(), d.allowed)
+        d.n_not_preferred = n_not_preferred + d.n_pol_pref
+        if d.n_valid == 0:
+            e._no_capacity(d.allowed, e._counts(e._all_counts(d.ccounts, d.pcounts), d.n_not_preferred, d.env_counts))
+        d.fused_m = -1
+        d.scores = None
+        pbias = d.bias if d.has_bias else None
+        try:
+            a, score, alt_idx, alt_scores, d.score_kind, d.full = e._choose(active, valid, pbias)
+        except Exception as ex:  # a model that fails at decision time: this request goes to the fallback
+            if active is e.slot.fallback:
+                raise
+            e.slot.failed(f"decision error: {type(ex).__name__}: {ex}")
+            active = e.slot.fallback
+            d.pinfo = {**e.slot.fallback.info, "reason": f"model error: {type(ex).__name__}"}
+            a, score, alt_idx, alt_scores, d.score_kind, d.full = e._choose(active, valid, pbias)
+        c_lat, c_cost = env.c_lat, env.c_cost  # nums as the compiled path's
+        d.cands = [a, *alt_idx]
+        nums: list[float] = []
+        for k, sc in zip(d.cands, [score, *alt_scores]):
+            nums += (_num(sc), _num(c_lat.item(k)), _num(c_cost.item(k)))
+        d.nums = nums
+
+
+class Pin(Stage):
+    """A session's first turn after a committed migration goes where the migration put its state
+    (``router.service.migration``), when that offering is one the policy could have chosen now
+    (allowed, valid, preferred when a prefer rule applies); the policy's ranking follows it."""
+
+    name = "pin"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        pin = e._migrated_to(d.m, d.affinity)
+        if pin < 0 or pin == d.policy_choice:
+            return
+        pref = d.compiled.preferred
+        if not (d.allowed[pin] and d.env_mask[pin]
+                and (pref is None or pref[pin] or not (pref & d.allowed & d.env_mask).any())):
+            return
+        d.pinned = True
+        d.cands, d.nums = e._first(pin, d.cands, d.nums, d.scores if (d.fused_m > 0 and d.valid is None) else None,
+                                   d.fused_m, d.full, d.bias, d.has_bias)
+
+
+class Explore(Stage):
+    """With ``log_features``: the action set -- the valid offerings the policy ranked -- with its rows
+    and request vector, for the decision log's off-policy record; for an exploring tenant, with its
+    ``explore_epsilon``, an offering drawn uniformly from that set goes first (``router.decision.ope_log``:
+    the draw is a function of the request's idempotency key, else of its decision id)."""
+
+    name = "explore"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        d.epsilon = e.epsilon.get(d.tenant, 0.0) if e.epsilon else 0.0
+        if not e.log_features:
+            return
+        idx, rows = self._action_set(d)
+        assert d.req_f is not None
+        argmax = first = int(np.searchsorted(idx, d.policy_choice))
+        if d.pinned:  # (served by the session's placement, not drawn: no exploration, no propensity)
+            first = int(np.searchsorted(idx, d.cands[0]))
+        elif d.epsilon > 0.0:
+            d.cands, d.nums, drawn = e._explore(d.explore_key or d.decision_id or "", d.epsilon, idx, d.cands, d.nums,
+                                                d.scores, d.full)
+            first = argmax if drawn < 0 else drawn
+        # (the record copies the rows and indices out of the buffers the next request reuses)
+        d.ope = (ope_log.pack(e._catalog_key, idx, first, argmax, d.req_f, rows), idx.shape[0], first, argmax)
+
+    def _action_set(self, d: Decision) -> tuple[np.ndarray, np.ndarray]:
+        e = self.engine
+        m = d.fused_m
+        if m > 0 and d.valid is None:  # the fused learned path: its scorer's inputs
+            return e._idx[:m], e._rows[:m]
+        env = e.env
+        if d.valid is None:  # the fused greedy path: the same compiled pass the learned one makes
+            pref, allowed, m_ = d.compiled.preferred, d.allowed, d.m
+            m = kernels.valid_rows(
+                d.env_mask, allowed, allowed if pref is None else pref, pref is not None, d.codes,
+                env.static_feats[m_], env.c_rtt, env.C, env.inv_slots[m_], env.r_ttft, env.r_tpot,
+                env.r_budget, env.r_ref_cost, e._rows, e._idx, e._ints_log)
+            idx, rows = e._idx[:m], e._rows[:m]
+        else:
+            idx = np.flatnonzero(d.valid)
+            rows = env.offering_features(idx)
+            d.scores = None
+        d.req_f = env.request_features()
+        return idx, rows
+
+
+#: the stages of a route, in order (module docstring)
+ROUTE: tuple[type[Stage], ...] = (Validate, ConstraintLayers, Access, PoolEvents, Prepare, Environment, Policies,
+                                  Feasibility, Score, Pin, Explore)
+#: what ``POST /v1/explain`` runs: every stage that excludes, none that ranks
+EXPLAIN: tuple[type[Stage], ...] = ROUTE[:ROUTE.index(Feasibility) + 1]
+#: the rules alone (the migration sweep, the dry run): the constraint layers and the policies at full headroom
+RULES: tuple[type[Stage], ...] = (ConstraintLayers, Policies)

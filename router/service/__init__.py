@@ -1,0 +1,1 @@
+"""What the router does with a request beyond deciding it: admission (the one route pipeline), outcomes (feedback), migration, webhooks, recovery of the shared state from the log, the model slot's loading, readiness, scraping, exports, the policy dry run; ``services`` holds what they all use."""
