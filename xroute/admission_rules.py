@@ -1,0 +1,113 @@
+"""The admission rules the router and the simulator share (issue 36; ``docs/router.md``, "Admission",
+``docs/env.md``): who is served first under load, who waits and who is refused early.
+
+One module, imported by the router's admission (a live request) and by the environment (a simulated
+one), as ``xroute.migration_rules`` is, so the two apply one definition:
+
+* **Priority bands** (:data:`BANDS`): ``critical`` > ``standard`` > ``sheddable``. A request names
+  its band (``priority``); else its tenant's default; else :data:`DEFAULT_BAND`.
+* **The verdict** (:func:`verdict`): before placing, the router predicts the TTFT each feasible
+  pool would give the request (its queue and service model). When the best one is within the
+  request's TTFT SLO -- less what it already waited -- it is placed now (:data:`ADMIT`). Else a
+  ``sheddable`` request is refused at once (:data:`SHED`: 429 ``slo_unattainable`` with the best
+  predicted TTFT), and a ``critical`` or ``standard`` one waits in the router's queue
+  (:data:`QUEUE`) until capacity frees or its TTFT budget is spent, when it is refused the same way
+  (a request that can no longer start within its SLO only takes capacity from one that can).
+* **Fairness between tenants within a band**: the Virtual Token Counter (Sheng et al., "Fairness in
+  Serving Large Language Models", OSDI'24). Each tenant has a counter of the service it received,
+  weighted: a request's service is ``input_tokens x INPUT_WEIGHT + output_tokens x OUTPUT_WEIGHT``
+  (VTC's w_p = 1, w_q = 2), divided by the tenant's weight (:func:`service`). The queue dispatches
+  the highest band first and, within a band, the backlogged tenant with the lowest counter
+  (:func:`dispatch_order`); a tenant that becomes backlogged after being idle has its counter lifted
+  to the lowest counter of those backlogged (:func:`lift`), so idle time earns no credit to burst
+  with. A request's service is counted when it is admitted (its expected output) and corrected when
+  its outcome is known (:func:`correction`).
+* **Jain's index** (:func:`jain`) of the normalized service of backlogged tenants: 1 is perfectly
+  fair, ``1/n`` one tenant takes everything.
+
+Pure functions and constants: no I/O, no clock. The counters live where each side keeps its state
+(the router's shared state, the environment's arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+#: the priority bands, highest first (a band's index is its rank: lower is served first)
+BANDS: tuple[str, ...] = ("critical", "standard", "sheddable")
+Band = Literal["critical", "standard", "sheddable"]
+#: the band of a request that names none and whose tenant sets none
+DEFAULT_BAND: Band = "standard"
+#: the bands a request may wait in (the others are refused at once when no pool meets their SLO)
+QUEUED_BANDS = frozenset({"critical", "standard"})
+
+#: VTC's weights of a request's prompt and output tokens (w_p, w_q: an output token costs about
+#: twice a prompt token's compute, the paper's setting)
+INPUT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+
+Verdict = Literal["admit", "queue", "shed"]
+ADMIT: Verdict = "admit"
+QUEUE: Verdict = "queue"
+SHED: Verdict = "shed"
+
+
+def band_index(band: str) -> int:
+    """The rank of ``band`` (0 is served first); a ValueError naming the bands for another name."""
+    try:
+        return BANDS.index(band)
+    except ValueError:
+        raise ValueError(f"unknown priority {band!r}: one of {', '.join(BANDS)}") from None
+
+
+def verdict(band: str, best_ttft_ms: float, ttft_slo_ms: float, waited_ms: float = 0.0) -> Verdict:
+    """What happens to a request of ``band`` whose best predicted TTFT over the feasible pools is
+    ``best_ttft_ms`` (``inf``: no pool can take it now), with a TTFT SLO of ``ttft_slo_ms``, after
+    waiting ``waited_ms`` in the router's queue (module docstring)."""
+    budget = ttft_slo_ms - waited_ms
+    if best_ttft_ms <= budget:
+        return ADMIT
+    if band in QUEUED_BANDS and budget > 0.0:
+        return QUEUE
+    return SHED
+
+
+def service(input_tokens: float, output_tokens: float, weight: float) -> float:
+    """The weighted service of one request to a tenant of ``weight`` (> 0): what its counter grows by."""
+    if not weight > 0.0:
+        raise ValueError(f"a tenant's weight must be > 0, not {weight!r}")
+    return (input_tokens * INPUT_WEIGHT + output_tokens * OUTPUT_WEIGHT) / weight
+
+
+def correction(expected_output: float, actual_output: float, weight: float) -> float:
+    """What a tenant's counter changes by when a request admitted with ``expected_output`` tokens
+    of output reports ``actual_output``: the difference of the two services (may be negative)."""
+    return service(0.0, actual_output, weight) - service(0.0, expected_output, weight)
+
+
+def lift(counter: float, backlogged: Iterable[float]) -> float:
+    """The counter of a tenant becoming backlogged: at least the lowest counter of the tenants that
+    are backlogged already (none: unchanged)."""
+    low = min(backlogged, default=None)
+    return counter if low is None else max(counter, low)
+
+
+def dispatch_order(waiting: Sequence[tuple[int, str, float]], counters: Mapping[str, float]) -> list[int]:
+    """The order to dispatch the requests ``waiting`` -- each ``(band index, tenant, arrival)`` --
+    as the counters stand: the highest band first; within a band the tenant with the lowest counter
+    (ties: the tenant's name); within a tenant, first come first served. Returns indexes into
+    ``waiting``. The queue dispatches the first that fits and re-reads the counters after each
+    (a dispatch moves its tenant's counter); this is the order at one instant."""
+    return sorted(range(len(waiting)), key=lambda i: (waiting[i][0], counters.get(waiting[i][1], 0.0),
+                                                     waiting[i][1], waiting[i][2], i))
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index of ``values`` (each tenant's normalized service): ``(sum x)^2 / (n sum
+    x^2)``, 1.0 for equal values, ``1/n`` when one takes everything; 1.0 for none or all zero."""
+    n = len(values)
+    sq = sum(v * v for v in values)
+    if n == 0 or sq == 0.0:
+        return 1.0
+    return sum(values) ** 2 / (n * sq)
