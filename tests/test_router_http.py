@@ -341,7 +341,7 @@ def test_logs_are_json_with_request_ids_and_never_hold_keys(live: Any, client: h
     _route(client, setup, "a")
     client.get("/v1/decisions/d_nope", headers={"X-API-Key": setup.keys["b"]})
     client.get("/metrics", headers=setup.auth("admin"))
-    access = [r for r in logs.records() if r["logger"] == "xroute.router.decision.access"]
+    access = [r for r in logs.records() if r["logger"] == "xroute.router.access"]
     assert access and all(r["request_id"] and r["route"] and r["status"] for r in access)
     assert any(r.get("tenant") == "a" and r.get("decision_id") for r in access)
     text = "\n".join(logs.lines)

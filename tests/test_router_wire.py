@@ -176,7 +176,7 @@ def test_access_lines_and_error_counters(server: Any, logs: LogCapture) -> None:
     lines = {r["request_id"]: r for r in logs.records() if r.get("request_id", "").startswith(rid)}
     ok = lines[rid]
     assert ok.pop("ts") and ok.pop("ms") >= 0 and ok.pop("decision_id").startswith("d_")
-    assert ok == {"level": "info", "logger": "xroute.router.decision.access", "msg": "request", "request_id": rid,
+    assert ok == {"level": "info", "logger": "xroute.router.access", "msg": "request", "request_id": rid,
                   "method": "POST", "route": "/v1/route", "status": 200, "tenant": "a", "trace_id": TRACE[3:35]}
     assert lines[rid + "e"]["status"] == 422 and lines[rid + "e"]["decision_id"].startswith("d_")
     assert lines[rid + "v"]["status"] == 422 and "decision_id" not in lines[rid + "v"]  # refused before deciding

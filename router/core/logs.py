@@ -37,7 +37,7 @@ def new_sorted_id() -> str:
     return f"{int(time.time() * 1000.0) & 0xFFFFFFFFFFFF:012x}{_ids.getrandbits(80):020x}"
 
 
-ACCESS = logging.getLogger("xroute.router.decision.access")
+ACCESS = logging.getLogger("xroute.router.access")
 LOG = logging.getLogger("xroute.router")
 
 
@@ -128,7 +128,7 @@ def access(rid: str, method: str, route: str, status: int, ms: float, tenant: st
         return
     # request_id, decision_id and trace_id are [A-Za-z0-9._:-] by construction (generated, or
     # checked by router.http.middleware); everything else goes through json_str
-    line = (f'{{"ts":"{iso(time.time())}","level":"info","logger":"xroute.router.decision.access","msg":"request",'
+    line = (f'{{"ts":"{iso(time.time())}","level":"info","logger":"xroute.router.access","msg":"request",'
             f'"request_id":"{rid}","method":{json_str(method)},"route":{json_str(route)},"status":{status},"ms":{ms!r}')
     if tenant is not None:
         line += f',"tenant":{json_str(tenant)}'
