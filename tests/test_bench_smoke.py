@@ -29,7 +29,7 @@ def _pct_ok(d: dict[str, float]) -> None:
 def test_bench_prefix_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench_prefix, "HISTORY", 500)
     res = bench_prefix.in_process(200, tmp_path)
-    for k in ("lookup", "lookup_and_conversion", "record", "decision_with_prefix", "decision_without"):
+    for k in ("lookup", "lookup_and_conversion", "admit_recording", "decision_with_prefix", "decision_without"):
         assert res[k]["p50_us"] > 0, (k, res[k])
     # the prompts share blocks with the index's history: some lookups must find a pool
     assert 0 < res["lookups_with_a_match"] <= 1
