@@ -175,7 +175,7 @@ class AdmissionQueue:
             outcome = "dispatched"
             return got
         except RouteFailure as e:
-            outcome = "expired" if isinstance(e, Unattainable) else "failed"
+            outcome = "expired" if isinstance(e, Unattainable) else "left" if e.status == 499 else "failed"
             raise
         finally:
             if w.timer is not None:
