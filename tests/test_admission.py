@@ -280,7 +280,7 @@ def test_bad_priority_weight_and_queue_limit_are_refused_naming_the_field(tmp_pa
                            ({"a": {"weight": -1}}, "tenants.a.weight"), ({"a": {"weight": 0}}, "tenants.a.weight")]:
         with pytest.raises(ConfigError, match=re.escape(field)):
             make_setup(tmp_path / "bad", tenants=tenants)
-    with pytest.raises(ConfigError, match="admission.*queue_limit"):
+    with pytest.raises(ConfigError, match=r"admission.*queue_limit"):
         make_setup(tmp_path / "bad", admission={"enabled": True, "queue_limit": 0})
     make_setup(tmp_path / "ok", admission={"enabled": False, "queue_limit": 0})  # (no queue: no limit needed)
     setup = _setup(tmp_path / "serve")
