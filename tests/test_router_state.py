@@ -567,7 +567,7 @@ def test_admit_and_settle_on_redis_are_one_round_trip_whatever_the_options() -> 
                                             (quota, send), (quota, send)]):
                     if i == 6:
                         await s.settle(Settlement("d0"))  # room again in p: the quota (3 a day) refuses
-                    admission = Admission(f"d{i}", cands, 60, q, p)
+                    admission = Admission(f"d{i}", cands, 60, q, p, fair=("a", 3.5) if i % 2 else None)
                     got, seen = await _commands(raw, marker, lambda a=admission: s.admit(a))
                     calls.append(seen)
                     answers.append((got.pool, None if got.refused is None else got.refused.name))
@@ -576,7 +576,7 @@ def test_admit_and_settle_on_redis_are_one_round_trip_whatever_the_options() -> 
                 assert calls == [["EVALSHA"]] * 7, calls
                 settled, seen = await _commands(raw, marker, lambda: s.settle(Settlement(
                     "d3", outcome=PoolOutcome("p", 100.0, 900.0), quota=QuotaSettle(80, 0.25), cached_tokens=256.0,
-                    retention_alpha=0.5)))
+                    retention_alpha=0.5, fair=("a", -1.0))))
                 assert seen == ["EVALSHA"] and settled.pool == "p" and settled.quota and settled.retention_pool == "p"
             finally:
                 await raw.aclose()

@@ -23,6 +23,7 @@ from router.http.deps import authenticate_inference
 from router.http.errors import NOT_JSON, is_json, not_utf8
 from router.http.routing import ServedRoute
 from router.service.admission import route_decision
+from router.service.admission_queue import client_gone
 from xroute.schema.decision import ErrorResponse, RouteRequest, RouteResponse
 from xroute.schema.quota import TooManyRequests
 
@@ -39,13 +40,17 @@ _ERRORS = {401: {"model": ErrorResponse, "description": "missing or invalid API 
                  "lacks (close matches in `suggestions`; `GET /v1/offerings` lists the catalog), `no_offering`: "
                  "the constraints and routing policies together exclude every offering, `idempotency_key_reused`: the key "
                  "came with another body, `invalid_prefix`: more prefix_hashes than the prompt has blocks, "
-                 "`quota_too_small`: input + max_output_tokens alone is over the tenant's tokens_per_minute"},
+                 "`quota_too_small`: input + max_output_tokens alone is over the tenant's tokens_per_minute; `priority` not one "
+                 "of critical, standard, sheddable"},
            409: {"model": ErrorResponse, "description": "a request with the same Idempotency-Key is being decided"},
            429: {"model": TooManyRequests, "description": "`quota_exceeded`: the tenant is over one of its quotas "
                  "(`limit` names it: max_concurrent, tokens_per_minute, requests_per_day or usd_per_day, for the "
                  "tenant or for the model; docs/quotas.md), or `no_capacity`: no allowed offering can take the request "
                  "now (spot pools down, queues full, pools at their capacity in the shared state, offerings at their "
-                 "cloud quota; `excluded` says why); see Retry-After"},
+                 "cloud quota; `excluded` says why); with admission on (docs/router.md), `slo_unattainable`: no pool "
+                 "is predicted to serve the request within its ttft_ms (a sheddable one at once, a critical or "
+                 "standard one once its budget ran out waiting; `best_predicted_ttft_ms`), or `admission_queue_full`; "
+                 "see Retry-After"},
            503: {"model": ErrorResponse, "description": "`unavailable`: the decision log cannot record decisions; "
                  "`state_unavailable`: the shared state cannot be reached; `state_restoring`: it came back empty and "
                  "an Idempotency-Key it does not hold yet is not decided anew until the decision logs are back in it; "
@@ -114,8 +119,10 @@ async def route(request: Request) -> Response:
     # the same checks and errors as ``CallerDep`` and a ``RouteRequest`` parameter
     caller = await authenticate_inference(request)
     body = route_request(await request.body(), request.headers.get("content-type"))
-    payload = await route_decision(caller.svc, body, caller.who, request.scope.setdefault("state", {}),
-                                   idempotency_key(request))
+    svc = caller.svc
+    payload = await route_decision(svc, body, caller.who, request.scope.setdefault("state", {}),
+                                   idempotency_key(request),
+                                   left=None if svc.admission is None else client_gone(request.receive))
     return Response(payload, media_type="application/json")
 
 

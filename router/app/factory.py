@@ -42,6 +42,7 @@ from router.gateway.openai_api import ChatBody, CompletionBody
 from router.gateway.service import Gateway
 from router.http import errors
 from router.http.middleware import RequestContext
+from router.service.admission_queue import AdmissionQueue
 from router.service.migration import Migrator
 from router.service.models import ModelManager
 from router.service.ports import SharedState
@@ -318,6 +319,9 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     await readiness.probe()
     services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
                         readiness=readiness, access=access_sync)
+    adm = settings.admission
+    if adm.enabled:
+        services.admission = AdmissionQueue(state, adm.queue_limit, adm.recheck_s, metrics)
     await _serving_parts(stack, services, migration_store, access_sync)
     CLOCK.mark("services")
     return services, sync

@@ -58,6 +58,16 @@ class Metrics:
             "xroute_router_webhooks_total", "Migration webhooks by outcome: delivered, retried (an attempt failed, "
             "another is scheduled), failed (out of attempts, or the tenant no longer has a webhook)", ["outcome"],
             registry=r)
+        self.admission_queue = Gauge("xroute_router_admission_queue_length",
+                                     "Requests waiting in this process's admission queue (docs/router.md)", registry=r)
+        self.admission_wait = Histogram(
+            "xroute_router_admission_wait_seconds", "Time a request waited in the admission queue, by how it left: "
+            "dispatched, expired (its TTFT budget ran out), left (its client went away), failed",
+            ["outcome"], buckets=(1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r)
+        self.admission = Counter(
+            "xroute_router_admission_total", "Requests admission did not place at once, by band and outcome: shed, "
+            "queued, queue_full, then dispatched, expired, left or failed", ["band", "outcome"], registry=r)
         self._fallback_codes: dict[str, str] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None

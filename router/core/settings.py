@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from xroute import migration_rules as rules
+from xroute.admission_rules import Band
 from xroute.config import CONFIG_DIR, read_yaml
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import Constraints
@@ -138,6 +139,34 @@ class TenantConfig(BaseModel):
     webhook: TenantWebhook | None = Field(
         None, description="where the tenant hears of its sessions' migrations ending (docs/migration.md, "
                           "\"Webhooks\"): signed, delivered at least once, retried with backoff")
+    priority: Band | None = Field(
+        None, description="the band of the tenant's requests that name none (critical > standard > sheddable; "
+                          "absent = standard): docs/router.md, 'Admission, priority and fairness'")
+    weight: float = Field(
+        1.0, gt=0, le=1e6, description="the tenant's share in the fair queue (the Virtual Token Counter counts its "
+                                       "served tokens divided by this weight): a tenant of weight 2 is served twice "
+                                       "the tokens of one of weight 1 when both wait")
+
+
+class AdmissionSettings(BaseModel):
+    """Admission that predicts (``router.service.admission_queue``; docs/router.md, "Admission,
+    priority and fairness")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="predict each request's TTFT at the feasible pools before placing it: "
+                                             "one no pool can serve within its ttft_ms waits in this router's queue "
+                                             "(critical, standard) or is refused at once (sheddable)")
+    queue_limit: int = Field(256, ge=0, le=1_000_000, description="the most requests waiting in one router "
+                             "process's queue; one more is refused (429 admission_queue_full); > 0 when enabled")
+    recheck_s: float = Field(0.05, gt=0, le=5, description="while requests wait, how often the queue tries again "
+                             "(capacity other routers free is seen only in the shared state)")
+
+    @model_validator(mode="after")
+    def _room_to_wait(self) -> AdmissionSettings:
+        if self.enabled and self.queue_limit == 0:
+            raise ValueError("queue_limit: must be > 0 with admission enabled (requests wait in the queue)")
+        return self
 
 
 class InferenceServer(BaseModel):
@@ -348,6 +377,11 @@ class RouterSettings(BaseSettings):
                                        "is answered 503 state_restoring (not decided anew) until this long after the "
                                        "new epoch began -- every router notices within state_view_refresh_s and "
                                        "announces its restore -- and until every restore announced has ended")
+
+    # admission, priority and fairness (router/service/admission_queue.py, docs/router.md) -------------
+    admission: AdmissionSettings = Field(
+        default_factory=AdmissionSettings, description="admission that predicts: requests no pool can serve within "
+                                                       "their TTFT SLO wait by priority and fair share, or are shed")
 
     # prefix affinity and sessions (router/state/base.py, envs/prefix.py) ------------------------------
     prefix_block_tokens: int = Field(512, ge=1, le=1_048_576, description="tokens per block of a request's "

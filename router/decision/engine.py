@@ -38,11 +38,12 @@ from router.decision import kernels, ope_log
 from router.decision.access import AccessControl
 from router.decision.model_slot import ActivePolicy, PolicySlot
 from router.decision.quotas import QuotaPlan, QuotaView, quota_failure
-from router.decision.stages import EXPLAIN, ROUTE, RULES, Decision, RouteFailure, Stage, _num
+from router.decision.stages import EXPLAIN, ROUTE, RULES, Decision, RouteFailure, Stage, Unattainable, _num
 from router.decision.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
 from router.state.ledger import QuotaUsage
 from router.store.rows import DecisionRow
+from xroute.admission_rules import DEFAULT_BAND
 from xroute.config import EnvConfig, EvaluateConfig, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.access import Principal
@@ -214,6 +215,11 @@ class RoutingEngine:
             except ConstraintError as e:
                 raise ConfigError(f"router settings: {e}") from None
             self.tenants[name] = t.constraints
+        #: admission (``router.decision.stages.Predict``, ``router.service.admission_queue``): on or off,
+        #: the tenants' default bands and fairness weights
+        self.admission_on = settings.admission.enabled
+        self.bands = {name: t.priority for name, t in settings.tenants.items() if t.priority is not None}
+        self.weights = {name: t.weight for name, t in settings.tenants.items()}
         #: who may do what (``router.decision.access``): the built-in roles until the access store's version is
         #: installed (``router.control.access_store.AccessSync``)
         self.access = AccessControl({}, {}, self.refs)
@@ -564,7 +570,7 @@ class RoutingEngine:
 
     def rank(self, req: RouteRequest, who: Principal, decision_id: str, wall: float,
              request_json: str | None = None, explore_key: str | None = None,
-             affinity: Affinity | None = None, hashes: np.ndarray | None = None) -> Ranked:
+             affinity: Affinity | None = None, hashes: np.ndarray | None = None, waited_ms: float = 0.0) -> Ranked:
         """Rank the offerings for one request: the chosen one and up to ``alternatives`` next
         best (:class:`Ranked`; nothing is admitted yet: :meth:`admit`) -- the stages of
         ``router.decision.stages.ROUTE`` in order, each timed (``xroute_router_stage_seconds``).
@@ -576,8 +582,11 @@ class RoutingEngine:
         ``session_here``) -- a soft preference every policy weighs against load, cost and the SLO;
         an offering the constraints exclude is never a candidate, pinned or not.
         ``explore_key``: what an exploring tenant's draw is a function of (the request's
-        idempotency key; else ``decision_id``). Raises :class:`RouteFailure` (the stages')."""
+        idempotency key; else ``decision_id``). ``waited_ms``: how long the request has waited in the
+        admission queue (the ``predict`` stage's budget is its TTFT SLO less that). Raises
+        :class:`RouteFailure` (the stages')."""
         d = Decision(req, who, who.tenant, decision_id, wall, request_json, explore_key, affinity, hashes)
+        d.waited_ms = waited_ms
         self.run_stages(self.route_stages, d)
         prefix = self._prefix_send(req, who, d.m, d.cands, hashes) if affinity is not None else None
         svc = self.env.c_service
@@ -902,6 +911,20 @@ class RoutingEngine:
         retry = self._retry_after(float(env.c_wait[ok].min())) if ok.any() else "60"
         raise RouteFailure(429, "no_capacity", "no allowed offering can take the request now",
                            headers={"Retry-After": retry}, extra={"excluded": counts})
+
+    def band_of(self, req: RouteRequest, tenant: str) -> str:
+        """The request's priority band: its own, else its tenant's default, else the default band."""
+        return req.priority or self.bands.get(tenant, DEFAULT_BAND)
+
+    def weight_of(self, tenant: str) -> float:
+        """The tenant's fairness weight (1 for a tenant the settings do not declare)."""
+        return self.weights.get(tenant, 1.0)
+
+    def unattainable(self, verdict: str, band: str, best_ttft_ms: float, budget_ms: float) -> Unattainable:
+        """The 429 ``slo_unattainable`` of a request no pool is predicted to serve within ``budget_ms``
+        (``verdict``: queue or shed); ``Retry-After``: how much later the best pool's prediction would fit."""
+        over = (best_ttft_ms - budget_ms) / 1000.0
+        return Unattainable(verdict, band, best_ttft_ms, budget_ms, self._retry_after(over) if over < 3600 else "1")
 
     def _retry_after(self, telemetry_s: float) -> str:
         """``Retry-After`` for a wait of ``telemetry_s`` telemetry seconds: wall seconds at this

@@ -21,6 +21,8 @@ stage              what it does                                                 
 ``environment``    the request made current: expectations on every offering, its mask       422 unknown_model
 ``policies``       the routing policies' mask (``policy:<name>``) and bias; a notice's region bias  422 no_offering
 ``feasibility``    the model held somewhere allowed; the budget pays for something          422 model_unavailable, 429
+``predict``        admission on: the best predicted TTFT over the feasible pools within     429 slo_unattainable
+                   the request's SLO, else queue or shed (``xroute.admission_rules``)
 ``score``          the active model's (or the fallback's) ranking of the valid offerings;   429 no_capacity
                    the environment's reasons (``unavailable`` .. ``budget``) and ``not_preferred``
 ``pin``            a session's first turn after a committed migration goes to its target
@@ -40,11 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from envs import kernels as env_kernels
 from envs import policies as env_policies
 from router.decision import kernels, ope_log
 from router.decision.access import denied
 from router.decision.quotas import budget_failure, live_budget
 from router.state.base import Affinity, PrefixSend
+from xroute.admission_rules import ADMIT, verdict
 from xroute.schema.access import Principal, model_resource
 from xroute.schema.decision import RouteRequest
 
@@ -59,6 +63,21 @@ class RouteFailure(Exception):
         self.fields = fields or []
         self.headers = headers or {}
         self.extra = extra or {}
+
+
+class Unattainable(RouteFailure):
+    """No feasible pool is predicted to serve the request within what is left of its TTFT SLO
+    (the ``predict`` stage; ``xroute.admission_rules.verdict``): ``verdict`` says what admission
+    does with it -- wait in the queue (``queue``) or leave now (``shed``: this 429 is the answer)."""
+
+    def __init__(self, verdict: str, band: str, best_ttft_ms: float, budget_ms: float, retry_after: str):
+        best = best_ttft_ms if best_ttft_ms < float("inf") else None
+        super().__init__(429, "slo_unattainable",
+                         f"no pool is predicted to serve this {band} request within its TTFT SLO (best predicted "
+                         + ("none: no pool can take it now" if best is None else f"{best:.0f} ms")
+                         + f", {max(budget_ms, 0.0):.0f} ms left)", headers={"Retry-After": retry_after},
+                         extra={"priority": band, "best_predicted_ttft_ms": best})
+        self.verdict, self.band, self.best_ttft_ms = verdict, band, best_ttft_ms
 
 
 def _num(x: Any) -> float:
@@ -131,6 +150,10 @@ class Decision:
     epsilon: float = 0.0
     ope: tuple[bytes, int, int, int] | None = None
     prefix: PrefixSend | None = None
+    #: admission (the ``predict`` stage): how long the request has waited in the queue, the best TTFT
+    #: (ms) predicted over the feasible pools
+    waited_ms: float = 0.0
+    best_ttft_ms: float = float("inf")
 
     def exclude(self, mask: np.ndarray, reason: str) -> None:
         """Record ``reason`` for the offerings of ``mask`` that no earlier stage excluded (a trace)."""
@@ -425,6 +448,29 @@ class Feasibility(Stage):
                 d.exclude(ok & ~pref, "not_preferred")
 
 
+class Predict(Stage):
+    """Admission that predicts (``router.service.admission_queue``; with ``admission.enabled``): the
+    TTFT the request is expected to see at each feasible pool -- allowed, valid (the environment's
+    queue and service model: RTT, wait, prefill, one token) -- and its best; when that is over what
+    is left of the request's TTFT SLO, ``xroute.admission_rules.verdict`` says queue or shed
+    (:class:`Unattainable`). No pool feasible at all: the best is infinite (the same verdict)."""
+
+    name = "predict"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        if not e.admission_on or d.trace is not None:
+            return
+        ok = d.env_mask & d.allowed
+        ttft = e.env.C[env_kernels.TTFT]
+        best = d.best_ttft_ms = float(ttft[: ok.shape[0]][ok].min()) if ok.any() else float("inf")
+        band = e.band_of(d.req, d.tenant)
+        slo = float(d.req.ttft_ms)
+        v = verdict(band, best, slo, d.waited_ms)
+        if v != ADMIT:
+            raise e.unattainable(v, band, best, slo - d.waited_ms)
+
+
 class Score(Stage):
     """The active model's ranking (or the fallback's, when the telemetry is stale or the model
     fails): greedy in one compiled call (``router.decision.kernels.greedy_decide``), a learned scorer
@@ -590,7 +636,7 @@ class Explore(Stage):
 
 #: the stages of a route, in order (module docstring)
 ROUTE: tuple[type[Stage], ...] = (Validate, ConstraintLayers, Access, PoolEvents, Prepare, Environment, Policies,
-                                  Feasibility, Score, Pin, Explore)
+                                  Feasibility, Predict, Score, Pin, Explore)
 #: what ``POST /v1/explain`` runs: every stage that excludes, none that ranks
 EXPLAIN: tuple[type[Stage], ...] = ROUTE[:ROUTE.index(Feasibility) + 1]
 #: the rules alone (the migration sweep, the dry run): the constraint layers and the policies at full headroom

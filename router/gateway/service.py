@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +64,12 @@ from xroute.schema.policy_ir import Constraints, Rule
 SLO_HEADERS = {"ttft_ms": b"x-xroute-ttft-ms", "tpot_ms": b"x-xroute-tpot-ms", "deadline_ms": b"x-xroute-deadline-ms"}
 ORIGIN_HEADER = b"x-xroute-origin"
 SESSION_HEADER = b"x-session-id"
+#: the request's priority band (``RouteRequest.priority``; absent: its tenant's default)
+PRIORITY_HEADER = b"x-priority"
 #: the request headers the gateway reads (one pass over the raw headers)
-READ_HEADERS = frozenset({*SLO_HEADERS.values(), ORIGIN_HEADER, SESSION_HEADER, b"content-type"})
+READ_HEADERS = frozenset({*SLO_HEADERS.values(), ORIGIN_HEADER, SESSION_HEADER, PRIORITY_HEADER, b"content-type"})
 _HEADER_NAMES = {"ttft_ms": "X-Xroute-TTFT-Ms", "tpot_ms": "X-Xroute-TPOT-Ms", "deadline_ms": "X-Xroute-Deadline-Ms",
-                 "origin": "X-Xroute-Origin", "session_id": "X-Session-Id"}
+                 "origin": "X-Xroute-Origin", "session_id": "X-Session-Id", "priority": "X-Priority"}
 _TTFT_BUCKETS = (1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _OVERHEAD_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 
@@ -74,6 +77,16 @@ _OVERHEAD_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.
 def _invalid(field_name: str, message: str) -> RequestValidationError:
     loc = ("header", _HEADER_NAMES[field_name]) if field_name in _HEADER_NAMES else ("body", field_name)
     return RequestValidationError([{"type": "value_error", "loc": loc, "msg": message, "input": None}])
+
+
+def _gone(guard: Guard) -> Callable[[], Awaitable[None]]:
+    """What returns when the guard saw the client go away (a request waiting for admission leaves)."""
+
+    async def left() -> None:
+        while not guard.disconnected:
+            await asyncio.sleep(0.05)
+
+    return left
 
 
 @dataclass(slots=True)
@@ -251,6 +264,9 @@ class Gateway:
         session = headers.get(SESSION_HEADER)
         if session is not None:
             route["session_id"] = session
+        priority = headers.get(PRIORITY_HEADER)
+        if priority is not None:
+            route["priority"] = priority
         if kind == "chat":
             texts, fixed = chat_texts(data)
             budget = getattr(view, "max_completion_tokens", None) or view.max_tokens
@@ -329,7 +345,7 @@ class Gateway:
                     # the decision-log write runs while the request goes to its server: awaited before any
                     # answer reaches the client (the decision is durable before it is acknowledged)
                     payload = await route_decision(svc, body, who, scope_state, durable=commit,
-                                                   reserve_quota=not admitted)
+                                                   reserve_quota=not admitted, left=_gone(guard))
                 except RouteFailure:
                     if not tried:
                         raise

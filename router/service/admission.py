@@ -22,11 +22,13 @@ from fastapi import HTTPException
 
 from router.core.logs import LOG, new_sorted_id
 from router.decision.engine import RouteFailure, RoutingEngine
+from router.service.admission_queue import judged
 from router.service.ports import DecisionState, Idempotency
 from router.service.services import Services
 from router.state.base import QUOTA_UNDO, Admission, QuotaCharge, Settlement
 from router.store.rows import DecisionRow
 from router.store.sqlite import CommitInDoubt, StoreClosed
+from xroute import admission_rules
 from xroute.schema.access import Principal
 from xroute.schema.decision import RouteRequest
 
@@ -42,11 +44,13 @@ class Decided:
     offering_id: str
     pinfo: dict[str, Any]
     quota: tuple[int, float] | None
+    #: what the tenant's fairness counter grew by (admission on), given back with the decision
+    fair: tuple[str, float] | None = None
 
 
 async def decide(engine: RoutingEngine, state: DecisionState, body: RouteRequest, who: Principal,
                  decision_id: str, wall: float, request_json: str | None = None, key: str | None = None,
-                 reserve_quota: bool = True) -> Decided:
+                 reserve_quota: bool = True, waited_ms: float = 0.0) -> Decided:
     """Look up, rank, admit -- the decision itself, between the idempotency claim and the log.
 
     The prefix and session affinity (``lookup``) when the request carries them, the ranking, then
@@ -54,18 +58,23 @@ async def decide(engine: RoutingEngine, state: DecisionState, body: RouteRequest
     expected cost of the policy's choice; none with ``reserve_quota=False``, the gateway's retry of
     a request counted already) and the prefix's record: all or nothing. Raises ``RouteFailure``
     with nothing held: 429 ``no_capacity`` (no pool has room), 429/422 ``quota_exceeded``/
-    ``quota_too_small``, and whatever ranking raises. On a state in this process nothing suspends
+    ``quota_too_small``, and whatever ranking raises (with admission on, the ``predict`` stage's
+    429 ``slo_unattainable``; ``waited_ms``: how long the request waited in the admission queue).
+    With admission on, the admission also counts the request's service in its tenant's fairness
+    counter (``Admission.fair``: the same call). On a state in this process nothing suspends
     between ranking and admitting."""
     affinity = hashes = None
     if engine.wants_affinity(body):  # the shared prefix index: where these blocks and this session went
         engine.check_prefix(body)
         hashes = engine.prefix_array(body)
         affinity = await state.lookup(hashes, engine.session_key(who, body), engine.prefix_ttl_s)
-    r = engine.rank(body, who, decision_id, wall, request_json, key, affinity, hashes)
+    r = engine.rank(body, who, decision_id, wall, request_json, key, affinity, hashes, waited_ms)
     hold = engine.hold_s(r)
     charge = engine.quota_charge(r) if reserve_quota else None
+    fair = (who.tenant, admission_rules.service(body.input_tokens, body.max_output_tokens,
+                                                engine.weight_of(who.tenant))) if engine.admission_on else None
     got = await state.admit(Admission(decision_id, engine.candidates(r), hold,
-                                      None if charge is None else QuotaCharge(*charge), r.prefix))
+                                      None if charge is None else QuotaCharge(*charge), r.prefix, fair=fair))
     if got.refused is not None:
         assert charge is not None
         raise engine.quota_exceeded(charge[0], got.refused)
@@ -79,14 +88,14 @@ async def decide(engine: RoutingEngine, state: DecisionState, body: RouteRequest
     try:
         payload, row, offering_id, pinfo = engine.admit(r, engine.candidate_of(r, got.pool), hold, key, quota)
     except BaseException:
-        await undo(engine, state, decision_id, quota is not None)
+        await undo(engine, state, decision_id, quota is not None, fair)
         raise
-    return Decided(payload, row, offering_id, pinfo, quota)
+    return Decided(payload, row, offering_id, pinfo, quota, fair)
 
 
 async def route_decision(svc: Services, body: RouteRequest, who: Principal, state: dict[str, Any],
                          idempotency: str | None = None, durable: list[Any] | None = None,
-                         reserve_quota: bool = True) -> bytes:
+                         reserve_quota: bool = True, left: Callable[[], Awaitable[Any]] | None = None) -> bytes:
     """Claim, decide (:func:`decide`), record the decision durably (group commit), then return the
     answer's JSON.
 
@@ -101,7 +110,8 @@ async def route_decision(svc: Services, body: RouteRequest, who: Principal, stat
     the quotas and drops the key, so a retry decides anew. ``state`` gets ``decision_id`` (for the
     access log) and ``quota``: the tokens and USD the tenant's quotas reserved for the decision
     (None: no quota applied). Raises what ``RoutingEngine.rank``, the shared state and the decision
-    log raise (``router.http.errors`` renders them)."""
+    log raise (``router.http.errors`` renders them). With admission on, a request no pool can serve
+    within its TTFT SLO is shed or waits (:func:`placed`); ``left`` returns when its client went away."""
     t0 = time.perf_counter()
     decision_id = "d_" + new_sorted_id()
     state["decision_id"] = decision_id
@@ -118,8 +128,7 @@ async def route_decision(svc: Services, body: RouteRequest, who: Principal, stat
             return payload
     decided = None
     try:
-        decided = await decide(svc.engine, shared, body, who, decision_id, time.time(), request_json, key,
-                               reserve_quota)
+        decided = await placed(svc, body, who, decision_id, request_json, key, reserve_quota, left)
         state["quota"] = decided.quota  # (what the tenant's quotas reserved: the gateway's feedback settles it)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if durable is None:
@@ -137,7 +146,7 @@ async def route_decision(svc: Services, body: RouteRequest, who: Principal, stat
         raise
     except BaseException:
         if decided is not None:
-            await give_back(svc, decision_id, decided.quota is not None)
+            await give_back(svc, decision_id, decided.quota is not None, decided.fair)
         if key is not None:
             await abandon(shared, key)
         raise
@@ -148,6 +157,38 @@ async def route_decision(svc: Services, body: RouteRequest, who: Principal, stat
     return decided.payload
 
 
+async def placed(svc: Services, body: RouteRequest, who: Principal, decision_id: str, request_json: str | None,
+                 key: str | None, reserve_quota: bool, left: Callable[[], Awaitable[Any]] | None) -> Decided:
+    """:func:`decide`, through admission when it is on (``router.service.admission_queue``): a request
+    no pool is predicted to serve within its TTFT SLO is refused at once (sheddable: 429
+    ``slo_unattainable``) or waits in this process's queue and is decided again as capacity frees."""
+    engine, shared = svc.engine, svc.state
+    arrived = time.monotonic()
+    try:
+        return await decide(engine, shared, body, who, decision_id, time.time(), request_json, key, reserve_quota)
+    except RouteFailure as e:
+        q = svc.admission
+        band = engine.band_of(body, who.tenant)
+        refusal = None if q is None else judged(e, band, float(body.ttft_ms), 0.0, engine)
+        if refusal is None:
+            raise
+        if refusal.verdict != admission_rules.QUEUE:
+            svc.metrics.admission.labels(band, "shed").inc()
+            raise refusal from None
+    assert q is not None
+
+    async def attempt(waited_ms: float) -> Decided:
+        return await decide(engine, shared, body, who, decision_id, time.time(), request_json, key, reserve_quota,
+                            waited_ms)
+
+    async def back(d: Decided) -> None:
+        await give_back(svc, decision_id, d.quota is not None, d.fair)
+
+    service = admission_rules.service(body.input_tokens, body.max_output_tokens, engine.weight_of(who.tenant))
+    return await q.wait(q.waiter(band, who.tenant, float(body.ttft_ms), service, refusal, attempt, back, arrived),  # type: ignore[no-any-return]
+                        left)
+
+
 def end_route(svc: Services, offering_id: str, pinfo: dict[str, Any], t0: float) -> None:
     """The metrics of a decision whose row is durable."""
     m = svc.metrics
@@ -155,19 +196,24 @@ def end_route(svc: Services, offering_id: str, pinfo: dict[str, Any], t0: float)
     m.route_seconds.observe(time.perf_counter() - t0)
 
 
-async def give_back(svc: Services, decision_id: str, quota: bool = False) -> None:
-    """:func:`undo` with the services' engine and state."""
-    await undo(svc.engine, svc.state, decision_id, quota)
+async def give_back(svc: Services, decision_id: str, quota: bool = False,
+                    fair: tuple[str, float] | None = None) -> None:
+    """:func:`undo` with the services' engine and state; the admission queue's next may fit now."""
+    await undo(svc.engine, svc.state, decision_id, quota, fair)
+    if svc.admission is not None:
+        svc.admission.kick()
 
 
-async def undo(engine: RoutingEngine, state: DecisionState, decision_id: str, quota: bool = False) -> None:
+async def undo(engine: RoutingEngine, state: DecisionState, decision_id: str, quota: bool = False,
+               fair: tuple[str, float] | None = None) -> None:
     """Free a decision's reservation -- this process's view and own count, then the shared state
     -- and, with ``quota``, undo its tenant quota reservation (the request was not admitted after
     all). An unreachable state frees them when their hold passes (logged, not raised: the request's
     own error is the one to report)."""
     engine.release_local(decision_id, time.time())
     try:
-        await state.settle(Settlement(decision_id, quota=QUOTA_UNDO if quota else None))
+        await state.settle(Settlement(decision_id, quota=QUOTA_UNDO if quota else None,
+                                      fair=None if fair is None else (fair[0], -fair[1])))
     except Exception as e:
         LOG.warning("reservation not given back (it is released when its hold passes)", extra={"fields": {
             "reservation": decision_id, "quota": quota, "error": str(e)}})

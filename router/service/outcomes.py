@@ -18,6 +18,7 @@ from router.service.admission import abandon, claim, idempotency_digest, remembe
 from router.service.services import Services
 from router.state.base import PoolOutcome, QuotaSettle, Settlement
 from router.store.sqlite import CommitInDoubt, DecisionRef
+from xroute import admission_rules
 from xroute.schema.access import Principal
 from xroute.schema.decision import FeedbackRequest
 from xroute.schema.quota import settled_amounts
@@ -56,6 +57,8 @@ async def settle(svc: Services, s: Settlement) -> None:
         LOG.warning("outcome not settled in the shared state (the reservation is released when its hold passes; "
                     "the quotas count what was reserved)", extra={"fields": {
                         "decision": s.reservation_id, "error": str(e)}})
+    if s.release and svc.admission is not None:  # a slot freed: the queue's next may fit
+        svc.admission.kick()
 
 
 async def settle_quota(svc: Services, body: FeedbackRequest, ref: DecisionRef, release: bool = False) -> None:
@@ -100,11 +103,15 @@ async def close_the_loop(svc: Services, body: FeedbackRequest, ref: DecisionRef)
     ones); the cached tokens a server reported correct the pool's prefix retention. Then the
     output-length estimator learns the output. The feedback is stored whatever happens here."""
     first = ref.feedback == 0
+    engine = svc.engine
+    fair = None  # (admission on: the tenant's fairness counter learns the output the request really had)
+    if first and engine.admission_on and body.output_tokens is not None:
+        fair = (ref.tenant, admission_rules.correction(ref.max_output_tokens, body.output_tokens,
+                                                       engine.weight_of(ref.tenant)))
     await settle(svc, Settlement(
         body.decision_id, outcome=PoolOutcome(ref.pool, body.ttft_ms, body.latency_ms, body.failed) if first else None,
         quota=quota_settle(body, ref) if first else None, cached_tokens=body.cached_tokens,
-        retention_alpha=svc.settings.prefix_retention_alpha))
-    engine = svc.engine
+        retention_alpha=svc.settings.prefix_retention_alpha, fair=fair))
     if body.output_tokens is not None and not body.failed and ref.model in engine.models:
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)
 

@@ -17,6 +17,8 @@ Contracts (the types are ``router.state.base``'s):
 * :meth:`DecisionState.lookup` -- prefix and session affinity before ranking.
 * :meth:`DecisionState.view` -- in-flight work, expiries, durations, quota usage (the decisions'
   shared view, the status pages).
+* :meth:`DecisionState.fairness` -- the tenants' fairness counters as the admission queue reads them
+  (lifting the just backlogged); the counters move inside ``admit`` and ``settle`` (their ``fair``).
 * :class:`Idempotency` -- claim, complete, abandon (``StateRestoring`` while a lost state is being
   restored).
 * :class:`Recovery` -- a server's epoch, the announced restore and the restore of a decision log.
@@ -70,6 +72,12 @@ class DecisionState(Protocol):
     async def view(self, quota_keys: Sequence[str] = (), durations: bool = False) -> StateView:
         """In-flight work and expiries per pool; with ``durations`` the observed mean durations of
         the pools with work in flight; the usage of ``quota_keys``."""
+        ...
+
+    async def fairness(self, tenants: Sequence[str], lift: Sequence[str] = ()) -> dict[str, float]:
+        """The fairness counters of the backlogged ``tenants``, after lifting those of ``lift`` (just
+        backlogged) to the lowest of the others (``xroute.admission_rules.lift``): the admission
+        queue's read, never on the decision path (``admit`` and ``settle`` move the counters)."""
         ...
 
 

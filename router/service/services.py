@@ -16,6 +16,7 @@ from router.control.policy_sync import PolicySync
 from router.core.metrics import Metrics
 from router.core.settings import RouterSettings
 from router.decision.engine import RoutingEngine
+from router.service.admission_queue import AdmissionQueue
 from router.service.models import ModelManager
 from router.service.ports import SharedState
 from router.service.readiness import Readiness
@@ -64,3 +65,5 @@ class Services:
     webhooks: WebhookSender | None = None
     #: tenants, quotas, roles and bindings: the access store and its sync
     access: AccessSync | None = None
+    #: admission that predicts: this process's queue (None: ``admission.enabled`` is off)
+    admission: AdmissionQueue | None = None

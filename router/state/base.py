@@ -28,6 +28,11 @@ What the state holds:
   session last went to); the admission records a decision's blocks, session and prediction on the
   pool it took (:class:`PrefixSend`); a settlement's ``cached_tokens`` corrects the pool's
   retention. Every worker and host sharing the state sees the same affinity.
+* **fairness counters** -- with admission on, each tenant's Virtual Token Counter
+  (``xroute.admission_rules``): an admission's ``fair`` adds the request's weighted service to its
+  tenant's counter, a settlement's ``fair`` corrects it with what the outcome reports, and
+  ``fairness`` (the admission queue's, never on the decision path) lifts the tenants that became
+  backlogged and reads the counters. Every router and worker sharing the state reads one set.
 * **idempotency keys** -- a claim takes a key for ``ttl_s`` or returns what the first request with
   it answered (:class:`Claim`); complete stores that answer, abandon drops a claim whose request
   failed, so a retry decides anew.
@@ -156,6 +161,9 @@ class Admission:
     quota: QuotaCharge | None = None
     prefix: PrefixSend | None = None
     slots: int = 1
+    #: with admission on: the tenant whose fairness counter grows by the request's service
+    #: (``xroute.admission_rules.service``) when it is admitted -- in the same call, no extra round trip
+    fair: tuple[str, float] | None = None
 
 
 @dataclass(slots=True)
@@ -208,6 +216,9 @@ class Settlement:
     quota: QuotaSettle | None = None
     cached_tokens: float | None = None
     retention_alpha: float = 0.0
+    #: the tenant whose fairness counter changes by this much (``xroute.admission_rules.correction``:
+    #: the service its outcome reports less what its admission counted; may be negative)
+    fair: tuple[str, float] | None = None
 
 
 @dataclass(slots=True)

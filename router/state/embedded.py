@@ -44,6 +44,7 @@ from router.state.ledger import (
     QuotaSettled,
     QuotaUsage,
 )
+from xroute import admission_rules as rules
 from xroute.schema.quota import WINDOW_S
 
 
@@ -100,6 +101,8 @@ class EmbeddedCore:
         self._sessions: dict[str, tuple[bytes, float]] = {}
         self._pred: dict[str, tuple[int, float, float]] = {}
         self._pfx_prune_at = 0.0
+        #: the tenants' fairness counters (``router.state.base``)
+        self.fair: dict[str, float] = {}
 
     # -------------------------------------------------------------- the decision path
     def admit(self, a: Admission) -> Admitted:
@@ -128,6 +131,8 @@ class EmbeddedCore:
         heapq.heappush(self._due, (until, a.reservation_id))
         if a.prefix is not None:
             self._record(a.reservation_id, pool, a.prefix)
+        if a.fair is not None:
+            self.fair[a.fair[0]] = self.fair.get(a.fair[0], 0.0) + a.fair[1]
         return Admitted(pool)
 
     def settle(self, s: Settlement) -> Settled:
@@ -145,7 +150,20 @@ class EmbeddedCore:
         learned = None
         if s.cached_tokens is not None:
             learned = self._retention(s.reservation_id, s.cached_tokens, s.retention_alpha)
+        if s.fair is not None:
+            self.fair[s.fair[0]] = self.fair.get(s.fair[0], 0.0) + s.fair[1]
         return Settled(pool, quota, learned)
+
+    def fairness(self, tenants: Sequence[str], lift: Sequence[str] = ()) -> dict[str, float]:
+        """The fairness counters of ``tenants`` (the backlogged ones), after lifting each tenant of
+        ``lift`` (just backlogged) to the lowest counter of the others (``xroute.admission_rules.lift``)."""
+        fair = self.fair
+        if lift:
+            lifting = set(lift)
+            others = [fair.get(t, 0.0) for t in tenants if t not in lifting]
+            for t in lift:
+                fair[t] = rules.lift(fair.get(t, 0.0), others)
+        return {t: fair.get(t, 0.0) for t in tenants}
 
     def lookup(self, hashes: np.ndarray, session: str | None, ttl_s: float) -> Affinity:
         """The pools expected to hold the leading blocks of ``hashes`` (int64, prompt order) now, by
@@ -392,6 +410,7 @@ class EmbeddedState:
     settle = awaited(EmbeddedCore.settle)
     lookup = awaited(EmbeddedCore.lookup)
     view = awaited(EmbeddedCore.view)
+    fairness = awaited(EmbeddedCore.fairness)
     put_session = awaited(EmbeddedCore.put_session)
     claim = awaited(EmbeddedCore.claim)
     complete = awaited(EmbeddedCore.complete)

@@ -77,6 +77,9 @@ class FailOpenState:
     async def admit(self, a: Admission) -> Admitted:
         return await self._call("admit", a)  # type: ignore[no-any-return]
 
+    async def fairness(self, tenants: Sequence[str], lift: Sequence[str] = ()) -> dict[str, float]:
+        return await self._call("fairness", tenants, lift)  # type: ignore[no-any-return]
+
     async def settle(self, s: Settlement) -> Settled:
         """What this process took during an outage (a pool's reservation, a quota reservation) is
         given back or settled here; the rest goes to the shared backend (or, while it is away, here)."""

@@ -27,7 +27,8 @@ decision logs were restored into it); the prefix affinity index (``router.state.
 hash>`` (hash pool -> "stamp:ready ms", at most ``envs.prefix.VIEW_ENTRIES`` pools, expiring with
 the age bound), ``pfx:sent`` / ``pfx:cap`` / ``pfx:ret`` (hashes per pool), ``pfx:pred:<decision>``
 (the pool and the cached tokens predicted, until feedback or the age bound), ``sess:<session>``
-(the pool its last request went to, or its committed migration's target, marked), ``restoring`` (the restores under way: below). Memory:
+(the pool its last request went to, or its committed migration's target, marked), ``fair`` (hash
+tenant -> fairness counter, ``router.state.base``), ``restoring`` (the restores under way: below). Memory:
 O(pools + reservations held + idempotency keys within their TTL).
 
 A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is
@@ -132,7 +133,7 @@ def lua(name: str, window_ms: int = round(WINDOW_S * 1000)) -> str:
 
 #: the entry scripts (one per operation)
 SCRIPTS = ("admit", "settle", "lookup", "view", "claim", "abandon", "epoch", "begin_restore", "restore",
-           "quota_restore", "session_put")
+           "quota_restore", "session_put", "fairness")
 
 
 def redact(url: str) -> str:
@@ -189,6 +190,7 @@ class RedisState:
         self._claim, self._abandon, self._epoch = scripts["claim"], scripts["abandon"], scripts["epoch"]
         self._begin_restore, self._restore = scripts["begin_restore"], scripts["restore"]
         self._q_restore, self._sess_put = scripts["quota_restore"], scripts["session_put"]
+        self._fairness = scripts["fairness"]
         self.record_ttl_ms = _ms(record_ttl_s)
         #: idempotency and quotas across a loss (module docstring): the epoch this router has restored
         #: its log into ('*': no guard), the window after an epoch begins, how long an announced restore
@@ -245,8 +247,10 @@ class RedisState:
             results = [e] * len(batch)
         for (script, keys, args, fut), r in zip(batch, results):
             if fut.done():  # the request went away meanwhile: what it took is given back --
-                if script is self._admit and isinstance(r, list) and r and r[0] == 1:  # its pool and quotas
-                    self._undo(self._settle, self._keys, self._settle_args(Settlement(args[1], quota=QUOTA_UNDO)))
+                if script is self._admit and isinstance(r, list) and r and r[0] == 1:  # its pool, quotas, counter
+                    fair = (args[-2], -float(args[-1])) if args[-2] else None
+                    self._undo(self._settle, self._keys, self._settle_args(Settlement(args[1], quota=QUOTA_UNDO,
+                                                                                      fair=fair)))
                 elif script is self._claim and r is None:  # an idempotency key it claimed (else 409s for the TTL)
                     self._undo(self._abandon, keys, [])
             elif isinstance(r, BaseException):
@@ -287,6 +291,8 @@ class RedisState:
                      *hashes, len(p.candidates)]
             for pool, (cap, predicted, ready_in) in p.candidates.items():
                 args += (pool, int(cap), repr(float(predicted)), max(0, math.ceil(ready_in * 1000)))
+        f = a.fair
+        args += ("", 0) if f is None else (f[0], repr(float(f[1])))
         return args
 
     async def admit(self, a: Admission) -> Admitted:
@@ -325,6 +331,8 @@ class RedisState:
         else:
             args += ["s", "" if q.tokens is None else int(q.tokens), "" if q.usd is None else repr(float(q.usd))]
         args += ["" if s.cached_tokens is None else repr(float(s.cached_tokens)), repr(float(s.retention_alpha))]
+        f = s.fair
+        args += ("", 0) if f is None else (f[0], repr(float(f[1])))
         return args
 
     async def settle(self, s: Settlement) -> Settled:
@@ -350,6 +358,15 @@ class RedisState:
                  for i, k in enumerate(quota_keys)}
         return StateView({p: n for p, n in _hash(inflight).items() if n}, _hash(expired),
                          {durs[i].decode(): float(durs[i + 1]) for i in range(0, len(durs), 2)}, usage)
+
+    async def fairness(self, tenants: Sequence[str], lift: Sequence[str] = ()) -> dict[str, float]:
+        """The fairness counters of ``tenants``, ``lift`` lifted first (``lua/fairness.lua``; the
+        admission queue's, one round trip, never on the decision path)."""
+        lifting = set(lift)
+        names = [*lift, *(t for t in tenants if t not in lifting)]
+        got = await self._run(self._fairness, [self.base + "fair"], [len(lift), *names])
+        counters = {t: float(v) for t, v in zip(names, got)}
+        return {t: counters[t] for t in tenants}
 
     async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
         await self._run(self._sess_put, [self.base + "sess:" + session_id], [bytes(value), _ms(ttl_s)])

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from xroute.admission_rules import Band
 from xroute.schema.policy_ir import Constraints
 
 Id = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@/+=-]+$")]
@@ -121,6 +122,12 @@ class RouteRequest(_Strict):
     constraints: Constraints | None = Field(
         None, description="allow / deny / prefer rules, ANDed with the tenant's default constraints and the routing "
                           "policies: a request's constraints can only narrow what they allow")
+    priority: Band | None = Field(
+        None, description="the request's priority band: critical > standard > sheddable (xroute.admission_rules); "
+                          "absent = its tenant's default (tenants.<name>.priority), else standard. With admission on "
+                          "(docs/router.md, 'Admission, priority and fairness'), a request no pool can serve within "
+                          "its ttft_ms waits (critical, standard) or is refused at once (sheddable: 429 "
+                          "slo_unattainable)")
 
 
 class OfferingRef(BaseModel):

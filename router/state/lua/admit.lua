@@ -5,7 +5,8 @@
 -- the quota part: 0, or 1 then tokens, usd, record ttl ms, buckets n, the epoch this router has
 -- restored into and the restore window ms (lib/guard.lua), then n x (bucket, max_concurrent,
 -- tokens_per_minute, requests_per_day, usd_per_day); after it the prefix part: 0, or 1 then what
--- lib/prefix.lua's record reads.
+-- lib/prefix.lua's record reads; the last two: the tenant whose fairness counter grows ('': none) and by
+-- how much (admission on: xroute.admission_rules.service).
 -- {1, pool}: admitted (a retry of a held id: its pool, nothing booked); {0}: no candidate has room;
 -- {3, bucket index, limit, its value, used, requested, retry ms (-1: never)}: a quota refused;
 -- {2, 0|1}: not decided, the quota counters are not whole yet (the guard's answer).
@@ -49,4 +50,5 @@ redis.call('HINCRBY', KEYS[1], pool, slots)
 redis.call('HSET', KEYS[2], rid, slots .. ':' .. pool)
 redis.call('ZADD', KEYS[3], now + hold, rid)
 if ARGV[p] == '1' then record(pool, rid, p + 1) end
+if ARGV[#ARGV - 1] ~= '' then redis.call('HINCRBYFLOAT', base .. 'fair', ARGV[#ARGV - 1], ARGV[#ARGV]) end
 return {1, pool}

@@ -3,7 +3,8 @@
 -- the key prefix, [2] reservation id, [3] release its pool (0/1), [4] the outcome's pool ('': no
 -- outcome), [5] the statistics' alpha, [6] ttft ms or '', [7] duration ms or '', [8] failed 0/1,
 -- [9] its quota: '' nothing, 's' settle with [10] tokens and [11] usd ('' each: as reserved), 'u'
--- undo; [12] cached tokens reported ('': none), [13] the retention's alpha.
+-- undo; [12] cached tokens reported ('': none), [13] the retention's alpha; [14] the tenant whose
+-- fairness counter changes ('': none), [15] by how much (xroute.admission_rules.correction).
 -- {the pool released or '', quota settled or undone 0/1, the pool whose retention learned or ''}
 local rid = ARGV[2]
 local released = ''
@@ -17,4 +18,5 @@ elseif ARGV[9] == 'u' then
 end
 local learned = ''
 if ARGV[12] ~= '' then learned = retention(rid, ARGV[12], ARGV[13]) or '' end
+if ARGV[14] ~= '' then redis.call('HINCRBYFLOAT', base .. 'fair', ARGV[14], ARGV[15]) end
 return {released, q, learned}
