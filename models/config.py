@@ -333,10 +333,25 @@ class PlannerSearchConfig(Strict):
     slo_miss_usd: float = Field(0.02, ge=0, description="the objective's price of one request that misses its SLO "
                                                         "(USD, beside the held cost)")
     hazard_floors: list[float] = Field(
-        default_factory=lambda: [0.0, 0.5, 1.0, 1.5], min_length=1,
+        default_factory=lambda: [0.0, 0.5, 1.0], min_length=1,
         description="after the search, each trial tries its knobs with hazard_price raised to at least each of these "
-                    "on the selection windows and keeps the best (the training traces rarely show how a pool with an "
-                    "extreme recorded hazard ends)")
+                    "(the training traces rarely show how a pool with an extreme recorded hazard ends) ...")
+    hedge_floors: list[float] = Field(default_factory=lambda: [0.0, 0.5], min_length=1,
+                                      description="... with hedge raised to at least each of these ...")
+    keep_launching: list[bool] = Field(default_factory=lambda: [False, True], min_length=1,
+                                       description="... and with keep_launching each of these, on the selection "
+                                                   "windows, and keeps the best variant (selection_criterion)")
+    selection_criterion: Literal["worst", "mean"] = Field(
+        "worst", description="a variant's (and a trial's) score on the selection windows: the worst window's mean "
+                             "ln(penalized cost / best baseline's) -- as the gate, which refuses a loss anywhere -- or "
+                             "the mean over the windows")
+
+    @field_validator("hazard_floors", "hedge_floors")
+    @classmethod
+    def _floors(cls, v: list[float]) -> list[float]:
+        if any(x < 0 for x in v):
+            raise ValueError("every floor must be >= 0")
+        return v
 
 
 class PlannerTrialsConfig(Strict):

@@ -13,7 +13,8 @@ per hour) and its effective price ``price_p x exp(-a_p)``.
 The allocation (:func:`allocate`): the integer instances ``x_p`` that minimize ``sum_p x_p eff_p
 horizon_s + price_p launch_s_p new_p`` subject to ``sum_p cap_p x_p >= D``, ``new_p >= x_p - held_p``,
 ``x_p <= ub_p`` and, with ``hedge`` > 0, ``sum_{p != q} cap_p x_p >= hedge x D`` for every spot pool
-``q`` (``scipy.optimize.milp``, HiGHS).
+``q``, and ``x_p`` at least the instances still launching there (``keep_launching``)
+(``scipy.optimize.milp``, HiGHS).
 
 The export: ``planner.json`` (format, the feature names, knobs, layer count, what training recorded)
 and ``planner.npz`` (the layers ``w0, b0, w1, b1, ...``).
@@ -54,10 +55,13 @@ class Knobs:
     stabilization_s: float = 300.0
     horizon_s: float = 600.0
     cooldown: int = 2
+    keep_launching: bool = True
     window_s: float = 300.0
     peak_s: float = 15.0
 
     def check(self) -> Knobs:
+        if not isinstance(self.keep_launching, bool):
+            raise ConfigError(f"planner knobs: field 'keep_launching': must be true or false, got {self.keep_launching!r}")
         for name, lo, hi in (("margin", 0.0, 10.0), ("beta", 0.0, 100.0), ("risk_price", 0.0, 1000.0),
                              ("hazard_price", 0.0, 1000.0),
                              ("hedge", 0.0, 1.0), ("stabilization_s", 0.0, 86_400.0), ("horizon_s", 1.0, 86_400.0),
@@ -100,14 +104,16 @@ class PlannerWeights:
 
 def allocate(cap: np.ndarray, eff_h: np.ndarray, price_h: np.ndarray, launch_s: np.ndarray, held: np.ndarray,
              ub: np.ndarray, need: float, spot: np.ndarray, hedge: float, horizon_s: float,
-             time_limit: float = 5.0) -> np.ndarray:
-    """Integer instances per candidate pool (module docstring, step 3). Shapes (n,): ``cap``
-    requests/s per instance, ``eff_h`` / ``price_h`` effective and list USD per hour, ``launch_s``,
-    ``held`` (launching + ready), ``ub``, ``spot`` (bool). When the pools cannot cover ``need``
-    even at ``ub``, every pool gets its ``ub`` (the most that can be held)."""
+             time_limit: float = 5.0, lb: np.ndarray | None = None) -> np.ndarray:
+    """Integer instances per candidate pool (module docstring). Shapes (n,): ``cap`` requests/s per
+    instance, ``eff_h`` / ``price_h`` effective and list USD per hour, ``launch_s``, ``held``
+    (launching + ready), ``ub``, ``spot`` (bool), ``lb`` the fewest to keep (default none; at most
+    ``ub``). When the pools cannot cover ``need`` even at ``ub``, every pool gets its ``ub`` (the
+    most that can be held)."""
     n = cap.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    lb = np.zeros(n) if lb is None else np.minimum(lb, ub)
     if float(cap @ ub) < need:
         return ub.astype(np.int64)
     c = np.concatenate([eff_h * horizon_s, price_h * launch_s]) / 3600.0
@@ -127,10 +133,10 @@ def allocate(cap: np.ndarray, eff_h: np.ndarray, price_h: np.ndarray, launch_s: 
         lo_all[1:len(rows)] = 0.0  # (a hedge the pools cannot give: plain coverage)
     res = milp(c, constraints=LinearConstraint(csr_array(A), lo_all, hi_all),
                integrality=np.concatenate([np.ones(n), np.zeros(n)]),
-               bounds=Bounds(np.zeros(2 * n), np.concatenate([ub, np.full(n, np.inf)])),
+               bounds=Bounds(np.concatenate([lb, np.zeros(n)]), np.concatenate([ub, np.full(n, np.inf)])),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-4, "disp": False})
     if res.x is None:  # (not expected: feasible by construction) -- hold what is held
-        return np.minimum(held, ub).astype(np.int64)
+        return np.maximum(np.minimum(held, ub), lb).astype(np.int64)
     return np.round(res.x[:n]).astype(np.int64)  # type: ignore[no-any-return]
 
 
@@ -192,11 +198,14 @@ def read_planner(directory: str | Path) -> PlannerWeights:
 
 def plan_targets(weights: PlannerWeights, x: np.ndarray, g: np.ndarray, spot: np.ndarray, hazard_h: np.ndarray,
                  price_h: np.ndarray, cap: np.ndarray, launch_s: np.ndarray, held: np.ndarray, ub: np.ndarray,
-                 eligible: np.ndarray, demand: float) -> tuple[np.ndarray, np.ndarray]:
+                 eligible: np.ndarray, demand: float, launching: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """One plan over P pools (what ``models.planner_policy.LearnedPlanner`` and the registered model
     compute): the adjustments ``a_p`` and the targets -- :func:`allocate` over the eligible pools for
-    ``demand x (1 + margin)`` requests/s at the effective prices, 0 elsewhere. ``demand``: the
-    forecast, held at its highest of the last ``stabilization_s`` seconds by the caller."""
+    ``demand x (1 + margin)`` requests/s at the effective prices, 0 elsewhere; with ``keep_launching``,
+    an eligible pool keeps the instances still ``launching`` there (their boot is paid: cancelling
+    one to launch another is the churn a re-solved mix otherwise makes). ``demand``: the forecast,
+    held at its highest of the last ``stabilization_s`` seconds by the caller."""
     k = weights.knobs
     adj = weights.adjustment(x, g, spot, hazard_h)
     out = np.zeros(x.shape[0], dtype=np.int64)
@@ -205,6 +214,7 @@ def plan_targets(weights: PlannerWeights, x: np.ndarray, g: np.ndarray, spot: np
     if pools.size and need > 0:
         price = price_h[pools]
         eff = price * np.exp(-np.clip(adj[pools], -20.0, 20.0))
+        keep = launching[pools].astype(float) if k.keep_launching and launching is not None else None
         out[pools] = allocate(cap[pools], eff, price, launch_s[pools], held[pools].astype(float),
-                              ub[pools].astype(float), need, spot[pools], k.hedge, k.horizon_s)
+                              ub[pools].astype(float), need, spot[pools], k.hedge, k.horizon_s, lb=keep)
     return adj, out

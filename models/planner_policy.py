@@ -21,7 +21,9 @@ Every epoch, from decision-time information alone (``models.planner_features``):
    quotas and ``max_instances_per_pool``, ``x_p = 0`` where a pool is not eligible (a spot pool recorded
    out, noticed, or where one of its launches failed in the last ``cooldown`` epochs) and, with
    ``hedge`` > 0, ``sum_{p != q} cap_p x_p >= hedge x D`` for every spot pool ``q`` (losing any one spot
-   pool leaves that share) -- an ILP (``scipy.optimize.milp``, HiGHS), a few ms at 100 pools.
+   pool leaves that share), and ``x_p`` at least the instances still launching in an eligible pool
+   (``keep_launching``: their boot is paid) -- an ILP (``scipy.optimize.milp``, HiGHS), a few ms at
+   100 pools.
 
 With a zero network this is a Mélange-style mix over the spot and on-demand pools priced by the
 decision-time preemption hazard; training (``models.planner_train``) learns the two heads -- the risk
@@ -107,7 +109,7 @@ class LearnedPlanner(_Base):
         held = view.held
         ub = np.minimum(held + np.maximum(view.quota_room, 0), ctx.max_instances)
         adj, out = plan_targets(self.weights, x, g, pl.is_spot, view.hazard * 3600.0, view.price_h, dem.mix_cap,
-                                pl.launch_s, held, ub, elig, held_demand)
+                                pl.launch_s, held, ub, elig, held_demand, view.launching)
         self.last = PlanStep(x, g, elig, dem, held_demand, held_demand * (1.0 + k.margin), adj, out)
         return self.last
 

@@ -16,6 +16,7 @@ column             type               meaning
 ``capacity``       array of double    requests/s one instance serves at the SLOs (0: none)
 ``launch_s``       array of double    launch delay, seconds
 ``held``           array of double    instances launching or ready
+``launching``      array of double    of which launching
 ``max_instances``  array of double    the most the pool may hold (quota, cap)
 ``eligible``       array of double    1 = may hold instances in this plan
 ``demand``         double             requests/s to cover (the forecast held over the
@@ -48,7 +49,7 @@ ARTIFACT_KEY = "planner"
 INFERENCE_MODULES = ("models.planner_pyfunc", "models.planner_net", "xroute.errors")
 REQUIREMENTS = ("numpy", "scipy", "pandas")
 MODEL_CODE = Path(__file__).with_name("planner_pyfunc_model.py")
-ARRAYS = ("spot", "hazard_h", "price_h", "capacity", "launch_s", "held", "max_instances", "eligible")
+ARRAYS = ("spot", "hazard_h", "price_h", "capacity", "launch_s", "held", "launching", "max_instances", "eligible")
 
 
 def predict_frame(weights: PlannerWeights, model_input: pd.DataFrame) -> pd.DataFrame:
@@ -69,7 +70,7 @@ def predict_frame(weights: PlannerWeights, model_input: pd.DataFrame) -> pd.Data
         x = x.reshape(P, N_POOL)
         adj, tg = plan_targets(weights, x, g, spot, cols["hazard_h"], cols["price_h"], cols["capacity"],
                                cols["launch_s"], cols["held"], cols["max_instances"], cols["eligible"] > 0.5,
-                               float(row.demand))
+                               float(row.demand), cols["launching"])
         risk, _ = weights.heads(x, g, spot)
         out["targets"].append(tg.tolist())
         out["risk"].append(risk.tolist())
@@ -108,4 +109,4 @@ def example_row(step: Any, view: Any, pools: Any, max_instances: int, plan_id: s
     return {"plan_id": plan_id, "pools": np.asarray(step.x, dtype=float).ravel(), "context": np.asarray(step.g, dtype=float),
             "spot": pools.is_spot.astype(float), "hazard_h": view.hazard * 3600.0,
             "price_h": np.nan_to_num(view.price_h, nan=0.0), "capacity": step.demand.mix_cap, "launch_s": pools.launch_s,
-            "held": held, "max_instances": ub.astype(float), "eligible": step.eligible.astype(float), "demand": d}
+            "held": held, "launching": np.asarray(view.launching, dtype=float), "max_instances": ub.astype(float), "eligible": step.eligible.astype(float), "demand": d}

@@ -471,10 +471,11 @@ def selection_windows(scenarios: list[Scenario], loads: list[int], cfg: Capacity
     return out
 
 
-def selection_score(windows: list[SelectionWindow], weights: PlannerWeights, cfg: CapacityConfig, miss_usd: float
-                    ) -> tuple[float, dict[str, float]]:
-    """The mean over the selection windows and seeds of ln(penalized cost / the window's best
-    baseline's, same seed) -- lower is better -- and each window's mean."""
+def selection_score(windows: list[SelectionWindow], weights: PlannerWeights, cfg: CapacityConfig, miss_usd: float,
+                    criterion: str = "worst") -> tuple[float, dict[str, float]]:
+    """Per selection window, the mean over the seeds of ln(penalized cost / the window's best
+    baseline's, same seed), and the score: the worst window's (``criterion="worst"``) or the mean
+    over the windows -- lower is better."""
     from models.capacity_eval import run_planner
 
     per: dict[str, float] = {}
@@ -484,9 +485,13 @@ def selection_score(windows: list[SelectionWindow], weights: PlannerWeights, cfg
         vals = [math.log(max(penalized(run_planner(w, LearnedPlanner(cfg.planners, weights), cfg.seed + s).metrics,
                                        miss_usd), 1e-9) / max(r, 1e-9)) for s, r in enumerate(ref)]
         per[sw.label] = float(np.mean(vals))
-    return float(np.mean(list(per.values()))), per
+    v = list(per.values())
+    return float(max(v) if criterion == "worst" else np.mean(v)), per
 
 
-def with_floor(weights: PlannerWeights, floor: float) -> PlannerWeights:
-    """``weights`` with ``hazard_price`` raised to at least ``floor``."""
-    return replace(weights, knobs=replace(weights.knobs, hazard_price=max(weights.knobs.hazard_price, floor)))
+def safeguarded(weights: PlannerWeights, hazard_floor: float, hedge_floor: float, keep_launching: bool
+                ) -> PlannerWeights:
+    """``weights`` with ``hazard_price`` and ``hedge`` raised to at least the floors, and ``keep_launching``."""
+    k = weights.knobs
+    return replace(weights, knobs=replace(k, hazard_price=max(k.hazard_price, hazard_floor),
+                                          hedge=max(k.hedge, hedge_floor), keep_launching=keep_launching))

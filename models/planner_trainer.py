@@ -13,7 +13,8 @@ Flow (:func:`run_planner_training`), each step in the module that does it:
    ``ray.max_concurrent_trials`` at a time, one CPU each. A trial (:func:`run_trial`, which runs
    without Ray too) fits the scorer (``network``) or keeps the zero network (``none``: the
    ablation), searches the knobs on training episodes (the cost-sensitive fine-tune), then tries
-   each ``search.hazard_floors`` on the selection windows and keeps the best; it logs params,
+   safeguards over the searched knobs on the selection windows (``search.hazard_floors`` x
+   ``hedge_floors`` x ``keep_launching``) and keeps the best variant; it logs params,
    curves, its selection table and its export to its own MLflow run (a child of the training's).
 5. The best trial by its selection score (and the best ``none`` trial, for the ablation) are played
    beside every baseline and the oracle on the gate windows, paired by seed (``models.planner_gate``);
@@ -53,11 +54,11 @@ from models.planner_train import (
     Worlds,
     collect_labels,
     fit_scorer,
+    safeguarded,
     sample_episodes,
     search_knobs,
     selection_score,
     selection_windows,
-    with_floor,
 )
 from models.scenarios import Scenario, resolve_bundle, split_bundle
 from xroute.config import CapacityConfig
@@ -153,17 +154,20 @@ def run_trial(params: dict[str, Any], ctx: PlannerTrialContext,
         search = search_knobs(worlds, layers, start, s.iterations, s.population, s.episodes, s.elite,
                               cfg.labels.episode_epochs, s.slo_miss_usd, seed)
         searched = PlannerWeights(layers, search.knobs)
-        floors: dict[float, tuple[float, dict[str, float]]] = {}
-        for fl in s.hazard_floors:
-            floors[float(fl)] = selection_score(ctx.selection, with_floor(searched, fl), cap, s.slo_miss_usd)
-        floor = min(floors, key=lambda k: (floors[k][0], k))
-        final = with_floor(searched, floor)
-        final.meta = {"trial": name, "seed": seed, "scorer": scorer, "hazard_floor": floor,
-                      "selection_criterion": floors[floor][0], "bundle_hash": ctx.bundle_hash}
+        variants: dict[str, tuple[float, dict[str, float], PlannerWeights]] = {}
+        for hz in s.hazard_floors:
+            for hd in s.hedge_floors:
+                for kl in s.keep_launching:
+                    w = safeguarded(searched, float(hz), float(hd), bool(kl))
+                    crit, per = selection_score(ctx.selection, w, cap, s.slo_miss_usd, s.selection_criterion)
+                    variants[f"hazard>={hz:g} hedge>={hd:g} keep={'y' if kl else 'n'}"] = (crit, per, w)
+        chosen = min(variants, key=lambda v: (variants[v][0], list(variants).index(v)))
+        crit, per, final = variants[chosen]
+        final.meta = {"trial": name, "seed": seed, "scorer": scorer, "variant": chosen, "selection_criterion": crit,
+                      "bundle_hash": ctx.bundle_hash}
         planner_dir = save_planner(final, out / "planner")
-        result = {"trial": name, "seed": seed, "scorer": scorer, "criterion": floors[floor][0],
-                  "selection": floors[floor][1], "hazard_floor": floor,
-                  "floors": {str(k): v[0] for k, v in floors.items()}, "knobs": asdict(final.knobs),
+        result = {"trial": name, "seed": seed, "scorer": scorer, "criterion": crit, "selection": per,
+                  "variant": chosen, "variants": {k: v[0] for k, v in variants.items()}, "knobs": asdict(final.knobs),
                   "search": {"best": search.best, "elite_mean": search.elite_mean, "start": search.start_score,
                              "final": search.final_score, "seconds": round(search.seconds, 1)},
                   "fit": None if fit is None else {"best_epoch": fit.best_epoch, "states": fit.states, "rows": fit.rows,
@@ -180,7 +184,7 @@ def run_trial(params: dict[str, Any], ctx: PlannerTrialContext,
         if run is not None:
             mlflow.end_run()
     if report is not None:
-        report({"criterion": result["criterion"], "done": 1}, str(planner_dir))
+        report({"criterion": result["criterion"], "variant": result["variant"], "done": 1}, str(planner_dir))
     return result
 
 
@@ -211,12 +215,14 @@ def _log_trial(result: dict[str, Any], fit: Any, search: Any, out: Path, planner
                                 if np.isfinite(v)}, step=k)
     for k, (b, e) in enumerate(zip(search.best, search.elite_mean)):
         mlflow.log_metrics({"search_best": b, "search_elite_mean": e}, step=k + 1)
-    mlflow.log_metrics({"selection_criterion": result["criterion"], "hazard_floor": result["hazard_floor"],
-                        "search_final": search.final_score, "wall_s": result["wall_s"],
+    mlflow.log_metrics({"selection_criterion": result["criterion"], "hazard_price": result["knobs"]["hazard_price"],
+                        "hedge": result["knobs"]["hedge"], "search_final": search.final_score, "wall_s": result["wall_s"],
                         **{f"selection.{k.replace(' ', '_')}": v for k, v in result["selection"].items()}})
     rows = ["| selection window | ln(penalized cost / best baseline's) |", "|---|---:|",
             *[f"| {k} | {v:+.4f} |" for k, v in result["selection"].items()],
-            f"| **mean (the criterion)** | **{result['criterion']:+.4f}** |"]
+            f"| **the criterion ({result['variant']})** | **{result['criterion']:+.4f}** |", "",
+            "| variant (safeguards over the searched knobs) | criterion |", "|---|---:|",
+            *[f"| {k} | {v:+.4f} |" for k, v in result["variants"].items()]]
     (out / "selection.md").write_text("\n".join(rows) + "\n")
     _plot_trial(fit, search, result, out / "learning_curve.png")
     mlflow.log_artifact(str(out / "selection.md"))
@@ -247,13 +253,12 @@ def _plot_trial(fit: Any, search: Any, result: dict[str, Any], path: Path) -> No
     b.set_xlabel("iteration")
     b.set_ylabel("mean ln(penalized cost / SpotHedge's)")
     b.legend(fontsize=7)
-    fl = {float(k): v for k, v in result["floors"].items()}
-    c.plot(list(fl), list(fl.values()), "o-")
-    c.axvline(result["hazard_floor"], color="gray", ls=":", label="kept")
-    c.set_title("selection windows: hazard price floor")
-    c.set_xlabel("hazard_price at least")
-    c.set_ylabel("mean ln(penalized cost / best baseline's)")
-    c.legend(fontsize=7)
+    names = list(result["variants"])
+    c.barh(range(len(names)), [result["variants"][n] for n in names],
+           color=["tab:green" if n == result["variant"] else "tab:gray" for n in names])
+    c.set_yticks(range(len(names)), names, fontsize=6)
+    c.set_title("selection windows: the safeguard variants (kept: green)")
+    c.set_xlabel("criterion: ln(penalized cost / best baseline's)")
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
     fig.suptitle(f"trial {result['trial']}")
@@ -339,6 +344,7 @@ def _tune(cfg: PlannerTrainConfig, ctx: PlannerTrialContext, points: list[dict[s
         run_trial({"seed": int(config["seed"]), "scorer": str(config["scorer"])}, ctx, report)
 
     runner = tune.with_resources(tune.with_parameters(trainable, ctx=ctx), {"cpu": cfg.ray.cpus_per_trial})
+    console = _Console(sys.stdout, echo)
     space = {"seed": tune.grid_search(sorted({p["seed"] for p in points})),
              "scorer": tune.grid_search(sorted({p["scorer"] for p in points}))}
     storage.mkdir(parents=True, exist_ok=True)
@@ -346,10 +352,15 @@ def _tune(cfg: PlannerTrainConfig, ctx: PlannerTrialContext, points: list[dict[s
     tuner = tune.Tuner(runner, param_space=space,
                        tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent_trials),
                        run_config=tune.RunConfig(name=name, storage_path=str(storage.resolve()), verbose=0,
+                                                 callbacks=[_trial_lines()],
                                                  failure_config=tune.FailureConfig(max_failures=0)))
-    out = sys.stdout
-    with open(storage / name / "tune_console.log", "a") as console, redirect_stdout(console):
-        grid = tuner.fit()
+    # Tune's own console output goes to a file beside its results; one line per trial comes through the callback
+    _ECHO.append(console)
+    try:
+        with open(storage / name / "tune_console.log", "a") as log, redirect_stdout(log):
+            grid = tuner.fit()
+    finally:
+        _ECHO.pop()
     trials, errors = [], []
     for i in range(len(grid)):
         r = grid[i]
@@ -362,14 +373,51 @@ def _tune(cfg: PlannerTrainConfig, ctx: PlannerTrialContext, points: list[dict[s
         info = json.loads((Path(dst) / "trial.json").read_text())
         info["planner_dir"] = str(dst)
         trials.append(info)
-        print(f"trial {info['trial']}: selection criterion {info['criterion']:+.4f} (hazard floor "
-              f"{info['hazard_floor']:g}; {info['wall_s']:.0f} s)", file=out, flush=True)
     if not trials:
         first = str(errors[0]).strip().splitlines()[-1] if errors else "no trial reported a result"
         raise XrouteError(f"planner training failed: every trial failed ({first}); see {storage / name}")
     if errors:
         echo(f"warning: {len(errors)} trial(s) failed; see {storage / name}")
     return trials
+
+
+class _Console:
+    """``echo`` writing to ``stream`` (the real stdout, taken before Tune's output is redirected)."""
+
+    def __init__(self, stream: Any, echo: Callable[[str], None]):
+        self.stream, self.echo = stream, echo
+
+    def __call__(self, msg: str) -> None:
+        saved = sys.stdout
+        sys.stdout = self.stream
+        try:
+            self.echo(msg)
+        finally:
+            sys.stdout = saved
+
+
+#: where the trial lines go while Tune runs (module state: Tune pickles its callbacks, a stream does not pickle)
+_ECHO: list[_Console] = []
+
+
+def _trial_lines() -> Any:
+    """A Tune callback: one line when a trial ends (its selection criterion) or fails."""
+    from ray import tune
+
+    def emit(msg: str) -> None:
+        if _ECHO:
+            _ECHO[-1](msg)
+
+    class Lines(tune.Callback):  # type: ignore[misc]
+        def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+            r = trial.last_result or {}
+            emit(f"trial {trial_name(trial.config)}: selection criterion {r.get('criterion', float('nan')):+.4f} "
+                 f"({r.get('variant', '?')})")
+
+        def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+            emit(f"trial {trial_name(trial.config)} failed (see the Tune directory)")
+
+    return Lines()
 
 
 # ------------------------------------------------------------------------------------------ the whole run
@@ -431,8 +479,7 @@ def run_planner_training(cfg: PlannerTrainConfig, telemetry: str | Path | None =
         other = [t for t in trials if t["scorer"] != best["scorer"]]
         ablation_trial = min(other, key=lambda t: (t["criterion"], t["trial"])) if other else None
         ablation_name = WITHOUT_NETWORK if best["scorer"] == "network" else WITH_NETWORK
-        echo(f"best trial: {best['trial']} (selection criterion {best['criterion']:+.4f}; hazard floor "
-             f"{best['hazard_floor']:g})")
+        echo(f"best trial: {best['trial']} (selection criterion {best['criterion']:+.4f}; {best['variant']})")
         candidates = {CHALLENGER: read_planner(best["planner_dir"])}
         if ablation_trial is not None:
             echo(f"ablation: {ablation_trial['trial']} ({ablation_name}; selection criterion "
@@ -517,7 +564,7 @@ def _register(cfg: PlannerTrainConfig, best: dict[str, Any], decision: Any, abla
     with mlflow.start_run(run_id=run_id) if run_id else mlflow.start_run():
         info = log_planner_model(best["planner_dir"], example)
     tags = {"trial": best["trial"], "scorer": best["scorer"], "selection_criterion": best["criterion"],
-            "hazard_floor": best["hazard_floor"], **decision.tags("gate"),
+            "variant": best["variant"], **decision.tags("gate"),
             **({k: v for k, v in ablation.tags("ablation_gate").items() if not k.endswith("_reason")}
                if ablation is not None else {}),
             **({"ablation": ablation.candidate} if ablation is not None else {})}
