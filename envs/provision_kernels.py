@@ -46,7 +46,8 @@ from envs import kernels as env_kernels
 # (PF_SURE: the slack above which a miss is certain not to happen -- P(miss) below 1e-30 -- so the router skips its erfc)
 PF_INV_PREFILL, PF_TPOT, PF_GROWTH, PF_SIGMA, PF_HAZARD, PF_PER_INST, PF_CONC, PF_WORK, PF_LAST, PF_SURE = range(10)
 N_PF = 10
-# pool int rows: model, first row, rows, slots per instance, instances accepting work, requests in flight (router's)
+# pool int rows: model, first row, rows that ever held an instance in the window (from the first: rows are taken
+# lowest first), slots per instance, instances accepting work, requests in flight (router's)
 PI_MODEL, PI_ROW0, PI_NROWS, PI_SLOTS, PI_READY, PI_INFLIGHT = range(6)
 N_PI = 6
 # row (instance) float rows: launched (billed from), ready at, terminated at (inf: alive), earliest slot release,
@@ -222,27 +223,40 @@ def _against(digest: str) -> tuple[Any, ...]:
         ``keep_first`` (a migrated request whose first token came before its notice). ``now``: when
         the router sends it (``t``, or a migration's notice). Returns its row."""
         digest  # noqa: B018
-        r0, nrows = PI[PI_ROW0, p], PI[PI_NROWS, p]
+        r0, nrows = PI[PI_ROW0, p], PI[PI_NROWS, p]  # (the rows past nrows have never held an instance)
         r = -1
         for x in range(r0, r0 + nrows):
             if RI[RI_STATE, x] == READY and (r < 0 or RF[RF_MIN, x] < RF[RF_MIN, r]):
                 r = x
         s0 = RI[RI_SLOT0, r]
         ns = PI[PI_SLOTS, p]
+        # one pass over the row's slots: the one that frees first (j, the first of equals), its release m1, how
+        # many release at m1, the next release m2 after it, how many are busy past t
         j = s0
+        m1 = S[s0]
+        m2 = np.inf
+        n_eq = 1
+        above = 1 if m1 > t else 0
         for x in range(s0 + 1, s0 + ns):
-            if S[x] < S[j]:
+            v = S[x]
+            if v > t:
+                above += 1
+            if v < m1:
+                m2 = m1
+                m1 = v
                 j = x
-        start = t if S[j] < t else S[j]
-        busy = 0
-        mn = np.inf  # the earliest release among the other slots
-        for x in range(s0, s0 + ns):
-            if x != j:
-                v = S[x]
-                if v > start:
-                    busy += 1
-                if v < mn:
-                    mn = v
+                n_eq = 1
+            elif v == m1:
+                n_eq += 1
+            elif v < m2:
+                m2 = v
+        if m1 < t:  # it starts now: the others busy past t
+            start = t
+            busy = above
+        else:  # it starts when slot j frees: the others busy past then
+            start = m1
+            busy = ns - n_eq
+        mn = m1 if n_eq > 1 else m2  # the earliest release among the other slots
         k = busy / PF[PF_PER_INST, p]
         if k > PF[PF_CONC, p] - 1.0:
             k = PF[PF_CONC, p] - 1.0

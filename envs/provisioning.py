@@ -519,7 +519,7 @@ class ProvisionWorld:
         self.PI = np.zeros((pk.N_PI, P), dtype=np.int64)
         self.PI[pk.PI_MODEL] = self.pools.model
         self.PI[pk.PI_ROW0] = np.arange(P) * R
-        self.PI[pk.PI_NROWS] = R
+        self.PI[pk.PI_NROWS] = 0  # (grows as rows are first taken: _launch)
         self.PI[pk.PI_SLOTS] = self.pools.slots
         self.RF = np.zeros((pk.N_RF, P * R))
         self.RF[pk.RF_END] = -np.inf
@@ -895,6 +895,9 @@ class ProvisionWorld:
             held, busy = self._held_busy(np.array([r]), T)
             self.tot += (held[0], busy[0], held[0] * self.pools.gpus[p], held[0] * self.pools.is_spot[p])
         ready = T if warm else T + float(self.pools.launch_s[p])
+        used = r - p * self.R + 1
+        if used > self.PI[pk.PI_NROWS, p]:
+            self.PI[pk.PI_NROWS, p] = used
         self.RF[pk.RF_LAUNCH, r] = T
         self.RF[pk.RF_READY, r] = ready
         self.RF[pk.RF_END, r] = np.inf
