@@ -80,7 +80,7 @@ N_C = 6
 N_P = 10
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _heap_push(ht, hi, ctr, t, i):  # pragma: no cover
     n = ctr[C_HEAP]
     ht[n] = t
@@ -95,7 +95,7 @@ def _heap_push(ht, hi, ctr, t, i):  # pragma: no cover
         n = parent
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _heap_pop(ht, hi, ctr):  # pragma: no cover
     n = ctr[C_HEAP] - 1
     t, i = ht[0], hi[0]
@@ -116,7 +116,7 @@ def _heap_pop(ht, hi, ctr):  # pragma: no cover
     return t, i
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def in_flight_changes(PF, PI, p, now):  # pragma: no cover
     """Integrate pool ``p``'s requests in flight up to ``now``, before the count changes."""
     last = PF[PF_LAST, p]
@@ -125,7 +125,7 @@ def in_flight_changes(PF, PI, p, now):  # pragma: no cover
         PF[PF_LAST, p] = now
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _estimate(est, key, parent, cap, shrink, prior_fraction):  # pragma: no cover
     """The output estimate of a request: its key's decayed mean of completed outputs, shrunk toward
     its model's (``shrink`` pseudo-observations), itself shrunk toward ``prior_fraction x cap``
@@ -138,7 +138,7 @@ def _estimate(est, key, parent, cap, shrink, prior_fraction):  # pragma: no cove
     return e if e < cap else cap
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def slo_missed(QF, i):  # pragma: no cover
     """1.0 when request ``i`` (placed) misses its SLO: TTFT above ``ttft_ms``, the time per output
     token after the first above ``tpot_ms`` (vLLM's definition: (latency - TTFT) / (output - 1)), or
@@ -160,15 +160,15 @@ def slo_missed(QF, i):  # pragma: no cover
 def _against(digest: str) -> tuple[Any, ...]:
     """The kernels that compile ``envs.kernels``' functions into themselves (module docstring)."""
 
-    @njit(cache=True)
-    def route(i, t, QF, QI, PF, PI, pools, n_pools, rtt, est, prm):  # pragma: no cover
-        """The router's choice for request ``i`` at ``t`` among the ``n_pools`` pools in ``pools``
-        (its model's): the best one-step expected reward of those with an instance accepting work and
+    @njit(cache=True, inline='always')
+    def route(i, t, QF, QI, PF, PI, active, m, n_pools, rtt, est, prm):  # pragma: no cover
+        """The router's choice for request ``i`` at ``t`` among the ``n_pools`` pools in ``active[m]``
+        (its model's: the row is read in place, not taken as a view, which would count a reference per
+        request): the best one-step expected reward of those with an instance accepting work and
         an expected wait within the queue timeout (module docstring); -1 when none. Writes the
         estimate into ``QF[QF_EST, i]``."""
         digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
-        m = QI[QI_MODEL, i]
-        est_out = _estimate(est, QI[QI_KEY, i], m, QF[QF_MAXOUT, i], prm[P_SHRINK], prm[P_PRIOR])
+        est_out = _estimate(est, QI[QI_KEY, i], QI[QI_MODEL, i], QF[QF_MAXOUT, i], prm[P_SHRINK], prm[P_PRIOR])
         QF[QF_EST, i] = est_out
         r_in = QF[QF_IN, i]
         ttft_ms, tpot_ms, dl = QF[QF_TTFT, i], QF[QF_TPOT, i], QF[QF_DEADLINE, i]
@@ -179,7 +179,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         org = QI[QI_ORIGIN, i]
         best, best_s = -1, -np.inf
         for q in range(n_pools):
-            p = pools[q]
+            p = active[m, q]
             nr = PI[PI_READY, p]
             if nr <= 0:
                 continue
@@ -215,7 +215,7 @@ def _against(digest: str) -> tuple[Any, ...]:
                 best, best_s = p, sc
         return best
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def place(i, p, t, now, prefill_tokens, decode_tokens, keep_first, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi,
               ctr):  # pragma: no cover
         """Run request ``i`` on pool ``p`` from ``t`` (the truth, module docstring): ``prefill_tokens``
@@ -282,7 +282,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         _heap_push(ht, hi, ctr, end, i)
         return r
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def advance(t, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc):  # pragma: no cover
         """Every completion up to ``t`` becomes known: the router's in-flight count drops, the
         estimator learns the output (stale heap entries -- a request moved since -- are skipped);
@@ -318,7 +318,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             settle(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
             m = QI[QI_MODEL, i]
             # behind the router's queue when it holds requests still (first come, first served)
-            p = -1 if ctr[C_BTAIL] > ctr[C_BHEAD] else route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est,
+            p = -1 if ctr[C_BTAIL] > ctr[C_BHEAD] else route(i, t, QF, QI, PF, PI, active, m, n_active[m], rtt, est,
                                                                prm)
             if p < 0:
                 backlog[ctr[C_BTAIL]] = i
@@ -332,7 +332,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         settle(t_stop, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
         return placed
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def settle(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
                acc):  # pragma: no cover
         """The completions up to ``t`` (:func:`advance`), each followed by the router's queue taking
@@ -344,7 +344,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             if ctr[C_BTAIL] > ctr[C_BHEAD]:
                 drain_backlog(te, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def drain_backlog(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
                       acc):  # pragma: no cover
         """Place the router's queued requests, oldest first, at ``t``: each where :func:`route` finds
@@ -358,7 +358,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         for x in range(head, tail):
             i = backlog[x]
             m = QI[QI_MODEL, i]
-            p = -1 if blocked[m] else route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
+            p = -1 if blocked[m] else route(i, t, QF, QI, PF, PI, active, m, n_active[m], rtt, est, prm)
             if p < 0:
                 blocked[m] = True
                 backlog[w] = i

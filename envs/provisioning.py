@@ -996,7 +996,7 @@ class ProvisionWorld:
                 done_in = r_in
                 done_out = float(min(max(math.floor((ran - pf) / tp), 0), max(out - 1.0, 0.0))) if tp > 0 else 0.0
             m = int(QI[pk.QI_MODEL, i])
-            tgt = pk.route(i, t_mig, QF, QI, self.PF, PI, self.active[m], self.n_active[m], self.rtt_ms,
+            tgt = pk.route(i, t_mig, QF, QI, self.PF, PI, self.active, m, self.n_active[m], self.rtt_ms,
                            self.est, self.prm)
             if tgt < 0:  # nowhere to go yet: it waits for an instance (and re-runs from scratch there)
                 self.backlog[self.ctr[pk.C_BTAIL]] = i
