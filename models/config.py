@@ -359,7 +359,8 @@ class PlannerTrialsConfig(Strict):
     zero network, the knobs searched alone -- the ablation)."""
 
     seeds: list[int] = Field(default_factory=lambda: [0, 1], min_length=1)
-    scorers: list[Literal["network", "none"]] = Field(default_factory=lambda: ["network", "none"], min_length=1)
+    scorers: list[Literal["network", "none"]] = Field(default_factory=lambda: ["network", "none"],  # type: ignore[arg-type]
+                                                      min_length=1)
 
 
 class PlannerTrainConfig(Strict):

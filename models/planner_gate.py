@@ -87,7 +87,7 @@ def evaluate_gate(scenarios: list[Scenario], loads: list[int], candidates: dict[
     for sc in scenarios:
         for L in loads:
             c = cfg.model_copy(update={"world": cfg.world.model_copy(update={"load_scale": int(L)})})
-            factories = {n: (lambda w=w, n=n, c=c: LearnedPlanner(c.planners, w, name=n)) for n, w in candidates.items()}
+            factories = {n: _maker(c, w, n) for n, w in candidates.items()}
             res, world = evaluate_capacity(sc.bundle, [*BASELINES, *candidates, "oracle"], c, sc.history, seeds=seeds,
                                            factories=factories)
             wr = WindowResult(f"{sc.label} x{L}", res, best_baseline(res, miss_usd), world.N)
@@ -97,6 +97,10 @@ def evaluate_gate(scenarios: list[Scenario], loads: list[int], candidates: dict[
                 echo(f"gate {wr.label}: best baseline {wr.best_baseline} "
                      f"({wr.result(wr.best_baseline).metrics['cost_per_1k_requests']:.4f} USD/1k); cost x best: {parts}")
     return out
+
+
+def _maker(cfg: CapacityConfig, weights: PlannerWeights, name: str) -> Callable[[], Any]:
+    return lambda: LearnedPlanner(cfg.planners, weights, name=name)
 
 
 @dataclass

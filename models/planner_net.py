@@ -149,7 +149,7 @@ def save_planner(weights: PlannerWeights, directory: str | Path) -> Path:
             "context_features": list(CONTEXT_FEATURES), "n_layers": len(weights.layers),
             "knobs": asdict(weights.knobs), **{k: v for k, v in weights.meta.items() if k not in ("format",)}}
     (d / META_FILE).write_text(json.dumps(meta, indent=2, default=float))
-    arrays = {}
+    arrays: dict[str, Any] = {}
     for k, (w, b) in enumerate(weights.layers):
         arrays[f"w{k}"], arrays[f"b{k}"] = np.asarray(w, dtype=np.float64), np.asarray(b, dtype=np.float64)
     np.savez(d / WEIGHTS_FILE, **arrays)

@@ -344,8 +344,8 @@ SEARCH_SPACE: tuple[tuple[str, float, float], ...] = (
 
 
 def knobs_at(u: np.ndarray, base: Knobs) -> Knobs:
-    return replace(base, **{n: float(lo + (hi - lo) * float(np.clip(v, 0.0, 1.0)))
-                            for (n, lo, hi), v in zip(SEARCH_SPACE, u)})
+    vals: dict[str, Any] = {n: float(lo + (hi - lo) * float(np.clip(v, 0.0, 1.0))) for (n, lo, hi), v in zip(SEARCH_SPACE, u)}
+    return replace(base, **vals)
 
 
 def unit_of(k: Knobs) -> np.ndarray:

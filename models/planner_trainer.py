@@ -491,7 +491,7 @@ def run_planner_training(cfg: PlannerTrainConfig, telemetry: str | Path | None =
         echo(f"gate: {'PASSED' if decision.passed else 'refused'}: {decision.reason}")
         table = markdown(gate_runs, list(candidates))
         _log_gate(gate_runs, list(candidates), table, decision, ablation, out_dir, cfg.data.gate_seeds)
-        mlflow.log_dict(trials, "trials.json")
+        mlflow.log_dict({"trials": trials}, "trials.json")
     model_uri, version = _register(cfg, best, decision, ablation, gate_sc[0], cap, uri, echo)
     return PlannerTrainSummary(best, trials, gate_runs, decision, ablation, version, model_uri, uri,
                                time.perf_counter() - t_start, lab)
