@@ -13,7 +13,7 @@ Every epoch, from decision-time information alone (``models.planner_features``):
    probability that a spot pool's instances are preempted within the next few epochs (a sigmoid;
    0 for an on-demand pool), and ``f_p``, a preference (the hindsight oracle's, cloned). The pool's
    *adjustment* is ``a_p = beta f_p - risk_price r_p - hazard_price h_p`` (``h_p``: the decision-time
-   preemption hazard per hour) and its **effective price** ``price_p x exp(a_p)`` -- a pool the scorer
+   preemption hazard per hour) and its **effective price** ``price_p x exp(-a_p)`` -- a pool the scorer
    trusts costs less than its list price, one it distrusts more;
 3. **the allocation** (:func:`allocate`): the integer instances ``x_p`` that minimize
    ``sum_p x_p eff_p horizon_s + price_p launch_s_p new_p`` (a new instance pays its boot; what is
