@@ -46,7 +46,8 @@ from envs import kernels as env_kernels
 # (PF_SURE: the slack above which a miss is certain not to happen -- P(miss) below 1e-30 -- so the router skips its erfc)
 PF_INV_PREFILL, PF_TPOT, PF_GROWTH, PF_SIGMA, PF_HAZARD, PF_PER_INST, PF_CONC, PF_WORK, PF_LAST, PF_SURE = range(10)
 N_PF = 10
-# pool int rows: model, first row, rows, slots per instance, instances accepting work, requests in flight (router's)
+# pool int rows: model, first row, rows that ever held an instance in the window (from the first: rows are taken
+# lowest first), slots per instance, instances accepting work, requests in flight (router's)
 PI_MODEL, PI_ROW0, PI_NROWS, PI_SLOTS, PI_READY, PI_INFLIGHT = range(6)
 N_PI = 6
 # row (instance) float rows: launched (billed from), ready at, terminated at (inf: alive), earliest slot release,
@@ -79,7 +80,7 @@ N_C = 6
 N_P = 10
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _heap_push(ht, hi, ctr, t, i):  # pragma: no cover
     n = ctr[C_HEAP]
     ht[n] = t
@@ -94,7 +95,7 @@ def _heap_push(ht, hi, ctr, t, i):  # pragma: no cover
         n = parent
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _heap_pop(ht, hi, ctr):  # pragma: no cover
     n = ctr[C_HEAP] - 1
     t, i = ht[0], hi[0]
@@ -115,7 +116,7 @@ def _heap_pop(ht, hi, ctr):  # pragma: no cover
     return t, i
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def in_flight_changes(PF, PI, p, now):  # pragma: no cover
     """Integrate pool ``p``'s requests in flight up to ``now``, before the count changes."""
     last = PF[PF_LAST, p]
@@ -124,7 +125,7 @@ def in_flight_changes(PF, PI, p, now):  # pragma: no cover
         PF[PF_LAST, p] = now
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _estimate(est, key, parent, cap, shrink, prior_fraction):  # pragma: no cover
     """The output estimate of a request: its key's decayed mean of completed outputs, shrunk toward
     its model's (``shrink`` pseudo-observations), itself shrunk toward ``prior_fraction x cap``
@@ -137,7 +138,7 @@ def _estimate(est, key, parent, cap, shrink, prior_fraction):  # pragma: no cove
     return e if e < cap else cap
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def slo_missed(QF, i):  # pragma: no cover
     """1.0 when request ``i`` (placed) misses its SLO: TTFT above ``ttft_ms``, the time per output
     token after the first above ``tpot_ms`` (vLLM's definition: (latency - TTFT) / (output - 1)), or
@@ -159,15 +160,15 @@ def slo_missed(QF, i):  # pragma: no cover
 def _against(digest: str) -> tuple[Any, ...]:
     """The kernels that compile ``envs.kernels``' functions into themselves (module docstring)."""
 
-    @njit(cache=True)
-    def route(i, t, QF, QI, PF, PI, pools, n_pools, rtt, est, prm):  # pragma: no cover
-        """The router's choice for request ``i`` at ``t`` among the ``n_pools`` pools in ``pools``
-        (its model's): the best one-step expected reward of those with an instance accepting work and
+    @njit(cache=True, inline='always')
+    def route(i, t, QF, QI, PF, PI, active, m, n_pools, rtt, est, prm):  # pragma: no cover
+        """The router's choice for request ``i`` at ``t`` among the ``n_pools`` pools in ``active[m]``
+        (its model's: the row is read in place, not taken as a view, which would count a reference per
+        request): the best one-step expected reward of those with an instance accepting work and
         an expected wait within the queue timeout (module docstring); -1 when none. Writes the
         estimate into ``QF[QF_EST, i]``."""
         digest  # noqa: B018 (a closure variable, which numba's cache key hashes: module docstring)
-        m = QI[QI_MODEL, i]
-        est_out = _estimate(est, QI[QI_KEY, i], m, QF[QF_MAXOUT, i], prm[P_SHRINK], prm[P_PRIOR])
+        est_out = _estimate(est, QI[QI_KEY, i], QI[QI_MODEL, i], QF[QF_MAXOUT, i], prm[P_SHRINK], prm[P_PRIOR])
         QF[QF_EST, i] = est_out
         r_in = QF[QF_IN, i]
         ttft_ms, tpot_ms, dl = QF[QF_TTFT, i], QF[QF_TPOT, i], QF[QF_DEADLINE, i]
@@ -178,7 +179,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         org = QI[QI_ORIGIN, i]
         best, best_s = -1, -np.inf
         for q in range(n_pools):
-            p = pools[q]
+            p = active[m, q]
             nr = PI[PI_READY, p]
             if nr <= 0:
                 continue
@@ -214,7 +215,7 @@ def _against(digest: str) -> tuple[Any, ...]:
                 best, best_s = p, sc
         return best
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def place(i, p, t, now, prefill_tokens, decode_tokens, keep_first, QF, QI, PF, PI, RF, RI, S, rtt, ht, hi,
               ctr):  # pragma: no cover
         """Run request ``i`` on pool ``p`` from ``t`` (the truth, module docstring): ``prefill_tokens``
@@ -222,27 +223,40 @@ def _against(digest: str) -> tuple[Any, ...]:
         ``keep_first`` (a migrated request whose first token came before its notice). ``now``: when
         the router sends it (``t``, or a migration's notice). Returns its row."""
         digest  # noqa: B018
-        r0, nrows = PI[PI_ROW0, p], PI[PI_NROWS, p]
+        r0, nrows = PI[PI_ROW0, p], PI[PI_NROWS, p]  # (the rows past nrows have never held an instance)
         r = -1
         for x in range(r0, r0 + nrows):
             if RI[RI_STATE, x] == READY and (r < 0 or RF[RF_MIN, x] < RF[RF_MIN, r]):
                 r = x
         s0 = RI[RI_SLOT0, r]
         ns = PI[PI_SLOTS, p]
+        # one pass over the row's slots: the one that frees first (j, the first of equals), its release m1, how
+        # many release at m1, the next release m2 after it, how many are busy past t
         j = s0
+        m1 = S[s0]
+        m2 = np.inf
+        n_eq = 1
+        above = 1 if m1 > t else 0
         for x in range(s0 + 1, s0 + ns):
-            if S[x] < S[j]:
+            v = S[x]
+            if v > t:
+                above += 1
+            if v < m1:
+                m2 = m1
+                m1 = v
                 j = x
-        start = t if S[j] < t else S[j]
-        busy = 0
-        mn = np.inf  # the earliest release among the other slots
-        for x in range(s0, s0 + ns):
-            if x != j:
-                v = S[x]
-                if v > start:
-                    busy += 1
-                if v < mn:
-                    mn = v
+                n_eq = 1
+            elif v == m1:
+                n_eq += 1
+            elif v < m2:
+                m2 = v
+        if m1 < t:  # it starts now: the others busy past t
+            start = t
+            busy = above
+        else:  # it starts when slot j frees: the others busy past then
+            start = m1
+            busy = ns - n_eq
+        mn = m1 if n_eq > 1 else m2  # the earliest release among the other slots
         k = busy / PF[PF_PER_INST, p]
         if k > PF[PF_CONC, p] - 1.0:
             k = PF[PF_CONC, p] - 1.0
@@ -268,7 +282,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         _heap_push(ht, hi, ctr, end, i)
         return r
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def advance(t, QF, QI, PF, PI, est, prm, ht, hi, ctr, acc):  # pragma: no cover
         """Every completion up to ``t`` becomes known: the router's in-flight count drops, the
         estimator learns the output (stale heap entries -- a request moved since -- are skipped);
@@ -304,7 +318,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             settle(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
             m = QI[QI_MODEL, i]
             # behind the router's queue when it holds requests still (first come, first served)
-            p = -1 if ctr[C_BTAIL] > ctr[C_BHEAD] else route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est,
+            p = -1 if ctr[C_BTAIL] > ctr[C_BHEAD] else route(i, t, QF, QI, PF, PI, active, m, n_active[m], rtt, est,
                                                                prm)
             if p < 0:
                 backlog[ctr[C_BTAIL]] = i
@@ -318,7 +332,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         settle(t_stop, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
         return placed
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def settle(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
                acc):  # pragma: no cover
         """The completions up to ``t`` (:func:`advance`), each followed by the router's queue taking
@@ -330,7 +344,7 @@ def _against(digest: str) -> tuple[Any, ...]:
             if ctr[C_BTAIL] > ctr[C_BHEAD]:
                 drain_backlog(te, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active, acc)
 
-    @njit(cache=True)
+    @njit(cache=True, inline='always')
     def drain_backlog(t, QF, QI, PF, PI, RF, RI, S, rtt, est, prm, ht, hi, ctr, backlog, active, n_active,
                       acc):  # pragma: no cover
         """Place the router's queued requests, oldest first, at ``t``: each where :func:`route` finds
@@ -344,7 +358,7 @@ def _against(digest: str) -> tuple[Any, ...]:
         for x in range(head, tail):
             i = backlog[x]
             m = QI[QI_MODEL, i]
-            p = -1 if blocked[m] else route(i, t, QF, QI, PF, PI, active[m], n_active[m], rtt, est, prm)
+            p = -1 if blocked[m] else route(i, t, QF, QI, PF, PI, active, m, n_active[m], rtt, est, prm)
             if p < 0:
                 blocked[m] = True
                 backlog[w] = i

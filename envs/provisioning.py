@@ -115,7 +115,8 @@ class Pools:
 class PlanContext:
     """What a planner knows when the window starts: the pools, the request classes (one per model
     and tenant, with their SLO), the RTT from each origin to each pool, and the requests before the
-    window (``hist_*``: arrival times, classes, inputs, outputs and origins -- all known by then)."""
+    window (``hist_*``: arrival times, classes, inputs, outputs and origins -- known by then; an
+    output not known yet, of a request just before a window that starts mid-stream, is NaN)."""
 
     pools: Pools
     model_names: tuple[str, ...]
@@ -143,7 +144,8 @@ class PlanView:
     ``draining``, ``noticed`` (a spot notice: dying) --, the telemetry at or before ``t``
     (``available``: recorded availability; ``price_h``: an instance's USD per hour, NaN unpriced;
     ``hazard``: preemptions per second, the posterior mean ``xroute/CloudRoute-v0`` uses;
-    ``preemptions``: recorded in the lookback), ``quota_room`` (instances more the quotas allow now;
+    ``preemptions``: recorded in the lookback; ``since_preempt_s``: seconds since the last recorded
+    one, inf when none), ``quota_room`` (instances more the quotas allow now;
     a large number without a quota), ``inflight`` (its requests the router has not seen complete)
     and what its own instances went through in the last epoch (``failed_launches``, ``noticed_last``,
     ``work_s``: the integral over the epoch of its requests in flight there -- over replicas x epoch,
@@ -163,6 +165,7 @@ class PlanView:
     price_h: np.ndarray
     hazard: np.ndarray
     preemptions: np.ndarray
+    since_preempt_s: np.ndarray
     quota_room: np.ndarray
     inflight: np.ndarray
     failed_launches: np.ndarray
@@ -472,7 +475,12 @@ class ProvisionWorld:
         spot = np.array([o.is_spot for o in self.catalog])
         hazard = np.where(spot[None, :], (count + c.risk_prior_per_h * c.risk_prior_h)
                           / (observed + c.risk_prior_h * 3600.0), 0.0)
-        return {"price": price, "avail": avail > 0.5, "count": count, "hazard": hazard}
+        since = np.full((E, n), np.inf)  # seconds since the last recorded preemption (inf: none recorded)
+        for i, d in enumerate(rp.down_times):
+            if d.size:
+                k = np.searchsorted(d, times, side="right")
+                since[:, i] = np.where(k > 0, times - d[np.maximum(k - 1, 0)], np.inf)
+        return {"price": price, "avail": avail > 0.5, "count": count, "hazard": hazard, "since": since}
 
     # ------------------------------------------------------------------ reset
     def reset(self, seed: int | None = None, start_epoch: int = 0, n_epochs: int | None = None) -> PlanContext:
@@ -511,7 +519,7 @@ class ProvisionWorld:
         self.PI = np.zeros((pk.N_PI, P), dtype=np.int64)
         self.PI[pk.PI_MODEL] = self.pools.model
         self.PI[pk.PI_ROW0] = np.arange(P) * R
-        self.PI[pk.PI_NROWS] = R
+        self.PI[pk.PI_NROWS] = 0  # (grows as rows are first taken: _launch)
         self.PI[pk.PI_SLOTS] = self.pools.slots
         self.RF = np.zeros((pk.N_RF, P * R))
         self.RF[pk.RF_END] = -np.inf
@@ -543,6 +551,7 @@ class ProvisionWorld:
         self.g_avail = tel["avail"][:, off]
         self.g_count = tel["count"][:, off]
         self.g_hazard = tel["hazard"][:, off]
+        self.g_since = tel["since"][:, off]
         self._true_spot()
         # per epoch records
         self.e = 0
@@ -626,7 +635,18 @@ class ProvisionWorld:
 
     # ------------------------------------------------------------------ what planners read
     def context(self) -> PlanContext:
+        """What a planner knows at the window's start: the history given, and -- for a window that starts
+        later in the stream (``reset(start_epoch=k)``) -- the stream's requests before it, whose outputs
+        are known only for those that arrived ``estimator.history_lag_s`` before (NaN for the others)."""
         ht, hc, hin, hout, horg = self.hist
+        lo = self.lo
+        if lo > 0:
+            known = self.arrival[:lo] <= self.T0 - self.cfg.estimator.history_lag_s
+            ht = np.concatenate([ht, self.arrival[:lo]])
+            hc = np.concatenate([hc, self.q_class[:lo]])
+            hin = np.concatenate([hin, self.q_in[:lo]])
+            hout = np.concatenate([hout, np.where(known, self.q_out[:lo], np.nan)])
+            horg = np.concatenate([horg, self.q_origin[:lo]])
         return PlanContext(pools=self.pools, model_names=self.model_names, class_names=list(self.class_names),
                            class_model=self.class_model, class_ttft_ms=self.class_ttft, class_tpot_ms=self.class_tpot,
                            rtt_ms=self.rtt_ms, epoch_s=self.dt, n_epochs=self.E, t0=self.T0,
@@ -646,7 +666,8 @@ class ProvisionWorld:
             t=T, epoch=self.e, launching=self.count[pk.LAUNCHING].copy(), ready=self.count[pk.READY].copy(),
             draining=self.count[pk.DRAINING].copy(), noticed=self.count[pk.NOTICED].copy(),
             available=self.g_avail[e].copy(), price_h=self.g_price[e].copy(), hazard=self.g_hazard[e].copy(),
-            preemptions=self.g_count[e].copy(), quota_room=self._quota_room(T), inflight=self.PI[pk.PI_INFLIGHT].copy(),
+            preemptions=self.g_count[e].copy(), since_preempt_s=self.g_since[e].copy(), quota_room=self._quota_room(T),
+            inflight=self.PI[pk.PI_INFLIGHT].copy(),
             failed_launches=self._last_failed.copy(), noticed_last=self._last_noticed.copy(),
             work_s=self._last_busy.copy(), arr_t=self.QF[pk.QF_T, :k], arr_class=self.q_class[lo:lo + k],
             arr_in=self.QF[pk.QF_IN, :k], arr_origin=self.QI[pk.QI_ORIGIN, :k], out_mean=out_mean,
@@ -874,6 +895,9 @@ class ProvisionWorld:
             held, busy = self._held_busy(np.array([r]), T)
             self.tot += (held[0], busy[0], held[0] * self.pools.gpus[p], held[0] * self.pools.is_spot[p])
         ready = T if warm else T + float(self.pools.launch_s[p])
+        used = r - p * self.R + 1
+        if used > self.PI[pk.PI_NROWS, p]:
+            self.PI[pk.PI_NROWS, p] = used
         self.RF[pk.RF_LAUNCH, r] = T
         self.RF[pk.RF_READY, r] = ready
         self.RF[pk.RF_END, r] = np.inf
@@ -972,7 +996,7 @@ class ProvisionWorld:
                 done_in = r_in
                 done_out = float(min(max(math.floor((ran - pf) / tp), 0), max(out - 1.0, 0.0))) if tp > 0 else 0.0
             m = int(QI[pk.QI_MODEL, i])
-            tgt = pk.route(i, t_mig, QF, QI, self.PF, PI, self.active[m], self.n_active[m], self.rtt_ms,
+            tgt = pk.route(i, t_mig, QF, QI, self.PF, PI, self.active, m, self.n_active[m], self.rtt_ms,
                            self.est, self.prm)
             if tgt < 0:  # nowhere to go yet: it waits for an instance (and re-runs from scratch there)
                 self.backlog[self.ctr[pk.C_BTAIL]] = i

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ import pandas as pd
 
 from envs.provisioning import ProvisionWorld
 from models.evaluate import t_interval
-from models.planners import HindsightOracle, make_planner
+from models.planner_policy import planner_factory
+from models.planners import HindsightOracle
 from xroute.bundle import Bundle
 from xroute.config import CapacityConfig
 from xroute.errors import ConfigError
@@ -88,17 +90,20 @@ def run_planner(world: ProvisionWorld, planner: Any, seed: int) -> PlannerRun:
 
 
 def evaluate_capacity(bundle: Bundle, planners: list[str], cfg: CapacityConfig, history: pd.DataFrame | None,
-                      seeds: int | None = None, versus: str | None = None, progress: bool = False
-                      ) -> tuple[list[PlannerResult], ProvisionWorld]:
-    """Run every planner for ``seeds`` seeds and compare them (module docstring)."""
+                      seeds: int | None = None, versus: str | None = None, progress: bool = False,
+                      factories: dict[str, Callable[[], Any]] | None = None) -> tuple[list[PlannerResult], ProvisionWorld]:
+    """Run every planner for ``seeds`` seeds and compare them (module docstring). A planner is a
+    baseline's name, a learned planner's URI or export directory
+    (``models.planner_policy.planner_factory``), or a name of ``factories`` (a new planner per seed)."""
     n = cfg.seeds if seeds is None else seeds
     world = ProvisionWorld(bundle, cfg.world, history=history)
+    makers = {name: (factories or {}).get(name) or planner_factory(name, cfg.planners) for name in planners}
     results: list[PlannerResult] = []
     for name in planners:
         t0 = time.perf_counter()
         runs = []
         for s in range(n):
-            runs.append(run_planner(world, make_planner(name, cfg.planners), cfg.seed + s))
+            runs.append(run_planner(world, makers[name](), cfg.seed + s))
             if progress:
                 print(f"evaluate --capacity: {name} seed {s + 1}/{n}", flush=True)
         res = PlannerResult(runs[0].name, runs, wall_s=round(time.perf_counter() - t0, 2))

@@ -1,4 +1,5 @@
-"""``xroute train`` and ``xroute promote`` (registered on the app in ``xroute_app/cli.py``).
+"""``xroute train``, ``xroute train-planner`` and ``xroute promote`` (registered on the app in
+``xroute_app/cli.py``).
 
 Plain functions with typer annotations; user errors raise ``XrouteError`` subclasses, which the
 ``xroute`` entry point prints as one line with exit code 2.
@@ -64,6 +65,45 @@ def train(
     if uri.startswith("sqlite:///"):
         typer.echo(f"MLflow UI: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
     typer.echo(f"train wall time: {summary.wall_s / 60:.1f} min")
+
+
+def train_planner(
+    config: Annotated[Path | None, typer.Option(help="planner config YAML (default configs/planner.yaml)")] = None,
+    telemetry: Annotated[Path | None, typer.Option(help="one bundle directory for training, selection and the gate "
+                                                        "(default: the config's bundles)")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster, HOST:PORT or 'auto' (default: a "
+                                                         "new local Ray instance of this run)")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="where Tune results, the MLflow store and exports go "
+                                                      "(default: the config's run_dir)")] = None,
+) -> None:
+    """Train the learned capacity planner (docs/capacity.md): Ray Tune trials on the training bundles'
+    train windows (the oracle's plans and the spot traces' outcomes as labels, then a cost-sensitive
+    search of its knobs), selection on validation windows, the gate on test windows no training or
+    selection saw; the best registered in MLflow as xroute-planner, alias 'challenger'."""
+    from models.config import load_planner_config
+
+    overrides: dict[str, object] = {}
+    if run_dir is not None:
+        overrides["run_dir"] = str(run_dir)
+    cfg = load_planner_config(config, overrides)
+
+    from models import planner_gate
+    from models.planner_trainer import CHALLENGER, run_planner_training
+
+    s = run_planner_training(cfg, telemetry=telemetry, ray_address=ray_address, echo=typer.echo)
+    names = [CHALLENGER] + ([s.ablation.candidate] if s.ablation is not None else [])
+    typer.echo("\nthe gate (test windows no training or selection saw; paired by seed, 95 % intervals):")
+    typer.echo(planner_gate.markdown(s.gate, names))
+    d = s.decision
+    typer.echo(f"gate {'PASSED' if d.passed else 'REFUSED'}: {d.reason}")
+    if s.ablation is not None:
+        typer.echo(f"ablation: {s.ablation.candidate}: pooled cost x best baseline {planner_gate._fmt(s.ablation.pooled)}")
+    reg = cfg.mlflow.registered_model
+    typer.echo(f"model: models:/{reg}@challenger (v{s.registered_version}); next: xroute promote --model {reg}"
+               + ("" if d.passed else " (it will refuse: the gate did not pass)"))
+    if s.tracking_uri.startswith("sqlite:///"):
+        typer.echo(f"MLflow UI: mlflow ui --backend-store-uri {s.tracking_uri} --host 127.0.0.1")
+    typer.echo(f"train-planner wall time: {s.wall_s / 60:.1f} min")
 
 
 def promote(

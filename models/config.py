@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from xroute.config import EvaluateConfig, Strict, config_path, load_config, parse_config, read_yaml
+from xroute.config import CapacityConfig, EvaluateConfig, Strict, config_path, load_config, parse_config, read_yaml
 from xroute.errors import ConfigError
 
 
@@ -276,3 +276,125 @@ def load_train_config(path: str | Path | None = None, overrides: dict[str, Any] 
         data, source = read_yaml(path), str(path)
     data = {**data, **(overrides or {})}
     return parse_config(TrainConfig, data, source)
+
+
+# ------------------------------------------------------------------------------------------ the planner
+class PlannerDataConfig(Strict):
+    """What ``xroute train-planner`` learns from, selects on and is judged on (bundles as in
+    :class:`DataConfig`): the training bundles' *train* windows, the selection bundles' *validation*
+    windows, the gate bundles' *test* windows -- none of which the earlier ones saw."""
+
+    train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "asia", "mooncake"], min_length=1)
+    loads: list[int] = Field(default_factory=lambda: [1, 2, 4], min_length=1,
+                             description="load_scale of the training episodes (one world per bundle and load)")
+    selection: list[str] = Field(default_factory=lambda: ["mar2024", "feb2024", "default"], min_length=1)
+    selection_loads: list[int] = Field(default_factory=lambda: [1, 4], min_length=1)
+    selection_seeds: int = Field(2, ge=1, le=50)
+    gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
+    gate_loads: list[int] = Field(default_factory=lambda: [1, 4], min_length=1)
+    gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate window (paired intervals need two)")
+
+    @field_validator("loads", "selection_loads", "gate_loads")
+    @classmethod
+    def _loads(cls, v: list[int]) -> list[int]:
+        if any(x < 1 or x > 100 for x in v):
+            raise ValueError("every load must be in 1..100 (the stream that many times over)")
+        return v
+
+
+class PlannerLabelsConfig(Strict):
+    """The labels (``models.planner_train.collect_labels``): the oracle's plans and the traces' outcomes."""
+
+    episodes: int = Field(40, ge=0, description="training episodes the hindsight oracle plans (0: no network)")
+    episode_epochs: int = Field(15, ge=2, le=1000, description="epochs per training episode")
+    horizon_epochs: int = Field(5, ge=1, description="the oracle's capacity share is taken over this many epochs")
+    risk_epochs: int = Field(10, ge=1, description="the risk head predicts a preemption within this many epochs")
+
+
+class PlannerFitConfig(Strict):
+    """The scorer's fit (``models.planner_train.fit_scorer``)."""
+
+    hidden: list[int] = Field(default_factory=lambda: [64, 64], min_length=1)
+    epochs: int = Field(150, ge=0)
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    holdout: float = Field(0.2, ge=0, lt=1, description="share of the labelled episodes held out to choose the epoch")
+    risk_weight: float = Field(1.0, ge=0, description="weight of the risk head's loss beside the cloning loss")
+
+
+class PlannerSearchConfig(Strict):
+    """The cost-sensitive fine-tune (``models.planner_train.search_knobs``): the cross-entropy method
+    over the allocator's knobs on training episodes."""
+
+    iterations: int = Field(5, ge=0)
+    population: int = Field(10, ge=2)
+    episodes: int = Field(8, ge=1, description="training episodes each candidate plays, per iteration")
+    elite: float = Field(0.3, gt=0, le=1)
+    slo_miss_usd: float = Field(0.02, ge=0, description="the objective's price of one request that misses its SLO "
+                                                        "(USD, beside the held cost)")
+    hazard_floors: list[float] = Field(
+        default_factory=lambda: [0.0, 0.5, 1.0], min_length=1,
+        description="after the search, each trial tries its knobs with hazard_price raised to at least each of these "
+                    "(the training traces rarely show how a pool with an extreme recorded hazard ends) ...")
+    hedge_floors: list[float] = Field(default_factory=lambda: [0.0, 0.5], min_length=1,
+                                      description="... with hedge raised to at least each of these ...")
+    keep_launching: list[bool] = Field(default_factory=lambda: [False, True], min_length=1,
+                                       description="... and with keep_launching each of these, on the selection "
+                                                   "windows, and keeps the best variant (selection_criterion)")
+    selection_criterion: Literal["worst", "mean"] = Field(
+        "worst", description="a variant's (and a trial's) score on the selection windows: the worst window's mean "
+                             "ln(penalized cost / best baseline's) -- as the gate, which refuses a loss anywhere -- or "
+                             "the mean over the windows")
+
+    @field_validator("hazard_floors", "hedge_floors")
+    @classmethod
+    def _floors(cls, v: list[float]) -> list[float]:
+        if any(x < 0 for x in v):
+            raise ValueError("every floor must be >= 0")
+        return v
+
+
+class PlannerTrialsConfig(Strict):
+    """Ray Tune's grid: one trial per seed and scorer (``network``: the fitted scorer; ``none``: the
+    zero network, the knobs searched alone -- the ablation)."""
+
+    seeds: list[int] = Field(default_factory=lambda: [0, 1], min_length=1)
+    scorers: list[Literal["network", "none"]] = Field(default_factory=lambda: ["network", "none"],  # type: ignore[arg-type]
+                                                      min_length=1)
+
+
+class PlannerTrainConfig(Strict):
+    """``configs/planner.yaml``: ``xroute train-planner`` (``models.planner_trainer``)."""
+
+    run_dir: str = Field("runs", description="Tune results, the MLflow store and exports (relative to the working "
+                                             "directory)")
+    capacity_config: str = Field("capacity.yaml", description="the world and the baselines (under configs/)")
+    seed: int = 0
+    split: SplitConfig = SplitConfig()
+    data: PlannerDataConfig = PlannerDataConfig()
+    labels: PlannerLabelsConfig = PlannerLabelsConfig()
+    fit: PlannerFitConfig = PlannerFitConfig()
+    search: PlannerSearchConfig = PlannerSearchConfig()
+    trials: PlannerTrialsConfig = PlannerTrialsConfig()
+    ray: RayConfig = RayConfig()
+    mlflow: MlflowConfig = MlflowConfig(experiment="xroute-planner", registered_model="xroute-planner")
+
+    def run_path(self) -> Path:
+        return Path(self.run_dir).expanduser().resolve()
+
+    def capacity_settings(self) -> CapacityConfig:
+        path = config_path(self.capacity_config)
+        if not path.exists():
+            raise ConfigError(f"planner config: field 'capacity_config': {path} not found")
+        return load_config(CapacityConfig, path)
+
+
+def load_planner_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PlannerTrainConfig:
+    """``configs/planner.yaml`` (or ``path``), validated; ``overrides`` are merged at the top level."""
+    if path is None:
+        default = config_path("planner.yaml")
+        data, source = (read_yaml(default), str(default)) if default.exists() else ({}, "planner config")
+    else:
+        data, source = read_yaml(path), str(path)
+    data = {**data, **(overrides or {})}
+    return parse_config(PlannerTrainConfig, data, source)

@@ -80,9 +80,10 @@ def class_profile(ctx: PlanContext, view: PlanView | None = None) -> ClassProfil
         org = np.concatenate([org, view.arr_origin])
     n = np.bincount(cls, minlength=C).astype(float)
     mean_in = np.bincount(cls, weights=inp, minlength=C) / np.maximum(n, 1.0)
-    hn = np.bincount(ctx.hist_class, minlength=C).astype(float)
-    mean_out = np.where(hn > 0, np.bincount(ctx.hist_class, weights=ctx.hist_out, minlength=C) / np.maximum(hn, 1.0),
-                        np.nan)
+    done = np.isfinite(ctx.hist_out)  # (NaN: a request whose output is not known yet)
+    hn = np.bincount(ctx.hist_class[done], minlength=C).astype(float)
+    mean_out = np.where(hn > 0, np.bincount(ctx.hist_class[done], weights=ctx.hist_out[done], minlength=C)
+                        / np.maximum(hn, 1.0), np.nan)
     if view is not None:
         mean_out = np.where(np.isfinite(view.out_mean), view.out_mean, mean_out)
     mean_in = np.where(n > 0, mean_in, 1000.0)  # (a class nothing is known of: a nominal request)
@@ -562,7 +563,9 @@ class HindsightOracle(_Base):
                         tg[s, j] += add
         self._plan = np.zeros((E, pl.n), dtype=np.int64)
         self._plan[:, pools] = np.minimum(tg, ctx.max_instances).astype(np.int64)
-        self.planned_x = x
+        #: the instances it plans to have serving in each epoch, per pool (E, P): what the learned planner imitates
+        self.planned_x = np.zeros((E, pl.n))
+        self.planned_x[:, pools] = x
 
     def plan(self, view: PlanView) -> np.ndarray:
         return self._plan[min(view.epoch, self._plan.shape[0] - 1)].copy()

@@ -118,13 +118,14 @@ def signature() -> ModelSignature:
                         ColSpec("double", "score"), ColSpec(vec, "scores")]))
 
 
-def stage_code(dst: str | Path) -> list[str]:
-    """Copy :data:`INFERENCE_MODULES` into ``dst`` as packages (``dst/envs/kernels.py`` ...), each
-    package with a marker ``__init__``; returns the package directories, MLflow's ``code_paths``
-    (it copies each under the model's ``code/`` and puts that first on ``sys.path`` at load)."""
+def stage_code(dst: str | Path, modules: tuple[str, ...] = INFERENCE_MODULES) -> list[str]:
+    """Copy ``modules`` (default :data:`INFERENCE_MODULES`) into ``dst`` as packages
+    (``dst/envs/kernels.py`` ...), each package with a marker ``__init__``; returns the package
+    directories, MLflow's ``code_paths`` (it copies each under the model's ``code/`` and puts that
+    first on ``sys.path`` at load)."""
     root = Path(dst)
     tops: list[str] = []
-    for name in INFERENCE_MODULES:
+    for name in modules:
         *pkgs, mod = name.split(".")
         d = root.joinpath(*pkgs)
         d.mkdir(parents=True, exist_ok=True)
@@ -138,7 +139,7 @@ def stage_code(dst: str | Path) -> list[str]:
     return [str(root / t) for t in sorted(tops)]
 
 
-def pip_requirements() -> list[str]:
+def pip_requirements(names: tuple[str, ...] = REQUIREMENTS) -> list[str]:
     """What the model needs from PyPI to load and score: the MLflow client it was logged with
     (``mlflow-skinny``, pinned: the model format is MLflow's) and :data:`REQUIREMENTS` at the
     ranges xroute's own metadata gives them."""
@@ -147,8 +148,8 @@ def pip_requirements() -> list[str]:
     except PackageNotFoundError:
         raise RuntimeError("logging a router model needs xroute installed (pip install -e .): its "
                            "requirement ranges come from the package metadata") from None
-    ranges = {r.name: str(r) for r in ours if r.name in REQUIREMENTS and r.marker is None}
-    missing = [n for n in REQUIREMENTS if n not in ranges]
+    ranges = {r.name: str(r) for r in ours if r.name in names and r.marker is None}
+    missing = [n for n in names if n not in ranges]
     if missing:
         raise RuntimeError(f"xroute's metadata does not require {', '.join(missing)}; reinstall it (pip install -e .)")
-    return [f"mlflow-skinny=={version('mlflow-skinny')}", *(ranges[n] for n in REQUIREMENTS)]
+    return [f"mlflow-skinny=={version('mlflow-skinny')}", *(ranges[n] for n in names)]

@@ -249,8 +249,23 @@ def test_the_servers_caches_do_change_outcomes_and_the_oracle(prefix_bundle: Any
 # is changed -- the later requests' sizes and noise, the outputs of the requests still in flight at k (longer
 # still), when later spot notices and preemptions come, where later launches find capacity. A planner of the
 # past plans the same up to and including epoch k; the hindsight oracle, which plans on the whole window, does not.
-PLANNERS = ("static-ondemand", "autoscaler", "spothedge", "melange")
+PLANNERS = ("static-ondemand", "autoscaler", "spothedge", "melange", "learned")
 EPOCHS = (3, 7)
+
+
+def _make_planner(name: str) -> Any:
+    """A planner by name; ``learned``: the learned planner with a random network reaching every feature
+    (``tests.test_planner_learned.random_weights``) and every knob that reads the past in use -- the
+    stabilization window, the hazard and risk prices, the hedge, the cooldown."""
+    from models.planner_policy import LearnedPlanner
+    from models.planners import make_planner
+
+    if name == "learned":
+        from tests.test_planner_learned import random_weights
+
+        return LearnedPlanner(None, random_weights(4, margin=0.05, beta=1.0, risk_price=1.0, hazard_price=0.3,
+                                                   hedge=0.3, stabilization_s=180.0, cooldown=2))
+    return make_planner(name)
 
 
 def _planner_world(bundle: Any) -> Any:
@@ -282,9 +297,8 @@ def _world_future_changed(w: Any, k: int, rng: np.random.Generator, ends: np.nda
 def _plan_run(w: Any, name: str, change_at: int | None = None, ends: np.ndarray | None = None
               ) -> tuple[list[list[int]], np.ndarray, dict[str, Any]]:
     from envs import provision_kernels as pk
-    from models.planners import make_planner
 
-    planner = make_planner(name)
+    planner = _make_planner(name)
     ctx = w.reset(seed=5)
     if change_at is not None:
         assert ends is not None

@@ -172,6 +172,36 @@ def test_full_pools_queue_requests_at_the_router_first_come_first_served(tmp_pat
     assert w.metrics()["backlogged"] == 2
 
 
+def test_the_view_dates_the_last_recorded_preemption(tmp_path: Path) -> None:
+    """``since_preempt_s``: seconds since the trace last recorded the pool out, at each epoch's start
+    (decision time: a record after the epoch's start is not seen); inf where none is recorded."""
+    root = write_capbundle(tmp_path, [{"t": k * 30.0} for k in range(12)],
+                           availability={SPOT: [(-200.0, 0), (-100.0, 1), (90.0, 0), (150.0, 1)]})
+    w = world(root)
+    w.reset(seed=0)
+    p, q = w.pool_index[f"llama-2-7b@{SPOT}"], w.pool_index[f"llama-2-7b@{OD}"]
+    seen = []
+    for _ in range(w.E):
+        v = w.view()
+        seen.append(float(v.since_preempt_s[p]))
+        assert v.since_preempt_s[q] == np.inf
+        w.step({})
+    # epochs start at 0, 60, 120, 180, ...: the record at -200 until the one at 90 s
+    assert seen[:4] == [200.0, 260.0, 30.0, 90.0]
+
+
+def test_a_window_starting_mid_stream_knows_the_stream_before_it(tmp_path: Path) -> None:
+    """``reset(start_epoch=k)``: the planners' history is the stream before the window; the outputs
+    of the requests of the last ``estimator.history_lag_s`` (60 s) are not known yet (NaN)."""
+    root = write_capbundle(tmp_path, [{"t": k * 10.0, "out": 100 + k} for k in range(60)])
+    w = world(root)
+    ctx = w.reset(seed=0, start_epoch=3)  # the window starts at 180 s
+    assert ctx.hist_t.size == 18 and ctx.hist_t.max() == T0S + 170.0
+    known = np.isfinite(ctx.hist_out)
+    assert ctx.hist_t[known].max() == T0S + 120.0 and ctx.hist_out[known].tolist() == [100.0 + k for k in range(13)]
+    assert w.reset(seed=0).hist_t.size == 0  # (from the start: only the history given, here none)
+
+
 def test_bad_plans_name_the_field(tmp_path: Path) -> None:
     root = write_capbundle(tmp_path, [{"t": 0}, {"t": 100}])
     w = world(root)

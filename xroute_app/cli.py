@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cloud_adapters.cli import events_app, telemetry_app
-from models.cli import promote, train
+from models.cli import promote, train, train_planner
 from router.app.cli import export_feedback, export_ope, serve
 from router.app.policy_cli import policies_app
 from router.control.keys import cli as keys_app
@@ -78,7 +78,8 @@ def evaluate(
     swap_seed: Annotated[int, typer.Option(help="which offerings --swap-offerings swaps")] = 0,
     capacity: Annotated[bool, typer.Option("--capacity", help="compare capacity planners in the provisioning world "
                                            "(docs/capacity.md): --policy names planners (static-ondemand, autoscaler, "
-                                           "spothedge, melange, oracle), --config a capacity config (default "
+                                           "spothedge, melange, oracle, or a learned one: "
+                                           "models:/xroute-planner@champion, runs:/..., an export directory), --config a capacity config (default "
                                            "configs/capacity.yaml), --window defaults to test")] = False,
     load_scale: Annotated[int | None, typer.Option(help="with --capacity: the stream this many times over in the same "
                                                    "time, copy j delayed by j/N of an epoch (world.load_scale)")] = None,
@@ -188,13 +189,11 @@ def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str |
     from models import capacity_eval as ce
     from models import evaluate as ev
     from models.config import load_train_config
-    from models.planners import make_planner
+    from models.planner_policy import planner_factory
     from models.scenarios import SPLITS, split_bundle
     from xroute.bundle import load_bundle
     from xroute.config import CapacityConfig, config_path, load_config
 
-    for name in planners:  # (an unknown planner fails before any work)
-        make_planner(name)
     if versus is not None and versus not in planners:
         raise ConfigError(f"--versus: '{versus}' is not one of the --policy options ({', '.join(planners)})")
     cfg_file = config if config is not None else config_path("capacity.yaml")
@@ -210,6 +209,8 @@ def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str |
     if seeds is not None:
         upd["seeds"] = seeds
     cfg = cfg.model_copy(update=upd)
+    # an unknown planner fails before any work; a learned one is read (or downloaded) once
+    factories = {name: planner_factory(name, cfg.planners) for name in dict.fromkeys(planners)}
     if window not in SPLITS:
         raise ConfigError(f"--window: '{window}' is not one of {', '.join(SPLITS)}")
     bundle = load_bundle(telemetry)
@@ -217,7 +218,7 @@ def _evaluate_capacity(planners: list[str], telemetry: Path | None, start: str |
     history = splits.history(window)
     win = splits.bundles[window].window(_ts(start, "--start"), _ts(end, "--end"))
     results, world = ce.evaluate_capacity(win, list(dict.fromkeys(planners)), cfg, history, versus=versus,
-                                          progress=not quiet)
+                                          progress=not quiet, factories=factories)
     span = win.time_span()
     title = (f"xroute evaluate --capacity — {win.path.name}, {window} window {span[0]:%Y-%m-%d %H:%M}–"
              f"{span[1]:%H:%M} UTC, {world.N} requests, rate x{rate_scale:g}, load x{cfg.world.load_scale}, {world.P} pools, "
@@ -332,6 +333,7 @@ def ope_simulate(
 
 # commands owned by the other packages (their modules import only typer at top level)
 app.command()(train)
+app.command("train-planner")(train_planner)
 app.command()(promote)
 app.command()(serve)
 app.command(name="export-feedback")(export_feedback)
