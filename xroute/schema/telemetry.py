@@ -218,6 +218,23 @@ QUOTAS = Table(
     ),
 )
 
+INVENTORY = Table(
+    name="inventory",
+    doc="The instances running in each pool, as the clouds report them (snapshots; each row holds until the "
+    "next of the same offering and model). A pool with rows has as many model replicas as it has running "
+    "instances; a pool without rows keeps the offering's capacity_replicas.",
+    required=False,
+    time_column="ts",
+    order_within=("offering_id", "model"),
+    columns=(
+        Column("ts", "ts"),
+        Column("offering_id", "str"),
+        Column("model", "str", required=False, doc="the model the instances serve (empty: the default model)"),
+        Column("running", "int", minimum=0, doc="instances running and serving"),
+        Column("launching", "int", required=False, minimum=0, doc="instances requested, not serving yet"),
+    ),
+)
+
 #: the bundle's own metadata file (optional): what is not a table
 META_FILE = "bundle.yaml"
 
@@ -237,7 +254,7 @@ class BundleMeta(BaseModel):
 
 
 TABLES: dict[str, Table] = {
-    t.name: t for t in (OFFERINGS, PRICES, AVAILABILITY, RTT, WORKLOAD, UTILIZATION, QUOTAS, THROUGHPUT)
+    t.name: t for t in (OFFERINGS, PRICES, AVAILABILITY, RTT, WORKLOAD, UTILIZATION, QUOTAS, THROUGHPUT, INVENTORY)
 }
 
 
