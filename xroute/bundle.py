@@ -214,6 +214,8 @@ class Bundle:
     quotas: pd.DataFrame | None = None
     #: measured throughput between locations (``throughput`` table; None when absent)
     throughput: pd.DataFrame | None = None
+    #: instances running per pool as the clouds report them (``inventory`` table; None when absent)
+    inventory: pd.DataFrame | None = None
     content_hash: str = ""
     extra: dict[str, pd.DataFrame] = field(default_factory=dict)
     #: ``bundle.yaml`` (``xroute.schema.telemetry.BundleMeta``; defaults when the file is absent)
@@ -419,7 +421,7 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
         raise BundleError(fname["workload"], "has no requests (the workload is empty)")
 
     known = set(offerings["offering_id"])
-    for name in ("prices", "availability", "utilization"):
+    for name in ("prices", "availability", "utilization", "inventory"):
         df = frames[name]
         if df is None:
             continue
@@ -466,7 +468,8 @@ def load_bundle(path: str | Path | None = None, *, workload: pd.DataFrame | None
     check_prefixes(workload, meta, fname["workload"])
     return Bundle(path=root, offerings=offerings, prices=prices, rtt=rtt, workload=workload,
                   availability=frames["availability"], utilization=frames["utilization"],
-                  quotas=frames["quotas"], throughput=frames["throughput"], content_hash=digest.hexdigest()[:16],
+                  quotas=frames["quotas"], throughput=frames["throughput"], inventory=frames["inventory"],
+                  content_hash=digest.hexdigest()[:16],
                   meta=meta)
 
 
