@@ -222,7 +222,8 @@ class RetryBudgetSettings(BaseModel):
 
     enabled: bool = Field(True, description="bound retries by a share of the requests")
     ratio: float = Field(0.2, ge=0, le=100, description="retries at most this share of the requests over the window")
-    min_retries: int = Field(3, ge=0, le=1_000_000, description="... or this many, when that is more")
+    min_retries: int = Field(20, ge=0, le=1_000_000, description="... or this many, when that is more (so a "
+                             "quiet gateway may still retry)")
     window_s: float = Field(10.0, gt=0, le=3600, description="the sliding window the budget counts over")
 
 

@@ -57,16 +57,28 @@ class EjectionView:
         #: what this process may probe (the gateway's servers and pools) and for how long it holds a probe
         self.probe_targets: list[str] = []
         self.lease_s = 0.0
+        #: the reports' answers merged since the shared view's read began (:meth:`reading`)
+        self._since: list[Ejection] | None = None
 
     # ------------------------------------------------------------------ what the state said
+    def reading(self) -> None:
+        """The shared view's read begins: the reports answered until it is applied are kept, and
+        folded in again after it (the read may have been made before them: a pool this process
+        ejected meanwhile must not come back with an older read)."""
+        self._since = []
+
     def apply(self, items: Iterable[Ejection]) -> None:
         """The shared view's read: every target's health (those it does not name are healthy)."""
+        since, self._since = self._since or [], None
         self.health = {}
         self.ends = {}
-        self._fold(items)
+        self._fold([*items, *since])
 
     def merge(self, items: Iterable[Ejection]) -> None:
         """A report's answer: the health of the targets it named."""
+        items = list(items)
+        if self._since is not None:
+            self._since.extend(e for e in items if not e.probe)
         self._fold(items)
 
     def _fold(self, items: Iterable[Ejection]) -> None:

@@ -201,6 +201,7 @@ async def refresh_shared_view(engine: RoutingEngine, state: SharedView, every: f
             quota_keys = engine.quota_plan.keys()  # (the plan changes with the access store: router.control.access_store)
             asked = tick % durations_every == 0
             ej = engine.ejection
+            ej.reading()
             # the ejections with the view: one pipeline on Redis (both queued in this iteration)
             view, ejections = await asyncio.gather(state.view(quota_keys, durations=asked),
                                                    state.ejections(ej.probe_targets, ej.lease_s))
