@@ -101,7 +101,9 @@ def _gateway_setup(tmp: Path, a_url: str, b_url: str, dead_url: str, **gateway: 
                    {"offering_id": W, "base_urls": [f"{a_url}/v1"]}],
         gateway={"origin": "aws:us-east-1", "first_token_timeout_s": 1.0, "idle_timeout_s": 1.0,
                  "response_timeout_s": 2.0, "connect_timeout_s": 1.0, "transcripts_path": str(tmp / "transcripts.db"),
-                 **gateway},
+                 # (each request's retries are what these tests watch: no ejection, no budget --
+                 # tests/test_gateway_ejection.py tests those)
+                 "ejection": {"enabled": False}, "retry_budget": {"enabled": False}, **gateway},
         tenants={"p": {"constraints": {"prefer": [{"offering_ids": [X]}]}},
                  "d": {"constraints": {"prefer": [{"offering_ids": [Z]}]}},
                  "s": {"gateway": {"store_prompts": True}},

@@ -107,7 +107,10 @@ def _setup(tmp: Path, a_url: str, b_url: str, c_url: str) -> RouterSetup:
                    {"offering_id": Z, "base_urls": [dead2]},
                    {"offering_id": W, "base_urls": [f"{c_url}/v1"]}],
         gateway={"origin": "aws:us-east-1", "first_token_timeout_s": 2.0, "idle_timeout_s": 2.0,
-                 "response_timeout_s": 5.0, "connect_timeout_s": 1.0, "upstream_down_s": 0.0, "ttft_ms": 5000},
+                 "response_timeout_s": 5.0, "connect_timeout_s": 1.0, "upstream_down_s": 0.0, "ttft_ms": 5000,
+                 # (each request's retries are what these tests watch: no ejection, no budget --
+                 # tests/test_gateway_ejection.py tests those)
+                 "ejection": {"enabled": False}, "retry_budget": {"enabled": False}},
         tenants={"p": {"constraints": {"prefer": [{"offering_ids": [X]}]}},
                  "y": {"constraints": {"prefer": [{"offering_ids": [Y]}]}},
                  "qz": {"constraints": {"prefer": [{"offering_ids": [Z]}]}, "quotas": quota},

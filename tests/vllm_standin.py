@@ -62,6 +62,8 @@ class StandInConfig:
     api_key: str | None = None
     #: a stream's response ends this long after its ``data: [DONE]`` (a server that lingers)
     linger_s: float = 0.0
+    #: answer every request this HTTP status (a server that keeps failing) when no fault is queued; None: serve
+    fail_status: int | None = None
 
 
 class _Drop(Exception):
@@ -180,6 +182,8 @@ class StandIn:
                               "authorization": _header(scope, b"authorization")})
         self.bodies.append(body)
         fault = self.faults.popleft() if self.faults else None
+        if fault is None and cfg.fail_status is not None:
+            fault = Fault("status", cfg.fail_status)
         if fault is not None and fault.kind == "body":
             raw = fault.body.encode() if isinstance(fault.body, str) else fault.body or b""
             await _send(send, fault.status, raw, b"application/json")

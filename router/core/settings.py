@@ -222,6 +222,40 @@ class Upstream(BaseModel):
         return self
 
 
+class EjectionSettings(BaseModel):
+    """Outlier ejection of the gateway's servers and pools (``router.gateway.health``; docs/gateway.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="eject servers and pools that fail requests in a row")
+    consecutive_failures: int = Field(3, ge=1, le=1000, description="failures in a row (connect errors, 5xx, first "
+                                      "tokens timed out) that eject a server or a pool")
+    base_s: float = Field(30.0, gt=0, le=86_400, description="how long the first ejection lasts; doubled on each "
+                          "ejection in a row")
+    max_s: float = Field(300.0, gt=0, le=86_400, description="the longest an ejection lasts (and how long a target "
+                         "must have been back for its next ejection to start again at base_s)")
+
+    @field_validator("max_s")
+    @classmethod
+    def _at_least_base(cls, v: float, info: ValidationInfo) -> float:
+        base = info.data.get("base_s")
+        if base is not None and v < base:
+            raise ValueError(f"must be at least base_s ({base})")
+        return v
+
+
+class RetryBudgetSettings(BaseModel):
+    """The gateway's retry budget (Envoy's ``retry_budget``; ``router.gateway.health.RetryBudget``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="bound retries by a share of the requests")
+    ratio: float = Field(0.2, ge=0, le=100, description="retries at most this share of the requests over the window")
+    min_retries: int = Field(20, ge=0, le=1_000_000, description="... or this many, when that is more (so a "
+                             "quiet gateway may still retry)")
+    window_s: float = Field(10.0, gt=0, le=3600, description="the sliding window the budget counts over")
+
+
 class GatewaySettings(BaseModel):
     """The OpenAI-compatible gateway (``router.gateway``; ``docs/gateway.md``)."""
 
@@ -260,6 +294,10 @@ class GatewaySettings(BaseModel):
                                         "other models: the estimate in docs/gateway.md")
     transcripts_path: Path = Field(Path("runs/router/transcripts.db"), description="where the prompts and "
                                    "completions of tenants with store_prompts are kept (SQLite)")
+    ejection: EjectionSettings = Field(default_factory=EjectionSettings, description="outlier ejection of servers "
+                                       "and pools")
+    retry_budget: RetryBudgetSettings = Field(default_factory=RetryBudgetSettings, description="the share of "
+                                              "requests that may be retried")
 
 
 class InferenceMetrics(BaseModel):

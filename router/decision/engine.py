@@ -36,6 +36,7 @@ from router.core.settings import RouterSettings
 from router.core.startup import CLOCK
 from router.decision import kernels, ope_log
 from router.decision.access import AccessControl
+from router.decision.ejections import POOL, EjectionView
 from router.decision.model_slot import ActivePolicy, PolicySlot
 from router.decision.quotas import QuotaPlan, QuotaView, quota_failure
 from router.decision.stages import EXPLAIN, ROUTE, RULES, Decision, RouteFailure, Stage, Unattainable, _num
@@ -299,6 +300,8 @@ class RoutingEngine:
         #: ``release_local``, or when their hold passes), per pool and by id; the shared view's
         #: in-flight work beyond these is other routers' (``apply_shared_view``)
         self.own_held = np.zeros((env.M, self.n), dtype=np.int64)
+        #: the ejected pools and servers (``router.decision.ejections``; the shared view's loop keeps it)
+        self.ejection = EjectionView(self.pool_index, (env.M, self.n))
         self._own: dict[str, tuple[int, int, float]] = {}
         self._own_due: list[tuple[float, str]] = []
         #: telemetry seconds per wall second (a replay's speed; 1 live)
@@ -1035,13 +1038,23 @@ class RoutingEngine:
         usd, available, valid, slots = p["usd_per_hour"], p["available"], p["valid"], p["slots"]
         busy, nxt, util = p["busy"], p["next_free_in_s"], p["external_util"]
         keys = self.pool_keys[m]
-        rows = [{"offering": self.refs[i], "usd_per_hour": _num(usd[i]) if np.isfinite(usd[i]) else None,
-                 "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
-                 "busy_slots": int(busy[i]), "reserved": None if reserved is None else reserved.get(keys[i], 0),
-                 "next_free_in_s": _num(nxt[i]), "external_util": _num(util[i])}
-                for i in range(self.n)]
+        ejection = self.ejection
+        rows = []
+        for i in range(self.n):
+            left = ejection.left(POOL + keys[i])
+            rows.append({"offering": self.refs[i], "usd_per_hour": _num(usd[i]) if np.isfinite(usd[i]) else None,
+                         "available": bool(available[i]), "valid": bool(valid[i]), "slots": int(slots[i]),
+                         "busy_slots": int(busy[i]), "reserved": None if reserved is None else reserved.get(keys[i], 0),
+                         "next_free_in_s": _num(nxt[i]), "external_util": _num(util[i]),
+                         "ejected": left is not None, "ejected_for_s": None if left is None else round(left, 3)})
+        ejections = []
+        for target, e in sorted(ejection.health.items()):
+            left = ejection.left(target)
+            ejections.append({"target": target, "ejected": left is not None,
+                              "ejected_for_s": None if left is None else round(left, 3),
+                              "consecutive_failures": e.failures, "ejections": e.ejections})
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
-                "prefix_block_tokens": self.block_tokens, "offerings": rows}
+                "prefix_block_tokens": self.block_tokens, "offerings": rows, "ejections": ejections}
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode

@@ -17,6 +17,7 @@ stage              what it does                                                 
 ``constraints``    the tenant's and the request's allow/deny/prefer (``tenant:``, ``request:``)  422 no_offering
 ``access``         regions the caller may not use for the model (``permission``)            403 (a permission it lacks)
 ``pool_events``    pools masked by a preemption, drain or degradation (``pool_event``)      429 no_capacity
+``ejected``        pools the gateways' outlier ejection took out (``upstream_ejected``)     429 no_capacity
 ``prepare``        the tenant's USD budget and the prefix affinity, as the environment takes them
 ``environment``    the request made current: expectations on every offering, its mask       422 unknown_model
 ``policies``       the routing policies' mask (``policy:<name>``) and bias; a notice's region bias  422 no_offering
@@ -37,6 +38,7 @@ instead (``strict`` False). ``GET /metrics`` has each stage's time (``xroute_rou
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +278,37 @@ class PoolEvents(Stage):
             raise RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
                                "(a preemption, a drain or a degradation: docs/migration.md)",
                                headers={"Retry-After": "5"}, extra={"excluded": d.ccounts})
+
+
+class Ejected(Stage):
+    """Pools the gateways' outlier ejection took out (``router.decision.ejections``: failing in a
+    row, in the shared state; reason ``upstream_ejected``), read from this process's view of it --
+    no round trip. A half-open pool whose probe this process holds is let through to one decision."""
+
+    name = "ejected"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        ej = e.ejection
+        if ej.keep is None and not ej.ready:
+            return
+        env = e.env
+        m = env.default_model if d.req.model is None else env.model_index.get(d.req.model, -1)
+        if m < 0:  # (an unknown model: the environment's stage says so)
+            return
+        route = d.trace is None and d.strict
+        keep = ej.offer(m, d.allowed, d.decision_id) if route else (None if ej.keep is None else ej.keep[m])
+        if keep is None:
+            return
+        hidden = int((d.allowed & ~keep).sum())
+        if not hidden:
+            return
+        d.narrow(keep, "upstream_ejected", hidden)
+        if not d.allowed.any() and d.strict:
+            raise RouteFailure(429, "no_capacity", "every allowed offering's pool is ejected: its servers failed "
+                               "requests in a row (docs/gateway.md, \"Outlier ejection\")",
+                               headers={"Retry-After": str(math.ceil(ej.retry_after_s(m)))},
+                               extra={"excluded": d.ccounts})
 
 
 class Prepare(Stage):
@@ -635,8 +668,8 @@ class Explore(Stage):
 
 
 #: the stages of a route, in order (module docstring)
-ROUTE: tuple[type[Stage], ...] = (Validate, ConstraintLayers, Access, PoolEvents, Prepare, Environment, Policies,
-                                  Feasibility, Predict, Score, Pin, Explore)
+ROUTE: tuple[type[Stage], ...] = (Validate, ConstraintLayers, Access, PoolEvents, Ejected, Prepare, Environment,
+                                  Policies, Feasibility, Predict, Score, Pin, Explore)
 #: what ``POST /v1/explain`` runs: every stage that excludes, none that ranks
 EXPLAIN: tuple[type[Stage], ...] = ROUTE[:ROUTE.index(Feasibility) + 1]
 #: the rules alone (the migration sweep, the dry run): the constraint layers and the policies at full headroom

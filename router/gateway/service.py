@@ -48,6 +48,7 @@ from router.core.metrics import LoopCounter, LoopHistogram
 from router.core.text import one_line
 from router.decision.engine import RouteFailure
 from router.gateway.exchange import Exchange, Outcome
+from router.gateway.health import GatewayHealth
 from router.gateway.openai_api import Kind, openai_error, parse_body
 from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, prompt_chars, prompt_parts
 from router.gateway.transcripts import TranscriptStore
@@ -55,6 +56,7 @@ from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, 
 from router.service.admission import route_decision
 from router.service.outcomes import close_the_loop, feedback_row, settle_quota
 from router.service.services import Services
+from router.state.base import pool_key
 from router.store.sqlite import DecisionRef, StoreClosed
 from xroute.errors import ConfigError
 from xroute.schema.decision import FeedbackRequest, RouteRequest
@@ -138,6 +140,11 @@ class Attempt:
     offering_id: str
     ref: DecisionRef
     exchange: Exchange | None = None
+    #: its pool's ejection target; whether it is the pool's half-open probe
+    pool: str = ""
+    probe: bool = False
+    #: the servers it reached before the last one (each refused the connection), with their outcomes
+    refused: list[tuple[str, Outcome]] = field(default_factory=list)
 
 
 class GatewayMetrics:
@@ -156,6 +163,9 @@ class GatewayMetrics:
         self.server_retries = LoopCounter("xroute_gateway_server_retries_total", "Requests sent on to another server "
                                           "of the same pool (the same decision) after one refused the connection",
                                           ("offering_id",), registry)
+        self.budget_exhausted = LoopCounter("xroute_gateway_retry_budget_exhausted_total", "Failed attempts not "
+                                            "retried because the retry budget was spent (the failure was the answer)",
+                                            ("kind",), registry)
         self.open_streams = 0
         Gauge("xroute_gateway_open_streams", "Streams being relayed now", registry=registry).set_function(
             lambda: self.open_streams)
@@ -206,7 +216,7 @@ class Gateway:
         self.cfg = cfg = settings.gateway
         engine = svc.engine
         self.counter = check_settings(settings, engine)
-        self.upstreams = Upstreams(settings, engine.offering_ids, engine.models)
+        self.upstreams = Upstreams(settings, engine.offering_ids, engine.models, engine.ejection)
         self.tenant_cfg = {name: t.gateway for name, t in settings.tenants.items()}
         self.transcripts = (TranscriptStore(cfg.transcripts_path)
                             if any(t.store_prompts for t in self.tenant_cfg.values()) else None)
@@ -215,6 +225,8 @@ class Gateway:
         self.allow = {m: Rule(offering_ids=sorted(offs)) if len(set(offs)) < engine.n else None
                       for m, offs in self.upstreams.offerings.items()}
         self.metrics = GatewayMetrics(svc.metrics.registry)
+        #: outlier ejection and the retry budget (router.gateway.health)
+        self.health = GatewayHealth(svc.state, engine.ejection, cfg, self.upstreams.pools, svc.metrics.registry)
         self.started = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -332,11 +344,17 @@ class Gateway:
         # however many attempts it takes (the others reserve none); settled once, when the request ends
         admitted = False
         holder: Attempt | None = None
+        budget = self.health.budget
+        if budget is not None:
+            budget.request()
         try:
             while not guard.disconnected:
                 elapsed_ms = (time.perf_counter() - t0) * 1000.0
                 if tried and (len(tried) >= cfg.max_attempts or elapsed_ms >= call.route["ttft_ms"] - 1.0
                               or len(tried) >= len(self.upstreams.offerings[call.model])):
+                    break
+                if tried and budget is not None and not budget.allow():  # (the last failure is the answer)
+                    self.metrics.budget_exhausted.inc(call.kind)
                     break
                 body = self.routing_request(call, elapsed_ms, tried)
                 started = time.perf_counter()
@@ -359,7 +377,7 @@ class Gateway:
                                   body.input_tokens, body.max_output_tokens, body.ttft_ms, body.tpot_ms,
                                   body.deadline_ms, float(answer["expected_cost_usd"]),
                                   *(quota if quota is not None else (None, None)))
-                att = Attempt(len(tried), answer["decision_id"], offering_id, ref)
+                att = self._attempt(len(tried), answer["decision_id"], offering_id, ref, call.model)
                 if quota is not None:
                     holder = att
                 ok = False
@@ -372,9 +390,16 @@ class Gateway:
                     raise
                 ex = att.exchange
                 assert ex is not None
+                reached = att.refused if ex.outcome.error == "servers_ejected" else [
+                    *att.refused, (ex.ep.target, ex.outcome)]
+                learnt = self.health.outcomes(att.pool, reached, ex.outcome)
                 if ok:
+                    if learnt:  # (a success on a target failing or ejected: after the answer)
+                        self._spawn(self.health.report(learnt))
                     settles, holder = holder, None
                     return self._served(call, att, settles)
+                if learnt:  # (a failure: known before the retry is decided)
+                    await self.health.report(learnt)
                 self.finish(call, att, None)  # (the request's quota, if it holds it, is settled when the request ends)
                 failed.append(att)
                 last = ex.outcome
@@ -384,6 +409,15 @@ class Gateway:
         finally:
             if holder is not None:  # no attempt served it: the reservation counts its last outcome
                 self._spawn(self._settle_quota(holder, last))
+
+    def _attempt(self, number: int, decision_id: str, offering_id: str, ref: DecisionRef, model: str) -> Attempt:
+        """An attempt decided: its pool's target, and whether it is the pool's probe (a decision
+        offered the probe went there: ``router.decision.ejections``)."""
+        att = Attempt(number, decision_id, offering_id, ref, pool="pool:" + pool_key(model, offering_id))
+        view = self.svc.engine.ejection
+        if view.tokens:
+            att.probe = view.placed(decision_id, att.pool)
+        return att
 
     def _abandon(self, call: Call, att: Attempt, commit: asyncio.Future[int], e: BaseException, ok: bool,
                  holder: Attempt | None) -> None:
@@ -433,7 +467,12 @@ class Gateway:
         decision: the pool was chosen, and one dead server of it is not the pool's failure."""
         cfg, ups = self.cfg, self.upstreams
         tried: list[Endpoint] = []
-        ep = ups.pick(call.model, att.offering_id)
+        ep = ups.pick(call.model, att.offering_id, att.probe)
+        if ep is None:  # every server of the pool is ejected: the attempt fails at once, nothing sent
+            ex = att.exchange = Exchange(ups, ups.pools[(call.model, att.offering_id)][0], call.kind, b"",
+                                         call.client_model, call.want_usage, guard, started)
+            ex.outcome.error, ex.outcome.retryable, ex.outcome.latency_s = "servers_ejected", True, 0.0
+            return False
         while True:
             ex = att.exchange = Exchange(ups, ep, call.kind, call.body_for(ep.served_model), call.client_model,
                                          call.want_usage, guard, started, keep_text=call.store)
@@ -447,6 +486,7 @@ class Gateway:
             other = ups.other(call.model, att.offering_id, tried)
             if other is None or (time.perf_counter() - call.arrived) * 1000.0 >= call.route["ttft_ms"] - 1.0:
                 return ok
+            att.refused.append((ep.target, ex.outcome))
             self.metrics.server_retries.inc(att.offering_id)
             ep = other
 

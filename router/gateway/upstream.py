@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from router.core.settings import read_secret
+from router.decision.ejections import SERVER, EjectionView
 from xroute.errors import ConfigError
 
 
@@ -42,6 +43,8 @@ class Endpoint:
     in_flight: int = 0
     down_until: float = 0.0
     urls: dict[str, str] = field(default_factory=dict)
+    #: its outlier ejection target (``router.decision.ejections``)
+    target: str = ""
 
     def url(self, kind: str) -> str:
         return self.urls[kind]
@@ -75,15 +78,19 @@ def upstream_pools(settings: Any, offering_ids: list[str], models: list[str]) ->
         pool = pools.setdefault((model, up.offering_id), [])
         for base in up.base_urls:
             pool.append(Endpoint(base, up.served_model or model, headers, up.offering_id,
-                                 urls={"chat": f"{base}/chat/completions", "completion": f"{base}/completions"}))
+                                 urls={"chat": f"{base}/chat/completions", "completion": f"{base}/completions"},
+                                 target=SERVER + base))
     return pools
 
 
 class Upstreams:
     """The servers per (model, offering) (:func:`upstream_pools`) and the HTTP client."""
 
-    def __init__(self, settings: Any, offering_ids: list[str], models: list[str]):
+    def __init__(self, settings: Any, offering_ids: list[str], models: list[str],
+                 ejection: EjectionView | None = None):
         gw = settings.gateway
+        #: the servers ejected (None: none ever are)
+        self.ejection = ejection
         self.pools = upstream_pools(settings, offering_ids, models)
         self._turn: dict[tuple[str, str], int] = {}
         #: model -> the offerings some server of it runs on
@@ -98,10 +105,21 @@ class Upstreams:
             timeout=aiohttp.ClientTimeout(total=None, connect=gw.connect_timeout_s, sock_connect=gw.connect_timeout_s),
             auto_decompress=False, trust_env=False)
 
-    def pick(self, model: str, offering_id: str) -> Endpoint:
-        """The server of the pool to send to: the one with the fewest requests in flight from this
-        gateway among those not marked down (all of them when every one is), ties taken in turn."""
+    def pick(self, model: str, offering_id: str, probe: bool = False) -> Endpoint | None:
+        """The server of the pool to send to: one whose half-open probe this process holds (the
+        probe: ``router.gateway.health``), else the one with the fewest requests in flight from this
+        gateway among those neither ejected nor marked down (all the unejected when every one is
+        down), ties taken in turn. None when every server is ejected -- unless ``probe`` (the
+        attempt is the pool's probe): then the one with the fewest in flight."""
         pool = self.pools[(model, offering_id)]
+        ej = self.ejection
+        if ej is not None and ej.health:
+            live = self._unejected(pool, ej)
+            if isinstance(live, Endpoint):
+                return live
+            if not live:
+                return min(pool, key=lambda e: e.in_flight) if probe else None
+            pool = live
         if len(pool) == 1:
             return pool[0]
         now = time.monotonic()
@@ -111,11 +129,26 @@ class Upstreams:
         n = len(up)
         return min((up[(turn + k) % n] for k in range(n)), key=lambda e: e.in_flight)
 
+    @staticmethod
+    def _unejected(pool: list[Endpoint], ej: EjectionView) -> Endpoint | list[Endpoint]:
+        """A server whose probe this process holds (taken now), else the servers not ejected."""
+        live = []
+        for e in pool:
+            if ej.ejected(e.target):
+                if ej.take(e.target):
+                    return e
+            else:
+                live.append(e)
+        return live
+
     def other(self, model: str, offering_id: str, tried: list[Endpoint]) -> Endpoint | None:
         """The server of the pool to send to after those ``tried`` refused the connection: the one
-        with the fewest requests in flight among the others not marked down; None when there is none."""
+        with the fewest requests in flight among the others neither ejected nor marked down; None
+        when there is none."""
         now = time.monotonic()
-        left = [e for e in self.pools[(model, offering_id)] if e not in tried and e.down_until <= now]
+        ej = self.ejection
+        left = [e for e in self.pools[(model, offering_id)] if e not in tried and e.down_until <= now
+                and (ej is None or not ej.ejected(e.target))]
         return min(left, key=lambda e: e.in_flight) if left else None
 
     def mark_down(self, ep: Endpoint) -> None:

@@ -21,6 +21,13 @@ Contracts (the types are ``router.state.base``'s):
   (lifting the just backlogged); the counters move inside ``admit`` and ``settle`` (their ``fair``).
 * :class:`Idempotency` -- claim, complete, abandon (``StateRestoring`` while a lost state is being
   restored).
+* :class:`Ejections` -- outlier ejection of the gateway's servers and pools: ``report`` folds
+  attempts' outcomes into each target's consecutive failures (the ``after``-th ejects it for an
+  interval doubled on each ejection in a row, up to a cap; ``router.state.base.ejection_step``, the
+  same arithmetic on both backends: ``lua/lib/eject.lua``), ``ejections`` reads them all with the
+  shared view's loop and hands a half-open target's one probe to one caller at a time. Neither is
+  on the decision path: the decisions read the ejected pools from the view the loop keeps
+  (``router.decision.ejections``).
 * :class:`Recovery` -- a server's epoch, the announced restore and the restore of a decision log.
 
 Every operation of a backend with a server may raise ``StateUnavailable`` (the API's 503).
@@ -38,6 +45,8 @@ from router.state.base import (
     Admitted,
     Affinity,
     Claim,
+    Ejection,
+    EjectionRule,
     Epoch,
     Released,
     Reserved,
@@ -97,6 +106,21 @@ class Idempotency(Protocol):
         ...
 
 
+class Ejections(Protocol):
+    """Outlier ejection (module docstring); the targets are opaque strings (the gateway's
+    ``server:<base URL>`` and ``pool:<pool key>``)."""
+
+    async def report(self, outcomes: Sequence[tuple[str, bool]], rule: EjectionRule) -> list[Ejection]:
+        """Fold ``(target, failed)`` outcomes into their records, in order; each target's health
+        after its outcome (``ejected_now``: this report ejected it). One round trip on Redis."""
+        ...
+
+    async def ejections(self, probe: Sequence[str] = (), lease_s: float = 0.0) -> list[Ejection]:
+        """Every target ejected, half-open or with failures counted; the probe of each half-open
+        target of ``probe`` that no one holds becomes the caller's for ``lease_s`` (``probe`` True)."""
+        ...
+
+
 class Recovery(Protocol):
     """A state and the decision logs kept consistent (``router.service.recovery``)."""
 
@@ -150,5 +174,5 @@ class Health(Protocol):
     async def close(self) -> None: ...
 
 
-class SharedState(DecisionState, Idempotency, Recovery, Sessions, Health, Protocol):
+class SharedState(DecisionState, Idempotency, Ejections, Recovery, Sessions, Health, Protocol):
     """Everything the services use of the state (``Services.state``)."""

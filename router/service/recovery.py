@@ -14,14 +14,14 @@ import hashlib
 import math
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from router.core.logs import LOG, iso
 from router.core.settings import RouterSettings
 from router.core.text import one_line, redact
 from router.decision.engine import RoutingEngine
 from router.decision.quotas import quota_events
-from router.service.ports import DecisionState, LogEvent, Recovery
+from router.service.ports import DecisionState, Ejections, LogEvent, Recovery
 from router.state.base import StateUnavailable
 from router.store.readers import decision_events
 from router.store.sqlite import GroupCommitLog
@@ -75,6 +75,10 @@ def log_identity(settings: RouterSettings) -> str:
     else:
         who = f"sqlite:{socket.gethostname()}:{settings.db_path.resolve()}"
     return hashlib.blake2b(who.encode(), digest_size=8).hexdigest()
+
+
+class SharedView(DecisionState, Ejections, Protocol):
+    """What the shared view's loop reads: the decision path's state and the ejections."""
 
 
 class SharedStateSync:
@@ -176,11 +180,14 @@ class SharedStateSync:
                 **counts, "epoch": epoch.id, "epoch_began": iso(epoch.started)}})
 
 
-async def refresh_shared_view(engine: RoutingEngine, state: DecisionState, every: float,
+async def refresh_shared_view(engine: RoutingEngine, state: SharedView, every: float,
                                sync: SharedStateSync | None = None) -> None:
     """Read the shared state's in-flight work and the tenant quotas' usage (every ``every`` s) and
     the observed durations (about once a second) into the engine's view
-    (``RoutingEngine.apply_shared_view``, ``QuotaView.apply``): one ``view`` a tick. While the state
+    (``RoutingEngine.apply_shared_view``, ``QuotaView.apply``), and the outlier ejections into
+    ``RoutingEngine.ejection`` (claiming the probes of the half-open targets this process's gateway
+    may probe: ``router.decision.ejections``): one ``view`` and one ``ejections`` a tick, one
+    pipeline on Redis. While the state
     cannot be read the last view stays (logged once per outage). ``sync``: checked every time
     (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
     noticed within ``every`` -- well inside ``state_restore_window_s``."""
@@ -193,7 +200,12 @@ async def refresh_shared_view(engine: RoutingEngine, state: DecisionState, every
                 await sync.check()
             quota_keys = engine.quota_plan.keys()  # (the plan changes with the access store: router.control.access_store)
             asked = tick % durations_every == 0
-            view = await state.view(quota_keys, durations=asked)
+            ej = engine.ejection
+            ej.reading()
+            # the ejections with the view: one pipeline on Redis (both queued in this iteration)
+            view, ejections = await asyncio.gather(state.view(quota_keys, durations=asked),
+                                                   state.ejections(ej.probe_targets, ej.lease_s))
+            ej.apply(ejections)
             if asked:
                 durations = view.durations
             engine.apply_shared_view(view.in_flight, durations)

@@ -289,3 +289,78 @@ def _check_reserve(candidates: Sequence[tuple[str, int]], hold_s: float, slots: 
 def pool_key(model: str, offering_id: str) -> str:
     """The state's key of a pool: the (model, offering) pair (``docs/env.md``, "Pools")."""
     return f"{model}|{offering_id}"
+
+
+# ------------------------------------------------------------------ outlier ejection
+@dataclass(frozen=True, slots=True)
+class EjectionRule:
+    """When a target (a server, a pool: an opaque string) is ejected (``router.service.ports.Ejections``):
+    after ``after`` consecutive failures, for ``base_s`` seconds, doubled on each ejection in a row
+    (a failed half-open probe, or a new ejection less than ``max_s`` after it came back), at most
+    ``max_s``."""
+
+    after: int
+    base_s: float
+    max_s: float
+
+
+@dataclass(slots=True)
+class Ejection:
+    """A target's health as the state has it: its consecutive failures, the ejections it has had
+    in all, and ``left_s`` -- None: not ejected; > 0: ejected for this long yet; <= 0: its interval
+    is over and it is half-open (one probe lets it back). ``probe``: the caller holds the probe
+    (claimed by this call); ``ejected_now``: the report that answered this ejected it."""
+
+    target: str
+    failures: int
+    ejections: int
+    left_s: float | None
+    probe: bool = False
+    ejected_now: bool = False
+
+
+def check_rule(rule: EjectionRule) -> None:
+    if rule.after < 1:
+        raise ValueError(f"after must be >= 1, got {rule.after}")
+    if not (0 < rule.base_s <= rule.max_s and math.isfinite(rule.max_s)):
+        raise ValueError(f"need 0 < base_s <= max_s (finite), got {rule.base_s!r}, {rule.max_s!r}")
+
+
+def as_ejection(target: str, rec: Sequence[int], now_ms: int, probe: bool = False,
+                ejected_now: bool = False) -> Ejection:
+    """A record (:func:`ejection_step`) as its :class:`Ejection` at ``now_ms``."""
+    return Ejection(target, int(rec[0]), int(rec[2]), (int(rec[3]) - now_ms) / 1000.0 if rec[3] else None, probe,
+                    ejected_now)
+
+
+def ejection_step(rec: list[int], failed: bool, now_ms: int, rule: EjectionRule) -> bool:
+    """One outcome folded into a target's record ``rec`` = ``[failures, streak, ejections, until ms,
+    probe lease ms, back since ms]`` (changed in place; ``until`` 0: not ejected); True when it
+    ejected the target. The Redis script ``lua/lib/eject.lua`` is this function, line for line:
+
+    * ejected (``now < until``): nothing (an attempt decided before the ejection);
+    * half-open (``until <= now``): a success brings it back (failures, until, lease 0; back = now),
+      a failure ejects it again for the doubled interval;
+    * otherwise a success clears the failures; a failure counts, and the ``after``-th in a row
+      ejects it: for ``min(max, base * 2**streak)``, ``streak`` + 1 -- after a reset of ``streak``
+      to 0 when it came back at least ``max`` ago."""
+    fails, streak, total, until, _lease, back = rec
+    if until > 0:
+        if now_ms < until:
+            return False
+        if not failed:
+            rec[:] = [0, streak, total, 0, 0, now_ms]
+            return False
+    elif not failed:
+        rec[0] = 0
+        return False
+    else:
+        fails += 1
+        if fails < rule.after:
+            rec[0] = fails
+            return False
+        if back > 0 and now_ms - back >= round(rule.max_s * 1000):
+            streak = 0
+    interval = min(round(rule.max_s * 1000), round(rule.base_s * 1000) * 2 ** min(streak, 40))
+    rec[:] = [0, streak + 1, total + 1, now_ms + interval, 0, back]
+    return True

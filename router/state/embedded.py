@@ -25,6 +25,8 @@ from router.state.base import (
     Admitted,
     Affinity,
     Claim,
+    Ejection,
+    EjectionRule,
     Epoch,
     PoolOutcome,
     PrefixSend,
@@ -36,6 +38,9 @@ from router.state.base import (
     _check_reserve,
     _ewm,
     _finite,
+    as_ejection,
+    check_rule,
+    ejection_step,
 )
 from router.state.ledger import (
     RECORD_S,
@@ -103,6 +108,8 @@ class EmbeddedCore:
         self._pfx_prune_at = 0.0
         #: the tenants' fairness counters (``router.state.base``)
         self.fair: dict[str, float] = {}
+        #: outlier ejection: target -> [failures, streak, ejections, until ms, probe lease ms, back since ms]
+        self._ej: dict[str, list[int]] = {}
 
     # -------------------------------------------------------------- the decision path
     def admit(self, a: Admission) -> Admitted:
@@ -207,6 +214,39 @@ class EmbeddedCore:
 
     def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
         self._sessions[session_id] = (bytes(value), self.clock() + ttl_s)
+
+    def report(self, outcomes: Sequence[tuple[str, bool]], rule: EjectionRule) -> list[Ejection]:
+        """Attempts' outcomes ``(target, failed)`` folded into the targets' ejection records, in
+        order (``router.state.base.ejection_step``); each target's health after its outcome."""
+        check_rule(rule)
+        now = round(self.clock() * 1000)
+        out = []
+        for target, failed in outcomes:
+            rec = self._ej.get(target)
+            if rec is None:
+                rec = [0, 0, 0, 0, 0, 0]
+                if failed:
+                    self._ej[target] = rec
+            ejected = ejection_step(rec, bool(failed), now, rule)
+            out.append(as_ejection(target, rec, now, ejected_now=ejected))
+        return out
+
+    def ejections(self, probe: Sequence[str] = (), lease_s: float = 0.0) -> list[Ejection]:
+        """Every target ejected, half-open or with failures counted; the probe of each half-open
+        one of ``probe`` whose lease is free is the caller's for ``lease_s`` (``probe`` True)."""
+        now = round(self.clock() * 1000)
+        mine = frozenset(probe)
+        lease = max(1, round(lease_s * 1000))
+        out = []
+        for target, rec in self._ej.items():
+            if not rec[0] and not rec[3]:
+                continue
+            took = False
+            if rec[3] and rec[3] <= now and rec[4] <= now and target in mine:
+                rec[4] = now + lease
+                took = True
+            out.append(as_ejection(target, rec, now, took))
+        return out
 
     # -------------------------------------------------------------- its parts
     def _expire(self, now: float) -> int:
@@ -412,6 +452,8 @@ class EmbeddedState:
     view = awaited(EmbeddedCore.view)
     fairness = awaited(EmbeddedCore.fairness)
     put_session = awaited(EmbeddedCore.put_session)
+    report = awaited(EmbeddedCore.report)
+    ejections = awaited(EmbeddedCore.ejections)
     claim = awaited(EmbeddedCore.claim)
     complete = awaited(EmbeddedCore.complete)
     abandon = awaited(EmbeddedCore.abandon)

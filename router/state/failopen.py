@@ -16,6 +16,8 @@ from router.state.base import (
     Admitted,
     Affinity,
     Claim,
+    Ejection,
+    EjectionRule,
     Epoch,
     Released,
     Reserved,
@@ -94,6 +96,12 @@ class FailOpenState:
 
     async def view(self, quota_keys: Sequence[str] = (), durations: bool = False) -> StateView:
         return await self._call("view", quota_keys, durations)  # type: ignore[no-any-return]
+
+    async def report(self, outcomes: Sequence[tuple[str, bool]], rule: EjectionRule) -> list[Ejection]:
+        return await self._call("report", outcomes, rule)  # type: ignore[no-any-return]
+
+    async def ejections(self, probe: Sequence[str] = (), lease_s: float = 0.0) -> list[Ejection]:
+        return await self._call("ejections", probe, lease_s)  # type: ignore[no-any-return]
 
     async def put_session(self, session_id: str, value: bytes, ttl_s: float) -> None:
         await self._call("put_session", session_id, value, ttl_s)

@@ -28,7 +28,8 @@ hash>`` (hash pool -> "stamp:ready ms", at most ``envs.prefix.VIEW_ENTRIES`` poo
 the age bound), ``pfx:sent`` / ``pfx:cap`` / ``pfx:ret`` (hashes per pool), ``pfx:pred:<decision>``
 (the pool and the cached tokens predicted, until feedback or the age bound), ``sess:<session>``
 (the pool its last request went to, or its committed migration's target, marked), ``fair`` (hash
-tenant -> fairness counter, ``router.state.base``), ``restoring`` (the restores under way: below). Memory:
+tenant -> fairness counter, ``router.state.base``), ``ej`` (hash target -> its outlier ejection record:
+``lua/lib/eject.lua``), ``restoring`` (the restores under way: below). Memory:
 O(pools + reservations held + idempotency keys within their TTL).
 
 A server that restarts without persistence (or is flushed) comes back empty: the ``epoch`` key is
@@ -98,6 +99,8 @@ from router.state.base import (
     Admitted,
     Affinity,
     Claim,
+    Ejection,
+    EjectionRule,
     Epoch,
     Released,
     Reserved,
@@ -108,6 +111,7 @@ from router.state.base import (
     StateView,
     _check_reserve,
     _finite,
+    check_rule,
 )
 from router.state.ledger import RECORD_S, QuotaReserved, QuotaSettled, QuotaUsage, QuotaVerdict
 from xroute.schema.quota import WINDOW_S, day_index
@@ -133,7 +137,7 @@ def lua(name: str, window_ms: int = round(WINDOW_S * 1000)) -> str:
 
 #: the entry scripts (one per operation)
 SCRIPTS = ("admit", "settle", "lookup", "view", "claim", "abandon", "epoch", "begin_restore", "restore",
-           "quota_restore", "session_put", "fairness")
+           "quota_restore", "session_put", "fairness", "eject_report", "ejections")
 
 
 def redact(url: str) -> str:
@@ -191,6 +195,8 @@ class RedisState:
         self._begin_restore, self._restore = scripts["begin_restore"], scripts["restore"]
         self._q_restore, self._sess_put = scripts["quota_restore"], scripts["session_put"]
         self._fairness = scripts["fairness"]
+        self._ej_report, self._ej_read = scripts["eject_report"], scripts["ejections"]
+        self._ej_key = [base + "ej"]
         self.record_ttl_ms = _ms(record_ttl_s)
         #: idempotency and quotas across a loss (module docstring): the epoch this router has restored
         #: its log into ('*': no guard), the window after an epoch begins, how long an announced restore
@@ -313,6 +319,26 @@ class RedisState:
         retry = float(got[6])
         return Admitted(None, QuotaVerdict(False, int(got[1]), got[2].decode(), float(got[3]), float(got[4]),
                                            float(got[5]), math.inf if retry < 0 else retry / 1000.0))
+
+    async def report(self, outcomes: Sequence[tuple[str, bool]], rule: EjectionRule) -> list[Ejection]:
+        """Attempts' outcomes folded into their targets' ejection records (``lua/eject_report.lua``;
+        the arithmetic: ``router.state.base.ejection_step``), one script."""
+        check_rule(rule)
+        args: list[Any] = [rule.after, round(rule.base_s * 1000), round(rule.max_s * 1000)]
+        for target, failed in outcomes:
+            args += (target, 1 if failed else 0)
+        got = await self._run(self._ej_report, self._ej_key, args)
+        return [Ejection(target, int(got[5 * i]), int(got[5 * i + 1]),
+                         int(got[5 * i + 3]) / 1000.0 if int(got[5 * i + 2]) else None, False, bool(int(got[5 * i + 4])))
+                for i, (target, _) in enumerate(outcomes)]
+
+    async def ejections(self, probe: Sequence[str] = (), lease_s: float = 0.0) -> list[Ejection]:
+        """Every target ejected, half-open or with failures counted; the free probes of the
+        half-open ones of ``probe`` taken for ``lease_s`` (``lua/ejections.lua``)."""
+        got = await self._run(self._ej_read, self._ej_key, [max(1, round(lease_s * 1000)), *probe])
+        return [Ejection(got[i].decode(), int(got[i + 1]), int(got[i + 2]),
+                         int(got[i + 4]) / 1000.0 if int(got[i + 3]) else None, bool(int(got[i + 5])))
+                for i in range(0, len(got), 6)]
 
     def _settle_args(self, s: Settlement) -> list[Any]:
         o, q = s.outcome, s.quota

@@ -279,6 +279,18 @@ class OfferingState(BaseModel):
                                                    "sharing it); null while the state cannot be read")
     next_free_in_s: float
     external_util: float
+    ejected: bool = Field(False, description="the default model's pool here is ejected (its servers failed "
+                          "requests in a row: docs/gateway.md, \"Outlier ejection\"); new decisions skip it")
+    ejected_for_s: float | None = Field(None, description="seconds until it is half-open (0: half-open, waiting for "
+                                        "its probe); null: not ejected")
+
+
+class EjectionState(BaseModel):
+    target: str = Field(description="'pool:<model>|<offering_id>' or 'server:<base URL>'")
+    ejected: bool
+    ejected_for_s: float | None
+    consecutive_failures: int
+    ejections: int = Field(description="times it was ejected since the shared state began")
 
 
 class OfferingsResponse(BaseModel):
@@ -287,6 +299,9 @@ class OfferingsResponse(BaseModel):
     models: list[str] = Field(description="models requests may name; the first is the default")
     prefix_block_tokens: int | None = Field(None, description="tokens per block of a request's prefix_hashes")
     offerings: list[OfferingState]
+    ejections: list[EjectionState] = Field(default_factory=list, description="every pool and server ejected, "
+                                           "half-open or with failures counted, as this router's view of the shared "
+                                           "state has it")
 
 
 class ErrorItem(BaseModel):
