@@ -419,11 +419,11 @@ def azure_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
         return Response(200, render(d / "vmss_vms.json", s, rg=m.group("rg"), name=m.group("name")))
 
     return FakeCloudServer("azure", [
-        Route("vmss_vms", lambda r: bool((m := vmss_path.fullmatch(r.path)) and m.group("vms")), vmss_vms),
-        Route("vmss", lambda r: bool((m := vmss_path.fullmatch(r.path)) and not m.group("vms")), vmss),
         Route("resource_skus", lambda r: r.path.endswith("/providers/Microsoft.Compute/skus"), skus),
         Route("usages", lambda r: "/providers/Microsoft.Compute/locations/" in r.path and r.path.endswith("/usages"), usages),
         Route("retail_prices", lambda r: r.path == "/api/retail/prices", prices),
+        Route("vmss_vms", lambda r: bool((m := vmss_path.fullmatch(r.path)) and m.group("vms")), vmss_vms),
+        Route("vmss", lambda r: bool((m := vmss_path.fullmatch(r.path)) and not m.group("vms")), vmss),
     ])
 
 
@@ -471,16 +471,16 @@ def gcp_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
         return Response(200, json.dumps(body).encode())
 
     srv = FakeCloudServer("gcp", [
-        Route("instanceGroupManagers.resize", lambda r: r.method == "POST" and bool(
-            (m := mig_path.fullmatch(r.path)) and m.group("resize")), mig),
-        Route("instanceGroupManagers.get", lambda r: r.method == "GET" and bool(
-            (m := mig_path.fullmatch(r.path)) and not m.group("resize")), mig),
         Route("regions.get", lambda r: re.fullmatch(r"/compute/v1/projects/[^/]+/regions/[^/]+", r.path) is not None, region),
         Route("machineTypes.list", lambda r: r.path.endswith("/machineTypes"), zonal("machine_types")),
         Route("acceleratorTypes.list", lambda r: r.path.endswith("/acceleratorTypes"), zonal("accelerator_types")),
         Route("skus.list", lambda r: r.path.startswith("/v1/services/") and r.path.endswith("/skus"), skus),
         Route("timeSeries.list", lambda r: r.path.startswith("/v3/projects/") and r.path.endswith("/timeSeries"),
               time_series),
+        Route("instanceGroupManagers.resize", lambda r: r.method == "POST" and bool(
+            (m := mig_path.fullmatch(r.path)) and m.group("resize")), mig),
+        Route("instanceGroupManagers.get", lambda r: r.method == "GET" and bool(
+            (m := mig_path.fullmatch(r.path)) and not m.group("resize")), mig),
     ])
     srv.mutating.add("instanceGroupManagers.resize")
     return srv
