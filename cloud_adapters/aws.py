@@ -19,19 +19,22 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cloud_adapters.base import (
     AdapterConfig,
     AvailabilitySignal,
     CloudAdapter,
     Feature,
+    GroupState,
     InstanceOffer,
+    PoolGroup,
     PoolSelector,
     PricePoint,
     QuotaRecord,
     Reader,
     UtilizationSample,
+    check_groups,
     env_override,
     frac,
     host_port,
@@ -71,7 +74,14 @@ IAM_ACTIONS: dict[str, str] = {
     "GetProducts": "pricing:GetProducts",
     "ListServiceQuotas": "servicequotas:ListServiceQuotas",
     "GetMetricData": "cloudwatch:GetMetricData",
+    "DescribeAutoScalingGroups": "autoscaling:DescribeAutoScalingGroups",
+    "SetDesiredCapacity": "autoscaling:SetDesiredCapacity",
 }
+
+#: an Auto Scaling group instance's lifecycle states: serving, and asked for but not serving yet
+_ASG_RUNNING = {"InService"}
+_ASG_LAUNCHING = {"Pending", "Pending:Wait", "Pending:Proceed", "Warmed:Pending", "Warmed:Pending:Wait",
+                  "Warmed:Pending:Proceed"}
 
 _SPOT_DESCRIPTIONS = ("Linux/UNIX", "Linux/UNIX (Amazon VPC)")
 
@@ -97,6 +107,11 @@ class AwsConfig(AdapterConfig):
     gpu_metric_namespace: str = "CWAgent"
     gpu_metric_name: str = "nvidia_smi_utilization_gpu"
     metric_period_s: int = 300
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[PoolGroup]) -> list[PoolGroup]:
+        return check_groups(PROVIDER, v)
 
 
 def quota_covers(region: str, quota_class: str) -> tuple[str, ...]:
@@ -395,6 +410,49 @@ class AwsAdapter(CloudAdapter):
             out.append(UtilizationSample(t, pool.offering_id, frac(sum(gpu[t]) / len(gpu[t])),
                                          frac(sum(c) / len(c)) if c else None))
         return out
+
+    # -- inventory and actuation (Auto Scaling groups; tagged instances) -----------------------------
+
+    def _fetch_group(self, pool: PoolGroup) -> GroupState:
+        region = pool.region
+        if not pool.group:
+            return self._tagged_instances(pool)
+        resp = self.call("DescribeAutoScalingGroups", region, self._client("autoscaling", region).describe_auto_scaling_groups,
+                         AutoScalingGroupNames=[pool.group])
+        r = Reader(PROVIDER, region, "DescribeAutoScalingGroups")
+        found = r.get(resp, "AutoScalingGroups")
+        if not found:
+            raise CloudError(PROVIDER, f"groups: no Auto Scaling group '{pool.group}' (pool {pool.label})",
+                             region=region, operation="DescribeAutoScalingGroups")
+        g = found[0]
+        states = [str(r.get(i, "LifecycleState", prefix=f"AutoScalingGroups[0].Instances[{k}]"))
+                  for k, i in enumerate(g.get("Instances") or [])]
+        return GroupState(pool, desired=r.get(g, "DesiredCapacity", cast=int, prefix="AutoScalingGroups[0]"),
+                          running=sum(s in _ASG_RUNNING for s in states),
+                          launching=sum(s in _ASG_LAUNCHING for s in states),
+                          min_size=r.get(g, "MinSize", cast=int, prefix="AutoScalingGroups[0]"),
+                          max_size=r.get(g, "MaxSize", cast=int, prefix="AutoScalingGroups[0]"))
+
+    def _tagged_instances(self, pool: PoolGroup) -> GroupState:
+        """A pool found by tags: its running and pending instances (``DescribeInstances``); no group,
+        so what it holds is what it wants (``desired`` = running + pending)."""
+        region = pool.region
+        filters = [{"Name": f"tag:{k}", "Values": [v]} for k, v in sorted(pool.tags.items())]
+        filters.append({"Name": "instance-state-name", "Values": ["pending", "running"]})
+        counts = {"running": 0, "pending": 0}
+        for page in self._pages("ec2", region, "DescribeInstances", "describe_instances", Filters=filters):
+            r = Reader(PROVIDER, region, "DescribeInstances")
+            for i, res in enumerate(r.get(page, "Reservations")):
+                for j, inst in enumerate(r.get(res, "Instances", prefix=f"Reservations[{i}]")):
+                    state = r.get(inst, "State", "Name", prefix=f"Reservations[{i}].Instances[{j}]")
+                    counts[state] = counts.get(state, 0) + 1
+        return GroupState(pool, desired=counts["running"] + counts["pending"], running=counts["running"],
+                          launching=counts["pending"])
+
+    def _set_group_capacity(self, pool: PoolGroup, desired: int) -> None:
+        # HonorCooldown off: the plan's epoch is the pacing, and max_step bounds each change
+        self.call_mutation("SetDesiredCapacity", pool.region, self._client("autoscaling", pool.region).set_desired_capacity,
+                           AutoScalingGroupName=pool.group, DesiredCapacity=int(desired), HonorCooldown=False)
 
     # -- errors ------------------------------------------------------------------------------------
 

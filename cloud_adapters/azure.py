@@ -16,17 +16,20 @@ import threading
 from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cloud_adapters.base import (
     AdapterConfig,
     CloudAdapter,
     Feature,
+    GroupState,
     InstanceOffer,
+    PoolGroup,
     PricePoint,
     QuotaRecord,
     Reader,
     anonymous_credentials,
+    check_groups,
     env_override,
     error_for_status,
     host_port,
@@ -75,6 +78,14 @@ class AzureConfig(AdapterConfig):
     size_prefixes: list[str] = Field(default_factory=lambda: ["Standard_N"])
     #: how many sizes one Retail Prices query asks for (the ``$filter`` length is limited)
     prices_chunk: int = 15
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[PoolGroup]) -> list[PoolGroup]:
+        for i, g in enumerate(v):
+            if g.tags and not g.group:
+                raise ValueError(f"groups[{i}].group: an Azure pool is a VM scale set; give its name")
+        return check_groups(PROVIDER, v, need=("resource_group",))
 
 
 class _NoToken:
@@ -304,6 +315,32 @@ class AzureAdapter(CloudAdapter):
                 return ()
         return tuple(f"{PROVIDER}:{region}:{size}:on_demand" for size, fam in sorted(self._families.get(region, {}).items())
                      if fam.lower() == name.lower())
+
+    # -- inventory and actuation (VM scale sets) ---------------------------------------------------
+
+    def _fetch_group(self, pool: PoolGroup) -> GroupState:
+        """The scale set's capacity (``sku.capacity``) and its VMs' provisioning states: ``Succeeded``
+        running, ``Creating`` launching (``VirtualMachineScaleSetVMs.List``)."""
+        client = self._client()
+        rg, name, region = pool.resource_group, pool.group, pool.region
+        vmss = self.call("VirtualMachineScaleSets.Get", region, client.virtual_machine_scale_sets.get, rg, name)
+        r = Reader(PROVIDER, region, "VirtualMachineScaleSets.Get")
+        desired = r.get(vmss, "sku", "capacity", cast=int)
+        vms = self._list("VirtualMachineScaleSetVMs.List", region,
+                         lambda: client.virtual_machine_scale_set_vms.list(rg, name))
+        rv = Reader(PROVIDER, region, "VirtualMachineScaleSetVMs.List")
+        states = [str(rv.get(vm, "properties", "provisioningState", prefix=f"value[{i}]")) for i, vm in enumerate(vms)]
+        return GroupState(pool, desired=desired,
+                          running=sum(s == "Succeeded" for s in states), launching=sum(s == "Creating" for s in states))
+
+    def _set_group_capacity(self, pool: PoolGroup, desired: int) -> None:
+        """``PATCH`` the scale set's ``sku.capacity`` (``VirtualMachineScaleSets.Update``); the
+        long-running operation is not waited for (``polling=False``): the next inventory shows it."""
+        client = self._client()
+        self.call_mutation("VirtualMachineScaleSets.Update", pool.region,
+                           lambda: client.virtual_machine_scale_sets.begin_update(
+                               pool.resource_group, pool.group, {"sku": {"capacity": int(desired)}}, polling=False
+                           ).result())
 
     # -- errors ------------------------------------------------------------------------------------
 

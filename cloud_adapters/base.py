@@ -58,6 +58,10 @@ class Feature(StrEnum):
     QUOTAS = "quotas"
     QUOTA_USAGE = "quota_usage"
     UTILIZATION = "utilization"
+    #: the instances running per pool, from the group each pool maps to (``groups`` in the config)
+    INVENTORY = "inventory"
+    #: setting a group's desired capacity (``xroute capacity apply --apply``)
+    ACTUATION = "actuation"
 
 
 def offering_id(provider: str, region: str, instance_type: str, pricing_mode: str) -> str:
@@ -169,6 +173,79 @@ class PoolSelector(BaseModel):
     cpu_query: str | None = None
 
 
+class PoolGroup(BaseModel):
+    """One pool (offering x model) and the cloud group that holds its instances.
+
+    ``group`` names the group -- an AWS Auto Scaling group, an Azure VM scale set, a GCP managed
+    instance group; ``tags`` (AWS only, instead of ``group``) find the pool's instances by tag, for
+    the inventory alone (no group to resize). The provider and region come from ``offering_id``
+    (``provider:region:instance_type:pricing_mode``); each provider's config checks the fields it
+    needs (``resource_group`` on Azure, ``zone`` on GCP), an error naming the field.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    offering_id: str
+    #: the model the pool's instances serve (empty: the default model)
+    model: str = ""
+    group: str | None = None
+    tags: dict[str, str] = {}
+    #: Azure: the VM scale set's resource group
+    resource_group: str | None = None
+    #: GCP: the managed instance group's zone
+    zone: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.offering_id, self.model)
+
+    @property
+    def region(self) -> str:
+        parts = self.offering_id.split(":")
+        return parts[1] if len(parts) == 4 else ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.offering_id}@{self.model}" if self.model else self.offering_id
+
+
+def check_groups(provider: str, groups: list[PoolGroup], need: tuple[str, ...] = ()) -> list[PoolGroup]:
+    """The ``groups`` of a provider's config, checked: offering ids of this provider
+    (``provider:region:type:mode``), a ``group`` or ``tags``, the provider's own fields in ``need``,
+    no pool twice. Raises ``ValueError`` (pydantic then names ``groups.<i>.<field>``)."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, g in enumerate(groups):
+        parts = g.offering_id.split(":")
+        if len(parts) != 4 or parts[0] != provider or not all(parts):
+            raise ValueError(f"groups[{i}].offering_id: '{g.offering_id}' is not a {provider} offering id "
+                             f"({provider}:REGION:INSTANCE_TYPE:on_demand|spot)")
+        if parts[3] not in ("on_demand", "spot"):
+            raise ValueError(f"groups[{i}].offering_id: pricing mode '{parts[3]}' is not on_demand or spot")
+        if not g.group and not g.tags:
+            raise ValueError(f"groups[{i}].group: give the group's name (or, AWS only, tags)")
+        for f in need:
+            if not getattr(g, f):
+                raise ValueError(f"groups[{i}].{f}: required for a {provider} group")
+        if g.key in seen:
+            raise ValueError(f"groups[{i}]: pool {g.label} is already groups[{seen[g.key]}]")
+        seen[g.key] = i
+    return groups
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """What a pool's group holds now: the desired capacity it is set to, the instances running
+    (serving) and launching (asked for, not running yet), and the group's own bounds (None: none
+    or not told)."""
+
+    pool: PoolGroup
+    desired: int
+    running: int
+    launching: int = 0
+    min_size: int | None = None
+    max_size: int | None = None
+
+
 class AdapterConfig(BaseModel):
     """Settings every adapter shares. Provider modules subclass it.
 
@@ -188,6 +265,8 @@ class AdapterConfig(BaseModel):
     gpu_only: bool = True
     #: if given, only these instance types
     instance_types: list[str] | None = None
+    #: the pools whose groups this adapter reads (inventory) and resizes (actuation)
+    groups: list[PoolGroup] = []
 
 
 def env_override(*names: str) -> str | None:
@@ -291,6 +370,7 @@ class CloudAdapter(abc.ABC):
         Feature.SPOT_AVAILABILITY: 600.0,
         Feature.QUOTAS: 300.0,
         Feature.UTILIZATION: 0.0,
+        Feature.INVENTORY: 0.0,
     }
     config_class: ClassVar[type[AdapterConfig]] = AdapterConfig
 
@@ -306,7 +386,13 @@ class CloudAdapter(abc.ABC):
 
     def capabilities(self) -> dict[Feature, str | None]:
         """Each feature mapped to ``None`` when supported, else the reason it is not."""
-        return {f: self.UNSUPPORTED.get(f) for f in Feature}
+        caps = {f: self.UNSUPPORTED.get(f) for f in Feature}
+        cls = type(self)
+        if cls._fetch_group is CloudAdapter._fetch_group and caps[Feature.INVENTORY] is None:
+            caps[Feature.INVENTORY] = "no cloud groups to read instances from"
+        if cls._set_group_capacity is CloudAdapter._set_group_capacity and caps[Feature.ACTUATION] is None:
+            caps[Feature.ACTUATION] = "no cloud groups to resize"
+        return caps
 
     def supports(self, feature: Feature) -> bool:
         return self.capabilities()[feature] is None
@@ -394,6 +480,34 @@ class CloudAdapter(abc.ABC):
         self._require(Feature.UTILIZATION, pool.region)
         return self._guard(Feature.UTILIZATION, pool.region, lambda: self._fetch_utilization(pool, start, end))
 
+    def group(self, offering_id: str, model: str = "") -> PoolGroup | None:
+        """The configured group of the pool: the one naming this offering and model, else the
+        offering's group that names no model (``None``: the config maps no group to it)."""
+        exact = next((g for g in self.config.groups if g.key == (offering_id, model)), None)
+        return exact or next((g for g in self.config.groups if g.key == (offering_id, "")), None)
+
+    def inventory(self) -> list[GroupState]:
+        """What every configured pool's group holds now (``config.groups``), one state per pool.
+
+        Not cached. Fails closed: an error raises (the collector keeps the last rows, stale)."""
+        return [self.group_state(g) for g in self.config.groups]
+
+    def group_state(self, pool: PoolGroup) -> GroupState:
+        """What ``pool``'s group holds now (desired, running, launching, its bounds). Not cached;
+        fails closed."""
+        self._require(Feature.INVENTORY, pool.region)
+        return self._guard(Feature.INVENTORY, pool.region, lambda: self._fetch_group(pool))
+
+    def set_capacity(self, pool: PoolGroup, desired: int) -> None:
+        """Set ``pool``'s group's desired capacity to ``desired`` (one mutating call, retried only
+        when the provider throttled it -- a throttled request was not carried out; a timeout or 5xx
+        is not retried, its outcome being unknown). Fails closed."""
+        self._require(Feature.ACTUATION, pool.region)
+        if not pool.group:
+            raise ConfigError(f"groups: pool {pool.label} is found by tags, not a group: there is no group to resize "
+                              "(give its group's name)")
+        self._guard(Feature.ACTUATION, pool.region, lambda: self._set_group_capacity(pool, desired))
+
     @abc.abstractmethod
     def api_endpoint(self, region: str) -> tuple[str, int]:
         """Host and port of the provider's public API endpoint for ``region`` (the RTT probe target)."""
@@ -417,6 +531,12 @@ class CloudAdapter(abc.ABC):
 
     def _fetch_utilization(self, pool: PoolSelector, start: datetime, end: datetime) -> list[UtilizationSample]:
         raise CloudNotSupportedError(self.name, "no utilization source", region=pool.region)
+
+    def _fetch_group(self, pool: PoolGroup) -> GroupState:
+        raise CloudNotSupportedError(self.name, "no inventory of groups", region=pool.region)
+
+    def _set_group_capacity(self, pool: PoolGroup, desired: int) -> None:
+        raise CloudNotSupportedError(self.name, "no actuation of groups", region=pool.region)
 
     def _translate(self, exc: BaseException, operation: str, region: str | None) -> CloudError | None:
         """Turn an SDK/HTTP exception into one of ours (``None``: not recognised, re-raise as is)."""
@@ -464,6 +584,17 @@ class CloudAdapter(abc.ABC):
         50 % jitter (capped at ``backoff_max_s``), or the provider's Retry-After when longer; gives
         up at once when the wait would pass the deadline.
         """
+        return self._call(operation, region, False, fn, *args, **kwargs)
+
+    def call_mutation(self, operation: str, region: str | None, fn: Callable[..., T], /, *args: Any,
+                      **kwargs: Any) -> T:
+        """:meth:`call` for a request that changes something: retried only when throttled (the
+        request was refused, not carried out); a timeout, broken connection or 5xx is not retried,
+        since the change may have been made -- the caller reads the state back instead."""
+        return self._call(operation, region, True, fn, *args, **kwargs)
+
+    def _call(self, operation: str, region: str | None, mutating: bool, fn: Callable[..., T], /, *args: Any,
+              **kwargs: Any) -> T:
         cfg = self.config
 
         def attempt() -> T:
@@ -497,13 +628,18 @@ class CloudAdapter(abc.ABC):
                 return True
             return wait(state) >= self.deadline.remaining()
 
+        retryable = _throttled if mutating else (lambda e: isinstance(e, CloudError) and e.retryable)
         retrying = Retrying(
-            retry=retry_if_exception(lambda e: isinstance(e, CloudError) and e.retryable),
+            retry=retry_if_exception(retryable),
             wait=wait,
             stop=stop,
             reraise=True,
         )
         return retrying(attempt)
+
+
+def _throttled(e: BaseException) -> bool:
+    return isinstance(e, CloudThrottledError)
 
 
 #: top-level packages whose exceptions must not leave cloud_adapters untranslated

@@ -29,19 +29,22 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cloud_adapters.base import (
     AdapterConfig,
     CloudAdapter,
     Feature,
+    GroupState,
     InstanceOffer,
+    PoolGroup,
     PoolSelector,
     PricePoint,
     QuotaRecord,
     Reader,
     UtilizationSample,
     anonymous_credentials,
+    check_groups,
     env_override,
     error_for_status,
     host_port,
@@ -88,6 +91,22 @@ class GcpConfig(AdapterConfig):
     cpu_metric: str = "compute.googleapis.com/instance/cpu/utilization"
     cpu_metric_scale: float = 1.0
     alignment_s: int = 300
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[PoolGroup]) -> list[PoolGroup]:
+        for i, g in enumerate(v):
+            if g.tags and not g.group:
+                raise ValueError(f"groups[{i}].group: a GCP pool is a managed instance group; give its name")
+        check_groups(PROVIDER, v, need=("zone",))
+        for i, g in enumerate(v):
+            if not str(g.zone).startswith(f"{g.region}-"):
+                raise ValueError(f"groups[{i}].zone: '{g.zone}' is not a zone of the offering's region '{g.region}'")
+        return v
+
+
+#: a managed instance's ``currentAction`` while it is asked for and not serving yet (``none``: running)
+_MIG_LAUNCHING = ("creating", "creating_without_retries", "verifying")
 
 
 def accelerator_name(name: str) -> str:
@@ -441,6 +460,32 @@ class GcpAdapter(CloudAdapter):
         except CloudError:
             return ()
         return tuple(f"{PROVIDER}:{region}:{o.instance_type}:{mode}" for o in offers if o.accelerator == gpu)
+
+    # -- inventory and actuation (zonal managed instance groups) -----------------------------------
+
+    def _fetch_group(self, pool: PoolGroup) -> GroupState:
+        """The group's ``targetSize`` and its ``currentActions`` summary (``instanceGroupManagers.get``):
+        instances with no action are running; creating or verifying ones launching."""
+        _, project = self._credentials()
+        mig = self.call("instanceGroupManagers.get", pool.region, self._client("InstanceGroupManagersClient").get,
+                        project=project, zone=pool.zone, instance_group_manager=pool.group, retry=None,
+                        timeout=self.config.timeout_s)
+        for f in ("target_size", "current_actions"):
+            if f not in mig:
+                raise CloudResponseError(PROVIDER, "missing in the response", region=pool.region,
+                                         operation="instanceGroupManagers.get", field=_camel(f))
+        acts = mig.current_actions
+        return GroupState(pool, desired=int(mig.target_size), running=int(acts.none),
+                          launching=sum(int(getattr(acts, a)) for a in _MIG_LAUNCHING))
+
+    def _set_group_capacity(self, pool: PoolGroup, desired: int) -> None:
+        """``instanceGroupManagers.resize``; the zonal operation it starts is not waited for (the
+        next inventory shows it)."""
+        _, project = self._credentials()
+        self.call_mutation("instanceGroupManagers.resize", pool.region,
+                           self._client("InstanceGroupManagersClient").resize_unary, project=project, zone=pool.zone,
+                           instance_group_manager=pool.group, size=int(desired), retry=None,
+                           timeout=self.config.timeout_s)
 
     # -- errors ------------------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ Test scaffolding: it lives with the tests and is not part of the installed packa
 :class:`FakeCloudServer` is a small threaded HTTP server that answers the real APIs' paths with
 recorded payloads in their real wire format (JSON, EC2's XML), pages included, and can be told to
 misbehave first (:class:`Fault`: 429 with Retry-After, 5xx, a stall past the client's timeout, a
-truncated or malformed body). Requests it has no route for are forwarded to ``proxy_to`` (moto's
+truncated or malformed body, an answer swallowed after the request was carried out). It counts the
+AWS query-protocol actions it sees (``actions``, those forwarded to moto included) and keeps the
+bodies of the requests that change something (``changes``: PATCH, PUT, POST to a mutating route). Requests it has no route for are forwarded to ``proxy_to`` (moto's
 server, for the AWS APIs moto implements) or answered 404.
 
 Payloads live under ``tests/fixtures/cloud/<provider>/``; ``{{BASE}}``, ``{{REGION}}`` and
@@ -42,6 +44,8 @@ class Request:
     query: dict[str, list[str]]
     headers: dict[str, str]
     body: bytes
+    #: the path with its query, as sent
+    target: str = ""
 
     def q(self, name: str, default: str = "") -> str:
         return self.query.get(name, [default])[0]
@@ -75,7 +79,7 @@ class Response:
 class Fault:
     """One misbehaviour, served instead of the normal answer to one request."""
 
-    kind: str  # status | stall | truncate | malformed | reset
+    kind: str  # status | stall | truncate | malformed | swallow | pass
     status: int = 500
     retry_after: float | None = None
     delay_s: float = 0.0
@@ -99,6 +103,17 @@ class Fault:
         return cls("truncate")
 
     @classmethod
+    def swallow(cls, delay_s: float = 60.0) -> Fault:
+        """Carry the request out (answer it internally, forward it to moto), then send nothing back
+        for ``delay_s`` and close the connection: the client never learns it was done."""
+        return cls("swallow", delay_s=delay_s)
+
+    @classmethod
+    def passing(cls) -> Fault:
+        """Answer normally (a place holder, to fault a later request of the route)."""
+        return cls("pass")
+
+    @classmethod
     def malformed(cls) -> Fault:
         """A 200 whose body is cut in the middle of the JSON/XML (but complete as HTTP)."""
         return cls("malformed")
@@ -120,6 +135,13 @@ class FakeCloudServer:
         self.proxy_to = proxy_to
         self.hits: Counter[str] = Counter()
         self.log: list[tuple[str, str, str]] = []
+        #: AWS query-protocol actions received (``Action=...``), forwarded ones included
+        self.actions: Counter[str] = Counter()
+        #: per route, the bodies of the requests that change something (PATCH, PUT, or a route in ``mutating``)
+        self.changes: dict[str, list[tuple[str, bytes]]] = {}
+        self.mutating: set[str] = set()
+        #: a stand-in's own state (e.g. a scale set's capacity after a PATCH), cleared by reset()
+        self.state: dict[str, Any] = {}
         self._faults: dict[str, list[Fault]] = {}
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
@@ -142,6 +164,9 @@ class FakeCloudServer:
             self._faults.clear()
             self.hits.clear()
             self.log.clear()
+            self.actions.clear()
+            self.changes.clear()
+            self.state.clear()
 
     @property
     def total_hits(self) -> int:
@@ -169,14 +194,19 @@ class FakeCloudServer:
                 body = self.rfile.read(length) if length else b""
                 parts = urlsplit(self.path)
                 req = Request(self.command, parts.path, parse_qs(parts.query, keep_blank_values=True),
-                              {k.lower(): v for k, v in self.headers.items()}, body)
+                              {k.lower(): v for k, v in self.headers.items()}, body, self.path)
                 route = next((r for r in server.routes if r.match(req)), None)
                 name = route.name if route else "proxy" if server.proxy_to else "404"
+                action = req.form.get("Action", [""])[0] if req.method == "POST" and b"Action=" in body else ""
                 with server._lock:
                     server.hits[name] += 1
                     server.log.append((name, req.method, self.path))
+                    if action:
+                        server.actions[action] += 1
+                    if route is not None and (req.method in ("PATCH", "PUT") or route.name in server.mutating):
+                        server.changes.setdefault(route.name, []).append((self.path, body))
                 if route is None:
-                    resp = server._proxy(self, req) if server.proxy_to else Response(
+                    resp = server.forward(req) if server.proxy_to else Response(
                         404, json.dumps({"error": {"code": "NotFound", "message": f"no route for {req.path}"}}).encode())
                     self._send(resp)
                     return
@@ -190,6 +220,12 @@ class FakeCloudServer:
                 if fault is not None and fault.kind == "stall":
                     time.sleep(fault.delay_s)
                 resp = route.respond(req, server)
+                if fault is not None and fault.kind == "swallow":
+                    time.sleep(fault.delay_s)
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 if fault is not None and fault.kind == "malformed":
                     resp.body = resp.body[: max(1, len(resp.body) // 2)]
                 if fault is not None and fault.kind == "truncate":
@@ -214,7 +250,7 @@ class FakeCloudServer:
                 self.end_headers()
                 self.wfile.write(resp.body)
 
-            do_GET = do_POST = do_PUT = do_DELETE = _handle
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
@@ -235,13 +271,14 @@ class FakeCloudServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def _proxy(self, handler: BaseHTTPRequestHandler, req: Request) -> Response:
+    def forward(self, req: Request) -> Response:
+        """``req`` forwarded to ``proxy_to`` (moto's server) and its answer."""
         assert self.proxy_to is not None
         target = urlsplit(self.proxy_to)
         conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=30)
         try:
-            headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection")}
-            conn.request(req.method, handler.path, body=req.body, headers=headers)
+            headers = {k: v for k, v in req.headers.items() if k not in ("host", "connection")}
+            conn.request(req.method, req.target, body=req.body, headers=headers)
             r = conn.getresponse()
             body = r.read()
             skip = {"content-length", "transfer-encoding", "connection", "content-type", "server", "date"}
@@ -326,12 +363,16 @@ def aws_server(fixtures: Path = FIXTURES, proxy_to: str | None = None) -> FakeCl
     def ec2_action(action: str) -> Callable[[Request], bool]:
         return lambda r: r.method == "POST" and r.form.get("Action", [""])[0] == action
 
-    return FakeCloudServer("aws", [
+    srv = FakeCloudServer("aws", [
         Route("GetProducts", lambda r: r.aws_target == "AWSPriceListService.GetProducts", products),
         Route("ListServiceQuotas", lambda r: r.aws_target == "ServiceQuotasV20190624.ListServiceQuotas", quotas),
         Route("DescribeSpotPriceHistory", ec2_action("DescribeSpotPriceHistory"), spot_history),
         Route("GetSpotPlacementScores", ec2_action("GetSpotPlacementScores"), placement),
+        # Auto Scaling's resize is moto's; a route of its own so faults can be injected into it
+        Route("SetDesiredCapacity", ec2_action("SetDesiredCapacity"), lambda r, s: s.forward(r)),
     ], proxy_to=proxy_to)
+    srv.mutating.add("SetDesiredCapacity")
+    return srv
 
 
 def azure_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
@@ -352,10 +393,37 @@ def azure_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
         return _paged(pages(d, "retail_prices"), f"page{int(skip) // 1000 + 1}" if skip else "", s,
                       region=m.group(1) if m else "eastus")
 
+    vmss_path = re.compile(r"/subscriptions/[^/]+/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft\.Compute/"
+                           r"virtualMachineScaleSets/(?P<name>[^/]+)(?P<vms>/virtualMachines)?")
+
+    def vmss(req: Request, s: FakeCloudServer) -> Response:
+        """A scale set (the recorded one, under the asked name): its capacity is the stand-in's, which
+        a PATCH of ``sku.capacity`` changes."""
+        m = vmss_path.fullmatch(req.path)
+        assert m is not None
+        rg, name = m.group("rg"), m.group("name")
+        body = json.loads(render(d / "vmss.json", s, rg=rg, name=name))
+        key = f"vmss/{rg}/{name}"
+        if req.method == "PATCH":
+            s.state[key] = int(req.json()["sku"]["capacity"])
+            body["properties"]["provisioningState"] = "Updating"
+        body["sku"]["capacity"] = s.state.get(key, body["sku"]["capacity"])
+        return Response(200, json.dumps(body).encode(), headers={
+            "Azure-AsyncOperation": f"{s.url}/subscriptions/x/providers/Microsoft.Compute/locations/eastus/operations/"
+                                    "5d8f1b2c-1f0e-4c47-9a8e-3c9d9c2b7a41?api-version=2024-07-01"}
+                        if req.method == "PATCH" else {})
+
+    def vmss_vms(req: Request, s: FakeCloudServer) -> Response:
+        m = vmss_path.fullmatch(req.path)
+        assert m is not None
+        return Response(200, render(d / "vmss_vms.json", s, rg=m.group("rg"), name=m.group("name")))
+
     return FakeCloudServer("azure", [
         Route("resource_skus", lambda r: r.path.endswith("/providers/Microsoft.Compute/skus"), skus),
         Route("usages", lambda r: "/providers/Microsoft.Compute/locations/" in r.path and r.path.endswith("/usages"), usages),
         Route("retail_prices", lambda r: r.path == "/api/retail/prices", prices),
+        Route("vmss_vms", lambda r: bool((m := vmss_path.fullmatch(r.path)) and m.group("vms")), vmss_vms),
+        Route("vmss", lambda r: bool((m := vmss_path.fullmatch(r.path)) and not m.group("vms")), vmss),
     ])
 
 
@@ -385,14 +453,37 @@ def gcp_server(fixtures: Path = FIXTURES) -> FakeCloudServer:
         stem = "monitoring_gpu" if "gpu" in req.q("filter") else "monitoring_cpu"
         return _paged(pages(d, stem), req.q("pageToken"), s)
 
-    return FakeCloudServer("gcp", [
+    mig_path = re.compile(r"/compute/v1/projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instanceGroupManagers/"
+                          r"(?P<name>[^/]+)(?P<resize>/resize)?")
+
+    def mig(req: Request, s: FakeCloudServer) -> Response:
+        """A managed instance group (the recorded one, under the asked name); its targetSize is the
+        stand-in's, which a resize changes."""
+        m = mig_path.fullmatch(req.path)
+        assert m is not None
+        subs = {"project": m.group("project"), "zone": m.group("zone"), "name": m.group("name")}
+        key = f"mig/{m.group('zone')}/{m.group('name')}"
+        if m.group("resize"):
+            s.state[key] = int(req.q("size"))
+            return Response(200, render(d / "mig_resize_operation.json", s, **subs))
+        body = json.loads(render(d / "instance_group_manager.json", s, **subs))
+        body["targetSize"] = s.state.get(key, body["targetSize"])
+        return Response(200, json.dumps(body).encode())
+
+    srv = FakeCloudServer("gcp", [
         Route("regions.get", lambda r: re.fullmatch(r"/compute/v1/projects/[^/]+/regions/[^/]+", r.path) is not None, region),
         Route("machineTypes.list", lambda r: r.path.endswith("/machineTypes"), zonal("machine_types")),
         Route("acceleratorTypes.list", lambda r: r.path.endswith("/acceleratorTypes"), zonal("accelerator_types")),
         Route("skus.list", lambda r: r.path.startswith("/v1/services/") and r.path.endswith("/skus"), skus),
         Route("timeSeries.list", lambda r: r.path.startswith("/v3/projects/") and r.path.endswith("/timeSeries"),
               time_series),
+        Route("instanceGroupManagers.resize", lambda r: r.method == "POST" and bool(
+            (m := mig_path.fullmatch(r.path)) and m.group("resize")), mig),
+        Route("instanceGroupManagers.get", lambda r: r.method == "GET" and bool(
+            (m := mig_path.fullmatch(r.path)) and not m.group("resize")), mig),
     ])
+    srv.mutating.add("instanceGroupManagers.resize")
+    return srv
 
 
 def prometheus_server(fixtures: Path = FIXTURES) -> FakeCloudServer:

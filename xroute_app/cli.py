@@ -14,6 +14,7 @@ from router.app.cli import export_feedback, export_ope, serve
 from router.app.policy_cli import policies_app
 from router.control.keys import cli as keys_app
 from xroute.errors import ConfigError, XrouteError
+from xroute_app.capacity import capacity_app
 
 if TYPE_CHECKING:
     from xroute.config import EvaluateConfig
@@ -342,6 +343,9 @@ app.add_typer(ope_app, name="ope", help="Off-policy evaluation from a decision l
 app.add_typer(telemetry_app, name="telemetry", help="Collect telemetry from cloud accounts into a bundle.")
 app.add_typer(events_app, name="events", help="Preemption notices from an instance's metadata service to the router "
                                               "(docs/migration.md).")
+app.add_typer(capacity_app, name="capacity", help="Set the cloud groups toward a capacity plan, within quotas, a "
+                                                  "USD/hour limit and a step limit; dry run unless --apply "
+                                                  "(docs/capacity.md).")
 app.add_typer(keys_app, name="keys", help="The router's API keys: add, list, revoke (docs/router.md).")
 app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
                                                   "(docs/policies.md).")

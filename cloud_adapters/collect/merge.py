@@ -12,11 +12,12 @@ from typing import Any
 
 import pandas as pd
 
-from cloud_adapters.base import UtilizationSample
+from cloud_adapters.base import GroupState, UtilizationSample
 from cloud_adapters.collect.region import RegionResult
 from xroute.bundle import validate_table
 from xroute.schema.telemetry import (
     AVAILABILITY,
+    INVENTORY,
     OFFERINGS,
     PRICES,
     QUOTAS,
@@ -67,7 +68,8 @@ class Merged:
 
 
 def merge(existing: dict[str, pd.DataFrame], regions: list[RegionResult], rtt_rows: list[dict[str, Any]],
-          util: list[UtilizationSample], now: datetime) -> Merged:
+          util: list[UtilizationSample], now: datetime,
+          inventory: list[tuple[datetime, GroupState]] | None = None) -> Merged:
     """New rows merged into the existing tables (see the module docstring for the rules)."""
     added: dict[str, int] = {}
     held: list[str] = []
@@ -167,6 +169,20 @@ def merge(existing: dict[str, pd.DataFrame], regions: list[RegionResult], rtt_ro
         df = df.drop_duplicates(["offering_id", "ts"], keep="last").sort_values("ts", kind="stable")
         out["utilization"] = df.reset_index(drop=True)
         added["utilization"] = len(df) - (len(u_old) if u_old is not None else 0)
+
+    # inventory: a step function per (offering_id, model), like prices
+    inv = inventory or []
+    i_rows = [{"ts": ts, "offering_id": g.pool.offering_id, "model": g.pool.model, "running": g.running,
+               "launching": g.launching} for ts, g in inv if g.pool.offering_id in final_ids]
+    held += sorted({f"inventory of {g.pool.label}: {g.pool.offering_id} is not in the offerings table"
+                    for _, g in inv if g.pool.offering_id not in final_ids})
+    i_old = existing.get("inventory")
+    if i_rows or i_old is not None:
+        if i_old is not None:
+            i_old = i_old.assign(model=i_old["model"].fillna("") if "model" in i_old.columns else "")
+        out["inventory"] = _append_steps(i_old, _frame(i_rows, INVENTORY), ["offering_id", "model"],
+                                         ["running", "launching"])
+        added["inventory"] = len(out["inventory"]) - (len(i_old) if i_old is not None else 0)
 
     for name, df in out.items():
         out[name] = validate_table(df, TABLES[name], f"{name} (collected)")

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from cloud_adapters import registry
-from cloud_adapters.base import CloudAdapter, Deadline, UtilizationSample, utcnow
+from cloud_adapters.base import CloudAdapter, Deadline, GroupState, UtilizationSample, utcnow
 from cloud_adapters.collect.commit import commit, read_tables, recover, table_file
 from cloud_adapters.collect.config import CollectConfig
 from cloud_adapters.collect.lock import dir_lock
@@ -121,6 +121,7 @@ class Collector:
         results: list[RegionResult] = []
         probes: list[ProbeResult] = []
         util: list[UtilizationSample] = []
+        inventory: list[tuple[datetime, GroupState]] = []
         calls_before = {n: a.stats.total for n, a in self.adapters.items()}
         retries_before = {n: sum(a.stats.retries.values()) for n, a in self.adapters.items()}
 
@@ -160,6 +161,10 @@ class Collector:
                 adapter.deadline = deadline
                 tasks[pool.submit(adapter.utilization, sel, window_start, window_end)] = (
                     "utilization", f"{sel.source}:{sel.offering_id}")
+            for provider in cfg.providers:
+                adapter = self.adapters.get(provider)
+                if adapter is not None and adapter.config.groups:
+                    tasks[pool.submit(_inventory, adapter)] = ("inventory", provider)
             emit("plan", "", str(len(tasks)))
 
             pending = set(tasks)
@@ -167,12 +172,12 @@ class Collector:
                 done, pending = wait(pending, timeout=min(1.0, deadline.remaining()), return_when=FIRST_COMPLETED)
                 for fut in done:
                     kind, name = tasks[fut]
-                    status = self._harvest(fut, kind, name, statuses, results, probes, util)
+                    status = self._harvest(fut, kind, name, statuses, results, probes, util, inventory)
                     emit("done", f"{kind} {name}", status)
             for fut in pending:
                 kind, name = tasks[fut]
                 fut.cancel()
-                what = "rtt" if kind == "rtt" else "utilization" if kind == "utilization" else "*"
+                what = kind if kind in ("rtt", "utilization", "inventory") else "*"
                 statuses.append(SourceStatus(f"{name}/{what}", "stale",
                                              reason=f"the run's deadline ({cfg.deadline_s:g} s) passed"))
                 emit("done", f"{kind} {name}", "stale")
@@ -187,7 +192,7 @@ class Collector:
             statuses.extend(rr.statuses)
         rtt_rows = [{"src": cfg.origin, "dst": p.location, "rtt_ms": round(float(p.rtt_ms), 3),
                      "source": f"tcp-connect-median-of-{len(p.samples_ms)}"} for p in probes if p.rtt_ms is not None]
-        merged = merge(existing, results, rtt_rows, util, started)
+        merged = merge(existing, results, rtt_rows, util, started, inventory)
         finished = utcnow()
         record = self._record(started, finished, time.monotonic() - t0, statuses, merged, calls_before, retries_before,
                               recovered)
@@ -199,7 +204,8 @@ class Collector:
         return CollectReport(record)
 
     def _harvest(self, fut: Future[Any], kind: str, name: str, statuses: list[SourceStatus],
-                 results: list[RegionResult], probes: list[ProbeResult], util: list[UtilizationSample]) -> str:
+                 results: list[RegionResult], probes: list[ProbeResult], util: list[UtilizationSample],
+                 inventory: list[tuple[datetime, GroupState]]) -> str:
         try:
             value = fut.result()
         except XrouteError as e:
@@ -222,6 +228,10 @@ class Collector:
             statuses.append(SourceStatus(f"{name}/rtt", "stale", reason=f"no TCP connection to {value.host}:{value.port} "
                                          f"({value.error})"))
             return "stale"
+        if kind == "inventory":
+            inventory.extend(value)
+            statuses.append(SourceStatus(f"{name}/inventory", "ok", rows=len(value)))
+            return "ok"
         util.extend(value)
         statuses.append(SourceStatus(f"{name}/utilization", "ok", rows=len(value)))
         return "ok"
@@ -259,6 +269,11 @@ class Collector:
             sources[s["source"]] = entry
         runs = [*old.get("runs", []), record][-KEEP_RUNS:]
         return {"format": 1, "updated": record["finished"], "sources": sources, "runs": runs}
+
+
+def _inventory(adapter: CloudAdapter) -> list[tuple[datetime, GroupState]]:
+    """What every configured group of ``adapter`` holds, stamped with when it was asked."""
+    return [(utcnow(), g) for g in adapter.inventory()]
 
 
 def collect_once(config: CollectConfig, adapters: dict[str, CloudAdapter] | None = None,

@@ -24,6 +24,10 @@ from typing import Any
 from router.core.logs import iso
 from router.store.dialect import Dialect
 
+#: the PostgreSQL advisory lock key under which the table and its triggers are created (by the policy
+#: store and the capacity journal alike, so two never race)
+PG_LOCK = 0x78726F757470  # "xroutp"
+
 #: the table, written once for both dialects (``router.store.dialect``) ...
 TABLE = """
 CREATE TABLE IF NOT EXISTS audit_log (

@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS {table} (
 );
 """
 #: the advisory lock serializing policy changes (and the schema's creation) across routers
-_PG_LOCK = 0x78726F757470  # "xroutp"
+_PG_LOCK = audit.PG_LOCK  # "xroutp": the audit log's schema is created under it too
 
 Mutation = Callable[[PolicySet], tuple[PolicySet, list[audit.Change]]]
 
