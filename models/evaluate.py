@@ -130,6 +130,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     recomputed = kv_moved = 0.0  # spot notices and migration (xroute.migration_rules, docs/env.md)
     missed: list[int] = []
     placed = np.full(n, -1, dtype=np.int64)
+    adm = _AdmissionLog(n)  # admission under load (envs.admission): each step's band, tenant, verdict, wait
     for k in range(n):
         ts[k] = info["t"]
         if pol is not None:
@@ -146,6 +147,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
                                                              info["sla_violation"])
         total_reward += r
+        adm.record(k, info)
         failed += bool(info["failed"])
         preempted += bool(info["preempted"])
         migrations += info["migrated_to"] is not None
@@ -195,11 +197,71 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         moves, moved = session_moves(sessions[i0:i0 + n], placed)
         m["session_moves"], m["sessions_moved"] = moves, moved
         m["sessions_missed_window"] = len({int(sessions[i0 + k]) for k in missed} - {-1})
-    tenants = env.bundle.workload["tenant"].to_numpy()[i0:i0 + n] if "tenant" in env.bundle.workload.columns else None
-    if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
-        for t in sorted(set(tenants)):
-            m[f"mean_reward[{t}]"] = round(float(rewards[tenants == t].mean()), 6)
+    if "tenant" in env.bundle.workload.columns:  # the reward by SLO class (the tenants are services with their own SLO)
+        for t in sorted(set(adm.tenant)):
+            m[f"mean_reward[{t}]"] = round(float(rewards[adm.tenant == t].mean()), 6)
+    m.update(adm.metrics(env, viol, lats))
     return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs), actions, total_reward)
+
+
+class _AdmissionLog:
+    """Each step's admission (``info``: ``band``, ``tenant``, ``admission``, ``queue_wait_ms``) and its
+    request's weighted service (``admission_rules.service`` at its realized output), for the per-band
+    and per-tenant report (:meth:`metrics`)."""
+
+    def __init__(self, n: int):
+        self.band = np.empty(n, dtype=object)
+        self.tenant = np.empty(n, dtype=object)
+        self.verdict = np.empty(n, dtype=object)
+        self.wait = np.zeros(n)
+        self.arrival = np.zeros(n)
+        self.service = np.zeros(n)
+
+    def record(self, k: int, info: dict[str, Any]) -> None:
+        from xroute import admission_rules as ar
+
+        self.band[k], self.tenant[k] = info.get("band", ""), str(info.get("tenant", ""))
+        self.verdict[k], self.wait[k] = info.get("admission", "admit"), info.get("queue_wait_ms", 0.0)
+        self.arrival[k] = info.get("arrived", np.nan)
+        self.service[k] = ar.service(info.get("input_tokens", 0.0), info.get("output_tokens", 0.0), 1.0)
+
+    def metrics(self, env: CloudRouteEnv, viol: np.ndarray, lats: np.ndarray) -> dict[str, float]:
+        """Per band and per tenant: SLO attainment, goodput (requests served within their SLO per
+        second of the stream), shed and queued counts, the queue wait p95 (of those that waited);
+        per band, Jain's index of the normalized service of its backlogged tenants (``jain[band]``):
+        each tenant's service over its max-min fair share (``admission_rules.fair_shares``, weighted)
+        of what the band was served, among the tenants that had a request wait in the queue."""
+        from xroute import admission_rules as ar
+
+        span = float(np.nanmax(self.arrival) - np.nanmin(self.arrival)) if len(self.arrival) else 0.0
+        span = max(span, 1e-9)
+        good = ~viol & ~np.isnan(lats)
+        out: dict[str, float] = {"shed": int((self.verdict == "shed").sum()),
+                                 "queued": int((self.verdict == "queued").sum() + ((self.verdict == "shed")
+                                                                                  & (self.wait > 0)).sum()),
+                                 "goodput_rps": round(float(good.sum()) / span, 4)}
+        for key, col in (("band", self.band), ("tenant", self.tenant)):
+            for v in sorted(set(col.tolist())):
+                sel = col == v
+                waited = self.wait[sel & (self.wait > 0)]
+                out[f"slo_attainment[{key}={v}]"] = round(float(good[sel].mean()), 6)
+                out[f"goodput_rps[{key}={v}]"] = round(float(good[sel].sum()) / span, 4)
+                out[f"shed[{key}={v}]"] = int((self.verdict[sel] == "shed").sum())
+                out[f"queued[{key}={v}]"] = int((self.wait[sel] > 0).sum())
+                out[f"queue_wait_p95_ms[{key}={v}]"] = round(float(np.percentile(waited, 95)), 2) if waited.size else 0.0
+        weights = env.admission.weight if env.admission is not None else {}
+        for b in sorted(set(self.band.tolist())):
+            sel = self.band == b
+            backlogged = sorted({t for t in self.tenant[sel & (self.wait > 0)].tolist()})
+            if len(backlogged) < 2:
+                continue
+            demand = [float(self.service[sel & (self.tenant == t)].sum()) for t in backlogged]
+            served = ~np.isnan(lats)
+            got = [float(self.service[sel & (self.tenant == t) & served].sum()) for t in backlogged]
+            w = [weights.get(t, 1.0) for t in backlogged]
+            fair = ar.fair_shares(demand, w, sum(got))
+            out[f"jain[band={b}]"] = round(ar.jain([g / f if f > 0 else 1.0 for g, f in zip(got, fair)]), 6)
+        return out
 
 
 def session_moves(sessions: np.ndarray, served: np.ndarray) -> tuple[int, int]:
