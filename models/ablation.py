@@ -151,7 +151,7 @@ def evaluate_vs_warm(scenarios: list[Any], routers: dict[str, str], eval_cfg: An
     keys = {d: key(d) for d in [*routers.values(), "greedy"]}
     out: dict[str, dict[str, np.ndarray]] = {}
     for s in scenarios:
-        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate)})
+        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate, s.env)})
         got = cache.setdefault(s.label, {})
         todo = list(dict.fromkeys(d for d in keys if keys[d] not in got))
         if todo:
