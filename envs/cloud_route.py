@@ -98,11 +98,11 @@ import pandas as pd
 from gymnasium import spaces
 
 from envs import estimator as est
-from envs.admission import WorldQueue, request_bands
 from envs import features as fz
 from envs import kernels
 from envs import policies as pol
 from envs import prefix as px
+from envs.admission import WorldQueue, request_bands
 from envs.budget import (
     NO_BUDGET,
     NOT_REFUSED,

@@ -25,7 +25,6 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pandas as pd
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from models.config import SplitConfig, TrainConfig
