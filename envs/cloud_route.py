@@ -102,7 +102,7 @@ from envs import features as fz
 from envs import kernels
 from envs import policies as pol
 from envs import prefix as px
-from envs.admission import WorldQueue, request_bands
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft, request_bands
 from envs.budget import (
     NO_BUDGET,
     NOT_REFUSED,
@@ -856,12 +856,16 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Make the next decision's request current: the stream's next request in arrival order, or,
         with admission (``envs.admission``, ``docs/env.md`` "Admission under load"), the next one the
         router's queue dispatches or sheds, or the next arrival it admits or sheds at once."""
-        if self.admission is None:
+        q = self.admission
+        if q is None or not q.queue:  # nothing waits: the next arrival, admitted at once when it fits
             i = self._next
             self._next += 1
             self._current(i, float(self.arrival[i]))
-            return
-        q = self.admission
+            if q is None or self.r_refused != NOT_REFUSED or admits_at_arrival(self.C, TTFT, self.c_mask,
+                                                                              self.r_ttft):
+                return  # (admission_rules.verdict's ADMIT without waiting: envs.admission, the fast path)
+            if self._arrived(q):
+                return
         while True:
             t_arr = float(self.arrival[self._next]) if self._next < self._end else np.inf
             while q.queue:  # capacity may free (a completion learned, telemetry) or a budget end first
@@ -875,13 +879,19 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             i = self._next
             self._next += 1
             self._current(i, t_arr)
-            v = self._verdict(0.0)
-            if v == ar.QUEUE and not q.full:
-                q.enqueue(i)
-                self.stats["queued"] += 1
-                continue
-            self._decide(ar.SHED if v == ar.QUEUE else v, 0.0)  # (a full queue sheds)
-            return
+            if self._arrived(q):
+                return
+
+    def _arrived(self, q: WorldQueue) -> bool:
+        """The verdict on the current request at its arrival: it waits in the queue (False), or it is
+        this step's, admitted or shed (True; a full queue sheds)."""
+        v = self._verdict(0.0)
+        if v == ar.QUEUE and not q.full:
+            q.enqueue(self._pos)
+            self.stats["queued"] += 1
+            return False
+        self._decide(ar.SHED if v == ar.QUEUE else v, 0.0)
+        return True
 
     def _verdict(self, waited_ms: float) -> str:
         """The admission verdict of the current request (``admission_rules.verdict``) on the best TTFT
@@ -889,8 +899,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         request its tenant's budget refused is not the admission's: it fails as before."""
         if self.r_refused != NOT_REFUSED:
             return ar.ADMIT
-        m = self.c_mask
-        best = float(self.C[TTFT][m].min()) if m.any() else np.inf
+        best = float(best_ttft(self.C[TTFT], self.c_mask))
         return ar.verdict(ar.BANDS[int(self.req_band[self._pos])], best, self.r_ttft, waited_ms)
 
     def _dispatch(self, t: float) -> bool:
@@ -1356,7 +1365,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Simulate serving the current request on offering ``a``: its realized outcome and reward.
         Updates the truth, the router's view (the decision, and the completion or the retry it
         will learn of) and the statistics -- or nothing at all when ``dry`` (the oracle's
-        hindsight: the same outcome, leaving the environment as it was)."""
+        hindsight: the same outcome, leaving the environment as it was). When the admission acted
+        on the request (it waited, or was shed) its keys join the outcome (``_admission_info``)."""
+        r = self._serve(a, dry)
+        if self.r_waited_ms or self.r_admission != ar.ADMIT:
+            r.update(self._admission_info())
+        return r
+
+    def _serve(self, a: int, dry: bool) -> dict[str, Any]:
         t, m = self.t, self.r_m
         out = float(self.req_out[self._pos])  # the realized outcome: simulation only
         ref_cost = self.reference_cost(self.r_in, out)
@@ -1367,13 +1383,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.stats["excluded_budget"] += self.r_excl_budget
             self.stats["excluded_quota"] += self.r_excl_quota
         prompt = self.r_in if self.r_blocks.size else 0.0  # prefix-bearing prompt tokens (the hit rate's base)
-        adm = self._admission_info(out)
         if self.r_admission == ar.SHED:  # the admission shed it: never served, charged admission.shed_cost
             self.stats["shed"] += not dry
             return {"reward": -float(self.cfg.admission.shed_cost), "offering": a, "cost_usd": 0.0,
                     "latency_ms": np.nan, "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True,
                     "failed": False, "preempted": False, "migrated_to": None, "refused": None, "prompt_tokens": prompt,
-                    "cached_tokens": 0.0, **_NO_MIGRATION, **adm}
+                    "cached_tokens": 0.0, **_NO_MIGRATION}
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
             if refused is not None and not dry:
@@ -1382,7 +1397,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             return {"reward": float(reward), "offering": a, "cost_usd": 0.0, "latency_ms": np.nan, "ttft_ms": np.nan,
                     "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": False, "migrated_to": None,
                     "refused": refused,
-                    "prompt_tokens": prompt, "cached_tokens": 0.0, **_NO_MIGRATION, **adm}
+                    "prompt_tokens": prompt, "cached_tokens": 0.0, **_NO_MIGRATION}
         if not dry:  # the router records the decision with the expected service time (and its prefix)
             j_est, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, t, self.C[SERVICE, a])
@@ -1465,24 +1480,22 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             reward = self._reward(cost, ref_cost, 0.0, budget, True, True)
             return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": np.nan,
                     "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True, "failed": True, "preempted": True,
-                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0, "refused": None, **mig, **adm}
+                    "migrated_to": None, "prompt_tokens": prompt, "cached_tokens": 0.0, "refused": None, **mig}
         tpot, viol = self.slo_missed(ttft, latency, out, self.r_ttft, self.r_tpot, dl)
         reward = self._reward(cost, ref_cost, latency, budget, viol, False)
         return {"reward": float(reward), "offering": a, "cost_usd": float(cost), "latency_ms": float(latency),
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
                 "preempted": preempted, "migrated_to": migrated_to, "prompt_tokens": prompt,
-                "cached_tokens": float(cached) if prompt else 0.0, "refused": None, **mig, **adm}
+                "cached_tokens": float(cached) if prompt else 0.0, "refused": None, **mig}
 
-    def _admission_info(self, out: float) -> dict[str, Any]:
-        """The current request's admission, for its step's ``info``: ``admission`` (``admit``, ``queued``
-        -- admitted after waiting in the router's queue -- or ``shed``), ``queue_wait_ms``, its
-        ``band``, ``tenant``, when it ``arrived``, and its ``input_tokens`` and (the outcome, after
-        the step) ``output_tokens``: what ``xroute evaluate``'s per-band, per-tenant report reads."""
+    def _admission_info(self) -> dict[str, Any]:
+        """What the admission did to the current request, for its step's ``info`` -- only when it acted
+        (a request admitted at its arrival adds nothing): ``admission`` (``queued`` -- admitted after
+        waiting in the router's queue -- or ``shed``), ``queue_wait_ms``, its ``band`` and ``tenant``.
+        (``xroute evaluate``'s per-band, per-tenant report reads the rest by the request's position.)"""
         v, i = self.r_admission, self._pos
-        return {"admission": "queued" if v == ar.ADMIT and self.r_waited_ms > 0 else v,
-                "queue_wait_ms": self.r_waited_ms, "band": ar.BANDS[int(self.req_band[i])],
-                "tenant": self.req_tenant[i], "arrived": float(self.arrival[i]), "input_tokens": self.r_in,
-                "output_tokens": out}
+        return {"admission": "queued" if v == ar.ADMIT else v, "queue_wait_ms": self.r_waited_ms,
+                "band": ar.BANDS[int(self.req_band[i])], "tenant": self.req_tenant[i]}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,

@@ -143,11 +143,12 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         actions[k] = a
         if compare_greedy:
             differs += int(np.argmax(env.expected_rewards())) != a
+        pos = env._pos
         obs, r, _term, trunc, info = env.step(a)
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
                                                              info["sla_violation"])
         total_reward += r
-        adm.record(k, info)
+        adm.record(k, pos, info)
         failed += bool(info["failed"])
         preempted += bool(info["preempted"])
         migrations += info["migrated_to"] is not None
@@ -156,9 +157,9 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         recomputed += info.get("tokens_recomputed", 0.0)
         kv_moved += info.get("kv_bytes_moved", 0.0)
         if info.get("missed_window"):
-            missed.append(k)
+            missed.append(pos - i0)
         if not info["failed"]:
-            placed[k] = info["offering"] if info["migrated_to"] is None else info["migrated_to"]
+            placed[pos - i0] = info["offering"] if info["migrated_to"] is None else info["migrated_to"]
         if progress is not None and (k % 500 == 499 or trunc):
             progress(k % 500 + 1)
     served = lats[~np.isnan(lats)]
@@ -197,6 +198,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         moves, moved = session_moves(sessions[i0:i0 + n], placed)
         m["session_moves"], m["sessions_moved"] = moves, moved
         m["sessions_missed_window"] = len({int(sessions[i0 + k]) for k in missed} - {-1})
+    adm.finish(env)
     if "tenant" in env.bundle.workload.columns:  # the reward by SLO class (the tenants are services with their own SLO)
         for t in sorted(set(adm.tenant)):
             m[f"mean_reward[{t}]"] = round(float(rewards[adm.tenant == t].mean()), 6)
@@ -205,25 +207,32 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
 
 
 class _AdmissionLog:
-    """Each step's admission (``info``: ``band``, ``tenant``, ``admission``, ``queue_wait_ms``) and its
-    request's weighted service (``admission_rules.service`` at its realized output), for the per-band
-    and per-tenant report (:meth:`metrics`)."""
+    """Each step's request (its position in the stream: its band, tenant, arrival and service are the
+    environment's) and what the admission did to it (``info``'s ``admission`` and ``queue_wait_ms``,
+    present only when it acted: else admitted at its arrival), for the per-band and per-tenant report
+    (:meth:`metrics`)."""
 
     def __init__(self, n: int):
-        self.band = np.empty(n, dtype=object)
-        self.tenant = np.empty(n, dtype=object)
-        self.verdict = np.empty(n, dtype=object)
+        self.pos = np.zeros(n, dtype=np.int64)
+        self.verdict = np.full(n, "admit", dtype=object)
         self.wait = np.zeros(n)
-        self.arrival = np.zeros(n)
-        self.service = np.zeros(n)
 
-    def record(self, k: int, info: dict[str, Any]) -> None:
+    def record(self, k: int, pos: int, info: dict[str, Any]) -> None:
+        self.pos[k] = pos
+        if "admission" in info:
+            self.verdict[k], self.wait[k] = info["admission"], info["queue_wait_ms"]
+
+    def finish(self, env: CloudRouteEnv) -> None:
+        """Each step's band, tenant, arrival and weighted service (``admission_rules.service`` at its
+        realized output, weight 1) from the environment's arrays."""
         from xroute import admission_rules as ar
 
-        self.band[k], self.tenant[k] = info.get("band", ""), str(info.get("tenant", ""))
-        self.verdict[k], self.wait[k] = info.get("admission", "admit"), info.get("queue_wait_ms", 0.0)
-        self.arrival[k] = info.get("arrived", np.nan)
-        self.service[k] = ar.service(info.get("input_tokens", 0.0), info.get("output_tokens", 0.0), 1.0)
+        p = self.pos
+        self.band = np.array([ar.BANDS[int(b)] for b in env.req_band[p]], dtype=object)
+        self.tenant = np.asarray(env.req_tenant[p]).astype(str).astype(object)
+        self.arrival = np.asarray(env.arrival[p], dtype=float)
+        self.service = np.array([ar.service(i, o, 1.0) for i, o in zip(env.req_in[p].tolist(),
+                                                                         env.req_out[p].tolist())])
 
     def metrics(self, env: CloudRouteEnv, viol: np.ndarray, lats: np.ndarray) -> dict[str, float]:
         """Per band and per tenant: SLO attainment, goodput (requests served within their SLO per

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.admission import WorldQueue
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft
 from envs.cloud_route import CloudRouteEnv
 from envs.kernels import TTFT
 from models.baselines import make_baseline
@@ -52,8 +52,11 @@ def _play(env: CloudRouteEnv, seed: int = 0) -> list[dict[str, Any]]:
         m = env.c_mask
         best = float(env.C[TTFT][m].min()) if m.any() else np.inf
         pos, slo = env._pos, env.r_ttft
+        acted = env.r_waited_ms > 0 or env.r_admission == ar.SHED
         obs, r, _, done, info = env.step(pol.act(obs, info))
-        out.append({**info, "pos": pos, "best": best, "slo": slo, "reward": r})
+        assert ("admission" in info) == acted  # (admitted at its arrival: no admission keys, nothing acted)
+        out.append({"admission": "admit", "queue_wait_ms": 0.0, "band": ar.BANDS[int(env.req_band[pos])],
+                    "tenant": env.req_tenant[pos], **info, "pos": pos, "best": best, "slo": slo, "reward": r})
         if done:
             return out
 
@@ -190,7 +193,7 @@ def test_the_worlds_dispatch_order_is_the_rules_over_random_arrivals(rows: list[
         q.enqueue(pos)
         events.append(("enqueue", pos, band, tenant, float(pos), 0.0))
         assert q.order() == [q.queue[i] for i in ar.dispatch_order(
-            [(int(bands[p]), str(tenants[p]), float(arrival[p])) for p in q.queue], q.counters)]
+            [(int(bands[p]), str(tenants[p]), float(arrival[p])) for p in q.queue], q.by_name())]
         if admit_now and q.queue:  # a dispatch: the rules' first, and its service counted
             p = q.order()[0]
             q.remove(p)
@@ -215,3 +218,36 @@ def test_a_bad_admission_setting_names_the_field(tiny: tuple[Any, str]) -> None:
             _env(bundle, serving, admission=cfg)
     with pytest.raises(ConfigError, match=r"workload: field 'priority' \(row \d+\): unknown priority 'urgent'"):
         _env(_b_unattainable(bundle, priority="urgent"), serving)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.lists(st.one_of(st.floats(0.0, 5000.0), st.just(np.inf), st.just(np.nan)), min_size=n, max_size=n),
+    st.lists(st.booleans(), min_size=n, max_size=n))), st.floats(0.0, 5000.0), st.sampled_from(ar.BANDS))
+def test_the_fast_path_at_arrival_agrees_with_the_rules_verdict(row: tuple[list[float], list[bool]], slo: float,
+                                                                 band: str) -> None:
+    """``admits_at_arrival`` (the env's compiled fast path) admits exactly when ``admission_rules.verdict``
+    on the masked best TTFT (as the full path computes it) says ``admit`` for a request that has not waited."""
+    ttft, mask = np.array(row[0]), np.array(row[1])
+    C = np.vstack([np.zeros_like(ttft), ttft])
+    ref = float(ttft[mask].min()) if mask.any() else np.inf
+    got = float(best_ttft(ttft, mask))
+    assert got == ref or (np.isnan(got) and np.isnan(ref))
+    assert bool(admits_at_arrival(C, 1, mask, slo)) == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
+
+
+def test_a_request_admitted_at_its_arrival_adds_no_info_keys_and_the_world_is_unchanged(tiny: tuple[Any, str]) -> None:
+    """Where capacity suffices the admission is a no-op: the same steps, rewards and offerings as with it
+    off, and no admission key in any step's ``info``."""
+    bundle, serving = tiny
+    on, off = _env(bundle, serving), _env(bundle, serving, admission={"enabled": False})
+    pol = make_baseline("greedy", EvaluateConfig())
+    (obs1, info1), (obs2, info2) = on.reset(seed=3), off.reset(seed=3)
+    pol.reset(on, 3)
+    done = False
+    while not done:
+        a = pol.act(obs1, info1)
+        obs1, r1, _, done, info1 = on.step(a)
+        obs2, r2, _, _, info2 = off.step(a)
+        assert r1 == r2 and info1.keys() == info2.keys() and "admission" not in info1
+    assert on.stats["queued"] == on.stats["shed"] == 0
