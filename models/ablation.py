@@ -474,7 +474,10 @@ def noise_study(cfg: TrainConfig, n_states: int = 300, redraws: int = 4, seed: i
         r_exp = env.expected_rewards()
         order = np.argsort(-r_exp, kind="stable")
         g = int(order[0])
-        if since >= stride and env.steps_left > h + 1 and np.isfinite(r_exp[order[1]]):
+        # (a state where requests wait in the admission's queue is skipped: its "future" by stream position
+        # would miss them -- a queued request's service draw is still ahead of it)
+        waiting = env.admission is not None and bool(env.admission.queue)
+        if since >= stride and env.steps_left > h + 1 and np.isfinite(r_exp[order[1]]) and not waiting:
             since = 0
             a = int(order[1])
             crn.append(play(env, a, None) - play(env, g, None))
