@@ -102,6 +102,7 @@ from envs import features as fz
 from envs import kernels
 from envs import policies as pol
 from envs import prefix as px
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft, request_bands
 from envs.budget import (
     NO_BUDGET,
     NOT_REFUSED,
@@ -116,6 +117,7 @@ from envs.capacity import CapacityQuotas
 from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, TTFT, WAIT
 from envs.replay import TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
+from xroute import admission_rules as ar
 from xroute import migration_rules as rules
 from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, throughput_lookup, to_seconds
 from xroute.config import EnvConfig, load_policies, parse_config
@@ -344,7 +346,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             book = BudgetBook(self.cfg.tenants, self.cfg.budget_period_s, tenants, self.req_model, self.model_names,
                               self.arrival_raw)
             self.budget = book if book.any() else None
+        ac = self.cfg.admission
+        #: each request's priority band (an index into ``admission_rules.BANDS``; ``envs.admission``)
+        self.req_band = request_bands(ac, tenants, w["priority"].to_numpy(dtype=object) if "priority" in w.columns
+                                      else None)
+        #: the router's queue and fairness counters (None: admission off)
+        self.admission: WorldQueue | None = None
         self.set_rate_scale(self.cfg.rate_scale)
+        if ac.enabled:
+            self.admission = WorldQueue(ac, tenants, self.req_band, self.arrival, self.req_ttft)
 
     def _init_prefix(self, w: pd.DataFrame) -> None:
         """The stream's prefix blocks (``prefix_hashes``, as dense ids: ``req_blk[req_blk_off[i]:
@@ -503,6 +513,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         book = getattr(self, "budget", None)
         if book is not None:
             book.set_arrival(self.arrival)
+        adm = getattr(self, "admission", None)
+        if adm is not None:
+            adm.arrival = self.arrival
 
     # ------------------------------------------------------------------ gym API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -519,6 +532,11 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if options and "end" in options:
             end = min(self.n_requests, int(options["end"]))
         self._pos, self._end = start, end
+        #: the next arrival, and the requests still to decide (each gets one step: in arrival order
+        #: unless admission queues it, ``envs.admission``)
+        self._next, self._left = start, end - start
+        if self.admission is not None:
+            self.admission.begin()
         self.z = self.np_random.standard_normal(end - start)
         self._true_down = self._jittered_downs()
         if self.has_prefix:
@@ -530,7 +548,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._recent: deque[float] = deque()
         self.stats = {"preempted": 0, "failed": 0, "refused_budget": 0, "refused_rate_limit": 0,
                       "excluded_budget": 0, "excluded_quota": 0, "migrations": 0, "missed_window": 0,
-                      "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0}
+                      "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0, "queued": 0, "shed": 0}
         if self.budget is not None:
             self.budget.begin(start, float(self.arrival[start]))
         self._prepare()
@@ -539,12 +557,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     def step(self, action: int) -> tuple[dict[str, np.ndarray], float, bool, bool, dict[str, Any]]:
         a = int(action)
         out = self._resolve(a)
-        self._pos += 1
-        truncated = self._pos >= self._end
+        self._left -= 1
+        truncated = self._left <= 0
         if not truncated:
             self._prepare()
             obs, info = self._obs(), self._info()
         else:
+            self._pos = self._end
             obs, info = self._last_obs, {"action_mask": np.zeros(self.N, dtype=bool)}
         info.update(out)
         return obs, float(out["reward"]), False, truncated, info
@@ -555,16 +574,18 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ``info`` keys, ``reward`` among them) and whether the episode ended. The environment
         advances exactly as with ``step`` (``tests/test_env.py`` checks it)."""
         out = self._resolve(int(action))
-        self._pos += 1
-        done = self._pos >= self._end
+        self._left -= 1
+        done = self._left <= 0
         if not done:
             self._prepare()
+        else:
+            self._pos = self._end
         return out, done
 
     @property
     def steps_left(self) -> int:
         """Requests of the episode not yet routed (the current one included)."""
-        return self._end - self._pos
+        return self._left
 
     # ------------------------------------------------------------------ pools
     def _reset_pools(self) -> None:
@@ -659,6 +680,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                         px.retention_update(self.pv_ret, fb[0], fb[1], fb[2], self.cfg.prefix.retention_alpha)
                 if tokens >= 0:
                     self._observe_output(m, key, tokens)
+                    if pos >= 0 and self.admission is not None:  # its tenant's counter, corrected
+                        self.admission.completed(pos, tokens)
                 elif tokens == _PREEMPTED:  # the router saw its request die there: the pool is down
                     self.seen_down_at[a] = now
                     self._refresh_at = -np.inf
@@ -692,7 +715,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "r_budget", "r_ref_cost", "r_id", "r_z", "c_rtt", "c_load", "_last_obs", "_seq", "r_blocks",
                      "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from", "r_has_bias", "usd_h",
                      "_pol_dirty", "r_refused", "r_bfeat", "r_excl_budget", "r_excl_quota",
-                     "quota_blocked", "r_over", "notice_at", "cut_at", "region_bias", "_r_bias")
+                     "quota_blocked", "r_over", "notice_at", "cut_at", "region_bias", "_r_bias", "_next", "_left",
+                     "r_admission", "r_waited_ms")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
                      "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
@@ -706,14 +730,18 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._kv_owner = px.new_owner()  # the snapshot shares the servers' caches: copy before writing
         if self.budget is not None:
             d["_budget"] = self.budget.save()
+        if self.admission is not None:
+            d["_admission"] = self.admission.save()
         return d
 
     def restore_state(self, d: dict[str, Any]) -> None:
         for k, v in d.items():
-            if k != "_budget":
+            if k not in ("_budget", "_admission"):
                 setattr(self, k, v)
         if self.budget is not None and "_budget" in d:
             self.budget.restore(d["_budget"])
+        if self.admission is not None and "_admission" in d:
+            self.admission.restore(d["_admission"])
         # the snapshot stays reusable: give the environment its own copies of what it mutates
         for k in self._COPIED_STATE:
             setattr(self, k, d[k].copy())
@@ -825,16 +853,97 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._notice_event = nxt
 
     def _prepare(self) -> None:
-        """Make the stream's next request the current one and compute its candidate outcomes.
-        Reads only what the client sends (never ``req_out``)."""
-        i = self._pos
+        """Make the next decision's request current: the stream's next request in arrival order, or,
+        with admission (``envs.admission``, ``docs/env.md`` "Admission under load"), the next one the
+        router's queue dispatches or sheds, or the next arrival it admits or sheds at once."""
+        q = self.admission
+        if q is None or not q.queue:  # nothing waits: the next arrival, admitted at once when it fits
+            i = self._next
+            self._next += 1
+            self._current(i, float(self.arrival[i]))
+            if q is None or self.r_refused != NOT_REFUSED or admits_at_arrival(self.C, TTFT, self.c_mask,
+                                                                              self.r_ttft):
+                return  # (admission_rules.verdict's ADMIT without waiting: envs.admission, the fast path)
+            if self._arrived(q):
+                return
+        while True:
+            t_arr = float(self.arrival[self._next]) if self._next < self._end else np.inf
+            while q.queue:  # capacity may free (a completion learned, telemetry) or a budget end first
+                tau = min(self._events[0][0] if self._events else np.inf, q.next_expiry(), self._next_event)
+                if tau > t_arr:
+                    break
+                if self._dispatch(max(tau, self.t)):
+                    return
+            if self._next >= self._end:
+                raise RuntimeError("admission: no request left to decide")  # (unreachable while _left > 0)
+            i = self._next
+            self._next += 1
+            self._current(i, t_arr)
+            if self._arrived(q):
+                return
+
+    def _arrived(self, q: WorldQueue) -> bool:
+        """The verdict on the current request at its arrival: it waits in the queue (False), or it is
+        this step's, admitted or shed (True; a full queue sheds)."""
+        v = self._verdict(0.0)
+        if v == ar.QUEUE and not q.full:
+            q.enqueue(self._pos)
+            self.stats["queued"] += 1
+            return False
+        self._decide(ar.SHED if v == ar.QUEUE else v, 0.0)
+        return True
+
+    def _verdict(self, waited_ms: float) -> str:
+        """The admission verdict of the current request (``admission_rules.verdict``) on the best TTFT
+        the router's view predicts over the offerings it may use (``c_mask``; none: infinite). A
+        request its tenant's budget refused is not the admission's: it fails as before."""
+        if self.r_refused != NOT_REFUSED:
+            return ar.ADMIT
+        best = float(best_ttft(self.C[TTFT], self.c_mask))
+        return ar.verdict(ar.BANDS[int(self.req_band[self._pos])], best, self.r_ttft, waited_ms)
+
+    def _dispatch(self, t: float) -> bool:
+        """At ``t``, with what the router learned by then: shed the first waiting request whose TTFT
+        budget is spent, else make current the first waiting request in dispatch order
+        (``admission_rules.dispatch_order``) that some offering is now predicted to serve in time.
+        False: none (everything still waits)."""
+        q = self.admission
+        assert q is not None
+        self._advance(t)
+        p = q.expired(t)
+        if p is not None:
+            q.remove(p)
+            self._current(p, t, count=False)
+            self._decide(ar.SHED, 1000.0 * (t - float(self.arrival[p])))
+            return True
+        for p in q.order():
+            waited = 1000.0 * (t - float(self.arrival[p]))
+            self._current(p, t, count=False)
+            v = self._verdict(waited)
+            if v != ar.QUEUE:
+                q.remove(p)
+                self._decide(v, waited)
+                return True
+        return False
+
+    def _decide(self, verdict: str, waited_ms: float) -> None:
+        """The current request is this step's: admitted after waiting ``waited_ms``, or shed (every
+        offering masked; ``_resolve`` charges ``admission.shed_cost``)."""
+        self.r_admission, self.r_waited_ms = verdict, waited_ms
+        if verdict == ar.SHED:
+            self.c_mask[:] = False
+
+    def _current(self, i: int, t: float, count: bool = True) -> None:
+        """Make the stream's request ``i`` current at ``t`` and compute its candidate outcomes. Reads
+        only what the client sends (never ``req_out``). ``count``: an arrival (the recent arrival
+        rate counts it), not a queued request tried again."""
+        self._pos = i
         ctx = None
         if self.policies is not None:
             if self._req_ctx is None:
                 self._stream_contexts()
             assert self._req_ctx is not None
             ctx = self._req_contexts[self._req_ctx[i]]
-        t = float(self.arrival[i])
         budget, refuse = NO_BUDGET, NOT_REFUSED
         if self.budget is not None and self.budget.buckets_of[i]:
             self._advance(t)  # (the ends the budget learns of up to t)
@@ -842,13 +951,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._set_request(t, int(self.req_origin[i]), self.req_in[i], self.req_max_out[i],
                           self.req_ttft[i], self.req_tpot[i], self.req_deadline[i], int(self.req_model[i]),
                           int(self.req_key[i]), self.req_ids[i], float(self.z[i - self._ep_start]), ctx, pos=i,
-                          budget=budget, refuse=refuse)
+                          budget=budget, refuse=refuse, count=count)
 
     def _set_request(self, t: float, origin: int, n_in: float, max_out: float, ttft_ms: float, tpot_ms: float,
                      deadline_ms: float, model: int, key: int, request_id: Any, z: float,
                      ctx: pol.PolicyContext | None = None, pre: np.ndarray | None = None, pos: int = -1,
                      live_prefix: tuple[np.ndarray, np.ndarray, int, int] | None = None,
-                     budget: LiveBudget = NO_BUDGET, refuse: int = NOT_REFUSED) -> None:
+                     budget: LiveBudget = NO_BUDGET, refuse: int = NOT_REFUSED, count: bool = True) -> None:
         """Make a request current: the router learns what happened up to ``t``, estimates the
         output length, looks its prefix up in its view (the stream's request ``pos``, or a live
         router's ``live_prefix``: per offering the leading blocks its shared index expects there,
@@ -910,7 +1019,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self._r_bias = (self._pol.bias + self.region_bias) if self.r_has_bias else self.region_bias.copy()
             self.r_has_bias = True
         self._apply_budget(budget, refuse)
-        self._recent.append(t)
+        self.r_admission, self.r_waited_ms = ar.ADMIT, 0.0
+        if count:
+            self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
 
@@ -1254,7 +1365,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         """Simulate serving the current request on offering ``a``: its realized outcome and reward.
         Updates the truth, the router's view (the decision, and the completion or the retry it
         will learn of) and the statistics -- or nothing at all when ``dry`` (the oracle's
-        hindsight: the same outcome, leaving the environment as it was)."""
+        hindsight: the same outcome, leaving the environment as it was). When the admission acted
+        on the request (it waited, or was shed) its keys join the outcome (``_admission_info``)."""
+        r = self._serve(a, dry)
+        if self.r_waited_ms or self.r_admission != ar.ADMIT:
+            r.update(self._admission_info())
+        return r
+
+    def _serve(self, a: int, dry: bool) -> dict[str, Any]:
         t, m = self.t, self.r_m
         out = float(self.req_out[self._pos])  # the realized outcome: simulation only
         ref_cost = self.reference_cost(self.r_in, out)
@@ -1265,6 +1383,12 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.stats["excluded_budget"] += self.r_excl_budget
             self.stats["excluded_quota"] += self.r_excl_quota
         prompt = self.r_in if self.r_blocks.size else 0.0  # prefix-bearing prompt tokens (the hit rate's base)
+        if self.r_admission == ar.SHED:  # the admission shed it: never served, charged admission.shed_cost
+            self.stats["shed"] += not dry
+            return {"reward": -float(self.cfg.admission.shed_cost), "offering": a, "cost_usd": 0.0,
+                    "latency_ms": np.nan, "ttft_ms": np.nan, "tpot_ms": np.nan, "sla_violation": True,
+                    "failed": False, "preempted": False, "migrated_to": None, "refused": None, "prompt_tokens": prompt,
+                    "cached_tokens": 0.0, **_NO_MIGRATION}
         if a < 0 or a >= self.n or not self.c_mask[a]:
             self.stats["failed"] += not dry
             if refused is not None and not dry:
@@ -1279,11 +1403,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                                                         self.shift[m], a, t, self.C[SERVICE, a])
             if self.has_prefix:
                 self._view_sent(self._pos, m * self.n + a, t, t + max(self.C[TTFT, a] - self.c_rtt[a], 0.0) / 1000.0)
+            if self.admission is not None:  # its tenant's fairness counter: the service expected
+                self.admission.admitted(self._pos, self.r_in, self.r_est_out)
         r1 = self._attempt(m, a, t, out, dry)
         cached = r1["cached"]
         cost = self.cost_rate[m, a] * r1["ran"]
-        latency = self.c_rtt[a] + 1000.0 * (r1["end"] - t)
-        ttft = self.c_rtt[a] + 1000.0 * (r1["first"] - t)
+        waited = self.r_waited_ms  # (its wait in the router's queue: latency and TTFT run from its arrival)
+        latency = self.c_rtt[a] + 1000.0 * (r1["end"] - t) + waited
+        ttft = self.c_rtt[a] + 1000.0 * (r1["first"] - t) + waited
         failed, migrated_to, preempted = False, None, bool(r1["preempted"])
         mode, recomputed, kv_moved, missed = None, 0.0, 0.0, False
         if not preempted:
@@ -1330,9 +1457,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     recomputed = ctx
                 cached = r2["cached"]
                 cost += self.cost_rate[m, f] * r2["ran"]
-                latency = self.c_rtt[f] + 1000.0 * (r2["end"] - t)
+                latency = self.c_rtt[f] + 1000.0 * (r2["end"] - t) + waited
                 if not np.isfinite(ttft):
-                    ttft = self.c_rtt[f] + 1000.0 * (r2["first"] - t)
+                    ttft = self.c_rtt[f] + 1000.0 * (r2["first"] - t) + waited
                 if not dry:  # the router learns of the retry when the preemption happens
                     self._push(r1["end"], _ADMIT, (m, f, self.C[SERVICE, f], r2["end"], self.r_key, out, self._pos))
         if not dry and self.budget is not None and self.budget.buckets_of[self._pos]:
@@ -1360,6 +1487,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 "ttft_ms": float(ttft), "tpot_ms": float(tpot), "sla_violation": viol, "failed": False,
                 "preempted": preempted, "migrated_to": migrated_to, "prompt_tokens": prompt,
                 "cached_tokens": float(cached) if prompt else 0.0, "refused": None, **mig}
+
+    def _admission_info(self) -> dict[str, Any]:
+        """What the admission did to the current request, for its step's ``info`` -- only when it acted
+        (a request admitted at its arrival adds nothing): ``admission`` (``queued`` -- admitted after
+        waiting in the router's queue -- or ``shed``), ``queue_wait_ms``, its ``band`` and ``tenant``.
+        (``xroute evaluate``'s per-band, per-tenant report reads the rest by the request's position.)"""
+        v, i = self.r_admission, self._pos
+        return {"admission": "queued" if v == ar.ADMIT else v, "queue_wait_ms": self.r_waited_ms,
+                "band": ar.BANDS[int(self.req_band[i])], "tenant": self.req_tenant[i]}
 
     # ------------------------------------------------------------------ live routing (the router)
     def observe_live(self, t: float, origin: str, input_tokens: int, max_output_tokens: int, ttft_ms: float,

@@ -151,7 +151,7 @@ def evaluate_vs_warm(scenarios: list[Any], routers: dict[str, str], eval_cfg: An
     keys = {d: key(d) for d in [*routers.values(), "greedy"]}
     out: dict[str, dict[str, np.ndarray]] = {}
     for s in scenarios:
-        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate)})
+        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate, s.env)})
         got = cache.setdefault(s.label, {})
         todo = list(dict.fromkeys(d for d in keys if keys[d] not in got))
         if todo:
@@ -474,7 +474,10 @@ def noise_study(cfg: TrainConfig, n_states: int = 300, redraws: int = 4, seed: i
         r_exp = env.expected_rewards()
         order = np.argsort(-r_exp, kind="stable")
         g = int(order[0])
-        if since >= stride and env.steps_left > h + 1 and np.isfinite(r_exp[order[1]]):
+        # (a state where requests wait in the admission's queue is skipped: its "future" by stream position
+        # would miss them -- a queued request's service draw is still ahead of it)
+        waiting = env.admission is not None and bool(env.admission.queue)
+        if since >= stride and env.steps_left > h + 1 and np.isfinite(r_exp[order[1]]) and not waiting:
             since = 0
             a = int(order[1])
             crn.append(play(env, a, None) - play(env, g, None))

@@ -130,6 +130,7 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
     recomputed = kv_moved = 0.0  # spot notices and migration (xroute.migration_rules, docs/env.md)
     missed: list[int] = []
     placed = np.full(n, -1, dtype=np.int64)
+    adm = _AdmissionLog(n)  # admission under load (envs.admission): each step's band, tenant, verdict, wait
     for k in range(n):
         ts[k] = info["t"]
         if pol is not None:
@@ -142,10 +143,12 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         actions[k] = a
         if compare_greedy:
             differs += int(np.argmax(env.expected_rewards())) != a
+        pos = env._pos
         obs, r, _term, trunc, info = env.step(a)
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
                                                              info["sla_violation"])
         total_reward += r
+        adm.record(k, pos, info)
         failed += bool(info["failed"])
         preempted += bool(info["preempted"])
         migrations += info["migrated_to"] is not None
@@ -154,9 +157,9 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         recomputed += info.get("tokens_recomputed", 0.0)
         kv_moved += info.get("kv_bytes_moved", 0.0)
         if info.get("missed_window"):
-            missed.append(k)
+            missed.append(pos - i0)
         if not info["failed"]:
-            placed[k] = info["offering"] if info["migrated_to"] is None else info["migrated_to"]
+            placed[pos - i0] = info["offering"] if info["migrated_to"] is None else info["migrated_to"]
         if progress is not None and (k % 500 == 499 or trunc):
             progress(k % 500 + 1)
     served = lats[~np.isnan(lats)]
@@ -195,11 +198,79 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         moves, moved = session_moves(sessions[i0:i0 + n], placed)
         m["session_moves"], m["sessions_moved"] = moves, moved
         m["sessions_missed_window"] = len({int(sessions[i0 + k]) for k in missed} - {-1})
-    tenants = env.bundle.workload["tenant"].to_numpy()[i0:i0 + n] if "tenant" in env.bundle.workload.columns else None
-    if tenants is not None:  # the reward by SLO class (the tenants are services with their own SLO)
-        for t in sorted(set(tenants)):
-            m[f"mean_reward[{t}]"] = round(float(rewards[tenants == t].mean()), 6)
+    adm.finish(env)
+    if "tenant" in env.bundle.workload.columns:  # the reward by SLO class (the tenants are services with their own SLO)
+        for t in sorted(set(adm.tenant)):
+            m[f"mean_reward[{t}]"] = round(float(rewards[adm.tenant == t].mean()), 6)
+    m.update(adm.metrics(env, viol, lats))
     return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs), actions, total_reward)
+
+
+class _AdmissionLog:
+    """Each step's request (its position in the stream: its band, tenant, arrival and service are the
+    environment's) and what the admission did to it (``info``'s ``admission`` and ``queue_wait_ms``,
+    present only when it acted: else admitted at its arrival), for the per-band and per-tenant report
+    (:meth:`metrics`)."""
+
+    def __init__(self, n: int):
+        self.pos = np.zeros(n, dtype=np.int64)
+        self.verdict = np.full(n, "admit", dtype=object)
+        self.wait = np.zeros(n)
+
+    def record(self, k: int, pos: int, info: dict[str, Any]) -> None:
+        self.pos[k] = pos
+        if "admission" in info:
+            self.verdict[k], self.wait[k] = info["admission"], info["queue_wait_ms"]
+
+    def finish(self, env: CloudRouteEnv) -> None:
+        """Each step's band, tenant, arrival and weighted service (``admission_rules.service`` at its
+        realized output, weight 1) from the environment's arrays."""
+        from xroute import admission_rules as ar
+
+        p = self.pos
+        self.band = np.array([ar.BANDS[int(b)] for b in env.req_band[p]], dtype=object)
+        self.tenant = np.asarray(env.req_tenant[p]).astype(str).astype(object)
+        self.arrival = np.asarray(env.arrival[p], dtype=float)
+        self.service = np.array([ar.service(i, o, 1.0) for i, o in zip(env.req_in[p].tolist(),
+                                                                         env.req_out[p].tolist())])
+
+    def metrics(self, env: CloudRouteEnv, viol: np.ndarray, lats: np.ndarray) -> dict[str, float]:
+        """Per band and per tenant: SLO attainment, goodput (requests served within their SLO per
+        second of the stream), shed and queued counts, the queue wait p95 (of those that waited);
+        per band, Jain's index of the normalized service of its backlogged tenants (``jain[band]``):
+        each tenant's service over its max-min fair share (``admission_rules.fair_shares``, weighted)
+        of what the band was served, among the tenants that had a request wait in the queue."""
+        from xroute import admission_rules as ar
+
+        span = float(np.nanmax(self.arrival) - np.nanmin(self.arrival)) if len(self.arrival) else 0.0
+        span = max(span, 1e-9)
+        good = ~viol & ~np.isnan(lats)
+        out: dict[str, float] = {"shed": int((self.verdict == "shed").sum()),
+                                 "queued": int((self.verdict == "queued").sum() + ((self.verdict == "shed")
+                                                                                  & (self.wait > 0)).sum()),
+                                 "goodput_rps": round(float(good.sum()) / span, 4)}
+        for key, col in (("band", self.band), ("tenant", self.tenant)):
+            for v in sorted(set(col.tolist())):
+                sel = col == v
+                waited = self.wait[sel & (self.wait > 0)]
+                out[f"slo_attainment[{key}={v}]"] = round(float(good[sel].mean()), 6)
+                out[f"goodput_rps[{key}={v}]"] = round(float(good[sel].sum()) / span, 4)
+                out[f"shed[{key}={v}]"] = int((self.verdict[sel] == "shed").sum())
+                out[f"queued[{key}={v}]"] = int((self.wait[sel] > 0).sum())
+                out[f"queue_wait_p95_ms[{key}={v}]"] = round(float(np.percentile(waited, 95)), 2) if waited.size else 0.0
+        weights = env.admission.weight if env.admission is not None else {}
+        for b in sorted(set(self.band.tolist())):
+            sel = self.band == b
+            backlogged = sorted({t for t in self.tenant[sel & (self.wait > 0)].tolist()})
+            if len(backlogged) < 2:
+                continue
+            demand = [float(self.service[sel & (self.tenant == t)].sum()) for t in backlogged]
+            served = ~np.isnan(lats)
+            got = [float(self.service[sel & (self.tenant == t) & served].sum()) for t in backlogged]
+            w = [weights.get(t, 1.0) for t in backlogged]
+            fair = ar.fair_shares(demand, w, sum(got))
+            out[f"jain[band={b}]"] = round(ar.jain([g / f if f > 0 else 1.0 for g, f in zip(got, fair)]), 6)
+        return out
 
 
 def session_moves(sessions: np.ndarray, served: np.ndarray) -> tuple[int, int]:

@@ -67,7 +67,7 @@ def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: 
 
     out = []
     for s in scenarios:
-        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate)})
+        cfg = eval_cfg.model_copy(update={"env": eval_env_config(eval_cfg, s.rate, s.env)})
         res = ev.evaluate(s.bundle, [*baselines, *routers.values()], cfg, show_progress=False, seeds=seeds,
                           history=s.history)
         names = {d: n for n, d in routers.items()}

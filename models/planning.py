@@ -75,19 +75,20 @@ def _play_out(env: CloudRouteEnv, first: int, horizon: int) -> tuple[list[float]
     return rewards, done
 
 
-def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, stop: int | None = None,
+def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, steps: int | None = None,
               progress: Callable[[int], None] | None = None, max_regret: float | None = None) -> list[int]:
-    """The lookahead plan from ``env``'s current request up to request ``stop`` (an absolute
-    stream position; default: the episode's end): the decisions ``HindsightRollout(top_k,
-    horizon, max_regret).act`` takes at each of them (module docstring). Steps ``env`` to ``stop``.
+    """The lookahead plan for ``env``'s next ``steps`` decisions (default: to the episode's end):
+    the decisions ``HindsightRollout(top_k, horizon, max_regret).act`` takes at each of them (module
+    docstring). Steps ``env`` that far. Plans count decisions (steps), not stream positions: under
+    admission (``envs.admission``) a queued request's decision comes after later arrivals'.
     ``progress(k)`` is called every 500 decisions with the number made."""
-    stop = env._end if stop is None else min(stop, env._end)
+    stop = env.steps_left if steps is None else min(steps, env.steps_left)
     cont = copy.deepcopy(env)  # the greedy continuation's frontier ...
     cont_rewards: deque[float] = deque()  # ... and its rewards, from env's current request on
     spare = [copy.deepcopy(env) for _ in range(max(top_k - 1, 0))]  # alternatives are played out in these
     cont_done = cont.steps_left <= 0
     actions: list[int] = []
-    while env._pos < stop:
+    while len(actions) < stop:
         while len(cont_rewards) < horizon + 1 and not cont_done:
             out, cont_done = cont.step_outcome(hindsight_greedy_action(cont))
             cont_rewards.append(float(out["reward"]))
@@ -120,16 +121,18 @@ def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, stop: int | None = N
     return actions
 
 
-def greedy_plan(env: CloudRouteEnv, stop: int | None = None, snapshots_at: tuple[int, ...] = ()
+def greedy_plan(env: CloudRouteEnv, steps: int | None = None, snapshots_at: tuple[int, ...] = ()
                 ) -> tuple[list[int], float, dict[int, dict[str, Any]]]:
-    """Hindsight-greedy from ``env``'s current request to ``stop``: its actions, their total, and
-    ``env``'s state (``save_state``) when it reaches each position of ``snapshots_at``."""
-    stop = env._end if stop is None else min(stop, env._end)
-    actions, total, snaps = [], 0.0, {}
+    """Hindsight-greedy for ``env``'s next ``steps`` decisions (default: to the episode's end): its
+    actions, their total, and ``env``'s state (``save_state``) after each number of decisions in
+    ``snapshots_at``."""
+    stop = env.steps_left if steps is None else min(steps, env.steps_left)
+    actions: list[int] = []
+    total, snaps = 0.0, {}
     want = set(snapshots_at)
-    while env._pos < stop:
-        if env._pos in want:
-            snaps[env._pos] = env.save_state()
+    while len(actions) < stop:
+        if len(actions) in want:
+            snaps[len(actions)] = env.save_state()
         a = hindsight_greedy_action(env)
         out, _ = env.step_outcome(a)
         actions.append(a)
@@ -191,12 +194,15 @@ _FORKED: dict[str, Any] = {}
 
 
 def _segment_task(start: int, own: int, stop: int, snap: dict[str, Any] | None) -> list[int]:
+    """The lookahead's decisions ``own`` to ``stop`` (decision counts from the episode's start),
+    planned from the state after ``start`` decisions (``snap``; None: the start)."""
     st = _FORKED
     env = copy.deepcopy(st["env"])
+    n = env.steps_left
     if snap is not None:
         env.restore_state(snap)
-    assert env._pos == start
-    return lookahead(env, st["top_k"], st["horizon"], stop, max_regret=st["max_regret"])[own - start:]
+    assert n - env.steps_left == start
+    return lookahead(env, st["top_k"], st["horizon"], stop - start, max_regret=st["max_regret"])[own - start:]
 
 
 def _policy_task(j: int) -> tuple[list[int], float]:
@@ -221,7 +227,7 @@ def best_plan(env: CloudRouteEnv, seed: int, policies: list[Any], top_k: int, ho
     same seed), by policy name -- their actions and total -- which need not be played again
     (``models.evaluate`` hands the oracle the runs of the policies evaluated before it)."""
     n = env.steps_left
-    first = env._pos
+    first = 0  # (segments are cut by decisions made, not stream positions: envs.admission may reorder)
     names = (["hindsight-rollout"] if with_lookahead else []) + ["hindsight-greedy"] + [p.name for p in policies]
     n_plans = len(names)
 

@@ -25,6 +25,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pandas as pd
+from pydantic import BaseModel, ConfigDict, Field
 
 from models.config import SplitConfig, TrainConfig
 from xroute.bundle import Bundle, bundle_root, load_bundle
@@ -43,10 +44,15 @@ def train_env_config(cfg: TrainConfig, eval_cfg: EvaluateConfig, n_offerings: in
     return eval_cfg.env.model_copy(update={"episode_requests": cfg.episode_requests, "max_offerings": pad})
 
 
-def eval_env_config(eval_cfg: EvaluateConfig, rate_scale: float | None = None) -> EnvConfig:
+def eval_env_config(eval_cfg: EvaluateConfig, rate_scale: float | None = None,
+                    env: dict[str, Any] | None = None) -> EnvConfig:
+    """The env a window is evaluated with: the whole window, at ``rate_scale``, with a scenario's
+    ``env`` settings (validated: nested settings become their models)."""
     upd: dict[str, Any] = {"episode_requests": None}
     if rate_scale is not None:
         upd["rate_scale"] = rate_scale
+    if env:
+        return EnvConfig.model_validate({**eval_cfg.env.model_dump(), **env, **upd})
     return eval_cfg.env.model_copy(update=upd)
 
 
@@ -106,6 +112,8 @@ class Scenario:
     bundle: Bundle
     history: pd.DataFrame | None
     rate: float = 1.0
+    #: env settings this scenario changes (the overload scenario's tenants and admission)
+    env: dict[str, Any] | None = None
 
 
 @dataclass
@@ -167,6 +175,12 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         sp = splits(ref, f"train config: field 'data.gate[{k}]'")
         for r in d.gate_rates:
             gate.append(Scenario(f"{_label(ref)} x{r:g}", sp.bundles["test"], sp.history("test"), r))
+    if d.gate_overload is not None and one is None:  # the overload scenario (configs/overload.yaml)
+        from xroute.config import config_path
+
+        sc, _ = overload_scenario(config_path(d.gate_overload), cfg.split)
+        gate.append(sc)
+        hashes[sc.label] = sc.bundle.content_hash
     return Scenarios(train, selection, gate, hashes)
 
 
@@ -211,3 +225,55 @@ class ScenarioMix(gym.Env):  # type: ignore[type-arg]
 
     def step(self, action: int) -> Any:
         return self.current.step(action)
+
+
+class OverloadTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    share: float = Field(gt=0, le=1)
+    band: str = "standard"
+    weight: float = Field(1.0, gt=0)
+
+
+class OverloadConfig(BaseModel):
+    """``configs/overload.yaml`` (its comments say what each field is)."""
+
+    model_config = ConfigDict(extra="forbid")
+    bundle: str = "default"
+    window: str = Field("test", pattern="^(train|validation|test)$")
+    offerings: list[str] = Field(min_length=1)
+    rate_scale: float = Field(2.0, gt=0)
+    seed: int = 0
+    tenants: dict[str, OverloadTenant] = Field(min_length=1)
+
+
+def relabel_tenants(bundle: Bundle, shares: dict[str, float], seed: int) -> Bundle:
+    """The bundle with each request's ``tenant`` drawn from ``shares`` (normalized) by a hash of its
+    request id and ``seed``: the same request, the same tenant, whatever the window."""
+    names = list(shares)
+    cum = np.cumsum([shares[n] for n in names])
+    cum = cum / cum[-1]
+    ids = bundle.workload["request_id"].astype(str)
+    u = (pd.util.hash_pandas_object(ids + f"#{seed}", index=False).to_numpy() % 1_000_003) / 1_000_003.0
+    w = bundle.workload.copy()
+    w["tenant"] = [names[int(k)] for k in np.searchsorted(cum, u, side="right").clip(0, len(names) - 1)]
+    from dataclasses import replace
+
+    return replace(bundle, workload=w, content_hash=bundle.content_hash + f"-tenants{seed}")
+
+
+def overload_scenario(path: str | Path, split: SplitConfig) -> tuple[Scenario, dict[str, Any]]:
+    """The overload scenario of ``path`` (``configs/overload.yaml``): its window's bundle on the
+    named offerings with the tenants relabelled, and the env settings it runs under (no tenant
+    budgets; the admission's tenants). A ConfigError names a bad field."""
+    from xroute.catalog_tools import select_offerings
+    from xroute.config import parse_config, read_yaml
+
+    oc = parse_config(OverloadConfig, read_yaml(path), str(path))
+    adm = {"tenants": {k: {"band": t.band, "weight": t.weight} for k, t in oc.tenants.items()}}
+    parse_config(EnvConfig, {"admission": adm}, str(path))  # (an unknown band named here, not mid-run)
+    b = select_offerings(resolve_bundle(oc.bundle, f"{path}: field 'bundle'"), oc.offerings)
+    b = relabel_tenants(b, {k: t.share for k, t in oc.tenants.items()}, oc.seed)
+    sp = split_bundle(b, split)
+    sc = Scenario(f"{_label(oc.bundle)} overload x{oc.rate_scale:g}", sp.bundles[oc.window], sp.history(oc.window),
+                  oc.rate_scale, env={"tenants": {}, "admission": adm})
+    return sc, {"config": oc.model_dump()}

@@ -32,8 +32,9 @@ from envs.features import N_OFFERING_FEATURES
 _SHARED = ("bundle", "replay", "catalog", "serving", "cfg", "ref", "observation_space", "action_space", "spec",
            "placement", "capacity", "policies", "models_cfg")
 #: env attributes holding an object a step changes in place: a fork gets ``v.copy()`` (the tenants'
-#: budgets, ``envs.budget.BudgetBook``; the current request's policy outcome buffers)
-_COPIED = ("budget", "_pol")
+#: budgets, ``envs.budget.BudgetBook``; the current request's policy outcome buffers; the admission queue
+#: and fairness counters, ``envs.admission.WorldQueue``)
+_COPIED = ("budget", "_pol", "admission")
 #: values a fork may share as they are: immutable, or (tuples) of read-only arrays
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, tuple, frozenset, range, np.generic)
 

@@ -77,3 +77,21 @@ def test_jain_is_one_when_equal_and_one_over_n_when_one_takes_everything() -> No
     assert ar.jain([9.0, 0.0, 0.0]) == pytest.approx(1 / 3)
     assert ar.jain([]) == 1.0
     assert ar.jain([1.0, 3.0]) == pytest.approx(16 / 20)
+
+
+def test_fair_shares_water_fill_by_weight_capped_at_demand() -> None:
+    assert ar.fair_shares([10.0, 100.0], [1.0, 1.0], 60.0) == pytest.approx([10.0, 50.0])  # quiet one in full
+    assert ar.fair_shares([100.0, 100.0], [1.0, 3.0], 40.0) == pytest.approx([10.0, 30.0])
+    assert ar.fair_shares([5.0, 5.0], [1.0, 1.0], 100.0) == pytest.approx([5.0, 5.0])  # enough for all
+    assert ar.fair_shares([0.0, 30.0, 30.0], [1.0, 1.0, 1.0], 20.0) == pytest.approx([0.0, 10.0, 10.0])
+    with pytest.raises(ValueError, match="weight must be > 0"):
+        ar.fair_shares([1.0], [0.0], 1.0)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1e4), st.floats(0.1, 10)), min_size=1, max_size=8), st.floats(0, 1e5))
+def test_fair_shares_never_exceed_demand_or_capacity_and_use_what_is_asked(
+        rows: list[tuple[float, float]], capacity: float) -> None:
+    demands, weights = [d for d, _ in rows], [w for _, w in rows]
+    s = ar.fair_shares(demands, weights, capacity)
+    assert all(-1e-9 <= x <= d + 1e-6 for x, d in zip(s, demands))
+    assert sum(s) == pytest.approx(min(capacity, sum(demands)), rel=1e-6, abs=1e-6)

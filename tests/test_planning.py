@@ -141,3 +141,33 @@ def test_evaluate_hands_the_oracle_the_baselines_it_ran_and_the_result_is_the_sa
     env.reset(seed=cfg.seed)
     for name, (actions, total) in known.items():
         assert planning.replay(copy.deepcopy(env), actions)[1] == pytest.approx(total, abs=1e-9), name
+
+
+def test_under_admission_queueing_the_plans_count_decisions_not_stream_positions(tmp_path) -> None:
+    """A stream where the admission queues requests (a queued request's decision comes after later
+    arrivals'): the lookahead cut after k decisions is the whole lookahead's first k, the segmented
+    parallel plan has one decision per request and replays to its total, and the oracle replays its plan."""
+    from tests.tinybundle import write_serving_yaml, write_tiny_bundle
+    from xroute.bundle import load_bundle
+    from xroute.config import EnvConfig, parse_config
+
+    bundle = load_bundle(write_tiny_bundle(tmp_path / "bundle", n_requests=300, preempt=False))
+    env_cfg = parse_config(EnvConfig, {"serving_config": str(write_serving_yaml(tmp_path / "serving.yaml")),
+                                       "episode_requests": None, "rate_scale": 40.0, "queue_timeout_s": 0.5,
+                                       "admission": {"tenants": {"a": {"band": "critical"}, "b": {"band": "standard"}}}})
+    env = CloudRouteEnv(bundle, env_cfg)
+    env.reset(seed=2)
+    g = copy.deepcopy(env)
+    planning.greedy_plan(g)
+    assert g.stats["queued"] > 20, "the stream must queue for this test to tell anything"
+    full = planning.lookahead(copy.deepcopy(env), 3, 4)
+    assert len(full) == 300
+    assert planning.lookahead(copy.deepcopy(env), 3, 4, 100) == full[:100]
+    plan = planning.best_plan(copy.deepcopy(env), 2, [], 3, 4, True, workers=2, segment_requests=100,
+                              burn_in_requests=30)
+    assert plan.segments == 3 and len(plan.actions) == 300
+    taken, total, replaced = planning.replay(copy.deepcopy(env), plan.actions)
+    assert len(taken) == 300 and total == pytest.approx(plan.total, abs=1e-9)
+    oracle = Oracle(_cfg(workers=2, segment_requests=100, burn_in_requests=30, horizon=4))
+    got = run_policy(env, oracle, seed=2)
+    assert got.total_reward == pytest.approx(oracle.total, abs=1e-9) and len(oracle.plan) == 300

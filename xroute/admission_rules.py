@@ -111,3 +111,28 @@ def jain(values: Sequence[float]) -> float:
     if n == 0 or sq == 0.0:
         return 1.0
     return sum(values) ** 2 / (n * sq)
+
+
+def fair_shares(demands: Sequence[float], weights: Sequence[float], capacity: float) -> list[float]:
+    """The weighted max-min fair split of ``capacity`` among tenants asking for ``demands`` (water
+    filling: each gets ``capacity x weight / sum of weights`` of what is left, capped at its demand,
+    the rest shared again among the others): what Jain's index normalizes a tenant's service by
+    (Jain, Chiu, Hawe 1984: ``x_i`` = the throughput a tenant got over its fair one)."""
+    share = [0.0] * len(demands)
+    left = max(float(capacity), 0.0)
+    active = [i for i, d in enumerate(demands) if d > 0.0]
+    for w in weights:
+        if not w > 0.0:
+            raise ValueError(f"a tenant's weight must be > 0, not {w!r}")
+    while active and left > 1e-12 * max(capacity, 1.0):
+        total_w = sum(weights[i] for i in active)
+        capped = [i for i in active if demands[i] - share[i] <= left * weights[i] / total_w]
+        if not capped:  # nobody's demand is met: split what is left by weight
+            for i in active:
+                share[i] += left * weights[i] / total_w
+            return share
+        for i in capped:  # meet these demands in full and share the rest among the others again
+            left -= demands[i] - share[i]
+            share[i] = float(demands[i])
+        active = [i for i in active if i not in capped]
+    return share

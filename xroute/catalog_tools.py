@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from xroute.bundle import Bundle
+from xroute.errors import ConfigError
 
 _PER_OFFERING = ("prices", "availability", "utilization")
 
@@ -36,6 +37,16 @@ def _clone(bundle: Bundle, picks: list[tuple[str, str]]) -> Bundle:
         tables[name] = m.sort_values(["offering_id", "ts"], kind="stable").reset_index(drop=True)
     return replace(bundle, offerings=offerings.reset_index(drop=True), content_hash=bundle.content_hash + "-derived",
                    **tables)  # type: ignore[arg-type]
+
+
+def select_offerings(bundle: Bundle, ids: list[str]) -> Bundle:
+    """The same bundle with only the offerings ``ids`` (their telemetry kept as it is): a scenario
+    with less capacity than the whole catalog (``configs/overload.yaml``)."""
+    known = set(bundle.offering_ids)
+    missing = [i for i in ids if i not in known]
+    if missing:
+        raise ConfigError(f"field 'offerings': '{missing[0]}' is not an offering of {bundle.path}")
+    return _clone(bundle, [(i, i) for i in ids])
 
 
 def resize_catalog(bundle: Bundle, n: int) -> Bundle:

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from xroute import admission_rules as admission
 from xroute import migration_rules as rules
 from xroute.errors import ConfigError
 from xroute.resources import configs_dir
@@ -88,6 +89,34 @@ class MigrationConfig(Strict):
         description="KV transfer throughput between two locations the bundle's throughput table does not name")
 
 
+class TenantAdmission(Strict):
+    """A tenant's place in the admission under load (``xroute.admission_rules``): its default band and
+    its fairness weight (the router's tenant defaults have the same two)."""
+
+    band: admission.Band = Field(admission.DEFAULT_BAND, description="the band of its requests that name none "
+                                                                     "(critical > standard > sheddable)")
+    weight: float = Field(1.0, gt=0, le=1e6, description="its share of a scarce moment against the other tenants of "
+                                                         "its band (the Virtual Token Counter's divisor)")
+
+
+class AdmissionConfig(Strict):
+    """Admission under load in the simulated world (``docs/env.md``, "Admission under load"): the rules
+    are ``xroute.admission_rules``, the router's. On by default: while some feasible pool is predicted
+    to meet a request's TTFT SLO every request is admitted and nothing changes."""
+
+    enabled: bool = Field(True, description="apply the admission verdict before each placement; false = today's "
+                                            "world (a request no pool can take fails)")
+    default_band: admission.Band = Field(admission.DEFAULT_BAND,
+                                         description="the band of a request whose tenant is not listed and whose "
+                                                     "workload row names no priority")
+    queue_limit: int = Field(1024, ge=1, le=10_000_000, description="requests the router's queue holds; a request "
+                                                                     "that would queue beyond it is shed")
+    shed_cost: float = Field(2.0, ge=0, le=1e6, description="a shed request's reward is -shed_cost (no cost, no "
+                                                            "latency: the SLO penalty of a request never served)")
+    tenants: dict[str, TenantAdmission] = Field(default_factory=dict,
+                                                description="per tenant (the workload's tenant column): band, weight")
+
+
 class EnvConfig(Strict):
     """Settings of ``xroute/CloudRoute-v0``; see the env docstring for their meaning."""
 
@@ -123,6 +152,7 @@ class EnvConfig(Strict):
                           "None = none")
     prefix: PrefixConfig = PrefixConfig()
     migration: MigrationConfig = MigrationConfig()
+    admission: AdmissionConfig = AdmissionConfig()
 
 
 class OracleConfig(Strict):

@@ -1,0 +1,181 @@
+"""Admission under load in the simulated world (issue 36; ``docs/env.md``, "Admission under load").
+
+The environment applies the router's admission (``xroute.admission_rules``: one definition, imported
+here as ``envs.cloud_route`` imports ``xroute.migration_rules``): each stream request has a priority
+band (its workload row's ``priority`` when the bundle has the column and the row names one, else its
+tenant's ``admission.tenants`` band, else ``admission.default_band``) and its tenant a fairness weight.
+Before a request is placed, the best TTFT the router's view predicts over the feasible offerings
+decides (``admission_rules.verdict``): admitted (the policy chooses, as before), shed (a sheddable
+request no pool can serve in time, or any request whose TTFT budget is spent in the queue, or one
+the full queue cannot hold), or queued (critical, standard) in the router's bounded queue.
+
+:class:`WorldQueue` is the queue and the Virtual Token Counter's counters of one episode: plain
+Python over the queued requests (a few hundred at most, only under overload), and per tenant id the
+counters every placement updates; ``CloudRouteEnv`` drives it (when to try a dispatch, what the view
+predicts). No clock, no outcome: a request's service is counted with its *expected* output when it
+is admitted and corrected when its completion is observed, as the router counts it.
+
+The fast path (:func:`admits_at_arrival`): a request arriving while nothing waits, with some
+offering predicted within its TTFT SLO, is admitted whatever its band -- the verdict's first clause,
+computed in one compiled pass instead of a masked copy and a call; every other case goes through
+``admission_rules.verdict``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from xroute import admission_rules as ar
+from xroute.config import AdmissionConfig
+from xroute.errors import ConfigError
+
+
+def request_bands(cfg: AdmissionConfig, tenants: np.ndarray, priority: np.ndarray | None) -> np.ndarray:
+    """Each request's band index: its ``priority`` (non-empty), else its tenant's band, else the
+    default band; a ConfigError naming the workload field for an unknown priority."""
+    by_tenant = {name: ar.band_index(t.band) for name, t in cfg.tenants.items()}
+    default = ar.band_index(cfg.default_band)
+    out = np.array([by_tenant.get(str(x), default) for x in tenants.tolist()], dtype=np.int64)
+    if priority is not None:
+        for i, p in enumerate(priority.tolist()):
+            p = str(p).strip() if p == p and p is not None else ""
+            if p:
+                try:
+                    out[i] = ar.band_index(p)
+                except ValueError as e:
+                    raise ConfigError(f"workload: field 'priority' (row {i + 1}): {e}") from None
+    return out
+
+
+@njit(cache=True)
+def best_ttft(ttft, mask):  # pragma: no cover (compiled)
+    """The best (lowest) predicted TTFT over the offerings ``mask`` allows; ``inf`` when none, NaN when
+    one of them is NaN (as ``ttft[mask].min()``)."""
+    best = np.inf
+    for a in range(ttft.shape[0]):
+        if mask[a]:
+            x = ttft[a]
+            if x != x:
+                return x
+            if x < best:
+                best = x
+    return best
+
+
+@njit(cache=True)
+def admits_at_arrival(C, row, mask, ttft_slo_ms):  # pragma: no cover (compiled)
+    """Whether a request that has not waited is admitted, whatever its band, from its candidate
+    outcomes ``C`` (``C[row]``: each offering's predicted TTFT) and the offerings it may use: the
+    fast path of ``admission_rules.verdict(band, best, ttft_slo_ms, 0) == ADMIT`` (its first clause,
+    ``best <= budget``; ``tests/test_env_admission.py`` checks the two agree on random inputs). False
+    hands the request to the full verdict."""
+    return best_ttft(C[row], mask) <= ttft_slo_ms
+
+
+class WorldQueue:
+    """The router's queue and fairness counters in the simulated world (module docstring). The
+    counters and backlogs are lists indexed by the stream's tenant id (``tid``: a request's tenant as
+    a dense index into ``names``), so a placement or a completion -- every step, queue or not -- is two
+    list reads and one add; the names only appear where the rules order the queue."""
+
+    def __init__(self, cfg: AdmissionConfig, tenants: np.ndarray, bands: np.ndarray, arrival: np.ndarray,
+                 ttft_ms: np.ndarray):
+        self.limit = cfg.queue_limit
+        names, tid = np.unique(np.asarray(tenants, dtype=str), return_inverse=True)
+        #: the stream's tenant names (the counters' keys, as the router's) and each request's index into them
+        self.names: list[str] = names.tolist()
+        self.tid: list[int] = tid.ravel().tolist()
+        self.band = bands
+        self.arrival = arrival
+        self.ttft_s = ttft_ms / 1000.0
+        #: each tenant's fairness weight (``admission.tenants``; 1 for one not listed)
+        self.weights: list[float] = [cfg.tenants[n].weight if n in cfg.tenants else 1.0 for n in self.names]
+        self.begin()
+
+    def begin(self) -> None:
+        """An empty queue and counters (an episode's start)."""
+        #: the stream positions waiting, in arrival order
+        self.queue: list[int] = []
+        #: each tenant's counter (weighted service), and its requests waiting (by tenant id)
+        self.counters: list[float] = [0.0] * len(self.names)
+        self.backlog: list[int] = [0] * len(self.names)
+        #: the expected output each request in service was counted with (corrected at its completion)
+        self.counted: dict[int, float] = {}
+
+    @property
+    def weight(self) -> dict[str, float]:
+        """Each tenant's fairness weight, by name."""
+        return dict(zip(self.names, self.weights))
+
+    def by_name(self) -> dict[str, float]:
+        """Each tenant's counter, by name (what ``admission_rules.dispatch_order`` reads)."""
+        return dict(zip(self.names, self.counters))
+
+    def enqueue(self, pos: int) -> None:
+        """Request ``pos`` waits; its tenant, idle until now, has its counter lifted (``lift``)."""
+        k = self.tid[pos]
+        if not self.backlog[k]:
+            others = [c for c, b in zip(self.counters, self.backlog) if b]
+            self.counters[k] = ar.lift(self.counters[k], others)
+        self.backlog[k] += 1
+        self.queue.append(pos)
+
+    def remove(self, pos: int) -> None:
+        self.queue.remove(pos)
+        self.backlog[self.tid[pos]] -= 1
+
+    @property
+    def full(self) -> bool:
+        return len(self.queue) >= self.limit
+
+    def expiry(self, pos: int) -> float:
+        """When request ``pos``'s TTFT budget is spent (its arrival + its TTFT SLO)."""
+        return float(self.arrival[pos] + self.ttft_s[pos])
+
+    def next_expiry(self) -> float:
+        return min((self.expiry(p) for p in self.queue), default=np.inf)
+
+    def expired(self, t: float) -> int | None:
+        """The first-arrived waiting request whose budget is spent at ``t`` (None: none)."""
+        for p in self.queue:
+            if self.expiry(p) <= t:
+                return p
+        return None
+
+    def order(self) -> list[int]:
+        """The waiting requests in dispatch order (``admission_rules.dispatch_order``)."""
+        q, names = self.queue, self.names
+        idx = ar.dispatch_order([(int(self.band[p]), names[self.tid[p]], float(self.arrival[p])) for p in q],
+                                self.by_name())
+        return [q[i] for i in idx]
+
+    def admitted(self, pos: int, input_tokens: float, expected_output: float) -> None:
+        """Request ``pos`` is placed: its tenant's counter grows by its service at its expected output."""
+        k = self.tid[pos]
+        self.counters[k] += ar.service(input_tokens, expected_output, self.weights[k])
+        self.counted[pos] = expected_output
+
+    def completed(self, pos: int, output_tokens: float) -> None:
+        """Request ``pos``'s completion is observed with ``output_tokens``: its counter is corrected."""
+        exp = self.counted.pop(pos, None)
+        if exp is not None:
+            k = self.tid[pos]
+            self.counters[k] += ar.correction(exp, output_tokens, self.weights[k])
+
+    def save(self) -> dict[str, Any]:
+        return {"queue": list(self.queue), "counters": list(self.counters), "backlog": list(self.backlog),
+                "counted": dict(self.counted)}
+
+    def restore(self, d: dict[str, Any]) -> None:
+        self.queue, self.counters = list(d["queue"]), list(d["counters"])
+        self.backlog, self.counted = list(d["backlog"]), dict(d["counted"])
+
+    def copy(self) -> WorldQueue:
+        """A copy with its own queue and counters (``models.warmstart.fork``); the stream's arrays shared."""
+        new = object.__new__(WorldQueue)
+        new.__dict__.update(self.__dict__)
+        new.restore(self.save())
+        return new

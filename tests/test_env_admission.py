@@ -1,0 +1,253 @@
+"""Admission under load in the simulated world (``envs.admission``; ``docs/env.md``, "Admission under load"):
+the router's rules (``xroute.admission_rules``) applied before each placement."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft
+from envs.cloud_route import CloudRouteEnv
+from envs.kernels import TTFT
+from models.baselines import make_baseline
+from tests.tinybundle import write_serving_yaml, write_tiny_bundle
+from xroute import admission_rules as ar
+from xroute.bundle import load_bundle
+from xroute.config import AdmissionConfig, EnvConfig, EvaluateConfig, parse_config
+from xroute.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
+    root = tmp_path_factory.mktemp("admission")
+    return load_bundle(write_tiny_bundle(root / "bundle", n_requests=300, preempt=False)), \
+        str(write_serving_yaml(root / "serving.yaml"))
+
+
+def _env(bundle: Any, serving: str, **cfg: Any) -> CloudRouteEnv:
+    return CloudRouteEnv(bundle, parse_config(EnvConfig, {"serving_config": serving, "episode_requests": None, **cfg}))
+
+
+def _b_unattainable(bundle: Any, priority: str | None = None) -> Any:
+    """Tenant b's requests with a TTFT SLO of 1 ms -- below every RTT of the tiny bundle (2 ms and more):
+    no pool can ever serve one in time, so the verdict is known by hand."""
+    w = bundle.workload.copy()
+    w.loc[w["tenant"] == "b", "ttft_ms"] = 1.0
+    if priority is not None:
+        w["priority"] = np.where(w["tenant"] == "b", priority, "")
+    return dataclasses.replace(bundle, workload=w)
+
+
+def _play(env: CloudRouteEnv, seed: int = 0) -> list[dict[str, Any]]:
+    pol = make_baseline("greedy", EvaluateConfig())
+    obs, info = env.reset(seed=seed)
+    pol.reset(env, seed)
+    out = []
+    while True:
+        m = env.c_mask
+        best = float(env.C[TTFT][m].min()) if m.any() else np.inf
+        pos, slo = env._pos, env.r_ttft
+        acted = env.r_waited_ms > 0 or env.r_admission == ar.SHED
+        obs, r, _, done, info = env.step(pol.act(obs, info))
+        assert ("admission" in info) == acted  # (admitted at its arrival: no admission keys, nothing acted)
+        out.append({"admission": "admit", "queue_wait_ms": 0.0, "band": ar.BANDS[int(env.req_band[pos])],
+                    "tenant": env.req_tenant[pos], **info, "pos": pos, "best": best, "slo": slo, "reward": r})
+        if done:
+            return out
+
+
+def test_a_request_no_pool_can_serve_in_time_is_shed_at_once_when_sheddable(tiny: tuple[Any, str]) -> None:
+    bundle, serving = tiny
+    env = _env(_b_unattainable(bundle), serving, admission={"tenants": {"b": {"band": "sheddable"}}})
+    steps = _play(env)
+    b = [s for s in steps if s["tenant"] == "b"]
+    a = [s for s in steps if s["tenant"] == "a"]
+    assert len(steps) == 300 and sorted(s["pos"] for s in steps) == list(range(300))  # one step per request
+    assert b and all(s["admission"] == "shed" and s["queue_wait_ms"] == 0.0 and s["band"] == "sheddable"
+                     and s["reward"] == -2.0 and s["cost_usd"] == 0.0 and s["sla_violation"] for s in b)
+    assert all(s["admission"] == "admit" and s["best"] <= s["slo"] for s in a)  # (2.5 s: the tiny pools meet it)
+    assert env.stats["shed"] == len(b) and env.stats["queued"] == 0
+    assert [s["pos"] for s in steps] == list(range(300))  # nothing waited: arrival order
+
+
+def test_a_standard_request_waits_its_ttft_budget_then_is_shed_and_the_trace_band_wins(tiny: tuple[Any, str]) -> None:
+    bundle, serving = tiny
+    env = _env(_b_unattainable(bundle), serving, admission={"tenants": {"b": {"band": "standard"}}})
+    b = [s for s in _play(env) if s["tenant"] == "b"]
+    # queued at its arrival, shed when its 1 ms budget is spent: a wait of exactly 1 ms, then -shed_cost
+    assert b and all(s["admission"] == "shed" and s["queue_wait_ms"] == pytest.approx(1.0, abs=1e-3) and s["reward"] == -2.0
+                     for s in b)
+    assert env.stats["queued"] == len(b) and env.stats["shed"] == len(b)
+    # the workload's priority column names the band ahead of the tenant's default
+    env2 = _env(_b_unattainable(bundle, priority="sheddable"), serving,
+                admission={"tenants": {"b": {"band": "standard"}}})
+    b2 = [s for s in _play(env2) if s["tenant"] == "b"]
+    assert all(s["band"] == "sheddable" and s["queue_wait_ms"] == 0.0 for s in b2)
+    # without admission (today's world) the same requests are served late: an SLO miss each, never shed
+    off = [s for s in _play(_env(_b_unattainable(bundle), serving, admission={"enabled": False}))
+           if s["tenant"] == "b"]
+    assert all(s["admission"] == "admit" and s["sla_violation"] and not np.isnan(s["latency_ms"]) for s in off)
+
+
+def test_under_overload_queued_requests_are_dispatched_later_and_their_wait_counts(tiny: tuple[Any, str]) -> None:
+    bundle, serving = tiny
+    env = _env(bundle, serving, rate_scale=40.0, queue_timeout_s=0.5,
+               admission={"tenants": {"a": {"band": "critical"}, "b": {"band": "sheddable"}}})
+    steps = _play(env)
+    assert sorted(s["pos"] for s in steps) == list(range(300))
+    late = [s for s in steps if s["admission"] == "queued"]
+    assert late, "the overload must queue some critical requests"
+    assert all(s["band"] == "critical" and s["ttft_ms"] >= s["queue_wait_ms"] > 0 for s in late)
+    assert all(s["queue_wait_ms"] <= s["slo"] + 1e-3 for s in steps)  # nobody waits past its TTFT budget
+    assert [s["pos"] for s in steps] != list(range(300))  # a dispatch comes after later arrivals
+    shed = [s for s in steps if s["admission"] == "shed"]
+    assert all(s["band"] == "sheddable" or s["queue_wait_ms"] == pytest.approx(s["slo"], abs=1e-3) for s in shed)
+    for s in steps:  # the verdict at arrival: within the SLO is admitted at once, beyond it never is
+        if s["queue_wait_ms"] == 0.0 and s["admission"] == "admit":
+            assert s["best"] <= s["slo"]
+        if s["queue_wait_ms"] == 0.0 and s["admission"] == "shed":
+            assert s["best"] > s["slo"]
+
+
+def test_no_admission_decision_depends_on_the_realized_future(tiny: tuple[Any, str]) -> None:
+    """Change the realized outputs and noise of every request not yet decided at step k: the order of
+    the first k decisions, their verdicts, waits and offerings do not move (the queue reads the view)."""
+    bundle, serving = tiny
+    cfg = {"rate_scale": 40.0, "queue_timeout_s": 0.5,
+           "admission": {"tenants": {"a": {"band": "critical"}, "b": {"band": "standard"}}}}
+
+    def run(change_at: int | None) -> list[tuple[Any, ...]]:
+        env = _env(bundle, serving, **cfg)
+        pol = make_baseline("greedy", EvaluateConfig())
+        obs, info = env.reset(seed=1)
+        pol.reset(env, 1)
+        rng = np.random.default_rng(5)
+        seen: list[tuple[Any, ...]] = []
+        decided: set[int] = set()
+        for k in range(200):
+            if k == change_at:
+                future = np.array(sorted(set(range(300)) - decided - {env._pos}), dtype=np.int64)
+                env.req_out = env.req_out.copy()
+                env.req_out[future] = rng.integers(1, 500, future.size)
+                env.z = env.z.copy()
+                env.z[future] = rng.standard_normal(future.size)
+            decided.add(env._pos)
+            a = pol.act(obs, info)
+            seen.append((env._pos, a, env.r_admission, env.r_waited_ms))
+            obs, _, _, done, info = env.step(a)
+        return seen
+
+    base = run(None)
+    assert any(w > 0 for *_, w in base), "the checked steps must include dispatches from the queue"
+    for k in (40, 120):
+        assert run(k)[:k + 1] == base[:k + 1]
+    assert run(40) != base  # (the check can tell: the changed outcomes do move later decisions)
+
+
+def _reference_order(events: list[tuple[str, int, int, str, float, float]]) -> list[list[int]]:
+    """A plain re-implementation of the queue's bookkeeping: VTC counters lifted when a tenant turns
+    backlogged, grown at admission, corrected at completion; the order sorted by (band, counter,
+    tenant, arrival)."""
+    counters: dict[str, float] = {}
+    waiting: dict[int, tuple[int, str, float]] = {}
+    counted: dict[int, float] = {}
+    orders = []
+    for kind, pos, band, tenant, x, y in events:
+        if kind == "enqueue":
+            busy = {t for _, t, _ in waiting.values()}
+            if tenant not in busy:
+                low = min((counters.get(t, 0.0) for t in busy), default=None)
+                if low is not None:
+                    counters[tenant] = max(counters.get(tenant, 0.0), low)
+            waiting[pos] = (band, tenant, x)
+        elif kind == "admit":
+            waiting.pop(pos, None)
+            counters[tenant] = counters.get(tenant, 0.0) + x + 2.0 * y
+            counted[pos] = y
+        else:
+            if pos in counted:
+                counters[tenant] += 2.0 * (y - counted.pop(pos))
+        orders.append(sorted(waiting, key=lambda p: (waiting[p][0], counters.get(waiting[p][1], 0.0),
+                                                     waiting[p][1], waiting[p][2])))
+    return orders
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from("pqrs"), st.integers(1, 400), st.integers(1, 300),
+                          st.integers(0, 300), st.booleans()), min_size=1, max_size=40), st.randoms())
+def test_the_worlds_dispatch_order_is_the_rules_over_random_arrivals(rows: list[tuple[int, str, int, int, int, bool]],
+                                                                      rnd: Any) -> None:
+    n = len(rows)
+    tenants = np.array([t for _, t, *_ in rows], dtype=object)
+    bands = np.array([b for b, *_ in rows], dtype=np.int64)
+    arrival = np.arange(n, dtype=float)
+    q = WorldQueue(AdmissionConfig(), tenants, bands, arrival, np.full(n, 1e9))
+    events: list[tuple[str, int, int, str, float, float]] = []
+    running: list[int] = []
+    for pos, (band, tenant, n_in, exp_out, out, admit_now) in enumerate(rows):
+        q.enqueue(pos)
+        events.append(("enqueue", pos, band, tenant, float(pos), 0.0))
+        assert q.order() == [q.queue[i] for i in ar.dispatch_order(
+            [(int(bands[p]), str(tenants[p]), float(arrival[p])) for p in q.queue], q.by_name())]
+        if admit_now and q.queue:  # a dispatch: the rules' first, and its service counted
+            p = q.order()[0]
+            q.remove(p)
+            q.admitted(p, n_in, exp_out)
+            events.append(("admit", p, int(bands[p]), str(tenants[p]), float(n_in), float(exp_out)))
+            running.append(p)
+        if running and rnd.random() < 0.5:  # a completion: the counter corrected by the realized output
+            p = running.pop(rnd.randrange(len(running)))
+            q.completed(p, out)
+            events.append(("complete", p, int(bands[p]), str(tenants[p]), 0.0, float(out)))
+        assert q.order() == _reference_order(events)[-1]
+
+
+def test_a_bad_admission_setting_names_the_field(tiny: tuple[Any, str]) -> None:
+    bundle, serving = tiny
+    for cfg, field in [({"tenants": {"b": {"weight": -1.0}}}, "admission.tenants.b.weight"),
+                       ({"tenants": {"b": {"band": "urgent"}}}, "admission.tenants.b.band"),
+                       ({"queue_limit": 0}, "admission.queue_limit"),
+                       ({"shed_cost": -1}, "admission.shed_cost"),
+                       ({"bands": {}}, "admission.bands")]:
+        with pytest.raises(ConfigError, match=rf"field '{field}'"):
+            _env(bundle, serving, admission=cfg)
+    with pytest.raises(ConfigError, match=r"workload: field 'priority' \(row \d+\): unknown priority 'urgent'"):
+        _env(_b_unattainable(bundle, priority="urgent"), serving)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.lists(st.one_of(st.floats(0.0, 5000.0), st.just(np.inf), st.just(np.nan)), min_size=n, max_size=n),
+    st.lists(st.booleans(), min_size=n, max_size=n))), st.floats(0.0, 5000.0), st.sampled_from(ar.BANDS))
+def test_the_fast_path_at_arrival_agrees_with_the_rules_verdict(row: tuple[list[float], list[bool]], slo: float,
+                                                                 band: str) -> None:
+    """``admits_at_arrival`` (the env's compiled fast path) admits exactly when ``admission_rules.verdict``
+    on the masked best TTFT (as the full path computes it) says ``admit`` for a request that has not waited."""
+    ttft, mask = np.array(row[0]), np.array(row[1])
+    C = np.vstack([np.zeros_like(ttft), ttft])
+    ref = float(ttft[mask].min()) if mask.any() else np.inf
+    got = float(best_ttft(ttft, mask))
+    assert got == ref or (np.isnan(got) and np.isnan(ref))
+    assert bool(admits_at_arrival(C, 1, mask, slo)) == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
+
+
+def test_a_request_admitted_at_its_arrival_adds_no_info_keys_and_the_world_is_unchanged(tiny: tuple[Any, str]) -> None:
+    """Where capacity suffices the admission is a no-op: the same steps, rewards and offerings as with it
+    off, and no admission key in any step's ``info``."""
+    bundle, serving = tiny
+    on, off = _env(bundle, serving), _env(bundle, serving, admission={"enabled": False})
+    pol = make_baseline("greedy", EvaluateConfig())
+    (obs1, info1), (obs2, info2) = on.reset(seed=3), off.reset(seed=3)
+    pol.reset(on, 3)
+    done = False
+    while not done:
+        a = pol.act(obs1, info1)
+        obs1, r1, _, done, info1 = on.step(a)
+        obs2, r2, _, _, info2 = off.step(a)
+        assert r1 == r2 and info1.keys() == info2.keys() and "admission" not in info1
+    assert on.stats["queued"] == on.stats["shed"] == 0
