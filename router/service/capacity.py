@@ -73,7 +73,8 @@ class CapacityPlans:
             return plan
 
     def _make(self, bundle: Any, at: float) -> CapacityPlan:
-        from models.capacity_plan import PlanMaker  # (scipy's ILP and the world: loaded on the first plan, not at start)
+        # (scipy's ILP and the world: loaded on the first plan, not at the router's start)
+        from models.capacity_plan import PlanMaker
 
         try:
             with self._build:
