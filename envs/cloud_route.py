@@ -115,7 +115,7 @@ from envs.budget import (
 )
 from envs.capacity import CapacityQuotas
 from envs.kernels import COST, LAT, PVIOL, RISK, SERVICE, TTFT, WAIT
-from envs.replay import TelemetryReplay
+from envs.replay import PoolInventory, TelemetryReplay
 from envs.serving import Placement, load_models, load_serving, place
 from xroute import admission_rules as ar
 from xroute import migration_rules as rules
@@ -237,18 +237,14 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.default_model = self.model_index[models.default_model]
         self.M = len(pl.models)
         self.fits = pl.fits
-        self.replicas = pl.replicas
         self.conc = pl.conc
-        self.slots = pl.slots
-        self.smax = max(1, int(self.slots.max()))
-        self.inv_replicas = 1.0 / np.maximum(self.replicas, 1e-9)
+        self._init_inventory(pl, models.default_model)
         self.inv_prefill = 1.0 / pl.prefill_tok_s
         self.conc_m1 = self.conc - 1.0
         self.tpot_s = pl.tpot_s
         self.tpot_growth_s = pl.tpot_s * pl.growth
         self.sigma = pl.sigma
         self.gpus_per_slot = np.where(pl.fits, pl.gpus / np.maximum(pl.conc, 1.0), 0.0)
-        self.inv_slots = 1.0 / np.maximum(self.slots, 1)
         #: a live router's shared view (``router.state.base``): per pool, the work other routers hold there
         #: and its observed mean duration in seconds (0: none observed); zero in training and evaluation
         self.view_others = np.zeros((self.M, self.n), dtype=np.int64)
@@ -261,7 +257,6 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._all_idx = np.arange(self.n)
         ref_tpot = ref.tpot_ms / 1000.0
         self.speed_feat = np.where(pl.fits, np.clip(np.log(ref_tpot / pl.tpot_s), -3, 3), -3.0)
-        self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
         self.gpu_count = np.array([o.replicas_per_instance for o in self.catalog], dtype=float)
         self.replay = TelemetryReplay(self.bundle, self.gpu_count)
         #: cloud capacity quotas (``envs.capacity``): offerings no quota leaves room for one more instance of
@@ -276,6 +271,63 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._no_blocks = np.zeros(0, dtype=np.int64)
         self._run_buf = np.zeros(self.n, dtype=np.int64)  # scratch of the prefix lookup (no state)
         self._init_migration()
+
+    def _init_inventory(self, pl: Placement, default_model: str) -> None:
+        """The pools' sizes. Without an ``inventory`` table they are the catalog's
+        (``capacity_replicas``), fixed. With one (``envs.replay.PoolInventory``) a pool's replicas
+        follow its running instances over time: the slot arrays are sized for the most it ever
+        holds (``replicas_alloc``: the catalog's or the table's largest, whichever is more -- a live
+        collector's later commit is capped there until a restart), and ``replicas``/``slots`` (and
+        what derives from them) are the current ones, set at each telemetry refresh (``_resize``);
+        a pool with no running instance has no slot and is masked (``no_capacity``)."""
+        self.inventory = PoolInventory(self.bundle, pl.models, default_model)
+        self._static_replicas = pl.replicas.copy()
+        self._inst_replicas = np.where(pl.fits, np.array([o.replicas_per_instance for o in self.catalog])[None, :]
+                                       / np.maximum(pl.gpus, 1.0), 0.0)  # replicas one instance holds
+        alloc = pl.replicas.copy()
+        if self.inventory.active:
+            alloc = np.maximum(alloc, np.floor(self.inventory.max_running() * self._inst_replicas))
+        self.replicas_alloc = alloc
+        self.slots_alloc = (alloc * self.conc).astype(np.int64)
+        self.smax = max(1, int(self.slots_alloc.max()))
+        self._set_sizes(alloc)
+
+    def _set_sizes(self, replicas: np.ndarray) -> None:
+        """The pools' current replicas and what derives from them (new arrays: snapshots share them)."""
+        self.replicas = replicas
+        self.slots = (replicas * self.conc).astype(np.int64)
+        self.inv_replicas = 1.0 / np.maximum(self.replicas, 1e-9)
+        self.inv_slots = 1.0 / np.maximum(self.slots, 1)
+        self.cap_feat = np.clip(np.log1p(self.slots) / 5.0, 0, 2)
+
+    def replicas_at(self, t: float) -> np.ndarray:
+        """(M, n): each pool's replicas at telemetry time ``t`` (the inventory's, else the catalog's)."""
+        if not self.inventory.active:
+            return self._static_replicas
+        run = self.inventory.running_at(t)
+        rep = np.where(np.isnan(run), self._static_replicas, np.floor(np.nan_to_num(run) * self._inst_replicas))
+        return np.where(self.fits, np.minimum(rep, self.replicas_alloc), 0.0)
+
+    def _resize(self, t: float) -> None:
+        """The pools follow the inventory at ``t``: a pool that lost replicas retires its free
+        slots now and its busy ones when they free (``_advance``: the work running there finishes);
+        one that gained replicas has the new slots free now. The truth and the router's view alike."""
+        rep = self.replicas_at(t)
+        if np.array_equal(rep, self.replicas):
+            return
+        new_slots = (rep * self.conc).astype(np.int64)
+        for m, a in zip(*np.nonzero(new_slots != self.slots)):
+            old, new = int(self.slots[m, a]), int(new_slots[m, a])
+            for arr, mins in ((self.free_at, self.tmin), (self.est_free, self.est_min)):
+                row = arr[m, a]
+                if new < old:
+                    seg = row[new:old]
+                    seg[seg <= t] = np.inf
+                else:
+                    seg = row[old:new]
+                    seg[np.isposinf(seg)] = -np.inf
+                mins[m, a] = row.min()
+        self._set_sizes(rep)
 
     def _init_migration(self) -> None:
         """Spot notices and migration (``xroute.migration_rules``, ``docs/env.md``): each spot
@@ -379,7 +431,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         b = max(self.block_tokens, 1)
         self.kv_capacity = np.where(self.fits, np.floor(self.placement.kv_tokens / b), 0).astype(np.int64) \
             if self.has_prefix else np.zeros((self.M, self.n), dtype=np.int64)
-        self.pv_cap = (self.kv_capacity * np.floor(self.replicas).astype(np.int64)).reshape(-1)
+        self.pv_cap = (self.kv_capacity * np.floor(self.replicas_alloc).astype(np.int64)).reshape(-1)
 
     def _episode_blocks(self, start: int, end: int) -> None:
         """The episode's blocks renumbered from 0 (``ep_blk``, ``ep_off``: request ``i``'s are
@@ -490,13 +542,17 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             raise ConfigError(f"{bundle.path}: field 'capacity_replicas' changed; restart the router to resize its pools")
         origins, rtt_ms = self._origins_rtt(bundle)
         return {"bundle": bundle, "replay": TelemetryReplay(bundle, self.gpu_count), "origins": origins,
-                "rtt_ms": rtt_ms, "capacity": CapacityQuotas(bundle, self.catalog)}
+                "rtt_ms": rtt_ms, "capacity": CapacityQuotas(bundle, self.catalog),
+                "inventory": PoolInventory(bundle, self.model_names, self.model_names[self.default_model])}
 
     def apply_telemetry(self, prepared: dict[str, Any]) -> None:
         """Swap in :meth:`prepare_telemetry`'s result. The pools keep their load; the next request
         re-reads prices and availability from the new tables."""
         self.bundle, self.replay = prepared["bundle"], prepared["replay"]
         self.capacity = prepared.get("capacity") or CapacityQuotas(self.bundle, self.catalog)
+        inv = prepared.get("inventory")
+        self.inventory = inv if inv is not None else PoolInventory(self.bundle, self.model_names,
+                                                                   self.model_names[self.default_model])
         self.origins, self.rtt_ms = prepared["origins"], prepared["rtt_ms"]
         self.origin_index = {o: i for i, o in enumerate(self.origins)}
         self._req_ctx = None  # (the stream's contexts name origins by index)
@@ -590,6 +646,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     # ------------------------------------------------------------------ pools
     def _reset_pools(self) -> None:
         shape = (self.M, self.n, self.smax)
+        self._set_sizes(self.replicas_alloc)  # (the inventory's sizes at the first refresh: _resize)
         pad = np.arange(self.smax)[None, None, :] >= self.slots[:, :, None]
         # the truth: when each slot really frees (padding slots never do)
         self.free_at = np.where(pad, np.inf, -np.inf)
@@ -674,6 +731,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 m, a, j, exp_end, shift0, key, tokens, pos = d
                 kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now,
                                       exp_end, shift0)
+                if j >= self.slots[m, a]:
+                    self._retire(self.est_free, self.est_min, m, a, j, now)
                 if self._cache_fb:  # the server's cached-token count (its usage) corrects the view's retention
                     fb = self._cache_fb.pop(pos, None)
                     if fb is not None:
@@ -703,6 +762,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             end, m, a, j = heapq.heappop(tev)
             if fa[m, a, j] == end:
                 self.tbusy[m, a] -= 1
+                if j >= self.slots[m, a]:
+                    self._retire(fa, self.tmin, m, a, j, end)
+
+    def _retire(self, arr: np.ndarray, mins: np.ndarray, m: int, a: int, j: int, now: float) -> None:
+        """Slot ``j`` of pool (m, a) is past the pool's current size (the inventory shrank it): once
+        free it is gone (never chosen again)."""
+        if arr[m, a, j] <= now:
+            arr[m, a, j] = np.inf
+            mins[m, a] = arr[m, a].min()
 
     def _occupy(self, m: int, a: int, j: int, end: float) -> None:
         kernels.occupy_slot(self.free_at[m], self.tmin[m], self.tbusy[m], a, j, self.t, end)
@@ -716,7 +784,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "r_session", "r_view_tokens", "r_cached", "r_sess_here", "pv_valid_from", "r_has_bias", "usd_h",
                      "_pol_dirty", "r_refused", "r_bfeat", "r_excl_budget", "r_excl_quota",
                      "quota_blocked", "r_over", "notice_at", "cut_at", "region_bias", "_r_bias", "_next", "_left",
-                     "r_admission", "r_waited_ms")
+                     "r_admission", "r_waited_ms", "replicas", "slots", "inv_replicas", "inv_slots", "cap_feat")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
                      "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
@@ -811,6 +879,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.static_feats = st
         # the parts of the mask and of the expectations that only change with telemetry
         priced = np.isfinite(self.price_s)
+        if self.inventory.active:  # the pools follow the running instances
+            self._resize(t)
+            st[..., fz.F["capacity"]] = self.cap_feat
         self.quota_blocked = self.capacity.blocked(t) if self.capacity.active else np.zeros(self.n, dtype=bool)
         self.static_ok = self.available[None, :] & (self.slots > 0) & priced[None, :] & self.fits & ~self.quota_blocked
         self.cost_rate = np.where(priced, self.price_s, 0.0)[None, :] * self.gpus_per_slot
@@ -822,6 +893,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             k = int(np.searchsorted(self.capacity.event_times, t, side="right"))
             if k < self.capacity.event_times.size:
                 self._next_event = min(self._next_event, float(self.capacity.event_times[k]))
+        if self.inventory.active:
+            self._next_event = min(self._next_event, self.inventory.next_event_after(t))
 
     def _notices(self, t: float) -> None:
         """The spot notices delivered by ``t`` (information a router really has then): a pool
@@ -1122,7 +1195,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if kv is None or kv.cleared_at < down:
             if not write:
                 return None
-            kv = px.PoolKV(int(self.replicas[m, a]), int(self.kv_capacity[m, a]), self._kv_owner, down)
+            kv = px.PoolKV(int(self.replicas_alloc[m, a]), int(self.kv_capacity[m, a]), self._kv_owner, down)
             self._kv[key] = kv
         elif write and kv.owner != self._kv_owner:
             kv = self._kv[key] = kv.copy(self._kv_owner)
@@ -1623,7 +1696,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         price_h = snap["price"]
         available = (snap["available"] > 0.5) & ~(self.seen_down_at > self.replay.avail.last_times(t))
         nxt = np.maximum(self.est_min[model] - t, 0.0)
-        slots = self.slots[model]
+        slots = (self.replicas_at(t)[model] * self.conc[model]).astype(np.int64)
         valid = available & (slots > 0) & np.isfinite(price_h) & (nxt <= self.cfg.queue_timeout_s)
         if self.capacity.active:  # no room for one more instance under a cloud quota
             valid &= ~self.capacity.blocked(t)

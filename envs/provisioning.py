@@ -69,7 +69,7 @@ from gymnasium import spaces
 
 from envs import provision_kernels as pk
 from envs.capacity import CapacityQuotas
-from envs.replay import TelemetryReplay
+from envs.replay import PoolInventory, TelemetryReplay
 from envs.serving import load_models, load_serving, place
 from xroute import migration_rules as rules
 from xroute.bundle import Bundle, load_bundle, origins_reaching, throughput_lookup, to_seconds
@@ -674,6 +674,53 @@ class ProvisionWorld:
             queued=np.bincount(self.q_class[lo + self.backlog[self.ctr[pk.C_BHEAD]:self.ctr[pk.C_BTAIL]]],
                                minlength=self.C))
 
+    def inventory_at(self, at: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per pool, what the bundle's ``inventory`` table (``envs.replay.PoolInventory``) says at
+        ``at``: instances running, instances launching (0 where not reported), and whether the pool
+        is reported at all (a pool without rows, or before its first: not known)."""
+        inv = PoolInventory(self.bundle, self.model_names, self.models_cfg.default_model)
+        m, o = self.pools.model, self.pools.offering
+        run, launch = inv.running_at(at)[m, o], inv.launching_at(at)[m, o]
+        known = ~np.isnan(run)
+        return (np.nan_to_num(run).astype(np.int64), np.nan_to_num(launch).astype(np.int64), known)
+
+    def decision_view(self, at: float) -> tuple[PlanContext, PlanView]:
+        """What a planner knows at telemetry time ``at`` when it plans for real rather than in a
+        simulation (``xroute plan``, ``GET /v1/capacity/plan``): the context of a window that starts
+        at ``at`` -- every request of the stream (and of the history given) before it is history,
+        its output known when it arrived ``estimator.history_lag_s`` before --, and the view at its
+        start: the instances the ``inventory`` table reports (running ones ready, launching ones
+        launching; none where it reports nothing), the telemetry at or before ``at``, the quotas'
+        room (their usage already counts what runs), nothing in flight, queued or failed (the world
+        did not play the past). Decision-time only: nothing after ``at`` is read."""
+        c = self.cfg
+        k = int(np.searchsorted(self.arrival, at, side="left"))
+        ht, hc, hin, hout, horg = self.hist
+        known = self.arrival[:k] <= at - c.estimator.history_lag_s
+        ctx = PlanContext(
+            pools=self.pools, model_names=self.model_names, class_names=list(self.class_names),
+            class_model=self.class_model, class_ttft_ms=self.class_ttft, class_tpot_ms=self.class_tpot,
+            rtt_ms=self.rtt_ms, epoch_s=c.epoch_s, n_epochs=1, t0=at, max_instances=self.R,
+            hist_t=np.concatenate([ht, self.arrival[:k]]), hist_class=np.concatenate([hc, self.q_class[:k]]),
+            hist_in=np.concatenate([hin, self.q_in[:k]]),
+            hist_out=np.concatenate([hout, np.where(known, self.q_out[:k], np.nan)]),
+            hist_origin=np.concatenate([horg, self.q_origin[:k]]))
+        done = np.isfinite(ctx.hist_out)
+        w, sm = _decayed_means(ctx.hist_class[done], ctx.hist_out[done], self.C, 0.5 ** (1.0 / c.estimator.half_life))
+        tel = self._grid_telemetry(np.array([at], dtype=float))
+        off = self.pools.offering
+        running, launching, _ = self.inventory_at(at)
+        P, zero, empty = self.P, np.zeros(self.P, dtype=np.int64), np.zeros(0)
+        view = PlanView(
+            t=at, epoch=0, launching=launching, ready=running, draining=zero.copy(), noticed=zero.copy(),
+            available=tel["avail"][0, off], price_h=tel["price"][0, off], hazard=tel["hazard"][0, off],
+            preemptions=tel["count"][0, off], since_preempt_s=tel["since"][0, off],
+            quota_room=self._quota_room(at, alive=np.zeros(P, dtype=np.int64)), inflight=zero.copy(),
+            failed_launches=zero.copy(), noticed_last=zero.copy(), work_s=np.zeros(P), arr_t=empty,
+            arr_class=np.zeros(0, dtype=np.int64), arr_in=empty, arr_origin=np.zeros(0, dtype=np.int64),
+            out_mean=np.where(w > 0, sm / np.where(w > 0, w, 1.0), np.nan), queued=np.zeros(self.C, dtype=np.int64))
+        return ctx, view
+
     def hindsight(self, peak_s: float = 15.0) -> Hindsight:
         """HINDSIGHT, for the oracle only (:class:`Hindsight`): it reads the realized future."""
         E, C = self.E, self.C
@@ -831,12 +878,14 @@ class ProvisionWorld:
         for r in done.tolist():
             self._set_state(r, pk.EMPTY)
 
-    def _quota_room(self, T: float) -> np.ndarray:
-        """Instances more each pool may launch under the quotas now (the held ones counted)."""
+    def _quota_room(self, T: float, alive: np.ndarray | None = None) -> np.ndarray:
+        """Instances more each pool may launch under the quotas now (the held ones counted: ``alive``,
+        by default the world's own instances, which the table's usage does not include)."""
         room = np.full(self.P, 1 << 30, dtype=np.int64)
         if not self.quotas:
             return room
-        alive = self.count[pk.LAUNCHING] + self.count[pk.READY] + self.count[pk.DRAINING] + self.count[pk.NOTICED]
+        if alive is None:
+            alive = self.count[pk.LAUNCHING] + self.count[pk.READY] + self.count[pk.DRAINING] + self.count[pk.NOTICED]
         for qt, qroom, take in self.quotas:
             k = int(np.searchsorted(qt, T, side="right")) - 1
             if k < 0:

@@ -154,3 +154,87 @@ class TelemetryReplay:
                 if k < d.size:
                     out[i] = d[k]
         return out
+
+
+class PoolInventory:
+    """The bundle's ``inventory`` table (``xroute.schema.telemetry.INVENTORY``): the instances
+    running in each pool -- one (model, offering) pair -- over time, as the clouds report them.
+
+    Each row holds until the next of the same pool. A pool with rows has, from its first row on,
+    the replicas its running instances hold (``running`` x the offering's accelerators, over the
+    accelerators one replica of the model spans: ``envs.serving.place``); before its first row, and
+    a pool without rows, keeps the catalog's capacity (``capacity_replicas``). Rows of a model the
+    environment does not serve are ignored. The routing environment, the router and the baselines
+    read it through ``CloudRouteEnv`` (its pools' slots follow it); ``xroute plan`` reads
+    ``running`` as the plan's ``current``. ``active`` is False without the table.
+    """
+
+    def __init__(self, bundle: Bundle, model_names: tuple[str, ...] | list[str], default_model: str):
+        ids = bundle.offering_ids
+        self.M, self.n = len(model_names), len(ids)
+        #: per pool (m * n + i): row times, running and launching instances (empty: no rows)
+        self._t: dict[int, np.ndarray] = {}
+        self._run: dict[int, np.ndarray] = {}
+        self._launch: dict[int, np.ndarray] = {}
+        inv = bundle.inventory
+        self.event_times = np.zeros(0)
+        if inv is None or len(inv) == 0:
+            return
+        mi = {m: k for k, m in enumerate(model_names)}
+        models = (inv["model"].fillna("").astype(str).str.strip() if "model" in inv.columns
+                  else pd.Series([""] * len(inv), index=inv.index)).replace("", default_model)
+        m_idx = models.map(mi)
+        o_idx = pd.Index(ids).get_indexer(inv["offering_id"])
+        keep = m_idx.notna().to_numpy() & (o_idx >= 0)
+        if not keep.any():
+            return
+        t = to_seconds(inv["ts"])[keep]
+        key = (m_idx.to_numpy()[keep].astype(np.int64) * self.n + o_idx[keep])
+        run = inv["running"].to_numpy(dtype=float)[keep]
+        launch = (inv["launching"].to_numpy(dtype=float)[keep] if "launching" in inv.columns
+                  else np.zeros(int(keep.sum())))
+        order = np.lexsort((t, key))
+        t, key, run, launch = t[order], key[order], run[order], np.nan_to_num(launch[order], nan=0.0)
+        for k in np.unique(key).tolist():
+            sel = key == k
+            self._t[k], self._run[k], self._launch[k] = t[sel], run[sel], launch[sel]
+        self.event_times = np.unique(t)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._t)
+
+    def has_rows(self) -> np.ndarray:
+        """(M, n): the pools the table has rows for."""
+        out = np.zeros((self.M, self.n), dtype=bool)
+        for k in self._t:
+            out[k // self.n, k % self.n] = True
+        return out
+
+    def _at(self, series: dict[int, np.ndarray], t: float) -> np.ndarray:
+        out = np.full((self.M, self.n), np.nan)
+        for k, ts in self._t.items():
+            j = int(np.searchsorted(ts, t, side="right")) - 1
+            if j >= 0:
+                out[k // self.n, k % self.n] = series[k][j]
+        return out
+
+    def running_at(self, t: float) -> np.ndarray:
+        """(M, n): the instances running in each pool at ``t`` (its last row at or before ``t``);
+        NaN where not known (no rows, or before the pool's first row)."""
+        return self._at(self._run, t)
+
+    def launching_at(self, t: float) -> np.ndarray:
+        """(M, n): the instances launching (requested, not serving yet) at ``t``; NaN where not known."""
+        return self._at(self._launch, t)
+
+    def max_running(self) -> np.ndarray:
+        """(M, n): the most instances each pool's rows ever report running (0 where no rows)."""
+        out = np.zeros((self.M, self.n))
+        for k, r in self._run.items():
+            out[k // self.n, k % self.n] = float(r.max()) if r.size else 0.0
+        return out
+
+    def next_event_after(self, t: float) -> float:
+        k = int(np.searchsorted(self.event_times, t, side="right"))
+        return float(self.event_times[k]) if k < self.event_times.size else np.inf

@@ -189,7 +189,8 @@ def _check_order(df: pd.DataFrame, table: Table, fname: str) -> None:
             i = int(back[0]) + 1
             raise BundleError(fname, f"timestamps out of order ({df[tcol].iloc[i]} comes after {df[tcol].iloc[i - 1]})", i + 1, tcol)
         return
-    keys = df[list(table.order_within)].astype(str).agg("\x1f".join, axis=1) if len(table.order_within) > 1 else df[table.order_within[0]]
+    within = [c for c in table.order_within if c in df.columns]  # (an optional key column may be absent)
+    keys = df[within].fillna("").astype(str).agg("\x1f".join, axis=1) if len(within) > 1 else df[within[0]]
     codes, _ = pd.factorize(keys)
     order = np.lexsort((np.arange(len(df)), codes))
     c_sorted, t_sorted = codes[order], t[order]

@@ -332,6 +332,103 @@ def ope_simulate(
                "had no valid offering and are not logged)")
 
 
+@app.command()
+def plan(
+    policy: Annotated[str, typer.Option("--policy", "-p", help="the planner: static-ondemand, autoscaler, spothedge, "
+                                        "melange, or a learned one: models:/xroute-planner@champion (or "
+                                        "@challenger), runs:/..., an export directory")] = "spothedge",
+    telemetry: Annotated[Path | None, typer.Option(help="bundle directory (default: the shipped bundle); with --live "
+                                                   "the directory xroute telemetry collect --out keeps current")] = None,
+    live: Annotated[bool, typer.Option("--live", help="read --telemetry as a live collector's directory (no workload "
+                                       "table needed); --at defaults to now")] = False,
+    at: Annotated[str | None, typer.Option(help="plan time, ISO-8601 (default: the bundle's last request; now with "
+                                           "--live)")] = None,
+    output: Annotated[Path | None, typer.Option(help="write the CapacityPlan JSON here (xroute/schema/capacity.py)")
+                      ] = None,
+    config: Annotated[Path | None, typer.Option(help="capacity config YAML: the world and the planners' knobs "
+                                                "(default configs/capacity.yaml)")] = None,
+    all_pools: Annotated[bool, typer.Option("--all", help="list every pool, not only those with a target or "
+                                            "instances now")] = False,
+) -> None:
+    """The target instances per pool now, beside what runs, with the reasons (docs/capacity.md, "Planning in the
+    service"): a table, and the plan's JSON with --output."""
+    import time
+
+    from models.capacity_plan import PlanMaker, plan_table
+    from xroute.bundle import load_bundle, to_seconds
+    from xroute.config import CapacityConfig, config_path, load_config
+
+    when = _plan_time(at)
+    cfg = load_config(CapacityConfig, config if config is not None else config_path("capacity.yaml"))
+    if live:
+        from router.decision.telemetry import LiveSource
+
+        if telemetry is None:
+            raise ConfigError("--live: needs --telemetry DIR (the directory xroute telemetry collect --out writes)")
+        bundle, source = LiveSource(telemetry).bundle(), f"live:{telemetry}"
+        when = time.time() if when is None else when
+    else:
+        bundle = load_bundle(telemetry)
+        source = f"{bundle.path.name}@{bundle.content_hash}"
+        when = float(to_seconds(bundle.workload["ts"])[-1]) if when is None else when
+    maker = PlanMaker(bundle, policy, cfg, source)
+    out = maker.plan(when)
+    _print_plan(out, *plan_table(out, all_pools))
+    if output is not None:
+        _write_atomic(output, out.model_dump_json(indent=2) + "\n")
+        typer.echo(f"plan: {output}")
+
+
+def _plan_time(at: str | None) -> float | None:
+    """``--at`` as seconds since the epoch (a time without a zone is UTC); one line naming it otherwise."""
+    if at is None:
+        return None
+    import pandas as pd
+
+    try:
+        ts = pd.Timestamp(_ts(at, "--at"))
+    except ValueError:
+        raise ConfigError(f"--at: '{at}' is not an ISO-8601 timestamp (e.g. 2023-11-16T18:30:00Z)") from None
+    if ts is pd.NaT:
+        raise ConfigError(f"--at: '{at}' is not a time")
+    return float((ts.tz_localize("UTC") if ts.tzinfo is None else ts).timestamp())
+
+
+def _print_plan(plan: object, head: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from xroute.schema.capacity import CapacityPlan
+
+    assert isinstance(plan, CapacityPlan)
+    t = Table(title=f"xroute plan -- {plan.planner} at {plan.at.isoformat()} ({plan.source})",
+              caption=f"{len(rows)} of {len(plan.pools)} pools; targets cost {plan.usd_per_hour:.2f} USD/h at plan-time "
+                      "prices; current: instances running (? = no inventory)")
+    for c in head:
+        t.add_column(c, justify="left" if c in ("pool", "mode", "reason") else "right")
+    for r in rows:
+        t.add_row(*r)
+    Console(width=200).print(t)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` to ``path`` whole or not at all (a temporary file beside it, fsynced, renamed over it)."""
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 # commands owned by the other packages (their modules import only typer at top level)
 app.command()(train)
 app.command("train-planner")(train_planner)

@@ -25,7 +25,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api import access as access_routes
-from router.api import admin, decisions, feedback, health, offerings, quotas, route
+from router.api import admin, capacity, decisions, feedback, health, offerings, quotas, route
 from router.api import metrics as metrics_routes
 from router.api import migration as migration_routes
 from router.api import policies as policy_routes
@@ -43,6 +43,7 @@ from router.gateway.service import Gateway
 from router.http import errors
 from router.http.middleware import RequestContext
 from router.service.admission_queue import AdmissionQueue
+from router.service.capacity import CapacityPlans
 from router.service.migration import Migrator
 from router.service.models import ModelManager
 from router.service.ports import SharedState
@@ -319,6 +320,7 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     await readiness.probe()
     services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
                         readiness=readiness, access=access_sync)
+    services.capacity = CapacityPlans(settings.capacity, engine)
     adm = settings.admission
     if adm.enabled:
         services.admission = AdmissionQueue(state, adm.queue_limit, adm.recheck_s, metrics)
@@ -402,7 +404,8 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
-              quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router):
+              quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router,
+              capacity.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

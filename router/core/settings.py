@@ -169,6 +169,36 @@ class AdmissionSettings(BaseModel):
         return self
 
 
+class CapacitySettings(BaseModel):
+    """The capacity plan the router answers (``GET /v1/capacity/plan``; ``router.service.capacity``,
+    docs/capacity.md, "Planning in the service")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    planner: str = Field("spothedge", min_length=1, max_length=500,
+                         description="the planner: static-ondemand, autoscaler, spothedge, melange, or a learned one "
+                                     "(models:/xroute-planner@champion, runs:/..., an export directory)")
+    epoch_s: float = Field(60.0, gt=0, le=3600, description="telemetry seconds a plan holds: one plan per epoch, "
+                                                              "made at its start and cached")
+    config: str = Field("capacity.yaml", min_length=1, description="the capacity config (the world's and the "
+                        "planners' knobs): a path, or a file name under configs/")
+
+    @field_validator("planner")
+    @classmethod
+    def _known_planner(cls, v: str) -> str:
+        v = v.strip()
+        if v == "oracle":
+            raise ValueError("'oracle' plans with hindsight (the true future), which a plan made now does not have")
+        if v in _PLANNERS or v.startswith(("models:/", "runs:/")) or Path(v).expanduser().exists():
+            return v
+        raise ValueError(f"unknown planner '{v}' (planners: {', '.join(_PLANNERS)}, a models:/ or runs:/ URI, or an "
+                         "export directory)")
+
+
+#: the baselines a router may plan with (``models.planners.PLANNERS`` less the oracle; checked equal by the tests)
+_PLANNERS = ("static-ondemand", "autoscaler", "spothedge", "melange")
+
+
 class InferenceServer(BaseModel):
     """A pool whose inference servers expose Prometheus metrics (``router.service.scrape``)."""
 
@@ -420,6 +450,10 @@ class RouterSettings(BaseSettings):
     admission: AdmissionSettings = Field(
         default_factory=AdmissionSettings, description="admission that predicts: requests no pool can serve within "
                                                        "their TTFT SLO wait by priority and fair share, or are shed")
+
+    # the capacity plan (router/service/capacity.py, docs/capacity.md) ------------------------------------
+    capacity: CapacitySettings = Field(
+        default_factory=CapacitySettings, description="GET /v1/capacity/plan: the planner and the plan's epoch")
 
     # prefix affinity and sessions (router/state/base.py, envs/prefix.py) ------------------------------
     prefix_block_tokens: int = Field(512, ge=1, le=1_048_576, description="tokens per block of a request's "

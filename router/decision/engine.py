@@ -295,7 +295,8 @@ class RoutingEngine:
         # the shared state's keys of the pools, [model][offering] (``router.state.base.pool_key``), and back
         self.pool_keys = [[pool_key(mn, o) for o in self.offering_ids] for mn in env.model_names]
         self.pool_index = {k: (m, a) for m, row in enumerate(self.pool_keys) for a, k in enumerate(row)}
-        self._slots_list: list[list[int]] = env.slots.astype(int).tolist()
+        self._slots_src: np.ndarray | None = None  # (``_slots_list``'s source array)
+        self._slots_cache: list[list[int]] = []
         #: reservations this process made and still holds (``admit`` with a hold; released by
         #: ``release_local``, or when their hold passes), per pool and by id; the shared view's
         #: in-flight work beyond these is other routers' (``apply_shared_view``)
@@ -321,6 +322,15 @@ class RoutingEngine:
         self.stage_timer: Callable[[str, float], None] | None = None
         self.stage_timing_every = 1
         self._stage_runs = 0
+
+    @property
+    def _slots_list(self) -> list[list[int]]:
+        """The pools' slots now, as lists: ``env.slots`` follows the inventory (``CloudRouteEnv``
+        replaces the array when a pool's size changes), so the lists are rebuilt when it is a new one."""
+        s = self.env.slots
+        if s is not self._slots_src:
+            self._slots_src, self._slots_cache = s, s.astype(int).tolist()
+        return self._slots_cache
 
     def response_dictionary(self) -> bytes:
         """A preset dictionary for compressing this engine's answers in the decision log
@@ -351,7 +361,8 @@ class RoutingEngine:
         """The models some offering holds replicas of (the others are known but answered 422
         ``model_unavailable`` whatever the constraints), in :attr:`models`' order."""
         env = self.env
-        held = {env.model_names[m] for m in range(len(env.model_names)) if (env.fits[m] & (env.slots[m] > 0)).any()}
+        held = {env.model_names[m] for m in range(len(env.model_names))
+                if (env.fits[m] & (env.slots_alloc[m] > 0)).any()}
         return [m for m in self.models if m in held]
 
     # ------------------------------------------------------------------ routing policies

@@ -433,7 +433,7 @@ class Feasibility(Stage):
         env = e.env
         m_ = d.m
         allowed = d.allowed
-        holds = env.fits[m_] & (env.slots[m_] > 0)
+        holds = env.fits[m_] & (env.slots_alloc[m_] > 0)  # (a pool the inventory empties now still holds it)
         if not (holds & allowed).any() and d.strict:
             raise RouteFailure(422, "model_unavailable", f"no allowed offering holds model '{env.model_names[m_]}'",
                                [{"field": "body.model", "message": f"no allowed offering has replicas of "

@@ -141,6 +141,9 @@ ReadDecisions = Annotated[Caller, Depends(admin_dep("read", "decisions"))]
 
 ReadStatus = Annotated[Caller, Depends(admin_dep("read", "status"))]
 
+#: ``GET /v1/capacity/plan``
+ReadCapacity = Annotated[Caller, Depends(admin_dep("read", "capacity"))]
+
 
 WriteModel = Annotated[Caller, Depends(admin_dep("write", "model"))]
 

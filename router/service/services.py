@@ -17,6 +17,7 @@ from router.core.metrics import Metrics
 from router.core.settings import RouterSettings
 from router.decision.engine import RoutingEngine
 from router.service.admission_queue import AdmissionQueue
+from router.service.capacity import CapacityPlans
 from router.service.models import ModelManager
 from router.service.ports import SharedState
 from router.service.readiness import Readiness
@@ -67,3 +68,5 @@ class Services:
     access: AccessSync | None = None
     #: admission that predicts: this process's queue (None: ``admission.enabled`` is off)
     admission: AdmissionQueue | None = None
+    #: the capacity plan ``GET /v1/capacity/plan`` answers (``router.service.capacity``), set once built
+    capacity: CapacityPlans | None = None

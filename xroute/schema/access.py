@@ -47,7 +47,7 @@ MODEL_ACTIONS: tuple[str, ...] = ("inference",)
 ADMIN_VERBS: tuple[str, ...] = ("read", "write")
 #: what admin calls touch (``admin:<verb>:<kind>``)
 ADMIN_KINDS: tuple[str, ...] = ("policies", "audit", "quotas", "tenants", "roles", "decisions", "status", "model",
-                                "metrics", "events", "sessions")
+                                "metrics", "events", "sessions", "capacity")
 FAMILIES: tuple[str, ...] = ("model", "admin")
 #: the roles every router knows; a key's ``role`` names one (or a role defined through the admin API)
 BUILTIN_ROLES: dict[str, tuple[str, ...]] = {"tenant": ("model:inference:*",), "admin": ("*",),

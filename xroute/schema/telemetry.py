@@ -224,8 +224,8 @@ QUOTAS = Table(
 INVENTORY = Table(
     name="inventory",
     doc="The instances running in each pool, as the clouds report them (snapshots; each row holds until the "
-    "next of the same offering and model). A pool with rows has as many model replicas as it has running "
-    "instances; a pool without rows keeps the offering's capacity_replicas.",
+    "next of the same offering and model). From its first row on, a pool holds the model replicas its running "
+    "instances hold (envs.replay.PoolInventory); a pool without rows keeps the offering's capacity_replicas.",
     required=False,
     time_column="ts",
     order_within=("offering_id", "model"),
