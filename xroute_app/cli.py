@@ -10,6 +10,7 @@ import typer
 
 from cloud_adapters.cli import events_app, telemetry_app
 from models.cli import promote, train, train_planner
+from router.app.audit_cli import audit_app
 from router.app.cli import export_feedback, export_ope, serve
 from router.app.policy_cli import policies_app
 from router.control.keys import cli as keys_app
@@ -444,6 +445,8 @@ app.add_typer(capacity_app, name="capacity", help="Set the cloud groups toward a
                                                   "USD/hour limit and a step limit; dry run unless --apply "
                                                   "(docs/capacity.md).")
 app.add_typer(keys_app, name="keys", help="The router's API keys: add, list, revoke (docs/router.md).")
+app.add_typer(audit_app, name="audit", help="The audit log: export it as JSON lines for a SIEM "
+                                            "(docs/observability.md).")
 app.add_typer(policies_app, name="policies", help="Routing policies: validate, apply, show, audit, export to Rego "
                                                   "(docs/policies.md).")
 

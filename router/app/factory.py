@@ -32,6 +32,7 @@ from router.api import policies as policy_routes
 from router.control.access_store import AccessStore, AccessSync
 from router.control.keys import KeyStore
 from router.control.policy_sync import PolicySync
+from router.core import tracing
 from router.core.logs import LOG, configure_logging, flush_logs, iso
 from router.core.metrics import Metrics
 from router.core.settings import RouterSettings, load_settings
@@ -294,6 +295,8 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     the decision log, the policy, access and migration stores, the model, the shared state (restored
     from the log), the readiness probe, the gateway and the migrator. Returns the services and the
     shared state's sync."""
+    tracing.setup(settings.tracing)  # (off: nothing imported; on: the SDK, sending spans until shutdown)
+    stack.callback(tracing.shutdown)
     if engine is None:
         engine = await asyncio.to_thread(RoutingEngine, settings)
     keys = KeyStore(settings.keys_file)
@@ -308,7 +311,8 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     settle_gc()  # (router.core.startup)
     CLOCK.mark("gc")
     models = ModelManager(engine, settings, metrics)
-    engine.stage_timer = metrics.stage_seconds.observe_as  # (every route's stages, timed)
+    timer = metrics.stage_seconds.observe_as  # (every route's stages, timed; traced: a span each too)
+    engine.stage_timer = tracing.stage_timer(timer) if tracing.ON else timer
     await models.initial()
     CLOCK.mark("model")
     state = await open_router_state(settings)

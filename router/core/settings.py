@@ -195,6 +195,29 @@ class CapacitySettings(BaseModel):
                          "export directory)")
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry traces (``router.core.tracing``; docs/observability.md): off by default; on, the
+    SDK and its OTLP/HTTP exporter (``pip install 'xroute[otel]'``) send the router's spans."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="export OpenTelemetry spans (the route and its stages, the shared-state "
+                                             "and decision-log calls, the gateway's attempts and upstream calls)")
+    otlp_endpoint: str = Field("http://127.0.0.1:4318/v1/traces", min_length=1, max_length=2000,
+                               description="the OTLP/HTTP (protobuf) traces endpoint the spans are sent to")
+    service_name: str = Field("xroute-router", min_length=1, max_length=200,
+                              description="the resource's service.name")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="the share of new traces sampled (a caller's "
+                                "traceparent's sampled flag is followed: parent-based)")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP over HTTP)")
+        return v
+
+
 #: the baselines a router may plan with (``models.planners.PLANNERS`` less the oracle; checked equal by the tests)
 _PLANNERS = ("static-ondemand", "autoscaler", "spothedge", "melange")
 
@@ -505,6 +528,10 @@ class RouterSettings(BaseSettings):
                                           "/v1/chat/completions, /v1/completions)")
     gateway: GatewaySettings = Field(default_factory=GatewaySettings, description="the gateway's SLO defaults, "
                                      "timeouts, retries and limits")
+
+    # traces (router/core/tracing.py) ---------------------------------------------------------
+    tracing: TracingSettings = Field(default_factory=TracingSettings, description="OpenTelemetry spans: enabled, "
+                                     "otlp_endpoint, service_name, sample_ratio (docs/observability.md)")
 
     # HTTP -----------------------------------------------------------------------------------
     max_body_bytes: int = Field(65_536, ge=1024, description="larger request bodies get 413")

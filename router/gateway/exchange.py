@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from router.core import tracing
 from router.gateway.openai_api import chunk_texts, has_token, sse_error
 from router.gateway.upstream import Endpoint, Guard, Upstreams
 from router.http.errors import loads_or_none
@@ -123,6 +124,8 @@ class Exchange:
         self.on_end: Callable[[], None] | None = None
         #: when the request went to the server, and when its first token (streamed) or answer came back
         self.sent = self.received = 0.0
+        #: the upstream call's span (tracing on: ``router.core.tracing``), ended by :meth:`trace_end`
+        self.span: Any = None
         self._rename: tuple[bytes, bytes] | None = None
         if ep.served_model != client_model:
             self._rename = (b'"model":' + json.dumps(ep.served_model).encode(),
@@ -132,8 +135,25 @@ class Exchange:
     async def _post(self) -> aiohttp.ClientResponse:
         """Send the request; the response once its headers have come."""
         self.sent = time.perf_counter()
-        return await self.upstreams.session.post(self.ep.url(self.kind), data=self.body, headers=self.ep.headers,
+        headers = self.ep.headers
+        if tracing.ON:  # (a client span; the server continues this trace)
+            op = "chat" if self.kind == "chat" else "text_completion"
+            self.span, parent = tracing.client_span(f"{op} {self.ep.served_model}", {
+                "gen_ai.operation.name": op, "gen_ai.request.model": self.ep.served_model,
+                "server.address": self.ep.base_url, "xroute.offering_id": self.ep.offering_id})
+            headers = {**headers, "traceparent": parent}
+        return await self.upstreams.session.post(self.ep.url(self.kind), data=self.body, headers=headers,
                                                  allow_redirects=False)
+
+    def trace_end(self) -> None:
+        """End the upstream call's span (tracing on) with its outcome: the GenAI usage and the TTFT."""
+        sp, self.span = self.span, None
+        if sp is not None:
+            o = self.outcome
+            tracing.end_client(sp, {"gen_ai.usage.input_tokens": o.prompt_tokens,
+                                    "gen_ai.usage.output_tokens": o.output_tokens,
+                                    "gen_ai.server.time_to_first_token": o.ttft_s,
+                                    "xroute.latency_s": o.latency_s}, o.error)
 
     def _elapsed(self) -> float:
         return time.perf_counter() - self.started

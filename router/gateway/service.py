@@ -43,6 +43,7 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from router.core import tracing
 from router.core.logs import LOG, request_id_var
 from router.core.metrics import LoopCounter, LoopHistogram
 from router.core.text import one_line
@@ -460,7 +461,16 @@ class Gateway:
         assert ex.answer is not None
         return Response(ex.answer, media_type="application/json", headers=headers)
 
-    async def _exchange(self, call: Call, att: Attempt, guard: Guard, started: float) -> bool:
+    def _exchange(self, call: Call, att: Attempt, guard: Guard, started: float) -> Awaitable[bool]:
+        """:meth:`_exchanges`, in a span ``xroute.gateway.attempt`` when tracing is on."""
+        run = self._exchanges(call, att, guard, started)
+        if not tracing.ON:
+            return run
+        return tracing.traced("xroute.gateway.attempt", run, {  # type: ignore[no-any-return]
+            "xroute.attempt": att.number, "xroute.decision_id": att.decision_id,
+            "xroute.offering_id": att.offering_id, "gen_ai.request.model": call.client_model})
+
+    async def _exchanges(self, call: Call, att: Attempt, guard: Guard, started: float) -> bool:
         """Send the attempt's request to a server of its pool and read until its first token (or,
         not streamed, its answer); True when that came. A server that refuses the connection (nothing
         was sent) is followed by the pool's other servers, while the TTFT budget lasts -- the same
@@ -487,6 +497,7 @@ class Gateway:
             if other is None or (time.perf_counter() - call.arrived) * 1000.0 >= call.route["ttft_ms"] - 1.0:
                 return ok
             att.refused.append((ep.target, ex.outcome))
+            ex.trace_end()
             self.metrics.server_retries.inc(att.offering_id)
             ep = other
 
@@ -536,6 +547,7 @@ class Gateway:
         ex = att.exchange
         assert ex is not None
         ex.finish_counts()
+        ex.trace_end()
         o = ex.outcome
         # the request's quota reservation is settled once, with its last attempt's outcome: by this
         # attempt's own feedback when it holds it, else below; an attempt that holds it but is not the

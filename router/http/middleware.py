@@ -12,6 +12,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.core import tracing
 from router.core.logs import access, new_id, request_id_var, trace_id_var
 from router.core.metrics import Metrics
 
@@ -76,8 +77,8 @@ class RequestContext:
             if length is not None and (not length.isdigit() or int(length) > limit):
                 await _too_large(send_with_headers, limit, rid_s)
             else:
-                await self.app(scope, receive if length is not None else self._limited(receive, limit),
-                               send_with_headers)
+                app = self.app if not tracing.ON else tracing.asgi(self.app, trace)
+                await app(scope, receive if length is not None else self._limited(receive, limit), send_with_headers)
         finally:
             dt = time.perf_counter() - t0
             route: Any = scope.get("route")

@@ -20,7 +20,8 @@ from typing import Any
 
 from fastapi import HTTPException
 
-from router.core.logs import LOG, new_sorted_id
+from router.core import tracing
+from router.core.logs import LOG, new_sorted_id, trace_id_var
 from router.decision.engine import RouteFailure, RoutingEngine
 from router.service.admission_queue import judged
 from router.service.ports import DecisionState, Idempotency
@@ -67,14 +68,16 @@ async def decide(engine: RoutingEngine, state: DecisionState, body: RouteRequest
     if engine.wants_affinity(body):  # the shared prefix index: where these blocks and this session went
         engine.check_prefix(body)
         hashes = engine.prefix_array(body)
-        affinity = await state.lookup(hashes, engine.session_key(who, body), engine.prefix_ttl_s)
+        looked = state.lookup(hashes, engine.session_key(who, body), engine.prefix_ttl_s)
+        affinity = await (looked if not tracing.ON else tracing.traced("xroute.state.lookup", looked))
     r = engine.rank(body, who, decision_id, wall, request_json, key, affinity, hashes, waited_ms)
     hold = engine.hold_s(r)
     charge = engine.quota_charge(r) if reserve_quota else None
     fair = (who.tenant, admission_rules.service(body.input_tokens, body.max_output_tokens,
                                                 engine.weight_of(who.tenant))) if engine.admission_on else None
-    got = await state.admit(Admission(decision_id, engine.candidates(r), hold,
+    admitting = state.admit(Admission(decision_id, engine.candidates(r), hold,
                                       None if charge is None else QuotaCharge(*charge), r.prefix, fair=fair))
+    got = await (admitting if not tracing.ON else tracing.traced("xroute.state.admit", admitting))
     if got.refused is not None:
         assert charge is not None
         raise engine.quota_exceeded(charge[0], got.refused)
@@ -90,12 +93,24 @@ async def decide(engine: RoutingEngine, state: DecisionState, body: RouteRequest
     except BaseException:
         await undo(engine, state, decision_id, quota is not None, fair)
         raise
+    row.trace_id = trace_id_var.get()  # (the caller's or this router's trace: the row joins the trace)
     return Decided(payload, row, offering_id, pinfo, quota, fair)
 
 
-async def route_decision(svc: Services, body: RouteRequest, who: Principal, state: dict[str, Any],
-                         idempotency: str | None = None, durable: list[Any] | None = None,
-                         reserve_quota: bool = True, left: Callable[[], Awaitable[Any]] | None = None) -> bytes:
+def route_decision(svc: Services, body: RouteRequest, who: Principal, state: dict[str, Any],
+                   idempotency: str | None = None, durable: list[Any] | None = None,
+                   reserve_quota: bool = True, left: Callable[[], Awaitable[Any]] | None = None) -> Awaitable[bytes]:
+    """:func:`decided_route`, in a span ``xroute.route`` when tracing is on (off: the coroutine itself,
+    no frame more)."""
+    run = decided_route(svc, body, who, state, idempotency, durable, reserve_quota, left)
+    if not tracing.ON:
+        return run
+    return tracing.traced("xroute.route", run, {"xroute.tenant": who.tenant, "gen_ai.request.model": body.model})  # type: ignore[no-any-return]
+
+
+async def decided_route(svc: Services, body: RouteRequest, who: Principal, state: dict[str, Any],
+                        idempotency: str | None = None, durable: list[Any] | None = None,
+                        reserve_quota: bool = True, left: Callable[[], Awaitable[Any]] | None = None) -> bytes:
     """Claim, decide (:func:`decide`), record the decision durably (group commit), then return the
     answer's JSON.
 
@@ -131,11 +146,14 @@ async def route_decision(svc: Services, body: RouteRequest, who: Principal, stat
         decided = await placed(svc, body, who, decision_id, request_json, key, reserve_quota, left)
         state["quota"] = decided.quota  # (what the tenant's quotas reserved: the gateway's feedback settles it)
         svc.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        recording = svc.store.record_decision(decided.row)
+        if tracing.ON:
+            recording = tracing.until("xroute.decision_log.record", recording, {"xroute.decision_id": decision_id})
         if durable is None:
-            await svc.store.record_decision(decided.row)
+            await recording
         else:
             assert key is None, "a deferred commit cannot complete an idempotency key"
-            durable.append(svc.store.record_decision(decided.row))
+            durable.append(recording)
     except CommitInDoubt:
         assert decided is not None
         if key is not None:  # the key (and the reservation) wait for the log to say whether it committed

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.core.logs import iso
+from router.core.logs import iso, trace_id_var
 from router.store.dialect import Dialect
 
 #: the PostgreSQL advisory lock key under which the table and its triggers are created (by the policy
@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS audit_log (
     version {bigint},
     before_json TEXT,
     after_json TEXT,
-    request_id TEXT
+    request_id TEXT,
+    trace_id TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_resource ON audit_log (kind, resource, audit_id);
 """
@@ -64,10 +65,14 @@ def schema(dialect: Dialect) -> str:
     return dialect.ddl(TABLE) + TRIGGERS[dialect.name]
 
 
+#: the columns added since the table was first created (``router.store.dialect.Database``'s ``added``):
+#: the W3C trace id of the request that made the change (``router.core.tracing``; NULL: none)
+ADDED = ("audit_log", (("trace_id", "TEXT"),))
+
 COLUMNS = ("audit_id", "at", "principal", "action", "kind", "resource", "version", "before_json", "after_json",
-           "request_id")
+           "request_id", "trace_id")
 _INSERT = ("INSERT INTO audit_log (at, principal, action, kind, resource, version, before_json, after_json, "
-           "request_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+           "request_id, trace_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,13 @@ def _json(v: Any) -> str | None:
 def append(execute: Any, principal: str, changes: list[Change], version: int | None, request_id: str | None = None,
            at: float | None = None) -> None:
     """Write ``changes`` through ``execute(sql, params)`` -- the caller's open transaction (``?``
-    placeholders: ``router.store.dialect.Database.transaction``'s ``execute`` spells them for its backend)."""
+    placeholders: ``router.store.dialect.Database.transaction``'s ``execute`` spells them for its backend).
+    Each entry carries the current trace id (``router.core.logs.trace_id_var``: the request's)."""
     now = time.time() if at is None else at
+    trace_id = trace_id_var.get()
     for c in changes:
         execute(_INSERT, (now, principal, c.action, c.kind, c.resource, version, _json(c.before), _json(c.after),
-                          request_id))
+                          request_id, trace_id))
 
 
 def read_sql(kind: str | None, resource: str | None, after: int, limit: int) -> tuple[str, tuple[Any, ...]]:
@@ -117,4 +124,17 @@ def entry(row: tuple[Any, ...]) -> dict[str, Any]:
             "version": None if d["version"] is None else int(d["version"]),
             "before": None if d["before_json"] is None else json.loads(d["before_json"]),
             "after": None if d["after_json"] is None else json.loads(d["after_json"]),
-            "request_id": d["request_id"]}
+            "request_id": d["request_id"], "trace_id": d["trace_id"]}
+
+
+def export_sql(since: float | None, until: float | None) -> tuple[str, tuple[Any, ...]]:
+    """The export's query (``?`` placeholders; :func:`entry` rows, oldest first, ``at`` in
+    [``since``, ``until``): ``xroute audit export``)."""
+    where, args = ["1 = 1"], []
+    if since is not None:
+        where.append("at >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("at < ?")
+        args.append(until)
+    return f"SELECT {', '.join(COLUMNS)} FROM audit_log WHERE {' AND '.join(where)} ORDER BY audit_id", tuple(args)

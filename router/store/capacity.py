@@ -35,7 +35,7 @@ class CapacityJournal:
     def __init__(self, target: Path | str, principal: str):
         self.principal = principal
         self.db = Database(target, audit.schema, lock=audit.PG_LOCK, application="xroute-capacity",
-                           error=CapacityJournalError, label="capacity journal")
+                           error=CapacityJournalError, label="capacity journal", added=(audit.ADDED,))
 
     def last(self, change_ids: list[str]) -> dict[str, CapacityChange]:
         """The latest recorded state of each of ``change_ids`` that has one."""

@@ -85,7 +85,7 @@ class PolicyStore:
     def __init__(self, target: Path | str):
         self.target = target
         self.db = Database(target, self.schema, lock=_PG_LOCK, application="xroute-policies",
-                           error=PolicyStoreError, label="policy store")
+                           error=PolicyStoreError, label="policy store", added=(audit.ADDED,))
         #: "sqlite" or "postgresql"
         self.dialect = self.db.dialect.name
 

@@ -61,6 +61,9 @@ class DecisionRow:
     #: the request as received (JSON) and the answer exactly as sent
     request_json: str
     response_json: str
+    #: the W3C trace the decision belongs to (32 hex: the caller's ``traceparent`` or the router's own
+    #: trace, ``router.core.tracing``; None: neither); set after the row is built
+    trace_id: str | None = None
 
     def astuple(self) -> tuple[Any, ...]:
         """The row's values in :data:`DECISION_COLUMNS`' order (what a backend inserts)."""
@@ -109,6 +112,7 @@ CREATE TABLE IF NOT EXISTS decisions (
     quota_tokens INTEGER,
     quota_usd {real},
     request_json TEXT NOT NULL,
+    trace_id TEXT,
     response_json {answer} NOT NULL{answer_dictionary}
 );
 CREATE INDEX IF NOT EXISTS decisions_tenant_time ON decisions (tenant, created_at);
@@ -142,10 +146,11 @@ CREATE TABLE IF NOT EXISTS catalogs (
 #: the time per output token, the prompt tokens the server counted and those it had cached, the
 #: gateway request the attempt belonged to (its X-Request-ID: every attempt of one request shares
 #: it) and the attempt's number; the tenant quotas' reservation of a decision (tokens, USD; NULL: no
-#: quota applied: ``router.decision.quotas.quota_events`` rebuilds the counters from them)
+#: quota applied: ``router.decision.quotas.quota_events`` rebuilds the counters from them); the decision's
+#: W3C trace id (``router.core.tracing``; NULL: no trace)
 ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
                                ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB"),
-                               ("quota_tokens", "INTEGER"), ("quota_usd", "REAL")),
+                               ("quota_tokens", "INTEGER"), ("quota_usd", "REAL"), ("trace_id", "TEXT")),
                  "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
                               ("sla_violation", "INTEGER"), ("tpot_ms", "REAL"), ("prompt_tokens", "INTEGER"),
                               ("cached_tokens", "INTEGER"), ("request_id", "TEXT"), ("attempt", "INTEGER"))}

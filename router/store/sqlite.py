@@ -111,6 +111,8 @@ _ADDED = {**ADDED_COLUMNS, "decisions": (*ADDED_COLUMNS["decisions"],
           "zdicts": (("codec", "TEXT NOT NULL DEFAULT 'zlib'"),)}
 #: where a decision row holds its OPE record (compressed by the SQLite writer)
 _FEATURES = DECISION_COLUMNS.index("features")
+#: ... and its answer (compressed against the dictionary)
+_ANSWER = DECISION_COLUMNS.index("response_json")
 _INSERT_DECISION = SQLITE.insert("decisions", (*DECISION_COLUMNS, "response_zdict"))
 _INSERT_FEEDBACK = SQLITE.insert("feedback", FEEDBACK_COLUMNS)
 _GET_DECISION = GET_DECISION_SQL.format(z=", response_zdict")
@@ -520,14 +522,14 @@ class _SqliteWriter:
 
     def _pack(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
         """A decision row as stored: with compression on (a dictionary is set), the OPE record
-        compressed and the response (last field, JSON text) compressed against the dictionary,
+        compressed and the response (JSON text) compressed against the dictionary,
         plus the dictionary id."""
         zd = self.zdict
         if zd is None:
             return (*row, None)
         f = row[_FEATURES]
-        return (*row[:_FEATURES], None if f is None else self._compress_features(f), *row[_FEATURES + 1:-1],
-                zd[1](row[-1].encode()), zd[0])
+        return (*row[:_FEATURES], None if f is None else self._compress_features(f), *row[_FEATURES + 1:_ANSWER],
+                zd[1](row[_ANSWER].encode()), *row[_ANSWER + 1:], zd[0])
 
     def write(self, batch: list[tuple[str, tuple[Any, ...]]]) -> list[int | str]:
         """Insert and commit ``batch`` in one transaction: each row's id, or the error (text) its
