@@ -179,7 +179,8 @@ class StandIn:
         cfg = self.config
         self.requests.append({"path": scope["path"], "model": body.get("model"), "stream": body.get("stream", False),
                               "stream_options": body.get("stream_options"), "max_tokens": body.get("max_tokens"),
-                              "authorization": _header(scope, b"authorization")})
+                              "authorization": _header(scope, b"authorization"),
+                              "traceparent": _header(scope, b"traceparent")})
         self.bodies.append(body)
         fault = self.faults.popleft() if self.faults else None
         if fault is None and cfg.fail_status is not None:
