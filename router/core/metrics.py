@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
 #: a stage takes from ~1 us (a mask) to ~100 us (a learned scorer)
 _STAGE_BUCKETS = (1e-6, 2.5e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 5e-3)
+#: a reported time to first token: 10 ms to a minute
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: one pool's load as :meth:`Metrics.watch_pools` reads it: (offering id, work in flight, slots)
+PoolLoad = tuple[str, int, int]
 
 
 class Metrics:
@@ -68,6 +72,26 @@ class Metrics:
         self.admission = Counter(
             "xroute_router_admission_total", "Requests admission did not place at once, by band and outcome: shed, "
             "queued, queue_full, then dispatched, expired, left or failed", ["band", "outcome"], registry=r)
+        self.outcomes = LoopCounter(
+            "xroute_router_outcomes_total", "Decisions' first outcomes (a client's feedback, or the gateway's own "
+            "measurement) by tenant, the tenant's priority band and SLO verdict: met, missed, unscored (a completed "
+            "request reported without its latency, TTFT or output length)", ("tenant", "band", "slo"), r)
+        self.outcome_ttft = LoopHistogram(
+            "xroute_router_outcome_ttft_seconds", "The TTFT decisions' first outcomes report, by tenant and the "
+            "tenant's priority band", _TTFT_BUCKETS, r, labels=("tenant", "band"))
+        self.outcome_cost = LoopCounter(
+            "xroute_router_outcome_cost_usd_total", "The cost of decisions' first outcomes (the reported one, else "
+            "the decision's expected cost; a failed request's reported one, else 0), by tenant and band",
+            ("tenant", "band"), r)
+        self.refusals = LoopCounter("xroute_router_refusals_total", "Requests the router refused with a 4xx of "
+                                    "its own (router.decision.stages.RouteFailure), by route and error code",
+                                    ("route", "error"), r)
+        self.quota_refusals = LoopCounter("xroute_router_quota_refusals_total", "Requests refused over a tenant "
+                                          "quota, by tenant and limit (requests_per_minute, tokens_per_minute, "
+                                          "usd_per_day, concurrency ...)", ("tenant", "limit"), r)
+        self.ready = Gauge("xroute_router_ready", "1 while this router is ready (its decision log and shared "
+                           "state reachable as last seen: GET /readyz)", registry=r)
+        self._pools = _PoolCollector(r)
         self._fallback_codes: dict[str, str] = {}
         self._errors: dict[tuple[str, str], Any] = {}
         self._model: tuple[str, str, str] | None = None
@@ -82,6 +106,24 @@ class Metrics:
                     self._fallback_codes.clear()
                 code = self._fallback_codes[fallback_reason] = _reason_code(fallback_reason)
             self.fallbacks.inc(code)
+
+    def outcome(self, tenant: str, band: str, missed: bool | None, ttft_ms: float | None, cost_usd: float) -> None:
+        """A decision's first outcome (on the event loop: :class:`LoopCounter`, :class:`LoopHistogram`)."""
+        self.outcomes.inc(tenant, band, "unscored" if missed is None else ("missed" if missed else "met"))
+        if ttft_ms is not None:
+            self.outcome_ttft.observe_labels((tenant, band), ttft_ms / 1000.0)
+        self.outcome_cost.add(cost_usd, tenant, band)
+
+    def refused(self, route: str, error: str, quota: dict[str, Any] | None) -> None:
+        """A refusal (``error``: its code); ``quota``: the limit it hit (``xroute.schema.quota.QuotaHit``'s JSON)."""
+        self.refusals.inc(route, error)
+        if quota is not None:
+            self.quota_refusals.inc(str(quota.get("tenant")), str(quota.get("name")))
+
+    def watch_pools(self, load: Callable[[], Iterable[PoolLoad]]) -> None:
+        """Export each pool's work in flight and slots (``xroute_router_pool_in_flight``,
+        ``xroute_router_pool_slots``), read from ``load`` at each scrape (nothing on the hot path)."""
+        self._pools.load = load
 
     def error(self, route: str, status: int) -> None:
         key = (route, str(status))
@@ -115,18 +157,24 @@ class LoopHistogram(Collector):
     not yet in ``_sum``."""
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry,
-                 label: str | None = None):
+                 label: str | None = None, labels: Sequence[str] = ()):
         self.name, self.documentation, self.label = name, documentation, label
+        #: several labels instead of one: children keyed by a tuple of values (:meth:`observe_labels`)
+        self.labels = tuple(labels) if labels else ((label,) if label is not None else ())
         self.bounds = tuple(sorted(float(b) for b in buckets))
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (le="+Inf" only)
         self.sum = 0.0
-        #: label value -> [counts, sum] (``label`` only)
-        self.children: dict[str, list[Any]] = {}
+        #: label value (a tuple of them with ``labels``) -> [counts, sum]
+        self.children: dict[Any, list[Any]] = {}
         registry.register(self)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # "le": value <= bound
         self.sum += value
+
+    def observe_labels(self, label_values: tuple[str, ...], value: float) -> None:
+        """One observation of the child of ``label_values`` (one per name in ``labels``)."""
+        self.observe_as(label_values, value)  # type: ignore[arg-type]
 
     def observe_as(self, label_value: str, value: float) -> None:
         child = self.children.get(label_value)
@@ -136,13 +184,14 @@ class LoopHistogram(Collector):
         child[1] += value
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        if self.label is None:
+        if not self.labels:
             family = HistogramMetricFamily(self.name, self.documentation)
             family.add_metric([], self._buckets(list(self.counts)), self.sum)
         else:
-            family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+            family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
             for value, (counts, total) in list(self.children.items()):
-                family.add_metric([value], self._buckets(list(counts)), total)
+                family.add_metric(list(value) if isinstance(value, tuple) else [value], self._buckets(list(counts)),
+                                  total)
         yield family
 
     def _buckets(self, counts: list[int]) -> list[tuple[str, int]]:
@@ -161,17 +210,42 @@ class LoopCounter(Collector):
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry):
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
-        self.counts: dict[tuple[str, ...], int] = {}
+        self.counts: dict[tuple[str, ...], float] = {}
         registry.register(self)
 
     def inc(self, *labels: str) -> None:
         self.counts[labels] = self.counts.get(labels, 0) + 1
+
+    def add(self, amount: float, *labels: str) -> None:
+        """Add ``amount`` (>= 0: a counter never goes down) to the count of ``labels``."""
+        if amount > 0:
+            self.counts[labels] = self.counts.get(labels, 0) + amount
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, n in dict(self.counts).items():
             family.add_metric(list(labels), float(n))
         yield family
+
+
+class _PoolCollector(Collector):
+    """Each pool's load as :meth:`Metrics.watch_pools` last named its source, read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.load: Callable[[], Iterable[PoolLoad]] | None = None
+        registry.register(self)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        busy = GaugeMetricFamily("xroute_router_pool_in_flight", "Work in flight on each offering's pool of the "
+                                 "default model as this router sees it (its own and the shared state's others')",
+                                 labels=["offering_id"])
+        slots = GaugeMetricFamily("xroute_router_pool_slots", "Each offering's pool's slots (its capacity: "
+                                  "concurrent requests it serves without queueing) now", labels=["offering_id"])
+        for offering_id, n, cap in (self.load() if self.load is not None else ()):
+            busy.add_metric([offering_id], float(n))
+            slots.add_metric([offering_id], float(cap))
+        yield busy
+        yield slots
 
 
 def _reason_code(reason: str) -> str:

@@ -1039,6 +1039,18 @@ class RoutingEngine:
 
 
     # ------------------------------------------------------------------ state
+    def pool_load(self, wall: float) -> list[tuple[str, int, int]]:
+        """Each offering's pool of the default model: (offering id, work in flight as this process
+        sees it -- its own reservations and the shared state's others' -- and its slots now)."""
+        m = self.env.default_model
+        slots = self.env.live_pools(self.now(wall), m)["slots"]
+        busy = self.own_held[m] + self.env.view_others[m]
+        return [(self.offering_ids[i], int(busy[i]), int(slots[i])) for i in range(self.n)]
+
+    def default_band(self, tenant: str) -> str:
+        """The tenant's default priority band (the one its outcomes are counted under)."""
+        return self.bands.get(tenant, DEFAULT_BAND)
+
     def offerings_state(self, wall: float, reserved: dict[str, int] | None = None) -> dict[str, Any]:
         """Current price, availability and the router's view of each offering's pool of the
         default model (for ``GET /v1/offerings``), with the shared state's reservations per pool

@@ -570,7 +570,7 @@ class Gateway:
                 await settle_quota(svc, fb, ref, release=True)
             else:
                 reward, missed = svc.engine.feedback_reward(ref, fb)
-                await close_the_loop(svc, fb, ref)
+                await close_the_loop(svc, fb, ref, missed)
             if settles is not None and settles is not att:
                 await self._settle_quota(settles, o)
             measured = (o.tpot_ms, o.prompt_tokens, o.cached_tokens, call.request_id, att.number)

@@ -160,6 +160,11 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
 
 def _route_failure(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RouteFailure)
+    svc = getattr(request.app, "services", None)
+    if svc is not None:  # (by route and code; a quota's tenant and limit)
+        route: Any = request.scope.get("route")
+        quota = exc.extra.get("limit") if exc.error == "quota_exceeded" else None
+        svc.metrics.refused(getattr(route, "path", None) or "unmatched", exc.error, quota)
     return route_failure_response(exc)
 
 

@@ -82,7 +82,7 @@ def settle_feedback(svc: Services, key: str, digest: bytes, body: FeedbackReques
         return None
 
     async def then() -> None:
-        await close_the_loop(svc, body, ref)
+        await close_the_loop(svc, body, ref, svc.engine.feedback_reward(ref, body)[1])
 
     settle_in_doubt(svc, key, body.decision_id, None, found, then)
 
@@ -94,16 +94,21 @@ def feedback_answer(feedback_id: int, decision_id: str, received_at: float) -> b
                       separators=(",", ":")).encode()
 
 
-async def close_the_loop(svc: Services, body: FeedbackRequest, ref: DecisionRef) -> None:
+async def close_the_loop(svc: Services, body: FeedbackRequest, ref: DecisionRef, missed: bool | None) -> None:
     """After the feedback is durable, one settlement (:func:`settle`): release the decision's
     reservation (this process's view and the shared state); on the decision's first feedback only
     (a repeated report does not count twice) fold the outcome into its pool's statistics and
     reconcile its tenant quota reservation, when one applied, with what the feedback reports
     (``xroute.schema.quota.settled_amounts``: its concurrency slot freed, its tokens and USD the real
     ones); the cached tokens a server reported correct the pool's prefix retention. Then the
-    output-length estimator learns the output. The feedback is stored whatever happens here."""
+    output-length estimator learns the output; the first outcome is counted in the metrics
+    (``Metrics.outcome``: its SLO verdict ``missed``, TTFT and cost, under the tenant's default band).
+    The feedback is stored whatever happens here."""
     first = ref.feedback == 0
     engine = svc.engine
+    if first:
+        cost = body.cost_usd if body.cost_usd is not None else (0.0 if body.failed else ref.expected_cost_usd)
+        svc.metrics.outcome(ref.tenant, engine.default_band(ref.tenant), missed, body.ttft_ms, cost)
     fair = None  # (admission on: the tenant's fairness counter learns the output the request really had)
     if first and engine.admission_on and body.output_tokens is not None:
         fair = (ref.tenant, admission_rules.correction(ref.max_output_tokens, body.output_tokens,
@@ -155,7 +160,7 @@ async def record_feedback(svc: Services, body: FeedbackRequest, who: Principal, 
             await abandon(svc.state, key)
         raise
     answer = feedback_answer(fid, body.decision_id, now)
-    await close_the_loop(svc, body, ref)
+    await close_the_loop(svc, body, ref, missed)
     if key is not None:
         assert digest is not None
         await remember(svc.state, key, digest + answer, svc.settings.idempotency_ttl_s)
