@@ -384,14 +384,19 @@ def test_fuzzed_requests_agree_with_the_openapi_document(live: Any, client: http
     route_props = spec["components"]["schemas"]["RouteRequest"]["properties"]
     assert route_props["origin"]["enum"] == client.get("/v1/offerings", headers=setup.auth("a")).json()["origins"]
     api = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    conformance = [C.not_a_server_error, C.status_code_conformance, C.content_type_conformance,
-                   C.response_headers_conformance, C.response_schema_conformance, C.negative_data_rejection]
+    checks = [C.not_a_server_error, C.status_code_conformance, C.content_type_conformance,
+              C.response_headers_conformance, C.response_schema_conformance, C.negative_data_rejection]
     n_before = len(logs.lines)
     ran, semantic = [], collections.Counter()
     for who in ("a", "admin"):
         for result in api.get_all_operations():
             op = result.ok()
             headers = setup.auth(who)
+            # GET /v1/capacity/plan answers a documented 503 plan_unavailable while a replay's first epoch
+            # has no past to forecast from (tests/test_capacity_plan.py checks its 200 and 503): every other
+            # check holds for it (the inner function's code stays as it was: hypothesis derives its examples
+            # from it)
+            conformance = checks[1:] if op.path == "/v1/capacity/plan" else checks
 
             @given(case=op.as_strategy(), real=st.booleans())
             @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
