@@ -65,7 +65,8 @@ class Gw:
         held: list[Future[str]] = []
         while True:
             f = pool.submit(self.chat, "b")
-            self.until(lambda: f.done() or self.server.running == len(held) + 1, what="placed or shed")
+            self.until(lambda f=f: f.done() or self.server.running == len(held) + 1,  # type: ignore[misc]
+                       what="placed or shed")
             if f.done():
                 with pytest.raises(openai.RateLimitError):
                     f.result()
