@@ -66,6 +66,22 @@ def best_ttft(ttft, mask):  # pragma: no cover (compiled)
 
 
 @njit(cache=True)
+def best_ttft_of(ttft, mask, allowed):  # pragma: no cover (compiled)
+    """:func:`best_ttft` over the offerings both ``mask`` and ``allowed`` allow (the masks may be
+    shorter than ``ttft``: its first rows), as ``ttft[:n][mask & allowed].min()`` without the
+    temporaries: the router's ``predict`` stage, on each decision."""
+    best = np.inf
+    for a in range(mask.shape[0]):
+        if mask[a] and allowed[a]:
+            x = ttft[a]
+            if x != x:
+                return x
+            if x < best:
+                best = x
+    return best
+
+
+@njit(cache=True)
 def admits_at_arrival(C, row, mask, ttft_slo_ms):  # pragma: no cover (compiled)
     """Whether a request that has not waited is admitted, whatever its band, from its candidate
     outcomes ``C`` (``C[row]``: each offering's predicted TTFT) and the offerings it may use: the

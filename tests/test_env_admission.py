@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.admission import WorldQueue, admits_at_arrival, best_ttft
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft, best_ttft_of
 from envs.cloud_route import CloudRouteEnv
 from envs.kernels import TTFT
 from models.baselines import make_baseline
@@ -234,6 +234,20 @@ def test_the_fast_path_at_arrival_agrees_with_the_rules_verdict(row: tuple[list[
     got = float(best_ttft(ttft, mask))
     assert got == ref or (np.isnan(got) and np.isnan(ref))
     assert bool(admits_at_arrival(C, 1, mask, slo)) == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+    st.lists(st.one_of(st.floats(0.0, 5000.0), st.just(np.inf), st.just(np.nan)), min_size=n + 3, max_size=n + 3),
+    st.lists(st.booleans(), min_size=n, max_size=n), st.lists(st.booleans(), min_size=n, max_size=n))))
+def test_the_routers_compiled_best_ttft_is_the_masked_minimum(row: tuple[list[float], list[bool], list[bool]]) -> None:
+    """``best_ttft_of`` (the router's ``predict`` stage) is ``ttft[:n][mask & allowed].min()`` -- inf
+    when nothing is allowed, NaN when an allowed one is NaN -- with ``ttft`` longer than the masks."""
+    ttft, mask, allowed = np.array(row[0]), np.array(row[1]), np.array(row[2])
+    ok = mask & allowed
+    ref = float(ttft[: ok.shape[0]][ok].min()) if ok.any() else np.inf
+    got = float(best_ttft_of(ttft, mask, allowed))
+    assert got == ref or (np.isnan(got) and np.isnan(ref))
 
 
 def test_a_request_admitted_at_its_arrival_adds_no_info_keys_and_the_world_is_unchanged(tiny: tuple[Any, str]) -> None:

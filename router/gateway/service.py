@@ -33,7 +33,6 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,16 +79,6 @@ _OVERHEAD_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.
 def _invalid(field_name: str, message: str) -> RequestValidationError:
     loc = ("header", _HEADER_NAMES[field_name]) if field_name in _HEADER_NAMES else ("body", field_name)
     return RequestValidationError([{"type": "value_error", "loc": loc, "msg": message, "input": None}])
-
-
-def _gone(guard: Guard) -> Callable[[], Awaitable[None]]:
-    """What returns when the guard saw the client go away (a request waiting for admission leaves)."""
-
-    async def left() -> None:
-        while not guard.disconnected:
-            await asyncio.sleep(0.05)
-
-    return left
 
 
 @dataclass(slots=True)
@@ -364,7 +353,7 @@ class Gateway:
                     # the decision-log write runs while the request goes to its server: awaited before any
                     # answer reaches the client (the decision is durable before it is acknowledged)
                     payload = await route_decision(svc, body, who, scope_state, durable=commit,
-                                                   reserve_quota=not admitted, left=_gone(guard))
+                                                   reserve_quota=not admitted, left=guard.left)
                 except RouteFailure:
                     if not tried:
                         raise

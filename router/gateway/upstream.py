@@ -192,7 +192,7 @@ class Guard:
     (let it go). ``deadline`` may be moved forward by assignment (the timer re-arms itself when it
     fires early); one timer handle per request."""
 
-    __slots__ = ("_handle", "_loop", "deadline", "disconnected", "phase", "reason", "task")
+    __slots__ = ("_gone", "_handle", "_loop", "deadline", "disconnected", "phase", "reason", "task")
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -202,6 +202,7 @@ class Guard:
         self.reason: str | None = None
         self.disconnected = False
         self._handle: asyncio.TimerHandle | None = None
+        self._gone: asyncio.Event | None = None  # (made by the first ``left``: most requests never wait)
 
     def arm(self, seconds: float, phase: str, task: asyncio.Task[Any] | None = None) -> None:
         """Watch ``task`` (default: the current one) until :meth:`stop`; ``phase`` times out in ``seconds``."""
@@ -231,8 +232,20 @@ class Guard:
     def client_gone(self) -> None:
         """The client disconnected: cancel the watched phase now, or the next one as it starts."""
         self.disconnected = True
+        if self._gone is not None:
+            self._gone.set()
         if self.task is not None:
             self._cancel("client_disconnected")
+
+    async def left(self) -> None:
+        """Return when the client has gone away (:meth:`client_gone`, told by ``watch_disconnect``
+        from the ASGI ``http.disconnect``): a request waiting for admission leaves the queue
+        (``AdmissionQueue.wait``'s ``left``). Cancelling it is safe; it may be awaited again."""
+        if self.disconnected:
+            return
+        if self._gone is None:
+            self._gone = asyncio.Event()
+        await self._gone.wait()
 
     def take(self) -> str | None:
         """The reason of this guard's cancellation, once (the caller has caught the CancelledError):
