@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
