@@ -969,8 +969,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     def _verdict(self, waited_ms: float) -> str:
         """The admission verdict of the current request (``admission_rules.verdict``) on the best TTFT
         the router's view predicts over the offerings it may use (``c_mask``; none: infinite). A
-        request its tenant's budget refused is not the admission's: it fails as before."""
-        if self.r_refused != NOT_REFUSED:
+        request its tenant's budget refused, or one no offering the routing policies allow can hold
+        (the router's 422 ``no_offering``, decided before its ``predict`` stage), is not the
+        admission's: it fails as before."""
+        if self.r_refused != NOT_REFUSED or not (self.r_allowed & self.fits[self.r_m]).any():
             return ar.ADMIT
         best = float(best_ttft(self.C[TTFT], self.c_mask))
         return ar.verdict(ar.BANDS[int(self.req_band[self._pos])], best, self.r_ttft, waited_ms)

@@ -30,7 +30,7 @@ from envs.features import N_OFFERING_FEATURES
 
 #: env attributes that never change after construction: shared by forks instead of copied
 _SHARED = ("bundle", "replay", "catalog", "serving", "cfg", "ref", "observation_space", "action_space", "spec",
-           "placement", "capacity", "policies", "models_cfg")
+           "placement", "capacity", "policies", "models_cfg", "inventory")
 #: env attributes holding an object a step changes in place: a fork gets ``v.copy()`` (the tenants'
 #: budgets, ``envs.budget.BudgetBook``; the current request's policy outcome buffers; the admission queue
 #: and fairness counters, ``envs.admission.WorldQueue``)

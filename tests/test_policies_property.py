@@ -97,8 +97,9 @@ def test_no_decision_of_any_policy_lands_outside_the_policies(stream: Bundle, ca
                 if p.name != "static":  # (static pins one offering, and fails when its pool cannot take more)
                     assert valid[a], (p.name, a)
             obs, _, _, done, info = env.step(a)
-            if not valid.any():
-                assert info["failed"]  # no valid offering: refused, never served outside the policies
+            if not valid.any():  # no valid offering: refused -- or shed by the admission (docs/env.md) when the
+                # policies allow offerings that cannot serve it in time --, never served outside the policies
+                assert info["failed"] or info.get("admission") == "shed", info
             if done:
                 break
         assert steps == 30
