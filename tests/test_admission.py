@@ -121,6 +121,9 @@ def test_fairness_counters_move_inside_admit_and_settle_alike_on_both_backends(
 
 # ---------------------------------------------------------------------------------------- over HTTP
 def _setup(tmp: Path, admission: dict[str, Any] | None = None, **kw: Any) -> RouterSetup:
+    # slots free only when a test reports its decision's outcome: no hold expires within a test, however
+    # slow the machine (a busy one made a hold run out and a second slot free under the two routers' test)
+    kw.setdefault("state_hold_floor_s", 3600.0)
     setup = make_setup(tmp, replay_speed=1e-6, admission={"enabled": True, "recheck_s": 0.05, **(admission or {})},
                        env={"serving_config": str(tmp / "serving.yaml"), "queue_timeout_s": 0.001}, **kw)
     (tmp / "serving.yaml").write_text(ONE_SLOT_SERVING)  # (make_setup wrote the default one)
