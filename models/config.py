@@ -200,7 +200,7 @@ class DataConfig(Strict):
     gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
     gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
     gate_overload: str | None = Field(
-        None, description="an overload scenario for the gate too (configs/overload.yaml: a shipped bundle's window "
+        "overload.yaml", description="an overload scenario for the gate too (configs/overload.yaml: a shipped bundle's window "
                           "on a few pools past their capacity, a noisy tenant beside a quiet one); None = none")
 
     @field_validator("selection", mode="before")

@@ -114,11 +114,15 @@ def test_xroute_plan_with_a_learned_planner_registered_in_mlflow(tmp_path: Path)
     lp.reset(ctx)
     example = pd.DataFrame([example_row(lp.step(view), view, local.world.pools, local.world.R)])
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    prior = mlflow.get_tracking_uri()  # (MLflow's process-wide settings: left as they were for the other tests)
     mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment("plan-test")
-    with mlflow.start_run():
-        info = log_planner_model(export, example)
-    registry.register(info.model_uri, "xroute-planner", "champion")
+    try:
+        experiment = mlflow.MlflowClient(uri).create_experiment("plan-test")  # (no set_experiment: it is global)
+        with mlflow.start_run(experiment_id=experiment):
+            info = log_planner_model(export, example)
+        registry.register(info.model_uri, "xroute-planner", "champion")
+    finally:
+        mlflow.set_tracking_uri(prior)
     out = tmp_path / "plan.json"
     p = xroute("plan", "--policy", "models:/xroute-planner@champion", "--output", str(out),
                env={"MLFLOW_TRACKING_URI": uri})
