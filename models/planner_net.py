@@ -32,6 +32,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
+from models.policy import read_export_meta
 from xroute.errors import ConfigError
 
 FORMAT = "xroute-planner/1"
@@ -159,18 +160,7 @@ def save_planner(weights: PlannerWeights, directory: str | Path) -> Path:
 def read_planner(directory: str | Path) -> PlannerWeights:
     """The weights under ``directory`` (or the one directory below it holding ``planner.json``,
     e.g. a downloaded MLflow model). A bad export is a ConfigError naming the file and field."""
-    d = Path(directory)
-    if not (d / META_FILE).is_file():
-        found = sorted(d.rglob(META_FILE)) if d.is_dir() else []
-        if not found:
-            raise ConfigError(f"{directory}: not an exported planner (no {META_FILE} found)")
-        d = found[0].parent
-    try:
-        meta = json.loads((d / META_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{d / META_FILE}: not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{d / META_FILE}: field 'format': expected '{FORMAT}', got '{meta.get('format')}'")
+    d, meta = read_export_meta(directory, META_FILE, FORMAT, "planner")
     if meta.get("pool_features") != list(POOL_FEATURES) or meta.get("context_features") != list(CONTEXT_FEATURES):
         raise ConfigError(f"{d / META_FILE}: field 'pool_features': the planner was trained on another feature layout "
                           "than models.planner_features defines now; retrain it (xroute train-planner)")

@@ -322,23 +322,32 @@ def save_router(weights: RouterWeights, directory: str | Path) -> Path:
     return d
 
 
-def read_router(directory: str | Path) -> RouterWeights:
-    """Weights from a directory holding ``router.json`` + ``router.npz`` (or any directory below
-    which exactly such a pair is found, e.g. a downloaded MLflow model)."""
+def read_export_meta(directory: str | Path, meta_file: str, fmt: str, what: str) -> tuple[Path, dict[str, Any]]:
+    """The directory of an exported model and its metadata: ``directory`` itself when it holds
+    ``meta_file`` (its parent when it is a file), else the first directory below it that does (e.g.
+    a downloaded MLflow model); the metadata's ``format`` must be ``fmt``. A bad export is a
+    ConfigError naming the file and field (``what``: the kind of export, for the message)."""
     d = Path(directory)
     if d.is_file():
         d = d.parent
-    if not (d / META_FILE).is_file():
-        found = sorted(d.rglob(META_FILE)) if d.is_dir() else []
+    if not (d / meta_file).is_file():
+        found = sorted(d.rglob(meta_file)) if d.is_dir() else []
         if not found:
-            raise ConfigError(f"{directory}: not an exported router (no {META_FILE} found)")
+            raise ConfigError(f"{directory}: not an exported {what} (no {meta_file} found)")
         d = found[0].parent
     try:
-        meta = json.loads((d / META_FILE).read_text())
+        meta = json.loads((d / meta_file).read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{d / META_FILE}: not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{d / META_FILE}: field 'format': expected '{FORMAT}', got '{meta.get('format')}'")
+        raise ConfigError(f"{d / meta_file}: not valid JSON ({e})") from None
+    if meta.get("format") != fmt:
+        raise ConfigError(f"{d / meta_file}: field 'format': expected '{fmt}', got '{meta.get('format')}'")
+    return d, meta
+
+
+def read_router(directory: str | Path) -> RouterWeights:
+    """Weights from a directory holding ``router.json`` + ``router.npz`` (or any directory below
+    which exactly such a pair is found, e.g. a downloaded MLflow model)."""
+    d, meta = read_export_meta(directory, META_FILE, FORMAT, "router")
     if meta.get("offering_features") != list(OFFERING_FEATURES) or meta.get("request_features") != list(REQUEST_FEATURES):
         raise ConfigError(f"{d / META_FILE}: field 'offering_features': the router was trained on another feature "
                           "layout than envs.features defines now; retrain it (xroute train)")
