@@ -401,3 +401,44 @@ def test_a_log_written_before_is_migrated_and_its_old_rows_are_left_out_of_the_e
     assert done.stdout.strip().endswith("left out: 3 without feedback yet, 1 logged without features (before this "
                                         "version, or log_features: false)")
     assert sorted(read_log(out).decision_id) == ["d_new0", "d_new1"]
+
+
+def test_two_processes_migrating_one_log_at_once_add_each_column_once(tmp_path: Path) -> None:
+    """Two routers starting on one SQLite log (the CI failure: both read the old columns, the second
+    then added ``cached_tokens`` the first had added). While another connection holds the write lock
+    and adds the columns, opening the store waits for it and adds nothing twice."""
+    import threading
+
+    from router.store.dialect import SQLITE, add_columns, connect_sqlite
+
+    path = tmp_path / "log.db"
+    DecisionStore(path)._conn.close()  # the current schema, less the columns added since
+    with sqlite3.connect(path) as old:
+        for table, added in ADDED_COLUMNS.items():
+            for name, _ in added:
+                old.execute(f"ALTER TABLE {table} DROP COLUMN {name}")
+    holder = connect_sqlite(path)
+    holder.execute("BEGIN IMMEDIATE")  # another process migrating it now
+    errors: list[BaseException] = []
+
+    def other_start() -> None:
+        try:
+            DecisionStore(path)._conn.close()
+        except BaseException as e:  # noqa: BLE001 -- reported by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=other_start)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # waiting for the lock, not reading the old columns
+    for table, added in ADDED_COLUMNS.items():
+        have = {r[1] for r in holder.execute(f"PRAGMA table_info({table})")}
+        for name, kind in added:
+            if name not in have:
+                holder.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    holder.execute("COMMIT")
+    t.join(30)
+    assert not t.is_alive() and errors == []
+    add_columns(holder.execute, SQLITE, "decisions", ADDED_COLUMNS["decisions"])  # idempotent
+    cols = [r[1] for r in holder.execute("PRAGMA table_info(decisions)")]
+    assert len(cols) == len(set(cols)) and {n for n, _ in ADDED_COLUMNS["decisions"]} <= set(cols)

@@ -97,15 +97,25 @@ def dialect_of(target: Path | str) -> Dialect:
 
 
 def add_columns(execute: Execute, dialect: Dialect, table: str, columns: Columns) -> None:
-    """Add to ``table`` those of ``columns`` it lacks (a table created by an earlier version)."""
+    """Add to ``table`` those of ``columns`` it lacks (a table created by an earlier version). On
+    SQLite, ``execute`` must be an autocommit connection's (the check and the additions are one
+    transaction under the write lock)."""
     if dialect is POSTGRESQL:
         for stmt in dialect.add_columns_sql(table, columns):
             execute(stmt)
         return
-    have = {r[1] for r in execute(f"PRAGMA table_info({table})")}
-    for name, kind in columns:
-        if name not in have:
-            execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    # Under the write lock: another process opening the same file at once (two routers, a router and
+    # its tools) must not read the old columns, wait for the lock and then add a column it has added.
+    execute("BEGIN IMMEDIATE")
+    try:
+        have = {r[1] for r in execute(f"PRAGMA table_info({table})")}
+        for name, kind in columns:
+            if name not in have:
+                execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    except BaseException:
+        execute("ROLLBACK")
+        raise
+    execute("COMMIT")
 
 
 def connect_sqlite(path: Path, synchronous: str = "FULL", readonly: bool = False,
