@@ -217,6 +217,10 @@ class DataConfig(Strict):
     ``telemetry``) replaces every list with one bundle."""
 
     train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake", "asia"], min_length=1)
+    train_families: list[GateFamily] = Field(
+        default_factory=list, description="domain randomization: each training bundle also as these families have it "
+                                          "(their tenants' SLO scales, capacity_scale; bundles = which of data.train, "
+                                          "default all; rates are ignored: training draws rate_scales)")
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: list[str] = Field(
@@ -267,7 +271,15 @@ class DataConfig(Strict):
             raise ValueError("every rate must be > 0")
         return v
 
-    @field_validator("gate_families")
+    @model_validator(mode="after")
+    def _train_family_bundles(self) -> DataConfig:
+        for i, fam in enumerate(self.train_families):
+            for k, b in enumerate(fam.bundles or []):
+                if b not in self.train:
+                    raise ValueError(f"train_families[{i}].bundles[{k}]: '{b}' is not one of data.train")
+        return self
+
+    @field_validator("gate_families", "train_families")
     @classmethod
     def _family_names(cls, v: list[GateFamily]) -> list[GateFamily]:
         names = [f.name for f in v]

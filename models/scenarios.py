@@ -172,6 +172,13 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         for c in range(d.perturbed_copies):
             pb = perturb_catalog(sp.bundles["train"], 0.2, seed=1000 + 17 * k + c)
             train.append(Scenario(f"{_label(ref)}~perturbed{c}", pb, None))
+        for fam in d.train_families if one is None else []:
+            if fam.bundles is not None and ref not in fam.bundles:
+                continue
+            fb = split_bundle(family_bundle(resolve_bundle(ref, f"train config: field 'data.train[{k}]'"), fam),
+                              cfg.split)
+            train.append(Scenario(f"{fam.name}:{_label(ref)}", fb.bundles["train"], fb.history("train"),
+                                  family=fam.name))
     selection = []
     for k, ref in enumerate([names["selection"]] if one is not None else d.selection):
         sp = splits(ref, f"train config: field 'data.selection[{k}]'")

@@ -139,3 +139,28 @@ def test_a_family_naming_a_missing_bundle_says_which_field(tmp_path: Path) -> No
     cfg = _family_cfg(setup, [{"name": "x", "bundles": [str(tmp_path / "nowhere")]}])
     with pytest.raises(ConfigError, match=r"data.gate_families\[0\].bundles\[0\]"):
         build_scenarios(cfg)
+
+
+def test_training_families_add_randomized_copies_of_the_train_windows_and_key_the_labels(tmp_path: Path) -> None:
+    """``data.train_families`` (domain randomization): each training bundle's train window also
+    relabelled into the family's tenants with their SLOs rescaled; the warm start's cached labels
+    are keyed by them (a run with other families never reuses them)."""
+    from models.scenarios import build_scenarios, train_env_config
+    from models.warmstart_labels import label_key
+
+    setup = write_agent_setup(tmp_path)
+    mix = {"name": "slo-mix", "tenants": {"strict": {"share": 0.5, "slo_scale": 0.6},
+                                          "relaxed": {"share": 0.5, "slo_scale": 1.6}}}
+    plain = _family_cfg(setup, [])
+    cfg = plain.model_copy(update={"data": plain.data.model_copy(update={"train_families": [
+        parse_config(TrainConfig, {"data": {"train_families": [mix]}}, "t").data.train_families[0]]})})
+    base, sc = build_scenarios(plain), build_scenarios(cfg)
+    assert [s.label for s in sc.train] == [s.label for s in base.train] + ["slo-mix:bundle"]
+    fam, orig = sc.train[-1].bundle.workload, base.train[0].bundle.workload
+    assert fam["request_id"].tolist() == orig["request_id"].tolist() and set(fam["tenant"]) == {"strict", "relaxed"}
+    ratio = (fam["ttft_ms"] / orig["ttft_ms"]).round(6)
+    assert set(ratio[fam["tenant"] == "strict"]) == {0.6} and set(ratio[fam["tenant"] == "relaxed"]) == {1.6}
+    env_cfg = train_env_config(plain, plain.evaluate_settings(), base.max_offerings)
+    assert label_key(plain, "h", env_cfg) != label_key(cfg, "h", env_cfg)
+    with pytest.raises(ConfigError, match=r"data.*train_families\[0\].bundles\[0\]: 'nope' is not one of data.train"):
+        parse_config(TrainConfig, {"data": {"train_families": [{**mix, "bundles": ["nope"]}]}}, "t")
