@@ -209,7 +209,7 @@ class RoutingEngine:
         #: what a policy's values are checked against when written (``check_policies``)
         self.policy_catalog = PolicyCatalog(self.catalog, self.models, self.origins)
         self.policies = env_policies.CompiledPolicies(PolicySet(), self.catalog)
-        self._policies_head = '{"version":0,"arm":"stable",'
+        self._policies_head = '{"version":0,"arm":"stable","canary":null,'
         #: the canary rollout in force (``router.decision.canary``; None: none -- the stable set decides all)
         self.canary: CanaryArms | None = None
         #: tallies of canaries that ended or changed, not yet written to the store (``drain_tallies``)
@@ -347,7 +347,7 @@ class RoutingEngine:
         keys = ('"alternatives":[{"offering":"score":"expected_latency_ms":"expected_cost_usd":"decision_id":"d_'
                 '"created_at":"tenant":"session_id":null,"score_kind":"q_value""expected_reward""excluded":{"total":'
                 '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"policy:"}],"policy":'
-                '"policies":{"version":"arm":"stable","request_class":"biased":{')
+                '"policies":{"version":"arm":"stable","canary":null,"request_class":"biased":{')
         fallback = self._policy_text(self.slot.fallback.info)
         return (keys + "".join(self.ref_json) + fallback + self._tele_head).encode()
 
@@ -394,7 +394,7 @@ class RoutingEngine:
         self.env.set_policies(compiled)
         self._stable_buffers = self.env.r_policy
         self.policies = compiled
-        self._policies_head = f'{{"version":{compiled.version},"arm":"stable",'
+        self._policies_head = f'{{"version":{compiled.version},"arm":"stable","canary":null,'
         old = self.canary
         if old is not None and old is not canary:
             if canary is not None and canary.id == old.id:
