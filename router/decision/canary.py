@@ -23,7 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from envs import policies as env_policies
 from xroute.schema.policy_ir import Canary
@@ -70,6 +73,14 @@ class CanaryArms:
                       f'{{"version":{store_version},"arm":"canary","canary":{ref},')
         #: (arm, kind, reason) -> count, since the last :meth:`drain`
         self.tallies: Counter[tuple[str, str, str]] = Counter()
+        #: (arm, compiled set's id) -> (the compiled set, its policies' exclusions by rank), since the last drain
+        self._pcounts: dict[tuple[bool, int], tuple[Any, np.ndarray]] = {}
+
+    def carry(self, old: CanaryArms) -> None:
+        """Take over what ``old`` (an earlier version of the same canary) counted and did not drain."""
+        self.tallies.update(old.tallies)
+        for k, v in old._pcounts.items():
+            self._pcounts.setdefault(k, v)
 
     def choose(self, key: str) -> bool:
         """True: ``key`` is in the canary arm."""
@@ -82,11 +93,25 @@ class CanaryArms:
                 "started_at": c.started_at, "principal": c.principal, "description": c.description,
                 "policies": len(c.policy_set.policies)}
 
-    def excluded(self, canary: bool, counts: dict[str, int]) -> None:
-        label = ARMS[canary]
+    def excluded(self, canary: bool, ccounts: dict[str, int], pcounts: tuple[Any, Any] | None,
+                 env: Sequence[tuple[str, int]]) -> None:
+        """Count a decision's exclusions under its arm: the constraint layers' (``ccounts``), the
+        routing policies' (``pcounts``: their compiled set and counts by rank, added as one array)
+        and the rest (``env``: (reason, count) pairs, zeros skipped)."""
         t = self.tallies
-        for reason, n in counts.items():
-            t[(label, "excluded", reason)] += n
+        arm = ARMS[canary]
+        for reason, n in ccounts.items():
+            t[(arm, "excluded", reason)] += n
+        for reason, n in env:
+            if n:
+                t[(arm, "excluded", reason)] += n
+        if pcounts is not None:
+            compiled, counts = pcounts
+            acc = self._pcounts.get((canary, id(compiled)))
+            if acc is None:
+                acc = self._pcounts[(canary, id(compiled))] = (compiled, np.zeros(compiled.R, dtype=np.int64))
+            total = acc[1]
+            total += counts[: compiled.R]
 
     def denied(self, canary: bool, error: str) -> None:
         self.tallies[(ARMS[canary], "denied", error)] += 1
@@ -95,6 +120,10 @@ class CanaryArms:
         """The tallies since the last drain as (canary id, arm, kind, reason, count) rows
         (the store's), emptied."""
         t, self.tallies = self.tallies, Counter()
+        acc, self._pcounts = self._pcounts, {}
+        for (canary, _), (compiled, counts) in acc.items():
+            for k in np.flatnonzero(counts).tolist():
+                t[(ARMS[canary], "excluded", compiled.reasons[k])] += int(counts[k])
         return [(self.id, arm, kind, reason, n) for (arm, kind, reason), n in t.items() if n]
 
 

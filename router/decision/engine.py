@@ -398,7 +398,7 @@ class RoutingEngine:
         old = self.canary
         if old is not None and old is not canary:
             if canary is not None and canary.id == old.id:
-                canary.tallies.update(old.tallies)
+                canary.carry(old)
             else:
                 self._retired += old.drain()
         self.canary = canary
@@ -861,8 +861,7 @@ class RoutingEngine:
         c = r.canary
         if c is not None:  # (a canary running: the row says which arm decided, its exclusions are counted)
             row.policy_arm = c.labels[r.arm]
-            c.excluded(r.arm, self._counts(self._all_counts(r.ccounts, r.pcounts), r.n_not_preferred,
-                                           env_counts))
+            c.excluded(r.arm, r.ccounts, r.pcounts, (("not_preferred", r.n_not_preferred), *zip(REASONS, env_counts)))
         return text.encode(), row, offering_id, pinfo
 
     def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:
