@@ -145,6 +145,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     import benchmarks.bench_router as br
 
+    load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-canary-"))
     try:
         bundle = br.make_bundle(work / "bundle100", 100)
@@ -170,7 +171,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                                                                       for p, b in zip(runs, base)])), 3)
             out[v] = x
         return {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                "load_average_at_start": os.getloadavg(), "decisions_per_round": a.decisions, "rounds": a.rounds,
+                "load_average_at_start": load0, "decisions_per_round": a.decisions, "rounds": a.rounds,
                 "baseline": str(a.baseline) if a.baseline else None, "engine": out,
                 "choose_ns_per_call": _choose_ns(), "load_average_at_end": os.getloadavg()}
     finally:
