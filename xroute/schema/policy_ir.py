@@ -35,6 +35,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from xroute.errors import XrouteError
 from xroute.schema.offering import Offering
@@ -396,8 +397,9 @@ class PolicySet(_PolicyModel):
         "bias", description="bias: prefer weights add to every policy's score; lexicographic: only the valid "
                             "offerings with the highest total weight may be chosen")
     policies: list[Policy] = Field(default_factory=list, max_length=10_000)
-    #: the policy store's canary rollout in force, if any (:class:`Canary`; never in a policy file)
-    canary: Canary | None = Field(None, description="a canary rollout in force: another set deciding a share of the "
+    #: the policy store's canary rollout in force, if any (:class:`Canary`; never in a policy file, nor in the
+    #: JSON schema of the bodies that take a set: only the store's canary calls write it)
+    canary: SkipJsonSchema[Canary | None] = Field(None, description="a canary rollout in force: another set deciding a share of the "
                                                      "traffic (set by the policy store's canary calls only)")
 
     @model_validator(mode="after")
