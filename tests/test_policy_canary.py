@@ -344,3 +344,30 @@ def test_bad_input_is_a_4xx_naming_the_field_and_changes_nothing(pair: Any) -> N
             assert r.status_code == 403 and r.json()["missing_permission"] == "admin:write:policies", r.text
         assert _version(urls[0], setup) == v1 and _canary_on(urls[0], setup)["share"] == 30  # type: ignore[index]
         assert a.post("/v1/admin/canary/rollback", json={"id": "first"}, headers=admin).status_code == 200
+
+
+def test_a_canary_by_request_id_on_a_sqlite_log(tmp_path: Any) -> None:
+    """One router on the embedded SQLite log and state: the arm follows the request's X-Request-ID (a
+    retry with the same id gets the same arm), the log's arm column is read back by the comparison,
+    and rolling back leaves no canary."""
+    setup = make_setup(tmp_path, policy_poll_s=0.2)
+    admin = setup.auth("admin")
+    with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=20) as c:
+        r = c.post("/v1/admin/canary", json={"key": "request", "share": 50, "put": [NO_SPOT]}, headers=admin)
+        assert r.status_code == 201, r.text
+        cid = r.json()["canary"]["id"]
+        counts = {"stable": 0, "canary": 0}
+        for i in range(40):
+            rid = f"req-{i:04d}"
+            arms = set()
+            for _ in range(2):  # (a retry under the same request id)
+                d = c.post("/v1/route", json=ROUTE, headers={**setup.auth("a"), "X-Request-ID": rid})
+                assert d.status_code == 200 and d.headers["x-request-id"] == rid, d.text
+                arms.add(d.json()["policies"]["arm"])
+                counts[d.json()["policies"]["arm"]] += 1
+            assert arms == {"canary" if in_canary(cid, rid, 50) else "stable"}
+        got = c.get("/v1/admin/canary/compare", headers=admin).json()
+        assert {arm: got["arms"][arm]["decisions"] for arm in counts} == counts and min(counts.values()) > 0
+        assert c.post("/v1/admin/canary/rollback", headers=admin).json()["canary"] is None
+        d = c.post("/v1/route", json=ROUTE, headers=setup.auth("a")).json()
+        assert d["policies"]["arm"] == "stable" and d["policies"]["canary"] is None
