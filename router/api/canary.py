@@ -177,7 +177,7 @@ async def compare_arms(
     caller: ReadPolicies,
     id: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
                                     description="a canary's id (default: the one running; an ended one's too)")] = None,
-    window: Annotated[int, Query(ge=1, le=1_000_000, description="each arm's latest decisions read")] = 100_000,
+    window: Annotated[int, Query(ge=1, le=1_000_000, description="each arm's latest decisions read")] = 10_000,
 ) -> dict[str, Any]:
     """Per arm, over the decisions made while the canary ran (each arm's latest ``window``):
     decisions, feedback, SLO attainment, expected and observed cost per request, failed attempts,
