@@ -15,12 +15,16 @@ round (median, range) and at the median decision:
   the same no-canary measurement run on that tree's code, in a subprocess per round, interleaved
   with the others -- this tree's ``no_canary`` against the code without the canary at all.
 
-Also the arm choice alone (``CanaryArms.choose``), per call.
+Also the arm choice alone (``CanaryArms.choose``), per call; and (part ``compare``) the comparison's
+queries (``router.service.canary.arm_rows``: both arms) on a SQLite log of 200,000 decisions --
+100,000 made under a canary (30 % in its arm), a third of all with feedback -- written straight
+into the tables, at windows of 10,000 and 100,000, medians of 5.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_canary.py --baseline /path/to/main-checkout   # ~2 min
     .venv/bin/python benchmarks/bench_canary.py --decisions 2000 --rounds 2         # quicker
+    .venv/bin/python benchmarks/bench_canary.py --parts compare                     # the comparison's reads only
 
 Writes ``benchmarks/results/canary.json`` and prints a table.
 """
@@ -178,6 +182,49 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def bench_compare(work: Path) -> dict[str, Any]:
+    """Part ``compare`` (module docstring): milliseconds per comparison read, by window."""
+    import random
+    import sqlite3
+    import statistics
+
+    from router.service.canary import arm_rows
+    from router.store.rows import ARM_SQL, DECISION_COLUMNS
+    from router.store.sqlite import DecisionStore
+
+    path = work / "compare.db"
+    DecisionStore(path)._conn.close()  # (the log's schema, its added columns and indexes)
+    rng = random.Random(0)
+    base = {c: None for c in DECISION_COLUMNS} | dict(
+        tenant="a", telemetry_ts=0.0, origin="o", input_tokens=1, max_output_tokens=1, ttft_ms=1.0, tpot_ms=1.0,
+        model="m", offering_id="x", expected_latency_ms=1.0, expected_cost_usd=0.001, policy="g", policy_kind="k",
+        bundle_hash="h", request_json="{}", response_json="{}")
+    n, t = 200_000, 1.7e9
+    rows = []
+    for i in range(n):
+        arm = None if i < n // 2 else ("canary:c1" if rng.random() < 0.3 else "stable:c1")
+        v = base | {"decision_id": f"d_{i:032x}", "created_at": t + i * 0.01, "policy_arm": arm}
+        rows.append(tuple(v[c] for c in DECISION_COLUMNS))
+    conn = sqlite3.connect(path)
+    conn.executemany(f"INSERT INTO decisions ({', '.join(DECISION_COLUMNS)}) VALUES "
+                     f"({', '.join('?' * len(DECISION_COLUMNS))})", rows)
+    conn.executemany("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, cost_usd, failed, "
+                     "sla_violation) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                     [(f"d_{i:032x}", "a", t, 1.0, 0.002, 0, int(i % 7 == 0)) for i in range(0, n, 3)])
+    conn.commit()
+    plan = [r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + ARM_SQL, ("stable:c1", 10))]
+    conn.close()
+    out: dict[str, Any] = {"decisions": n, "under_canary": n // 2, "plan": plan}
+    for w in (10_000, 100_000):
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            arm_rows(path, "c1", w)
+            ts.append(time.perf_counter() - t0)
+        out[f"window_{w}_ms"] = round(statistics.median(ts) * 1000, 1)
+    return out
+
+
 def table(res: dict[str, Any]) -> str:
     lines = [f"machine: {res['machine']}; load average {res['load_average_at_start']} -> {res['load_average_at_end']}",
              f"{res['rounds']} rounds x {res['decisions_per_round']} decisions (RoutingEngine.rank + admit, greedy, "
@@ -189,6 +236,11 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"| {v} | {x['decisions_per_s']} | {x['p50_us']} | {x['p99_us']} | {r['median']} "
                      f"({r['min']}-{r['max']}) | {x['p50_ratio_no_canary_to_this']} |")
     lines += ["", f"arm choice alone (CanaryArms.choose: one blake2b): {res['choose_ns_per_call']} ns per call"]
+    c = res.get("compare")
+    if c:
+        lines += ["", f"comparison read, both arms, SQLite log of {c['decisions']} decisions ({c['under_canary']} under "
+                  f"the canary): window 10,000: {c['window_10000_ms']} ms; window 100,000: {c['window_100000_ms']} ms",
+                  f"plan: {'; '.join(c['plan'])}"]
     return "\n".join(lines)
 
 
@@ -197,6 +249,8 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=10000, help="timed decisions per variant and round (>= 100)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout without the canary, measured alongside")
+    ap.add_argument("--parts", default="engine,compare", help="engine, compare, or both (comma-separated); a part not "
+                                                             "run keeps its figures from --out")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "canary.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
@@ -210,7 +264,16 @@ def main() -> None:
         ap.error("--decisions must be >= 100 and --rounds >= 1")
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    res = run(a)
+    parts = set(a.parts.split(","))
+    res: dict[str, Any] = json.loads(a.out.read_text()) if a.out.exists() else {}
+    if "engine" in parts:
+        res.update(run(a))
+    if "compare" in parts:
+        work = Path(tempfile.mkdtemp(prefix="bench-canary-"))
+        try:
+            res["compare"] = bench_compare(work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2))
     print(table(res))
