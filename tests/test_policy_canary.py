@@ -348,26 +348,32 @@ def test_bad_input_is_a_4xx_naming_the_field_and_changes_nothing(pair: Any) -> N
 
 def test_a_canary_by_request_id_on_a_sqlite_log(tmp_path: Any) -> None:
     """One router on the embedded SQLite log and state: the arm follows the request's X-Request-ID (a
-    retry with the same id gets the same arm), the log's arm column is read back by the comparison,
-    and rolling back leaves no canary."""
-    setup = make_setup(tmp_path, policy_poll_s=0.2)
+    retry with the same id gets the same arm); the router's counts written at shutdown and the log's
+    arm column are what the comparison reads after a restart; rolling back leaves no canary."""
+    setup = make_setup(tmp_path, policy_poll_s=60.0)  # (no poll flushes the counts: the shutdown must)
     admin = setup.auth("admin")
+    counts = {"stable": 0, "canary": 0}
+    no_spot = 0
     with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=20) as c:
         r = c.post("/v1/admin/canary", json={"key": "request", "share": 50, "put": [NO_SPOT]}, headers=admin)
         assert r.status_code == 201, r.text
         cid = r.json()["canary"]["id"]
-        counts = {"stable": 0, "canary": 0}
         for i in range(40):
             rid = f"req-{i:04d}"
             arms = set()
             for _ in range(2):  # (a retry under the same request id)
                 d = c.post("/v1/route", json=ROUTE, headers={**setup.auth("a"), "X-Request-ID": rid})
                 assert d.status_code == 200 and d.headers["x-request-id"] == rid, d.text
-                arms.add(d.json()["policies"]["arm"])
-                counts[d.json()["policies"]["arm"]] += 1
+                arm = d.json()["policies"]["arm"]
+                arms.add(arm)
+                counts[arm] += 1
+                no_spot += d.json()["excluded"]["by_reason"].get("policy:no-spot", 0)
             assert arms == {"canary" if in_canary(cid, rid, 50) else "stable"}
+    assert min(counts.values()) > 0 and no_spot > 0
+    with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=20) as c:
         got = c.get("/v1/admin/canary/compare", headers=admin).json()
-        assert {arm: got["arms"][arm]["decisions"] for arm in counts} == counts and min(counts.values()) > 0
+        assert {arm: got["arms"][arm]["decisions"] for arm in counts} == counts
+        assert got["arms"]["canary"]["excluded"]["by_reason"] == {"policy:no-spot": no_spot}
         assert c.post("/v1/admin/canary/rollback", headers=admin).json()["canary"] is None
         d = c.post("/v1/route", json=ROUTE, headers=setup.auth("a")).json()
         assert d["policies"]["arm"] == "stable" and d["policies"]["canary"] is None
