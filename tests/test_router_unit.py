@@ -599,7 +599,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         old = await store.lookup("d_old")
         assert old is not None and old.input_tokens == ROUTE["input_tokens"]  # what the reward needs, read back
         assert dataclasses.replace(old, input_tokens=0, max_output_tokens=0, ttft_ms=0.0, tpot_ms=0.0,
-                                   expected_cost_usd=0.0) == DecisionRef(
+                                   expected_cost_usd=0.0, policy_kind="", policy_version=None) == DecisionRef(
             "a", old_row.model, pool_key(old_row.model, old_row.offering_id), 1)
         assert (await store.get_decision("d_old", "a"))["feedback"][0]["ttft_ms"] is None  # type: ignore[index]
         await store.close()

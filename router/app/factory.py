@@ -325,6 +325,7 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
                         readiness=readiness, access=access_sync)
     metrics.watch_pools(lambda: engine.pool_load(time.time()))
+    metrics.watch_watchdog(engine.watchdog.describe)
     metrics.ready.set_function(lambda: float(readiness.decision_log_ok and readiness.state_ok))
     services.capacity = CapacityPlans(settings.capacity, engine)
     adm = settings.admission
