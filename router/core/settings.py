@@ -181,12 +181,13 @@ class WatchdogSettings(BaseModel):
                                             "estimate and says so)")
     window: int = Field(1000, ge=50, le=100_000, description="the paired estimate is over the champion's last this "
                                                              "many decisions with a scored feedback")
-    min_decisions: int = Field(200, ge=20, le=100_000, description="no verdict before this many decisions of the "
+    min_decisions: int = Field(500, ge=20, le=100_000, description="no verdict before this many decisions of the "
                                                                    "champion with feedback")
     confidence: float = Field(0.99, gt=0.5, lt=1.0, description="the two-sided level of the normal interval over "
                                                                 "the paired differences")
-    margin: float = Field(0.0, ge=0.0, le=1.0, description="trips when the interval's upper bound is below -margin "
-                                                           "(reward units per decision)")
+    margin: float = Field(0.0002, ge=0.0, le=1.0, description="trips when the interval's upper bound is below "
+                                                              "-margin (reward units per decision; the default is the "
+                                                              "gate's non-inferiority margin)")
 
     @model_validator(mode="after")
     def _enough_to_judge(self) -> WatchdogSettings:

@@ -18,13 +18,16 @@ action ``a`` with propensity ``p``::
     d = q(c) - q(g) + (1[a = c] - 1[a = g]) / p * (r - q(a))
 
 ``q`` is the reward model ``xroute ope`` uses (``models.policy.RewardPrior`` on the logged rows:
-greedy's own expected reward), calibrated by an offset: ``q = prior + alpha``, ``alpha`` the mean
-residual (realized reward - prior of the served offering) of the *earlier* decisions -- never the
-decision's own reward (fewer than 30 earlier: the prior as it is). Only an offset, not ``xroute
-ope``'s slope: the served offerings of one champion span a narrow range of the prior, and a slope
-fitted there extrapolates to greedy's choices wildly (seen: a champion of the priciest offerings,
-prior -3.2 +- 0.01, greedy's -0.07). An offset carries the champion's own surprise over to greedy's
-side, which can only make a trip harder. Where ``c == g`` the term is exactly 0.
+greedy's own expected reward), calibrated by an offset, ``q = prior + alpha``, learned only from
+*earlier* decisions (never the decision's own reward): ``alpha`` is the mean residual (realized
+reward - prior) of the earlier decisions that served greedy's choice (the champion agreed with
+greedy), once there are 30 of them; else of every earlier served offering, once there are 30; else
+0. Why greedy's own residuals: greedy's choice is the argmax of the prior, so its prior is the most
+optimistic of the set (the winner's curse) -- a residual taken from other offerings would leave
+that optimism in ``q(g)`` and make every departure from greedy look worse than it is. And only an
+offset, not ``xroute ope``'s slope: one champion's served offerings span a narrow range of the
+prior, and a slope fitted there extrapolates to greedy's choices wildly (seen: the priciest
+offerings, prior -3.2 +- 0.01, greedy's -0.07). Where ``c == g`` the term is exactly 0.
 Where they differ and the champion's choice was served (no exploration: ``p = 1``) it is
 ``r - q(g)``: the champion's *realized* reward against the model's counterfactual for greedy's.
 An explored decision adds the importance-weighted correction (``p`` < 1).
@@ -103,16 +106,20 @@ class WatchdogEstimator:
 
     def reset(self) -> None:
         self.terms: deque[float] = deque(maxlen=self.window)
-        # the residuals (reward - prior of the served) of the decisions seen so far
-        self._n = 0
-        self._sr = 0.0
+        # the residuals (reward - prior of the served) of the decisions seen so far, and of those
+        # that served greedy's choice
+        self._n = self._ng = 0
+        self._sr = self._srg = 0.0
         self.tripped = False
         self.seen = 0
         self.estimate: tuple[float, float, float] | None = None
 
     def calibration(self) -> float:
-        """The offset ``alpha`` of ``q = prior + alpha``: the mean residual (reward - prior of the
-        served offering) of the decisions seen so far (0 before ``CALIBRATE_MIN``)."""
+        """The offset ``alpha`` of ``q = prior + alpha`` (module docstring): the mean residual
+        (reward - prior) of greedy's choices served so far, once there are ``CALIBRATE_MIN``; else
+        of every offering served so far, once there are that many; else 0."""
+        if self._ng >= CALIBRATE_MIN:
+            return self._srg / self._ng
         return self._sr / self._n if self._n >= CALIBRATE_MIN else 0.0
 
     def observe(self, prior_c: float, prior_g: float, prior_a: float, served_c: bool, served_g: bool, p: float,
@@ -126,6 +133,9 @@ class WatchdogEstimator:
         self.terms.append(paired_term(prior_c + alpha, prior_g + alpha, prior_a + alpha, served_c, served_g, p, r))
         self._n += 1
         self._sr += r - prior_a
+        if served_g:
+            self._ng += 1
+            self._srg += r - prior_a
         self.seen += 1
         n = len(self.terms)
         if n < 2:
