@@ -11,7 +11,10 @@ champion's, greedy's and the served offering from the decision's rows (``RewardP
 choice the argmax of the expected rewards plus the policies' bias over the valid offerings (the
 router's ``watchdog`` stage), the realized reward of the step (the simulator's one definition).
 The truth beside it: greedy routing the same window with the same seed, on-policy; the table's
-"true diff" is the champion's mean reward minus greedy's over the same requests.
+"true diff" is the champion's mean reward minus greedy's over the same requests. And what the
+estimator estimates: the hindsight difference in the states the champion's routing left
+(``CloudRouteEnv.exact_rewards``: what greedy's choice would really have got there), over the
+decisions up to the trip (all when none) -- the two differ by congestion (docs/ope.md, "Limits").
 
 Champions (exported weights, ``models.policy.RouterWeights``, as ``xroute train`` exports them):
 ``priciest`` (the highest expected cost), ``pricey`` and ``pricier`` (the reward prior plus a weight on expected
@@ -82,18 +85,23 @@ def greedy_choice(env: CloudRouteEnv, mask: np.ndarray) -> int:
 
 
 def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: int, n: int,
-           est: WatchdogEstimator | None, prior: RewardPrior) -> tuple[list[float], int | None]:
-    """``n`` decisions from request ``start`` (``policy`` None: greedy): the rewards, and the
-    decision at which ``est`` tripped (None: never)."""
+           est: WatchdogEstimator | None, prior: RewardPrior) -> tuple[list[float], int | None, list[float]]:
+    """``n`` decisions from request ``start`` (``policy`` None: greedy): the rewards, the decision
+    at which ``est`` tripped (None: never), and each decision's hindsight difference champion -
+    greedy *in the state the champion's routing left* (``CloudRouteEnv.exact_rewards``: what greedy's
+    choice would really have got there; 0 where they agree) -- what the estimator estimates."""
     obs, info = env.reset(seed=seed, options={"start": start})
     if policy is not None:
         policy.reset(env, seed)
     rewards: list[float] = []
+    hind: list[float] = []
     tripped = None
     for i in range(n):
         mask = np.asarray(info["action_mask"][: env.n], dtype=bool)
         g = greedy_choice(env, mask)
         a = g if policy is None else int(policy.act(obs, info))
+        if est is not None:
+            hind.append(0.0 if a == g else float(env.exact_rewards()[a] - env.exact_rewards()[g]))
         if est is not None and tripped is None:
             idx = np.flatnonzero(mask)
             rows = np.asarray(obs["offerings"], dtype=np.float32).reshape(-1, N_OFFERING_FEATURES)[idx]
@@ -107,7 +115,7 @@ def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: i
         rewards.append(float(r))
         if trunc:
             break
-    return rewards, tripped
+    return rewards, tripped, hind
 
 
 def main() -> None:
@@ -136,14 +144,17 @@ def main() -> None:
         runs = []
         for k in range(a.replays):
             est = WatchdogEstimator(cfg.window, cfg.min_decisions, cfg.confidence, cfg.margin)
-            rew, tripped = replay(env, pol, k * a.stride, k, a.decisions, est, prior)
+            rew, tripped, hind = replay(env, pol, k * a.stride, k, a.decisions, est, prior)
             base = greedy_runs[k][: len(rew)]
             at = tripped or len(rew)
             runs.append({"start": k * a.stride, "seed": k, "true_diff": float(np.mean(rew) - np.mean(base)),
-                         "true_diff_to_trip": float(np.mean(rew[:at]) - np.mean(base[:at])), "tripped_at": tripped, "estimate_at_end": None if est.estimate is None else est.estimate[0]})
+                         "true_diff_to_trip": float(np.mean(rew[:at]) - np.mean(base[:at])),
+                         "hindsight_diff_to_trip": float(np.mean(hind[:at])), "tripped_at": tripped, "estimate_at_end": None if est.estimate is None else est.estimate[0]})
         diffs = np.array([r["true_diff"] for r in runs])
         trips = [r["tripped_at"] for r in runs if r["tripped_at"] is not None]
+        hinds = np.array([r["hindsight_diff_to_trip"] for r in runs])
         rows.append({"champion": fam, "replays": a.replays, "true_diff_median": float(np.median(diffs)),
+                     "hindsight_diff_median": float(np.median(hinds)),
                      "true_diff_min": float(diffs.min()), "true_diff_max": float(diffs.max()),
                      "worse_in": int((diffs < 0).sum()), "tripped": len(trips),
                      "delay_median": None if not trips else float(np.median(trips)),
@@ -156,13 +167,14 @@ def main() -> None:
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"watchdog: window {cfg.window}, min_decisions {cfg.min_decisions}, confidence {cfg.confidence}, margin "
           f"{cfg.margin}; {a.replays} replays x {a.decisions} decisions of the shipped bundle; nproc {os.cpu_count()}")
-    print("| champion | true diff to greedy, median [min, max] | replays where worse | tripped | "
-          "decisions to trip, median (max) |")
-    print("|---|---|---|---|---|")
+    print("| champion | true diff to greedy, median [min, max] | replays where worse | in the champion's states "
+          "(hindsight), median | tripped | decisions to trip, median (max) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         delay = "-" if r["delay_median"] is None else f"{r['delay_median']:.0f} ({r['delay_max']})"
         print(f"| {r['champion']} | {r['true_diff_median']:+.5f} [{r['true_diff_min']:+.5f}, {r['true_diff_max']:+.5f}] "
-              f"| {r['worse_in']}/{r['replays']} | {r['tripped']}/{r['replays']} | {delay} |")
+              f"| {r['worse_in']}/{r['replays']} | {r['hindsight_diff_median']:+.5f} | {r['tripped']}/{r['replays']} "
+              f"| {delay} |")
     print(f"({out['seconds']} s) -> {a.out}")
 
 

@@ -172,3 +172,22 @@ def test_bad_watchdog_settings_are_refused_naming_the_field(tmp_path: Path) -> N
         make_setup(tmp_path, watchdog={"window": 100, "min_decisions": 500})
     with pytest.raises(ConfigError, match=r"watchdog\.bogus"):
         make_setup(tmp_path, watchdog={"bogus": 1})
+
+
+def test_a_new_champion_version_starts_the_window_again() -> None:
+    """Tripped on version 1: loading version 2 (what the ``watchdog`` stage sees in the slot's
+    info) untrips it and empties the window; seeing version 2 again changes nothing."""
+    from router.core.settings import WatchdogSettings
+    from router.decision.watchdog import Watchdog
+
+    wd = Watchdog(WatchdogSettings(window=100, min_decisions=50), ["x", "y"], "k", RewardPrior(1, 1, 1, 1, 1, 1), True)
+    wd.follow("1")
+    for _ in range(60):
+        wd.est.observe(-0.1, -0.1, -0.1, True, False, 1.0, -1.0 + 0.01 * np.random.default_rng(0).random())
+    assert wd.est.tripped
+    wd.tripped = wd.est.tripped  # (what observe sets when the estimator trips)
+    assert wd.describe()["state"] == "tripped"
+    wd.follow("2")
+    assert not wd.tripped and wd.describe()["state"] == "watching" and wd.describe()["n"] == 0
+    wd.follow("2")
+    assert wd.version == "2"
