@@ -24,6 +24,7 @@ from models.policy import RewardPrior, RouterWeights, save_router
 from router.app.factory import create_app
 from router.decision.engine import env_config
 from router.decision.watchdog import WatchdogEstimator, paired_term
+from router.store.readers import iter_decisions
 from tests.servers import REPO_ROOT, ServerThread
 from tests.test_router_support import RouterSetup, make_setup
 from xroute.bundle import load_bundle
@@ -87,6 +88,11 @@ def replay(url: str, setup: RouterSetup, n: int, seed: int = 0, stop_on_trip: bo
     return {"kinds": kinds, "tripped_at": tripped_at}
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 def _setup(tmp: Path, kind: str, **kw: Any) -> RouterSetup:
     setup = make_setup(tmp, telemetry=SHIPPED, env={}, watchdog=WATCH, replay_speed=1.0, **kw)
     model = export_champion(tmp / f"champion-{kind}", kind, setup)
@@ -95,8 +101,15 @@ def _setup(tmp: Path, kind: str, **kw: Any) -> RouterSetup:
 
 
 @pytest.mark.slow
-def test_a_bad_champion_trips_the_watchdog_and_greedy_decides_until_reset(tmp_path: Path) -> None:
-    setup = _setup(tmp_path, "expensive")
+def test_a_bad_champion_trips_the_watchdog_and_greedy_decides_until_reset(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest, capfd: pytest.CaptureFixture[str]) -> None:
+    """On either decision log (the greedy column is added on both): the trip within 2,000
+    decisions, greedy serving after it and saying why, the metric, a bad reset body refused, an
+    audited reset, and greedy's choice beside every logged decision."""
+    extra: dict[str, Any] = {}
+    if backend == "postgresql":
+        extra["db_url"] = request.getfixturevalue("postgres").create_database("watchdog_bad")
+    setup = _setup(tmp_path, "expensive", **extra)
     with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as http:
         got = replay(url, setup, 2000)
         assert got["kinds"][0] == "model"
@@ -104,6 +117,7 @@ def test_a_bad_champion_trips_the_watchdog_and_greedy_decides_until_reset(tmp_pa
         assert got["kinds"][0] == "model"
         wd = http.get("/v1/offerings", headers=setup.auth("a")).json()["watchdog"]
         assert wd["state"] == "tripped" and wd["interval"][1] < 0 and wd["estimate"] < 0 and wd["n"] >= 200
+        assert capfd.readouterr().err.count("watchdog tripped") == 1  # one log line says so
         # greedy decides now, and the answer says why
         d = http.post("/v1/route", json={"origin": "aws:us-east-1", "input_tokens": 300, "max_output_tokens": 100,
                                          "ttft_ms": 2500, "tpot_ms": 100}, headers=setup.auth("a")).json()
@@ -134,10 +148,8 @@ def test_a_bad_champion_trips_the_watchdog_and_greedy_decides_until_reset(tmp_pa
                                          "ttft_ms": 2500, "tpot_ms": 100}, headers=setup.auth("a")).json()
         assert d["policy"]["kind"] == "model" and d["offering"]["offering_id"] != greedy_answer
     # the log: greedy's choice beside every decision
-    import sqlite3
-
-    with sqlite3.connect(setup.settings.db_path) as db:
-        rows = db.execute("SELECT policy_kind, offering_id, greedy_offering_id FROM decisions").fetchall()
+    rows = [(d["policy_kind"], d["offering_id"], d["greedy_offering_id"])
+            for d in iter_decisions(setup.settings.log_target)]
     assert rows and all(g is not None for _, _, g in rows)
     assert all(o == g for k, o, g in rows if k == "fallback")  # greedy decided: its choice is the one served
     assert sum(o != g for k, o, g in rows if k == "model") > len(rows) // 2  # the bad champion departs
