@@ -203,3 +203,47 @@ def test_a_new_champion_version_starts_the_window_again() -> None:
     assert not wd.tripped and wd.describe()["state"] == "watching" and wd.describe()["n"] == 0
     wd.follow("2")
     assert wd.version == "2"
+
+
+@pytest.mark.slow
+def test_the_gateways_own_outcomes_feed_the_watchdog(tmp_path: Path) -> None:
+    """Through the OpenAI-compatible gateway (the stand-in upstream serving two offerings, the
+    on-demand and the spot instance of one type): the router measures each outcome itself, and
+    those outcomes feed the watchdog -- a champion that always takes the pricier offering trips it,
+    and the next request through the gateway is decided by greedy."""
+    import openai
+
+    from tests.vllm_standin import StandIn
+
+    x, y = "aws:us-east-1:g5.xlarge:on_demand", "aws:us-east-1:g5.xlarge:spot"
+    standin = StandIn()
+    with ServerThread(standin) as up:
+        base: dict[str, Any] = {
+            "replay_speed": 1e-6, "watchdog": {"window": 50, "min_decisions": 20},
+            "upstreams": [{"offering_id": x, "base_urls": [f"{up}/v1"]}, {"offering_id": y, "base_urls": [f"{up}/v1"]}],
+            "gateway": {"origin": "aws:us-east-1", "ejection": {"enabled": False},
+                        "retry_budget": {"enabled": False}},
+            "tenants": {"a": {"constraints": {"allow": [{"offering_ids": [x, y]}]}}}}
+        setup = make_setup(tmp_path, **base)
+        model = export_champion(tmp_path / "champion", "expensive", setup)
+        setup = make_setup(tmp_path, model_uri=str(model), **base)
+        with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as http:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=setup.keys["a"], max_retries=0)
+            state = "idle"
+            for _ in range(200):
+                # (streamed: the gateway measures the TTFT, which the reward needs)
+                for _ in client.chat.completions.create(model="llama-2-7b", max_tokens=8, stream=True,
+                                                        stream_options={"include_usage": True},
+                                                        messages=[{"role": "user", "content": "hello"}]):
+                    pass
+                state = http.get("/v1/offerings", headers=setup.auth("a")).json()["watchdog"]["state"]
+                if state == "tripped":
+                    break
+            assert state == "tripped"
+            rows = [(d["policy_kind"], d["offering_id"], d["greedy_offering_id"])
+                    for d in iter_decisions(setup.settings.log_target)]
+            assert {o for k, o, _ in rows if k == "model"} == {x} and {g for _, _, g in rows} == {y}
+            client.chat.completions.create(model="llama-2-7b", max_tokens=8,
+                                           messages=[{"role": "user", "content": "hello"}])
+        last = list(iter_decisions(setup.settings.log_target))[-1]
+        assert last["policy_kind"] == "fallback" and last["offering_id"] == y

@@ -39,6 +39,10 @@ below ``-margin`` *trips* the watchdog: the ``watchdog`` stage makes every later
 until a new champion version is loaded (the window starts again for it) or an operator resets it
 (``POST /v1/admin/watchdog/reset``, audited; the window starts again).
 
+**Who feeds it.** ``POST /v1/feedback`` (``router.service.outcomes.record_feedback``) and the
+gateway's own measurement of an attempt (``router.gateway.service``: for a champion's decision, one
+lookup of its logged record after the answer), each with the decision's first outcome.
+
 **Scope (a limitation).** The window and the verdict are this process's: each router process
 estimates from the feedback it receives. Routers behind one load balancer see the same traffic
 mix and so reach the same verdict at about the same time, but neither the window nor a reset is
@@ -195,6 +199,12 @@ class Watchdog:
         LOG.warning("watchdog reset by an operator: the champion decides again", extra={"fields": {
             "principal": principal, "version": self.version, "before": before["state"]}})
         return {"before": before, "after": after}
+
+    def wants(self, version: str | None) -> bool:
+        """Whether a decision of ``version`` can add a term now (enabled, features logged, not
+        tripped, the champion watched): the gateway reads a decision's record only then."""
+        return self.enabled and self.log_features and not self.tripped and version is not None \
+            and version == self.version
 
     def observe(self, ob: Observation) -> None:
         """One decision's feedback (module docstring): a term when it is the loaded champion's
