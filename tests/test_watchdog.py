@@ -11,6 +11,7 @@ trips it. Bad settings and a bad reset body are refused naming the field."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,11 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 def _setup(tmp: Path, kind: str, **kw: Any) -> RouterSetup:
-    setup = make_setup(tmp, telemetry=SHIPPED, env={}, watchdog=WATCH, replay_speed=1.0, **kw)
+    kw = {"watchdog": WATCH, **kw}
+    setup = make_setup(tmp, telemetry=SHIPPED, env={}, replay_speed=1.0, **kw)
     model = export_champion(tmp / f"champion-{kind}", kind, setup)
-    return make_setup(tmp, telemetry=SHIPPED, env={}, watchdog=WATCH, replay_speed=1.0, model_uri=str(model),
-                      model_load_timeout_s=60, **kw)
+    return make_setup(tmp, telemetry=SHIPPED, env={}, replay_speed=1.0, model_uri=str(model), model_load_timeout_s=60,
+                      **kw)
 
 
 @pytest.mark.slow
@@ -142,8 +144,8 @@ def test_a_bad_champion_trips_the_watchdog_and_greedy_decides_until_reset(
         assert ok.status_code == 200, ok.text
         assert ok.json()["before"]["state"] == "tripped" and ok.json()["after"]["state"] == "watching"
         audit = http.get("/v1/admin/audit", params={"kind": "watchdog"}, headers=setup.auth("admin")).json()
-        assert [e["action"] for e in audit["entries"]] == ["reset"]
-        assert audit["entries"][0]["after"]["reason"] == "checked the traffic"
+        assert [e["action"] for e in audit["entries"]] == ["trip", "reset"]  # the trip is shared by an entry
+        assert audit["entries"][-1]["after"]["reason"] == "checked the traffic"
         d = http.post("/v1/route", json={"origin": "aws:us-east-1", "input_tokens": 300, "max_output_tokens": 100,
                                          "ttft_ms": 2500, "tpot_ms": 100}, headers=setup.auth("a")).json()
         assert d["policy"]["kind"] == "model" and d["offering"]["offering_id"] != greedy_answer
@@ -247,3 +249,34 @@ def test_the_gateways_own_outcomes_feed_the_watchdog(tmp_path: Path) -> None:
                                            messages=[{"role": "user", "content": "hello"}])
         last = list(iter_decisions(setup.settings.log_target))[-1]
         assert last["policy_kind"] == "fallback" and last["offering_id"] == y
+
+
+@pytest.mark.slow
+def test_a_trip_and_a_reset_reach_every_router_on_the_log(tmp_path: Path) -> None:
+    """Two routers on one decision log, one bad champion: the outcomes sent to router A trip A;
+    router B, which saw none of them, serves greedy within ``sync_s`` (the trip is an audit entry
+    it reads); an operator's reset on B hands the decisions back on A as well."""
+    setup = _setup(tmp_path, "expensive", watchdog={**WATCH, "sync_s": 0.2})
+    route = {"origin": "aws:us-east-1", "input_tokens": 300, "max_output_tokens": 100, "ttft_ms": 2500, "tpot_ms": 100}
+
+    def state(http: httpx.Client) -> str:
+        return str(http.get("/v1/offerings", headers=setup.auth("a")).json()["watchdog"]["state"])
+
+    def wait_for(http: httpx.Client, want: str) -> None:
+        end = time.monotonic() + 10.0
+        while state(http) != want:
+            assert time.monotonic() < end, f"{state(http)} != {want}"
+            time.sleep(0.1)
+
+    with ServerThread(create_app(setup.settings)) as url_a, ServerThread(create_app(setup.settings)) as url_b, \
+            httpx.Client(base_url=url_a, timeout=30) as a, httpx.Client(base_url=url_b, timeout=30) as b:
+        assert b.post("/v1/route", json=route, headers=setup.auth("a")).json()["policy"]["kind"] == "model"
+        assert replay(url_a, setup, 2000)["tripped_at"] is not None
+        wait_for(b, "tripped")
+        d = b.post("/v1/route", json=route, headers=setup.auth("a")).json()
+        assert d["policy"]["kind"] == "fallback" and "another router" in d["policy"]["reason"]
+        assert b.post("/v1/admin/watchdog/reset", json={"reason": "seen"}, headers=setup.auth("admin")).status_code == 200
+        wait_for(a, "watching")
+        assert a.post("/v1/route", json=route, headers=setup.auth("a")).json()["policy"]["kind"] == "model"
+        audit = a.get("/v1/admin/audit", params={"kind": "watchdog"}, headers=setup.auth("admin")).json()
+        assert [e["action"] for e in audit["entries"]] == ["trip", "reset"]

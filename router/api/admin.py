@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated
 
@@ -11,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.decision.stages import RouteFailure
 from router.http.deps import ReadStatus, WriteModel
+from router.service import watchdog_sync
 from router.service.ports import SharedState
 from router.state.base import StateUnavailable
-from router.store import audit
 from xroute.schema.decision import ErrorResponse
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"],
@@ -78,25 +77,17 @@ async def reset_watchdog(caller: WriteModel,
                          body: Annotated[WatchdogReset | None, Body()] = None) -> dict[str, object]:
     """An operator's word against the watchdog (``router.decision.watchdog``): the audit entry (kind
     ``watchdog``, action ``reset``, the state before and after, the reason) is durable before the
-    reset; then this process's window starts again and the champion decides. Per process: behind
-    several router processes, call each."""
+    reset; then this process's window starts again and the champion decides -- on the other router
+    processes within ``watchdog.sync_s`` (``router.service.watchdog_sync``)."""
     svc = caller.svc
     wd = svc.engine.watchdog
-    sync = svc.policies
-    if sync is None:
-        raise RouteFailure(503, "unavailable", "the audit log is not open: the reset is not made unaudited")
     who = f"key:{caller.who.key_id}"
     reason = None if body is None else body.reason
     before = wd.describe()
     after = {**before, "state": "watching" if before["state"] in ("tripped", "ok") else before["state"], "n": 0,
              "estimate": None, "interval": None, "reason": reason}
-
-    def write() -> None:
-        with sync.store.db.transaction() as execute:
-            audit.append(execute, who, [audit.Change("reset", "watchdog", str(wd.version), before, after)], None)
-
     try:
-        await asyncio.to_thread(write)
+        await watchdog_sync.record(svc, "reset", who, before, after)
     except Exception as e:
         raise RouteFailure(503, "unavailable", f"the audit log cannot record the reset ({e})",
                            headers={"Retry-After": "5"}) from None

@@ -189,6 +189,9 @@ class WatchdogSettings(BaseModel):
                                                               "-margin (reward units per decision; the default is the "
                                                               "gate's non-inferiority margin)")
 
+    sync_s: float = Field(1.0, gt=0, le=60, description="how often each router reads the others' trips and resets "
+                                                         "(the audit log)")
+
     @model_validator(mode="after")
     def _enough_to_judge(self) -> WatchdogSettings:
         if self.min_decisions > self.window:

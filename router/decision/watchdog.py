@@ -43,11 +43,11 @@ until a new champion version is loaded (the window starts again for it) or an op
 gateway's own measurement of an attempt (``router.gateway.service``: for a champion's decision, one
 lookup of its logged record after the answer), each with the decision's first outcome.
 
-**Scope (a limitation).** The window and the verdict are this process's: each router process
-estimates from the feedback it receives. Routers behind one load balancer see the same traffic
-mix and so reach the same verdict at about the same time, but neither the window nor a reset is
-shared; a reset is one call per process. The state lives in memory: a restart starts the window
-again.
+**Across routers.** A trip and a reset are audit entries every router process reads
+(``router.service.watchdog_sync``): a trip anywhere makes greedy decide on every router within
+``watchdog.sync_s``, a reset anywhere hands the decisions back everywhere. The estimates are per
+process (each from the outcomes it receives), in memory: a restart starts its window again (and
+adopts the last shared verdict on the champion it loads).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -173,15 +174,56 @@ class Watchdog:
         self.resets = 0
         #: the answer's ``policy`` while tripped (set at the trip)
         self.info: dict[str, Any] = {}
+        #: this process, as its shared verdicts name it (``router.service.watchdog_sync``)
+        self.token = uuid.uuid4().hex[:16]
+        #: the last shared verdict per champion version: (trip or reset, the state it recorded)
+        self.shared: dict[str, tuple[str, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def follow(self, version: str | None) -> None:
-        """The champion now loaded is ``version``: a new one starts the window again (and untrips)."""
+        """The champion now loaded is ``version``: a new one starts the window again (and untrips),
+        tripped at once when another router's last verdict on it was a trip."""
         if version != self.version:
             with self._lock:
                 if version != self.version:
                     self.version = version
                     self._restart()
+                    got = self.shared.get(version or "")
+                    if got is not None and got[0] == "trip":
+                        self._trip(got[1], shared=True)
+
+    def shared_verdict(self, version: str, action: str, after: dict[str, Any]) -> None:
+        """Another router's verdict (``router.service.watchdog_sync``): kept for ``version``; a trip
+        of the champion watched here trips this process too, a reset of it starts the window again.
+        This process's own verdicts are only kept."""
+        self.shared[version] = (action, after)
+        if after.get("by") == self.token:
+            return
+        with self._lock:
+            if version != self.version:
+                return
+            if action == "trip" and not self.tripped:
+                self._trip(after, shared=True)
+            elif action == "reset":
+                self._restart()
+                LOG.warning("watchdog reset on another router: the champion decides again",
+                            extra={"fields": {"version": self.version}})
+
+    def _trip(self, state: dict[str, Any], shared: bool) -> None:
+        """Trip (under the lock): greedy decides from now on; ``state``: the estimate that tripped
+        (``describe()``'s, of this process or of another)."""
+        self.since = time.time()
+        mean, (lo, hi), n = state.get("estimate") or 0.0, state.get("interval") or (0.0, 0.0), state.get("n", 0)
+        where = "another router's" if shared else "recent"
+        self.info = {"name": "greedy", "kind": "fallback", "version": None, "uri": None,
+                     "reason": f"watchdog: champion {self.version} worse than greedy on {where} traffic "
+                               f"({mean:+.5f} [{lo:+.5f}, {hi:+.5f}], n={n})"}
+        self.tripped = True
+        LOG.warning("watchdog tripped: the champion is confidently worse than greedy on "
+                    + ("another router's" if shared else "recent") + " traffic; serving greedy until a new champion "
+                    "is loaded or an operator resets it",
+                    extra={"fields": {"version": self.version, "estimate": round(mean, 6),
+                                      "interval": [round(lo, 6), round(hi, 6)], "n": n}})
 
     def _restart(self) -> None:
         self.est.reset()
@@ -206,41 +248,36 @@ class Watchdog:
         return self.enabled and self.log_features and not self.tripped and version is not None \
             and version == self.version
 
-    def observe(self, ob: Observation) -> None:
+    def observe(self, ob: Observation) -> bool:
         """One decision's feedback (module docstring): a term when it is the loaded champion's
-        decision with its record, greedy's choice and a reward; anything else is left out."""
+        decision with its record, greedy's choice and a reward; anything else is left out. True
+        when this term tripped the watchdog (the caller shares the trip)."""
         if not self.enabled or self.tripped or ob.reward is None or ob.features is None or ob.greedy_offering_id is None:
-            return
+            return False
         if ob.policy_kind != "model" or ob.policy_version is None or ob.policy_version != self.version:
-            return
+            return False
         g = self.index.get(ob.greedy_offering_id)
         if g is None or ob.propensity is None:  # (moved off the draw: the served offering's probability is unknown)
-            return
+            return False
         p = float(ob.propensity)
         rec = ope_log.unpack(ob.features)
         if rec.catalog_key != self.catalog_key:
-            return
+            return False
         pos = np.flatnonzero(rec.action_idx == g)
         if pos.size == 0:
-            return
+            return False
         gi = int(pos[0])
         prior = self.prior.scores(rec.rows[None], rec.request[None])[0]
         c, a = rec.argmax, rec.chosen
         with self._lock:
             if self.tripped or ob.policy_version != self.version:
-                return
+                return False
             if self.est.observe(float(prior[c]), float(prior[gi]), float(prior[a]), a == c, a == gi, p,
                                 float(ob.reward)):
-                self.since = time.time()
-                mean, lo, hi = self.est.estimate or (0.0, 0.0, 0.0)
-                self.info = {"name": "greedy", "kind": "fallback", "version": None, "uri": None,
-                             "reason": f"watchdog: champion {self.version} worse than greedy on recent traffic "
-                                       f"({mean:+.5f} [{lo:+.5f}, {hi:+.5f}], n={len(self.est.terms)})"}
-                self.tripped = True
-                LOG.warning("watchdog tripped: the champion is confidently worse than greedy on recent traffic; "
-                            "serving greedy until a new champion is loaded or an operator resets it",
-                            extra={"fields": {"version": self.version, "estimate": round(mean, 6),
-                                              "interval": [round(lo, 6), round(hi, 6)], "n": len(self.est.terms)}})
+                self.tripped = True  # (describe() below reads the estimate that tripped)
+                self._trip(self.describe(), shared=False)
+                return True
+        return False
 
     def state(self) -> str:
         if not self.enabled:
