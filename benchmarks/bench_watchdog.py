@@ -23,7 +23,7 @@ cost: pays for faster pools), ``greedy`` (the prior alone: greedy's choice) and 
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_watchdog.py                 # ~3 min on 2 cores
+    .venv/bin/python benchmarks/bench_watchdog.py                 # ~2 min on 2 shared cores
     .venv/bin/python benchmarks/bench_watchdog.py --replays 5 --decisions 1000   # quicker
 
 Writes ``benchmarks/results/watchdog.json`` and prints a table.
@@ -55,7 +55,7 @@ from router.decision.watchdog import WatchdogEstimator  # noqa: E402
 from xroute.bundle import load_bundle  # noqa: E402
 
 SHIPPED = REPO / "data" / "bundles" / "default"
-#: champion -> (weight on exp_cost, weight on exp_latency, with the prior); None weights: no prior
+#: champion -> (weight on exp_cost, weight on exp_latency, whether the reward prior is added)
 FAMILIES: dict[str, tuple[float, float, bool]] = {
     "priciest": (1.0, 0.0, False),
     "pricey": (0.5, 0.0, True),
