@@ -314,6 +314,12 @@ def test_bad_input_is_a_4xx_naming_the_field_and_changes_nothing(pair: Any) -> N
             assert r.status_code == 422, (body, r.text)
             assert field in [f["field"] for f in r.json()["fields"]], (body, r.json())
         assert r.json()["error"] == "invalid_policy"  # (the draft's errors: the policy writes' shape)
+        # a whole set the schema allows but the set's own rules refuse (two policies of one name: what the
+        # OpenAPI fuzz found answered invalid_request) is an invalid_policy naming policy_set, as a write's is
+        twice = {"key": "session", "share": 30, "policy_set": {"policies": [NO_SPOT, NO_SPOT]}}
+        r = a.post("/v1/admin/canary", json=twice, headers=admin)
+        assert r.status_code == 422 and r.json()["error"] == "invalid_policy", r.text
+        assert r.json()["fields"][0]["field"].startswith("body.policy_set") and "twice" in r.text
         assert _version(urls[0], setup) == v0 and _canary_on(urls[0], setup) is None  # nothing was applied
         # one running: a second start names it; plain writes wait; a wrong id is refused -- nothing changes
         r = a.post("/v1/admin/canary", json={**base, "id": "first"}, headers=admin)

@@ -112,14 +112,24 @@ def _not_utf8_error(e: UnicodeDecodeError) -> dict[str, Any]:
             "ctx": {"error": f"the body is not UTF-8 (byte {e.start}: 0x{e.object[e.start]:02x})"}}
 
 
+#: body fields whose model's own rules (a ``value_error``: a schema-valid value the model refuses,
+#: e.g. two policies of one name in a whole policy set) are a semantic error of that kind, as the
+#: same rules broken by a policy write are
+_SEMANTIC_FIELDS = {("body", "policy_set"): "invalid_policy"}
+
+
 def _validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     fields = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         loc, msg = _message(request, err)
         fields.append({"field": _field(loc), "message": msg, "suggestions": []})
     summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields[:3])
-    return JSONResponse(error_body("invalid_request", f"invalid request ({summary})", fields), status_code=422)
+    kinds = {_SEMANTIC_FIELDS.get(tuple(e.get("loc", ())[:2])) if e.get("type") == "value_error" else None
+             for e in errors}
+    code = (kinds.pop() if len(kinds) == 1 else None) or "invalid_request"
+    return JSONResponse(error_body(code, f"invalid request ({summary})", fields), status_code=422)
 
 
 #: the methods a route may serve, in the order an ``Allow`` header names them
