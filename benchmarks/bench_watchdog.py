@@ -25,6 +25,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_watchdog.py                 # ~2 min on 2 shared cores
     .venv/bin/python benchmarks/bench_watchdog.py --replays 5 --decisions 1000   # quicker
+    .venv/bin/python benchmarks/bench_watchdog.py --families '' --export champion=runs/trials/<stamp>/<trial>/router
 
 Writes ``benchmarks/results/watchdog.json`` and prints a table.
 """
@@ -48,7 +49,7 @@ sys.path.insert(0, str(REPO))
 from envs import kernels as env_kernels  # noqa: E402
 from envs.cloud_route import CloudRouteEnv  # noqa: E402
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, OFFERING_FEATURES  # noqa: E402
-from models.policy import LearnedPolicy, RewardPrior, RouterWeights  # noqa: E402
+from models.policy import LearnedPolicy, RewardPrior, RouterWeights, read_router  # noqa: E402
 from router.core.settings import RouterSettings, WatchdogSettings  # noqa: E402
 from router.decision.engine import env_config  # noqa: E402
 from router.decision.watchdog import WatchdogEstimator  # noqa: E402
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--min-decisions", type=int, default=None)
     ap.add_argument("--confidence", type=float, default=None)
     ap.add_argument("--margin", type=float, default=None)
+    ap.add_argument("--export", action="append", default=[], metavar="NAME=DIR",
+                    help="also a trained router's export (xroute train's <trial>/router), named NAME; repeatable")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "watchdog.json")
     a = ap.parse_args()
     cfg = WatchdogSettings(**{k: v for k, v in (("window", a.window), ("min_decisions", a.min_decisions),
@@ -139,8 +142,9 @@ def main() -> None:
     t0 = time.time()
     greedy_runs = {k: replay(env, None, k * a.stride, k, a.decisions, None, prior)[0] for k in range(a.replays)}
     rows: list[dict[str, Any]] = []
-    for fam in a.families.split(","):
-        pol = champion(fam, prior)
+    exports = dict(e.split("=", 1) for e in a.export)
+    for fam in [f for f in a.families.split(",") if f] + list(exports):
+        pol = LearnedPolicy(read_router(exports[fam]), name=fam) if fam in exports else champion(fam, prior)
         runs = []
         for k in range(a.replays):
             est = WatchdogEstimator(cfg.window, cfg.min_decisions, cfg.confidence, cfg.margin)

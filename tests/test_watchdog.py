@@ -32,7 +32,7 @@ from xroute.bundle import load_bundle
 from xroute.errors import ConfigError
 
 SHIPPED = REPO_ROOT / "data" / "bundles" / "default"
-WATCH = {"window": 400, "min_decisions": 200, "confidence": 0.99}
+WATCH = {"enabled": True, "window": 400, "min_decisions": 200, "confidence": 0.99}
 
 
 def export_champion(directory: Path, kind: str, setup: RouterSetup) -> Path:

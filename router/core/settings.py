@@ -170,13 +170,16 @@ class AdmissionSettings(BaseModel):
 
 
 class WatchdogSettings(BaseModel):
-    """The champion's watchdog (``router.decision.watchdog``; docs/ope.md, "The watchdog"): on by
-    default -- it changes nothing until the champion is confidently worse than greedy on this
-    router's own recent traffic, and then serving greedy is the safe answer."""
+    """The champion's watchdog (``router.decision.watchdog``; docs/ope.md, "The watchdog"): **off by
+    default**. It trips on every champion worse than greedy it was replayed with, but also on the
+    trained champions that beat greedy (``benchmarks/bench_watchdog.py --export``: 20 of 20 replays
+    for both, about 500 decisions in): its estimate of greedy's counterfactual ignores the congestion
+    greedy would build, which is where those champions gain. Turn it on where a champion's gain is
+    not load spreading, or to be told (log, metric) at the price of serving greedy."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(True, description="estimate the champion minus greedy on the decisions' feedback and serve "
+    enabled: bool = Field(False, description="estimate the champion minus greedy on the decisions' feedback and serve "
                                             "greedy when the interval lies below -margin (with log_features: false it has no "
                                             "estimate and says so)")
     window: int = Field(1000, ge=50, le=100_000, description="the paired estimate is over the champion's last this "
