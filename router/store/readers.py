@@ -58,3 +58,85 @@ def iter_decisions(target: Path | str, tenant: str | None = None, since: float |
     sql, cols = export_columns(tenant is not None, ope, since is not None, until is not None)
     for row in stream(target, sql, export_params(tenant, since, until)):
         yield dict(zip(cols, row))
+
+
+#: what the web console lists of a decision (``router.console``): no answer, no request, no OPE record
+SEARCH_COLUMNS = ("decision_id", "tenant", "created_at", "model", "session_id", "origin", "offering_id", "policy",
+                  "policy_kind", "policy_version", "expected_latency_ms", "expected_cost_usd", "trace_id")
+
+
+def _id_at(t: float) -> str:
+    """The smallest decision id made at wall time ``t`` (``router.core.logs.new_sorted_id``, ``d_`` + 12 hex
+    digits of milliseconds)."""
+    return f"d_{max(0, int(t * 1000.0)):012x}"
+
+
+def search_decisions(target: Path | str, *, tenant: str | None = None, session: str | None = None,
+                     since: float | None = None, until: float | None = None,
+                     before: tuple[float, str] | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    """A page of at most ``limit`` decisions, newest first (keyset paging: ``before`` is the
+    (``created_at``, ``decision_id``) of the last row of the page before; nothing is skipped, nothing
+    counted). Each query walks an index from its start: a tenant's (and session's) by
+    ``decisions_tenant_time`` (``decisions_session`` with a session), every tenant's by the primary
+    key -- decision ids are time-sorted, so ``since``/``until`` and the cursor bound the key itself.
+    ``session`` needs ``tenant`` (the index's order)."""
+    cols = ", ".join(SEARCH_COLUMNS)
+    where: list[str] = []
+    args: list[Any] = []
+    if tenant is not None:
+        where.append("tenant = ?")
+        args.append(tenant)
+        if session is not None:
+            where.append("session_id = ?")
+            args.append(session)
+        if before is not None:
+            where.append("(created_at < ? OR (created_at = ? AND decision_id < ?))")
+            args += [before[0], before[0], before[1]]
+        order = "created_at DESC, decision_id DESC"
+    else:
+        if session is not None:
+            raise ValueError("session needs tenant")
+        if since is not None:  # (ids before a decision's own millisecond are older: the key bounds the scan)
+            where.append("decision_id >= ?")
+            args.append(_id_at(since - 1.0))
+        if until is not None:
+            where.append("decision_id < ?")
+            args.append(_id_at(until + 1.0))
+        if before is not None:
+            where.append("decision_id < ?")
+            args.append(before[1])
+        order = "decision_id DESC"
+    if since is not None:
+        where.append("created_at >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("created_at < ?")
+        args.append(until)
+    sql = (f"SELECT {cols} FROM decisions" + (" WHERE " + " AND ".join(where) if where else "")
+           + f" ORDER BY {order} LIMIT ?")
+    with reading(target) as query:
+        rows = query(sql, (*args, limit))
+    return [dict(zip(SEARCH_COLUMNS, r)) for r in rows]
+
+
+def tenant_usage(target: Path | str, tenant: str, since: float, bucket_s: int = 3600, limit: int = 48
+                 ) -> list[dict[str, Any]]:
+    """A tenant's decisions since ``since`` per ``bucket_s`` seconds (oldest first, at most ``limit``
+    buckets): how many, and what its quotas reserved for them -- tokens and USD (``quota_tokens``,
+    ``quota_usd``; none where no quota applied). One range of ``decisions_tenant_time``."""
+    sql = ("SELECT CAST(created_at / ? AS INTEGER) AS b, COUNT(*), SUM(quota_tokens), SUM(quota_usd), "
+           "SUM(expected_cost_usd) FROM decisions WHERE tenant = ? AND created_at >= ? GROUP BY b ORDER BY b LIMIT ?")
+    with reading(target) as query:
+        rows = query(sql, (bucket_s, tenant, since, limit))
+    return [{"start": float(b) * bucket_s, "requests": int(n), "quota_tokens": int(tok or 0),
+             "quota_usd": float(usd or 0.0), "expected_usd": float(cost or 0.0)} for b, n, tok, usd, cost in rows]
+
+
+def tenant_sessions(target: Path | str, tenant: str, since: float, limit: int = 50) -> list[dict[str, Any]]:
+    """A tenant's sessions with a decision since ``since``, the latest first (at most ``limit``): its
+    decisions, the last one's time and offering. One range of ``decisions_session``."""
+    sql = ("SELECT session_id, COUNT(*), MAX(created_at) FROM decisions WHERE tenant = ? AND session_id IS NOT NULL "
+           "AND created_at >= ? GROUP BY session_id ORDER BY 3 DESC LIMIT ?")
+    with reading(target) as query:
+        rows = query(sql, (tenant, since, limit))
+    return [{"session_id": s, "decisions": int(n), "last_at": float(at)} for s, n, at in rows]
