@@ -184,6 +184,7 @@ def test_every_page_renders_in_chromium_without_a_console_error(live: Live, brow
     # tenants: quotas against their limits, sessions
     browser.get(f"{live.url}/console/tenants?tenant=a")
     assert "requests_per_day" in browser.find_element(By.ID, "quotas").text
+    assert sum(int(td.text) for td in browser.find_elements(By.CSS_SELECTOR, "#usage-hours td:nth-child(2)")) == 6
     assert "a-s0" in browser.find_element(By.ID, "sessions").text
     shot(browser, "admin-tenants")
 
@@ -329,3 +330,47 @@ def test_keys_are_checked_as_the_api_checks_them(live: Live) -> None:
     assert r.status_code == 303 and "httponly" in r.headers["set-cookie"].lower()
     assert "samesite=strict" in r.headers["set-cookie"].lower() and "path=/console" in r.headers["set-cookie"].lower()
     assert c.get("/console/pools", headers=live.auth("a")).status_code == 200
+
+
+# ------------------------------------------------------------------------------------- bounded reads
+def test_every_console_query_has_a_limit_and_walks_an_index(tmp_path: Path) -> None:
+    """SQLite's own plan of each query the console's pages issue on a log with the router's schema: a
+    ``LIMIT``, and no full scan of a table (``SCAN t`` without an index and a sort; a ``SCAN t USING
+    INDEX`` walks an index from one end and stops at the limit)."""
+    import sqlite3
+
+    from router.service.dry_run import _SQL as DRY_RUN_SQL
+    from router.store import migrations as mig
+    from router.store.policies import PolicyStore
+    from router.store.readers import REQUESTS_SQL, RESERVED_SQL, SESSIONS_SQL, search_sql
+    from router.store.sqlite import DecisionStore
+
+    db = tmp_path / "decisions.db"
+    DecisionStore(db)._conn.close()  # (the decision log's schema; no writer started)
+    mig.MigrationStore(db).db.close()
+    PolicyStore(db).close()
+    now, cursor = time.time(), (time.time() - 60, "d_0000000000000000")
+    queries: list[tuple[str, tuple[Any, ...]]] = [
+        search_sql(limit=51), search_sql(since=now - 3600, until=now, limit=51),
+        search_sql(before=cursor, limit=51), search_sql(since=now - 3600, before=cursor, limit=51),
+        search_sql(tenant="a", limit=51), search_sql(tenant="a", before=cursor, limit=51),
+        search_sql(tenant="a", since=now - 3600, until=now, limit=51),
+        search_sql(tenant="a", session="s", limit=51), search_sql(tenant="a", session="s", before=cursor, limit=51),
+        (REQUESTS_SQL, (3600, "a", now - 86400, 25)), (RESERVED_SQL, (60, "a", now - 3600, 61)),
+        (SESSIONS_SQL, ("a", now - 86400, 50)),
+        (DRY_RUN_SQL, (200,)),
+        (mig._SELECT + " WHERE m.tenant = ? ORDER BY m.updated_at DESC LIMIT ?", ("a", 50)),
+        ("SELECT migration_id, version, state, at, detail FROM migration_transitions WHERE migration_id IN (?, ?) "
+         "ORDER BY migration_id, version LIMIT 5000", ("m1", "m2")),
+        ("SELECT version, created_at, principal FROM policy_versions ORDER BY version DESC LIMIT ?", (50,)),
+        ("SELECT version, document FROM policy_versions WHERE version = ?", (1,)),
+    ]
+    conn = sqlite3.connect(db)
+    for sql, args in queries:
+        details = [str(r[3]) for r in conn.execute("EXPLAIN QUERY PLAN " + sql, args).fetchall()]
+        assert " LIMIT " in sql or "WHERE version = ?" in sql, sql
+        # a plain SCAN only of a table whose rows are in the key's order (an INTEGER PRIMARY KEY), read from
+        # one end with no sort: it stops at the LIMIT
+        full = [d for d in details if d.startswith("SCAN ") and "USING" not in d]
+        assert not full or not any("TEMP B-TREE" in d for d in details), (sql, details)
+    conn.close()

@@ -59,7 +59,7 @@ async def home() -> Response:
 @router.get("/pools", response_class=HTMLResponse)
 async def pools(request: Request, caller: ConsoleCaller) -> Response:
     """``GET /v1/offerings`` (the engine's offerings state with the shared state's reservations), the
-    active pool events (``Migrator.reload_events``' read), the ejections, and the tenant quota buckets
+    active pool events (as ``Migrator.reload_events`` last read them: no read of its own), the ejections, and the tenant quota buckets
     at a limit (``GET /v1/quotas`` / ``/v1/admin/quotas``)."""
     svc = caller.svc
     try:
@@ -69,10 +69,11 @@ async def pools(request: Request, caller: ConsoleCaller) -> Response:
     now = time.time()
     state = svc.engine.offerings_state(now, reserved)
     events: list[dict[str, Any]] = []
-    if svc.migrator is not None:
-        rows = await asyncio.to_thread(svc.migrator.store.events_active, now)
+    if svc.migrator is not None:  # (the events behind the masks in force, as the migrator last read them)
         events = [{"event_id": e, "kind": k, "pool": p, "region": r, "deadline": d, "masked_until": m,
-                   "deprioritize_until": dp, "received_at": at} for e, k, p, r, d, m, dp, at in rows[:500]]
+                   "deprioritize_until": dp, "received_at": at}
+                  for e, k, p, r, d, m, dp, at in svc.migrator.active_events[:500]
+                  if (m is not None and m > now) or (dp is not None and dp > now)]
     masked_by: dict[str, list[str]] = {}
     for ev in events:
         if ev["masked_until"] is not None and ev["masked_until"] > now:
@@ -206,8 +207,9 @@ async def decision(request: Request, caller: ConsoleCaller, decision_id: Decisio
 async def tenants(request: Request, caller: ConsoleCaller,
                   tenant: Annotated[str | None, Query(max_length=64, pattern=NAME_PATTERN)] = None) -> Response:
     """The quota buckets with their limits and use now (``GET /v1/quotas`` / ``/v1/admin/quotas``), the
-    tenant's decisions and quota reservations per hour over the last day, its sessions and migrations
-    with their state histories (``MigrationStore``)."""
+    tenant's decisions per hour over the last day and its quotas' reservations per minute over the last
+    hour (``router.store.readers.tenant_usage``), its sessions and migrations with their state
+    histories (``MigrationStore``)."""
     svc = caller.svc
     admin = allows(caller, "read", "quotas")
     known = sorted(svc.engine.tenant_names)[:500] if admin else [caller.who.tenant]
@@ -216,10 +218,10 @@ async def tenants(request: Request, caller: ConsoleCaller,
     if not admin and tenant != caller.who.tenant:
         raise RouteFailure(**admin_denied(caller.who, "read", "quotas"))
     buckets = (await quota_routes._buckets(svc, [tenant])).buckets
-    since = time.time() - TENANT_WINDOW_S
+    now = time.time()
     target = svc.settings.log_target
-    usage, sessions = await asyncio.gather(asyncio.to_thread(tenant_usage, target, tenant, since),
-                                           asyncio.to_thread(tenant_sessions, target, tenant, since))
+    usage, sessions = await asyncio.gather(asyncio.to_thread(tenant_usage, target, tenant, now),
+                                           asyncio.to_thread(tenant_sessions, target, tenant, now - TENANT_WINDOW_S))
     migrations: list[Any] = []
     history: dict[str, Any] = {}
     if svc.migrator is not None:
@@ -230,9 +232,10 @@ async def tenants(request: Request, caller: ConsoleCaller,
             return [r.record for r in rows], store.history([r.id for r in rows])
 
         migrations, history = await asyncio.to_thread(read)
-    peak = max((u["requests"] for u in usage), default=0)
+    peak = max((u["requests"] for u in usage["hours"]), default=0)
+    tpm = max((u["quota_tokens"] for u in usage["minutes"]), default=0)
     return render(request, "tenants.html", {"tenant": tenant, "known": known, "admin": admin, "buckets": buckets,
-                                            "usage": usage, "peak": peak, "sessions": sessions,
+                                            "usage": usage, "peak": peak, "tpm": tpm, "sessions": sessions,
                                             "migrations": migrations, "history": history}, caller)
 
 

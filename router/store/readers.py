@@ -71,16 +71,10 @@ def _id_at(t: float) -> str:
     return f"d_{max(0, int(t * 1000.0)):012x}"
 
 
-def search_decisions(target: Path | str, *, tenant: str | None = None, session: str | None = None,
-                     since: float | None = None, until: float | None = None,
-                     before: tuple[float, str] | None = None, limit: int = 50) -> list[dict[str, Any]]:
-    """A page of at most ``limit`` decisions, newest first (keyset paging: ``before`` is the
-    (``created_at``, ``decision_id``) of the last row of the page before; nothing is skipped, nothing
-    counted). Each query walks an index from its start: a tenant's (and session's) by
-    ``decisions_tenant_time`` (``decisions_session`` with a session), every tenant's by the primary
-    key -- decision ids are time-sorted, so ``since``/``until`` and the cursor bound the key itself.
-    ``session`` needs ``tenant`` (the index's order)."""
-    cols = ", ".join(SEARCH_COLUMNS)
+def search_sql(tenant: str | None = None, session: str | None = None, since: float | None = None,
+               until: float | None = None, before: tuple[float, str] | None = None, limit: int = 50
+               ) -> tuple[str, tuple[Any, ...]]:
+    """:func:`search_decisions`' query and its parameters (``?`` placeholders)."""
     where: list[str] = []
     args: list[Any] = []
     if tenant is not None:
@@ -112,31 +106,54 @@ def search_decisions(target: Path | str, *, tenant: str | None = None, session: 
     if until is not None:
         where.append("created_at < ?")
         args.append(until)
-    sql = (f"SELECT {cols} FROM decisions" + (" WHERE " + " AND ".join(where) if where else "")
+    sql = (f"SELECT {', '.join(SEARCH_COLUMNS)} FROM decisions" + (" WHERE " + " AND ".join(where) if where else "")
            + f" ORDER BY {order} LIMIT ?")
+    return sql, (*args, limit)
+
+
+def search_decisions(target: Path | str, *, tenant: str | None = None, session: str | None = None,
+                     since: float | None = None, until: float | None = None,
+                     before: tuple[float, str] | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    """A page of at most ``limit`` decisions, newest first (keyset paging: ``before`` is the
+    (``created_at``, ``decision_id``) of the last row of the page before; nothing is skipped, nothing
+    counted). Each query walks an index from its start: a tenant's (and session's) by
+    ``decisions_tenant_time`` (``decisions_session`` with a session), every tenant's by the primary
+    key -- decision ids are time-sorted, so ``since``/``until`` and the cursor bound the key itself.
+    ``session`` needs ``tenant`` (the index's order)."""
+    sql, args = search_sql(tenant, session, since, until, before, limit)
     with reading(target) as query:
-        rows = query(sql, (*args, limit))
+        rows = query(sql, args)
     return [dict(zip(SEARCH_COLUMNS, r)) for r in rows]
 
 
-def tenant_usage(target: Path | str, tenant: str, since: float, bucket_s: int = 3600, limit: int = 48
-                 ) -> list[dict[str, Any]]:
-    """A tenant's decisions since ``since`` per ``bucket_s`` seconds (oldest first, at most ``limit``
-    buckets): how many, and what its quotas reserved for them -- tokens and USD (``quota_tokens``,
-    ``quota_usd``; none where no quota applied). One range of ``decisions_tenant_time``."""
-    sql = ("SELECT CAST(created_at / ? AS INTEGER) AS b, COUNT(*), SUM(quota_tokens), SUM(quota_usd), "
-           "SUM(expected_cost_usd) FROM decisions WHERE tenant = ? AND created_at >= ? GROUP BY b ORDER BY b LIMIT ?")
+#: :func:`tenant_usage`'s decisions per bucket (bucket width, tenant, since, limit): the tenant's range of
+#: ``decisions_tenant_time`` alone (a covering index: no row is read)
+REQUESTS_SQL = ("SELECT CAST(created_at / ? AS INTEGER) AS b, COUNT(*) FROM decisions WHERE tenant = ? AND "
+                "created_at >= ? GROUP BY b ORDER BY b LIMIT ?")
+#: ... and what its quotas reserved per bucket -- tokens and USD (the same parameters; reads the rows: a short window)
+RESERVED_SQL = ("SELECT CAST(created_at / ? AS INTEGER) AS b, COUNT(*), SUM(quota_tokens), SUM(quota_usd) FROM "
+                "decisions WHERE tenant = ? AND created_at >= ? GROUP BY b ORDER BY b LIMIT ?")
+#: :func:`tenant_sessions`' query: tenant, since, limit
+SESSIONS_SQL = ("SELECT session_id, COUNT(*), MAX(created_at) FROM decisions WHERE tenant = ? AND session_id IS NOT "
+                "NULL AND created_at >= ? GROUP BY session_id ORDER BY 3 DESC LIMIT ?")
+
+
+def tenant_usage(target: Path | str, tenant: str, now: float) -> dict[str, list[dict[str, Any]]]:
+    """A tenant's use over time, from its decisions: ``hours`` -- decisions per hour over the last day
+    (against ``requests_per_day``; an index-only count) -- and ``minutes`` -- decisions, tokens and USD
+    its quotas reserved per minute over the last hour (against ``tokens_per_minute``, ``usd_per_day``).
+    Oldest first; at most 25 and 61 buckets."""
     with reading(target) as query:
-        rows = query(sql, (bucket_s, tenant, since, limit))
-    return [{"start": float(b) * bucket_s, "requests": int(n), "quota_tokens": int(tok or 0),
-             "quota_usd": float(usd or 0.0), "expected_usd": float(cost or 0.0)} for b, n, tok, usd, cost in rows]
+        hours = query(REQUESTS_SQL, (3600, tenant, now - 86_400.0, 25))
+        minutes = query(RESERVED_SQL, (60, tenant, now - 3600.0, 61))
+    return {"hours": [{"start": float(b) * 3600, "requests": int(n)} for b, n in hours],
+            "minutes": [{"start": float(b) * 60, "requests": int(n), "quota_tokens": int(tok or 0),
+                         "quota_usd": float(usd or 0.0)} for b, n, tok, usd in minutes]}
 
 
 def tenant_sessions(target: Path | str, tenant: str, since: float, limit: int = 50) -> list[dict[str, Any]]:
     """A tenant's sessions with a decision since ``since``, the latest first (at most ``limit``): its
     decisions, the last one's time and offering. One range of ``decisions_session``."""
-    sql = ("SELECT session_id, COUNT(*), MAX(created_at) FROM decisions WHERE tenant = ? AND session_id IS NOT NULL "
-           "AND created_at >= ? GROUP BY session_id ORDER BY 3 DESC LIMIT ?")
     with reading(target) as query:
-        rows = query(sql, (tenant, since, limit))
+        rows = query(SESSIONS_SQL, (tenant, since, limit))
     return [{"session_id": s, "decisions": int(n), "last_at": float(at)} for s, n, at in rows]
