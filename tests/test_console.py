@@ -374,3 +374,32 @@ def test_every_console_query_has_a_limit_and_walks_an_index(tmp_path: Path) -> N
         full = [d for d in details if d.startswith("SCAN ") and "USING" not in d]
         assert not full or not any("TEMP B-TREE" in d for d in details), (sql, details)
     conn.close()
+
+
+@pytest.mark.slow
+def test_the_tenants_page_shows_its_migrations_with_their_state_history(live: Live, browser: Any) -> None:
+    """(Last: the interruption migrates sessions, whose target decisions join the log.)"""
+    from datetime import UTC, datetime, timedelta
+
+    from selenium.webdriver.common.by import By
+
+    c = live.client
+    place = c.get("/v1/sessions/a-s0", headers=live.auth("a")).json()["placement"]
+    deadline = (datetime.now(UTC) + timedelta(minutes=10)).isoformat()
+    r = c.post("/v1/events", json={"event_id": f"{live.event_id}-int", "kind": "interruption", "pool": place,
+                                   "deadline": deadline}, headers=live.auth("admin"))
+    assert r.status_code in (200, 202), r.text
+    page = ""
+    for _ in range(100):  # (the migrator starts them at once; a target is chosen within its poll)
+        page = c.get("/console/tenants", headers=live.auth("a")).text
+        if "a-s0" in page and "target_chosen" in page:
+            break
+        time.sleep(0.1)
+    assert "a-s0" in page and "a-s1" in page and "b-s" not in page
+    # each migration's history: requested, then the target chosen
+    login(browser, live, "a")
+    browser.get(f"{live.url}/console/tenants")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#migrations tr")[1:]
+    assert rows and all("requested" in r.text and place in r.text for r in rows)
+    assert console_errors(browser) == []
+    shot(browser, "tenant-migrations")

@@ -36,6 +36,9 @@ TEMPLATES.env.filters["num"] = _num
 PAGES = (("pools", "Pools", None), ("decisions", "Decisions", None), ("policies", "Policies", "admin:read:policies"),
          ("tenants", "Tenants", None), ("model", "Model", "admin:read:status"))
 
+#: the navigation entry a template belongs to (else its own name)
+_ACTIVE = {"decision.html": "decisions"}
+
 
 def render(request: Request, template: str, context: dict[str, Any], caller: Caller | None,
            status_code: int = 200) -> HTMLResponse:
@@ -46,6 +49,6 @@ def render(request: Request, template: str, context: dict[str, Any], caller: Cal
         perms = caller.svc.engine.access.permissions(caller.who)
         nav = [(path, label) for path, label, need in PAGES if need is None or perms.allows(need)]
         who = {"tenant": caller.who.tenant, "role": caller.who.role, "key_id": caller.who.key_id}
-    active = template.removesuffix(".html").replace("decision", "decisions").replace("decisionss", "decisions")
+    active = _ACTIVE.get(template, template.removesuffix(".html"))
     ctx = {"nav": nav, "who": who, "csrf": getattr(request.state, "csrf", ""), "active": active, **context}
     return TEMPLATES.TemplateResponse(request, template, ctx, status_code=status_code)
