@@ -177,6 +177,37 @@ class MlflowConfig(Strict):
         None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db")
 
 
+class FamilyTenant(Strict):
+    """One tenant of a gate family: its share of the requests and how its SLOs are rescaled."""
+
+    share: float = Field(gt=0, le=1, description="share of the requests (normalized over the family's tenants)")
+    slo_scale: float = Field(1.0, gt=0, le=100, description="its requests' ttft_ms, tpot_ms and deadline_ms times "
+                                                           "this (0.5: twice as strict)")
+
+
+class GateFamily(Strict):
+    """A family of gate scenarios that differs from training in what matters (``models.scenarios``,
+    ``docs/results.md`` "Families in the gate"): the test windows of ``bundles`` at ``rates``, with
+    the requests relabelled into tenants whose SLOs are rescaled, and the pools' capacity rescaled."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,39}$", description="the family's name in the gate's report")
+    bundles: list[str] | None = Field(None, min_length=1, description="whose test windows (default: data.gate)")
+    rates: list[float] = Field(default_factory=lambda: [1.0], min_length=1, description="loads")
+    tenants: dict[str, FamilyTenant] = Field(
+        default_factory=dict, description="the requests' tenants (by a hash of the request id) and their SLO scales; "
+                                          "empty = as the bundle has them")
+    capacity_scale: float = Field(1.0, gt=0, le=100, description="every pool's capacity_replicas times this (at least "
+                                                                "1): scarce (< 1) or ample (> 1) capacity")
+    seed: int = Field(0, description="the tenant relabelling's draw")
+
+    @field_validator("rates")
+    @classmethod
+    def _rates(cls, v: list[float]) -> list[float]:
+        if any(r <= 0 for r in v):
+            raise ValueError("every rate must be > 0")
+        return v
+
+
 class DataConfig(Strict):
     """What ``xroute train`` learns from, selects on and is judged on. Bundles are names under
     ``data/bundles/`` (the shipped ones: ``default``, ``feb2024``, ``mar2024``) or directories.
@@ -186,6 +217,10 @@ class DataConfig(Strict):
     ``telemetry``) replaces every list with one bundle."""
 
     train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake", "asia"], min_length=1)
+    train_families: list[GateFamily] = Field(
+        default_factory=list, description="domain randomization: each training bundle also as these families have it "
+                                          "(their tenants' SLO scales, capacity_scale; bundles = which of data.train, "
+                                          "default all; rates are ignored: training draws rate_scales)")
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: list[str] = Field(
@@ -199,6 +234,20 @@ class DataConfig(Strict):
     gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
     gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
     gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
+    gate_families: list[GateFamily] = Field(
+        default_factory=lambda: [GateFamily(
+            name="strict-relaxed", bundles=["feb2024", "mar2024"], rates=[1.0, 4.0],
+            tenants={"strict": FamilyTenant(share=0.5, slo_scale=0.5), "relaxed": FamilyTenant(share=0.5, slo_scale=2.0)})],
+        description="more gate scenarios, by family (other SLO recipes and tenant mixes, scarce "
+                                          "or ample capacity); the shipped windows are one family per bundle and the "
+                                          "overload scenario one more")
+    gate_margin: float = Field(
+        0.0002, ge=0, le=1, description="non-inferiority to greedy in every gate scenario (each family at each load): "
+                                        "the 95 % interval of the challenger's paired difference to greedy must lie "
+                                        "above minus the larger of this (mean reward) ...")
+    gate_margin_rel: float = Field(
+        0.0025, ge=0, le=1, description="... and this times greedy's |mean reward| there (0.0025 x 0.08 = 0.0002 on "
+                                        "the shipped windows; the overload scenario's rewards are 30x larger)")
     gate_overload: str | None = Field(
         "overload.yaml", description="an overload scenario for the gate too (configs/overload.yaml: a shipped bundle's window "
                           "on a few pools past their capacity, a noisy tenant beside a quiet one); None = none")
@@ -220,6 +269,23 @@ class DataConfig(Strict):
     def _rates(cls, v: list[float]) -> list[float]:
         if any(r <= 0 for r in v):
             raise ValueError("every rate must be > 0")
+        return v
+
+    @model_validator(mode="after")
+    def _train_family_bundles(self) -> DataConfig:
+        for i, fam in enumerate(self.train_families):
+            for k, b in enumerate(fam.bundles or []):
+                if b not in self.train:
+                    raise ValueError(f"train_families[{i}].bundles[{k}]: '{b}' is not one of data.train")
+        return self
+
+    @field_validator("gate_families", "train_families")
+    @classmethod
+    def _family_names(cls, v: list[GateFamily]) -> list[GateFamily]:
+        names = [f.name for f in v]
+        for n in names:
+            if names.count(n) > 1 or n == "overload":
+                raise ValueError(f"each family name once, and not 'overload' ('{n}' repeats or is reserved)")
         return v
 
 

@@ -8,7 +8,15 @@ baseline with the best mean reward there. The gate passes when
 * the **pooled** paired difference in mean reward (per seed, the mean over scenarios of the
   router's reward minus the best baseline's; a 95 % t-interval over the seeds) has its lower bound
   above zero, and
-* **no scenario** shows a significant loss (a per-scenario interval entirely below zero).
+* **no scenario** shows a significant loss (a per-scenario interval entirely below zero), and
+* in **every family at every load** the router is **non-inferior to greedy**: in each scenario the
+  95 % interval of its paired difference to greedy lies above minus the margin, the larger of
+  ``data.gate_margin`` and ``data.gate_margin_rel`` x greedy's |mean reward| there (one margin in
+  reward units would be noise in the overload scenario, whose rewards are 30x the others'). The
+  families (``Scenario.family``): a shipped bundle's windows, the overload scenario, each
+  ``data.gate_families`` entry (other SLO recipes and tenant mixes, scarce or ample capacity); the
+  report also gives each family's pooled difference. A router that is worse than greedy on some kind
+  of traffic is worse than no learning there, however well it does pooled.
 
 Otherwise the challenger is not promoted and the router keeps serving the champion or, with none,
 the fallback baseline: it does not lose quietly where it was not trained. ``xroute promote`` reads
@@ -23,8 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from models.baselines import Greedy
 from models.scenarios import Scenario, eval_env_config
 from xroute.config import EvaluateConfig
+
+#: what every router must be non-inferior to on every family
+GREEDY = Greedy.name
 
 
 @dataclass
@@ -34,6 +46,21 @@ class ScenarioResult:
     best_baseline: str
     #: policy name -> per-seed differences of mean reward to the best baseline
     deltas: dict[str, np.ndarray] = field(default_factory=dict)
+    family: str = ""
+    #: policy name -> per-seed differences of mean reward to greedy
+    vs_greedy: dict[str, np.ndarray] = field(default_factory=dict)
+    #: greedy's mean reward there (the scale of the non-inferiority margin)
+    greedy_reward: float = float("nan")
+
+    def margin(self, margin: float, margin_rel: float) -> float:
+        """The non-inferiority margin here: ``max(margin, margin_rel x |greedy's mean reward|)``."""
+        return max(margin, margin_rel * abs(self.greedy_reward)) if math.isfinite(self.greedy_reward) else margin
+
+    def non_inferior(self, name: str, margin: float, margin_rel: float) -> bool:
+        from models.evaluate import t_interval
+
+        lo = t_interval(self.vs_greedy[name])[1]
+        return math.isfinite(lo) and lo > -self.margin(margin, margin_rel)
 
     def interval(self, name: str) -> tuple[float, float, float]:
         from models.evaluate import t_interval
@@ -52,12 +79,31 @@ class GateDecision:
     pooled: tuple[float, float, float]
     losses: list[str]
     wins: list[str]
+    #: family -> the candidate's paired difference to greedy there (mean, 95 % interval)
+    families: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    #: the scenarios where the interval to greedy does not lie above minus their margin
+    inferior: list[str] = field(default_factory=list)
+    margin: float = 0.0
+    margin_rel: float = 0.0
 
     def tags(self, prefix: str = "gate") -> dict[str, Any]:
         m, lo, hi = self.pooled
         return {f"{prefix}_passed": self.passed, f"{prefix}_reward_delta": m, f"{prefix}_reward_delta_lo": lo,
                 f"{prefix}_reward_delta_hi": hi, f"{prefix}_losses": ";".join(self.losses) or "none",
-                f"{prefix}_wins": ";".join(self.wins) or "none", f"{prefix}_reason": self.reason[:500]}
+                f"{prefix}_wins": ";".join(self.wins) or "none", f"{prefix}_reason": self.reason[:500],
+                f"{prefix}_inferior": ";".join(self.inferior) or "none", f"{prefix}_margin": self.margin,
+                f"{prefix}_margin_rel": self.margin_rel}
+
+
+def family_intervals(results: list[ScenarioResult], candidate: str) -> dict[str, tuple[float, float, float]]:
+    """Per family (in the order first seen): ``candidate``'s paired difference to greedy, per seed
+    the mean over the family's scenarios, as a 95 % t-interval."""
+    from models.evaluate import t_interval
+
+    fams: dict[str, list[np.ndarray]] = {}
+    for r in results:
+        fams.setdefault(r.family or r.label, []).append(r.vs_greedy[candidate])
+    return {f: t_interval(np.mean(np.stack(v), axis=0)) for f, v in fams.items()}
 
 
 def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: EvaluateConfig, seeds: int,
@@ -77,10 +123,14 @@ def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: 
                 r.is_baseline = False
         best = ev.best_baseline(res)  # (ev.evaluate compared every result to it already)
         assert best is not None
-        sr = ScenarioResult(s.label, res, best.name)
+        greedy = next(r for r in res if r.name == GREEDY)
+        sr = ScenarioResult(s.label, res, best.name, family=s.family,
+                            greedy_reward=float(greedy.metrics["mean_reward"]))
         for r in res:
             sr.deltas[r.name] = np.array([a.metrics["mean_reward"] - b.metrics["mean_reward"]
                                           for a, b in zip(r.runs, best.runs)])
+            sr.vs_greedy[r.name] = np.array([a.metrics["mean_reward"] - b.metrics["mean_reward"]
+                                             for a, b in zip(r.runs, greedy.runs)])
         out.append(sr)
         if echo is not None:
             parts = ", ".join(f"{n} {_fmt(sr.interval(n))}" for n in routers)
@@ -88,8 +138,10 @@ def evaluate_gate(scenarios: list[Scenario], routers: dict[str, str], eval_cfg: 
     return out
 
 
-def decide(results: list[ScenarioResult], candidate: str) -> GateDecision:
-    """The gate's verdict for ``candidate`` (module docstring)."""
+def decide(results: list[ScenarioResult], candidate: str, margin: float = 0.0002,
+           margin_rel: float = 0.0025) -> GateDecision:
+    """The gate's verdict for ``candidate`` (module docstring); ``margin``, ``margin_rel``: the
+    non-inferiority margin to greedy in every scenario (``data.gate_margin``, ``data.gate_margin_rel``)."""
     from models.evaluate import t_interval
 
     per_seed = np.mean(np.stack([r.deltas[candidate] for r in results]), axis=0)
@@ -101,19 +153,47 @@ def decide(results: list[ScenarioResult], candidate: str) -> GateDecision:
             losses.append(r.label)
         if math.isfinite(lo) and lo > 0:
             wins.append(r.label)
+    families = family_intervals(results, candidate)
+    inferior = [r.label for r in results if not r.non_inferior(candidate, margin, margin_rel)]
+
+    def verdict(passed: bool, reason: str) -> GateDecision:
+        return GateDecision(passed, reason, candidate, pooled, losses, wins, families, inferior, margin, margin_rel)
+
     m, lo, hi = pooled
     if not math.isfinite(lo):
-        return GateDecision(False, "the gate needs at least two seeds for an interval", candidate, pooled, losses, wins)
+        return verdict(False, "the gate needs at least two seeds for an interval")
     if losses:
-        reason = (f"{candidate} loses to the best baseline where it was not trained: {', '.join(losses)} "
-                  f"(pooled Δ reward {_fmt(pooled)})")
-        return GateDecision(False, reason, candidate, pooled, losses, wins)
+        return verdict(False, f"{candidate} loses to the best baseline where it was not trained: {', '.join(losses)} "
+                              f"(pooled Δ reward {_fmt(pooled)})")
     if lo <= 0:
-        reason = (f"{candidate} does not beat the best baseline beyond noise: pooled Δ reward {_fmt(pooled)} "
-                  f"over {len(results)} unseen scenarios (the lower bound must be > 0)")
-        return GateDecision(False, reason, candidate, pooled, losses, wins)
-    return GateDecision(True, f"{candidate} beats the best baseline on {len(results)} unseen scenarios: pooled Δ reward "
-                              f"{_fmt(pooled)}, significant in {len(wins)}, lost in none", candidate, pooled, losses, wins)
+        return verdict(False, f"{candidate} does not beat the best baseline beyond noise: pooled Δ reward "
+                              f"{_fmt(pooled)} over {len(results)} unseen scenarios (the lower bound must be > 0)")
+    if inferior:
+        by = {r.label: r for r in results}
+        worst = ", ".join(f"{x} ({by[x].family}) {_fmt(t_interval(by[x].vs_greedy[candidate]))} vs "
+                          f"-{by[x].margin(margin, margin_rel):.5f}" for x in inferior)
+        return verdict(False, f"{candidate} is not non-inferior to greedy in every family and load: {worst}")
+    return verdict(True, f"{candidate} beats the best baseline on {len(results)} unseen scenarios: pooled Δ reward "
+                         f"{_fmt(pooled)}, significant in {len(wins)}, lost in none; non-inferior to greedy in all "
+                         f"{len(families)} families at every load")
+
+
+def families_markdown(results: list[ScenarioResult], routers: list[str], margin: float,
+                      margin_rel: float = 0.0025) -> str:
+    """One row per family: its scenarios, each router's paired difference to greedy pooled over
+    them, and whether it is non-inferior in each of them (else which not)."""
+    head = ["family", "scenarios"] + [f"{n}: Δ vs greedy (pooled)" for n in routers]
+    head += [f"{n}: non-inferior in each" for n in routers]
+    per = {n: family_intervals(results, n) for n in routers}
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fam in per[routers[0]]:
+        mine = [r for r in results if (r.family or r.label) == fam]
+        row = [fam, "; ".join(r.label for r in mine)] + [_fmt(per[n][fam]) for n in routers]
+        for n in routers:
+            bad = [r.label for r in mine if not r.non_inferior(n, margin, margin_rel)]
+            row.append("**no**: " + "; ".join(bad) if bad else "yes")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: list[ScenarioResult], routers: list[str]) -> str:

@@ -114,6 +114,13 @@ class Scenario:
     rate: float = 1.0
     #: env settings this scenario changes (the overload scenario's tenants and admission)
     env: dict[str, Any] | None = None
+    #: what the gate judges it with (non-inferiority per family): a bundle's own label for the shipped
+    #: windows, ``overload``, or a ``data.gate_families`` name
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.family:
+            self.family = self.label.split(" ")[0]
 
 
 @dataclass
@@ -165,6 +172,13 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         for c in range(d.perturbed_copies):
             pb = perturb_catalog(sp.bundles["train"], 0.2, seed=1000 + 17 * k + c)
             train.append(Scenario(f"{_label(ref)}~perturbed{c}", pb, None))
+        for fam in d.train_families if one is None else []:
+            if fam.bundles is not None and ref not in fam.bundles:
+                continue
+            fb = split_bundle(family_bundle(resolve_bundle(ref, f"train config: field 'data.train[{k}]'"), fam),
+                              cfg.split)
+            train.append(Scenario(f"{fam.name}:{_label(ref)}", fb.bundles["train"], fb.history("train"),
+                                  family=fam.name))
     selection = []
     for k, ref in enumerate([names["selection"]] if one is not None else d.selection):
         sp = splits(ref, f"train config: field 'data.selection[{k}]'")
@@ -179,8 +193,18 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         from xroute.config import config_path
 
         sc, _ = overload_scenario(config_path(d.gate_overload), cfg.split)
+        sc.family = "overload"
         gate.append(sc)
         hashes[sc.label] = sc.bundle.content_hash
+    for i, fam in enumerate(d.gate_families if one is None else []):
+        for k, ref in enumerate(fam.bundles or d.gate):
+            field = f"train config: field 'data.gate_families[{i}].bundles[{k}]'"
+            b = family_bundle(resolve_bundle(ref, field), fam)
+            sp = split_bundle(b, cfg.split)
+            hashes[f"{fam.name}/{_label(ref)}"] = b.content_hash
+            for r in fam.rates:
+                gate.append(Scenario(f"{fam.name}:{_label(ref)} x{r:g}", sp.bundles["test"], sp.history("test"), r,
+                                     family=fam.name))
     return Scenarios(train, selection, gate, hashes)
 
 
@@ -259,6 +283,35 @@ def relabel_tenants(bundle: Bundle, shares: dict[str, float], seed: int) -> Bund
     from dataclasses import replace
 
     return replace(bundle, workload=w, content_hash=bundle.content_hash + f"-tenants{seed}")
+
+
+def family_bundle(bundle: Bundle, fam: Any) -> Bundle:
+    """``bundle`` as a gate family (``models.config.GateFamily``) has it: its requests relabelled into
+    the family's tenants (a hash of the request id, as :func:`relabel_tenants`), each tenant's SLOs
+    (``ttft_ms``, ``tpot_ms``, ``deadline_ms``) times its ``slo_scale``, and every pool's
+    ``capacity_replicas`` times ``capacity_scale`` (at least 1). What the requests are and when they
+    come is unchanged: only what a request asks for and what serves it."""
+    from dataclasses import replace
+
+    if fam.tenants:
+        bundle = relabel_tenants(bundle, {k: t.share for k, t in fam.tenants.items()}, fam.seed)
+        w = bundle.workload.copy()
+        scale = w["tenant"].map({k: t.slo_scale for k, t in fam.tenants.items()}).astype(float)
+        for col in ("ttft_ms", "tpot_ms", "deadline_ms"):
+            if col in w.columns:
+                w[col] = w[col] * scale
+        bundle = replace(bundle, workload=w, content_hash=bundle.content_hash + "-slo" + "-".join(
+            f"{k}{t.share:g}x{t.slo_scale:g}" for k, t in fam.tenants.items()))
+    if fam.capacity_scale != 1.0:
+        if bundle.inventory is not None:
+            raise ConfigError(f"gate family '{fam.name}': capacity_scale cannot rescale {bundle.path}: its pools "
+                              "follow the instances its inventory table reports")
+        o = bundle.offerings.copy()
+        if "capacity_replicas" in o.columns:
+            o["capacity_replicas"] = (o["capacity_replicas"].astype(float) * fam.capacity_scale).round().clip(
+                lower=1).astype("int64")
+        bundle = replace(bundle, offerings=o, content_hash=bundle.content_hash + f"-cap{fam.capacity_scale:g}")
+    return bundle
 
 
 def overload_scenario(path: str | Path, split: SplitConfig) -> tuple[Scenario, dict[str, Any]]:

@@ -67,9 +67,15 @@ def log_training_inputs(cfg: TrainConfig, sc: Scenarios, bundle_hash: str, basel
 
 
 def log_gate(gate_table: str, gate_runs: list[Any], decision: Any, ablation: Any, best: dict[str, Any], out_dir: Path,
-             seeds: int) -> None:
-    """The gate's table, each scenario's table and plot, and its verdicts, into the active run."""
+             seeds: int, families_table: str = "") -> None:
+    """The gate's table, its table by family, each scenario's table and plot, and its verdicts,
+    into the active run (each family's paired Δ to greedy as metrics ``gate_family_delta.<name>``
+    and ``..._lo``)."""
     mlflow.log_text(gate_table, "gate.md")
+    if families_table:
+        mlflow.log_text(families_table, "gate_families.md")
+    for fam, (m, lo, _) in decision.families.items():
+        mlflow.log_metrics({f"gate_family_delta.{fam}": m, f"gate_family_delta_lo.{fam}": lo})
     for r in gate_runs:
         slug = r.label.replace(" ", "_")
         mlflow.log_text(ev.markdown_table(r.results), f"gate/{slug}.md")

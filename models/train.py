@@ -126,11 +126,15 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
         routers = {CHALLENGER: best["router_dir"], WARM_ONLY: best["warm_dir"]}
         gate_runs = gate.evaluate_gate(sc.gate, routers, eval_cfg, cfg.data.gate_seeds,
                                        baselines, echo)
-        decision = gate.decide(gate_runs, CHALLENGER)
-        ablation = gate.decide(gate_runs, WARM_ONLY)
+        margins = (cfg.data.gate_margin, cfg.data.gate_margin_rel)
+        decision = gate.decide(gate_runs, CHALLENGER, *margins)
+        ablation = gate.decide(gate_runs, WARM_ONLY, *margins)
+        families = gate.families_markdown(gate_runs, [CHALLENGER, WARM_ONLY], *margins)
+        echo("gate by family (paired Δ mean reward to greedy, 95 % CI; non-inferior where above minus the larger of "
+             f"{margins[0]:g} and {margins[1]:g} x greedy's |reward|, in each scenario):\n{families}")
         echo(f"gate: {'PASSED' if decision.passed else 'refused'}: {decision.reason}")
         tracking.log_gate(gate.markdown(gate_runs, [CHALLENGER, WARM_ONLY]), gate_runs, decision, ablation, best,
-                          out_dir, cfg.data.gate_seeds)
+                          out_dir, cfg.data.gate_seeds, families)
 
     model_uri, version = tracking.log_and_register(cfg, best, bb, decision, ablation, sc.selection[0], uri, echo)
     return TrainSummary(best=best, trials=trials, scenarios=sc.describe(), gate=gate_runs, decision=decision,

@@ -63,11 +63,13 @@ def code_fingerprint() -> str:
 
 def label_key(cfg: TrainConfig, bundle_hash: str, env_cfg: EnvConfig) -> str:
     """What the labelled states depend on: the warm-start settings, the bundles' content, the seed,
-    the loads, the episodes, the environment's settings and code, and the perturbed copies."""
+    the loads, the episodes, the environment's settings and code, the perturbed copies and the
+    training families."""
     blob = json.dumps({"warm": cfg.warm_start.model_dump(mode="json", exclude={"cache"}), "data": bundle_hash,
                        "seed": cfg.seed, "rates": cfg.rate_scales, "episode": cfg.episode_requests,
                        "ray": cfg.ray.max_concurrent_trials, "env": env_cfg.model_dump(mode="json"),
-                       "perturbed": cfg.data.perturbed_copies, "code": code_fingerprint()},
+                       "perturbed": cfg.data.perturbed_copies, "code": code_fingerprint(),
+                       "families": [f.model_dump(mode="json") for f in cfg.data.train_families]},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

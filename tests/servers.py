@@ -84,7 +84,8 @@ def start_subprocess(args: list[str], env: dict[str, str], port: int, log: Path,
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}; log: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200:
+            if (httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200
+                    and listens(proc.pid, port)):  # (ours: not another process that took the port meanwhile)
                 return proc
         except httpx.HTTPError:
             pass
@@ -109,6 +110,24 @@ def descendants(pid: int) -> set[int]:
         frontier = {p for p, pp in parent.items() if pp in frontier and p not in found}
         found |= frontier
     return found
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether ``pid`` or a process below it holds the socket listening on 127.0.0.1:``port``
+    (from ``/proc/net/tcp`` and the processes' file descriptors; Linux)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:  # (0A: LISTEN)
+            inodes.add(f"socket:[{fields[9]}]")
+    for p in {pid} | descendants(pid):
+        for fd in glob.glob(f"/proc/{p}/fd/*"):
+            try:
+                if os.readlink(fd) in inodes:
+                    return True
+            except OSError:  # gone meanwhile, or the fd closed while read
+                continue
+    return False
 
 
 def alive(pid: int) -> bool:

@@ -424,7 +424,7 @@ def test_two_processes_migrating_one_log_at_once_add_each_column_once(tmp_path: 
     def other_start() -> None:
         try:
             DecisionStore(path)._conn.close()
-        except BaseException as e:  # noqa: BLE001 -- reported by the assertion below
+        except BaseException as e:  # (reported by the assertion below)
             errors.append(e)
 
     t = threading.Thread(target=other_start)
