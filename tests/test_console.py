@@ -403,3 +403,48 @@ def test_the_tenants_page_shows_its_migrations_with_their_state_history(live: Li
     assert rows and all("requested" in r.text and place in r.text for r in rows)
     assert console_errors(browser) == []
     shot(browser, "tenant-migrations")
+
+
+@pytest.mark.slow
+def test_the_model_page_reads_champion_and_challenger_with_the_gate_from_the_registry(tmp_path: Path) -> None:
+    """``router.console.model_info`` on a real MLflow registry (a SQLite store): each alias's version, its
+    run, the gate's verdict, its ``gate_*`` tags and metrics; an alias nobody set is reported absent."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from router.console import model_info
+
+    prior = mlflow.get_tracking_uri()  # (MLflow's process-wide settings: left as they were for the other tests)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        client = MlflowClient()
+        exp = client.create_experiment("console-test", artifact_location=str(tmp_path / "artifacts"))
+        run = client.create_run(exp)
+        client.log_metric(run.info.run_id, "gate_reward_delta", 0.0042)
+        client.log_metric(run.info.run_id, "loss", 1.0)
+        client.set_terminated(run.info.run_id)
+        client.create_registered_model("console-router")
+        mv = client.create_model_version("console-router", source=str(tmp_path / "artifacts" / "m"),
+                                         run_id=run.info.run_id,
+                                         tags={"gate_passed": "False", "gate_reason": "loses under overload"})
+        client.set_registered_model_alias("console-router", "challenger", mv.version)
+        view = model_info.registry_view("models:/console-router@champion")
+        assert view["error"] is None and view["name"] == "console-router"
+        champion, challenger = view["versions"]
+        assert champion == {"alias": "champion", "version": None}
+        assert challenger["version"] == mv.version and challenger["run_id"] == run.info.run_id
+        assert challenger["gate_passed"] == "False" and challenger["gate_reason"] == "loses under overload"
+        assert challenger["metrics"] == {"gate_reward_delta": 0.0042}  # (only the gate's figures)
+        assert challenger["run_link"] is None  # (a file store: no UI to link to)
+        assert model_info.registry_view("runs:/abc/model") == {"name": None, "versions": [], "error": None}
+        # the page's template with that view
+        from router.console.render import TEMPLATES
+
+        html = TEMPLATES.env.get_template("model.html").render(
+            nav=[], who=None, csrf="", active="model", policy={"name": "greedy", "kind": "fallback"},
+            model_uri="models:/console-router@champion", loaded=None, error=None, swaps=0, registry=view,
+            state={}, decisions_since_start=0)
+        assert "challenger: version 1" in html and "not passed" in html and "gate_reward_delta" in html
+    finally:
+        mlflow.set_tracking_uri(prior)
+        model_info._cache.clear()
