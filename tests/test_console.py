@@ -448,3 +448,40 @@ def test_the_model_page_reads_champion_and_challenger_with_the_gate_from_the_reg
     finally:
         mlflow.set_tracking_uri(prior)
         model_info._cache.clear()
+
+
+@pytest.mark.slow
+def test_the_pages_on_a_postgresql_log(tmp_path: Path) -> None:
+    """The same readers on the decision log's PostgreSQL backend (a real server): search by tenant and
+    session in keyset pages, one decision, the tenant's decisions per hour and reservations per minute."""
+    from tests.servers import PostgresServer
+
+    server = PostgresServer().start()
+    try:
+        setup = make_setup(tmp_path, db_url=server.create_database("console"),
+                           tenants={"a": {"quotas": {"requests_per_day": 1000}}})
+        with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as c:
+            ids = []
+            t0 = time.time()
+            for i in range(5):
+                r = c.post("/v1/route", json={**ROUTE, "session_id": f"pg-s{i % 2}"}, headers=setup.auth("a"))
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["decision_id"])
+            admin = setup.auth("admin")
+            r = c.get("/console/decisions?tenant=a&session=pg-s0&limit=2", headers=admin)
+            assert r.status_code == 200 and [ids[4], ids[2]] == [d for d in ids if d in r.text][::-1]
+            nxt = r.text.split('id="older" href="')[1].split('"')[0].replace("&amp;", "&")
+            r = c.get(nxt, headers=admin)
+            assert r.status_code == 200 and ids[0] in r.text and ids[2] not in r.text
+            r = c.get(f"/console/decisions/{ids[1]}", headers=setup.auth("a"))
+            assert r.status_code == 200 and ids[1] in r.text
+            r = c.get("/console/tenants?tenant=a", headers=admin)
+            assert r.status_code == 200 and "pg-s0" in r.text
+            hours = r.text.split('id="usage-hours"')[1].split("</table>")[0]
+            assert '<td class="n">5</td>' in hours
+            # the bucket is the hour the decisions were made in (PostgreSQL's CAST rounds: the next hour after :30)
+            assert time.strftime("%Y-%m-%d %H:00:00Z", time.gmtime(t0)) in hours, hours
+            for page in ("pools", "decisions", "policies", "model"):
+                assert c.get(f"/console/{page}", headers=admin).status_code == 200, page
+    finally:
+        server.close()

@@ -10,7 +10,7 @@ from typing import Any
 
 from router.core.logs import id_floor
 from router.state.base import Released, Reserved, hold_for, pool_key
-from router.store.dialect import reading, stream
+from router.store.dialect import is_postgres_url, reading, stream
 from router.store.rows import export_columns, export_params
 
 
@@ -138,14 +138,21 @@ SESSIONS_SQL = ("SELECT session_id, COUNT(*), MAX(created_at) FROM decisions WHE
                 "NULL AND created_at >= ? GROUP BY session_id ORDER BY 3 DESC LIMIT ?")
 
 
+def _floored(sql: str) -> str:
+    """PostgreSQL's spelling of the bucket: its ``CAST(... AS INTEGER)`` rounds where SQLite's truncates."""
+    return sql.replace("CAST(created_at / ? AS INTEGER)", "FLOOR(created_at / ?)")
+
+
 def tenant_usage(target: Path | str, tenant: str, now: float) -> dict[str, list[dict[str, Any]]]:
     """A tenant's use over time, from its decisions: ``hours`` -- decisions per hour over the last day
     (against ``requests_per_day``; an index-only count) -- and ``minutes`` -- decisions, tokens and USD
     its quotas reserved per minute over the last hour (against ``tokens_per_minute``, ``usd_per_day``).
     Oldest first; at most 25 and 61 buckets."""
+    hours_sql, minutes_sql = (_floored(REQUESTS_SQL), _floored(RESERVED_SQL)) if is_postgres_url(target) else \
+        (REQUESTS_SQL, RESERVED_SQL)
     with reading(target) as query:
-        hours = query(REQUESTS_SQL, (3600, tenant, now - 86_400.0, 25))
-        minutes = query(RESERVED_SQL, (60, tenant, now - 3600.0, 61))
+        hours = query(hours_sql, (3600, tenant, now - 86_400.0, 25))
+        minutes = query(minutes_sql, (60, tenant, now - 3600.0, 61))
     return {"hours": [{"start": float(b) * 3600, "requests": int(n)} for b, n in hours],
             "minutes": [{"start": float(b) * 60, "requests": int(n), "quota_tokens": int(tok or 0),
                          "quota_usd": float(usd or 0.0)} for b, n, tok, usd in minutes]}
