@@ -156,8 +156,15 @@ def test_every_page_renders_in_chromium_without_a_console_error(live: Live, brow
                                                                                                   "#feedback tr")
     assert console_errors(browser) == []
     shot(browser, "admin-decision")
-    # search by tenant and session, then page with the keyset cursor
-    browser.get(f"{live.url}/console/decisions?tenant=b&session=b-s1&limit=2")
+    # search by tenant and session through the form, then page with the keyset cursor
+    browser.get(f"{live.url}/console/decisions")
+    browser.find_element(By.NAME, "tenant").send_keys("b")
+    browser.find_element(By.NAME, "session").send_keys("b-s1")
+    limit = browser.find_element(By.NAME, "limit")
+    limit.clear()
+    limit.send_keys("2")
+    click(browser, By.ID, "search-go")
+    assert console_errors(browser) == []
     first = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#decisions td:first-child a")]
     click(browser, By.ID, "older")
     second = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#decisions td:first-child a")]
