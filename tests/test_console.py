@@ -55,6 +55,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         r = c.put("/v1/admin/roles/auditor", json={"description": "reads, never writes", "grants": ["admin:read:*"]},
                   headers=admin)
         assert r.status_code in (200, 201), r.text
+        # a pool event masking one pool (every decision below excludes it)
+        lv.pool = c.get("/v1/offerings", headers=admin).json()["offerings"][-1]["offering"]["offering_id"]
+        lv.event_id = f"console-{int(time.time())}"
+        r = c.post("/v1/events", json={"event_id": lv.event_id, "kind": "degraded", "pool": lv.pool}, headers=admin)
+        assert r.status_code in (200, 202), r.text
         # the log: decisions of tenants a and b, in sessions, some with their outcome
         for tenant in ("a", "b"):
             lv.ids[tenant] = []
@@ -71,11 +76,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             r = c.put("/v1/admin/policies/prefer-on-demand", json={
                 "effect": "prefer", "weight": weight, "constraints": {"pricing_modes": ["on_demand"]}}, headers=admin)
             assert r.status_code in (200, 201), r.text
-        # a pool event masking one pool
-        lv.pool = c.get("/v1/offerings", headers=admin).json()["offerings"][-1]["offering"]["offering_id"]
-        lv.event_id = f"console-{int(time.time())}"
-        r = c.post("/v1/events", json={"event_id": lv.event_id, "kind": "degraded", "pool": lv.pool}, headers=admin)
-        assert r.status_code in (200, 202), r.text
         yield lv
 
 
@@ -154,6 +154,7 @@ def test_every_page_renders_in_chromium_without_a_console_error(live: Live, brow
     assert browser.find_element(By.ID, "decision-id").text == live.ids["a"][0]
     assert browser.find_elements(By.CSS_SELECTOR, "#alternatives tr") and browser.find_elements(By.CSS_SELECTOR,
                                                                                                   "#feedback tr")
+    assert "pool_event" in browser.find_element(By.ID, "exclusions").text
     assert console_errors(browser) == []
     shot(browser, "admin-decision")
     # search by tenant and session through the form, then page with the keyset cursor
