@@ -124,9 +124,9 @@ async def _page(request: Request, caller: Caller, a: int | None, b: int | None, 
         caller, status_code=status_code)
 
 
-def _draft_body(draft: str, last: int) -> policy_routes.DryRunBody:
-    """The draft (YAML or JSON): one policy, a list of them, or a dry-run body (``put``/``delete``/
-    ``policy_set``) -- 422 naming ``body.draft`` (and the field inside it) when it is none."""
+def draft_data(draft: str) -> dict[str, Any]:
+    """The draft (YAML or JSON) as a change's body: one policy, a list of them, or ``{put, delete,
+    policy_set}`` -- 422 naming ``body.draft`` when it is none of those."""
     try:
         data = yaml.safe_load(draft)
     except yaml.YAMLError as e:
@@ -137,8 +137,13 @@ def _draft_body(draft: str, last: int) -> policy_routes.DryRunBody:
         data = {"put": data}
     if not isinstance(data, dict):
         raise bad("body.draft", "a policy, a list of policies, or {put, delete, policy_set}")
+    return data
+
+
+def _draft_body(draft: str, last: int) -> policy_routes.DryRunBody:
+    """The dry run's body from the draft -- 422 naming ``body.draft`` and the field inside it."""
     try:
-        return policy_routes.DryRunBody.model_validate({**data, "last": last})
+        return policy_routes.DryRunBody.model_validate({**draft_data(draft), "last": last})
     except ValidationError as e:
         err = e.errors()[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
