@@ -496,6 +496,20 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._req_ctx: np.ndarray | None = None
         self._req_contexts: list[pol.PolicyContext] = []
 
+    def use_policies(self, policies: pol.CompiledPolicies, buffers: pol.PolicyOutcome) -> None:
+        """Make ``policies`` (compiled for this catalog, with its own ``buffers``:
+        ``policies.outcome_buffers()``) the set the next request is routed under, allocating
+        nothing: a live router's canary arms (``router.decision.canary``), each decision under its
+        arm's set. A no-op when it is the set in use."""
+        if policies is self.policies:
+            return
+        self.policies = policies
+        self._pol = buffers
+        self._pol_dirty = True  # (the buffers may hold an earlier request's outcome)
+        self.r_has_bias = False
+        self._req_ctx = None
+        self._req_contexts = []
+
     def _stream_contexts(self) -> None:
         """Each stream request's policy context, compiled once (a stream names a handful of
         distinct ones): on the first request made current under a new policy set."""

@@ -71,3 +71,14 @@ def test_bench_startup_start_once(tmp_path: Path) -> None:
     assert {"imports", "kernels", "model"} <= set(r["phases"]) and r["started_in_s"] > 0, r
     summary = bench_startup.summarize([r, r])
     assert summary["ready_s"] == r["ready_s"] and summary["phases"] == r["phases"]
+
+
+def test_bench_canary_measures_both_arms(tmp_path: Path) -> None:
+    import benchmarks.bench_canary as bench_canary
+
+    bundle = br.make_bundle(tmp_path / "b", 30, n_requests=400)
+    off = bench_canary.measure(bundle, tmp_path, False, 200, False)
+    on = bench_canary.measure(bundle, tmp_path, True, 400, False)
+    _pct_ok(off)
+    _pct_ok(on)
+    assert off["canary_share_seen"] == 0 and 0.15 < on["canary_share_seen"] < 0.45, on  # (30 % by request)

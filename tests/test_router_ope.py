@@ -31,7 +31,7 @@ from router.decision.engine import RoutingEngine
 from router.state.base import Admission
 from router.state.embedded import EmbeddedState
 from router.store.readers import iter_decisions
-from router.store.rows import ADDED_COLUMNS
+from router.store.rows import ADDED_COLUMNS, ADDED_INDEXES
 from router.store.sqlite import DecisionStore, GroupCommitLog, read_catalogs
 from tests.servers import REPO_ROOT, ServerThread
 from tests.state_support import decide
@@ -414,6 +414,8 @@ def test_two_processes_migrating_one_log_at_once_add_each_column_once(tmp_path: 
     path = tmp_path / "log.db"
     DecisionStore(path)._conn.close()  # the current schema, less the columns added since
     with sqlite3.connect(path) as old:
+        for stmt in ADDED_INDEXES:  # (an old log had no index on the columns added since)
+            old.execute(f"DROP INDEX {stmt.split()[5]}")
         for table, added in ADDED_COLUMNS.items():
             for name, _ in added:
                 old.execute(f"ALTER TABLE {table} DROP COLUMN {name}")

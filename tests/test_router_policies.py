@@ -131,7 +131,7 @@ def test_decisions_obey_the_policies_and_say_which_excluded_what(live: Any, clie
         assert d["offering"]["offering_id"] not in spot_ids
         assert all(a["offering"]["offering_id"] not in spot_ids for a in d["alternatives"])
         assert d["excluded"]["by_reason"]["policy:a-no-spot"] == len(spot_ids)
-        assert d["policies"] == {"version": version, "request_class": None, "biased": {}}
+        assert d["policies"] == {"version": version, "arm": "stable", "canary": None, "request_class": None, "biased": {}}
         got = client.get(f"/v1/decisions/{d['decision_id']}", headers=setup.auth("a")).json()
         assert got["policies"] == d["policies"] and got["excluded"] == d["excluded"]  # in the decision log
     b = route(client, setup, "b").json()  # another tenant: the policy does not target it

@@ -574,7 +574,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
     old_text, old_row, _, _ = decide(engine, req, A, "d_old", engine.source.start_wall)
     old_values = tuple(v for c, v in zip(DECISION_COLUMNS, old_row.astuple())
                        if c not in ("pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features",
-                                    "quota_tokens", "quota_usd", "trace_id"))
+                                    "quota_tokens", "quota_usd", "trace_id", "policy_arm"))
     legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_values))})", old_values)
     legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
                    "VALUES ('d_old', 'a', 1.0, 800.0, 0)")

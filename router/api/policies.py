@@ -86,13 +86,18 @@ async def _write(caller: Caller, mutation: Any) -> PolicySet:
     try:
         return await _sync(caller).write(principal(caller), mutation, request_id_var.get())  # type: ignore[no-any-return]
     except PolicyChangeError as e:
-        field = e.field if not e.field.startswith("policies[") else e.field.split(".", 1)[-1]
-        raise RouteFailure(e.status, e.error, e.message,
-                           [{"field": f"body.{field}" if field else "body", "message": e.message, "suggestions": []}]
-                           ) from None
+        raise change_failure(e) from None
     except PolicyStoreError as e:
         raise RouteFailure(503, "unavailable", f"the policy store cannot be written ({e}); nothing was changed",
                            headers={"Retry-After": "5"}) from None
+
+
+def change_failure(e: PolicyChangeError) -> RouteFailure:
+    """A change the store refused, in the error shape: the field of the body it names (``canary``:
+    the canary running, no field of the body)."""
+    field = e.field if not e.field.startswith("policies[") else e.field.split(".", 1)[-1]
+    name = "canary" if field == "canary" else f"body.{field}" if field else "body"
+    return RouteFailure(e.status, e.error, e.message, [{"field": name, "message": e.message, "suggestions": []}])
 
 
 def _set_json(ps: PolicySet) -> dict[str, Any]:
@@ -191,7 +196,7 @@ async def explain(body: RouteRequest, caller: InferenceDep,
     return caller.svc.engine.explain(body, who, time.time(), caller.who if who == caller.who.tenant else None)
 
 
-class DryRunBody(BaseModel):
+class Draft(BaseModel):
     """A proposed policy change: policies created or replaced (``put``, by name) and deleted
     (``delete``) on top of the set in force -- or a whole proposed ``policy_set`` instead."""
 
@@ -200,15 +205,24 @@ class DryRunBody(BaseModel):
     put: list[Policy] = Field(default_factory=list, max_length=500, description="policies created or replaced")
     delete: list[str] = Field(default_factory=list, max_length=500, description="names of policies removed")
     policy_set: PolicySet | None = Field(None, description="the whole proposed set (instead of put/delete)")
+
+
+class DryRunBody(Draft):
+    """A proposed policy change (:class:`Draft`) tried on the last ``last`` decisions."""
+
     last: int = Field(200, ge=1, le=5000, description="how many of the latest decisions to judge")
     sample: int = Field(10, ge=0, le=100, description="changed decisions listed")
 
 
-def _proposed(caller: Caller, body: DryRunBody) -> PolicySet:
+def proposed_set(caller: Caller, body: Draft) -> PolicySet:
+    """The whole set ``body`` proposes, checked against this router's catalog (a 422
+    ``invalid_policy`` naming the body's field, with close matches)."""
     current = caller.svc.engine.policies.set
     if body.policy_set is not None:
         if body.put or body.delete:
             raise _invalid("policy_set", "give policy_set, or put/delete -- not both")
+        if body.policy_set.canary is not None:
+            raise _invalid("policy_set.canary", "a proposed set cannot hold a canary")
         ps = body.policy_set
     else:
         names = {p.name for p in current.policies}
@@ -219,7 +233,7 @@ def _proposed(caller: Caller, body: DryRunBody) -> PolicySet:
                                      "suggestions": difflib.get_close_matches(name, sorted(names), n=3)}])
         put = {p.name: p for p in body.put}
         policies = [put.pop(p.name, p) for p in current.policies if p.name not in body.delete]
-        data = {**current.model_dump(mode="json", exclude_none=True),
+        data = {**current.model_dump(mode="json", exclude_none=True, exclude={"canary"}),
                 "policies": [p.model_dump(mode="json", exclude_none=True) for p in [*policies, *put.values()]]}
         try:
             ps = PolicySet.model_validate(data)
@@ -233,7 +247,7 @@ def _proposed(caller: Caller, body: DryRunBody) -> PolicySet:
     return ps
 
 
-def _put_field(ps: PolicySet, body: DryRunBody, field: str) -> str:
+def _put_field(ps: PolicySet, body: Draft, field: str) -> str:
     """A field of the proposed set (``policies[3].constraints...``) as the body names it."""
     if body.policy_set is not None:
         return f"policy_set.{field}"
@@ -263,7 +277,7 @@ async def dry_run_route(body: DryRunBody, caller: ReadPolicies) -> dict[str, Any
     if not caller.svc.engine.access.permissions(caller.who).allows("admin:read:decisions"):
         raise RouteFailure(**denied(caller.who, "admin:read:decisions", "a dry run (it reads every tenant's "
                                     "decisions)"))
-    ps = _proposed(caller, body)
+    ps = proposed_set(caller, body)
     try:
         rows = await asyncio.to_thread(recent_decisions, caller.svc.settings.log_target, body.last)
     except Exception as e:

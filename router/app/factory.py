@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api import access as access_routes
 from router.api import admin, capacity, decisions, feedback, health, offerings, quotas, route
+from router.api import canary as canary_routes
 from router.api import metrics as metrics_routes
 from router.api import migration as migration_routes
 from router.api import policies as policy_routes
@@ -40,6 +41,7 @@ from router.core.logs import LOG, configure_logging, flush_logs, iso
 from router.core.metrics import Metrics
 from router.core.settings import RouterSettings, load_settings
 from router.core.startup import CLOCK, release_gc, settle_gc
+from router.core.text import one_line
 from router.decision.engine import RoutingEngine
 from router.gateway import routes as gateway_routes
 from router.gateway.openai_api import ChatBody, CompletionBody
@@ -247,6 +249,7 @@ async def _open_control(stack: AsyncExitStack, settings: RouterSettings, engine:
     stack.callback(policy_store.close)
     policy_sync = PolicySync(engine, policy_store, settings.policy_files, settings.policy_poll_s)
     await policy_sync.start()
+    stack.push_async_callback(_last_tallies, policy_sync)
     access_store = await asyncio.to_thread(AccessStore, settings.log_target)
     stack.callback(access_store.close)
     access_sync = AccessSync(engine, access_store, settings.tenants, settings.policy_poll_s)
@@ -254,6 +257,14 @@ async def _open_control(stack: AsyncExitStack, settings: RouterSettings, engine:
     migration_store = await asyncio.to_thread(MigrationStore, settings.log_target)
     stack.push_async_callback(migration_store.close)
     return policy_sync, access_sync, migration_store
+
+
+async def _last_tallies(policy_sync: PolicySync) -> None:
+    """At shutdown, once nothing decides any more: the canary's last counts written to the store."""
+    try:
+        await policy_sync.flush_tallies()
+    except Exception as e:
+        LOG.warning("the canary's last counts could not be written", extra={"fields": {"error": one_line(e)}})
 
 
 async def _restore_state(state: SharedState, store: GroupCommitLog, settings: RouterSettings,
@@ -412,7 +423,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     app.router.routes.append(route.SERVED)
     app.router.routes.extend(gateway_routes.SERVED)  # the gateway's routes, the same way (router/gateway/routes.py)
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
-              health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router,
+              health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router, canary_routes.router,
               quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router,
               capacity.router, console_auth.router, console_pages.router, console_policies.router):
         app.include_router(r)

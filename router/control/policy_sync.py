@@ -87,25 +87,43 @@ class PolicySync:
             if ps.version <= self.engine.policy_version:  # (a newer one came first)
                 return False
             compiled = await asyncio.to_thread(self.engine.compile_policies, ps)
+            canary = await asyncio.to_thread(self.engine.compile_canary, ps)
             if ps.version <= self.engine.policy_version:
                 return False
-            try:
-                self.engine.check_policies(ps)
-            except ConstraintError as e:  # stored for another catalog: those values match nothing here
-                LOG.warning("policy set names values this router's catalog lacks (they match nothing here)",
-                            extra={"fields": {"version": ps.version, "problem": str(e)}})
-            self.engine.install_policies(compiled)
+            checks = [("policy set", ps)] + ([("canary's policy set", ps.canary.policy_set)] if ps.canary else [])
+            for what, checked in checks:
+                try:
+                    self.engine.check_policies(checked)
+                except ConstraintError as e:  # stored for another catalog: those values match nothing here
+                    LOG.warning(f"{what} names values this router's catalog lacks (they match nothing here)",
+                                extra={"fields": {"version": ps.version, "problem": str(e)}})
+            self.engine.install_policies(compiled, canary)
             self.swaps += 1
-            LOG.info("routing policies installed", extra={"fields": {"version": ps.version,
-                                                                     "policies": len(ps.policies)}})
+            LOG.info("routing policies installed", extra={"fields": {
+                "version": ps.version, "policies": len(ps.policies),
+                "canary": None if canary is None else f"{canary.id} ({canary.share:g} % by {canary.key})"}})
             return True
 
+    async def flush_tallies(self) -> None:
+        """Add what this router's canaries counted since the last flush to the store's tallies
+        (``router.decision.canary``); kept for the next flush when the store cannot be written."""
+        rows = self.engine.drain_tallies()
+        if not rows:
+            return
+        try:
+            await asyncio.to_thread(self.store.add_tallies, rows)
+        except BaseException:
+            self.engine._retired += rows
+            raise
+
     async def run(self) -> None:
-        """Poll the store's version every ``poll_s`` (logging an outage once)."""
+        """Poll the store's version every ``poll_s`` (logging an outage once), and write the
+        canary's tallies."""
         while True:
             await asyncio.sleep(self.poll_s)
             try:
                 await self.check()
+                await self.flush_tallies()
                 self.last_error = None
             except Exception as e:  # the store down, or a version that does not read: keep the current set
                 if self.last_error is None:

@@ -36,6 +36,7 @@ from router.core.settings import RouterSettings
 from router.core.startup import CLOCK
 from router.decision import kernels, ope_log
 from router.decision.access import AccessControl
+from router.decision.canary import CanaryArms
 from router.decision.ejections import POOL, EjectionView
 from router.decision.model_slot import ActivePolicy, PolicySlot
 from router.decision.quotas import QuotaPlan, QuotaView, quota_failure
@@ -137,6 +138,10 @@ class Ranked:
     #: the first candidate is the session's committed migration target, put before the policy's
     #: choice (:meth:`RoutingEngine.rank`): its propensity is unknown to off-policy evaluation
     pinned: bool = False
+    #: the canary running when it was ranked (``router.decision.canary.CanaryArms``; None: none) and
+    #: whether its arm decided (True) or the stable set did
+    canary: Any = None
+    arm: bool = False
 
 
 class RoutingEngine:
@@ -204,7 +209,11 @@ class RoutingEngine:
         #: what a policy's values are checked against when written (``check_policies``)
         self.policy_catalog = PolicyCatalog(self.catalog, self.models, self.origins)
         self.policies = env_policies.CompiledPolicies(PolicySet(), self.catalog)
-        self._policies_head = '{"version":0,'
+        self._policies_head = '{"version":0,"arm":"stable","canary":null,'
+        #: the canary rollout in force (``router.decision.canary``; None: none -- the stable set decides all)
+        self.canary: CanaryArms | None = None
+        #: tallies of canaries that ended or changed, not yet written to the store (``drain_tallies``)
+        self._retired: list[tuple[str, str, str, str, int]] = []
         self.install_policies(self.policies)
         self.tenants: dict[str, Constraints] = {}
         #: exploring tenants' probabilities (``tenants.<name>.explore_epsilon`` > 0)
@@ -338,7 +347,7 @@ class RoutingEngine:
         keys = ('"alternatives":[{"offering":"score":"expected_latency_ms":"expected_cost_usd":"decision_id":"d_'
                 '"created_at":"tenant":"session_id":null,"score_kind":"q_value""expected_reward""excluded":{"total":'
                 '"by_reason":{"unavailable":"queue_full":"not_preferred":"tenant:"request:"policy:"}],"policy":'
-                '"policies":{"version":"request_class":"biased":{')
+                '"policies":{"version":"arm":"stable","canary":null,"request_class":"biased":{')
         fallback = self._policy_text(self.slot.fallback.info)
         return (keys + "".join(self.ref_json) + fallback + self._tele_head).encode()
 
@@ -370,12 +379,45 @@ class RoutingEngine:
         """``ps`` compiled against this catalog (no state touched: safe off the event loop)."""
         return env_policies.CompiledPolicies(ps, self.catalog)
 
-    def install_policies(self, compiled: env_policies.CompiledPolicies) -> None:
-        """Swap a compiled policy set in, between two decisions (on the event loop): the next
-        decision sees the whole new set, none sees a mix."""
+    def compile_canary(self, ps: PolicySet) -> CanaryArms | None:
+        """The canary of the store's set ``ps`` compiled for this catalog (None: ``ps`` holds none);
+        off the event loop, as :meth:`compile_policies`."""
+        if ps.canary is None:
+            return None
+        return CanaryArms(ps.canary, env_policies.CompiledPolicies(ps.canary.policy_set, self.catalog), ps.version)
+
+    def install_policies(self, compiled: env_policies.CompiledPolicies, canary: CanaryArms | None = None) -> None:
+        """Swap a compiled policy set -- and its canary, if any (:meth:`compile_canary`) -- in,
+        between two decisions (on the event loop): the next decision sees the whole new version,
+        none sees a mix. A canary's counts not yet written carry over to the next version of the
+        same canary, or wait for :meth:`drain_tallies`."""
         self.env.set_policies(compiled)
+        self._stable_buffers = self.env.r_policy
         self.policies = compiled
-        self._policies_head = f'{{"version":{compiled.version},'
+        self._policies_head = f'{{"version":{compiled.version},"arm":"stable","canary":null,'
+        old = self.canary
+        if old is not None and old is not canary:
+            if canary is not None and canary.id == old.id:
+                canary.carry(old)
+            else:
+                self._retired += old.drain()
+        self.canary = canary
+
+    def drain_tallies(self) -> list[tuple[str, str, str, str, int]]:
+        """What the canaries counted since the last drain (``CanaryArms.drain``'s rows), emptied."""
+        rows, self._retired = self._retired, []
+        if self.canary is not None:
+            rows += self.canary.drain()
+        return rows
+
+    def use_arm(self, canary: bool) -> env_policies.CompiledPolicies:
+        """Route the next request under the canary's set (True) or the stable one; returns it."""
+        c = self.canary
+        if canary and c is not None:
+            self.env.use_policies(c.compiled, c.buffers)
+            return c.compiled
+        self.env.use_policies(self.policies, self._stable_buffers)
+        return self.policies
 
     @property
     def policy_version(self) -> int:
@@ -420,16 +462,22 @@ class RoutingEngine:
                             [{"field": "tenant", "message": f"unknown tenant '{tenant}'", "suggestions": difflib.get_close_matches(
                                 tenant, sorted(self.tenant_names), n=3, cutoff=0.6)}])
 
-    def _policies_text(self, ctx: env_policies.PolicyContext | None, out: env_policies.PolicyOutcome) -> str:
-        """The answer's ``policies`` object: the set's version, the request class, the policies
-        and, when prefer policies applied, how many allowed offerings each raised (which policies
-        applied is ``POST /v1/explain``'s: with tens of policies the list would double the answer)."""
+    def _policies_text(self, ctx: env_policies.PolicyContext | None, out: env_policies.PolicyOutcome,
+                       pol: env_policies.CompiledPolicies | None = None, head: str | None = None) -> str:
+        """The answer's ``policies`` object: the store's version in force, the arm that decided
+        (``stable``, or ``canary``; with a canary running, its id, version, key and share), the
+        request class and, when prefer policies applied, how many allowed offerings each raised
+        (which policies applied is ``POST /v1/explain``'s: with tens of policies the list would
+        double the answer). ``pol``/``head``: the arm's compiled set and head (default: stable)."""
+        if head is None:
+            head = self._policies_head
         if ctx is None:
-            return self._policies_head + '"request_class":null,"biased":{}}'
+            return head + '"request_class":null,"biased":{}}'
         cls = _dumps(ctx.request_class) if ctx.request_class else "null"
-        text = f'{self._policies_head}"request_class":{cls},"biased":{{'
-        if ctx.has_prefer and not self.policies.lexicographic:
-            return text + self.policies.biased_text(out) + "}}"
+        text = f'{head}"request_class":{cls},"biased":{{'
+        p = self.policies if pol is None else pol
+        if ctx.has_prefer and not p.lexicographic:
+            return text + p.biased_text(out) + "}}"
         return text + "}}"
 
     # ------------------------------------------------------------------ helpers
@@ -601,12 +649,18 @@ class RoutingEngine:
         :class:`RouteFailure` (the stages')."""
         d = Decision(req, who, who.tenant, decision_id, wall, request_json, explore_key, affinity, hashes)
         d.waited_ms = waited_ms
-        self.run_stages(self.route_stages, d)
+        try:
+            self.run_stages(self.route_stages, d)
+        except RouteFailure as f:
+            if d.canary is not None and getattr(f, "verdict", None) != "queue":  # (a queued request is re-ranked)
+                d.canary.denied(d.arm, f.error)
+            raise
         prefix = self._prefix_send(req, who, d.m, d.cands, hashes) if affinity is not None else None
         svc = self.env.c_service
         return Ranked(req, who, decision_id, wall, d.t, d.age, d.m, d.pinfo, d.score_kind, d.ccounts, d.ctext,
                       d.n_valid, d.n_not_preferred, d.env_counts, d.cands, d.nums, [svc.item(k) for k in d.cands],
-                      self.bundle_hash, request_json, d.epsilon, d.ope, d.ptext, d.pcounts, prefix, d.pinned)
+                      self.bundle_hash, request_json, d.epsilon, d.ope, d.ptext, d.pcounts, prefix, d.pinned,
+                      d.canary, d.arm)
 
     def run_stages(self, stages: Sequence[Stage], d: Decision) -> None:
         """Apply ``stages`` to ``d`` in order; with a :attr:`stage_timer`, every
@@ -804,6 +858,10 @@ class RoutingEngine:
                           idempotency_key, propensity, r.epsilon, features,
                           None if quota is None else int(quota[0]), None if quota is None else float(quota[1]),
                           request_json, text)
+        c = r.canary
+        if c is not None:  # (a canary running: the row says which arm decided, its exclusions are counted)
+            row.policy_arm = c.labels[r.arm]
+            c.excluded(r.arm, r.ccounts, r.pcounts, (("not_preferred", r.n_not_preferred), *zip(REASONS, env_counts)))
         return text.encode(), row, offering_id, pinfo
 
     def feedback_reward(self, ref: Any, body: FeedbackRequest) -> tuple[float | None, bool | None]:
@@ -995,7 +1053,8 @@ class RoutingEngine:
         apply when it explains its own tenant (None: an admin explaining another's). Makes the
         request current in the environment (as ranking would); admits nothing."""
         d = self.trace_stages(self.explain_stages, req, tenant, wall, who, own_permissions=who is not None)
-        env, pol = self.env, self.policies
+        env = self.env
+        pol = d.policies if d.policies is not None else self.policies
         pctx, pout = d.pctx, d.pout
         applies = pctx is not None and not pctx.empty
         busy, slots = env.C[env_kernels.BUSY], env.slots[d.m]
@@ -1009,7 +1068,10 @@ class RoutingEngine:
             rows.append({"offering": self.refs[i], "eligible": why is None, "excluded_by": why, "policy": p,
                          "usd_per_hour": usd if np.isfinite(usd) else None, "rtt_ms": _num(env.c_rtt[i]),
                          "headroom": round(head, 6)})
-        return {"tenant": tenant, "policy_version": pol.version,
+        c = d.canary
+        return {"tenant": tenant, "policy_version": self.policies.version,
+                "arm": "canary" if d.arm else "stable",
+                "canary": None if c is None else {"id": c.id, "version": c.version, "key": c.key, "share": c.share},
                 "request_class": pctx.request_class or None if pctx is not None else None,
                 "applied": list(pctx.applied) if pctx is not None else [],
                 "eligible": sum(r["eligible"] for r in rows), "offerings": rows}

@@ -14,6 +14,8 @@ The route's list, in order (the exclusion counts are by the first stage that exc
 stage              what it does                                                             fails with
 =================  =======================================================================  ===========================
 ``validate``       the caller's tenant is served, the origin known, the prefix hashes fit   403 unknown_tenant, 422
+``arm``            a canary rollout running: the request's arm by the hash of its key; the
+                   environment gets that arm's compiled policies (``router.decision.canary``)
 ``constraints``    the tenant's and the request's allow/deny/prefer (``tenant:``, ``request:``)  422 no_offering
 ``access``         regions the caller may not use for the model (``permission``)            403 (a permission it lacks)
 ``pool_events``    pools masked by a preemption, drain or degradation (``pool_event``)      429 no_capacity
@@ -47,6 +49,7 @@ import numpy as np
 from envs import kernels as env_kernels
 from envs import policies as env_policies
 from envs.admission import best_ttft_of
+from router.core.logs import request_id_var
 from router.decision import kernels, ope_log
 from router.decision.access import denied
 from router.decision.quotas import budget_failure, live_budget
@@ -113,6 +116,10 @@ class Decision:
     #: the rules (sweep, dry run): every pool at full headroom, this compiled set (None: the engine's)
     full_headroom: bool = False
     policies: env_policies.CompiledPolicies | None = None
+    #: the canary running (``router.decision.canary.CanaryArms``; None: none) and whether its arm
+    #: decides this request (set by the ``arm`` stage)
+    canary: Any = None
+    arm: bool = False
     # ---- filled by the stages
     compiled: Any = None
     allowed: Any = None
@@ -333,6 +340,32 @@ class Prepare(Stage):
                 d.live_prefix = e._live_prefix(m_req, d.affinity)
 
 
+class Arm(Stage):
+    """With a canary rollout running (``router.decision.canary``), the request's arm: the hash of
+    its key (the tenant, the session -- else the request id --, or the request id) against the
+    canary's share; the environment is given that arm's compiled set. None running: nothing (the
+    stable set is the environment's)."""
+
+    name = "arm"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        c = e.canary
+        if c is None:
+            return
+        kind = c.key
+        if kind == "tenant":
+            key = d.tenant
+        else:
+            sid = d.req.session_id if kind == "session" else None
+            key = sid if sid is not None else request_id_var.get() or d.decision_id or ""
+        d.canary = c
+        d.arm = c.choose(key)
+        compiled = e.use_arm(d.arm)
+        if d.arm:
+            d.policies = compiled
+
+
 class Environment(Stage):
     """The request made current in the environment (``CloudRouteEnv.set_live``): its expectations
     on every offering, the environment's mask, the routing policies' outcome under the live view."""
@@ -370,6 +403,7 @@ class Policies(Stage):
             self._rules(d)
             return
         env = e.env
+        pol = e.policies if d.policies is None else d.policies  # (the canary arm's set, when it decides)
         pout = d.pout = env.r_policy
         pctx = d.pctx = pout.ctx
         if pctx is not None and not pctx.empty:
@@ -377,13 +411,13 @@ class Policies(Stage):
                 excluded = d.allowed & ~pout.allowed
                 for i in np.flatnonzero(excluded).tolist():
                     if d.trace[i] is None:
-                        d.trace[i] = e.policies.reasons[int(pout.reason[i])]
+                        d.trace[i] = pol.reasons[int(pout.reason[i])]
             d.allowed = d.allowed & pout.allowed
             d.n_pol_pref = pout.not_preferred
             if pout.excluded:
-                ptext = e.policies.counts_text(pout)
+                ptext = pol.counts_text(pout)
                 d.ctext = f"{d.ctext},{ptext}" if d.ctext else ptext
-                d.pcounts = (e.policies, pout.counts.copy())
+                d.pcounts = (pol, pout.counts.copy())
                 if not d.allowed.any() and d.strict:
                     raise RouteFailure(422, "no_offering", "the routing policies, the tenant's defaults and the "
                                        "request's constraints exclude every offering",
@@ -394,7 +428,8 @@ class Policies(Stage):
         if e.events_bias is not None:  # a just-preempted region, de-prioritized (router.service.migration)
             d.bias = d.bias + e.events_bias
             d.has_bias = True
-        d.ptext = e._policies_text(pctx, pout)
+        c = d.canary
+        d.ptext = e._policies_text(pctx, pout) if c is None else e._policies_text(pctx, pout, pol, c.heads[d.arm])
 
     def _rules(self, d: Decision) -> None:
         e = self.engine
@@ -668,7 +703,7 @@ class Explore(Stage):
 
 
 #: the stages of a route, in order (module docstring)
-ROUTE: tuple[type[Stage], ...] = (Validate, ConstraintLayers, Access, PoolEvents, Ejected, Prepare, Environment,
+ROUTE: tuple[type[Stage], ...] = (Validate, Arm, ConstraintLayers, Access, PoolEvents, Ejected, Prepare, Environment,
                                   Policies, Feasibility, Predict, Score, Pin, Explore)
 #: what ``POST /v1/explain`` runs: every stage that excludes, none that ranks
 EXPLAIN: tuple[type[Stage], ...] = ROUTE[:ROUTE.index(Feasibility) + 1]

@@ -29,7 +29,7 @@ from typing import Any
 
 from router.store import audit
 from router.store.dialect import Database, Dialect
-from xroute.schema.policy_ir import Policy, PolicySet
+from xroute.schema.policy_ir import Canary, Policy, PolicySet
 
 #: a versioned document's table (the policies', the access store's), written once for both dialects
 VERSIONS_TABLE = """
@@ -41,6 +41,21 @@ CREATE TABLE IF NOT EXISTS {table} (
     files TEXT
 );
 """
+#: what each router counted of a canary's arms that the decision log does not hold: the exclusions of
+#: the decisions (by reason) and the refusals (by error), added to by every router
+#: (:meth:`PolicyStore.add_tallies`; ``router.decision.canary``)
+TALLIES_TABLE = """
+CREATE TABLE IF NOT EXISTS canary_tallies (
+    canary_id TEXT NOT NULL,
+    arm TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    n {bigint} NOT NULL,
+    PRIMARY KEY (canary_id, arm, kind, reason)
+);
+"""
+_ADD_TALLY = ("INSERT INTO canary_tallies (canary_id, arm, kind, reason, n) VALUES (?, ?, ?, ?, ?) "
+              "ON CONFLICT (canary_id, arm, kind, reason) DO UPDATE SET n = canary_tallies.n + excluded.n")
 #: the advisory lock serializing policy changes (and the schema's creation) across routers
 _PG_LOCK = audit.PG_LOCK  # "xroutp": the audit log's schema is created under it too
 
@@ -93,7 +108,8 @@ class PolicyStore:
     def schema(cls, dialect: Dialect) -> str:
         """The store's tables: the policy versions, this store's own versions, the audit log."""
         tables = dict.fromkeys(("policy_versions", cls.TABLE))  # (in order, once)
-        return "".join(dialect.ddl(VERSIONS_TABLE, table=t) for t in tables) + audit.schema(dialect)
+        return ("".join(dialect.ddl(VERSIONS_TABLE, table=t) for t in tables) + dialect.ddl(TALLIES_TABLE)
+                + audit.schema(dialect))
 
     def close(self) -> None:
         self.db.close()
@@ -134,6 +150,20 @@ class PolicyStore:
         """Audit entries, oldest first, after the entry id ``after``."""
         sql, args = audit.read_sql(kind, resource, after, limit)
         return [audit.entry(r) for r in self.db.query(sql, args)]
+
+    def tallies(self, canary_id: str) -> list[tuple[str, str, str, int]]:
+        """A canary's tallies, every router's together: (arm, kind, reason, count)."""
+        rows = self.db.query("SELECT arm, kind, reason, n FROM canary_tallies WHERE canary_id = ?", (canary_id,))
+        return [(str(a), str(k), str(r), int(n)) for a, k, r, n in rows]
+
+    def add_tallies(self, rows: list[tuple[str, str, str, str, int]]) -> None:
+        """Add (canary id, arm, kind, reason, count) rows to the tallies, in one transaction (an
+        upsert adding to what other routers added; no write lock needed)."""
+        if not rows:
+            return
+        with self.db.transaction(lock=False) as execute:
+            for row in rows:
+                execute(_ADD_TALLY, row)
 
     # ------------------------------------------------------------------ writes
     def change(self, principal: str, mutate: Any, request_id: str | None = None) -> Any:
@@ -195,7 +225,7 @@ def _rebuild(current: PolicySet, policies: list[Policy], **sections: Any) -> Pol
     data = {**current.model_dump(mode="json", exclude_none=True), **sections,
             "policies": [p.model_dump(mode="json", exclude_none=True) for p in policies]}
     try:
-        return PolicySet.model_validate(data)
+        return type(current).model_validate(data)
     except ValidationError as e:
         err = policy_set_error(e)
         raise PolicyChangeError(422, "invalid_policy", str(err), err.field) from None
@@ -203,6 +233,7 @@ def _rebuild(current: PolicySet, policies: list[Policy], **sections: Any) -> Pol
 
 def create_policy(policy: Policy) -> Mutation:
     def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        no_canary(current)
         if current.policy(policy.name) is not None:
             raise PolicyChangeError(409, "conflict", f"policy '{policy.name}' exists already (PUT updates it)", "name")
         new = policy.model_copy(update={"version": 1})
@@ -214,6 +245,7 @@ def create_policy(policy: Policy) -> Mutation:
 def put_policy(policy: Policy) -> Mutation:
     """Create or update: with ``policy.version`` given, it must be the current version (else 409)."""
     def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        no_canary(current)
         old = current.policy(policy.name)
         if policy.version is not None and (old is None or old.version != policy.version):
             have = "it does not exist" if old is None else f"the current version is {old.version}"
@@ -231,6 +263,7 @@ def put_policy(policy: Policy) -> Mutation:
 
 def delete_policy(name: str, version: int | None = None) -> Mutation:
     def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        no_canary(current)
         old = current.policy(name)
         if old is None:
             raise PolicyChangeError(404, "not_found", f"no policy named '{name}'", "name")
@@ -279,3 +312,117 @@ def apply_files(files: PolicySet, previous_names: list[str]) -> Mutation:
         return _rebuild(current, kept, **sections), changes
     return mutate
 
+
+
+# ---------------------------------------------------------------------------------------- canary rollouts
+def no_canary(current: PolicySet) -> None:
+    """A plain policy change while a canary runs is a 409 naming it: the two arms being compared
+    stay the two sets they were when it started (promote or roll it back first)."""
+    c = current.canary
+    if c is not None:
+        raise PolicyChangeError(409, "canary_running", f"canary '{c.id}' is running ({c.share:g} % by {c.key}, "
+                                f"since version {c.version}): promote it or roll it back first", "canary")
+
+
+def _running(current: PolicySet, canary_id: str | None) -> Canary:
+    c = current.canary
+    if c is None:
+        raise PolicyChangeError(409, "no_canary", "no canary is running", "canary")
+    if canary_id is not None and canary_id != c.id:
+        raise PolicyChangeError(409, "canary_conflict", f"canary '{canary_id}' is not the one running ('{c.id}')",
+                                "id")
+    return c
+
+
+def canary_json(c: Canary | None) -> dict[str, Any] | None:
+    return None if c is None else c.model_dump(mode="json", exclude_none=True)
+
+
+def _versioned(base: PolicySet, draft: PolicySet) -> list[Policy]:
+    """``draft``'s policies, each with its version relative to ``base``: kept when unchanged, one
+    more when changed, 1 when new."""
+    out = []
+    for p in draft.policies:
+        old = base.policy(p.name)
+        if old is not None and old.content() == p.content():
+            out.append(p.model_copy(update={"version": old.version}))
+        else:
+            out.append(p.model_copy(update={"version": 1 if old is None else (old.version or 0) + 1}))
+    return out
+
+
+def start_canary(draft: PolicySet, key: str, share: float, canary_id: str | None, principal: str,
+                 description: str = "") -> Mutation:
+    """Start a canary: ``draft`` (a whole set) decides ``share`` percent of the keys of kind
+    ``key``. 409 ``canary_running`` naming the one running."""
+    def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        running = current.canary
+        if running is not None:
+            raise PolicyChangeError(409, "canary_running", f"canary '{running.id}' is running ({running.share:g} % "
+                                    f"by {running.key}, since version {running.version}): promote it or roll it "
+                                    "back first", "canary")
+        version = current.version + 1
+        arm = draft.model_copy(update={"version": version, "canary": None,
+                                       "policies": _versioned(current, draft)})
+        canary = Canary(id=canary_id or f"canary-{version}", key=key, share=share,  # type: ignore[arg-type]
+                        policy_set=arm, version=version, base_version=current.version, started_at=time.time(),
+                        principal=principal, description=description)
+        new = _rebuild(current, list(current.policies), canary=canary_json(canary))
+        return new, [audit.Change("start", "canary", canary.id, None, canary_json(canary))]
+    return mutate
+
+
+def canary_share(share: float, canary_id: str | None = None) -> Mutation:
+    """The running canary's share changed (its id, so its hash, stays: a key in the canary at a
+    lower share stays in it at a higher one). 409 ``no_canary`` when none runs."""
+    def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        c = _running(current, canary_id)
+        if c.share == share:
+            return current, []
+        new_c = c.model_copy(update={"share": share})
+        return (_rebuild(current, list(current.policies), canary=canary_json(new_c)),
+                [audit.Change("share", "canary", c.id, {"share": c.share}, {"share": share})])
+    return mutate
+
+
+def promote_canary(canary_id: str | None = None) -> Mutation:
+    """The canary's set becomes the stable one (a new version), the canary ends; audited as the
+    canary's promotion and each policy it created, changed or deleted. 409 ``no_canary``."""
+    def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        c = _running(current, canary_id)
+        arm = c.policy_set
+        policies = _versioned(current, arm)
+        changes = [audit.Change("promote", "canary", c.id, canary_json(c), None)]
+        names = {p.name for p in policies}
+        for p in current.policies:
+            if p.name not in names:
+                changes.append(audit.Change("delete", "policy", p.name, policy_json(p), None))
+        for p in policies:
+            old = current.policy(p.name)
+            if old is None or old.content() != p.content():
+                changes.append(audit.Change("update" if old else "create", "policy", p.name, policy_json(old),
+                                            policy_json(p)))
+        sections = {k: arm.model_dump(mode="json", exclude_none=True)[k] for k in ("region_sets", "slo_tiers",
+                                                                                   "prefer_mode")}
+        before = {k: current.model_dump(mode="json", exclude_none=True)[k] for k in sections}
+        if before != sections:
+            changes.append(audit.Change("update", "policy_set", "sections", before, sections))
+        data = {**sections, "policies": [policy_json(p) for p in policies]}
+        try:
+            new = type(current).model_validate(data)
+        except ValueError as e:  # (cannot happen: the canary's set was valid when it started)
+            raise PolicyChangeError(422, "invalid_policy", str(e), "canary") from None
+        return new, changes
+    return mutate
+
+
+def rollback_canary(canary_id: str | None = None) -> Mutation:
+    """The canary ends; the stable set stays as it is (a new version without the canary).
+    409 ``no_canary``."""
+    def mutate(current: PolicySet) -> tuple[PolicySet, list[audit.Change]]:
+        c = _running(current, canary_id)
+        data = {**current.model_dump(mode="json", exclude_none=True)}
+        data.pop("canary", None)
+        return (type(current).model_validate(data),
+                [audit.Change("rollback", "canary", c.id, canary_json(c), None)])
+    return mutate

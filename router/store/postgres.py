@@ -54,6 +54,7 @@ from router.core.text import one_line, redact
 from router.store.dialect import POSTGRESQL
 from router.store.rows import (
     ADDED_COLUMNS,
+    ADDED_INDEXES,
     DECISION_COLUMNS,
     FEEDBACK_COLUMNS,
     GET_DECISION_SQL,
@@ -72,7 +73,8 @@ from router.store.rows import (
 from router.store.sqlite import CommitInDoubt, GroupCommitLog, Item, Result, StoreClosed
 
 SCHEMA = POSTGRESQL.ddl(TABLES, answer="TEXT", answer_dictionary="") + "".join(
-    f"{stmt};\n" for table, added in ADDED_COLUMNS.items() for stmt in POSTGRESQL.add_columns_sql(table, added))
+    f"{stmt};\n" for table, added in ADDED_COLUMNS.items() for stmt in POSTGRESQL.add_columns_sql(table, added)) + "".join(
+    f"{stmt};\n" for stmt in ADDED_INDEXES)
 #: the advisory lock key under which the schema is created (routers starting together)
 _SCHEMA_LOCK = 0x78726F757465  # "xroute"
 

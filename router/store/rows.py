@@ -64,6 +64,9 @@ class DecisionRow:
     #: the W3C trace the decision belongs to (32 hex: the caller's ``traceparent`` or the router's own
     #: trace, ``router.core.tracing``; None: neither); set after the row is built
     trace_id: str | None = None
+    #: the arm of the canary rollout running that decided it (``stable:<canary id>`` or
+    #: ``canary:<canary id>``; None: no canary was running: the stable set decided); set after the row is built
+    policy_arm: str | None = None
 
     def astuple(self) -> tuple[Any, ...]:
         """The row's values in :data:`DECISION_COLUMNS`' order (what a backend inserts)."""
@@ -113,6 +116,7 @@ CREATE TABLE IF NOT EXISTS decisions (
     quota_usd {real},
     request_json TEXT NOT NULL,
     trace_id TEXT,
+    policy_arm TEXT,
     response_json {answer} NOT NULL{answer_dictionary}
 );
 CREATE INDEX IF NOT EXISTS decisions_tenant_time ON decisions (tenant, created_at);
@@ -147,13 +151,29 @@ CREATE TABLE IF NOT EXISTS catalogs (
 #: gateway request the attempt belonged to (its X-Request-ID: every attempt of one request shares
 #: it) and the attempt's number; the tenant quotas' reservation of a decision (tokens, USD; NULL: no
 #: quota applied: ``router.decision.quotas.quota_events`` rebuilds the counters from them); the decision's
-#: W3C trace id (``router.core.tracing``; NULL: no trace)
+#: W3C trace id (``router.core.tracing``; NULL: no trace); the canary arm that decided it (NULL: no canary ran)
 ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
                                ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB"),
-                               ("quota_tokens", "INTEGER"), ("quota_usd", "REAL"), ("trace_id", "TEXT")),
+                               ("quota_tokens", "INTEGER"), ("quota_usd", "REAL"), ("trace_id", "TEXT"),
+                               ("policy_arm", "TEXT")),
                  "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
                               ("sla_violation", "INTEGER"), ("tpot_ms", "REAL"), ("prompt_tokens", "INTEGER"),
                               ("cached_tokens", "INTEGER"), ("request_id", "TEXT"), ("attempt", "INTEGER"))}
+
+#: indexes on added columns, created after the columns are (``CREATE INDEX IF NOT EXISTS``, either backend): the
+#: canary arms' decisions, newest first (partial: the decisions made with no canary running are not in it)
+ADDED_INDEXES = ("CREATE INDEX IF NOT EXISTS decisions_policy_arm ON decisions (policy_arm, created_at) "
+                 "WHERE policy_arm IS NOT NULL",)
+
+#: a canary arm's decisions (the latest ``?`` of them, by the index above) with their latest feedback, aggregated:
+#: count, expected cost, decisions with feedback, feedback with an SLO verdict and those that met it, observed cost
+#: (sum, count), failed attempts (``router.service.canary``)
+ARM_SQL = ("SELECT COUNT(*), SUM(d.expected_cost_usd), COUNT(f.feedback_id), COUNT(f.sla_violation), "
+           "SUM(CASE WHEN f.sla_violation = 0 THEN 1 ELSE 0 END), SUM(f.cost_usd), COUNT(f.cost_usd), "
+           "SUM(CASE WHEN f.failed <> 0 THEN 1 ELSE 0 END), MIN(d.created_at), MAX(d.created_at) "
+           "FROM (SELECT decision_id, expected_cost_usd, created_at FROM decisions WHERE policy_arm = ? "
+           "ORDER BY created_at DESC LIMIT ?) d LEFT JOIN feedback f ON f.feedback_id = "
+           "(SELECT MAX(feedback_id) FROM feedback WHERE decision_id = d.decision_id)")
 
 #: a stored decision's answer and request (``{z}``: SQLite's dictionary column), by id, and by id and tenant
 GET_DECISION_SQL = "SELECT response_json, request_json{z} FROM decisions WHERE decision_id = ?"

@@ -75,6 +75,7 @@ from router.core.settings import CHECKPOINT_ROWS, CHECKPOINT_S
 from router.store.dialect import SQLITE, add_columns, connect_sqlite, reading
 from router.store.rows import (
     ADDED_COLUMNS,
+    ADDED_INDEXES,
     CATALOGS_SQL,
     DECISION_COLUMNS,
     FEEDBACK_COLUMNS,
@@ -357,6 +358,8 @@ class DecisionStore(GroupCommitLog):
                                    "new --db path")
         for table, added in _ADDED.items():  # (a log written by an earlier version)
             add_columns(conn.execute, SQLITE, table, added)
+        for stmt in ADDED_INDEXES:
+            conn.execute(stmt)
         self._zdict: bytes | None = None
         self._decoders: dict[int, Callable[[bytes], bytes]] = {}
         self._reader = connect_sqlite(self.path, synchronous)

@@ -169,10 +169,22 @@ class Exclusions(BaseModel):
                     "pool down), 'queue_full', 'no_capacity', 'no_price'")
 
 
+class CanaryRef(BaseModel):
+    """The canary rollout running when a decision was made (``docs/policies.md``, "Canary rollouts")."""
+
+    id: str = Field(description="the canary's id")
+    version: int = Field(description="the policy store's version that started it")
+    key: str = Field(description="what selects a request's arm: tenant, session or request")
+    share: float = Field(description="percent of the keys its arm decides")
+
+
 class PoliciesApplied(BaseModel):
     """The routing policies of the decision (``docs/policies.md``)."""
 
     version: int = Field(description="the policy set's version the decision saw (0: none stored)")
+    arm: str = Field("stable", description="which set decided: 'stable', or 'canary' (the canary's set: "
+                                           "docs/policies.md, \"Canary rollouts\")")
+    canary: CanaryRef | None = Field(None, description="the canary running then (absent: none)")
     request_class: str | None = Field(description="the request's class: its request_class, else its SLO tier")
     biased: dict[str, int] = Field(
         description="per prefer policy, how many allowed offerings it raised (its weight is in their scores)")

@@ -35,6 +35,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from xroute.errors import XrouteError
 from xroute.schema.offering import Offering
@@ -396,6 +397,10 @@ class PolicySet(_PolicyModel):
         "bias", description="bias: prefer weights add to every policy's score; lexicographic: only the valid "
                             "offerings with the highest total weight may be chosen")
     policies: list[Policy] = Field(default_factory=list, max_length=10_000)
+    #: the policy store's canary rollout in force, if any (:class:`Canary`; never in a policy file, nor in the
+    #: JSON schema of the bodies that take a set: only the store's canary calls write it)
+    canary: SkipJsonSchema[Canary | None] = Field(None, description="a canary rollout in force: another set deciding a share of the "
+                                                     "traffic (set by the policy store's canary calls only)")
 
     @model_validator(mode="after")
     def _references(self) -> PolicySet:
@@ -436,6 +441,37 @@ class PolicySet(_PolicyModel):
         for s in c.region_sets or ():
             out += self.region_sets[s]
         return out
+
+
+#: what a canary's arm is a function of (``docs/policies.md``, "Canary rollouts")
+CANARY_KEYS = ("tenant", "session", "request")
+
+
+class Canary(_PolicyModel):
+    """A canary rollout (``docs/policies.md``, "Canary rollouts"): ``policy_set`` decides the
+    requests whose ``key`` (the tenant, the session id, or the request id) hashes below ``share``
+    percent (``router.decision.canary.in_canary``: blake2b of the id and the key), the set it sits
+    in decides the rest. Written by the policy store only, as part of the versioned set."""
+
+    id: Name = Field(description="the canary's id: with the key, what its hash is a function of")
+    key: Literal["tenant", "session", "request"] = Field(description="what selects a request's arm")
+    share: float = Field(gt=0, le=100, description="percent of the keys the canary decides, in (0, 100]")
+    policy_set: PolicySet = Field(description="the canary arm's whole set (its version: the store version that "
+                                              "started the canary)")
+    version: int = Field(ge=1, description="the policy store's version that started the canary")
+    base_version: int = Field(ge=0, description="the stable set's version the canary was drafted from")
+    started_at: float = Field(description="when it started (seconds since the epoch)")
+    principal: str = Field(max_length=300, description="who started it")
+    description: str = Field("", max_length=1000)
+
+    @model_validator(mode="after")
+    def _flat(self) -> Canary:
+        if self.policy_set.canary is not None:
+            raise ValueError("policy_set.canary: a canary's set cannot hold a canary of its own")
+        return self
+
+
+PolicySet.model_rebuild()
 
 
 def policy_set_error(e: Any, prefix: str = "") -> ConstraintError:
