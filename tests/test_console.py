@@ -248,6 +248,14 @@ def test_an_auditor_sees_everything_and_changes_nothing(live: Live, browser: Any
     assert r.status_code == 403 and "admin:write:events" in r.text
     pools = live.client.get("/console/pools", headers=live.auth("admin")).text
     assert f"pool event degraded ({live.event_id})" in pools
+    # nor a canary: no form to start one, and a hand-made start is refused
+    browser.get(f"{live.url}/console/policies")
+    assert browser.find_elements(By.ID, "no-canary") and not browser.find_elements(By.ID, "canary-start")
+    r = live.client.post("/console/policies/canary/start", data={
+        "csrf": csrf_token(live.auditor), "draft": "name: x\neffect: deny\n", "key": "request", "share": "50"},
+        headers={"Cookie": f"{COOKIE}={live.auditor}"})
+    assert r.status_code == 403 and "admin:write:policies" in r.text
+    assert live.client.get("/v1/admin/canary", headers=live.auth("admin")).json()["canary"] is None
 
 
 @pytest.mark.slow
@@ -272,6 +280,90 @@ def test_a_form_changes_only_with_its_csrf_token_and_the_permission(live: Live, 
     assert browser.get_cookie(COOKIE) is None
     browser.get(f"{live.url}/console/decisions")
     assert browser.current_url.endswith("/console/login")
+
+
+@pytest.mark.slow
+def test_a_canary_started_compared_rolled_back_and_promoted_through_the_page(live: Live, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    c, admin = live.client, live.auth("admin")
+    login(browser, live, "admin")
+    browser.get(f"{live.url}/console/policies")
+    assert browser.find_elements(By.ID, "no-canary")
+    # start: half the requests decided by a draft that denies spot pools
+    browser.find_element(By.ID, "canary-draft").send_keys("name: canary-no-spot\neffect: deny\n"
+                                                          "constraints: {pricing_modes: [spot]}\n")
+    Select(browser.find_element(By.ID, "canary-key")).select_by_visible_text("request")
+    share = browser.find_element(By.ID, "canary-share-input")
+    share.clear()
+    share.send_keys("50")
+    click(browser, By.ID, "canary-start")
+    assert console_errors(browser) == []
+    running = c.get("/v1/admin/canary", headers=admin).json()["canary"]
+    assert running is not None and running["share"] == 50 and running["key"] == "request"
+    assert running["diff"]["added"] == ["canary-no-spot"]
+    cid = running["id"]
+    # traffic in both arms, then the arms side by side on the page
+    for _ in range(30):
+        r = c.post("/v1/route", json=ROUTE, headers=live.auth("b"))
+        assert r.status_code == 200, r.text
+    browser.get(f"{live.url}/console/policies")
+    assert browser.find_element(By.ID, "canary-id").text == cid
+    table = browser.find_element(By.ID, "canary-compare")
+    rows = {r.find_element(By.TAG_NAME, "th").text: [td.text for td in r.find_elements(By.TAG_NAME, "td")]
+            for r in table.find_elements(By.TAG_NAME, "tr")[1:]}
+    compare = c.get("/v1/admin/canary/compare", headers=admin).json()
+    stable_n, canary_n = compare["arms"]["stable"]["decisions"], compare["arms"]["canary"]["decisions"]
+    assert stable_n > 0 and canary_n > 0 and rows["decisions"][:2] == [str(stable_n), str(canary_n)]
+    assert "policy:canary-no-spot" in rows["exclusions"][1] and "policy:canary-no-spot" not in rows["exclusions"][0]
+    assert console_errors(browser) == []
+    browser.execute_script("document.getElementById('canary').scrollIntoView()")
+    shot(browser, "admin-canary")
+    # its share changed, then rolled back: the stable set decides everything again, unchanged
+    before = c.get("/v1/admin/policies", headers=admin).json()
+    new_share = browser.find_element(By.ID, "canary-new-share")
+    new_share.clear()
+    new_share.send_keys("25")
+    click(browser, By.ID, "canary-share-go")
+    assert c.get("/v1/admin/canary", headers=admin).json()["canary"]["share"] == 25
+    click(browser, By.ID, "canary-rollback")
+    assert browser.find_elements(By.ID, "no-canary") and console_errors(browser) == []
+    after = c.get("/v1/admin/policies", headers=admin).json()
+    assert after.get("canary") is None and after["policies"] == before["policies"]
+    # another one promoted: its draft becomes the stable set
+    browser.find_element(By.ID, "canary-draft").send_keys("name: canary-prefer-east\neffect: prefer\nweight: 0.01\n"
+                                                          "constraints: {regions: [us-east-1]}\n")
+    click(browser, By.ID, "canary-start")
+    click(browser, By.ID, "canary-promote")
+    assert browser.find_elements(By.ID, "no-canary") and console_errors(browser) == []
+    names = [p["name"] for p in c.get("/v1/admin/policies", headers=admin).json()["policies"]]
+    assert "canary-prefer-east" in names and "canary-no-spot" not in names
+    audit = c.get("/v1/admin/audit", headers=admin).json()["entries"]
+    assert {"start", "share", "rollback", "promote"} <= {e.get("action") for e in audit}, audit[-6:]
+
+
+@pytest.mark.slow
+def test_the_canary_forms_need_their_token_and_name_bad_fields(live: Live) -> None:
+    c, cookie, token = live.client, {"Cookie": f"{COOKIE}={live.key('admin')}"}, csrf_token(live.key("admin"))
+    draft = "name: x\neffect: deny\n"
+    r = c.post("/console/policies/canary/start", data={"draft": draft, "key": "request", "share": "10"}, headers=cookie)
+    assert r.status_code == 403 and r.json()["fields"][0]["field"] == "body.csrf"
+    for data, name in (({"key": "planet", "share": "10"}, "body.key"), ({"key": "tenant", "share": "0"}, "body.share"),
+                        ({"key": "tenant", "share": "101"}, "body.share"), ({"key": "tenant", "share": "x"}, "body.share"),
+                        ({"key": "tenant", "share": "10", "draft": "name: x\neffect: sometimes\n"},
+                         "body.draft.put[0].effect")):
+        r = c.post("/console/policies/canary/start", data={"csrf": token, "draft": draft, **data}, headers=cookie)
+        assert r.status_code == 422 and name in [f["field"] for f in r.json()["fields"]], (data, r.text)
+    for path, data, name in (("/console/policies/canary/share", {"share": "5", "id": "bad id"}, "body.id"),
+                              ("/console/policies/canary/share", {"share": "500", "id": "c1"}, "body.share"),
+                              ("/console/policies/canary/promote", {"id": ""}, "body.id"),
+                              ("/console/policies/canary/explode", {"id": "c1"}, "path.action")):
+        r = c.post(path, data={"csrf": token, **data}, headers=cookie)
+        assert r.status_code == 422 and name in [f["field"] for f in r.json()["fields"]], (path, r.text)
+    # no canary running: promoting one is the API's 409, nothing changes
+    r = c.post("/console/policies/canary/promote", data={"csrf": token, "id": "c1"}, headers=cookie)
+    assert r.status_code == 409, r.text
 
 
 # ---------------------------------------------------------------------------------------- plain HTTP

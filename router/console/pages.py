@@ -8,6 +8,7 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
+import yaml
 from fastapi import APIRouter, Form, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -48,6 +49,22 @@ def require(caller: Caller, verb: str, kind: str) -> None:
 def bad(field: str, problem: str) -> RouteFailure:
     return RouteFailure(422, "invalid_request", f"field '{field}': {problem}",
                         [{"field": field, "message": problem, "suggestions": []}])
+
+
+def draft_data(draft: str) -> dict[str, Any]:
+    """The draft (YAML or JSON) as a change's body: one policy, a list of them, or ``{put, delete,
+    policy_set}`` -- 422 naming ``body.draft`` when it is none of those."""
+    try:
+        data = yaml.safe_load(draft)
+    except yaml.YAMLError as e:
+        raise bad("body.draft", f"not YAML or JSON: {str(e).splitlines()[0][:200]}") from None
+    if isinstance(data, dict) and "name" in data:
+        data = {"put": [data]}
+    elif isinstance(data, list):
+        data = {"put": data}
+    if not isinstance(data, dict):
+        raise bad("body.draft", "a policy, a list of policies, or {put, delete, policy_set}")
+    return data
 
 
 @router.get("", include_in_schema=False)

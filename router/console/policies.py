@@ -1,7 +1,6 @@
-"""The policies page: the set in force, its stored versions, a structured diff between any two, and a
+"""The policies page: the set in force, its stored versions, a structured diff between any two, a
 dry run of a draft against the latest decisions (``POST /v1/admin/policies/dry-run``'s own code:
-``router.api.policies.dry_run_route``). The canary section (issue 38 item 2) has its place in the
-template, marked, and no logic here yet."""
+``router.api.policies.dry_run_route``), and the canary section (``canary.py``)."""
 
 from __future__ import annotations
 
@@ -9,14 +8,14 @@ import asyncio
 import json
 from typing import Annotated, Any
 
-import yaml
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from pydantic import ValidationError
 
 from router.api import policies as policy_routes
+from router.console import canary
 from router.console.auth import PREFIX, ConsoleCaller, check_csrf
-from router.console.pages import bad, require
+from router.console.pages import bad, draft_data, require
 from router.console.render import render
 from router.decision.engine import RouteFailure
 from router.http.deps import Caller
@@ -117,27 +116,13 @@ async def _page(request: Request, caller: Caller, a: int | None, b: int | None, 
         raise RouteFailure(503, "unavailable", f"the policy store cannot be read ({e})",
                            headers={"Retry-After": "5"}) from None
     head = versions[0]["version"] if versions else 0
-    return render(request, "policies.html", {
+    perms = caller.svc.engine.access.permissions(caller.who)
+    return render(request, "policies.html", {**await canary.section(caller),
+        "can_write_policies": perms.allows("admin:write:policies"),
         "current": current.model_dump(mode="json", exclude_none=True), "versions": versions, "a": a, "b": b,
         "diff": diff, "head": head, "draft": draft or "", "dry": dry,
         "can_dry_run": caller.svc.engine.access.permissions(caller.who).allows("admin:read:decisions")},
         caller, status_code=status_code)
-
-
-def draft_data(draft: str) -> dict[str, Any]:
-    """The draft (YAML or JSON) as a change's body: one policy, a list of them, or ``{put, delete,
-    policy_set}`` -- 422 naming ``body.draft`` when it is none of those."""
-    try:
-        data = yaml.safe_load(draft)
-    except yaml.YAMLError as e:
-        raise bad("body.draft", f"not YAML or JSON: {str(e).splitlines()[0][:200]}") from None
-    if isinstance(data, dict) and "name" in data:
-        data = {"put": [data]}
-    elif isinstance(data, list):
-        data = {"put": data}
-    if not isinstance(data, dict):
-        raise bad("body.draft", "a policy, a list of policies, or {put, delete, policy_set}")
-    return data
 
 
 def _draft_body(draft: str, last: int) -> policy_routes.DryRunBody:
