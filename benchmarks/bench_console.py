@@ -2,9 +2,9 @@
 
 1. **Seed**: a router (uvicorn in this process) decides a few hundred real requests of tenants ``a``
    and ``b`` over HTTP (their answers as the engine wrote them), two policy versions and a pool event
-   go in through the admin API; then ``--decisions`` decisions made from those answers -- new
-   time-sorted ids, spread over the last day, 500 sessions per tenant -- are written through the real
-   decision log (``router.store.sqlite.DecisionStore``: its writer process, group commits).
+   go in through the admin API, and a canary is started (half the requests); then ``--decisions``
+   decisions made from those answers -- new time-sorted ids, spread over the last day, 500 sessions per
+   tenant, every other one in the canary's arm -- are written through the real decision log (``router.store.sqlite.DecisionStore``: its writer process, group commits).
 2. **Time**: ``xroute serve`` in a subprocess on that log; each page fetched ``--rounds`` times over
    HTTP with keep-alive (pages interleaved round by round), median and p95 wall time of the whole
    response per page, as an admin key and as a tenant key.
@@ -42,7 +42,8 @@ SESSIONS = 500
 
 
 def seed_answers(setup: Any, n: int) -> tuple[list[tuple[str, dict[str, Any], dict[str, Any]]], str]:
-    """``n`` real decisions per tenant (tenant, request, answer), two policy versions, a pool event."""
+    """``n`` real decisions per tenant (tenant, request, answer), two policy versions, a pool event, and a
+    canary running (its id returned)."""
     import httpx
 
     from router.app.factory import create_app
@@ -64,11 +65,17 @@ def seed_answers(setup: Any, n: int) -> tuple[list[tuple[str, dict[str, Any], di
         pool = c.get("/v1/offerings", headers=admin).json()["offerings"][-1]["offering"]["offering_id"]
         c.post("/v1/events", json={"event_id": "bench-1", "kind": "degraded", "pool": pool},
                headers=admin).raise_for_status()
-    return out, pool
+        r = c.post("/v1/admin/canary", json={"put": [{"name": "bench-no-spot", "effect": "deny",
+                                                      "constraints": {"pricing_modes": ["spot"]}}],
+                                             "key": "request", "share": 50}, headers=admin)
+        r.raise_for_status()
+    return out, str(r.json()["canary"]["id"])
 
 
-async def write_log(path: Path, answers: list[tuple[str, dict[str, Any], dict[str, Any]]], n: int) -> float:
-    """``n`` decisions from ``answers`` through the real decision log; returns the seconds it took."""
+async def write_log(path: Path, answers: list[tuple[str, dict[str, Any], dict[str, Any]]], n: int,
+                    canary: str) -> float:
+    """``n`` decisions from ``answers`` through the real decision log, every other one in the canary's arm;
+    returns the seconds it took."""
     from router.store.rows import DecisionRow
     from router.store.sqlite import DecisionStore
 
@@ -93,6 +100,7 @@ async def write_log(path: Path, answers: list[tuple[str, dict[str, Any], dict[st
                           ans["policy"].get("version"), "bench", None, None, None, None, None, None,
                           req["input_tokens"] + req["max_output_tokens"] if tenant == "a" else None,
                           ans["expected_cost_usd"] if tenant == "a" else None, json.dumps(req), json.dumps(ans))
+        row.policy_arm = f"{'canary' if k % 2 else 'stable'}:{canary}"
         batch.append(store.record_decision(row))
         if len(batch) >= 2000:
             await asyncio.gather(*batch)
@@ -117,7 +125,7 @@ def pages(ids: list[str], cursor: str, pool_tenant_session: str) -> list[tuple[s
         ("decisions (page deep in the log)", "admin", f"/console/decisions?before={cursor}", None),
         ("decisions (tenant key)", "a", "/console/decisions?limit=200", None),
         ("one decision", "admin", f"/console/decisions/{mid}", None),
-        ("policies", "admin", "/console/policies", None),
+        ("policies (a canary: 2 x 10,000 compared)", "admin", "/console/policies", None),
         ("policies (diff v1 v2)", "admin", "/console/policies?a=1&b=2", None),
         ("policies (dry run, 200)", "admin", "/console/policies/dry-run",
          {"draft": "name: no-spot\neffect: deny\nconstraints: {pricing_modes: [spot]}\n", "last": "200"}),
@@ -144,9 +152,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="xroute-bench-console-"))
     setup = make_setup(work, tenants={"a": {"quotas": {"max_concurrent": 500, "requests_per_day": 1_000_000}}})
-    answers, _ = seed_answers(setup, args.seed_requests)
+    answers, canary = seed_answers(setup, args.seed_requests)
     db = Path(setup.settings.db_path)
-    took = asyncio.run(write_log(db, answers, args.decisions))
+    took = asyncio.run(write_log(db, answers, args.decisions, canary))
     with reading(db) as q:
         total = q("SELECT COUNT(*) FROM decisions")[0][0]
         ids = [r[0] for r in q("SELECT decision_id FROM decisions ORDER BY decision_id LIMIT 1 OFFSET ?",
@@ -193,9 +201,9 @@ def main() -> None:
                      "bytes": sizes[name], "n": int(a.size)})
     nproc = os.cpu_count()
     print(f"\nconsole pages, {total} decisions in the log, {args.rounds} rounds, nproc={nproc}")
-    print(f"{'page':36s} {'median ms':>10s} {'p95 ms':>8s} {'max ms':>8s} {'bytes':>8s}")
+    print(f"{'page':42s} {'median ms':>10s} {'p95 ms':>8s} {'max ms':>8s} {'bytes':>8s}")
     for r in rows:
-        print(f"{r['page']:36s} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['max_ms']:8.1f} {r['bytes']:8d}")
+        print(f"{r['page']:42s} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['max_ms']:8.1f} {r['bytes']:8d}")
     worst = max(r["p95_ms"] for r in rows)
     print(f"\nslowest p95: {worst:.1f} ms (target: every page under 300 ms)")
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -443,6 +443,7 @@ def test_every_console_query_has_a_limit_and_walks_an_index(tmp_path: Path) -> N
     from router.store import migrations as mig
     from router.store.policies import PolicyStore
     from router.store.readers import REQUESTS_SQL, RESERVED_SQL, SESSIONS_SQL, search_sql
+    from router.store.rows import ARM_SQL
     from router.store.sqlite import DecisionStore
 
     db = tmp_path / "decisions.db"
@@ -458,7 +459,7 @@ def test_every_console_query_has_a_limit_and_walks_an_index(tmp_path: Path) -> N
         search_sql(tenant="a", session="s", limit=51), search_sql(tenant="a", session="s", before=cursor, limit=51),
         (REQUESTS_SQL, (3600, "a", now - 86400, 25)), (RESERVED_SQL, (60, "a", now - 3600, 61)),
         (SESSIONS_SQL, ("a", now - 86400, 50)),
-        (DRY_RUN_SQL, (200,)),
+        (DRY_RUN_SQL, (200,)), (ARM_SQL, ("canary:c1", 10_000)),
         (mig._SELECT + " WHERE m.tenant = ? ORDER BY m.updated_at DESC LIMIT ?", ("a", 50)),
         ("SELECT migration_id, version, state, at, detail FROM migration_transitions WHERE migration_id IN (?, ?) "
          "ORDER BY migration_id, version LIMIT 5000", ("m1", "m2")),
