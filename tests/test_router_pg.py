@@ -127,7 +127,9 @@ def test_both_backends_look_up_decisions_and_read_back_keyed_rows(target: str | 
         r0 = rows[0]
         ref = await log.lookup(r0.decision_id)
         assert ref == DecisionRef("a", r0.model, r0.pool, 1, r0.input_tokens, r0.max_output_tokens,  # type: ignore[arg-type]
-                                  r0.ttft_ms, r0.tpot_ms, r0.deadline_ms, r0.expected_cost_usd)
+                                  r0.ttft_ms, r0.tpot_ms, r0.deadline_ms, r0.expected_cost_usd, None, None,
+                                  r0.policy_kind, r0.policy_version, r0.propensity,
+                                  None if r0.features is None else bytes(r0.features), r0.greedy_offering_id)
         assert (await log.lookup(rows[1].decision_id)).feedback == 0 and await log.lookup("d_nope") is None  # type: ignore[union-attr]
         assert (await log.get_decision(r0.decision_id, "a"))["feedback"][0]["ttft_ms"] == 120.0  # type: ignore[index]
         decisions, feedback = await log.keyed_since(now - 60)

@@ -574,7 +574,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
     old_text, old_row, _, _ = decide(engine, req, A, "d_old", engine.source.start_wall)
     old_values = tuple(v for c, v in zip(DECISION_COLUMNS, old_row.astuple())
                        if c not in ("pool", "hold_until", "idempotency_key", "propensity", "epsilon", "features",
-                                    "quota_tokens", "quota_usd", "trace_id", "policy_arm"))
+                                    "quota_tokens", "quota_usd", "trace_id", "policy_arm", "greedy_offering_id"))
     legacy.execute(f"INSERT INTO decisions VALUES ({', '.join('?' * len(old_values))})", old_values)
     legacy.execute("INSERT INTO feedback (decision_id, tenant, received_at, latency_ms, failed) "
                    "VALUES ('d_old', 'a', 1.0, 800.0, 0)")
@@ -599,7 +599,7 @@ def test_compressed_responses_read_back_exactly_and_old_logs_migrate(tmp_path: P
         old = await store.lookup("d_old")
         assert old is not None and old.input_tokens == ROUTE["input_tokens"]  # what the reward needs, read back
         assert dataclasses.replace(old, input_tokens=0, max_output_tokens=0, ttft_ms=0.0, tpot_ms=0.0,
-                                   expected_cost_usd=0.0) == DecisionRef(
+                                   expected_cost_usd=0.0, policy_kind="", policy_version=None) == DecisionRef(
             "a", old_row.model, pool_key(old_row.model, old_row.offering_id), 1)
         assert (await store.get_decision("d_old", "a"))["feedback"][0]["ttft_ms"] is None  # type: ignore[index]
         await store.close()

@@ -1,12 +1,16 @@
-"""Admin routes (admin key): router status and a forced model check."""
+"""Admin routes (admin key): router status, a forced model check, the watchdog's reset."""
 
 from __future__ import annotations
 
 import time
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Body
+from pydantic import BaseModel, ConfigDict, Field
 
+from router.decision.stages import RouteFailure
 from router.http.deps import ReadStatus, WriteModel
+from router.service import watchdog_sync
 from router.service.ports import SharedState
 from router.state.base import StateUnavailable
 from xroute.schema.decision import ErrorResponse
@@ -57,3 +61,34 @@ async def reload_model(caller: WriteModel) -> dict[str, object]:
     outcome = await svc.models.check()
     return {"outcome": outcome, "model_version": svc.engine.slot.loaded_version,
             "model_error": svc.engine.slot.last_error}
+
+
+class WatchdogReset(BaseModel):
+    """``POST /v1/admin/watchdog/reset``'s body (optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str | None = Field(None, min_length=1, max_length=500, description="kept in the audit log")
+
+
+@router.post("/watchdog/reset", summary="The champion decides again: the watchdog's window starts anew (audited)",
+             responses={422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})  # type: ignore[dict-item]
+async def reset_watchdog(caller: WriteModel,
+                         body: Annotated[WatchdogReset | None, Body()] = None) -> dict[str, object]:
+    """An operator's word against the watchdog (``router.decision.watchdog``): the audit entry (kind
+    ``watchdog``, action ``reset``, the state before and after, the reason) is durable before the
+    reset; then this process's window starts again and the champion decides -- on the other router
+    processes within ``watchdog.sync_s`` (``router.service.watchdog_sync``)."""
+    svc = caller.svc
+    wd = svc.engine.watchdog
+    who = f"key:{caller.who.key_id}"
+    reason = None if body is None else body.reason
+    before = wd.describe()
+    after = {**before, "state": "watching" if before["state"] in ("tripped", "ok") else before["state"], "n": 0,
+             "estimate": None, "interval": None, "reason": reason}
+    try:
+        await watchdog_sync.record(svc, "reset", who, before, after)
+    except Exception as e:
+        raise RouteFailure(503, "unavailable", f"the audit log cannot record the reset ({e})",
+                           headers={"Retry-After": "5"}) from None
+    return wd.reset(who)

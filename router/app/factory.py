@@ -49,6 +49,7 @@ from router.gateway.openai_api import ChatBody, CompletionBody
 from router.gateway.service import Gateway
 from router.http import errors
 from router.http.middleware import RequestContext
+from router.service import watchdog_sync
 from router.service.admission_queue import AdmissionQueue
 from router.service.capacity import CapacityPlans
 from router.service.migration import Migrator
@@ -340,6 +341,7 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     services = Services(settings, engine, store, keys, metrics, models, state, scraper, policies=policy_sync,
                         readiness=readiness, access=access_sync)
     metrics.watch_pools(lambda: engine.pool_load(time.time()))
+    metrics.watch_watchdog(engine.watchdog.describe)
     metrics.ready.set_function(lambda: float(readiness.decision_log_ok and readiness.state_ok))
     services.capacity = CapacityPlans(settings.capacity, engine)
     adm = settings.admission
@@ -360,7 +362,7 @@ def _background(services: Services, sync: SharedStateSync) -> list[asyncio.Task[
              "telemetry-refresh": _refresh_telemetry(svc.engine, svc.metrics, settings.telemetry_refresh_s),
              "shared-view": refresh_shared_view(svc.engine, svc.state, settings.state_view_refresh_s, sync),
              "policy-sync": svc.policies.run(), "access-sync": svc.access.run(), "migrations": svc.migrator.run(),
-             "webhooks": svc.webhooks.run()}
+             "webhooks": svc.webhooks.run(), "watchdog-sync": watchdog_sync.follow(svc, settings.watchdog.sync_s)}
     if svc.scraper is not None:
         loops["inference-scrape"] = svc.scraper.run()
     return [asyncio.create_task(coro, name=name) for name, coro in loops.items()]

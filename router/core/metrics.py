@@ -125,6 +125,34 @@ class Metrics:
         ``xroute_router_pool_slots``), read from ``load`` at each scrape (nothing on the hot path)."""
         self._pools.load = load
 
+    def watch_watchdog(self, describe: Callable[[], dict[str, Any]]) -> None:
+        """Export the champion's watchdog (``router.decision.watchdog``), read from ``describe`` at
+        each scrape: ``xroute_watchdog_tripped`` (1 while greedy decides instead of the champion),
+        ``xroute_watchdog_estimate`` and ``xroute_watchdog_interval_{lower,upper}`` (champion minus
+        greedy, reward units per decision; NaN before an estimate), ``xroute_watchdog_decisions`` (the
+        window's paired terms)."""
+        r = self.registry
+
+        def read(key: str, k: int = -1) -> Callable[[], float]:
+            def get() -> float:
+                v = describe().get(key)
+                if key == "state":
+                    return 1.0 if v == "tripped" else 0.0
+                if v is not None and k >= 0:
+                    v = v[k]
+                return float("nan") if v is None else float(v)
+            return get
+
+        for name, doc, key, k in (
+                ("xroute_watchdog_tripped", "1 while the watchdog has the router serve greedy instead of the champion",
+                 "state", -1),
+                ("xroute_watchdog_estimate", "The watchdog's estimate of champion minus greedy (reward per decision)",
+                 "estimate", -1),
+                ("xroute_watchdog_interval_lower", "The lower bound of the watchdog's interval", "interval", 0),
+                ("xroute_watchdog_interval_upper", "The upper bound of the watchdog's interval", "interval", 1),
+                ("xroute_watchdog_decisions", "Paired decisions in the watchdog's window", "n", -1)):
+            Gauge(name, doc, registry=r).set_function(read(key, k))
+
     def error(self, route: str, status: int) -> None:
         key = (route, str(status))
         c = self._errors.get(key)

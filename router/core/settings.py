@@ -169,6 +169,37 @@ class AdmissionSettings(BaseModel):
         return self
 
 
+class WatchdogSettings(BaseModel):
+    """The champion's watchdog (``router.decision.watchdog``; docs/ope.md, "The watchdog"): on by
+    default -- it changes nothing until the champion is confidently worse than greedy on this
+    router's own recent traffic, and then serving greedy is the safe answer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="estimate the champion minus greedy on the decisions' feedback and serve "
+                                            "greedy when the interval lies below -margin (with log_features: false it has no "
+                                            "estimate and says so)")
+    window: int = Field(1000, ge=50, le=100_000, description="the paired estimate is over the champion's last this "
+                                                             "many decisions with a scored feedback")
+    min_decisions: int = Field(500, ge=20, le=100_000, description="no verdict before this many decisions of the "
+                                                                   "champion with feedback")
+    confidence: float = Field(0.99, gt=0.5, lt=1.0, description="the two-sided level of the normal interval over "
+                                                                "the paired differences")
+    margin: float = Field(0.0002, ge=0.0, le=1.0, description="trips when the interval's upper bound is below "
+                                                              "-margin (reward units per decision; the default is the "
+                                                              "gate's non-inferiority margin)")
+
+    sync_s: float = Field(1.0, gt=0, le=60, description="how often each router reads the others' trips and resets "
+                                                         "(the audit log)")
+
+    @model_validator(mode="after")
+    def _enough_to_judge(self) -> WatchdogSettings:
+        if self.min_decisions > self.window:
+            raise ValueError(f"min_decisions: {self.min_decisions} is more than the window ({self.window}): the "
+                             "watchdog could never judge")
+        return self
+
+
 class CapacitySettings(BaseModel):
     """The capacity plan the router answers (``GET /v1/capacity/plan``; ``router.service.capacity``,
     docs/capacity.md, "Planning in the service")."""
@@ -470,6 +501,9 @@ class RouterSettings(BaseSettings):
                                        "announces its restore -- and until every restore announced has ended")
 
     # admission, priority and fairness (router/service/admission_queue.py, docs/router.md) -------------
+    watchdog: WatchdogSettings = Field(
+        default_factory=WatchdogSettings, description="the champion's watchdog: serve greedy when the champion is "
+                                                      "confidently worse than greedy on recent traffic")
     admission: AdmissionSettings = Field(
         default_factory=AdmissionSettings, description="admission that predicts: requests no pool can serve within "
                                                        "their TTFT SLO wait by priority and fair share, or are shed")

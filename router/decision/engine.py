@@ -31,6 +31,7 @@ from envs import policies as env_policies
 from envs.cloud_route import CloudRouteEnv
 from envs.features import N_OFFERING_FEATURES
 from models.baselines import make_baseline
+from models.policy import RewardPrior
 from router.core.logs import iso, json_str
 from router.core.settings import RouterSettings
 from router.core.startup import CLOCK
@@ -42,6 +43,7 @@ from router.decision.model_slot import ActivePolicy, PolicySlot
 from router.decision.quotas import QuotaPlan, QuotaView, quota_failure
 from router.decision.stages import EXPLAIN, ROUTE, RULES, Decision, RouteFailure, Stage, Unattainable, _num
 from router.decision.telemetry import Freshness, LiveSource, ReplaySource, TelemetrySource
+from router.decision.watchdog import Watchdog
 from router.state.base import Affinity, PrefixSend, hold_for, pool_key
 from router.state.ledger import QuotaUsage
 from router.store.rows import DecisionRow
@@ -142,6 +144,8 @@ class Ranked:
     #: whether its arm decided (True) or the stable set did
     canary: Any = None
     arm: bool = False
+    #: greedy's choice beside the policy's (the ``watchdog`` stage; -1: not known)
+    greedy: int = -1
 
 
 class RoutingEngine:
@@ -173,6 +177,9 @@ class RoutingEngine:
         self._init_tenants(settings)
         self._check_servers(settings)
         self._init_slot(settings, env_cfg)
+        #: the champion's watchdog (``router.decision.watchdog``; the ``watchdog`` stage reads it)
+        self.watchdog = Watchdog(settings.watchdog, self.offering_ids, self.catalog_key,
+                                 RewardPrior.from_env_config(env_cfg), settings.log_features)
         self._init_answers(env_cfg)
         self._init_buffers(settings)
         CLOCK.mark("engine")
@@ -660,7 +667,7 @@ class RoutingEngine:
         return Ranked(req, who, decision_id, wall, d.t, d.age, d.m, d.pinfo, d.score_kind, d.ccounts, d.ctext,
                       d.n_valid, d.n_not_preferred, d.env_counts, d.cands, d.nums, [svc.item(k) for k in d.cands],
                       self.bundle_hash, request_json, d.epsilon, d.ope, d.ptext, d.pcounts, prefix, d.pinned,
-                      d.canary, d.arm)
+                      d.canary, d.arm, d.greedy)
 
     def run_stages(self, stages: Sequence[Stage], d: Decision) -> None:
         """Apply ``stages`` to ``d`` in order; with a :attr:`stage_timer`, every
@@ -857,7 +864,7 @@ class RoutingEngine:
                           r.bundle_hash, self.pool_keys[r.m][a], None if hold_s is None else wall + hold_s,
                           idempotency_key, propensity, r.epsilon, features,
                           None if quota is None else int(quota[0]), None if quota is None else float(quota[1]),
-                          request_json, text)
+                          request_json, text, greedy_offering_id=None if r.greedy < 0 else self.offering_ids[r.greedy])
         c = r.canary
         if c is not None:  # (a canary running: the row says which arm decided, its exclusions are counted)
             row.policy_arm = c.labels[r.arm]
@@ -1139,7 +1146,8 @@ class RoutingEngine:
                               "ejected_for_s": None if left is None else round(left, 3),
                               "consecutive_failures": e.failures, "ejections": e.ejections})
         return {"telemetry": self.telemetry_info(t, wall), "origins": self.origins, "models": self.models,
-                "prefix_block_tokens": self.block_tokens, "offerings": rows, "ejections": ejections}
+                "prefix_block_tokens": self.block_tokens, "offerings": rows, "ejections": ejections,
+                "watchdog": self.watchdog.describe()}
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode

@@ -28,6 +28,8 @@ stage              what it does                                                 
                    the request's SLO, else queue or shed (``xroute.admission_rules``)
 ``score``          the active model's (or the fallback's) ranking of the valid offerings;   429 no_capacity
                    the environment's reasons (``unavailable`` .. ``budget``) and ``not_preferred``
+``watchdog``       greedy's choice beside the policy's (the decision log's ``greedy_offering_id``);
+                   a tripped watchdog (``router.decision.watchdog``) makes the decision greedy's
 ``pin``            a session's first turn after a committed migration goes to its target
 ``explore``        an exploring tenant's draw, and the off-policy record
 =================  =======================================================================  ===========================
@@ -156,6 +158,8 @@ class Decision:
     full: np.ndarray | None = None
     req_f: np.ndarray | None = None
     policy_choice: int = -1
+    #: what greedy would have chosen among the same valid offerings (the ``watchdog`` stage; -1: not known)
+    greedy: int = -1
     pinned: bool = False
     epsilon: float = 0.0
     ope: tuple[bytes, int, int, int] | None = None
@@ -635,6 +639,47 @@ class Score(Stage):
         d.nums = nums
 
 
+class Watchdog(Stage):
+    """Greedy's choice beside the policy's (``router.decision.watchdog``): when a model (or a
+    fallback other than greedy) decided, the argmax of the expected rewards plus the policies' bias
+    over the same valid offerings -- greedy's ranking, ``env_kernels.rank`` as the fallback ranks --
+    else the policy's own choice. When the watchdog is tripped and the champion decided, the
+    decision becomes greedy's: its ranking, its scores, ``policy`` naming the watchdog."""
+
+    name = "watchdog"
+
+    def apply(self, d: Decision) -> None:
+        e = self.engine
+        wd = e.watchdog
+        model = d.pinfo.get("kind") == "model"
+        if model and wd.enabled:
+            wd.follow(d.pinfo.get("version"))
+        if not model and d.pinfo.get("name") == "greedy":
+            d.greedy = d.policy_choice
+            return
+        env = e.env
+        valid = d.valid
+        if valid is None:  # (the fused learned path: its action set is in the engine's buffers)
+            valid = np.zeros(e.n, dtype=bool)
+            valid[e._idx[:d.fused_m]] = True
+        r = env.expected_rewards()
+        if d.has_bias:
+            r = r + d.bias
+        best, alt = env_kernels.rank(r, valid, e.k_alt)
+        d.greedy = int(best)
+        if not (model and wd.tripped):
+            return
+        # the champion is confidently worse than greedy: this decision is greedy's
+        c_lat, c_cost = env.c_lat, env.c_cost
+        d.cands = [int(best), *alt.tolist()]
+        nums: list[float] = []
+        for k in d.cands:
+            nums += (_num(r[k]), _num(c_lat.item(k)), _num(c_cost.item(k)))
+        d.nums, d.score_kind, d.policy_choice = nums, "expected_reward", int(best)
+        d.valid, d.full, d.scores, d.fused_m = valid, r, None, -1
+        d.pinfo = wd.info
+
+
 class Pin(Stage):
     """A session's first turn after a committed migration goes where the migration put its state
     (``router.service.migration``), when that offering is one the policy could have chosen now
@@ -704,7 +749,7 @@ class Explore(Stage):
 
 #: the stages of a route, in order (module docstring)
 ROUTE: tuple[type[Stage], ...] = (Validate, Arm, ConstraintLayers, Access, PoolEvents, Ejected, Prepare, Environment,
-                                  Policies, Feasibility, Predict, Score, Pin, Explore)
+                                  Policies, Feasibility, Predict, Score, Watchdog, Pin, Explore)
 #: what ``POST /v1/explain`` runs: every stage that excludes, none that ranks
 EXPLAIN: tuple[type[Stage], ...] = ROUTE[:ROUTE.index(Feasibility) + 1]
 #: the rules alone (the migration sweep, the dry run): the constraint layers and the policies at full headroom

@@ -55,7 +55,7 @@ from router.gateway.tokens import LONG_PROMPT_CHARS, PromptCounter, chat_texts, 
 from router.gateway.transcripts import TranscriptStore
 from router.gateway.upstream import Endpoint, Guard, Upstreams, upstream_pools, watch_disconnect
 from router.service.admission import route_decision
-from router.service.outcomes import close_the_loop, feedback_row, settle_quota
+from router.service.outcomes import close_the_loop, feedback_row, settle_quota, watch
 from router.service.services import Services
 from router.state.base import pool_key
 from router.store.sqlite import DecisionRef, StoreClosed
@@ -367,7 +367,9 @@ class Gateway:
                 ref = DecisionRef(who.tenant, call.model, svc.engine.pool_key_of(offering_id, call.model), 0,
                                   body.input_tokens, body.max_output_tokens, body.ttft_ms, body.tpot_ms,
                                   body.deadline_ms, float(answer["expected_cost_usd"]),
-                                  *(quota if quota is not None else (None, None)))
+                                  quota_tokens=None if quota is None else quota[0],
+                                  quota_usd=None if quota is None else quota[1],
+                                  policy_kind=str(answer["policy"]["kind"]), policy_version=answer["policy"]["version"])
                 att = self._attempt(len(tried), answer["decision_id"], offering_id, ref, call.model)
                 if quota is not None:
                     holder = att
@@ -561,6 +563,11 @@ class Gateway:
             else:
                 reward, missed = svc.engine.feedback_reward(ref, fb)
                 await close_the_loop(svc, fb, ref, missed)
+                if ref.policy_kind == "model" and svc.engine.watchdog.wants(ref.policy_version):
+                    # (the champion's decision: the watchdog reads its logged record, durable by now)
+                    logged = await svc.store.lookup(att.decision_id)
+                    if logged is not None:
+                        await watch(svc, logged, reward)
             if settles is not None and settles is not att:
                 await self._settle_quota(settles, o)
             measured = (o.tpot_ms, o.prompt_tokens, o.cached_tokens, call.request_id, att.number)

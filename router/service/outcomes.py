@@ -14,6 +14,8 @@ from fastapi import HTTPException
 
 from router.core.logs import LOG, iso
 from router.decision.engine import RouteFailure
+from router.decision.watchdog import Observation
+from router.service import watchdog_sync
 from router.service.admission import abandon, claim, idempotency_digest, remember, replayed, settle_in_doubt
 from router.service.services import Services
 from router.state.base import PoolOutcome, QuotaSettle, Settlement
@@ -121,6 +123,21 @@ async def close_the_loop(svc: Services, body: FeedbackRequest, ref: DecisionRef,
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)
 
 
+async def watch(svc: Services, ref: DecisionRef, reward: float | None) -> None:
+    """The champion's watchdog learns a decision's first outcome (``router.decision.watchdog``); a
+    trip it makes is shared with the other routers (``router.service.watchdog_sync``). A failure
+    here is logged, never the outcome's."""
+    try:
+        now = svc.engine.watchdog.observe(Observation(ref.policy_kind, ref.policy_version, ref.features,
+                                                      ref.propensity, ref.greedy_offering_id, reward))
+    except Exception as e:
+        LOG.warning("the watchdog could not read a decision's outcome", extra={"fields": {
+            "error": f"{type(e).__name__}: {e}"}})
+        return
+    if now:
+        await watchdog_sync.tripped(svc)
+
+
 async def record_feedback(svc: Services, body: FeedbackRequest, who: Principal, idempotency: str | None = None
                           ) -> bytes:
     """``POST /v1/feedback``'s pipeline: claim the key (its first answer again, or 409), find the
@@ -161,6 +178,8 @@ async def record_feedback(svc: Services, body: FeedbackRequest, who: Principal, 
         raise
     answer = feedback_answer(fid, body.decision_id, now)
     await close_the_loop(svc, body, ref, missed)
+    if ref.feedback == 0:  # (a decision's first outcome only, as the statistics count it)
+        await watch(svc, ref, reward)
     if key is not None:
         assert digest is not None
         await remember(svc.state, key, digest + answer, svc.settings.idempotency_ttl_s)

@@ -67,6 +67,9 @@ class DecisionRow:
     #: the arm of the canary rollout running that decided it (``stable:<canary id>`` or
     #: ``canary:<canary id>``; None: no canary was running: the stable set decided); set after the row is built
     policy_arm: str | None = None
+    #: what greedy would have chosen among the same offerings (``router.decision.watchdog``; None: not
+    #: known, e.g. a decision logged before the column existed)
+    greedy_offering_id: str | None = None
 
     def astuple(self) -> tuple[Any, ...]:
         """The row's values in :data:`DECISION_COLUMNS`' order (what a backend inserts)."""
@@ -117,6 +120,7 @@ CREATE TABLE IF NOT EXISTS decisions (
     request_json TEXT NOT NULL,
     trace_id TEXT,
     policy_arm TEXT,
+    greedy_offering_id TEXT,
     response_json {answer} NOT NULL{answer_dictionary}
 );
 CREATE INDEX IF NOT EXISTS decisions_tenant_time ON decisions (tenant, created_at);
@@ -151,11 +155,12 @@ CREATE TABLE IF NOT EXISTS catalogs (
 #: gateway request the attempt belonged to (its X-Request-ID: every attempt of one request shares
 #: it) and the attempt's number; the tenant quotas' reservation of a decision (tokens, USD; NULL: no
 #: quota applied: ``router.decision.quotas.quota_events`` rebuilds the counters from them); the decision's
-#: W3C trace id (``router.core.tracing``; NULL: no trace); the canary arm that decided it (NULL: no canary ran)
+#: W3C trace id (``router.core.tracing``; NULL: no trace); the canary arm that decided it (NULL: no canary ran);
+#: what greedy would have chosen (``router.decision.watchdog``; NULL: not known)
 ADDED_COLUMNS = {"decisions": (("pool", "TEXT"), ("hold_until", "REAL"), ("idempotency_key", "TEXT"),
                                ("propensity", "REAL"), ("epsilon", "REAL"), ("features", "BLOB"),
                                ("quota_tokens", "INTEGER"), ("quota_usd", "REAL"), ("trace_id", "TEXT"),
-                               ("policy_arm", "TEXT")),
+                               ("policy_arm", "TEXT"), ("greedy_offering_id", "TEXT")),
                  "feedback": (("ttft_ms", "REAL"), ("idempotency_key", "TEXT"), ("reward", "REAL"),
                               ("sla_violation", "INTEGER"), ("tpot_ms", "REAL"), ("prompt_tokens", "INTEGER"),
                               ("cached_tokens", "INTEGER"), ("request_id", "TEXT"), ("attempt", "INTEGER"))}
@@ -186,7 +191,8 @@ RECORD_FEEDBACK_SQL = ("SELECT feedback_id, received_at, latency_ms, cost_usd, o
 #: the columns ``GroupCommitLog.lookup`` reads (and how a backend builds its answer: :func:`decision_ref`)
 LOOKUP_SQL = ("SELECT d.tenant, d.model, d.offering_id, d.pool, (SELECT COUNT(*) FROM feedback f WHERE "
               "f.decision_id = d.decision_id), d.input_tokens, d.max_output_tokens, d.ttft_ms, d.tpot_ms, "
-              "d.deadline_ms, d.expected_cost_usd, d.quota_tokens, d.quota_usd FROM decisions d WHERE d.decision_id = ?")
+              "d.deadline_ms, d.expected_cost_usd, d.quota_tokens, d.quota_usd, d.policy_kind, d.policy_version, "
+              "d.propensity, d.features, d.greedy_offering_id FROM decisions d WHERE d.decision_id = ?")
 #: how a backend keeps a catalog (``GroupCommitLog.register_catalog``)
 REGISTER_CATALOG_SQL = "INSERT INTO catalogs (catalog_key, offering_ids) VALUES (?, ?) ON CONFLICT DO NOTHING"
 CATALOGS_SQL = "SELECT catalog_key, offering_ids FROM catalogs"
@@ -221,18 +227,29 @@ class DecisionRef:
     #: what the tenant's quotas reserved for it (None: no quota applied)
     quota_tokens: int | None = None
     quota_usd: float | None = None
+    #: what the watchdog needs (``router.decision.watchdog``): the policy that decided, the propensity
+    #: of what it served, its OPE record, greedy's choice
+    policy_kind: str = ""
+    policy_version: str | None = None
+    propensity: float | None = None
+    features: bytes | None = None
+    greedy_offering_id: str | None = None
 
 
 def decision_ref(row: tuple[Any, ...] | None) -> DecisionRef | None:
     """A :data:`LOOKUP_SQL` row as a :class:`DecisionRef` (None for none)."""
     if row is None:
         return None
-    tenant, model, offering_id, pool, n, n_in, max_out, ttft, tpot, deadline, cost, q_tok, q_usd = row
+    (tenant, model, offering_id, pool, n, n_in, max_out, ttft, tpot, deadline, cost, q_tok, q_usd, kind, version,
+     propensity, features, greedy) = row
     from router.state.base import pool_key
 
     return DecisionRef(str(tenant), str(model), str(pool) if pool else pool_key(str(model), str(offering_id)), int(n),
                        int(n_in), int(max_out), float(ttft), float(tpot), None if deadline is None else float(deadline),
-                       float(cost), None if q_tok is None else int(q_tok), None if q_usd is None else float(q_usd))
+                       float(cost), None if q_tok is None else int(q_tok), None if q_usd is None else float(q_usd),
+                       str(kind), None if version is None else str(version),
+                       None if propensity is None else float(propensity), None if features is None else bytes(features),
+                       None if greedy is None else str(greedy))
 
 
 def decision_record(response: dict[str, Any], request_json: str, feedback: list[tuple[Any, ...]]) -> dict[str, Any]:

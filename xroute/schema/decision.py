@@ -308,6 +308,22 @@ class EjectionState(BaseModel):
     ejections: int = Field(description="times it was ejected since the shared state began")
 
 
+class WatchdogState(BaseModel):
+    """The champion's watchdog (``router.decision.watchdog``; docs/ope.md, "The watchdog")."""
+
+    state: Literal["off", "unavailable", "idle", "watching", "ok", "tripped"] = Field(
+        description="off: disabled; unavailable: log_features false; idle: no champion loaded; watching: fewer "
+                    "decisions with feedback than min_decisions; ok: the champion decides; tripped: greedy decides")
+    estimate: float | None = Field(None, description="the mean paired doubly robust difference champion - greedy "
+                                                     "(reward units per decision) over the window")
+    interval: list[float] | None = Field(None, description="its normal interval at the configured confidence")
+    n: int = Field(description="paired terms in the window")
+    since: str = Field(description="when the state began (the window's start, or the trip)")
+    version: str | None = Field(None, description="the champion version watched")
+    window: int
+    confidence: float
+
+
 class OfferingsResponse(BaseModel):
     telemetry: TelemetryInfo
     origins: list[str]
@@ -317,6 +333,8 @@ class OfferingsResponse(BaseModel):
     ejections: list[EjectionState] = Field(default_factory=list, description="every pool and server ejected, "
                                            "half-open or with failures counted, as this router's view of the shared "
                                            "state has it")
+    watchdog: WatchdogState | None = Field(None, description="the champion's watchdog: whether greedy decides "
+                                                             "instead of it, and the estimate behind that")
 
 
 class ErrorItem(BaseModel):

@@ -1,0 +1,182 @@
+"""The champion's watchdog (``router.decision.watchdog``; docs/ope.md, "The watchdog"): how many
+decisions it takes to trip on a champion worse than greedy, and how often it trips on one that is
+not (false alarms), over replays of the shipped bundle.
+
+Each replay is a window of the shipped bundle's request stream (``--replays`` windows, each
+starting ``--stride`` requests after the previous, each with its own noise seed) routed on-policy
+by the champion in the simulator -- the environment with the router's own config
+(``router.decision.engine.env_config``) -- with every decision fed to the router's estimator
+(``WatchdogEstimator``, the router's settings) exactly as the router feeds it: the prior of the
+champion's, greedy's and the served offering from the decision's rows (``RewardPrior``), greedy's
+choice the argmax of the expected rewards plus the policies' bias over the valid offerings (the
+router's ``watchdog`` stage), the realized reward of the step (the simulator's one definition).
+The truth beside it: greedy routing the same window with the same seed, on-policy; the table's
+"true diff" is the champion's mean reward minus greedy's over the same requests. And what the
+estimator estimates: the hindsight difference in the states the champion's routing left
+(``CloudRouteEnv.exact_rewards``: what greedy's choice would really have got there), over the
+decisions up to the trip (all when none) -- the two differ by congestion (docs/ope.md, "Limits").
+
+Champions (exported weights, ``models.policy.RouterWeights``, as ``xroute train`` exports them):
+``priciest`` (the highest expected cost), ``pricey`` and ``pricier`` (the reward prior plus a weight on expected
+cost: pays for faster pools), ``greedy`` (the prior alone: greedy's choice) and ``near-greedy``
+(the prior plus a small weight against expected latency).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_watchdog.py                 # ~2 min on 2 shared cores
+    .venv/bin/python benchmarks/bench_watchdog.py --replays 5 --decisions 1000   # quicker
+
+Writes ``benchmarks/results/watchdog.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from envs import kernels as env_kernels  # noqa: E402
+from envs.cloud_route import CloudRouteEnv  # noqa: E402
+from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES, OFFERING_FEATURES  # noqa: E402
+from models.policy import LearnedPolicy, RewardPrior, RouterWeights  # noqa: E402
+from router.core.settings import RouterSettings, WatchdogSettings  # noqa: E402
+from router.decision.engine import env_config  # noqa: E402
+from router.decision.watchdog import WatchdogEstimator  # noqa: E402
+from xroute.bundle import load_bundle  # noqa: E402
+
+SHIPPED = REPO / "data" / "bundles" / "default"
+#: champion -> (weight on exp_cost, weight on exp_latency, whether the reward prior is added)
+FAMILIES: dict[str, tuple[float, float, bool]] = {
+    "priciest": (1.0, 0.0, False),
+    "pricey": (0.5, 0.0, True),
+    "pricier": (0.05, 0.0, True),
+    "greedy": (0.0, 0.0, True),
+    "near-greedy": (0.0, -0.002, True),
+}
+
+
+def champion(name: str, prior: RewardPrior) -> LearnedPolicy:
+    w_cost, w_lat, with_prior = FAMILIES[name]
+    w = np.zeros((N_OFFERING_FEATURES + N_REQUEST_FEATURES, 1), dtype=np.float32)
+    w[OFFERING_FEATURES.index("exp_cost"), 0] = w_cost
+    w[OFFERING_FEATURES.index("exp_latency"), 0] = w_lat
+    # (a linear score through one ReLU unit needs a non-negative sum: the prior carries the sign)
+    layers = [(w, np.full(1, 10.0 if w_lat < 0 else 0.0, dtype=np.float32)), (np.ones((1, 1), dtype=np.float32),
+                                                                              np.zeros(1, dtype=np.float32))]
+    return LearnedPolicy(RouterWeights(layers, prior=prior if with_prior else None), name=name)
+
+
+def greedy_choice(env: CloudRouteEnv, mask: np.ndarray) -> int:
+    r = env.expected_rewards()
+    bias = getattr(env, "r_bias", None)
+    if bias is not None and getattr(env, "r_has_bias", False):
+        r = r + bias
+    return int(env_kernels.rank(r, mask, 0)[0])
+
+
+def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: int, n: int,
+           est: WatchdogEstimator | None, prior: RewardPrior) -> tuple[list[float], int | None, list[float]]:
+    """``n`` decisions from request ``start`` (``policy`` None: greedy): the rewards, the decision
+    at which ``est`` tripped (None: never), and each decision's hindsight difference champion -
+    greedy *in the state the champion's routing left* (``CloudRouteEnv.exact_rewards``: what greedy's
+    choice would really have got there; 0 where they agree) -- what the estimator estimates."""
+    obs, info = env.reset(seed=seed, options={"start": start})
+    if policy is not None:
+        policy.reset(env, seed)
+    rewards: list[float] = []
+    hind: list[float] = []
+    tripped = None
+    for i in range(n):
+        mask = np.asarray(info["action_mask"][: env.n], dtype=bool)
+        g = greedy_choice(env, mask)
+        a = g if policy is None else int(policy.act(obs, info))
+        if est is not None:
+            hind.append(0.0 if a == g else float(env.exact_rewards()[a] - env.exact_rewards()[g]))
+        if est is not None and tripped is None:
+            idx = np.flatnonzero(mask)
+            rows = np.asarray(obs["offerings"], dtype=np.float32).reshape(-1, N_OFFERING_FEATURES)[idx]
+            p = prior.scores(rows[None], np.asarray(obs["request"])[None])[0]
+            pos = {int(k): j for j, k in enumerate(idx)}
+            obs, r, _, trunc, info = env.step(a)
+            if est.observe(float(p[pos[a]]), float(p[pos[g]]), float(p[pos[a]]), True, a == g, 1.0, float(r)):
+                tripped = i + 1
+        else:
+            obs, r, _, trunc, info = env.step(a)
+        rewards.append(float(r))
+        if trunc:
+            break
+    return rewards, tripped, hind
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--decisions", type=int, default=2000, help="decisions per replay")
+    ap.add_argument("--stride", type=int, default=1200, help="requests between the replays' starts")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--window", type=int, default=None, help="the watchdog's window (default: the router's)")
+    ap.add_argument("--min-decisions", type=int, default=None)
+    ap.add_argument("--confidence", type=float, default=None)
+    ap.add_argument("--margin", type=float, default=None)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "watchdog.json")
+    a = ap.parse_args()
+    cfg = WatchdogSettings(**{k: v for k, v in (("window", a.window), ("min_decisions", a.min_decisions),
+                                                ("confidence", a.confidence), ("margin", a.margin)) if v is not None})
+    settings = RouterSettings(telemetry=SHIPPED, model_uri="")
+    env_cfg = env_config(settings)
+    env = CloudRouteEnv(load_bundle(SHIPPED), env_cfg, all_models=True)
+    prior = RewardPrior.from_env_config(env_cfg)
+    t0 = time.time()
+    greedy_runs = {k: replay(env, None, k * a.stride, k, a.decisions, None, prior)[0] for k in range(a.replays)}
+    rows: list[dict[str, Any]] = []
+    for fam in a.families.split(","):
+        pol = champion(fam, prior)
+        runs = []
+        for k in range(a.replays):
+            est = WatchdogEstimator(cfg.window, cfg.min_decisions, cfg.confidence, cfg.margin)
+            rew, tripped, hind = replay(env, pol, k * a.stride, k, a.decisions, est, prior)
+            base = greedy_runs[k][: len(rew)]
+            at = tripped or len(rew)
+            runs.append({"start": k * a.stride, "seed": k, "true_diff": float(np.mean(rew) - np.mean(base)),
+                         "true_diff_to_trip": float(np.mean(rew[:at]) - np.mean(base[:at])),
+                         "hindsight_diff_to_trip": float(np.mean(hind[:at])), "tripped_at": tripped, "estimate_at_end": None if est.estimate is None else est.estimate[0]})
+        diffs = np.array([r["true_diff"] for r in runs])
+        trips = [r["tripped_at"] for r in runs if r["tripped_at"] is not None]
+        hinds = np.array([r["hindsight_diff_to_trip"] for r in runs])
+        rows.append({"champion": fam, "replays": a.replays, "true_diff_median": float(np.median(diffs)),
+                     "hindsight_diff_median": float(np.median(hinds)),
+                     "true_diff_min": float(diffs.min()), "true_diff_max": float(diffs.max()),
+                     "worse_in": int((diffs < 0).sum()), "tripped": len(trips),
+                     "delay_median": None if not trips else float(np.median(trips)),
+                     "delay_max": None if not trips else int(max(trips)), "runs": runs})
+    out = {"command": "python benchmarks/bench_watchdog.py " + " ".join(sys.argv[1:]), "nproc": os.cpu_count(),
+           "python": platform.python_version(), "bundle": "shipped (data/bundles/default)",
+           "watchdog": cfg.model_dump(), "decisions": a.decisions, "stride": a.stride,
+           "seconds": round(time.time() - t0, 1), "families": rows}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"watchdog: window {cfg.window}, min_decisions {cfg.min_decisions}, confidence {cfg.confidence}, margin "
+          f"{cfg.margin}; {a.replays} replays x {a.decisions} decisions of the shipped bundle; nproc {os.cpu_count()}")
+    print("| champion | true diff to greedy, median [min, max] | replays where worse | in the champion's states "
+          "(hindsight), median | tripped | decisions to trip, median (max) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        delay = "-" if r["delay_median"] is None else f"{r['delay_median']:.0f} ({r['delay_max']})"
+        print(f"| {r['champion']} | {r['true_diff_median']:+.5f} [{r['true_diff_min']:+.5f}, {r['true_diff_max']:+.5f}] "
+              f"| {r['worse_in']}/{r['replays']} | {r['hindsight_diff_median']:+.5f} | {r['tripped']}/{r['replays']} "
+              f"| {delay} |")
+    print(f"({out['seconds']} s) -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()

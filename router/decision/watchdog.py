@@ -1,0 +1,301 @@
+"""The champion's watchdog: a running doubly robust estimate of *champion minus greedy* on this
+router's own recent traffic, and the switch to greedy when it is confidently negative
+(``watchdog:`` in the router settings; docs/ope.md, "The watchdog").
+
+**What is logged.** Beside every decision the decision log keeps what greedy (the argmax of the
+expected reward plus the routing policies' bias over the same action set: the fallback's ranking,
+``RoutingEngine._choose``) would have chosen: ``decisions.greedy_offering_id``, computed by the
+``watchdog`` stage (``router.decision.stages.Watchdog``) from the expected rewards the environment
+has for the request already; when greedy itself decided, it is the choice.
+
+**The estimate.** When a decision's feedback arrives (``POST /v1/feedback``, or the gateway's own
+measurement) with its realized reward ``r`` (``RoutingEngine.feedback_reward``: the one reward
+definition), and the decision was made by the champion now loaded (``policy_kind`` model, the
+same version) with its OPE record (``log_features``), its paired term is the doubly robust
+difference of two deterministic targets, champion ``c`` and greedy ``g``, over the logged
+action ``a`` with propensity ``p``::
+
+    d = q(c) - q(g) + (1[a = c] - 1[a = g]) / p * (r - q(a))
+
+``q`` is the reward model ``xroute ope`` uses (``models.policy.RewardPrior`` on the logged rows:
+greedy's own expected reward), calibrated by an offset, ``q = prior + alpha``, learned only from
+*earlier* decisions (never the decision's own reward): ``alpha`` is the mean residual (realized
+reward - prior) of the earlier decisions that served greedy's choice (the champion agreed with
+greedy), once there are 30 of them; else of every earlier served offering, once there are 30; else
+0. Why greedy's own residuals: greedy's choice is the argmax of the prior, so its prior is the most
+optimistic of the set (the winner's curse) -- a residual taken from other offerings would leave
+that optimism in ``q(g)`` and make every departure from greedy look worse than it is. And only an
+offset, not ``xroute ope``'s slope: one champion's served offerings span a narrow range of the
+prior, and a slope fitted there extrapolates to greedy's choices wildly (seen: the priciest
+offerings, prior -3.2 +- 0.01, greedy's -0.07). Where ``c == g`` the term is exactly 0.
+Where they differ and the champion's choice was served (no exploration: ``p = 1``) it is
+``r - q(g)``: the champion's *realized* reward against the model's counterfactual for greedy's.
+An explored decision adds the importance-weighted correction (``p`` < 1).
+
+**The verdict.** Over the last ``window`` terms: the mean and a normal interval at
+``confidence`` (``mean +- z * sd / sqrt(n)``). From ``min_decisions`` terms on, an upper bound
+below ``-margin`` *trips* the watchdog: the ``watchdog`` stage makes every later decision greedy's
+(the answer's ``policy`` says ``watchdog``), and it stays tripped -- no more terms are added --
+until a new champion version is loaded (the window starts again for it) or an operator resets it
+(``POST /v1/admin/watchdog/reset``, audited; the window starts again).
+
+**Who feeds it.** ``POST /v1/feedback`` (``router.service.outcomes.record_feedback``) and the
+gateway's own measurement of an attempt (``router.gateway.service``: for a champion's decision, one
+lookup of its logged record after the answer), each with the decision's first outcome.
+
+**Across routers.** A trip and a reset are audit entries every router process reads
+(``router.service.watchdog_sync``): a trip anywhere makes greedy decide on every router within
+``watchdog.sync_s``, a reset anywhere hands the decisions back everywhere. The estimates are per
+process (each from the outcomes it receives), in memory: a restart starts its window again (and
+adopts the last shared verdict on the champion it loads).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from models.policy import RewardPrior
+from router.core.logs import LOG, iso
+from router.decision import ope_log
+
+#: earlier residuals needed before the reward model is calibrated
+CALIBRATE_MIN = 30
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one decision's feedback tells the watchdog (``None`` fields: nothing to learn)."""
+
+    policy_kind: str
+    policy_version: str | None
+    features: bytes | None
+    propensity: float | None
+    greedy_offering_id: str | None
+    reward: float | None
+
+
+def paired_term(q_c: float, q_g: float, q_a: float, served_c: bool, served_g: bool, p: float, r: float) -> float:
+    """One decision's doubly robust champion-minus-greedy term (module docstring); 0 when the
+    champion's choice is greedy's (``q_c == q_g`` and ``served_c == served_g``)."""
+    w = (float(served_c) - float(served_g)) / p
+    return q_c - q_g + w * (r - q_a)
+
+
+def normal_interval(terms: np.ndarray, confidence: float) -> tuple[float, float, float]:
+    """(mean, lower, upper) of the normal interval over ``terms`` at two-sided ``confidence``."""
+    n = terms.size
+    mean = float(terms.mean())
+    if n < 2:
+        return mean, -math.inf, math.inf
+    z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
+    half = z * float(terms.std(ddof=1)) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+class WatchdogEstimator:
+    """The window of paired terms, the calibration and the verdict -- no router, no I/O: what the
+    router runs and what ``tools/watchdog_replay.py`` measures."""
+
+    def __init__(self, window: int, min_decisions: int, confidence: float, margin: float):
+        self.window, self.min_decisions, self.confidence, self.margin = window, min_decisions, confidence, margin
+        self.reset()
+
+    def reset(self) -> None:
+        self.terms: deque[float] = deque(maxlen=self.window)
+        # the residuals (reward - prior of the served) of the decisions seen so far, and of those
+        # that served greedy's choice
+        self._n = self._ng = 0
+        self._sr = self._srg = 0.0
+        self.tripped = False
+        self.seen = 0
+        self.estimate: tuple[float, float, float] | None = None
+
+    def calibration(self) -> float:
+        """The offset ``alpha`` of ``q = prior + alpha`` (module docstring): the mean residual
+        (reward - prior) of greedy's choices served so far, once there are ``CALIBRATE_MIN``; else
+        of every offering served so far, once there are that many; else 0."""
+        if self._ng >= CALIBRATE_MIN:
+            return self._srg / self._ng
+        return self._sr / self._n if self._n >= CALIBRATE_MIN else 0.0
+
+    def observe(self, prior_c: float, prior_g: float, prior_a: float, served_c: bool, served_g: bool, p: float,
+                r: float) -> bool:
+        """Add one decision's term (its q from the calibration *before* its own reward), then fold
+        its residual into the calibration. Returns True when this term
+        tripped the watchdog."""
+        if self.tripped:
+            return False
+        alpha = self.calibration()
+        self.terms.append(paired_term(prior_c + alpha, prior_g + alpha, prior_a + alpha, served_c, served_g, p, r))
+        self._n += 1
+        self._sr += r - prior_a
+        if served_g:
+            self._ng += 1
+            self._srg += r - prior_a
+        self.seen += 1
+        n = len(self.terms)
+        if n < 2:
+            return False
+        self.estimate = normal_interval(np.fromiter(self.terms, float, n), self.confidence)
+        if n >= self.min_decisions and self.estimate[2] < -self.margin:
+            self.tripped = True
+            return True
+        return False
+
+
+class Watchdog:
+    """The router's watchdog (module docstring): the estimator for the champion loaded now, fed
+    by the feedback path (:meth:`observe`), read by the ``watchdog`` stage (:attr:`tripped`),
+    ``GET /v1/offerings`` and the metrics (:meth:`describe`), reset by an operator (:meth:`reset`)."""
+
+    def __init__(self, settings: Any, offering_ids: list[str], catalog_key: str, prior: RewardPrior,
+                 log_features: bool):
+        self.settings = settings
+        self.enabled = bool(settings.enabled)
+        self.log_features = log_features
+        self.prior = prior
+        self.catalog_key = catalog_key
+        self.index = {o: i for i, o in enumerate(offering_ids)}
+        self.est = WatchdogEstimator(settings.window, settings.min_decisions, settings.confidence, settings.margin)
+        #: the champion version the window is about (None: none yet)
+        self.version: str | None = None
+        #: since when the state holds (wall seconds): the window's start, or the trip
+        self.since = time.time()
+        self.tripped = False
+        self.resets = 0
+        #: the answer's ``policy`` while tripped (set at the trip)
+        self.info: dict[str, Any] = {}
+        #: this process, as its shared verdicts name it (``router.service.watchdog_sync``)
+        self.token = uuid.uuid4().hex[:16]
+        #: the last shared verdict per champion version: (trip or reset, the state it recorded)
+        self.shared: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def follow(self, version: str | None) -> None:
+        """The champion now loaded is ``version``: a new one starts the window again (and untrips),
+        tripped at once when another router's last verdict on it was a trip."""
+        if version != self.version:
+            with self._lock:
+                if version != self.version:
+                    self.version = version
+                    self._restart()
+                    got = self.shared.get(version or "")
+                    if got is not None and got[0] == "trip":
+                        self._trip(got[1], shared=True)
+
+    def shared_verdict(self, version: str, action: str, after: dict[str, Any]) -> None:
+        """Another router's verdict (``router.service.watchdog_sync``): kept for ``version``; a trip
+        of the champion watched here trips this process too, a reset of it starts the window again.
+        This process's own verdicts are only kept."""
+        self.shared[version] = (action, after)
+        if after.get("by") == self.token:
+            return
+        with self._lock:
+            if version != self.version:
+                return
+            if action == "trip" and not self.tripped:
+                self._trip(after, shared=True)
+            elif action == "reset":
+                self._restart()
+                LOG.warning("watchdog reset on another router: the champion decides again",
+                            extra={"fields": {"version": self.version}})
+
+    def _trip(self, state: dict[str, Any], shared: bool) -> None:
+        """Trip (under the lock): greedy decides from now on; ``state``: the estimate that tripped
+        (``describe()``'s, of this process or of another)."""
+        self.since = time.time()
+        mean, (lo, hi), n = state.get("estimate") or 0.0, state.get("interval") or (0.0, 0.0), state.get("n", 0)
+        where = "another router's" if shared else "recent"
+        self.info = {"name": "greedy", "kind": "fallback", "version": None, "uri": None,
+                     "reason": f"watchdog: champion {self.version} worse than greedy on {where} traffic "
+                               f"({mean:+.5f} [{lo:+.5f}, {hi:+.5f}], n={n})"}
+        self.tripped = True
+        LOG.warning("watchdog tripped: the champion is confidently worse than greedy on "
+                    + ("another router's" if shared else "recent") + " traffic; serving greedy until a new champion "
+                    "is loaded or an operator resets it",
+                    extra={"fields": {"version": self.version, "estimate": round(mean, 6),
+                                      "interval": [round(lo, 6), round(hi, 6)], "n": n}})
+
+    def _restart(self) -> None:
+        self.est.reset()
+        self.tripped = False
+        self.since = time.time()
+
+    def reset(self, principal: str) -> dict[str, Any]:
+        """An operator's reset: the window starts again and greedy is no longer forced. Returns the
+        state before and after (for the audit entry and the answer)."""
+        with self._lock:
+            before = self.describe()
+            self._restart()
+            self.resets += 1
+            after = self.describe()
+        LOG.warning("watchdog reset by an operator: the champion decides again", extra={"fields": {
+            "principal": principal, "version": self.version, "before": before["state"]}})
+        return {"before": before, "after": after}
+
+    def wants(self, version: str | None) -> bool:
+        """Whether a decision of ``version`` can add a term now (enabled, features logged, not
+        tripped, the champion watched): the gateway reads a decision's record only then."""
+        return self.enabled and self.log_features and not self.tripped and version is not None \
+            and version == self.version
+
+    def observe(self, ob: Observation) -> bool:
+        """One decision's feedback (module docstring): a term when it is the loaded champion's
+        decision with its record, greedy's choice and a reward; anything else is left out. True
+        when this term tripped the watchdog (the caller shares the trip)."""
+        if not self.enabled or self.tripped or ob.reward is None or ob.features is None or ob.greedy_offering_id is None:
+            return False
+        if ob.policy_kind != "model" or ob.policy_version is None or ob.policy_version != self.version:
+            return False
+        g = self.index.get(ob.greedy_offering_id)
+        if g is None or ob.propensity is None:  # (moved off the draw: the served offering's probability is unknown)
+            return False
+        p = float(ob.propensity)
+        rec = ope_log.unpack(ob.features)
+        if rec.catalog_key != self.catalog_key:
+            return False
+        pos = np.flatnonzero(rec.action_idx == g)
+        if pos.size == 0:
+            return False
+        gi = int(pos[0])
+        prior = self.prior.scores(rec.rows[None], rec.request[None])[0]
+        c, a = rec.argmax, rec.chosen
+        with self._lock:
+            if self.tripped or ob.policy_version != self.version:
+                return False
+            if self.est.observe(float(prior[c]), float(prior[gi]), float(prior[a]), a == c, a == gi, p,
+                                float(ob.reward)):
+                self.tripped = True  # (describe() below reads the estimate that tripped)
+                self._trip(self.describe(), shared=False)
+                return True
+        return False
+
+    def state(self) -> str:
+        if not self.enabled:
+            return "off"
+        if not self.log_features:
+            return "unavailable"
+        if self.version is None:
+            return "idle"
+        if self.tripped:
+            return "tripped"
+        return "ok" if len(self.est.terms) >= self.est.min_decisions else "watching"
+
+    def describe(self) -> dict[str, Any]:
+        """``/v1/offerings``' ``watchdog``: the state (off, unavailable: no features logged, idle: no
+        champion, watching: fewer terms than ``min_decisions``, ok, tripped), the estimate and its
+        interval, the number of terms, since when, the champion version watched."""
+        est = self.est.estimate
+        return {"state": self.state(), "estimate": None if est is None else est[0],
+                "interval": None if est is None or not math.isfinite(est[1]) else [est[1], est[2]],
+                "n": len(self.est.terms), "since": iso(self.since), "version": self.version,
+                "window": self.est.window, "confidence": self.est.confidence}
