@@ -3,12 +3,15 @@
 # dependency pinned by constraints.txt (torch: the CPU wheel), then quiet the services' telemetry.
 # With XROUTE_TEST_SERVERS=1 (test.sh) it also installs the servers the tests start for real --
 # Debian's redis-server and postgresql -- and Debian's prometheus, for its promtool (the alert rules'
-# tests: tests/test_dashboards.py), when their programs are missing (apt is skipped otherwise).
+# tests: tests/test_dashboards.py), and Debian's chromium and chromium-driver (the web console's browser
+# tests: tests/test_console.py), when their programs are missing (apt is skipped otherwise).
 if [ "${XROUTE_TEST_SERVERS:-0}" = 1 ]; then
   _need=""
   command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || _need="$_need redis-server"
   command -v pg_ctl >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || _need="$_need postgresql"
   command -v promtool >/dev/null 2>&1 || _need="$_need prometheus"
+  command -v chromium >/dev/null 2>&1 || _need="$_need chromium"
+  command -v chromedriver >/dev/null 2>&1 || _need="$_need chromium-driver"
   if [ -n "$_need" ]; then
     echo "setup: installing the tests' servers:$_need (Debian packages)"
     _sudo=""

@@ -316,3 +316,26 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def chromium(log_browser: bool = True) -> Any:
+    """A headless Chromium driven by Selenium through Debian's ``chromium`` and ``chromium-driver``
+    (never a browser Selenium downloads itself), with the browser's console log readable
+    (``driver.get_log("browser")``). Raises :class:`ServerError` saying how to install them."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_bin = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists()
+                                                   else None)
+    if browser is None or driver_bin is None:
+        raise ServerError("Chromium or its driver not found (chromium, chromedriver on PATH): install Debian's "
+                          "chromium and chromium-driver packages (scripts/setup.sh does with XROUTE_TEST_SERVERS=1)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000",
+                "--no-first-run", "--disable-extensions"):
+        opts.add_argument(arg)
+    if log_browser:
+        opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(executable_path=driver_bin), options=opts)

@@ -30,6 +30,10 @@ from router.api import canary as canary_routes
 from router.api import metrics as metrics_routes
 from router.api import migration as migration_routes
 from router.api import policies as policy_routes
+from router.console import auth as console_auth
+from router.console import canary as console_canary
+from router.console import pages as console_pages
+from router.console import policies as console_policies
 from router.control.access_store import AccessStore, AccessSync
 from router.control.keys import KeyStore
 from router.control.policy_sync import PolicySync
@@ -424,7 +428,7 @@ def create_app(settings: RouterSettings | None = None, engine: RoutingEngine | N
     for r in (decisions.router, decisions.admin_router, offerings.router, feedback.router,
               health.router, admin.router, metrics_routes.router, policy_routes.router, policy_routes.explain_router, canary_routes.router,
               quotas.router, access_routes.router, access_routes.whoami_router, migration_routes.router,
-              capacity.router):
+              capacity.router, console_auth.router, console_pages.router, console_policies.router, console_canary.router):
         app.include_router(r)
     errors.install(app)
     _document_security(app)

@@ -59,8 +59,12 @@ def api_key(request: Request) -> str | None:
 async def authenticate(request: Request) -> Caller:
     """401 unless the request carries a valid key; 403 ``unknown_tenant`` for a key of a tenant the
     router does not serve, unless its roles reach an admin resource (it may administer, not route)."""
+    return await authenticate_key(request, api_key(request))
+
+
+async def authenticate_key(request: Request, key: str | None) -> Caller:
+    """:func:`authenticate` with the key given (the web console's: a header's, else its cookie's)."""
     svc = services_of(request)
-    key = api_key(request)
     if key is None:
         raise HTTPException(401, "missing API key (Authorization: Bearer <key> or X-API-Key)",
                             headers={"WWW-Authenticate": "Bearer"})

@@ -34,13 +34,14 @@ from xroute.schema.decision import RouteRequest
 from xroute.schema.policy_ir import PolicySet
 
 _SQL = ("SELECT decision_id, tenant, created_at, origin, model, offering_id, request_json FROM decisions "
-        "ORDER BY created_at DESC, decision_id DESC LIMIT ?")
+        "ORDER BY decision_id DESC LIMIT ?")
 VERDICTS = ("unchanged", "rebiased", "excluded", "refused")
 
 
 def recent_decisions(target: Path | str, limit: int) -> list[tuple[Any, ...]]:
-    """The last ``limit`` decisions of the log (newest first): id, tenant, created_at, origin,
-    model, offering id, request JSON."""
+    """The last ``limit`` decisions of the log (newest first, by id: decision ids are time-sorted, so the
+    primary key's last entries, not a sort of the whole log): id, tenant, created_at, origin, model,
+    offering id, request JSON."""
     with reading(target) as query:
         return list(query(_SQL, (limit,)))
 

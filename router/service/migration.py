@@ -124,6 +124,9 @@ class Migrator:
         self._rules_checked: tuple[int, int] | None = None
         #: target choices at once (each a decision: a shared state's connections are a pool)
         self._deciding = asyncio.Semaphore(self.CONCURRENT_DECISIONS)
+        #: the events still masking or de-prioritizing, as last read (``MigrationStore.events_active``'s rows): what
+        #: the masks in force come from (the web console's pools page shows them without a read of its own)
+        self.active_events: list[tuple[Any, ...]] = []
         self.counters = {"events": 0, "migrations_started": 0, "committed": 0, "recomputed": 0,
                          "missed_window": 0, "aborted": 0, "rolled_back": 0, "hash_mismatches": 0}
 
@@ -163,6 +166,7 @@ class Migrator:
         now = time.time()
         rows = await asyncio.to_thread(self.store.events_active, now)
         self.apply_masks(rows, now)
+        self.active_events = rows
         return rows
 
     def check_event(self, ev: PoolEvent, now: float) -> None:

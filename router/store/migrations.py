@@ -424,6 +424,24 @@ class MigrationStore:
                           "m.version DESC LIMIT 1", (tenant, session_id))
         return Row(rows[0]) if rows else None
 
+    def tenant_migrations(self, tenant: str, limit: int) -> list[Row]:
+        """A tenant's latest ``limit`` migrations (``migrations_session``: the tenant's range), newest first."""
+        return [Row(t) for t in self.query(_SELECT + " WHERE m.tenant = ? ORDER BY m.updated_at DESC LIMIT ?",
+                                           (tenant, limit))]
+
+    def history(self, ids: list[str]) -> dict[str, list[tuple[int, str, float, str | None]]]:
+        """Each migration's state history (version, state, at, detail), oldest first, in one read of the
+        primary key (at most 100 ids: the console's page)."""
+        out: dict[str, list[tuple[int, str, float, str | None]]] = {i: [] for i in ids[:100]}
+        if not out:
+            return out
+        marks = ", ".join("?" for _ in out)
+        for mid, version, state, at, detail in self.query(
+                "SELECT migration_id, version, state, at, detail FROM migration_transitions "
+                f"WHERE migration_id IN ({marks}) ORDER BY migration_id, version LIMIT 5000", tuple(out)):
+            out[mid].append((int(version), str(state), float(at), detail))
+        return out
+
     def transitions(self) -> list[tuple[Any, ...]]:
         return self.query("SELECT migration_id, version, state, at, detail FROM migration_transitions "
                           "ORDER BY migration_id, version")
