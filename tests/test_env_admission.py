@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.admission import WorldQueue, admits_at_arrival, best_ttft, best_ttft_of
+from envs import kernels
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft, best_ttft_of, place_within
 from envs.cloud_route import CloudRouteEnv
 from envs.kernels import TTFT
 from models.baselines import make_baseline
@@ -220,33 +221,66 @@ def test_a_bad_admission_setting_names_the_field(tiny: tuple[Any, str]) -> None:
         _env(_b_unattainable(bundle, priority="urgent"), serving)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 12).flatmap(lambda n: st.tuples(
+def _judged(ttft: np.ndarray, wait: np.ndarray, band: str) -> np.ndarray:
+    """The judged TTFT of each offering, by the rules' plain formula (``admission_rules.judged_ttft``)."""
+    return np.array([ar.judged_ttft(band, float(x), float(w)) for x, w in zip(ttft, wait)])
+
+
+def _outcomes(ttft: np.ndarray, wait: np.ndarray, tpot: np.ndarray | None = None) -> np.ndarray:
+    C = np.zeros((kernels.N_OUT, ttft.shape[0]))
+    C[kernels.TTFT], C[kernels.WAIT] = ttft, wait
+    if tpot is not None:
+        C[kernels.TPOT] = tpot
+    return C
+
+
+_ROW = st.integers(1, 12).flatmap(lambda n: st.tuples(
     st.lists(st.one_of(st.floats(0.0, 5000.0), st.just(np.inf), st.just(np.nan)), min_size=n, max_size=n),
-    st.lists(st.booleans(), min_size=n, max_size=n))), st.floats(0.0, 5000.0), st.sampled_from(ar.BANDS))
-def test_the_fast_path_at_arrival_agrees_with_the_rules_verdict(row: tuple[list[float], list[bool]], slo: float,
-                                                                 band: str) -> None:
+    st.lists(st.floats(0.0, 3.0), min_size=n, max_size=n),
+    st.lists(st.booleans(), min_size=n, max_size=n)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ROW, st.floats(0.0, 5000.0), st.sampled_from(ar.BANDS), st.data())
+def test_the_fast_path_at_arrival_agrees_with_the_rules_verdict(row: tuple[list[float], list[float], list[bool]],
+                                                                 slo: float, band: str, data: Any) -> None:
     """``admits_at_arrival`` (the env's compiled fast path) admits exactly when ``admission_rules.verdict``
-    on the masked best TTFT (as the full path computes it) says ``admit`` for a request that has not waited."""
-    ttft, mask = np.array(row[0]), np.array(row[1])
-    C = np.vstack([np.zeros_like(ttft), ttft])
-    ref = float(ttft[mask].min()) if mask.any() else np.inf
-    got = float(best_ttft(ttft, mask))
+    on the masked best judged TTFT (``judged_ttft``: the queue wait counted the band's margin times)
+    says ``admit`` for a request that has not waited; ``place_within`` then masks exactly the
+    offerings whose judged TTFT is over the SLO, and, when one of those left is predicted within the
+    TPOT SLO, those that are not (NaN: no TPOT SLO)."""
+    ttft, wait, mask = np.array(row[0]), np.array(row[1]), np.array(row[2])
+    tpot = np.array(data.draw(st.lists(st.floats(10.0, 80.0), min_size=len(mask), max_size=len(mask))))
+    tpot_slo = data.draw(st.one_of(st.just(np.nan), st.floats(10.0, 80.0)))
+    C, judged = _outcomes(ttft, wait, tpot), _judged(ttft, wait, band)
+    ref = float(judged[mask].min()) if mask.any() else np.inf
+    margin = ar.wait_margin(band)
+    got = float(best_ttft(C, mask, margin))
     assert got == ref or (np.isnan(got) and np.isnan(ref))
-    assert bool(admits_at_arrival(C, 1, mask, slo)) == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
+    assert bool(admits_at_arrival(C, mask, slo, margin)) == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
+    placed = mask.copy()
+    k = place_within(C, placed, slo, margin, tpot_slo)
+    want = mask & (judged <= slo)
+    if (want & (tpot <= tpot_slo)).any():
+        want &= tpot <= tpot_slo
+    assert placed.tolist() == want.tolist() and k == int(mask.sum() - placed.sum())
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 12).flatmap(lambda n: st.tuples(
     st.lists(st.one_of(st.floats(0.0, 5000.0), st.just(np.inf), st.just(np.nan)), min_size=n + 3, max_size=n + 3),
-    st.lists(st.booleans(), min_size=n, max_size=n), st.lists(st.booleans(), min_size=n, max_size=n))))
-def test_the_routers_compiled_best_ttft_is_the_masked_minimum(row: tuple[list[float], list[bool], list[bool]]) -> None:
-    """``best_ttft_of`` (the router's ``predict`` stage) is ``ttft[:n][mask & allowed].min()`` -- inf
-    when nothing is allowed, NaN when an allowed one is NaN -- with ``ttft`` longer than the masks."""
-    ttft, mask, allowed = np.array(row[0]), np.array(row[1]), np.array(row[2])
+    st.lists(st.floats(0.0, 3.0), min_size=n + 3, max_size=n + 3),
+    st.lists(st.booleans(), min_size=n, max_size=n), st.lists(st.booleans(), min_size=n, max_size=n))),
+    st.sampled_from(ar.BANDS))
+def test_the_routers_compiled_best_ttft_is_the_masked_minimum(
+        row: tuple[list[float], list[float], list[bool], list[bool]], band: str) -> None:
+    """``best_ttft_of`` (the router's ``predict`` stage) is ``judged[:n][mask & allowed].min()`` -- inf
+    when nothing is allowed, NaN when an allowed one is NaN -- with ``C`` wider than the masks."""
+    ttft, wait, mask, allowed = np.array(row[0]), np.array(row[1]), np.array(row[2]), np.array(row[3])
     ok = mask & allowed
-    ref = float(ttft[: ok.shape[0]][ok].min()) if ok.any() else np.inf
-    got = float(best_ttft_of(ttft, mask, allowed))
+    judged = _judged(ttft, wait, band)
+    ref = float(judged[: ok.shape[0]][ok].min()) if ok.any() else np.inf
+    got = float(best_ttft_of(_outcomes(ttft, wait), mask, allowed, ar.wait_margin(band)))
     assert got == ref or (np.isnan(got) and np.isnan(ref))
 
 

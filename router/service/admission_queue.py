@@ -64,6 +64,8 @@ class FairQueue(Generic[W]):
     def __init__(self) -> None:
         self._bands: list[dict[str, deque[W]]] = [{} for _ in rules.BANDS]
         self._n = 0
+        #: the requests waiting per band (by band index)
+        self.per_band: list[int] = [0] * len(rules.BANDS)
 
     def __len__(self) -> int:
         return self._n
@@ -73,6 +75,7 @@ class FairQueue(Generic[W]):
         new = not any(w.tenant in band for band in self._bands)
         self._bands[w.band].setdefault(w.tenant, deque()).append(w)
         self._n += 1
+        self.per_band[w.band] += 1
         return new
 
     def remove(self, w: W) -> bool:
@@ -85,6 +88,7 @@ class FairQueue(Generic[W]):
         if not q:
             del band[w.tenant]
         self._n -= 1
+        self.per_band[w.band] -= 1
         return True
 
     def first(self, counters: Mapping[str, float]) -> W | None:
@@ -145,6 +149,11 @@ class AdmissionQueue:
         self._pass: asyncio.Task[None] | None = None
         self._again = False
         self._timer: asyncio.TimerHandle | None = None
+
+    def ahead(self, band: str) -> bool:
+        """Whether a request of ``band`` arriving now finds one waiting here that the queue dispatches
+        before it (``xroute.admission_rules.waits_ahead``): then it does not overtake them."""
+        return rules.waits_ahead(band, self.fq.per_band)
 
     def waiter(self, band: str, tenant: str, slo_ms: float, service: float, refusal: Unattainable,
                attempt: Callable[[float], Awaitable[Any]], give_back: Callable[[Any], Awaitable[None]],
