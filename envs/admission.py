@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from envs.kernels import TPOT, TTFT, WAIT
+from envs.kernels import TTFT, WAIT
 from xroute import admission_rules as ar
 from xroute.config import AdmissionConfig
 from xroute.errors import ConfigError
@@ -94,26 +94,18 @@ def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compil
 
 
 @njit(cache=True)
-def place_within(C, mask, budget_ms, margin, tpot_ms):  # pragma: no cover (compiled)
+def place_within(C, mask, budget_ms, margin):  # pragma: no cover (compiled)
     """The placement of an admitted request (``admission_rules``, "the placement"): the offerings
-    ``mask`` allows whose judged TTFT (:func:`best_ttft`'s) is over ``budget_ms`` are masked, in
-    place -- the request goes where it is predicted to start in time; then, when some offering left
-    is predicted to decode within ``tpot_ms`` per token (``C[TPOT]``; NaN: no TPOT SLO), those that
-    are not are masked too. Returns how many were masked."""
+    ``mask`` allows whose judged TTFT (:func:`best_ttft`'s) is over ``budget_ms`` *because of their
+    queue* (a predicted wait, ``C[WAIT] > 0``) are masked, in place -- the request goes where it is
+    predicted to start in time, not behind a queue that makes it late. An offering late without a
+    queue (its RTT, its prefill) stays as it was: where no pool queues the placement changes nothing.
+    Returns how many were masked."""
     k = 0
-    tpot_ok = False
     for a in range(mask.shape[0]):
-        if mask[a]:
-            if not C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a] <= budget_ms:
-                mask[a] = False
-                k += 1
-            elif C[TPOT, a] <= tpot_ms:
-                tpot_ok = True
-    if tpot_ok:
-        for a in range(mask.shape[0]):
-            if mask[a] and not C[TPOT, a] <= tpot_ms:
-                mask[a] = False
-                k += 1
+        if mask[a] and C[WAIT, a] > 0.0 and not C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a] <= budget_ms:
+            mask[a] = False
+            k += 1
     return k
 
 

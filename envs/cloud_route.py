@@ -947,7 +947,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             margin = ar.WAIT_MARGINS[self.req_band[i]]
             if admits_at_arrival(self.C, self.c_mask, self.r_ttft, margin):
                 # (admission_rules.verdict's ADMIT without waiting: envs.admission, the fast path)
-                place_within(self.C, self.c_mask, self.r_ttft, margin, self.r_tpot if self.r_max_out > 1.0 else np.nan)
+                place_within(self.C, self.c_mask, self.r_ttft, margin)
                 return
             if self._arrived(q):
                 return
@@ -1023,8 +1023,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if verdict == ar.SHED:
             self.c_mask[:] = False
         elif verdict == ar.ADMIT and self.admission is not None and self.r_refused == NOT_REFUSED:
-            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, ar.WAIT_MARGINS[self.req_band[self._pos]],
-                         self.r_tpot if self.r_max_out > 1.0 else np.nan)
+            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, ar.WAIT_MARGINS[self.req_band[self._pos]])
 
     def _current(self, i: int, t: float, count: bool = True) -> None:
         """Make the stream's request ``i`` current at ``t`` and compute its candidate outcomes. Reads

@@ -503,9 +503,7 @@ class Predict(Stage):
         if v != ADMIT:
             raise e.unattainable(v, band, best, slo - d.waited_ms)
         # admitted: placed where it is predicted to start in time (the world's rule, envs.admission)
-        req = d.req
-        place_within(e.env.C, d.env_mask, slo - d.waited_ms, margin,
-                     float(req.tpot_ms) if req.max_output_tokens > 1 else math.nan)
+        place_within(e.env.C, d.env_mask, slo - d.waited_ms, margin)
 
 
 class Score(Stage):
