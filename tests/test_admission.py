@@ -81,6 +81,9 @@ def test_the_fair_queue_dispatches_as_the_reference_order(ops: list[tuple[str, i
             counters[got.tenant] = counters.get(got.tenant, 0.0) + x
         assert len(q) == len(waiting)
         assert q.tenants() == sorted({w.tenant for w in waiting})
+        assert q.per_band == [sum(w.band == b for w in waiting) for b in range(len(rules.BANDS))]
+        for band in rules.BANDS:  # an arrival of this band would not overtake a request ahead of it
+            assert rules.waits_ahead(band, q.per_band) == any(w.band <= rules.band_index(band) for w in waiting)
 
 
 # ---------------------------------------------------------------------------------------- the counters
