@@ -84,16 +84,6 @@ def best_ttft_of(C, mask, allowed, margin):  # pragma: no cover (compiled)
 
 
 @njit(cache=True)
-def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compiled)
-    """Whether a request that has not waited is admitted, whatever its band, from its candidate
-    outcomes ``C`` (``C[row]``: each offering's predicted TTFT) and the offerings it may use: the
-    fast path of ``admission_rules.verdict(band, best, ttft_slo_ms, 0) == ADMIT`` (its first clause,
-    ``best <= budget``; ``tests/test_env_admission.py`` checks the two agree on random inputs). False
-    hands the request to the full verdict."""
-    return best_ttft(C, mask, margin) <= ttft_slo_ms
-
-
-@njit(cache=True)
 def place_within(C, mask, budget_ms, margin):  # pragma: no cover (compiled)
     """The placement of an admitted request (``admission_rules``, "the placement"): the offerings
     ``mask`` allows whose judged TTFT (:func:`best_ttft`'s) is over ``budget_ms`` *because of their
@@ -107,6 +97,33 @@ def place_within(C, mask, budget_ms, margin):  # pragma: no cover (compiled)
             mask[a] = False
             k += 1
     return k
+
+
+@njit(cache=True)
+def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compiled)
+    """Whether a request that has not waited, and finds nothing waiting, is admitted whatever its
+    band, from its candidate outcomes ``C`` and the offerings ``mask`` allows: the fast path of
+    ``admission_rules.verdict(band, best, ttft_slo_ms, 0) == ADMIT`` on the best judged TTFT (its
+    first clause, ``best <= budget``; ``tests/test_env_admission.py`` checks the two agree on random
+    inputs). Admitted, it is placed in the same pass (:func:`place_within`: ``mask`` narrowed in
+    place, only when some queued offering is late). False hands the request to the full verdict,
+    ``mask`` untouched."""
+    best = np.inf
+    late = False
+    for a in range(mask.shape[0]):
+        if mask[a]:
+            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
+            if x != x:
+                return False
+            if x < best:
+                best = x
+            if C[WAIT, a] > 0.0 and not x <= ttft_slo_ms:
+                late = True
+    if not best <= ttft_slo_ms:
+        return False
+    if late:
+        place_within(C, mask, ttft_slo_ms, margin)
+    return True
 
 
 class WorldQueue:

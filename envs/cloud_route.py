@@ -405,6 +405,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         #: each request's priority band (an index into ``admission_rules.BANDS``; ``envs.admission``)
         self.req_band = request_bands(ac, tenants, w["priority"].to_numpy(dtype=object) if "priority" in w.columns
                                       else None)
+        #: each request's band's queue-wait margin (``admission_rules.WAIT_MARGINS``), as floats
+        self.req_margin: list[float] = [ar.WAIT_MARGINS[b] for b in self.req_band.tolist()]
         #: the router's queue and fairness counters (None: admission off)
         self.admission: WorldQueue | None = None
         self.set_rate_scale(self.cfg.rate_scale)
@@ -944,11 +946,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self._current(i, float(self.arrival[i]))
             if q is None or self.r_refused != NOT_REFUSED:
                 return
-            margin = ar.WAIT_MARGINS[self.req_band[i]]
-            if admits_at_arrival(self.C, self.c_mask, self.r_ttft, margin):
-                # (admission_rules.verdict's ADMIT without waiting: envs.admission, the fast path)
-                place_within(self.C, self.c_mask, self.r_ttft, margin)
-                return
+            if admits_at_arrival(self.C, self.c_mask, self.r_ttft, self.req_margin[i]):
+                return  # (admission_rules.verdict's ADMIT without waiting, placed: envs.admission, the fast path)
             if self._arrived(q):
                 return
         while True:
@@ -988,7 +987,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if self.r_refused != NOT_REFUSED or not (self.r_allowed & self.fits[self.r_m]).any():
             return ar.ADMIT
         b = int(self.req_band[self._pos])
-        best = float(best_ttft(self.C, self.c_mask, ar.WAIT_MARGINS[b]))
+        best = float(best_ttft(self.C, self.c_mask, self.req_margin[self._pos]))
         return ar.verdict(ar.BANDS[b], best, self.r_ttft, waited_ms, ahead)
 
     def _dispatch(self, t: float) -> bool:
@@ -1023,7 +1022,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if verdict == ar.SHED:
             self.c_mask[:] = False
         elif verdict == ar.ADMIT and self.admission is not None and self.r_refused == NOT_REFUSED:
-            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, ar.WAIT_MARGINS[self.req_band[self._pos]])
+            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, self.req_margin[self._pos])
 
     def _current(self, i: int, t: float, count: bool = True) -> None:
         """Make the stream's request ``i`` current at ``t`` and compute its candidate outcomes. Reads

@@ -254,11 +254,14 @@ def test_the_fast_path_at_arrival_agrees_with_the_rules_verdict(row: tuple[list[
     margin = ar.wait_margin(band)
     got = float(best_ttft(C, mask, margin))
     assert got == ref or (np.isnan(got) and np.isnan(ref))
-    assert bool(admits_at_arrival(C, mask, slo, margin)) == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
+    fast = mask.copy()
+    admitted = bool(admits_at_arrival(C, fast, slo, margin))
+    assert admitted == (ar.verdict(band, ref, slo, 0.0) == ar.ADMIT)
     placed = mask.copy()
     k = place_within(C, placed, slo, margin)
     want = mask & ((judged <= slo) | (wait <= 0.0))
     assert placed.tolist() == want.tolist() and k == int(mask.sum() - placed.sum())
+    assert fast.tolist() == (want if admitted else mask).tolist()  # (admitted: placed in the same pass)
 
 
 @settings(max_examples=200, deadline=None)
