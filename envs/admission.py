@@ -126,6 +126,20 @@ def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compil
     return True
 
 
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the admission's kernels now, with the argument types the
+    environment and the router's ``predict`` stage pass, rather than on the first request (a compile
+    on the router's event loop stalls it for seconds)."""
+    from envs.kernels import N_OUT
+
+    C = np.zeros((N_OUT, 2))
+    mask, allowed = np.ones(2, dtype=np.bool_), np.ones(2, dtype=np.bool_)
+    best_ttft(C, mask, 2.0)
+    best_ttft_of(C, mask, allowed, 2.0)
+    place_within(C, mask.copy(), 1.0, 2.0)
+    admits_at_arrival(C, mask.copy(), 1.0, 2.0)
+
+
 class WorldQueue:
     """The router's queue and fairness counters in the simulated world (module docstring). The
     counters and backlogs are lists indexed by the stream's tenant id (``tid``: a request's tenant as
