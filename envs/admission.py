@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from envs.kernels import TTFT, WAIT
 from xroute import admission_rules as ar
 from xroute.config import AdmissionConfig
 from xroute.errors import ConfigError
@@ -51,13 +52,14 @@ def request_bands(cfg: AdmissionConfig, tenants: np.ndarray, priority: np.ndarra
 
 
 @njit(cache=True)
-def best_ttft(ttft, mask):  # pragma: no cover (compiled)
-    """The best (lowest) predicted TTFT over the offerings ``mask`` allows; ``inf`` when none, NaN when
-    one of them is NaN (as ``ttft[mask].min()``)."""
+def best_ttft(C, mask, margin):  # pragma: no cover (compiled)
+    """The best (lowest) judged TTFT (``admission_rules.judged_ttft``: ``C[TTFT] + (margin - 1) x
+    1000 x C[WAIT]``) over the offerings ``mask`` allows; ``inf`` when none, NaN when one of them is
+    NaN (as ``judged[mask].min()``)."""
     best = np.inf
-    for a in range(ttft.shape[0]):
+    for a in range(mask.shape[0]):
         if mask[a]:
-            x = ttft[a]
+            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
             if x != x:
                 return x
             if x < best:
@@ -66,14 +68,14 @@ def best_ttft(ttft, mask):  # pragma: no cover (compiled)
 
 
 @njit(cache=True)
-def best_ttft_of(ttft, mask, allowed):  # pragma: no cover (compiled)
+def best_ttft_of(C, mask, allowed, margin):  # pragma: no cover (compiled)
     """:func:`best_ttft` over the offerings both ``mask`` and ``allowed`` allow (the masks may be
-    shorter than ``ttft``: its first rows), as ``ttft[:n][mask & allowed].min()`` without the
-    temporaries: the router's ``predict`` stage, on each decision."""
+    shorter than ``C``'s rows: their first entries), without the temporaries: the router's
+    ``predict`` stage, on each decision."""
     best = np.inf
     for a in range(mask.shape[0]):
         if mask[a] and allowed[a]:
-            x = ttft[a]
+            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
             if x != x:
                 return x
             if x < best:
@@ -82,13 +84,60 @@ def best_ttft_of(ttft, mask, allowed):  # pragma: no cover (compiled)
 
 
 @njit(cache=True)
-def admits_at_arrival(C, row, mask, ttft_slo_ms):  # pragma: no cover (compiled)
-    """Whether a request that has not waited is admitted, whatever its band, from its candidate
-    outcomes ``C`` (``C[row]``: each offering's predicted TTFT) and the offerings it may use: the
-    fast path of ``admission_rules.verdict(band, best, ttft_slo_ms, 0) == ADMIT`` (its first clause,
-    ``best <= budget``; ``tests/test_env_admission.py`` checks the two agree on random inputs). False
-    hands the request to the full verdict."""
-    return best_ttft(C[row], mask) <= ttft_slo_ms
+def place_within(C, mask, budget_ms, margin):  # pragma: no cover (compiled)
+    """The placement of an admitted request (``admission_rules``, "the placement"): the offerings
+    ``mask`` allows whose judged TTFT (:func:`best_ttft`'s) is over ``budget_ms`` *because of their
+    queue* (a predicted wait, ``C[WAIT] > 0``) are masked, in place -- the request goes where it is
+    predicted to start in time, not behind a queue that makes it late. An offering late without a
+    queue (its RTT, its prefill) stays as it was: where no pool queues the placement changes nothing.
+    Returns how many were masked."""
+    k = 0
+    for a in range(mask.shape[0]):
+        if mask[a] and C[WAIT, a] > 0.0 and not C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a] <= budget_ms:
+            mask[a] = False
+            k += 1
+    return k
+
+
+@njit(cache=True)
+def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compiled)
+    """Whether a request that has not waited, and finds nothing waiting, is admitted whatever its
+    band, from its candidate outcomes ``C`` and the offerings ``mask`` allows: the fast path of
+    ``admission_rules.verdict(band, best, ttft_slo_ms, 0) == ADMIT`` on the best judged TTFT (its
+    first clause, ``best <= budget``; ``tests/test_env_admission.py`` checks the two agree on random
+    inputs). Admitted, it is placed in the same pass (:func:`place_within`: ``mask`` narrowed in
+    place, only when some queued offering is late). False hands the request to the full verdict,
+    ``mask`` untouched."""
+    best = np.inf
+    late = False
+    for a in range(mask.shape[0]):
+        if mask[a]:
+            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
+            if x != x:
+                return False
+            if x < best:
+                best = x
+            if C[WAIT, a] > 0.0 and not x <= ttft_slo_ms:
+                late = True
+    if not best <= ttft_slo_ms:
+        return False
+    if late:
+        place_within(C, mask, ttft_slo_ms, margin)
+    return True
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the admission's kernels now, with the argument types the
+    environment and the router's ``predict`` stage pass, rather than on the first request (a compile
+    on the router's event loop stalls it for seconds)."""
+    from envs.kernels import N_OUT
+
+    C = np.zeros((N_OUT, 2))
+    mask, allowed = np.ones(2, dtype=np.bool_), np.ones(2, dtype=np.bool_)
+    best_ttft(C, mask, 2.0)
+    best_ttft_of(C, mask, allowed, 2.0)
+    place_within(C, mask.copy(), 1.0, 2.0)
+    admits_at_arrival(C, mask.copy(), 1.0, 2.0)
 
 
 class WorldQueue:
@@ -118,6 +167,8 @@ class WorldQueue:
         #: each tenant's counter (weighted service), and its requests waiting (by tenant id)
         self.counters: list[float] = [0.0] * len(self.names)
         self.backlog: list[int] = [0] * len(self.names)
+        #: the requests waiting per band (by band index)
+        self.per_band: list[int] = [0] * len(ar.BANDS)
         #: the expected output each request in service was counted with (corrected at its completion)
         self.counted: dict[int, float] = {}
 
@@ -137,11 +188,18 @@ class WorldQueue:
             others = [c for c, b in zip(self.counters, self.backlog) if b]
             self.counters[k] = ar.lift(self.counters[k], others)
         self.backlog[k] += 1
+        self.per_band[int(self.band[pos])] += 1
         self.queue.append(pos)
 
     def remove(self, pos: int) -> None:
         self.queue.remove(pos)
         self.backlog[self.tid[pos]] -= 1
+        self.per_band[int(self.band[pos])] -= 1
+
+    def ahead(self, band: int) -> bool:
+        """Whether an arrival of ``band`` (a band index) finds a request dispatched before it waiting
+        (``admission_rules.waits_ahead``)."""
+        return ar.waits_ahead(ar.BANDS[band], self.per_band)
 
     @property
     def full(self) -> bool:
@@ -183,11 +241,12 @@ class WorldQueue:
 
     def save(self) -> dict[str, Any]:
         return {"queue": list(self.queue), "counters": list(self.counters), "backlog": list(self.backlog),
-                "counted": dict(self.counted)}
+                "counted": dict(self.counted), "per_band": list(self.per_band)}
 
     def restore(self, d: dict[str, Any]) -> None:
         self.queue, self.counters = list(d["queue"]), list(d["counters"])
         self.backlog, self.counted = list(d["backlog"]), dict(d["counted"])
+        self.per_band = list(d["per_band"])
 
     def copy(self) -> WorldQueue:
         """A copy with its own queue and counters (``models.warmstart.fork``); the stream's arrays shared."""

@@ -102,7 +102,7 @@ from envs import features as fz
 from envs import kernels
 from envs import policies as pol
 from envs import prefix as px
-from envs.admission import WorldQueue, admits_at_arrival, best_ttft, request_bands
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft, place_within, request_bands
 from envs.budget import (
     NO_BUDGET,
     NOT_REFUSED,
@@ -130,6 +130,9 @@ from xroute.schema.policy_ir import PolicySet
 _COMPLETE, _ADMIT, _LIVE_END, _SETTLE = 0, 1, 2, 3
 #: a completion event's output tokens when the request was preempted (-1: completed, length unknown)
 _PREEMPTED = -2.0
+#: the weight of one completion's service time in its pool's observed mean (``view_service_s``), as
+#: the router's shared state weighs an outcome (``router.state.base``, ``state_stats_alpha``)
+SERVICE_ALPHA = 0.05
 
 __all__ = ["CloudRouteEnv", "load_serving"]
 
@@ -402,6 +405,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         #: each request's priority band (an index into ``admission_rules.BANDS``; ``envs.admission``)
         self.req_band = request_bands(ac, tenants, w["priority"].to_numpy(dtype=object) if "priority" in w.columns
                                       else None)
+        #: each request's band's queue-wait margin (``admission_rules.WAIT_MARGINS``), as floats
+        self.req_margin: list[float] = [ar.WAIT_MARGINS[b] for b in self.req_band.tolist()]
         #: the router's queue and fairness counters (None: admission off)
         self.admission: WorldQueue | None = None
         self.set_rate_scale(self.cfg.rate_scale)
@@ -671,6 +676,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.est_free = self.free_at.copy()
         self.est_min = self.tmin.copy()
         self.inflight = np.zeros((self.M, self.n), dtype=np.int64)
+        self.view_service_s[:] = 0.0  # (nothing observed yet; a live router writes its shared state's)
         self.shift = np.zeros(shape)
         self._events: list[tuple[float, int, int, tuple[Any, ...]]] = []
         self._seq = 0
@@ -742,7 +748,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         while ev and ev[0][0] <= t:
             now, _, kind, d = heapq.heappop(ev)
             if kind == _COMPLETE:
-                m, a, j, exp_end, shift0, key, tokens, pos = d
+                m, a, j, exp_end, shift0, key, tokens, pos, ran = d
                 kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now,
                                       exp_end, shift0)
                 if j >= self.slots[m, a]:
@@ -751,6 +757,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                     fb = self._cache_fb.pop(pos, None)
                     if fb is not None:
                         px.retention_update(self.pv_ret, fb[0], fb[1], fb[2], self.cfg.prefix.retention_alpha)
+                if ran > 0.0:  # its service time, as the pool's observed durations fold it (the router's shared state)
+                    svc = self.view_service_s[m]
+                    svc[a] = ran if svc[a] <= 0.0 else svc[a] + SERVICE_ALPHA * (ran - svc[a])
                 if tokens >= 0:
                     self._observe_output(m, key, tokens)
                     if pos >= 0 and self.admission is not None:  # its tenant's counter, corrected
@@ -768,7 +777,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 m, a, service, true_end, key, tokens, pos = d
                 j, exp_end, shift0 = kernels.view_admit(self.est_free[m], self.est_min[m], self.inflight[m],
                                                         self.shift[m], a, now, service)
-                self._push(true_end, _COMPLETE, (m, a, j, exp_end, shift0, key, tokens, pos))
+                self._push(true_end, _COMPLETE, (m, a, j, exp_end, shift0, key, tokens, pos, -1.0))
                 if self.has_prefix and pos >= 0:  # the retry's prefix and session went there
                     self._view_sent(pos, m * self.n + a, now, now + service)
         tev, fa = self._tevents, self.free_at
@@ -800,6 +809,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "quota_blocked", "r_over", "notice_at", "cut_at", "region_bias", "_r_bias", "_next", "_left",
                      "r_admission", "r_waited_ms", "replicas", "slots", "inv_replicas", "inv_slots", "cap_feat")
     _COPIED_STATE = ("free_at", "tmin", "tbusy", "est_free", "est_min", "inflight", "shift", "est_w", "est_s", "est_n",
+                     "view_service_s",
                      "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
     def save_state(self) -> dict[str, Any]:
@@ -948,9 +958,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             i = self._next
             self._next += 1
             self._current(i, float(self.arrival[i]))
-            if q is None or self.r_refused != NOT_REFUSED or admits_at_arrival(self.C, TTFT, self.c_mask,
-                                                                              self.r_ttft):
-                return  # (admission_rules.verdict's ADMIT without waiting: envs.admission, the fast path)
+            if q is None or self.r_refused != NOT_REFUSED:
+                return
+            if admits_at_arrival(self.C, self.c_mask, self.r_ttft, self.req_margin[i]):
+                return  # (admission_rules.verdict's ADMIT without waiting, placed: envs.admission, the fast path)
             if self._arrived(q):
                 return
         while True:
@@ -972,7 +983,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     def _arrived(self, q: WorldQueue) -> bool:
         """The verdict on the current request at its arrival: it waits in the queue (False), or it is
         this step's, admitted or shed (True; a full queue sheds)."""
-        v = self._verdict(0.0)
+        v = self._verdict(0.0, q.ahead(int(self.req_band[self._pos])))
         if v == ar.QUEUE and not q.full:
             q.enqueue(self._pos)
             self.stats["queued"] += 1
@@ -980,16 +991,18 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self._decide(ar.SHED if v == ar.QUEUE else v, 0.0)
         return True
 
-    def _verdict(self, waited_ms: float) -> str:
+    def _verdict(self, waited_ms: float, ahead: bool = False) -> str:
         """The admission verdict of the current request (``admission_rules.verdict``) on the best TTFT
         the router's view predicts over the offerings it may use (``c_mask``; none: infinite). A
         request its tenant's budget refused, or one no offering the routing policies allow can hold
         (the router's 422 ``no_offering``, decided before its ``predict`` stage), is not the
-        admission's: it fails as before."""
+        admission's: it fails as before. ``ahead``: an arrival finds requests waiting that the queue
+        dispatches before it (``admission_rules.waits_ahead``)."""
         if self.r_refused != NOT_REFUSED or not (self.r_allowed & self.fits[self.r_m]).any():
             return ar.ADMIT
-        best = float(best_ttft(self.C[TTFT], self.c_mask))
-        return ar.verdict(ar.BANDS[int(self.req_band[self._pos])], best, self.r_ttft, waited_ms)
+        b = int(self.req_band[self._pos])
+        best = float(best_ttft(self.C, self.c_mask, self.req_margin[self._pos]))
+        return ar.verdict(ar.BANDS[b], best, self.r_ttft, waited_ms, ahead)
 
     def _dispatch(self, t: float) -> bool:
         """At ``t``, with what the router learned by then: shed the first waiting request whose TTFT
@@ -1005,14 +1018,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self._current(p, t, count=False)
             self._decide(ar.SHED, 1000.0 * (t - float(self.arrival[p])))
             return True
-        for p in q.order():
+        for p in q.order():  # (the first that does not fit ends the pass, as the router's queue)
             waited = 1000.0 * (t - float(self.arrival[p]))
             self._current(p, t, count=False)
             v = self._verdict(waited)
-            if v != ar.QUEUE:
-                q.remove(p)
-                self._decide(v, waited)
-                return True
+            if v == ar.QUEUE:
+                return False
+            q.remove(p)
+            self._decide(v, waited)
+            return True
         return False
 
     def _decide(self, verdict: str, waited_ms: float) -> None:
@@ -1021,6 +1035,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.r_admission, self.r_waited_ms = verdict, waited_ms
         if verdict == ar.SHED:
             self.c_mask[:] = False
+        elif verdict == ar.ADMIT and self.admission is not None and self.r_refused == NOT_REFUSED:
+            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, self.req_margin[self._pos])
 
     def _current(self, i: int, t: float, count: bool = True) -> None:
         """Make the stream's request ``i`` current at ``t`` and compute its candidate outcomes. Reads
@@ -1504,13 +1520,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         mode, recomputed, kv_moved, missed = None, 0.0, 0.0, False
         if not preempted:
             if not dry:
-                self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, out, self._pos))
+                self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, out, self._pos,
+                                                    r1["ran"]))
                 if prompt:  # its completion will say (the server's usage) how much of the prompt was cached
                     self._cache_fb[self._pos] = (m * self.n + a, float(self.r_view_tokens[a]), cached)
         else:
             if not dry:
                 self.stats["preempted"] += 1
-                self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, _PREEMPTED, self._pos))
+                self._push(r1["end"], _COMPLETE, (m, a, j_est, exp_end, shift0, self.r_key, _PREEMPTED, self._pos,
+                                                    -1.0))
             noticed = bool(self.notice_s[a] > 0)
             ctx_in, out_done = self._progress(r1, out)
             ctx = ctx_in + out_done
@@ -1646,7 +1664,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         (``kernels.view_admit`` on the current model's ``est_free``/``est_min``/``inflight``/
         ``shift``): with no completion feedback yet, the request is taken to complete when
         expected."""
-        self._push(end, _COMPLETE, (self.r_m, a, j, end, shift0, self.r_key, -1.0, -1))
+        self._push(end, _COMPLETE, (self.r_m, a, j, end, shift0, self.r_key, -1.0, -1, -1.0))
 
     def admit_live(self, m: int, a: int, t: float, service: float, ref: Any) -> float:
         """A live router sent a request (its reference ``ref``, e.g. the decision id) of model

@@ -90,9 +90,15 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
       >= 0: requests running + waiting there, ``router.service.scrape``), ``b`` is at least that. Training
       and evaluation pass zeros and -1: ``b`` is the router's own view;
     * wait: until the earliest expected slot release (``est_min``), 0 when one is free; when
-      ``b`` exceeds the router's own requests, at least the queue's ``max(0, b - slots + 1) x S /
-      slots``, ``S`` the pool's observed mean duration (``others_service_s``; this request's
-      expected service where none is observed yet);
+      ``b`` fills the pool's slots, at least the queue's ``(b - slots + 1) x S / slots`` -- the
+      time for the work ahead to drain at the pool's completion rate ``slots / S`` --, ``S`` the
+      pool's observed mean service time (``others_service_s``: a live router's shared state, the
+      environment's own completions in training and evaluation; this request's expected service
+      where none is observed yet). The expected slot releases alone under-predict a saturated
+      pool: a request running past its expected end leaves its slot looking free until its
+      completion is seen, and the expected service chains the estimated, not the real, lengths
+      (``docs/env.md``, "Admission under load": about 2.5x under before this term applied to the
+      router's own work too);
     * batch: ``k`` = requests in flight per replica (at most the other slots) + external load
       (utilization x slots per replica; not where the servers report their load, which includes
       it); time per output token ``tpot(k)``; service = (input - cached)/prefill + est_out x
@@ -126,7 +132,7 @@ def candidate_outcomes_into(C, mask, est_min, inflight, inv_replicas, conc_m1, e
         w = est_min[i] - t
         if w < 0.0:
             w = 0.0
-        if b > inflight[i] and slots[i] > 0:
+        if b >= slots[i] and slots[i] > 0:
             sv = others_service_s[i] if others_service_s[i] > 0.0 else s
             q = (b - slots[i] + 1.0) * sv / slots[i]
             if q > w:

@@ -81,6 +81,9 @@ def test_the_fair_queue_dispatches_as_the_reference_order(ops: list[tuple[str, i
             counters[got.tenant] = counters.get(got.tenant, 0.0) + x
         assert len(q) == len(waiting)
         assert q.tenants() == sorted({w.tenant for w in waiting})
+        assert q.per_band == [sum(w.band == b for w in waiting) for b in range(len(rules.BANDS))]
+        for band in rules.BANDS:  # an arrival of this band would not overtake a request ahead of it
+            assert rules.waits_ahead(band, q.per_band) == any(w.band <= rules.band_index(band) for w in waiting)
 
 
 # ---------------------------------------------------------------------------------------- the counters
@@ -292,3 +295,33 @@ def test_bad_priority_weight_and_queue_limit_are_refused_naming_the_field(tmp_pa
         assert r.status_code == 422
         assert [f["field"] for f in r.json()["fields"]] == ["body.priority"]
         assert _route(url, setup).status_code == 200  # nothing was taken by the refused one
+
+
+def test_an_arrival_does_not_overtake_a_request_of_its_band_waiting(tmp_path: Path) -> None:
+    """The one-slot pool free: a standard request whose TTFT SLO the free pool misses waits (its budget
+    is not spent); a standard request arriving meanwhile that the free pool would serve in time is not
+    placed before it -- it waits behind it, and is placed once the first leaves (its budget spent: 429
+    slo_unattainable); a sheddable one arriving meanwhile is shed at once (``admission_rules.waits_ahead``).
+    Before, the arrival took the free slot at once."""
+    setup = _setup(tmp_path)
+    with ServerThread(create_app(setup.settings)) as url, ThreadPoolExecutor(2) as pool:
+        big = {"input_tokens": 60_000}  # a long prefill: the free pool's predicted TTFT is seconds
+        probe = _route(url, setup, who="b", priority="sheddable", ttft_ms=1, **big)  # nothing is under 1 ms
+        assert probe.status_code == 429, probe.text
+        free = float(probe.json()["best_predicted_ttft_ms"])  # the free pool's predicted TTFT for it
+        budget_s = 1.5
+        slow = {**LONG, **big, "ttft_ms": 1000.0 * budget_s}
+        assert free > 1000.0 * budget_s, free  # (the first's SLO is missed even by the free pool: it waits)
+        t0 = time.monotonic()
+        first: Future[httpx.Response] = pool.submit(_route, url, setup, "a", **slow)
+        _waiting(url, 1)
+        second: Future[httpx.Response] = pool.submit(_route, url, setup, "a")  # LONG: the free pool meets it
+        _waiting(url, 2)
+        shed = _route(url, setup, who="b", priority="sheddable")
+        assert shed.status_code == 429 and shed.json()["error"] == "slo_unattainable", shed.text
+        assert not second.done()
+        r1, r2 = first.result(10), second.result(10)
+        assert r1.status_code == 429 and r1.json()["error"] == "slo_unattainable", r1.text
+        assert r2.status_code == 200, r2.text
+        assert time.monotonic() - t0 >= budget_s * 0.9
+        assert _metric(url, "xroute_router_admission_total", band="standard", outcome="dispatched") == 1

@@ -31,6 +31,29 @@ def test_the_wait_spends_the_ttft_budget_and_a_spent_budget_is_shed() -> None:
     assert ar.verdict("critical", 10.0, 500.0, waited_ms=500.0) == ar.SHED
 
 
+def test_an_arrival_does_not_overtake_a_request_of_its_band_or_a_higher_one() -> None:
+    """``ahead_waiting``: however good the prediction, an arrival joins the queue behind them (the
+    dispatch order decides), or is shed when sheddable or its budget is spent."""
+    assert ar.verdict("critical", 100.0, 1000.0, 0.0, ahead_waiting=True) == ar.QUEUE
+    assert ar.verdict("standard", 100.0, 1000.0, 0.0, ahead_waiting=True) == ar.QUEUE
+    assert ar.verdict("sheddable", 100.0, 1000.0, 0.0, ahead_waiting=True) == ar.SHED
+    assert ar.verdict("standard", 100.0, 1000.0, 1000.0, ahead_waiting=True) == ar.SHED
+    assert ar.waits_ahead("standard", [0, 1, 0]) and ar.waits_ahead("standard", [1, 0, 0])
+    assert not ar.waits_ahead("standard", [0, 0, 5]) and not ar.waits_ahead("critical", [0, 3, 5])
+    assert ar.waits_ahead("sheddable", [0, 0, 1])
+
+
+def test_the_judged_ttft_counts_the_queue_wait_more_the_lower_the_band() -> None:
+    """No wait predicted: the prediction as is (a free pool changes nothing); a predicted wait counts
+    its band's margin times (critical the least), so the lower bands leave the queues short."""
+    for band in ar.BANDS:
+        assert ar.judged_ttft(band, 300.0, 0.0) == 300.0
+        assert ar.judged_ttft(band, 1300.0, 1.0) == 1300.0 + (ar.wait_margin(band) - 1.0) * 1000.0
+    assert 1.0 <= ar.wait_margin("critical") < ar.wait_margin("standard") < ar.wait_margin("sheddable")
+    with pytest.raises(ValueError, match="one of critical, standard, sheddable"):
+        ar.wait_margin("urgent")
+
+
 def test_an_unknown_band_names_the_bands() -> None:
     with pytest.raises(ValueError, match="unknown priority 'urgent': one of critical, standard, sheddable"):
         ar.band_index("urgent")

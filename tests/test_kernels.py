@@ -79,7 +79,7 @@ def _numpy_outcomes(d: dict[str, object]) -> tuple[np.ndarray, np.ndarray, float
     s_obs = np.where(g("others_service_s") > 0, g("others_service_s"), service)
     with np.errstate(divide="ignore", invalid="ignore"):
         queue = (busy - slots + 1.0) * s_obs / slots
-    wait = np.where((busy > own) & (slots > 0), np.maximum(wait, queue), wait)
+    wait = np.where((busy >= slots) & (slots > 0), np.maximum(wait, queue), wait)
     ttft = (wait + pf + tp) * 1000.0 + g("rtt")
     lat = (wait + service) * 1000.0 + g("rtt")
     slack = (g("ttft_ms") - g("rtt") - 1000 * wait) / ((pf + tp) * 1000.0)

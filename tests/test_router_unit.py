@@ -413,7 +413,9 @@ def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: P
     """One process, the embedded state, no feedback: every reservation is its own (others = 0),
     so until a pool's reservations reach their capacity the answers are the environment's view
     alone -- what the router answered before the shared state -- byte for byte; the shared view
-    read back (``apply_shared_view``) changes nothing."""
+    read back (``apply_shared_view``) changes nothing. (Checked up to the first request whose
+    first-ranked pool is at its capacity in the state: 94 requests since the view's queue term
+    counts its own work on a full pool, which moves the load between pools; 300 before.)"""
     setup = make_setup(tmp_path)
     st = setup.settings
     alone, shared = (RoutingEngine(st, source=ReplaySource(st.telemetry, st.replay_speed, st.replay_offset_s,
@@ -428,6 +430,14 @@ def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: P
                                            "input_tokens": int(rng.integers(10, 4000)),
                                            "max_output_tokens": int(rng.integers(1, 600))})
         wall = clock[0] = 1000.0 + 0.2 * i
+        try:
+            ranked = alone.rank(req, A, f"d_{i}", wall)
+        except RouteFailure:
+            ranked = None
+        if ranked is not None:  # the premise: the pool the view ranks first still has room in the state
+            pool, capacity = alone.candidates(ranked)[0]
+            if state.core.view().in_flight.get(pool, 0) >= capacity:
+                break  # (the state holds a reservation until its hold passes, the view until its expected end)
         got = []
         for eng, st_ in ((alone, None), (shared, state)):
             try:
@@ -439,7 +449,7 @@ def test_one_process_on_the_embedded_state_decides_as_its_view_alone(tmp_path: P
         if i % 10 == 0:
             shared.apply_shared_view(state.core.view().in_flight, {})
             assert not shared.env.view_others.any()
-    assert answered > 250 and sum(state.core.view().in_flight.values()) > 20  # load, and reservations held
+    assert answered > 80 and sum(state.core.view().in_flight.values()) > 20  # load, and reservations held
 
 
 def test_set_live_is_observe_live_without_the_observation(engine: RoutingEngine) -> None:

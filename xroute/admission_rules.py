@@ -47,6 +47,16 @@ QUEUED_BANDS = frozenset({"critical", "standard"})
 INPUT_WEIGHT = 1.0
 OUTPUT_WEIGHT = 2.0
 
+#: how much the predicted queue wait counts in the verdict and in the placement, per band (by band
+#: index; :func:`judged_ttft`): a pool's queue wait is the uncertain part of its predicted TTFT (the
+#: real lengths of the work ahead are unknown), so an admitted request must start in time even when
+#: it waits that many times as long as predicted; RTT, prefill and the first token count once. The
+#: lower bands count it more: they are admitted only while the pools' queues are shorter, which keeps
+#: room for a critical request arriving after them (a pool's servers run FIFO: the router's priority
+#: orders only the requests it holds back). No wait predicted: the prediction as is (so where a pool
+#: is free the admission changes nothing).
+WAIT_MARGINS: tuple[float, ...] = (2.0, 3.0, 4.0)
+
 Verdict = Literal["admit", "queue", "shed"]
 ADMIT: Verdict = "admit"
 QUEUE: Verdict = "queue"
@@ -61,16 +71,39 @@ def band_index(band: str) -> int:
         raise ValueError(f"unknown priority {band!r}: one of {', '.join(BANDS)}") from None
 
 
-def verdict(band: str, best_ttft_ms: float, ttft_slo_ms: float, waited_ms: float = 0.0) -> Verdict:
-    """What happens to a request of ``band`` whose best predicted TTFT over the feasible pools is
-    ``best_ttft_ms`` (``inf``: no pool can take it now), with a TTFT SLO of ``ttft_slo_ms``, after
-    waiting ``waited_ms`` in the router's queue (module docstring)."""
+def wait_margin(band: str) -> float:
+    """The :data:`WAIT_MARGINS` of ``band`` (a ValueError naming the bands for another name)."""
+    return WAIT_MARGINS[band_index(band)]
+
+
+def judged_ttft(band: str, ttft_ms: float, wait_s: float) -> float:
+    """The TTFT the admission judges a pool by for a request of ``band``: its predicted TTFT
+    ``ttft_ms`` with its predicted queue wait ``wait_s`` (seconds, part of ``ttft_ms``) counted
+    :func:`wait_margin` times (``envs.admission.best_ttft`` computes it compiled)."""
+    return ttft_ms + (wait_margin(band) - 1.0) * 1000.0 * wait_s
+
+
+def verdict(band: str, best_ttft_ms: float, ttft_slo_ms: float, waited_ms: float = 0.0,
+            ahead_waiting: bool = False) -> Verdict:
+    """What happens to a request of ``band`` whose best judged TTFT over the feasible pools
+    (:func:`judged_ttft`) is ``best_ttft_ms`` (``inf``: no pool can take it now), with a TTFT SLO of
+    ``ttft_slo_ms``, after waiting ``waited_ms`` in the router's queue (module docstring).
+    ``ahead_waiting``: an arriving request finds one of its band or a higher one waiting in the
+    queue (:func:`waits_ahead`) -- then it is not placed before them: it joins the queue (and the
+    dispatch order decides) or, sheddable, is shed."""
     budget = ttft_slo_ms - waited_ms
-    if best_ttft_ms <= budget:
+    if best_ttft_ms <= budget and not ahead_waiting:
         return ADMIT
     if band in QUEUED_BANDS and budget > 0.0:
         return QUEUE
     return SHED
+
+
+def waits_ahead(band: str, waiting_per_band: Sequence[int]) -> bool:
+    """Whether a request of ``band`` arriving now finds a request the queue dispatches before it
+    (by :func:`dispatch_order`: any of a higher band, or of its own band -- its tenant may be the
+    less served): ``waiting_per_band`` counts the waiting requests by band index."""
+    return any(waiting_per_band[: band_index(band) + 1])
 
 
 def service(input_tokens: float, output_tokens: float, weight: float) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from envs import admission as admission_kernels
 from envs import kernels as env_kernels
 from envs import policies as env_policies
 from envs.cloud_route import CloudRouteEnv
@@ -155,6 +156,7 @@ class RoutingEngine:
         self.settings = settings
         env_kernels.warm_up()  # compiled (or loaded from numba's cache) now, not on the first request
         kernels.warm_up()
+        admission_kernels.warm_up()
         CLOCK.mark("kernels")
         if source is None:
             if settings.telemetry_live:

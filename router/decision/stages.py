@@ -50,13 +50,13 @@ import numpy as np
 
 from envs import kernels as env_kernels
 from envs import policies as env_policies
-from envs.admission import best_ttft_of
+from envs.admission import best_ttft_of, place_within
 from router.core.logs import request_id_var
 from router.decision import kernels, ope_log
 from router.decision.access import denied
 from router.decision.quotas import budget_failure, live_budget
 from router.state.base import Affinity, PrefixSend
-from xroute.admission_rules import ADMIT, verdict
+from xroute.admission_rules import ADMIT, verdict, wait_margin
 from xroute.schema.access import Principal, model_resource
 from xroute.schema.decision import RouteRequest
 
@@ -535,12 +535,15 @@ class Predict(Stage):
         if not e.admission_on or d.trace is not None:
             return
         # (one compiled pass over the TTFT the environment computed: no temporary arrays)
-        best = d.best_ttft_ms = float(best_ttft_of(e.env.C[env_kernels.TTFT], d.env_mask, d.allowed))
         band = e.band_of(d.req, d.tenant)
+        margin = wait_margin(band)
+        best = d.best_ttft_ms = float(best_ttft_of(e.env.C, d.env_mask, d.allowed, margin))
         slo = float(d.req.ttft_ms)
         v = verdict(band, best, slo, d.waited_ms)
         if v != ADMIT:
             raise e.unattainable(v, band, best, slo - d.waited_ms)
+        # admitted: placed where it is predicted to start in time (the world's rule, envs.admission)
+        place_within(e.env.C, d.env_mask, slo - d.waited_ms, margin)
 
 
 class Score(Stage):

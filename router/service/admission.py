@@ -182,17 +182,26 @@ async def placed(svc: Services, body: RouteRequest, who: Principal, decision_id:
     ``slo_unattainable``) or waits in this process's queue and is decided again as capacity frees."""
     engine, shared = svc.engine, svc.state
     arrived = time.monotonic()
-    try:
-        return await decide(engine, shared, body, who, decision_id, time.time(), request_json, key, reserve_quota)
-    except RouteFailure as e:
-        q = svc.admission
-        band = engine.band_of(body, who.tenant)
-        refusal = None if q is None else judged(e, band, float(body.ttft_ms), 0.0, engine)
-        if refusal is None:
-            raise
-        if refusal.verdict != admission_rules.QUEUE:
+    q = svc.admission
+    band = engine.band_of(body, who.tenant) if q is not None else ""
+    if q is not None and q.ahead(band):  # requests the queue dispatches first wait: it does not overtake them
+        slo = float(body.ttft_ms)
+        v = admission_rules.verdict(band, float("inf"), slo, 0.0, ahead_waiting=True)
+        refusal = engine.unattainable(v, band, float("inf"), slo)
+        if v != admission_rules.QUEUE:
             svc.metrics.admission.labels(band, "shed").inc()
-            raise refusal from None
+            raise refusal
+    else:
+        try:
+            return await decide(engine, shared, body, who, decision_id, time.time(), request_json, key, reserve_quota)
+        except RouteFailure as e:
+            judged_as = None if q is None else judged(e, band, float(body.ttft_ms), 0.0, engine)
+            if judged_as is None:
+                raise
+            if judged_as.verdict != admission_rules.QUEUE:
+                svc.metrics.admission.labels(band, "shed").inc()
+                raise judged_as from None
+            refusal = judged_as
     assert q is not None
 
     async def attempt(waited_ms: float) -> Decided:

@@ -19,8 +19,12 @@ Contract:
   shared state holds (``DecisionState.fairness``: every router and worker reads one set; a tenant
   just backlogged is lifted first). Each try is a whole decision again (the prediction with the
   time waited); a request placed moves its tenant's counter by its service and the pass goes on;
-  the first that does not fit ends the pass (a lower one never overtakes it).
+  the first that does not fit ends the pass (a lower one never overtakes it). Nor does an arrival:
+  one that finds a request of its band or a higher one waiting here joins the queue behind them
+  (sheddable: shed) without a decision (:meth:`AdmissionQueue.ahead`,
+  ``xroute.admission_rules.waits_ahead``; ``router.service.admission.placed``).
 * **When.** A pass runs when capacity frees here -- a feedback's release, a decision given back --
+  when a waiting request's budget runs out (the one behind it may fit now),
   when the shared view is refreshed, and every ``admission.recheck_s`` while anything waits (the
   capacity other routers free, and reservations whose hold passed, are seen only in the state).
 * **Leaving.** A request whose budget runs out waiting leaves with 429 ``slo_unattainable``; one
@@ -64,6 +68,8 @@ class FairQueue(Generic[W]):
     def __init__(self) -> None:
         self._bands: list[dict[str, deque[W]]] = [{} for _ in rules.BANDS]
         self._n = 0
+        #: the requests waiting per band (by band index)
+        self.per_band: list[int] = [0] * len(rules.BANDS)
 
     def __len__(self) -> int:
         return self._n
@@ -73,6 +79,7 @@ class FairQueue(Generic[W]):
         new = not any(w.tenant in band for band in self._bands)
         self._bands[w.band].setdefault(w.tenant, deque()).append(w)
         self._n += 1
+        self.per_band[w.band] += 1
         return new
 
     def remove(self, w: W) -> bool:
@@ -85,6 +92,7 @@ class FairQueue(Generic[W]):
         if not q:
             del band[w.tenant]
         self._n -= 1
+        self.per_band[w.band] -= 1
         return True
 
     def first(self, counters: Mapping[str, float]) -> W | None:
@@ -146,6 +154,11 @@ class AdmissionQueue:
         self._again = False
         self._timer: asyncio.TimerHandle | None = None
 
+    def ahead(self, band: str) -> bool:
+        """Whether a request of ``band`` arriving now finds one waiting here that the queue dispatches
+        before it (``xroute.admission_rules.waits_ahead``): then it does not overtake them."""
+        return rules.waits_ahead(band, self.fq.per_band)
+
     def waiter(self, band: str, tenant: str, slo_ms: float, service: float, refusal: Unattainable,
                attempt: Callable[[float], Awaitable[Any]], give_back: Callable[[Any], Awaitable[None]],
                arrived: float) -> Waiter:
@@ -188,10 +201,12 @@ class AdmissionQueue:
             self.metrics.admission_wait.labels(outcome).observe(time.monotonic() - w.arrived)
 
     def _expire(self, w: Waiter) -> None:
-        """``w``'s TTFT budget is spent: it leaves with 429 ``slo_unattainable``."""
+        """``w``'s TTFT budget is spent: it leaves with 429 ``slo_unattainable``, and a pass runs (a pass
+        ends at the first that does not fit: the one behind it may fit now)."""
         if self.fq.remove(w) and not w.done.done():
             w.done.set_exception(w.refusal)
         self._changed()
+        self.kick()
 
     def _changed(self) -> None:
         self.metrics.admission_queue.set(len(self.fq))
