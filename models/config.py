@@ -218,7 +218,9 @@ class DataConfig(Strict):
 
     train: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mooncake", "asia"], min_length=1)
     train_families: list[GateFamily] = Field(
-        default_factory=list, description="domain randomization: each training bundle also as these families have it "
+        default_factory=lambda: [GateFamily(name="slo-mix", tenants={
+            "strict": FamilyTenant(share=0.34, slo_scale=0.6), "same": FamilyTenant(share=0.33),
+            "relaxed": FamilyTenant(share=0.33, slo_scale=1.6)})], description="domain randomization: each training bundle also as these families have it "
                                           "(their tenants' SLO scales, capacity_scale; bundles = which of data.train, "
                                           "default all; rates are ignored: training draws rate_scales)")
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "

@@ -103,13 +103,21 @@ def login(driver: Any, live: Live, who: str) -> None:
 
 def click(driver: Any, by: str, value: str) -> None:
     """Click an element and wait for the page it loads (a form's submission, a link)."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
     old = driver.find_element(By.TAG_NAME, "html")
     driver.find_element(by, value).click()
-    WebDriverWait(driver, 20).until(expected_conditions.staleness_of(old))
+
+    def gone(d: Any) -> bool:  # (Chromium 156 may answer a node of the page left behind with an inspector
+        try:  # error, "Node with given id does not belong to the document", not a stale reference)
+            return bool(expected_conditions.staleness_of(old)(d))
+        except WebDriverException as e:
+            return "does not belong to the document" in str(e)
+
+    WebDriverWait(driver, 20).until(gone)
 
 
 def console_errors(driver: Any) -> list[dict[str, Any]]:

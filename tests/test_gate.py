@@ -82,7 +82,7 @@ def _family_cfg(setup: dict[str, Any], families: list[dict[str, Any]]) -> TrainC
     raw.pop("telemetry")
     raw["data"] = {**raw["data"], "train": [str(setup["bundle"])], "selection": [str(setup["bundle"])],
                    "gate": [str(setup["bundle"])], "gate_rates": [1.0], "gate_overload": None,
-                   "gate_families": families}
+                   "gate_families": families, "train_families": []}
     return parse_config(TrainConfig, raw, "test")
 
 

@@ -194,7 +194,7 @@ def test_a_new_champion_version_starts_the_window_again() -> None:
     from router.core.settings import WatchdogSettings
     from router.decision.watchdog import Watchdog
 
-    wd = Watchdog(WatchdogSettings(window=100, min_decisions=50), ["x", "y"], "k", RewardPrior(1, 1, 1, 1, 1, 1), True)
+    wd = Watchdog(WatchdogSettings(enabled=True, window=100, min_decisions=50), ["x", "y"], "k", RewardPrior(1, 1, 1, 1, 1, 1), True)
     wd.follow("1")
     for _ in range(60):
         wd.est.observe(-0.1, -0.1, -0.1, True, False, 1.0, -1.0 + 0.01 * np.random.default_rng(0).random())
@@ -221,7 +221,7 @@ def test_the_gateways_own_outcomes_feed_the_watchdog(tmp_path: Path) -> None:
     standin = StandIn()
     with ServerThread(standin) as up:
         base: dict[str, Any] = {
-            "replay_speed": 1e-6, "watchdog": {"window": 50, "min_decisions": 20},
+            "replay_speed": 1e-6, "watchdog": {"enabled": True, "window": 50, "min_decisions": 20},
             "upstreams": [{"offering_id": x, "base_urls": [f"{up}/v1"]}, {"offering_id": y, "base_urls": [f"{up}/v1"]}],
             "gateway": {"origin": "aws:us-east-1", "ejection": {"enabled": False},
                         "retry_budget": {"enabled": False}},
