@@ -37,11 +37,14 @@ SERVING = {"reference_accelerator": "A10G", "accelerators": {
 }}
 
 
-def write_agent_setup(root: Path, n_requests: int = 400, **train: Any) -> dict[str, Any]:
-    """A tiny bundle, its own serving/evaluate YAML and a tiny-budget train config under ``root``."""
+def write_agent_setup(root: Path, n_requests: int = 400, env: dict[str, Any] | None = None,
+                      **train: Any) -> dict[str, Any]:
+    """A tiny bundle, its own serving/evaluate YAML (``env``: more env settings) and a tiny-budget
+    train config under ``root``."""
     bundle = write_tiny_bundle(root / "bundle", n_requests=n_requests)
     (root / "serving.yaml").write_text(yaml.safe_dump(SERVING))
-    (root / "evaluate.yaml").write_text(yaml.safe_dump({"env": {"serving_config": str(root / "serving.yaml")}}))
+    (root / "evaluate.yaml").write_text(yaml.safe_dump({"env": {"serving_config": str(root / "serving.yaml"),
+                                                                **(env or {})}}))
     cfg: dict[str, Any] = {
         "telemetry": str(bundle), "run_dir": str(root / "runs"), "evaluate_config": str(root / "evaluate.yaml"),
         "total_timesteps": 300, "episode_requests": 64, "eval_every": 150, "progress_every": 100,

@@ -122,8 +122,12 @@ def test_top_k_exploration_draws_among_the_best_valid_offerings(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_demonstrations_in_every_update_pull_the_network_to_the_rollout_advantages(tmp_path: Path) -> None:
-    setup = write_agent_setup(tmp_path, warm_start={"samples": 60, "horizon": 6, "top_k": 3, "random_actions": 1,
-                                                    "stride": 2, "epochs": 1})
+    # (admission off: the tiny bundle's few pools are past their capacity at these loads, and the sheds'
+    # -2 rewards of the admission that predicts their queues swamp the TD loss this test pits the
+    # demonstrations against; what it checks is that the demonstrations pull, whatever the rewards)
+    setup = write_agent_setup(tmp_path, env={"admission": {"enabled": False}},
+                              warm_start={"samples": 60, "horizon": 6, "top_k": 3, "random_actions": 1,
+                                          "stride": 2, "epochs": 1})
     from models.scenarios import train_env_config
 
     ctx = _tiny_context(setup)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.decision.stages import RouteFailure
 from router.http.deps import ReadStatus, WriteModel
+from router.http.errors import BODY_NOT_JSON_422
 from router.service import watchdog_sync
 from router.service.ports import SharedState
 from router.state.base import StateUnavailable
@@ -72,7 +73,9 @@ class WatchdogReset(BaseModel):
 
 
 @router.post("/watchdog/reset", summary="The champion decides again: the watchdog's window starts anew (audited)",
-             responses={422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})  # type: ignore[dict-item]
+             responses={422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + ", or `reason` is "
+                              "invalid (named in `fields`)"},
+                        503: {"model": ErrorResponse}})  # type: ignore[dict-item]
 async def reset_watchdog(caller: WriteModel,
                          body: Annotated[WatchdogReset | None, Body()] = None) -> dict[str, object]:
     """An operator's word against the watchdog (``router.decision.watchdog``): the audit entry (kind
