@@ -52,19 +52,17 @@ def request_bands(cfg: AdmissionConfig, tenants: np.ndarray, priority: np.ndarra
 
 
 @njit(cache=True)
+def judged(C, a, margin):  # pragma: no cover (compiled)
+    """Offering ``a``'s judged TTFT, ``admission_rules.judged_ttft`` compiled: its predicted TTFT
+    ``C[TTFT, a]`` with its predicted queue wait ``C[WAIT, a]`` (seconds) counted ``margin`` times."""
+    return C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
+
+
+@njit(cache=True)
 def best_ttft(C, mask, margin):  # pragma: no cover (compiled)
-    """The best (lowest) judged TTFT (``admission_rules.judged_ttft``: ``C[TTFT] + (margin - 1) x
-    1000 x C[WAIT]``) over the offerings ``mask`` allows; ``inf`` when none, NaN when one of them is
-    NaN (as ``judged[mask].min()``)."""
-    best = np.inf
-    for a in range(mask.shape[0]):
-        if mask[a]:
-            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
-            if x != x:
-                return x
-            if x < best:
-                best = x
-    return best
+    """The best (lowest) judged TTFT (:func:`judged`) over the offerings ``mask`` allows; ``inf``
+    when none, NaN when one of them is NaN (as ``judged[mask].min()``)."""
+    return best_ttft_of(C, mask, mask, margin)
 
 
 @njit(cache=True)
@@ -75,7 +73,7 @@ def best_ttft_of(C, mask, allowed, margin):  # pragma: no cover (compiled)
     best = np.inf
     for a in range(mask.shape[0]):
         if mask[a] and allowed[a]:
-            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
+            x = judged(C, a, margin)
             if x != x:
                 return x
             if x < best:
@@ -93,7 +91,7 @@ def place_within(C, mask, budget_ms, margin):  # pragma: no cover (compiled)
     Returns how many were masked."""
     k = 0
     for a in range(mask.shape[0]):
-        if mask[a] and C[WAIT, a] > 0.0 and not C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a] <= budget_ms:
+        if mask[a] and C[WAIT, a] > 0.0 and not judged(C, a, margin) <= budget_ms:
             mask[a] = False
             k += 1
     return k
@@ -112,7 +110,7 @@ def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compil
     late = False
     for a in range(mask.shape[0]):
         if mask[a]:
-            x = C[TTFT, a] + (margin - 1.0) * 1000.0 * C[WAIT, a]
+            x = judged(C, a, margin)
             if x != x:
                 return False
             if x < best:
