@@ -291,14 +291,7 @@ def bench_http(work: Path, redis_url: str | None, seconds: float, rounds: int,
         order = list(variants)
         for r in range(rounds):
             for v in order[r % len(order):] + order[: r % len(order)]:
-                base = ref.measure(seconds)
-                got = servers[v].measure(seconds)
-                got["paired_trivial_rps"] = base["rps"]
-                got["vs_trivial"] = round(got["rps"] / base["rps"], 3)
-                runs[v].append(got)
-                print(f"  round {r + 1}/{rounds} {v}: {got['rps']} req/s ({got['non_2xx']} non-2xx), "
-                      f"{got['vs_trivial']} of trivial, {got.get('server_cpu_us_per_req')} us CPU/req",
-                      file=sys.stderr, flush=True)
+                runs[v].append(br.paired_run(ref, servers[v], seconds, f"round {r + 1}/{rounds} {v}"))
     finally:
         ref.stop()
         for srv in servers.values():

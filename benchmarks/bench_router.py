@@ -294,6 +294,20 @@ def bench_ope_http(work: Path, seconds: float, rounds: int) -> dict[str, Any]:
     return out
 
 
+def paired_run(ref: _Server, srv: _Server, seconds: float, label: str) -> dict[str, Any]:
+    """One run of ``srv`` right after one of the trivial endpoint ``ref`` (so the machine's drift
+    does not bias the ratio): ``srv``'s measurement with ``paired_trivial_rps`` and ``vs_trivial``
+    added, and a progress line on stderr."""
+    base = ref.measure(seconds)
+    got = srv.measure(seconds)
+    got["paired_trivial_rps"] = base["rps"]
+    got["vs_trivial"] = round(got["rps"] / base["rps"], 3)
+    print(f"  {label}: {got['rps']} req/s ({got.get('non_2xx', 0)} non-2xx), {got['vs_trivial']} of trivial, "
+          f"{got.get('server_cpu_us_per_req')} us CPU/req (+{got.get('children_cpu_us_per_req')} writer)",
+          file=sys.stderr, flush=True)
+    return got
+
+
 def _rotated_pairs(work: Path, env: dict[str, str], variants: dict[str, Any], seconds: float, rounds: int
                    ) -> dict[str, tuple[dict[str, Any], _Server]]:
     """Start every variant's server (``variants``: label -> a function starting it) and the trivial
@@ -310,14 +324,7 @@ def _rotated_pairs(work: Path, env: dict[str, str], variants: dict[str, Any], se
         order = list(variants)
         for r in range(rounds):
             for v in order[r % len(order):] + order[: r % len(order)]:
-                base = ref.measure(seconds)
-                got = servers[v].measure(seconds)
-                got["paired_trivial_rps"] = base["rps"]
-                got["vs_trivial"] = round(got["rps"] / base["rps"], 3)
-                runs[v].append(got)
-                print(f"  round {r + 1}/{rounds} {v}: {got['rps']} req/s, {got['vs_trivial']} of trivial, "
-                      f"{got.get('server_cpu_us_per_req')} us CPU/req (+{got.get('children_cpu_us_per_req')} writer)",
-                      file=sys.stderr, flush=True)
+                runs[v].append(paired_run(ref, servers[v], seconds, f"round {r + 1}/{rounds} {v}"))
     finally:
         ref.stop()
         for srv in servers.values():
