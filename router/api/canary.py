@@ -24,6 +24,7 @@ JSON shapes (the answers):
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -158,17 +159,22 @@ async def share(body: CanaryShare, caller: WritePolicies) -> dict[str, Any]:
 @router.post("/promote", responses=_WRITE_ERRORS,
              summary="Promote the canary: its set becomes the stable one (admin:write:policies)")
 async def promote(caller: WritePolicies, body: CanaryEnd | None = None) -> dict[str, Any]:
-    cid = caller.svc.engine.policies.set.canary
-    ps = await _change(caller, promote_canary(body.id if body else None))
-    return _answer(ps, promoted=body.id if body and body.id else (cid.id if cid else None))
+    return await _end(caller, body, promote_canary, "promoted")
 
 
 @router.post("/rollback", responses=_WRITE_ERRORS,
              summary="Roll the canary back: the stable set decides everything again (admin:write:policies)")
 async def rollback(caller: WritePolicies, body: CanaryEnd | None = None) -> dict[str, Any]:
-    cid = caller.svc.engine.policies.set.canary
-    ps = await _change(caller, rollback_canary(body.id if body else None))
-    return _answer(ps, rolled_back=body.id if body and body.id else (cid.id if cid else None))
+    return await _end(caller, body, rollback_canary, "rolled_back")
+
+
+async def _end(caller: Caller, body: CanaryEnd | None, step: Callable[[str | None], Mutation],
+               said: str) -> dict[str, Any]:
+    """Promote or roll back (``step``: the store's change) the canary ``body`` names, else the one
+    running; the answer names the canary under ``said``."""
+    running = caller.svc.engine.policies.set.canary
+    ps = await _change(caller, step(body.id if body else None))
+    return _answer(ps, **{said: body.id if body and body.id else (running.id if running else None)})
 
 
 @router.get("/compare", responses={409: {"model": ErrorResponse, "description": "no canary running and no `id`"}},
