@@ -154,12 +154,18 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
     names: dict[str, str] = {}
     if one is not None:
         names = {"train": str(one), "selection": str(one), "gate": str(one)}
+    whole: dict[str, Bundle] = {}
     loaded: dict[str, Splits] = {}
     hashes: dict[str, str] = {}
 
+    def bundle(ref: str, field: str) -> Bundle:  # (each bundle read once, whatever uses it)
+        if ref not in whole:
+            whole[ref] = resolve_bundle(ref, field if one is None else src)
+        return whole[ref]
+
     def splits(ref: str, field: str) -> Splits:
         if ref not in loaded:
-            b = resolve_bundle(ref, field if one is None else src)
+            b = bundle(ref, field)
             loaded[ref] = split_bundle(b, cfg.split)
             hashes[_label(ref)] = b.content_hash
         return loaded[ref]
@@ -175,8 +181,7 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         for fam in d.train_families if one is None else []:
             if fam.bundles is not None and ref not in fam.bundles:
                 continue
-            fb = split_bundle(family_bundle(resolve_bundle(ref, f"train config: field 'data.train[{k}]'"), fam),
-                              cfg.split)
+            fb = split_bundle(family_bundle(bundle(ref, f"train config: field 'data.train[{k}]'"), fam), cfg.split)
             train.append(Scenario(f"{fam.name}:{_label(ref)}", fb.bundles["train"], fb.history("train"),
                                   family=fam.name))
     selection = []
@@ -199,7 +204,7 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
     for i, fam in enumerate(d.gate_families if one is None else []):
         for k, ref in enumerate(fam.bundles or d.gate):
             field = f"train config: field 'data.gate_families[{i}].bundles[{k}]'"
-            b = family_bundle(resolve_bundle(ref, field), fam)
+            b = family_bundle(bundle(ref, field), fam)
             sp = split_bundle(b, cfg.split)
             hashes[f"{fam.name}/{_label(ref)}"] = b.content_hash
             for r in fam.rates:
