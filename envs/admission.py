@@ -61,7 +61,7 @@ def judged(C, a, margin):  # pragma: no cover (compiled)
 @njit(cache=True)
 def best_ttft(C, mask, margin):  # pragma: no cover (compiled)
     """The best (lowest) judged TTFT (:func:`judged`) over the offerings ``mask`` allows; ``inf``
-    when none, NaN when one of them is NaN (as ``judged[mask].min()``)."""
+    when none or when every one is full, NaN when one of them is NaN (:func:`best_ttft_of`)."""
     return best_ttft_of(C, mask, mask, margin)
 
 
@@ -69,8 +69,10 @@ def best_ttft(C, mask, margin):  # pragma: no cover (compiled)
 def best_ttft_of(C, mask, allowed, margin):  # pragma: no cover (compiled)
     """:func:`best_ttft` over the offerings both ``mask`` and ``allowed`` allow (the masks may be
     shorter than ``C``'s rows: their first entries), without the temporaries: the router's
-    ``predict`` stage, on each decision."""
+    ``predict`` stage, on each decision. ``admission_rules.best_judged`` compiled: ``inf`` also when
+    every one of them is full (a predicted wait, ``C[WAIT] > 0``, at each)."""
     best = np.inf
+    free = False
     for a in range(mask.shape[0]):
         if mask[a] and allowed[a]:
             x = judged(C, a, margin)
@@ -78,20 +80,39 @@ def best_ttft_of(C, mask, allowed, margin):  # pragma: no cover (compiled)
                 return x
             if x < best:
                 best = x
+            if not C[WAIT, a] > 0.0:
+                free = True
+    return best if free else np.inf
+
+
+@njit(cache=True)
+def soonest_ttft(C, mask, allowed, allowed2):  # pragma: no cover (compiled)
+    """``admission_rules.soonest_ttft`` compiled: the lowest ``C[TTFT] - 1000 x C[WAIT]`` (the TTFT
+    of a free slot; NaN skipped) over the offerings all three masks allow; ``inf`` when none. The
+    masks are the offerings the request may use *whatever the pools' state* (the policies, the
+    model's fit): a pool now full past the queue timeout, or down, may free or return."""
+    best = np.inf
+    for a in range(mask.shape[0]):
+        if mask[a] and allowed[a] and allowed2[a]:
+            x = C[TTFT, a] - 1000.0 * C[WAIT, a]
+            if x < best:
+                best = x
     return best
 
 
 @njit(cache=True)
-def place_within(C, mask, budget_ms, margin):  # pragma: no cover (compiled)
+def place_within(C, mask, budget_ms, margin, free_only=False):  # pragma: no cover (compiled)
     """The placement of an admitted request (``admission_rules``, "the placement"): the offerings
     ``mask`` allows whose judged TTFT (:func:`best_ttft`'s) is over ``budget_ms`` *because of their
     queue* (a predicted wait, ``C[WAIT] > 0``) are masked, in place -- the request goes where it is
     predicted to start in time, not behind a queue that makes it late. An offering late without a
     queue (its RTT, its prefill) stays as it was: where no pool queues the placement changes nothing.
-    Returns how many were masked."""
+    ``free_only`` (a request dispatched from the router's queue: it has waited): every offering with a
+    predicted wait is masked -- it goes where a slot is free (``admission_rules``, "Where the waiting
+    happens"). Returns how many were masked."""
     k = 0
     for a in range(mask.shape[0]):
-        if mask[a] and C[WAIT, a] > 0.0 and not judged(C, a, margin) <= budget_ms:
+        if mask[a] and C[WAIT, a] > 0.0 and (free_only or not judged(C, a, margin) <= budget_ms):
             mask[a] = False
             k += 1
     return k
@@ -103,11 +124,12 @@ def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compil
     band, from its candidate outcomes ``C`` and the offerings ``mask`` allows: the fast path of
     ``admission_rules.verdict(band, best, ttft_slo_ms, 0) == ADMIT`` on the best judged TTFT (its
     first clause, ``best <= budget``; ``tests/test_env_admission.py`` checks the two agree on random
-    inputs). Admitted, it is placed in the same pass (:func:`place_within`: ``mask`` narrowed in
-    place, only when some queued offering is late). False hands the request to the full verdict,
-    ``mask`` untouched."""
+    inputs; like :func:`best_ttft`, not when every offering is full). Admitted, it is placed in the
+    same pass (:func:`place_within`: ``mask`` narrowed in place, only when some queued offering is
+    late). False hands the request to the full verdict, ``mask`` untouched."""
     best = np.inf
     late = False
+    free = False
     for a in range(mask.shape[0]):
         if mask[a]:
             x = judged(C, a, margin)
@@ -117,7 +139,9 @@ def admits_at_arrival(C, mask, ttft_slo_ms, margin):  # pragma: no cover (compil
                 best = x
             if C[WAIT, a] > 0.0 and not x <= ttft_slo_ms:
                 late = True
-    if not best <= ttft_slo_ms:
+            if not C[WAIT, a] > 0.0:
+                free = True
+    if not (best <= ttft_slo_ms and free):
         return False
     if late:
         place_within(C, mask, ttft_slo_ms, margin)
@@ -135,6 +159,8 @@ def warm_up() -> None:
     best_ttft(C, mask, 2.0)
     best_ttft_of(C, mask, allowed, 2.0)
     place_within(C, mask.copy(), 1.0, 2.0)
+    place_within(C, mask.copy(), 1.0, 2.0, True)
+    soonest_ttft(C, mask, allowed, allowed)
     admits_at_arrival(C, mask.copy(), 1.0, 2.0)
 
 

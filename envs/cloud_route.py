@@ -102,7 +102,7 @@ from envs import features as fz
 from envs import kernels
 from envs import policies as pol
 from envs import prefix as px
-from envs.admission import WorldQueue, admits_at_arrival, best_ttft, place_within, request_bands
+from envs.admission import WorldQueue, admits_at_arrival, best_ttft, place_within, request_bands, soonest_ttft
 from envs.budget import (
     NO_BUDGET,
     NOT_REFUSED,
@@ -993,7 +993,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
 
     def _verdict(self, waited_ms: float, ahead: bool = False) -> str:
         """The admission verdict of the current request (``admission_rules.verdict``) on the best TTFT
-        the router's view predicts over the offerings it may use (``c_mask``; none: infinite). A
+        the router's view predicts over the offerings it may use (``c_mask``; none, or every one full:
+        infinite), and the soonest any of them could start it (``soonest_ttft``). A
         request its tenant's budget refused, or one no offering the routing policies allow can hold
         (the router's 422 ``no_offering``, decided before its ``predict`` stage), is not the
         admission's: it fails as before. ``ahead``: an arrival finds requests waiting that the queue
@@ -1002,7 +1003,9 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             return ar.ADMIT
         b = int(self.req_band[self._pos])
         best = float(best_ttft(self.C, self.c_mask, self.req_margin[self._pos]))
-        return ar.verdict(ar.BANDS[b], best, self.r_ttft, waited_ms, ahead)
+        ok = self.fits[self.r_m]  # (the soonest over the offerings it may use, whatever their state now)
+        soonest = -np.inf if best <= self.r_ttft - waited_ms else float(soonest_ttft(self.C, ok, self.r_allowed, ok))
+        return ar.verdict(ar.BANDS[b], best, self.r_ttft, waited_ms, ahead, soonest)
 
     def _dispatch(self, t: float) -> bool:
         """At ``t``, with what the router learned by then: shed the first waiting request whose TTFT
@@ -1036,7 +1039,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         if verdict == ar.SHED:
             self.c_mask[:] = False
         elif verdict == ar.ADMIT and self.admission is not None and self.r_refused == NOT_REFUSED:
-            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, self.req_margin[self._pos])
+            place_within(self.C, self.c_mask, self.r_ttft - waited_ms, self.req_margin[self._pos], waited_ms > 0.0)
 
     def _current(self, i: int, t: float, count: bool = True) -> None:
         """Make the stream's request ``i`` current at ``t`` and compute its candidate outcomes. Reads

@@ -13,6 +13,18 @@ one), as ``xroute.migration_rules`` is, so the two apply one definition:
   predicted TTFT), and a ``critical`` or ``standard`` one waits in the router's queue
   (:data:`QUEUE`) until capacity frees or its TTFT budget is spent, when it is refused the same way
   (a request that can no longer start within its SLO only takes capacity from one that can).
+* **Where the waiting happens** (:func:`best_judged`): when every pool a request may use is full --
+  each has a predicted queue wait -- the best is infinite: the request is not put in a pool's queue,
+  which its servers run first come first served, but waits in the router's queue, where
+  :func:`dispatch_order` puts the highest band and the least-served tenant first (sheddable: shed).
+  A request dispatched from that queue (it has waited) is placed only where a slot is free (the
+  placement masks every pool with a predicted wait). So under overload the pools hold what they
+  run, and a quiet tenant's request goes ahead of a noisy one's rather than behind it.
+* **Waiting cannot help** (:func:`soonest_ttft`): when even the soonest any pool could start the
+  request -- its predicted TTFT less its queue wait, the TTFT of a free slot there -- is over what is
+  left of its TTFT SLO, it is shed now, whatever its band: a wait only shrinks the budget (before,
+  a critical or standard one waited its whole budget, at the head of the queue, holding back those
+  behind it).
 * **Fairness between tenants within a band**: the Virtual Token Counter (Sheng et al., "Fairness in
   Serving Large Language Models", OSDI'24). Each tenant has a counter of the service it received,
   weighted: a request's service is ``input_tokens x INPUT_WEIGHT + output_tokens x OUTPUT_WEIGHT``
@@ -83,15 +95,38 @@ def judged_ttft(band: str, ttft_ms: float, wait_s: float) -> float:
     return ttft_ms + (wait_margin(band) - 1.0) * 1000.0 * wait_s
 
 
+def best_judged(judged_ms: Sequence[float], waits_s: Sequence[float]) -> float:
+    """The best judged TTFT the verdict reads over the pools a request may use (``judged_ms``, each
+    :func:`judged_ttft`; ``waits_s``, their predicted queue waits): the lowest, but infinite when
+    every one is full -- a wait at each (module docstring, "Where the waiting happens") -- or none is
+    given; NaN when one is NaN. ``envs.admission.best_ttft_of`` computes it compiled."""
+    if any(x != x for x in judged_ms):
+        return float("nan")
+    if all(w > 0.0 for w in waits_s):
+        return float("inf")
+    return min(judged_ms, default=float("inf"))
+
+
+def soonest_ttft(ttft_ms: Sequence[float], waits_s: Sequence[float]) -> float:
+    """The soonest the pools a request may use -- whatever their state now: full, even past the
+    queue timeout, or down -- could give it its first token: the lowest predicted TTFT less the
+    queue wait in it (``ttft_ms``, ``waits_s`` in seconds), what a free slot there would give (NaN
+    skipped); infinite for none (``envs.admission.soonest_ttft`` computes it compiled)."""
+    return min((x for x in (t - 1000.0 * w for t, w in zip(ttft_ms, waits_s)) if x == x), default=float("inf"))
+
+
 def verdict(band: str, best_ttft_ms: float, ttft_slo_ms: float, waited_ms: float = 0.0,
-            ahead_waiting: bool = False) -> Verdict:
+            ahead_waiting: bool = False, soonest_ttft_ms: float = -float("inf")) -> Verdict:
     """What happens to a request of ``band`` whose best judged TTFT over the feasible pools
-    (:func:`judged_ttft`) is ``best_ttft_ms`` (``inf``: no pool can take it now), with a TTFT SLO of
-    ``ttft_slo_ms``, after waiting ``waited_ms`` in the router's queue (module docstring).
-    ``ahead_waiting``: an arriving request finds one of its band or a higher one waiting in the
-    queue (:func:`waits_ahead`) -- then it is not placed before them: it joins the queue (and the
-    dispatch order decides) or, sheddable, is shed."""
+    (:func:`best_judged`) is ``best_ttft_ms`` (``inf``: no pool can take it now, or every one is
+    full), with a TTFT SLO of ``ttft_slo_ms``, after waiting ``waited_ms`` in the router's queue
+    (module docstring). ``ahead_waiting``: an arriving request finds one of its band or a higher one
+    waiting in the queue (:func:`waits_ahead`) -- then it is not placed before them: it joins the
+    queue (and the dispatch order decides) or, sheddable, is shed. ``soonest_ttft_ms``
+    (:func:`soonest_ttft`; not known: ``-inf``): over the budget, waiting cannot help -- shed now."""
     budget = ttft_slo_ms - waited_ms
+    if soonest_ttft_ms > budget:
+        return SHED
     if best_ttft_ms <= budget and not ahead_waiting:
         return ADMIT
     if band in QUEUED_BANDS and budget > 0.0:

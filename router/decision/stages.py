@@ -50,7 +50,7 @@ import numpy as np
 
 from envs import kernels as env_kernels
 from envs import policies as env_policies
-from envs.admission import best_ttft_of, place_within
+from envs.admission import best_ttft_of, place_within, soonest_ttft
 from router.core.logs import request_id_var
 from router.decision import kernels, ope_log
 from router.decision.access import denied
@@ -526,7 +526,9 @@ class Predict(Stage):
     TTFT the request is expected to see at each feasible pool -- allowed, valid (the environment's
     queue and service model: RTT, wait, prefill, one token) -- and its best; when that is over what
     is left of the request's TTFT SLO, ``xroute.admission_rules.verdict`` says queue or shed
-    (:class:`Unattainable`). No pool feasible at all: the best is infinite (the same verdict)."""
+    (:class:`Unattainable`). No pool feasible at all, or every one full: the best is infinite (the
+    same verdict); the soonest a free slot would start it over the budget: shed. A request the queue
+    dispatches is placed where a slot is free (``envs.admission.place_within``)."""
 
     name = "predict"
 
@@ -539,11 +541,14 @@ class Predict(Stage):
         margin = wait_margin(band)
         best = d.best_ttft_ms = float(best_ttft_of(e.env.C, d.env_mask, d.allowed, margin))
         slo = float(d.req.ttft_ms)
-        v = verdict(band, best, slo, d.waited_ms)
+        budget = slo - d.waited_ms  # (within it, so is the soonest: read only when it is not)
+        soonest = -float("inf") if best <= budget else \
+            float(soonest_ttft(e.env.C, e.env.fits[d.m], e.env.r_allowed, d.allowed))  # (whatever their state)
+        v = verdict(band, best, slo, d.waited_ms, False, soonest)
         if v != ADMIT:
             raise e.unattainable(v, band, best, slo - d.waited_ms)
         # admitted: placed where it is predicted to start in time (the world's rule, envs.admission)
-        place_within(e.env.C, d.env_mask, slo - d.waited_ms, margin)
+        place_within(e.env.C, d.env_mask, slo - d.waited_ms, margin, d.waited_ms > 0.0)
 
 
 class Score(Stage):
