@@ -123,12 +123,13 @@ def test_fairness_counters_move_inside_admit_and_settle_alike_on_both_backends(
 
 
 # ---------------------------------------------------------------------------------------- over HTTP
-def _setup(tmp: Path, admission: dict[str, Any] | None = None, **kw: Any) -> RouterSetup:
+def _setup(tmp: Path, admission: dict[str, Any] | None = None, queue_timeout_s: float = 0.001,
+           **kw: Any) -> RouterSetup:
     # slots free only when a test reports its decision's outcome: no hold expires within a test, however
     # slow the machine (a busy one made a hold run out and a second slot free under the two routers' test)
     kw.setdefault("state_hold_floor_s", 3600.0)
     setup = make_setup(tmp, replay_speed=1e-6, admission={"enabled": True, "recheck_s": 0.05, **(admission or {})},
-                       env={"serving_config": str(tmp / "serving.yaml"), "queue_timeout_s": 0.001}, **kw)
+                       env={"serving_config": str(tmp / "serving.yaml"), "queue_timeout_s": queue_timeout_s}, **kw)
     (tmp / "serving.yaml").write_text(ONE_SLOT_SERVING)  # (make_setup wrote the default one)
     return setup
 
@@ -297,31 +298,76 @@ def test_bad_priority_weight_and_queue_limit_are_refused_naming_the_field(tmp_pa
         assert _route(url, setup).status_code == 200  # nothing was taken by the refused one
 
 
+#: a second offering the one-slot pool's requests may be allowed (another region: slower, but free)
+FAR = "gcp:europe-west4:g2-standard-4:on_demand"
+
+
 def test_an_arrival_does_not_overtake_a_request_of_its_band_waiting(tmp_path: Path) -> None:
-    """The one-slot pool free: a standard request whose TTFT SLO the free pool misses waits (its budget
-    is not spent); a standard request arriving meanwhile that the free pool would serve in time is not
-    placed before it -- it waits behind it, and is placed once the first leaves (its budget spent: 429
-    slo_unattainable); a sheddable one arriving meanwhile is shed at once (``admission_rules.waits_ahead``).
-    Before, the arrival took the free slot at once."""
+    """The one-slot pool full: a standard request allowed only that pool waits; a standard request
+    arriving meanwhile that a free pool (``FAR``) would serve in time is not placed before it -- it
+    waits behind it, and both are placed once the slot frees, the first one first; a sheddable one
+    arriving meanwhile is shed at once (``admission_rules.waits_ahead``). Without the rule the
+    arrival would take the free pool at once."""
     setup = _setup(tmp_path)
     with ServerThread(create_app(setup.settings)) as url, ThreadPoolExecutor(2) as pool:
+        placed = _fill(url, setup)
+        first: Future[httpx.Response] = pool.submit(_route, url, setup, "a")
+        _waiting(url, 1)
+        either = {"constraints": {"allow": [{"offering_ids": [ONLY["constraints"]["allow"][0]["offering_ids"][0], FAR]}]}}
+        second: Future[httpx.Response] = pool.submit(_route, url, setup, "a", **either)
+        _waiting(url, 2)
+        shed = _route(url, setup, who="b", priority="sheddable", **either)
+        assert shed.status_code == 429 and shed.json()["error"] == "slo_unattainable", shed.text
+        time.sleep(0.2)  # several re-checks: the first still cannot be placed, and the second stays behind it
+        assert not first.done() and not second.done()
+        _done(url, setup, placed[0], who="b")
+        r1 = first.result(10)
+        assert r1.status_code == 200, r1.text
+        r2 = second.result(10)
+        assert r2.status_code == 200, r2.text
+        assert _metric(url, "xroute_router_admission_total", band="standard", outcome="dispatched") == 2
+
+
+def test_a_request_even_a_free_slot_cannot_serve_in_time_is_refused_at_once(tmp_path: Path) -> None:
+    """The one-slot pool free: a standard request whose TTFT SLO even that free slot misses (a long
+    prefill) cannot be helped by waiting (``admission_rules.soonest_ttft``): 429 slo_unattainable at
+    once, counted as shed, nothing taken. Before, it waited its whole budget (1.5 s) at the head of
+    the queue, holding back every request behind it."""
+    setup = _setup(tmp_path)
+    with ServerThread(create_app(setup.settings)) as url:
         big = {"input_tokens": 60_000}  # a long prefill: the free pool's predicted TTFT is seconds
         probe = _route(url, setup, who="b", priority="sheddable", ttft_ms=1, **big)  # nothing is under 1 ms
         assert probe.status_code == 429, probe.text
         free = float(probe.json()["best_predicted_ttft_ms"])  # the free pool's predicted TTFT for it
         budget_s = 1.5
-        slow = {**LONG, **big, "ttft_ms": 1000.0 * budget_s}
-        assert free > 1000.0 * budget_s, free  # (the first's SLO is missed even by the free pool: it waits)
+        assert free > 1000.0 * budget_s, free
         t0 = time.monotonic()
-        first: Future[httpx.Response] = pool.submit(_route, url, setup, "a", **slow)
+        r = _route(url, setup, "a", **big, ttft_ms=1000.0 * budget_s)
+        took = time.monotonic() - t0
+        assert r.status_code == 429 and r.json()["error"] == "slo_unattainable", r.text
+        assert r.json()["priority"] == "standard" and took < 0.5 * budget_s, took
+        assert _metric(url, "xroute_router_admission_total", band="standard", outcome="shed") == 1
+        assert _metric(url, "xroute_router_admission_total", band="standard", outcome="queued") == 0
+        assert _route(url, setup).status_code == 200  # nothing was taken by the refused one
+
+
+def test_a_full_pool_gets_no_queue_the_request_waits_in_the_routers(tmp_path: Path) -> None:
+    """Pools allowed a queue (``queue_timeout_s`` 600: a full pool still counts, with a predicted wait):
+    once the pool's slots are taken, a sheddable request is shed rather than queued at the pool, and a
+    standard one with a budget the pool's queue would meet (120 s) waits in the router's queue --
+    where the dispatch order, not the pool's first come first served, decides -- and is placed when
+    the slot frees (``admission_rules``, "Where the waiting happens"). Before, both were placed in
+    the pool's queue at once."""
+    setup = _setup(tmp_path, queue_timeout_s=600.0)
+    with ServerThread(create_app(setup.settings)) as url, ThreadPoolExecutor(1) as pool:
+        placed = _fill(url, setup)
+        refused = _route(url, setup, who="b", priority="sheddable")  # its slots taken, the pool takes no more:
+        assert refused.status_code == 429 and refused.json()["best_predicted_ttft_ms"] is None  # every pool full
+        waiting: Future[httpx.Response] = pool.submit(_route, url, setup, "a", ttft_ms=120_000)
         _waiting(url, 1)
-        second: Future[httpx.Response] = pool.submit(_route, url, setup, "a")  # LONG: the free pool meets it
-        _waiting(url, 2)
-        shed = _route(url, setup, who="b", priority="sheddable")
-        assert shed.status_code == 429 and shed.json()["error"] == "slo_unattainable", shed.text
-        assert not second.done()
-        r1, r2 = first.result(10), second.result(10)
-        assert r1.status_code == 429 and r1.json()["error"] == "slo_unattainable", r1.text
-        assert r2.status_code == 200, r2.text
-        assert time.monotonic() - t0 >= budget_s * 0.9
+        time.sleep(0.2)  # several re-checks: the pool is still full
+        assert not waiting.done()
+        _done(url, setup, placed[0], who="b")
+        r = waiting.result(10)
+        assert r.status_code == 200, r.text
         assert _metric(url, "xroute_router_admission_total", band="standard", outcome="dispatched") == 1
