@@ -281,6 +281,35 @@ def test_two_routers_on_one_redis_apply_one_fairness(tmp_path: Path, redis_serve
         assert a.result(30).status_code == 200
 
 
+def test_capacity_another_router_frees_is_tried_once_the_shared_view_shows_it(tmp_path: Path,
+                                                                              redis_server: Any) -> None:
+    """A request waiting on router 2 for the slot router 1 holds is placed once router 2's shared view
+    (read every ``state_view_refresh_s``, 0.05 s) shows the slot free -- not at router 2's next
+    re-check (``admission.recheck_s`` 5 s here: the re-check alone placed it ~5 s after it queued)."""
+    shared = {"state_backend": "redis", "state_url": redis_server.url, "state_prefix": next(_prefixes)}
+    s1, s2 = _setup(tmp_path / "r1", **shared), _setup(tmp_path / "r2", {"recheck_s": 5.0}, **shared)
+    with ServerThread(create_app(s1.settings)) as url1, ServerThread(create_app(s2.settings)) as url2, \
+            ThreadPoolExecutor(1) as pool:
+        placed = []
+        while True:
+            r = _route(url1, s1, "a", priority="sheddable")
+            if r.status_code != 200:
+                break
+            placed.append(r)
+        assert placed and r.json()["error"] == "slo_unattainable", r.text
+        b = pool.submit(_route, url2, s2, "b")
+        _waiting(url2, 1)
+        t0 = time.monotonic()
+        _done(url1, s1, placed[0])  # one slot frees in the shared state (router 1's decision)
+        got = b.result(30)
+        took = time.monotonic() - t0
+        assert got.status_code == 200, got.text
+        assert took < 3.0, f"placed {took:.2f} s after the slot freed: at the re-check, not when the view showed it"
+        _done(url2, s2, got, who="b")
+        for p in placed[1:]:
+            _done(url1, s1, p)
+
+
 # ---------------------------------------------------------------------------------------- bad input
 def test_bad_priority_weight_and_queue_limit_are_refused_naming_the_field(tmp_path: Path) -> None:
     for tenants, field in [({"a": {"priority": "urgent"}}, "tenants.a.priority"),

@@ -360,7 +360,8 @@ def _background(services: Services, sync: SharedStateSync) -> list[asyncio.Task[
     assert svc.migrator is not None and svc.webhooks is not None
     loops = {"model-watch": svc.models.watch(), "readiness": svc.readiness.run(),
              "telemetry-refresh": _refresh_telemetry(svc.engine, svc.metrics, settings.telemetry_refresh_s),
-             "shared-view": refresh_shared_view(svc.engine, svc.state, settings.state_view_refresh_s, sync),
+             "shared-view": refresh_shared_view(svc.engine, svc.state, settings.state_view_refresh_s, sync,
+                                                None if svc.admission is None else svc.admission.kick),
              "policy-sync": svc.policies.run(), "access-sync": svc.access.run(), "migrations": svc.migrator.run(),
              "webhooks": svc.webhooks.run(), "watchdog-sync": watchdog_sync.follow(svc, settings.watchdog.sync_s)}
     if svc.scraper is not None:

@@ -25,8 +25,10 @@ Contract:
   ``xroute.admission_rules.waits_ahead``; ``router.service.admission.placed``).
 * **When.** A pass runs when capacity frees here -- a feedback's release, a decision given back --
   when a waiting request's budget runs out (the one behind it may fit now),
-  when the shared view is refreshed, and every ``admission.recheck_s`` while anything waits (the
-  capacity other routers free, and reservations whose hold passed, are seen only in the state).
+  when a read of the shared view shows a pool with less in-flight work than the last read (the
+  capacity other routers free, and reservations whose hold passed, are seen only in the state:
+  ``router.service.recovery.refresh_shared_view``, every ``state_view_refresh_s``), and every
+  ``admission.recheck_s`` while anything waits.
 * **Leaving.** A request whose budget runs out waiting leaves with 429 ``slo_unattainable``; one
   whose client goes away (``left`` returns: the ASGI ``http.disconnect``) leaves the queue, and
   anything a try placed for it meanwhile is given back.

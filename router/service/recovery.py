@@ -14,6 +14,7 @@ import hashlib
 import math
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from router.core.logs import LOG, iso
@@ -181,7 +182,8 @@ class SharedStateSync:
 
 
 async def refresh_shared_view(engine: RoutingEngine, state: SharedView, every: float,
-                               sync: SharedStateSync | None = None) -> None:
+                               sync: SharedStateSync | None = None,
+                               freed: Callable[[], None] | None = None) -> None:
     """Read the shared state's in-flight work and the tenant quotas' usage (every ``every`` s) and
     the observed durations (about once a second) into the engine's view
     (``RoutingEngine.apply_shared_view``, ``QuotaView.apply``), and the outlier ejections into
@@ -190,8 +192,12 @@ async def refresh_shared_view(engine: RoutingEngine, state: SharedView, every: f
     pipeline on Redis. While the state
     cannot be read the last view stays (logged once per outage). ``sync``: checked every time
     (:class:`SharedStateSync`: the epoch is one short script), so a state that lost its data is
-    noticed within ``every`` -- well inside ``state_restore_window_s``."""
+    noticed within ``every`` -- well inside ``state_restore_window_s``. ``freed``: called when a
+    view shows a pool with less in-flight work than the last one read (another router's release, a
+    hold that passed): the admission queue's pass (``AdmissionQueue.kick``), so capacity another
+    router frees is tried as soon as this process sees it, not at its next re-check."""
     durations: dict[str, float] = {}
+    last: dict[str, int] = {}
     tick, down, failing = 0, False, False
     durations_every = max(1, round(1.0 / every))
     while True:
@@ -209,6 +215,9 @@ async def refresh_shared_view(engine: RoutingEngine, state: SharedView, every: f
             if asked:
                 durations = view.durations
             engine.apply_shared_view(view.in_flight, durations)
+            if freed is not None and any(view.in_flight.get(pool, 0) < n for pool, n in last.items()):
+                freed()
+            last = dict(view.in_flight)
             if quota_keys:  # the tenant quotas' usage, for the decisions' budgets (router.decision.quotas.QuotaView)
                 engine.quota_view.apply(view.quotas)
             down = failing = False
