@@ -167,3 +167,29 @@ def test_the_first_ready_is_followed_by_a_decision_of_the_model_and_the_start_sa
         assert all(v >= 0 for v in phases.values())
         assert sum(phases.values()) <= line["started_in_s"] + 0.01
         assert line["policy"] != "greedy"  # the model was in place before ready
+
+
+def test_a_router_serves_once_its_decision_log_can_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SQLite decision log commits in a spawned interpreter (``router.store.sqlite``); here one
+    that takes 4 s to start (a ``sitecustomize`` that sleeps: a loaded machine's slow start, made
+    certain). The router's start waits for it, so its first decision is answered at once. Before,
+    the start did not wait, and the first decision of a router waited out its writer's start (seen
+    on a loaded machine as a dispatch seconds late: router 2's first decision in
+    ``test_admission.py``'s two-routers test)."""
+    from router.app.factory import create_app
+    from tests.servers import ServerThread
+
+    slow = tmp_path / "slow_site"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(4.0)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")]))
+    setup = make_setup(tmp_path / "r")
+    t0 = time.monotonic()
+    with ServerThread(create_app(setup.settings)) as url:
+        started = time.monotonic() - t0
+        t1 = time.monotonic()
+        r = httpx.post(f"{url}/v1/route", json=ROUTE, headers=setup.auth("a"), timeout=30)
+        took = time.monotonic() - t1
+    assert r.status_code == 200, r.text
+    assert took < 2.0, f"the first decision took {took:.2f} s (started after {started:.2f} s): it waited for the writer"
+    assert started >= 4.0, started  # the start waited for the writer

@@ -348,6 +348,7 @@ async def start_services(stack: AsyncExitStack, settings: RouterSettings, metric
     if adm.enabled:
         services.admission = AdmissionQueue(state, adm.queue_limit, adm.recheck_s, metrics)
     await _serving_parts(stack, services, migration_store, access_sync)
+    await store.started()  # (the SQLite log's writer process, started with the other phases: serve once it commits)
     CLOCK.mark("services")
     return services, sync
 

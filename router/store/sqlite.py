@@ -16,7 +16,10 @@ reads the answer like any socket. Up to two batches are at the writer at once
 writer starts the next commit when one ends rather than after the server has read the answer and
 sent what queued meanwhile. Nothing it does competes with the event loop for the GIL. It exits when
 the server closes the pipe or dies (tested: no orphan after ``kill -9``); if it dies, every waiting
-and later request fails with :class:`StoreClosed` (503) and ``/readyz`` says so. It is the only
+and later request fails with :class:`StoreClosed` (503) and ``/readyz`` says so. The writer says
+when it has its connection (the first message on the pipe), and :meth:`DecisionStore.started`
+waits for that: a router serves once its log can commit, so its first decisions do not wait out
+an interpreter's start (seconds on a loaded machine). It is the only
 writer: a writer thread and commits on the event loop were measured against it and dropped
 (``docs/results.md``, "Figures behind the code", decision log).
 
@@ -189,6 +192,9 @@ class GroupCommitLog:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+
+    async def started(self) -> None:
+        """After :meth:`start`: once the log can commit (a backend with a writer to wait for says so)."""
 
     # ------------------------------------------------------------------ writes
     # Plain functions returning the future rather than coroutines: ``await store.record_decision(row)``
@@ -364,6 +370,8 @@ class DecisionStore(GroupCommitLog):
         self._decoders: dict[int, Callable[[bytes], bytes]] = {}
         self._reader = connect_sqlite(self.path, synchronous)
         self._proc: Any = None
+        #: the writer process's first message (it has its connection): :meth:`started`
+        self._ready: asyncio.Future[None] | None = None
         self._pipe: Any = None  # the writer's acknowledgements (read on the loop)
         self._batches: Any = None  # the batches (written blocking; never polled)
         self.checkpoints = 0
@@ -401,10 +409,17 @@ class DecisionStore(GroupCommitLog):
         self._proc = ctx.Process(target=_writer_process, name="decision-log-writer", daemon=True,
                                  args=(child_batches, child, str(self.path), self.synchronous, self._zdict,
                                        self.checkpoint_rows, self.checkpoint_s))
+        self._ready = self._loop.create_future()
         self._proc.start()
         child.close()
         child_batches.close()
         self._loop.add_reader(self._pipe.fileno(), self._on_ack)
+
+    async def started(self) -> None:
+        """Once the writer process has its connection (its first message); :class:`StoreClosed` when
+        it exited first."""
+        if self._ready is not None:
+            await self._ready
 
     def _send(self, batch: list[Item]) -> None:
         try:
@@ -418,6 +433,9 @@ class DecisionStore(GroupCommitLog):
             msg = pickle.loads(self._pipe.recv_bytes())
         except (EOFError, OSError) as e:
             self._writer_gone(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            return
+        if self._ready is not None and not self._ready.done():  # (the writer's first message: it is up)
+            self._ready.set_result(None)
             return
         results: list[Result] = [StoreClosed(f"decision log write failed: {r}") if isinstance(r, str) else r
                                  for r in msg["results"]]
@@ -439,6 +457,8 @@ class DecisionStore(GroupCommitLog):
             except (OSError, ValueError):
                 pass
         self._fail_all(f"decision log writer process exited ({why})")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(StoreClosed(self.error or why))
 
     async def _shutdown(self) -> None:
         if self._proc is not None:
@@ -642,6 +662,7 @@ def _writer_process(batches: Any, pipe: Any, path: str, synchronous: str, zdict:
     configure_logging("WARNING")  # whatever this process says on stderr, as JSON lines
     checkpoint_seconds: list[float] = []  # since the last acknowledgement (each ran after one)
     writer = _SqliteWriter(Path(path), synchronous, zdict, checkpoint_rows, checkpoint_s, checkpoint_seconds.append)
+    pipe.send_bytes(_dumps({"ready": True}))  # (DecisionStore.started: the server may serve now)
     try:
         while True:
             try:
