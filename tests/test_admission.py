@@ -122,6 +122,44 @@ def test_fairness_counters_move_inside_admit_and_settle_alike_on_both_backends(
     asyncio.run(main())
 
 
+def test_a_tenant_backlogged_while_the_counters_cannot_be_read_is_still_lifted(redis_server: Any) -> None:
+    """A fairness read that fails (the shared state away: a real client on a closed port) keeps the
+    just-backlogged tenants' lifts for the next read, and meanwhile counts them at the lowest of the
+    others, never 0 -- dropped, a newly backlogged tenant would jump ahead of every tenant that had
+    waited, and its shared counter would never be lifted."""
+    from router.service.admission_queue import AdmissionQueue
+
+    async def main() -> None:
+        up = RedisState(redis_server.url, prefix=next(_prefixes))
+        down = RedisState("redis://127.0.0.1:9", prefix="down")  # (the discard port: nothing listens)
+        try:
+            assert (await up.admit(Admission("r1", [("p", 1)], 60, fair=("a", 50.0)))).pool == "p"
+
+            class Once:  # the shared state, away for one read
+                failed = False
+
+                async def fairness(self, tenants: Any, lift: Any = ()) -> dict[str, float]:
+                    if not self.failed:
+                        self.failed = True
+                        return await down.fairness(tenants, lift)  # type: ignore[no-any-return]
+                    return await up.fairness(tenants, lift)  # type: ignore[no-any-return]
+
+            q = AdmissionQueue(Once(), 8, 0.05, None)
+            q._counters = {"a": 50.0}  # the last read: a backlogged, 50 served
+            for i, t in enumerate(["a", "b"]):
+                if q.fq.push(_W(1, t, i)) and t == "b":  # b becomes backlogged (wait() lifts it)
+                    q._lift.add(t)
+            assert (await q._counters_now()) == {"a": 50.0, "b": 50.0}  # the read failed: lifted here
+            assert await up.fairness(["b"]) == {"b": 0.0}  # not yet in the shared state
+            assert (await q._counters_now()) == {"a": 50.0, "b": 50.0}  # the next read lifts it there
+            assert await up.fairness(["b"]) == {"b": 50.0}
+        finally:
+            await up.close()
+            await down.close()
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------------------------------- over HTTP
 def _setup(tmp: Path, admission: dict[str, Any] | None = None, queue_timeout_s: float = 0.001,
            **kw: Any) -> RouterSetup:

@@ -242,7 +242,13 @@ class AdmissionQueue:
         try:
             self._counters = dict(await self.state.fairness(self.fq.tenants(), lift))
         except Exception as e:
+            # the lifts not applied stay pending for the next read (dropped, a newly backlogged
+            # tenant would count 0 against the others' read counters until it is lifted again)
+            self._lift.update(lift)
             LOG.warning("fairness counters not read (the last ones serve)", extra={"fields": {"error": str(e)[:300]}})
+            others = [v for t, v in self._counters.items() if t not in self._lift]
+            for t in lift:  # (meanwhile lifted here as the shared state would: never 0 against the others)
+                self._counters[t] = rules.lift(self._counters.get(t, 0.0), others)
         return self._counters
 
     async def _dispatch(self) -> None:
