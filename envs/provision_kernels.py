@@ -26,7 +26,11 @@ heap of ends), which is when the output estimator learns its length.
 
 Layout: pools, instances (rows), slots and requests live in a few float64 / int64 matrices whose row
 indices are the module's ``PF_*``, ``PI_*``, ``RF_*``, ``RI_*``, ``QF_*``, ``QI_*`` constants (a
-handful of arguments per call rather than fifty). Every function that compiles the routing
+handful of arguments per call rather than fifty). ``S`` holds every slot's release time; a row's
+``per_inst x conc`` slots are kept sorted (ascending) in a ring that starts at its ``RI_HEAD``: the slot
+that frees first is the head, a placement moves the head on and inserts its end among the few
+releases after it -- the same releases as a scan over the slots, without the scan (a placement
+reads and writes slots only through the ring, and no other code reads ``S``). Every function that compiles the routing
 environment's kernels into itself is a closure over ``envs.kernels.DIGEST`` (``router/kernels.py``
 explains why): an edit of ``envs/kernels.py`` is a new cache entry here, not a stale load.
 """
@@ -54,9 +58,9 @@ N_PI = 6
 # busy until (some request running), busy seconds (union of its requests' service)
 RF_LAUNCH, RF_READY, RF_END, RF_MIN, RF_BUSY_UNTIL, RF_BUSY_S = range(6)
 N_RF = 6
-# row int rows: pool, state, first slot, requests served
-RI_POOL, RI_STATE, RI_SLOT0, RI_SERVED = range(4)
-N_RI = 4
+# row int rows: pool, state, first slot, requests served, the head of its slots' ring (below)
+RI_POOL, RI_STATE, RI_SLOT0, RI_SERVED, RI_HEAD = range(5)
+N_RI = 5
 #: instance states
 EMPTY, LAUNCHING, READY, DRAINING, NOTICED = 0, 1, 2, 3, 4
 # request float rows: arrival, input, realized output, SLO ttft/tpot/deadline (ms), noise draw, max output, RTT of
@@ -230,33 +234,28 @@ def _against(digest: str) -> tuple[Any, ...]:
                 r = x
         s0 = RI[RI_SLOT0, r]
         ns = PI[PI_SLOTS, p]
-        # one pass over the row's slots: the one that frees first (j, the first of equals), its release m1, how
-        # many release at m1, the next release m2 after it, how many are busy past t
-        j = s0
-        m1 = S[s0]
-        m2 = np.inf
-        n_eq = 1
-        above = 1 if m1 > t else 0
-        for x in range(s0 + 1, s0 + ns):
-            v = S[x]
-            if v > t:
-                above += 1
-            if v < m1:
-                m2 = m1
-                m1 = v
-                j = x
-                n_eq = 1
-            elif v == m1:
-                n_eq += 1
-            elif v < m2:
-                m2 = v
-        if m1 < t:  # it starts now: the others busy past t
+        # the row's slot releases, sorted (ascending) in a ring from its head: the one that frees first (m1) at
+        # the head h0; the earliest release among the other slots next to it (m1 itself when several release at m1)
+        end_ = s0 + ns
+        h0 = s0 + RI[RI_HEAD, r]
+        h1 = h0 + 1 if h0 + 1 < end_ else s0
+        m1 = S[h0]
+        mn = S[h1] if ns > 1 else np.inf
+        if m1 < t:  # it starts now: the others busy past t (counted from the top: few are)
             start = t
-            busy = above
-        else:  # it starts when slot j frees: the others busy past then
+            busy = 0
+            x = h0 - 1 if h0 > s0 else end_ - 1
+            while busy < ns and S[x] > t:
+                busy += 1
+                x = x - 1 if x > s0 else end_ - 1
+        else:  # it starts when slot h0 frees: the others busy past then (all but those releasing at m1)
             start = m1
+            n_eq = 1
+            x = h1
+            while n_eq < ns and S[x] == m1:
+                n_eq += 1
+                x = x + 1 if x + 1 < end_ else s0
             busy = ns - n_eq
-        mn = m1 if n_eq > 1 else m2  # the earliest release among the other slots
         k = busy / PF[PF_PER_INST, p]
         if k > PF[PF_CONC, p] - 1.0:
             k = PF[PF_CONC, p] - 1.0
@@ -267,7 +266,19 @@ def _against(digest: str) -> tuple[Any, ...]:
         end = start + pf + decode_tokens * tp
         if not keep_first:
             QF[QF_FIRST, i] = start + pf + (tp if decode_tokens >= 1.0 else 0.0)
+        # slot h0 now releases at ``end``: the head moves to h1, h0 becomes the ring's last place, and the
+        # releases after ``end`` move up one place
+        j = h0
+        moved = 1
+        while moved < ns:
+            q = j - 1 if j > s0 else end_ - 1
+            if S[q] <= end:
+                break
+            S[j] = S[q]
+            j = q
+            moved += 1
         S[j] = end
+        RI[RI_HEAD, r] = h1 - s0
         RF[RF_MIN, r] = end if end < mn else mn
         bu = RF[RF_BUSY_UNTIL, r]
         if end > bu:
@@ -389,6 +400,28 @@ def bill(RF, row_pool, price_s, T, T1):  # pragma: no cover
         if hi > lo:
             tot += (hi - lo) * price_s[row_pool[r]]
     return tot
+
+
+@njit(cache=True)
+def integrate_in_flight(PF, PI, t):  # pragma: no cover
+    """Every pool's requests in flight integrated up to ``t`` (:func:`in_flight_changes` for all)."""
+    for p in range(PF.shape[1]):
+        last = PF[PF_LAST, p]
+        d = t - last
+        if d < 0.0:
+            d = 0.0
+        PF[PF_WORK, p] += PI[PI_INFLIGHT, p] * d
+        if t > last:
+            PF[PF_LAST, p] = t
+
+
+@njit(cache=True)
+def within(a, hi):  # pragma: no cover
+    """Every entry of the int array ``a`` in ``0..hi``."""
+    for x in a:
+        if x < 0 or x > hi:
+            return False
+    return True
 
 
 @njit(cache=True)

@@ -770,6 +770,9 @@ class ProvisionWorld:
                     p = hits[0]
                 out[p] = self._one_target(str(key), v)
             return out
+        if isinstance(targets, np.ndarray) and targets.dtype == np.int64 and targets.shape == (P,) and \
+                pk.within(targets, self.R):  # (the planners' own arrays: checked in one pass, not copied)
+            return targets
         a = np.asarray(targets)
         if a.shape != (P,):
             raise ConfigError(f"plan: field 'targets': expected {P} targets (one per pool), got shape {a.shape}")
@@ -810,16 +813,13 @@ class ProvisionWorld:
         self.acc[:] = 0.0
         work0 = self.PF[pk.PF_WORK].copy()
         self._run(T, T1)
-        pf = self.PF  # the in-flight integral up to the epoch's end
-        pf[pk.PF_WORK] += self.PI[pk.PI_INFLIGHT] * np.maximum(T1 - pf[pk.PF_LAST], 0.0)
-        pf[pk.PF_LAST] = np.maximum(pf[pk.PF_LAST], T1)
+        pk.integrate_in_flight(self.PF, self.PI, T1)  # the in-flight integral up to the epoch's end
         cost = self._bill(T, T1)
         self.stats["cost_usd"] += cost
         self._last_busy = self.PF[pk.PF_WORK] - work0
         self.rec_cost[e] = cost
         self.rec_serving[e] = self.count[pk.READY]
-        self.rec_held[e] = self.count[pk.LAUNCHING] + self.count[pk.READY] + self.count[pk.DRAINING] + \
-            self.count[pk.NOTICED]
+        self.rec_held[e] = self.count[pk.LAUNCHING:].sum(axis=0)
         self.e += 1
         self._T = T1
         self._settle(T1)
@@ -871,7 +871,7 @@ class ProvisionWorld:
 
     def _settle(self, T: float) -> None:
         """Instances whose termination (a drain's end, a preemption) is past by ``T`` free their rows."""
-        if not (self.count[pk.DRAINING].any() or self.count[pk.NOTICED].any()):
+        if not self.count[pk.DRAINING:].any():  # (draining and noticed: the last two rows)
             return
         st = self.RI[pk.RI_STATE]
         done = np.flatnonzero(((st == pk.DRAINING) | (st == pk.NOTICED)) & (self.RF[pk.RF_END] <= T))
@@ -897,8 +897,7 @@ class ProvisionWorld:
 
     def _apply(self, tg: np.ndarray, T: float, warm: bool) -> None:
         """Launch, cancel or drain toward the targets at ``T`` (``warm``: launched before the window)."""
-        cur = self.count[pk.LAUNCHING] + self.count[pk.READY]
-        diff = tg - cur
+        diff = tg - self.count[pk.LAUNCHING] - self.count[pk.READY]
         e = self.e
         self._last_failed[:] = 0
         self._last_noticed[:] = 0
@@ -955,6 +954,7 @@ class ProvisionWorld:
         self.RF[pk.RF_MIN, r] = ready
         s0 = int(self.slot0[r])
         self.S[s0:s0 + int(self.pools.slots[p])] = ready
+        self.RI[pk.RI_HEAD, r] = 0
         self.stats["launches"] += 1
         if warm:
             self._set_state(r, pk.READY)

@@ -8,7 +8,9 @@ features and the plan's context (``models.planner_features``: :data:`POOL_FEATUR
 a spot pool's instances are preempted within the next few epochs (a sigmoid; 0 for an on-demand
 pool), and ``f_p``, a preference (the hindsight oracle's, cloned). The pool's *adjustment* is
 ``a_p = beta f_p - risk_price r_p - hazard_price h_p`` (``h_p``: the decision-time preemption hazard
-per hour) and its effective price ``price_p x exp(-a_p)``.
+per hour) and its effective price ``price_p x exp(-a_p) + relaunch_price x loss_p``, ``loss_p`` a spot
+instance's expected preemption loss per hour (:func:`relaunch_loss_h`: ``h_p`` x its capacity covered on
+demand while a replacement boots) -- additive, as a preemption's cost does not scale with the pool's price.
 
 The allocation (:func:`allocate`): the integer instances ``x_p`` that minimize ``sum_p x_p eff_p
 horizon_s + price_p launch_s_p new_p`` subject to ``sum_p cap_p x_p >= D``, ``new_p >= x_p - held_p``,
@@ -52,6 +54,7 @@ class Knobs:
     beta: float = 1.0
     risk_price: float = 0.0
     hazard_price: float = 0.0
+    relaunch_price: float = 0.0
     hedge: float = 0.0
     stabilization_s: float = 300.0
     horizon_s: float = 600.0
@@ -64,7 +67,7 @@ class Knobs:
         if not isinstance(self.keep_launching, bool):
             raise ConfigError(f"planner knobs: field 'keep_launching': must be true or false, got {self.keep_launching!r}")
         for name, lo, hi in (("margin", 0.0, 10.0), ("beta", 0.0, 100.0), ("risk_price", 0.0, 1000.0),
-                             ("hazard_price", 0.0, 1000.0),
+                             ("hazard_price", 0.0, 1000.0), ("relaunch_price", 0.0, 1000.0),
                              ("hedge", 0.0, 1.0), ("stabilization_s", 0.0, 86_400.0), ("horizon_s", 1.0, 86_400.0),
                              ("cooldown", 0, 1000), ("window_s", 1.0, 86_400.0), ("peak_s", 1.0, 3600.0)):
             v = getattr(self, name)
@@ -186,6 +189,21 @@ def read_planner(directory: str | Path) -> PlannerWeights:
     return PlannerWeights(layers, knobs, rest)
 
 
+def relaunch_loss_h(hazard_h: np.ndarray, price_h: np.ndarray, cap: np.ndarray, launch_s: np.ndarray,
+                    spot: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+    """A spot instance's expected preemption loss, USD per hour held: its hazard (preemptions per hour)
+    x what one preemption costs -- the instance's capacity covered at the fallback price while its
+    replacement boots, ``cap_p x launch_s_p / 3600 x`` the cheapest eligible on-demand USD per hour per
+    request/s (the cheapest eligible pool's when no on-demand pool is). What a preemption costs does
+    not scale with the preempted pool's own price: a multiplicative penalty (``hazard_price``) makes a
+    cheap pool with a high recorded hazard as dear as a safe one many times its price. 0 on demand."""
+    per_cap = np.where(cap > 0, price_h / np.where(cap > 0, cap, 1.0), np.inf)
+    ok = eligible & (cap > 0) & np.isfinite(per_cap)
+    od = ok & ~spot
+    ref = per_cap[od].min() if od.any() else (per_cap[ok].min() if ok.any() else 0.0)
+    return np.where(spot, hazard_h * cap * launch_s / 3600.0 * ref, 0.0)  # type: ignore[no-any-return]
+
+
 def plan_targets(weights: PlannerWeights, x: np.ndarray, g: np.ndarray, spot: np.ndarray, hazard_h: np.ndarray,
                  price_h: np.ndarray, cap: np.ndarray, launch_s: np.ndarray, held: np.ndarray, ub: np.ndarray,
                  eligible: np.ndarray, demand: float, launching: np.ndarray | None = None
@@ -204,6 +222,8 @@ def plan_targets(weights: PlannerWeights, x: np.ndarray, g: np.ndarray, spot: np
     if pools.size and need > 0:
         price = price_h[pools]
         eff = price * np.exp(-np.clip(adj[pools], -20.0, 20.0))
+        if k.relaunch_price > 0:
+            eff = eff + k.relaunch_price * relaunch_loss_h(hazard_h, price_h, cap, launch_s, spot, eligible)[pools]
         keep = launching[pools].astype(float) if k.keep_launching and launching is not None else None
         out[pools] = allocate(cap[pools], eff, price, launch_s[pools], held[pools].astype(float),
                               ub[pools].astype(float), need, spot[pools], k.hedge, k.horizon_s, lb=keep)

@@ -14,7 +14,9 @@ Every epoch, from decision-time information alone (``models.planner_features``):
    0 for an on-demand pool), and ``f_p``, a preference (the hindsight oracle's, cloned). The pool's
    *adjustment* is ``a_p = beta f_p - risk_price r_p - hazard_price h_p`` (``h_p``: the decision-time
    preemption hazard per hour) and its **effective price** ``price_p x exp(-a_p)`` -- a pool the scorer
-   trusts costs less than its list price, one it distrusts more;
+   trusts costs less than its list price, one it distrusts more -- plus ``relaunch_price x loss_p``, a
+   spot instance's expected preemption loss per hour (``models.planner_net.relaunch_loss_h``: ``h_p`` x
+   its capacity covered on demand while a replacement boots; it does not grow with the pool's price);
 3. **the allocation** (:func:`allocate`): the integer instances ``x_p`` that minimize
    ``sum_p x_p eff_p horizon_s + price_p launch_s_p new_p`` (a new instance pays its boot; what is
    held does not) subject to ``sum_p cap_p x_p >= D``, ``new_p >= x_p - held_p``, ``x_p`` within the

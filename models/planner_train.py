@@ -337,6 +337,7 @@ SEARCH_SPACE: tuple[tuple[str, float, float], ...] = (
     ("beta", 0.0, 2.0),
     ("risk_price", 0.0, 8.0),
     ("hazard_price", 0.0, 2.0),
+    ("relaunch_price", 0.0, 4.0),
     ("hedge", 0.0, 0.8),
     ("stabilization_s", 0.0, 900.0),
     ("horizon_s", 120.0, 1800.0),

@@ -149,7 +149,8 @@ def run_trial(params: dict[str, Any], ctx: PlannerTrialContext,
             f = cfg.fit
             layers, fit = fit_scorer(ctx.labels, list(f.hidden), f.epochs, f.learning_rate, f.weight_decay, f.holdout,
                                      f.risk_weight, seed)
-        start = Knobs(margin=0.1, beta=0.5 if layers else 0.0, risk_price=2.0 if layers else 0.0, hazard_price=0.5)
+        start = Knobs(margin=0.1, beta=0.5 if layers else 0.0, risk_price=2.0 if layers else 0.0, hazard_price=0.0,
+                      relaunch_price=1.0)
         s = cfg.search
         search = search_knobs(worlds, layers, start, s.iterations, s.population, s.episodes, s.elite,
                               cfg.labels.episode_epochs, s.slo_miss_usd, seed)

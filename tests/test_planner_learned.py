@@ -125,6 +125,35 @@ def test_the_zero_network_holds_the_cheapest_cover_and_prices_the_hazard(toy: Pr
     assert out.sum() >= 4 and all(caps.sum() - caps[idx[o]] >= 1.5 - 1e-9 for o in (SPOT, SPOT_W, SPOT_AZ))
 
 
+def test_the_relaunch_loss_prices_a_preemption_by_what_it_costs_not_by_the_pools_price() -> None:
+    """On demand 4 USD/h for 2 requests/s (2 USD/h per request/s); spot A 0.4 USD/h with 3 preemptions
+    an hour, spot B 1.6 USD/h with none, both 2 requests/s, 240-s launches. One preemption of A costs
+    its 2 requests/s on demand for 240 s: 2 x 240 / 3600 x 2 = 0.267 USD, x 3 an hour = 0.8 USD/h -- so
+    A at 1.2 USD/h effective is still cheaper than B and is held; the multiplicative hazard price
+    (0.4 x e^3 = 8.0 USD/h) drops it for B. Without an eligible on-demand pool the reference is the
+    cheapest eligible pool's price per request/s."""
+    from models.planner_net import plan_targets, relaunch_loss_h
+
+    price = np.array([4.0, 0.4, 1.6])
+    cap = np.full(3, 2.0)
+    launch = np.full(3, 240.0)
+    spot = np.array([False, True, True])
+    hz = np.array([0.0, 3.0, 0.0])
+    elig = np.ones(3, dtype=bool)
+    loss = relaunch_loss_h(hz, price, cap, launch, spot, elig)
+    assert np.allclose(loss, [0.0, 0.8, 0.0])
+    assert np.allclose(relaunch_loss_h(hz, price, cap, launch, spot, np.array([False, True, True])), [0.0, 0.08, 0.0])
+
+    def targets(**knobs: Any) -> np.ndarray:
+        w = PlannerWeights(knobs=Knobs(margin=0.0, horizon_s=3600.0, **knobs))
+        x, g = np.zeros((3, N_POOL)), np.zeros(N_CONTEXT)
+        return plan_targets(w, x, g, spot, hz, price, cap, launch, np.ones(3), np.full(3, 4.0), elig, 2.0)[1]
+
+    assert targets(relaunch_price=1.0).tolist() == [0, 1, 0]
+    assert targets(hazard_price=1.0).tolist() == [0, 0, 1]
+    assert targets(relaunch_price=3.0).tolist() == [0, 0, 1]  # 0.4 + 2.4 > 1.6
+
+
 def test_a_spot_pool_with_trouble_of_its_own_is_not_eligible_for_cooldown_epochs(toy: ProvisionWorld) -> None:
     w = toy
     lp = LearnedPlanner(PlannersConfig(), PlannerWeights(knobs=Knobs(margin=0.0, cooldown=2)))

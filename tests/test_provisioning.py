@@ -255,6 +255,31 @@ def test_nothing_lost_and_deterministic_on_the_shipped_bundle(shipped_bundle) ->
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_the_figures_are_pinned_on_a_fixed_seed(shipped_bundle) -> None:  # type: ignore[no-untyped-def]
+    """The world's outcome on the shipped hour (an instance in every spot pool, seed 3: preemptions,
+    migrations, multi-replica instances) is the one the world gave before its kernels were made
+    faster: the pool, instance, first token and end of every request and the window's figures.
+    A speed-up must leave this digest as it is; a change of the model's behaviour changes it on
+    purpose (and says why in its commit)."""
+    import hashlib
+
+    w = ProvisionWorld(shipped_bundle)
+    plan = np.where(w.pools.is_spot, 1, 0)
+    plan[w.pool_index["llama-2-7b@aws:us-east-1:g5.xlarge:on_demand"]] = 1
+    w.reset(seed=3)
+    while not w.step(plan).done:
+        pass
+    h = hashlib.sha256()
+    for a in (w.QI[pk.QI_POOL], w.QI[pk.QI_ROW]):
+        h.update(a.astype(np.int64).tobytes())
+    for a in (w.QF[pk.QF_END], w.QF[pk.QF_FIRST]):
+        h.update(np.round(a, 3).tobytes())
+    m = w.metrics()
+    assert (m["served"], m["cost_usd"], m["cost_per_1k_requests"], m["slo_attainment"]) == \
+        (28185, 506.039817, 17.954224, 1.0)
+    assert h.hexdigest()[:16] == "38004f029a10e5c5"
+
+
 def test_gym_env_runs_an_episode() -> None:
     env = gym.make("xroute/Provision-v0", episode_epochs=3)
     obs, info = env.reset(seed=0)
