@@ -196,7 +196,7 @@ def families_markdown(results: list[ScenarioResult], routers: list[str], margin:
         for n in routers:
             share = float(np.mean([departure_share(r, n) for r in mine]))
             delta = float(np.mean([np.mean(r.vs_greedy[n]) for r in mine]))
-            row.append(f"{100 * share:.1f} % / {_per_departure(delta, share)}")
+            row.append(f"{100 * share:.1f} % / {_per_departure(delta, share)}" if math.isfinite(share) else "—")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -231,8 +231,10 @@ def markdown(results: list[ScenarioResult], routers: list[str]) -> str:
 
 
 def departure_share(r: ScenarioResult, name: str) -> float:
-    """How often ``name`` departs from greedy's choice in scenario ``r`` (mean over seeds)."""
-    return float(r.result(name).metrics.get("differs_from_greedy", float("nan")))
+    """How often ``name`` departs from greedy's choice in scenario ``r`` (mean over seeds; NaN when
+    not measured)."""
+    p = next((x for x in r.results if x.name == name), None)
+    return float("nan") if p is None else float(p.metrics.get("differs_from_greedy", float("nan")))
 
 
 def _per_departure(delta: float, share: float) -> str:

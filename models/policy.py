@@ -320,16 +320,25 @@ class LearnedPolicy:
         if not valid.any():
             return 0
         idx = np.flatnonzero(valid)
-        # only valid rows matter (masked rows neither win nor enter the context): score those alone
-        s = self.weights.scores(rows[idx][None], np.asarray(obs["request"])[None], np.ones((1, idx.size)))[0]
         bias = info.get("policy_bias")  # the routing policies' prefer weights (envs.policies), reward units
-        if bias is not None:
-            s = s + np.asarray(bias)[idx]
-        margin = float(self.weights.margin)
         greedy = -1
-        if margin != -math.inf and self.env is not None:
+        if float(self.weights.margin) != -math.inf and self.env is not None:
             greedy = greedy_choice(self.env.expected_rewards()[:n], None if bias is None else np.asarray(bias)[:n])
-        return choose(s, idx, greedy, margin)
+        return self.choose_among(rows[idx], np.asarray(obs["request"]), idx, greedy,
+                                 None if bias is None else np.asarray(bias)[idx])
+
+    def choose_among(self, rows: np.ndarray, request: np.ndarray, idx: np.ndarray, greedy: int,
+                     bias: np.ndarray | None = None) -> int:
+        """The decision on one state: the valid offerings ``idx`` (ascending) with their ``rows``
+        (k, F), the ``request`` vector, greedy's choice there and the policies' ``bias`` of the
+        valid offerings: the network scores them (the context over them alone), then
+        :func:`choose`."""
+        # only valid rows matter (masked rows neither win nor enter the context): score those alone
+        s = self.weights.scores(np.asarray(rows, dtype=np.float32)[None], np.asarray(request)[None],
+                                np.ones((1, idx.size)))[0]
+        if bias is not None:
+            s = s + bias
+        return choose(s, idx, greedy, float(self.weights.margin))
 
 
 # ---------------------------------------------------------------------------------------- files
