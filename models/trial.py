@@ -152,7 +152,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
             tracking.end_run()
     if report is not None:
         report({"timesteps": cfg.total_timesteps, "val_criterion": validation.last_reward,
-                "best_val_criterion": result["val_criterion"], "best_step": best.step, "margin": result["margin"],
+                "best_val_criterion": result["val_criterion"], "best_step": best.step,
+                "margin": min(float(result["margin"]), 1e9),  # (+inf, greedy: Tune's loggers refuse infinities)
                 "train_reward": validation.train_reward(), "done": 1}, str(out / "router"))
     return result
 
