@@ -28,6 +28,7 @@ import numpy as np
 
 from envs.cloud_route import CloudRouteEnv
 from envs.features import F, R, offering_matrix
+from models.policy import greedy_choice
 from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
 
@@ -176,9 +177,7 @@ class Greedy(_Base):
     name = "greedy"
 
     def act(self, obs: Obs, info: dict[str, Any]) -> int:
-        r = self.env.expected_rewards()
-        bias = policy_bias(info, self.n)
-        return int(np.argmax(r if bias is None else r + bias))
+        return greedy_choice(self.env.expected_rewards(), policy_bias(info, self.n))
 
 
 class CacheAware(_Base):

@@ -40,9 +40,12 @@ class NetConfig(Strict):
     context_dim: int = Field(16, ge=0, description="width of the masked-mean pooled context of all valid rows "
                                                    "(0 = score each row alone)")
     margins: list[float] = Field(
-        default_factory=lambda: [0.0, 0.002, 0.005, 0.01], min_length=1,
-        description="trust-region margins tried on the selection windows after training: the router leaves greedy's "
-                    "choice only where it expects more than the margin elsewhere; the best is kept (ties: the smaller)")
+        default_factory=lambda: [0.0, 0.001, 0.002, 0.005, 0.01], min_length=1,
+        description="departure margins (models.policy.departs) tried on the selection windows after training: the "
+                    "router leaves greedy's choice only where its score of its own choice exceeds its score of "
+                    "greedy's by more than the margin; kept: the best worst-window Δ to greedy among the margins no "
+                    "selection window is significantly worse than greedy at (beyond the gate's margin); +inf "
+                    "(greedy itself) is always a candidate (models.callbacks.calibrate_margin; ties: the larger)")
     reward_prior: bool = Field(True, description="add the fixed one-step expected reward computed from the row's "
                                                  "exp_* features (models.policy.RewardPrior); the MLP learns the "
                                                  "correction and starts at zero")
@@ -300,8 +303,9 @@ class TrainConfig(Strict):
     run_dir: str = Field("runs", description="Tune results, MLflow store and exports (relative to the working "
                                                "directory)")
     evaluate_config: str = Field("evaluate.yaml", description="env, reward and baseline settings (under configs/)")
-    total_timesteps: int = Field(10_000, ge=0, description="DQN fine-tuning steps per trial after the warm start "
-                                 "(0: the warm start alone)")
+    total_timesteps: int = Field(0, ge=0, description="DQN fine-tuning steps per trial after the warm start "
+                                 "(0: the warm start alone, the default: fine-tuning lowered the selection score in "
+                                 "7 of 8 trials of the last main jobs; docs/results.md, issue 39 item 5)")
     episode_requests: int = Field(1024, ge=1, description="requests per training episode (random windows)")
     max_offerings: int | None = Field(None, ge=1, description="observation padding while training "
                                                               "(default: the evaluate config's)")

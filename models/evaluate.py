@@ -28,7 +28,8 @@ import numpy as np
 import pandas as pd
 
 from envs.cloud_route import CloudRouteEnv
-from models.baselines import BASELINES, Policy, make_baseline
+from models.baselines import BASELINES, Policy, make_baseline, policy_bias
+from models.policy import greedy_choice
 from xroute.bundle import Bundle
 from xroute.config import EvaluateConfig
 from xroute.errors import ConfigError
@@ -54,6 +55,8 @@ class PolicyRun:
     #: the offerings chosen, request by request, and the summed reward (in order: as a planner sums)
     actions: np.ndarray | None = field(default=None, repr=False)
     total_reward: float = float("nan")
+    #: each request's reward, in order (paired request by request with another policy's on the same seed)
+    rewards: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -141,8 +144,8 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
                 affected += c > 0
         a = policy.act(obs, info)
         actions[k] = a
-        if compare_greedy:
-            differs += int(np.argmax(env.expected_rewards())) != a
+        if compare_greedy:  # (the departures from greedy: its choice with the policies' bias, as it decides)
+            differs += greedy_choice(env.expected_rewards(), policy_bias(info, env.n)) != a
         pos = env._pos
         obs, r, _term, trunc, info = env.step(a)
         rewards[k], costs[k], lats[k], ttfts[k], viol[k] = (r, info["cost_usd"], info["latency_ms"], info["ttft_ms"],
@@ -203,7 +206,8 @@ def run_policy(env: CloudRouteEnv, policy: Policy, seed: int,
         for t in sorted(set(adm.tenant)):
             m[f"mean_reward[{t}]"] = round(float(rewards[adm.tenant == t].mean()), 6)
     m.update(adm.metrics(env, viol, lats))
-    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs), actions, total_reward)
+    return PolicyRun(getattr(policy, "display_name", policy.name), m, ts, np.cumsum(costs), actions, total_reward,
+                     rewards)
 
 
 class _AdmissionLog:

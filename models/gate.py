@@ -184,6 +184,7 @@ def families_markdown(results: list[ScenarioResult], routers: list[str], margin:
     them, and whether it is non-inferior in each of them (else which not)."""
     head = ["family", "scenarios"] + [f"{n}: Δ vs greedy (pooled)" for n in routers]
     head += [f"{n}: non-inferior in each" for n in routers]
+    head += [f"{n}: departs / gain per departure" for n in routers]
     per = {n: family_intervals(results, n) for n in routers}
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for fam in per[routers[0]]:
@@ -192,30 +193,53 @@ def families_markdown(results: list[ScenarioResult], routers: list[str], margin:
         for n in routers:
             bad = [r.label for r in mine if not r.non_inferior(n, margin, margin_rel)]
             row.append("**no**: " + "; ".join(bad) if bad else "yes")
+        for n in routers:
+            share = float(np.mean([departure_share(r, n) for r in mine]))
+            delta = float(np.mean([np.mean(r.vs_greedy[n]) for r in mine]))
+            row.append(f"{100 * share:.1f} % / {_per_departure(delta, share)}" if math.isfinite(share) else "—")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
 def markdown(results: list[ScenarioResult], routers: list[str]) -> str:
     """One row per scenario: the best baseline and each router's paired Δ reward (95 % CI), how
-    often it decides differently from greedy, and its Δ per SLO class (tenant)."""
+    often it departs from greedy's choice (``differs_from_greedy``), its paired Δ to greedy and that
+    Δ per departure (the reward each departure gained, on average, over serving greedy: Δ to greedy
+    x requests / departures), and its Δ per SLO class (tenant)."""
     tenants = sorted({k[len("mean_reward["):-1] for r in results for k in r.results[0].metrics
                       if k.startswith("mean_reward[")})
     head = ["scenario", "best baseline (reward)"]
     for n in routers:
-        head += [f"{n}: Δ reward", f"{n}: differs from greedy"] + [f"{n}: Δ {t}" for t in tenants]
+        head += [f"{n}: Δ reward", f"{n}: departs from greedy", f"{n}: Δ vs greedy", f"{n}: gain per departure"]
+        head += [f"{n}: Δ {t}" for t in tenants]
+    from models.evaluate import t_interval
+
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         best = r.result(r.best_baseline)
         row = [r.label, f"{r.best_baseline} ({best.metrics['mean_reward']:.5f})"]
         for n in routers:
             p = r.result(n)
-            row += [_fmt(r.interval(n)), f"{100 * p.metrics.get('differs_from_greedy', float('nan')):.1f} %"]
+            share = p.metrics.get('differs_from_greedy', float('nan'))
+            row += [_fmt(r.interval(n)), f"{100 * share:.1f} %", _fmt(t_interval(r.vs_greedy[n])),
+                    _per_departure(float(np.mean(r.vs_greedy[n])), share)]
             for t in tenants:
                 k = f"mean_reward[{t}]"
                 row.append(f"{p.metrics.get(k, float('nan')) - best.metrics.get(k, float('nan')):+.5f}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def departure_share(r: ScenarioResult, name: str) -> float:
+    """How often ``name`` departs from greedy's choice in scenario ``r`` (mean over seeds; NaN when
+    not measured)."""
+    p = next((x for x in r.results if x.name == name), None)
+    return float("nan") if p is None else float(p.metrics.get("differs_from_greedy", float("nan")))
+
+
+def _per_departure(delta: float, share: float) -> str:
+    """A paired Δ per request as the Δ per departure (``—`` without departures)."""
+    return f"{delta / share:+.5f}" if math.isfinite(share) and share > 0 else "—"
 
 
 def _fmt(iv: tuple[float, float, float]) -> str:

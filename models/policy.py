@@ -30,6 +30,7 @@ Fetching a model from a URI is ``models.loader``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -160,19 +161,14 @@ def _against(digest: str) -> tuple[Any, ...]:
 
     @njit(cache=True)
     def mlp_prior_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx, ic, il, iv, ir, ib, cw, lw, sp,
-                       ccap, lcap, retry_ms, margin):  # pragma: no cover
+                       ccap, lcap, retry_ms):  # pragma: no cover
         """:func:`_mlp_one` plus :func:`_prior_one` in one compiled call (float32 sums, as numpy's
-        ``s += prior``), and ``margin`` added to the prior's best row (:attr:`RouterWeights.margin`)."""
+        ``s += prior``)."""
         digest  # noqa: B018 (a closure variable, which numba's cache key hashes: router/decision/kernels.py)
         s = _mlp_one(rows, request, w0r, w0q, w0c, b0, wcr, wcq, bc, ws, bs, has_ctx)
         p = _prior_one(rows, request, ic, il, iv, ir, ib, cw, lw, sp, ccap, lcap, retry_ms)
-        best = 0
         for i in range(s.shape[0]):
             s[i] += p[i]
-            if p[i] > p[best]:
-                best = i
-        if s.shape[0] > 0:
-            s[best] += np.float32(margin)
         return s
 
     return prior_one, mlp_prior_one
@@ -189,9 +185,10 @@ class RouterWeights:
     ctx: tuple[np.ndarray, np.ndarray] | None = None
     prior: RewardPrior | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    #: added to the score of the prior's best offering (greedy's choice): the router leaves greedy's
-    #: choice only where the network expects more than this much reward elsewhere (a trust region
-    #: around the baseline it was trained to improve; chosen on the selection window at training)
+    #: the departure margin tau (:func:`departs`, ``router.json`` key ``margin``): the policy leaves
+    #: greedy's choice only where the network's score of its own choice exceeds its score of greedy's
+    #: by more than this; +inf is greedy, -inf the network's argmax (calibrated on the selection
+    #: windows at training: ``models.callbacks.calibrate_margin``)
     margin: float = 0.0
 
     def scores(self, rows: np.ndarray, request: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -215,11 +212,7 @@ class RouterWeights:
                 h = np.maximum(h, 0.0)
         s = h[..., 0]
         if self.prior is not None:
-            p = self.prior.scores(rows, request)
-            s = s + p
-            if self.margin:
-                best = np.argmax(np.where(valid, p, -np.inf), axis=1)
-                s[np.arange(b), best] += np.float32(self.margin)
+            s = s + self.prior.scores(rows, request)
         keep = valid | ~valid.any(axis=1, keepdims=True)
         return np.where(keep, s, -np.inf)
 
@@ -234,7 +227,7 @@ class RouterWeights:
         request = np.ascontiguousarray(request, dtype=np.float32)
         if self.prior is None:
             return _mlp_one(rows, request, *self._mlp_args())  # type: ignore[no-any-return]
-        args = (*self._mlp_args(), *self.prior.one_args, float(self.margin))
+        args = (*self._mlp_args(), *self.prior.one_args)
         return _mlp_prior_one(rows, request, *args)  # type: ignore[no-any-return]
 
     def _mlp_args(self) -> tuple[Any, ...]:
@@ -271,16 +264,53 @@ def masked_argmax(scores: np.ndarray, mask: np.ndarray) -> int:
     return int(np.argmax(np.where(valid, scores, -np.inf)))
 
 
+def greedy_choice(expected: np.ndarray, bias: np.ndarray | None = None) -> int:
+    """Greedy's choice (``models.baselines.Greedy``): the argmax of the one-step expected rewards
+    (``CloudRouteEnv.expected_rewards``, -inf where not valid) plus the routing policies' bias;
+    ties go to the lower index."""
+    r = np.asarray(expected)
+    return int(np.argmax(r if bias is None else r + np.asarray(bias)[: r.shape[0]]))
+
+
+def departs(q_model: float, q_greedy: float, margin: float) -> bool:
+    """**The departure rule** ("never worse where unsure", issue 39): the learned policy serves its
+    own choice instead of greedy's only when its score of that choice exceeds its score of greedy's
+    choice by more than ``margin`` (tau); elsewhere it serves greedy's. ``margin`` = +inf is greedy
+    exactly, -inf the network's argmax exactly. The one definition: the environment's rollouts
+    (:meth:`LearnedPolicy.act`, so ``xroute evaluate``, selection and the gate) and the router's
+    decision path (``router.decision.stages.Watchdog``) both call it."""
+    if margin == -math.inf:
+        return True
+    return bool(float(q_model) - float(q_greedy) > margin)
+
+
+def choose(scores: np.ndarray, idx: np.ndarray, greedy: int, margin: float) -> int:
+    """The offering served among the valid offerings ``idx`` (ascending) with the network's
+    ``scores`` of them (the routing policies' bias added): its argmax, unless :func:`departs` says
+    greedy's choice ``greedy`` (an offering index; -1 or outside ``idx``: unknown) stays."""
+    j = int(np.argmax(scores))
+    model = int(idx[j])
+    if greedy < 0 or greedy == model or margin == -math.inf:
+        return model
+    g = int(np.searchsorted(idx, greedy))
+    if g >= idx.shape[0] or int(idx[g]) != greedy:
+        return model
+    return model if departs(scores[j], scores[g], margin) else int(greedy)
+
+
 class LearnedPolicy:
     """The ``models.baselines.Policy`` protocol over exported weights (what ``xroute evaluate``
-    and the router run)."""
+    and the router run): the network's argmax with the departure rule (:func:`choose`) around
+    greedy's choice in the environment it was reset with."""
 
     def __init__(self, weights: RouterWeights, name: str = "dqn"):
         self.weights = weights
         self.name = name
+        self.env: Any = None
 
     def reset(self, env: Any, seed: int) -> None:
         self.n = getattr(env, "n", None)
+        self.env = env if hasattr(env, "expected_rewards") else None
 
     def act(self, obs: dict[str, np.ndarray], info: dict[str, Any]) -> int:
         mask = np.asarray(info.get("action_mask", obs["mask"]), dtype=np.float32)
@@ -290,12 +320,25 @@ class LearnedPolicy:
         if not valid.any():
             return 0
         idx = np.flatnonzero(valid)
-        # only valid rows matter (masked rows neither win nor enter the context): score those alone
-        s = self.weights.scores(rows[idx][None], np.asarray(obs["request"])[None], np.ones((1, idx.size)))[0]
         bias = info.get("policy_bias")  # the routing policies' prefer weights (envs.policies), reward units
+        greedy = -1
+        if float(self.weights.margin) != -math.inf and self.env is not None:
+            greedy = greedy_choice(self.env.expected_rewards()[:n], None if bias is None else np.asarray(bias)[:n])
+        return self.choose_among(rows[idx], np.asarray(obs["request"]), idx, greedy,
+                                 None if bias is None else np.asarray(bias)[idx])
+
+    def choose_among(self, rows: np.ndarray, request: np.ndarray, idx: np.ndarray, greedy: int,
+                     bias: np.ndarray | None = None) -> int:
+        """The decision on one state: the valid offerings ``idx`` (ascending) with their ``rows``
+        (k, F), the ``request`` vector, greedy's choice there and the policies' ``bias`` of the
+        valid offerings: the network scores them (the context over them alone), then
+        :func:`choose`."""
+        # only valid rows matter (masked rows neither win nor enter the context): score those alone
+        s = self.weights.scores(np.asarray(rows, dtype=np.float32)[None], np.asarray(request)[None],
+                                np.ones((1, idx.size)))[0]
         if bias is not None:
-            s = s + np.asarray(bias)[idx]
-        return int(idx[int(np.argmax(s))])
+            s = s + bias
+        return choose(s, idx, greedy, float(self.weights.margin))
 
 
 # ---------------------------------------------------------------------------------------- files
@@ -315,11 +358,17 @@ def save_router(weights: RouterWeights, directory: str | Path) -> Path:
         "n_layers": len(weights.layers),
         "context_dim": 0 if weights.ctx is None else int(weights.ctx[0].shape[1]),
         "prior": None if weights.prior is None else asdict(weights.prior),
-        "margin": float(weights.margin),
+        "margin": _number(weights.margin),
         **{k: v for k, v in weights.meta.items() if k not in ("format", "n_layers", "context_dim", "prior", "margin")},
     }
     (d / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     return d
+
+
+def _number(x: float) -> float | str:
+    """``x`` for JSON: the infinities as the strings ``"inf"`` / ``"-inf"`` (strict JSON has none)."""
+    x = float(x)
+    return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
 
 
 def read_export_meta(directory: str | Path, meta_file: str, fmt: str, what: str) -> tuple[Path, dict[str, Any]]:
@@ -366,6 +415,8 @@ def read_router(directory: str | Path) -> RouterWeights:
         raise ConfigError(f"{d / META_FILE}: field 'prior': {e}") from None
     try:
         margin = float(meta.get("margin", 0.0))
+        if math.isnan(margin):
+            raise ValueError
     except (TypeError, ValueError):
         raise ConfigError(f"{d / META_FILE}: field 'margin': not a number") from None
     return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta, margin=margin)

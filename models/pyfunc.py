@@ -13,8 +13,10 @@ column          type                meaning
 ==============  ==================  ====================================================
 
 Output: a DataFrame with ``request_id`` (when given), ``offering_index`` (the chosen row; -1
-when no offering is valid), ``score`` (its score) and ``scores`` (every row's score, NaN where
-masked). Numpy only: no torch, no stable-baselines3.
+when no offering is valid: the network's argmax, kept only where the departure rule
+``models.policy.departs`` lets it leave greedy's choice -- here the reward prior's best valid row,
+greedy's choice as the features give it), ``score`` (its score) and ``scores`` (every row's score,
+NaN where masked). Numpy only: no torch, no stable-baselines3.
 
 The model stands on its own: it carries the code its inference imports
 (:data:`INFERENCE_MODULES`, copied by :func:`stage_code` into the model's ``code/`` directory,
@@ -29,6 +31,7 @@ names are the model's copies: MLflow's ``code_paths`` come first on ``sys.path``
 
 from __future__ import annotations
 
+import math
 import shutil
 from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
@@ -43,7 +46,7 @@ from mlflow.types.schema import Array
 from packaging.requirements import Requirement
 
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
-from models.policy import RouterWeights, read_router
+from models.policy import RouterWeights, choose, read_router
 
 ARTIFACT_KEY = "router"
 #: every module of ours that loading and scoring the model imports: this one (:data:`MODEL_CODE`
@@ -78,6 +81,12 @@ def predict_frame(weights: RouterWeights, model_input: pd.DataFrame) -> pd.DataF
         s = weights.scores(rows.reshape(1, n, N_OFFERING_FEATURES), req[None], mask[None])[0].astype(float)
         valid = mask > 0.5
         best = int(np.argmax(np.where(valid, s, -np.inf))) if valid.any() else -1
+        if best >= 0 and weights.prior is not None and weights.margin != -math.inf:
+            # the departure rule (models.policy.departs) around greedy's choice as the features give it:
+            # the reward prior's best valid offering (the router has greedy's own, from its live state)
+            idx = np.flatnonzero(valid)
+            p = weights.prior.scores(rows.reshape(1, n, N_OFFERING_FEATURES)[:, idx], req[None])[0]
+            best = choose(s[idx], idx, int(idx[int(np.argmax(p))]), weights.margin)
         out["offering_index"].append(best)
         out["score"].append(float(s[best]) if best >= 0 else float("nan"))
         out["scores"].append(np.where(valid, s, np.nan).tolist())

@@ -70,7 +70,8 @@ def log_gate(gate_table: str, gate_runs: list[Any], decision: Any, ablation: Any
              seeds: int, families_table: str = "") -> None:
     """The gate's table, its table by family, each scenario's table and plot, and its verdicts,
     into the active run (each family's paired Δ to greedy as metrics ``gate_family_delta.<name>``
-    and ``..._lo``)."""
+    and ``..._lo``; each scenario's share of the challenger's departures from greedy's choice as
+    ``gate_departures.<scenario>``)."""
     mlflow.log_text(gate_table, "gate.md")
     if families_table:
         mlflow.log_text(families_table, "gate_families.md")
@@ -82,6 +83,9 @@ def log_gate(gate_table: str, gate_runs: list[Any], decision: Any, ablation: Any
         png = out_dir / f"gate_{slug}.png"
         ev.plot(r.results, png, title=f"gate: {r.label} (test window), {seeds} seeds")
         mlflow.log_artifact(str(png), "gate")
+        share = r.result(decision.candidate).metrics.get("differs_from_greedy")
+        if share is not None:  # how often the challenger departs from greedy's choice (models.policy.departs)
+            mlflow.log_metric(f"gate_departures.{slug.replace(':', '_')}", float(share))
     mlflow.log_metrics({"gate_reward_delta": decision.pooled[0], "gate_reward_delta_lo": decision.pooled[1],
                         "warm_start_gate_reward_delta": ablation.pooled[0],
                         "best_val_criterion": best["val_criterion"]})
@@ -135,7 +139,8 @@ def log_trial_artifacts(ctx: Any, validation: Any, best: Any, out: Path, result:
         mlflow.log_artifact(str(out / f))
     mlflow.log_artifacts(str(out / "router"), artifact_path="router_export")
     bb = best_baseline(ctx.baseline_runs)
-    mlflow.log_metrics({"best_val_criterion": result["val_criterion"], "margin": result["margin"],
+    # (the departure margin: +inf, greedy itself, is logged as the metric's largest value, 1e9)
+    mlflow.log_metrics({"best_val_criterion": result["val_criterion"], "margin": min(float(result["margin"]), 1e9),
                         "best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
                         "val_sla_attainment": best.run.metrics["sla_attainment"],
                         "baseline_val_mean_reward": bb.metrics["mean_reward"],

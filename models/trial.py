@@ -63,7 +63,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     import torch as th
 
     th.set_num_threads(1)
-    from models.callbacks import ProgressCallback, Selection, ValidationCallback, WarmStartCallback
+    from models.callbacks import ProgressCallback, Selection, ValidationCallback, WarmStartCallback, calibrate_margin
     from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy, SiblingPlay
 
     cfg, seed = ctx.cfg, int(params["seed"])
@@ -99,7 +99,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     mlrun = tracking.start_trial_run(ctx, name, params)
     selection = Selection([(sc.label, CloudRouteEnv(sc.bundle, eval_env_config(ctx.eval_cfg, sc.rate),
                                                     history=sc.history)) for sc in ctx.selection],
-                          ctx.eval_cfg.seed, make_baseline("greedy", ctx.eval_cfg))
+                          ctx.eval_cfg.seed, make_baseline("greedy", ctx.eval_cfg), cfg.data.gate_margin,
+                          cfg.data.gate_margin_rel)
     meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
             "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
     validation = ValidationCallback(selection, cfg.eval_every, meta, report=report, log_mlflow=mlrun is not None)
@@ -125,21 +126,17 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         warm_dir = save_router(initial.weights, out / "router" / "warm_start_only")
         last_dir = save_router(validation.last.weights, out / "router" / "last") \
             if ctx.save_last and validation.last is not None else None
-        # the trust region around greedy's choice: the margin that scores best on the selection windows
-        margins = {}
-        for m in cfg.net.margins:
-            if float(m) == 0.0:  # what the checkpoint was selected with: its score is known
-                margins[0.0] = float(best.criterion)
-                continue
-            best.weights.margin = float(m)
-            margins[float(m)] = float(selection.score(best.weights)[0])
-        margin = max(margins, key=lambda m: (margins[m], -m))
-        best.weights.margin = margin
+        # the departure rule around greedy's choice (models.policy.departs): the margin calibrated on the
+        # selection windows -- the best worst-case Δ among margins no window is significantly worse at
+        margin, assessed = calibrate_margin(selection, best.weights, list(cfg.net.margins))
+        margins = {m: a.score for m, a in assessed.items()}
         router_dir = save_router(best.weights, out / "router")
         result = {
             "trial": name, **params, "best_step": best.step, "wall_s": round(wall, 1),
             **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
-            "val_criterion": margins[margin], "margin": margin, "margins": margins,
+            "val_criterion": margins[margin], "margin": margin, "margins": {str(m): v for m, v in margins.items()},
+            "margin_windows": {str(m): a.windows for m, a in assessed.items()},
+            "departures": {w["window"]: w["departures"] for w in assessed[margin].windows},
             "val_criterion_no_margin": best.criterion, "warm_start_val_criterion": initial.criterion,
             "warm_start_best_epoch": warm.report.best_epoch if warm is not None and warm.report is not None else None,
             "router_dir": str(router_dir), "warm_dir": str(warm_dir), "mlflow_run_id": meta["mlflow_run_id"],
@@ -155,7 +152,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
             tracking.end_run()
     if report is not None:
         report({"timesteps": cfg.total_timesteps, "val_criterion": validation.last_reward,
-                "best_val_criterion": result["val_criterion"], "best_step": best.step, "margin": result["margin"],
+                "best_val_criterion": result["val_criterion"], "best_step": best.step,
+                "margin": min(float(result["margin"]), 1e9),  # (+inf, greedy: Tune's loggers refuse infinities)
                 "train_reward": validation.train_reward(), "done": 1}, str(out / "router"))
     return result
 

@@ -28,7 +28,8 @@ stage              what it does                                                 
                    the request's SLO, else queue or shed (``xroute.admission_rules``)
 ``score``          the active model's (or the fallback's) ranking of the valid offerings;   429 no_capacity
                    the environment's reasons (``unavailable`` .. ``budget``) and ``not_preferred``
-``watchdog``       greedy's choice beside the policy's (the decision log's ``greedy_offering_id``);
+``watchdog``       greedy's choice beside the policy's (the decision log's ``greedy_offering_id``); the
+                   model's departure rule (``models.policy.departs``: greedy's choice unless sure);
                    a tripped watchdog (``router.decision.watchdog``) makes the decision greedy's
 ``pin``            a session's first turn after a committed migration goes to its target
 ``explore``        an exploring tenant's draw, and the off-policy record
@@ -51,6 +52,7 @@ import numpy as np
 from envs import kernels as env_kernels
 from envs import policies as env_policies
 from envs.admission import best_ttft_of, place_within, soonest_ttft
+from models import policy as policy_rule
 from router.core.logs import request_id_var
 from router.decision import kernels, ope_log
 from router.decision.access import denied
@@ -160,6 +162,9 @@ class Decision:
     policy_choice: int = -1
     #: what greedy would have chosen among the same valid offerings (the ``watchdog`` stage; -1: not known)
     greedy: int = -1
+    #: the deciding model's departure margin (``models.policy.departs``; set by the ``score`` stage,
+    #: -inf: no rule -- a fallback, or a policy without one)
+    margin: float = -math.inf
     pinned: bool = False
     epsilon: float = 0.0
     ope: tuple[bytes, int, int, int] | None = None
@@ -564,6 +569,8 @@ class Score(Stage):
         e = self.engine
         d.age = e.freshness.age(d.wall)
         active, d.pinfo = e.slot.current(d.age > e.max_age)
+        d.margin = float(getattr(getattr(active.policy, "weights", None), "margin", -math.inf)) \
+            if active.kind == "model" else -math.inf
         n_alt = self._fused(d, active)
         if n_alt >= 0:
             # ints: [chosen, valid, not preferred, 4 env reason counts, alternatives...]; floats: (score,
@@ -651,8 +658,11 @@ class Watchdog(Stage):
     """Greedy's choice beside the policy's (``router.decision.watchdog``): when a model (or a
     fallback other than greedy) decided, the argmax of the expected rewards plus the policies' bias
     over the same valid offerings -- greedy's ranking, ``env_kernels.rank`` as the fallback ranks --
-    else the policy's own choice. When the watchdog is tripped and the champion decided, the
-    decision becomes greedy's: its ranking, its scores, ``policy`` naming the watchdog."""
+    else the policy's own choice. Then the model's **departure rule** (``models.policy.choose``, the
+    one the environment's rollouts apply): the model's choice stands only where its score exceeds
+    its score of greedy's choice by more than its margin; elsewhere greedy's choice goes first (the
+    model's ranking after it). When the watchdog is tripped and the champion decided, the decision
+    becomes greedy's: its ranking, its scores, ``policy`` naming the watchdog."""
 
     name = "watchdog"
 
@@ -676,6 +686,8 @@ class Watchdog(Stage):
         best, alt = env_kernels.rank(r, valid, e.k_alt)
         d.greedy = int(best)
         if not (model and wd.tripped):
+            if model:
+                self._depart(d)
             return
         # the champion is confidently worse than greedy: this decision is greedy's
         c_lat, c_cost = env.c_lat, env.c_cost
@@ -686,6 +698,27 @@ class Watchdog(Stage):
         d.nums, d.score_kind, d.policy_choice = nums, "expected_reward", int(best)
         d.valid, d.full, d.scores, d.fused_m = valid, r, None, -1
         d.pinfo = wd.info
+
+    def _depart(self, d: Decision) -> None:
+        """The departure rule on the model's scores of the valid offerings (the fused path's, over
+        the engine's ``_idx[:fused_m]``; the general path's ``full``): greedy's choice first unless
+        the model's own beats it by more than the margin."""
+        if d.margin == -math.inf or d.greedy < 0 or d.greedy == d.policy_choice:
+            return
+        e = self.engine
+        fused = d.fused_m > 0 and d.valid is None
+        if fused and d.scores is not None:
+            idx, s = e._idx[:d.fused_m], np.asarray(d.scores)
+        elif d.full is not None and d.valid is not None:
+            idx = np.flatnonzero(d.valid)
+            s = np.asarray(d.full)[idx]
+        else:
+            return
+        if policy_rule.choose(s, idx, d.greedy, d.margin) != d.greedy:
+            return
+        d.cands, d.nums = e._first(d.greedy, d.cands, d.nums, d.scores if fused else None, d.fused_m, d.full, d.bias,
+                                   d.has_bias)
+        d.policy_choice = d.greedy
 
 
 class Pin(Stage):
