@@ -180,7 +180,8 @@ def _route(url: str, setup: RouterSetup, who: str = "a", timeout: float = 30.0, 
 def _done(url: str, setup: RouterSetup, answer: httpx.Response, who: str = "a", output_tokens: int = 80) -> None:
     fb = {"decision_id": answer.json()["decision_id"], "latency_ms": 900.0, "ttft_ms": 200.0,
           "output_tokens": output_tokens}
-    assert httpx.post(f"{url}/v1/feedback", json=fb, headers=setup.auth(who), timeout=10).status_code == 201
+    got = httpx.post(f"{url}/v1/feedback", json=fb, headers=setup.auth(who), timeout=10)
+    assert got.status_code == 201, (got.text, answer.text)
 
 
 #: each router's admin headers (``/metrics`` is an admin's), by URL
@@ -206,11 +207,11 @@ def _waiting(url: str, n: int, within_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _fill(url: str, setup: RouterSetup) -> list[httpx.Response]:
-    """Route sheddable requests until the one-slot pool refuses one (429 slo_unattainable at once)."""
+def _fill(url: str, setup: RouterSetup, who: str = "b") -> list[httpx.Response]:
+    """Route ``who``'s sheddable requests until the one-slot pool refuses one (429 slo_unattainable at once)."""
     placed = []
     while True:
-        r = _route(url, setup, who="b", priority="sheddable")
+        r = _route(url, setup, who=who, priority="sheddable")
         if r.status_code != 200:
             assert r.status_code == 429 and r.json()["error"] == "slo_unattainable", r.text
             assert r.json()["priority"] == "sheddable" and int(r.headers["retry-after"]) >= 1
@@ -297,13 +298,7 @@ def test_two_routers_on_one_redis_apply_one_fairness(tmp_path: Path, redis_serve
     s1, s2 = _setup(tmp_path / "r1", **shared), _setup(tmp_path / "r2", **shared)
     with ServerThread(create_app(s1.settings)) as url1, ServerThread(create_app(s2.settings)) as url2, \
             ThreadPoolExecutor(2) as pool:
-        placed = []
-        while True:
-            r = _route(url1, s1, "a", priority="sheddable")
-            if r.status_code != 200:
-                break
-            placed.append(r)
-        assert placed and r.json()["error"] == "slo_unattainable"
+        placed = _fill(url1, s1, "a")
         b = pool.submit(_route, url2, s2, "b")
         _waiting(url2, 1)
         a = pool.submit(_route, url2, s2, "a")
@@ -328,13 +323,7 @@ def test_capacity_another_router_frees_is_tried_once_the_shared_view_shows_it(tm
     s1, s2 = _setup(tmp_path / "r1", **shared), _setup(tmp_path / "r2", {"recheck_s": 5.0}, **shared)
     with ServerThread(create_app(s1.settings)) as url1, ServerThread(create_app(s2.settings)) as url2, \
             ThreadPoolExecutor(1) as pool:
-        placed = []
-        while True:
-            r = _route(url1, s1, "a", priority="sheddable")
-            if r.status_code != 200:
-                break
-            placed.append(r)
-        assert placed and r.json()["error"] == "slo_unattainable", r.text
+        placed = _fill(url1, s1, "a")
         b = pool.submit(_route, url2, s2, "b")
         _waiting(url2, 1)
         t0 = time.monotonic()

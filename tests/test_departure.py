@@ -31,6 +31,7 @@ from router.store.readers import iter_decisions
 from tests.servers import REPO_ROOT, ServerThread
 from tests.test_agent import write_agent_setup
 from tests.test_router_support import make_setup
+from tests.test_watchdog import route_body
 from xroute.bundle import load_bundle
 from xroute.config import EvaluateConfig
 
@@ -172,11 +173,7 @@ def test_the_router_serves_what_the_rollouts_rule_chooses_on_the_same_state(tmp_
     n = 300
     with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as http:
         for _ in range(n):  # the bundle's own requests, one after another (no feedback: pools fill as they go)
-            dl = twin.r_deadline
-            body = {"origin": twin.origins[twin.r_origin], "model": twin.model_names[twin.r_m],
-                    "input_tokens": int(twin.r_in), "max_output_tokens": int(twin.r_max_out),
-                    "ttft_ms": float(twin.r_ttft), "tpot_ms": float(twin.r_tpot),
-                    **({} if dl is None or not math.isfinite(dl) else {"deadline_ms": float(dl)})}
+            body = route_body(twin)
             r = http.post("/v1/route", json=body, headers=setup.auth("a"))
             assert r.status_code == 200, r.text
             assert r.json()["policy"]["kind"] == "model"

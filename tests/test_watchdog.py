@@ -50,6 +50,15 @@ def export_champion(directory: Path, kind: str, setup: RouterSetup) -> Path:
     return save_router(RouterWeights(layers, prior=prior, meta={"note": kind}), directory)
 
 
+def route_body(twin: CloudRouteEnv) -> dict[str, Any]:
+    """The ``/v1/route`` body of the twin environment's current request (the bundle's own)."""
+    dl = twin.r_deadline
+    return {"origin": twin.origins[twin.r_origin], "model": twin.model_names[twin.r_m],
+            "input_tokens": int(twin.r_in), "max_output_tokens": int(twin.r_max_out),
+            "ttft_ms": float(twin.r_ttft), "tpot_ms": float(twin.r_tpot),
+            **({} if dl is None or not math.isfinite(dl) else {"deadline_ms": float(dl)})}
+
+
 def replay(url: str, setup: RouterSetup, n: int, seed: int = 0, stop_on_trip: bool = True) -> dict[str, Any]:
     """``n`` requests of the shipped bundle through the router, each outcome simulated by the twin
     environment and posted as feedback. Returns the answers' policy kinds and the decision at which
@@ -61,11 +70,7 @@ def replay(url: str, setup: RouterSetup, n: int, seed: int = 0, stop_on_trip: bo
     tripped_at = None
     with httpx.Client(base_url=url, timeout=30) as http:
         for i in range(n):
-            dl = twin.r_deadline
-            body = {"origin": twin.origins[twin.r_origin], "model": twin.model_names[twin.r_m],
-                    "input_tokens": int(twin.r_in), "max_output_tokens": int(twin.r_max_out),
-                    "ttft_ms": float(twin.r_ttft), "tpot_ms": float(twin.r_tpot),
-                    **({} if dl is None or not math.isfinite(dl) else {"deadline_ms": float(dl)})}
+            body = route_body(twin)
             r = http.post("/v1/route", json=body, headers=setup.auth("a"))
             assert r.status_code == 200, r.text
             d = r.json()
