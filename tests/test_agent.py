@@ -165,14 +165,17 @@ def test_exploration_and_greedy_actions_are_always_valid(tmp_path: Path) -> None
                       policy_kwargs={"net_arch": [8], "context_dim": 0, "prior": None}, device="cpu")
     obs, info = env.reset(seed=0)
     model.exploration_rate = 1.0
+    checked = 0
     for _ in range(200):
         a, _ = model.predict(obs, deterministic=False)
-        assert info["action_mask"][int(a)]
         g, _ = model.predict(obs, deterministic=True)
-        assert info["action_mask"][int(g)]
+        if info["action_mask"].any():  # (none valid: a request the admission sheds -- any action is its shed)
+            assert info["action_mask"][int(a)] and info["action_mask"][int(g)]
+            checked += 1
         obs, _, _, done, info = env.step(int(a))
         if done:
             obs, info = env.reset()
+    assert checked >= 100, checked
     rng = np.random.default_rng(0)
     m = np.zeros((50, 10), np.float32)
     m[:, [2, 7]] = 1
