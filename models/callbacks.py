@@ -115,6 +115,12 @@ class Selection:
         runs = [run_policy(env, LearnedPolicy(weights), self.seed, compare_greedy=False) for _, env in self.envs]
         return min(float(r.metrics["mean_reward"]) - g for r, g in zip(runs, self.greedy)), runs
 
+    def margin_at(self, greedy_reward: float) -> float:
+        """The gate's non-inferiority margin where greedy's mean reward is ``greedy_reward``."""
+        from models.gate import noninferiority_margin
+
+        return noninferiority_margin(greedy_reward, self.margin, self.margin_rel)
+
     def assess(self, weights: Any) -> Assessment:
         """:meth:`score` with, per window, the paired difference to greedy as a 95 % interval
         (:func:`block_interval`), the gate's margin there, and the share of departures."""
@@ -129,7 +135,7 @@ class Selection:
             mean = float(r.metrics["mean_reward"]) - g
             out.score = min(out.score, mean)
             out.windows.append({"window": label, "delta": mean, "lo": lo, "hi": hi,
-                                "margin": max(self.margin, self.margin_rel * abs(g)),
+                                "margin": self.margin_at(g),
                                 "departures": float(r.metrics.get("differs_from_greedy", float("nan")))})
         return out
 
@@ -148,11 +154,12 @@ def block_interval(d: np.ndarray) -> tuple[float, float]:
     router's) in one or two blocks, whose symmetric t-interval reaches far below zero around a large
     gain (measured: feb2024 x4, +0.114 [-0.105, +0.332]) and would call any router unsure."""
     d = np.asarray(d, dtype=float)
-    blocks = np.array([b.mean() for b in np.array_split(d, min(BLOCKS, d.size)) if b.size])
+    parts = [b for b in np.array_split(d, min(BLOCKS, d.size)) if b.size]
+    blocks = np.array([b.mean() for b in parts])
     if blocks.size < 2:
         m = float(d.mean()) if d.size else float("nan")
         return m, m
-    w = np.array([b.size for b in np.array_split(d, min(BLOCKS, d.size)) if b.size], dtype=float)
+    w = np.array([b.size for b in parts], dtype=float)
     pick = np.random.default_rng(0).integers(0, blocks.size, (RESAMPLES, blocks.size))
     means = (blocks[pick] * w[pick]).sum(axis=1) / w[pick].sum(axis=1)
     lo, hi = np.percentile(means, [2.5, 97.5])
@@ -194,7 +201,7 @@ def calibrate_margin(selection: Selection, weights: Any, margins: list[float]
         weights.margin = m
         assessed[m] = selection.assess(weights)
     assessed[math.inf] = Assessment(0.0, [{"window": label, "delta": 0.0, "lo": 0.0, "hi": 0.0,
-                                           "margin": max(selection.margin, selection.margin_rel * abs(g)),
+                                           "margin": selection.margin_at(g),
                                            "departures": 0.0} for (label, _), g in zip(selection.envs,
                                                                                         selection.greedy)])
     weights.margin = pick_margin(assessed)

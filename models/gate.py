@@ -39,6 +39,15 @@ from xroute.config import EvaluateConfig
 GREEDY = Greedy.name
 
 
+def noninferiority_margin(greedy_reward: float, margin: float, margin_rel: float) -> float:
+    """How far below greedy a router may be and still count as non-inferior where greedy's mean
+    reward is ``greedy_reward``: the larger of ``margin`` (``data.gate_margin``) and ``margin_rel``
+    x greedy's |reward| (``data.gate_margin_rel``); ``margin`` where greedy's reward is not finite.
+    The gate's rule, and the departure margin's calibration on the selection windows
+    (``models.callbacks.Selection``)."""
+    return max(margin, margin_rel * abs(greedy_reward)) if math.isfinite(greedy_reward) else margin
+
+
 @dataclass
 class ScenarioResult:
     label: str
@@ -54,7 +63,7 @@ class ScenarioResult:
 
     def margin(self, margin: float, margin_rel: float) -> float:
         """The non-inferiority margin here: ``max(margin, margin_rel x |greedy's mean reward|)``."""
-        return max(margin, margin_rel * abs(self.greedy_reward)) if math.isfinite(self.greedy_reward) else margin
+        return noninferiority_margin(self.greedy_reward, margin, margin_rel)
 
     def non_inferior(self, name: str, margin: float, margin_rel: float) -> bool:
         from models.evaluate import t_interval
