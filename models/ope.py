@@ -3,8 +3,9 @@
 The log (``xroute.schema.ope``) holds, per decision ``i``, the action set ``A_i`` with its
 feature rows ``x_i``, the chosen action ``a_i``, its propensity ``p_i = mu(a_i | x_i)`` under the
 logging policy ``mu`` and the realized reward ``r_i``. For a target policy ``pi`` (deterministic
-here, any ``models.baselines``-style scorer or the learned router: ``pi(a | x) = 1`` for its
-argmax over the logged action set) with weights ``w_i = pi(a_i | x_i) / p_i``:
+here, any ``models.baselines``-style scorer: ``pi(a | x) = 1`` for its argmax over the logged
+action set; a learned router: its argmax with the departure rule around greedy's choice on the
+same set, as it serves -- :class:`Departing`) with weights ``w_i = pi(a_i | x_i) / p_i``:
 
 * IPS:   ``V = 1/n sum_i w_i r_i``
 * SNIPS: ``V = sum_i w_i r_i / sum_i w_i``
@@ -45,7 +46,7 @@ import numpy as np
 from envs.features import OFFERING_FEATURES, OFFERING_HIGH, OFFERING_LOW, REQUEST_FEATURES, REQUEST_HIGH, REQUEST_LOW, F
 from envs.features import R as RQ
 from models.loader import load_policy, model_version
-from models.policy import RewardPrior
+from models.policy import RewardPrior, RouterWeights, choose
 from xroute.errors import ConfigError
 from xroute.schema.ope import DecisionLog, Feedback, LogError, LoggedDecision, LogHeader, RewardWeights
 
@@ -174,6 +175,31 @@ class ScoreArgmax:
 
 
 @dataclass
+class Departing:
+    """Deterministic: a learned router as it serves (``models.policy.LearnedPolicy``, the router's
+    watchdog stage): on each set the network's argmax, unless the departure rule
+    (:func:`models.policy.choose`, margin ``weights.margin``) keeps greedy's choice there --
+    greedy as scored from the log (:func:`greedy_target`: the argmax of ``prior``'s scores of the
+    logged rows). A margin of -inf is the network's argmax alone, +inf greedy alone."""
+
+    name: str
+    weights: RouterWeights
+    prior: RewardPrior
+
+    def probabilities(self, rows: np.ndarray, request: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        s = flat_scores(self.weights.scores, rows, request, offsets)
+        margin = float(self.weights.margin)
+        if margin == -math.inf:
+            return one_hot(offsets, set_argmax(s, offsets))
+        g = set_argmax(flat_scores(prior_scorer(self.prior), rows, request, offsets), offsets)
+        choice = np.empty(offsets.size - 1, dtype=np.int64)
+        for i in range(choice.size):
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            choice[i] = choose(s[lo:hi], np.arange(hi - lo), int(g[i]), margin) if hi > lo else 0
+        return one_hot(offsets, choice)
+
+
+@dataclass
 class BaselineChoice:
     """Deterministic: a ``models.baselines`` policy's ``act`` on the logged rows of each set (it
     reads only the observation, so the log holds all it needs)."""
@@ -261,8 +287,7 @@ def resolve_target(name: str, prior: RewardPrior, cfg: Any) -> tuple[Target, dic
     if name.startswith(("models:/", "runs:/")) or Path(name).exists():
         info = model_version(name) if name.startswith("models:/") else None
         pol = load_policy(f"models:/{info['registered_model']}/{info['version']}" if info else name)
-        weights = pol.weights
-        return ScoreArgmax(name, weights.scores), info
+        return Departing(name, pol.weights, prior), info
     if name == "greedy":
         return greedy_target(prior), None
     if name == "random":

@@ -6,6 +6,7 @@ stream and seeds) -- the log format's reader, and the promotion rule."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -255,6 +256,45 @@ def test_a_learned_router_is_scored_as_it_routes(tmp_path: Path) -> None:
     zero = RouterWeights(layers=[(np.zeros((d, 1), np.float32), np.zeros(1, np.float32))], prior=PRIOR)
     assert np.array_equal(ope.ScoreArgmax("z", zero.scores).probabilities(lg.rows, lg.request, lg.offsets),
                           target("greedy").probabilities(lg.rows, lg.request, lg.offsets))
+
+
+def test_a_learned_router_is_scored_with_its_departure_rule(tmp_path: Path) -> None:
+    """OPE scores the learned router as it serves (issue 39): where the network's advantage over
+    greedy's choice is at most its margin, greedy's choice -- the decision
+    ``LearnedPolicy.choose_among`` takes on the same rows with greedy's choice from the log."""
+    from models.policy import LearnedPolicy, read_router
+
+    rng = np.random.default_rng(3)
+    d = N_OFFERING_FEATURES + N_REQUEST_FEATURES
+    layers = [(rng.normal(size=(d, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32)),
+              (0.01 * rng.normal(size=(8, 1)).astype(np.float32), np.zeros(1, np.float32))]
+    lg = ope.SyntheticBandit.make(PRIOR, n_contexts=60, seed=2).log(300, 0.2, seed=0)
+    greedy_pi = target("greedy").probabilities(lg.rows, lg.request, lg.offsets)
+    raw = RouterWeights(layers=layers, prior=PRIOR, margin=-math.inf)
+    raw_pi = ope.ScoreArgmax("raw", raw.scores).probabilities(lg.rows, lg.request, lg.offsets)
+    # the network's advantage of its argmax over greedy's choice, per decision
+    s = ope.flat_scores(raw.scores, lg.rows, lg.request, lg.offsets)
+    adv = np.array([s[lg.offsets[i]:lg.offsets[i + 1]].max()
+                    - s[lg.offsets[i] + int(np.argmax(greedy_pi[lg.offsets[i]:lg.offsets[i + 1]]))]
+                    for i in range(lg.n)])
+    margin = float(np.median(adv[adv > 0]))
+    seen = {}
+    for m in (-math.inf, margin, math.inf):
+        path = save_router(RouterWeights(layers=layers, prior=PRIOR, margin=m), tmp_path / f"r{m}")
+        t, _ = ope.resolve_target(str(path), PRIOR, CFG)
+        pi = t.probabilities(lg.rows, lg.request, lg.offsets)
+        pol = LearnedPolicy(read_router(path))
+        for i in range(lg.n):
+            lo, hi = int(lg.offsets[i]), int(lg.offsets[i + 1])
+            g = int(np.argmax(greedy_pi[lo:hi]))
+            a = pol.choose_among(lg.rows[lo:hi], lg.request[i], np.arange(hi - lo), g)
+            assert pi[lo + a] == 1.0, (m, i)
+        seen[m] = pi
+    assert np.array_equal(seen[-math.inf], raw_pi)
+    assert np.array_equal(seen[math.inf], greedy_pi)
+    # the calibrated margin departs on some decisions and keeps greedy's on others
+    departs = (seen[margin] != greedy_pi).any() and (seen[margin] != raw_pi).any()
+    assert departs, "the margin should split the decisions between the two"
 
 
 def test_policies_a_log_cannot_score_are_refused_with_one_line() -> None:
