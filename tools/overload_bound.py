@@ -90,7 +90,50 @@ def main() -> None:
         print(f"| {r['pool']} | {r['k']} | {r['in_flight']:g} | {r['tpot_ms']} | {100 * r['p_miss']:.1f} % | "
               f"{100 * r['bound[critical]']:.1f} % | {100 * r[f'bound[{args.tenant}]']:.1f} % | "
               f"{r['goodput_bound_rps']} |")
-    print(json.dumps({"share_tight": share, "rows": rows}))
+    sizing = [tier_size(env, a, tight, is_tight, share["critical"]) for a in pools if 1000.0 * env.tpot_s[m, a] <= tight]
+    for z in sizing:
+        print(f"tier sizing rule for {z['pool']}: max_batch = the largest b whose fullest placement (b-1 running) "
+              f"misses the {tight:g} ms TPOT with P <= {z['p_budget']:.1%} (the critical band's 1 % budget halved, "
+              f"over its tight share) -> {z['max_batch']}; replicas = the fewest c whose c x {z['max_batch']} slots "
+              f"(Erlang C, {z['service_s']:.2f} s per tight request at that batch) keep P(wait > {z['slack_s']:.2f} s, "
+              f"the TTFT SLO less the prefill) <= 1 % for the tight requests of every band, {z['lambda_rps']:.2f} "
+              f"req/s -> {z['replicas']} (P = {z['p_late']:.4f}; by c: {z['by_c']})")
+    print(json.dumps({"share_tight": share, "rows": rows, "tier_sizing": sizing}))
+
+
+def erlang_c(s: int, a: float) -> float:
+    """P(an arrival waits) in an M/M/s queue of offered load ``a`` (Erlang C; 1 when a >= s)."""
+    if a >= s:
+        return 1.0
+    term, total = 1.0, 1.0
+    for k in range(1, s):
+        term *= a / k
+        total += term
+    last = term * a / s / (1.0 - a / s)
+    return float(last / (total + last))
+
+
+def tier_size(env: CloudRouteEnv, a: int, tight: float, is_tight: np.ndarray, crit_share: float) -> dict:
+    """The tight tier of pool ``a`` the rule gives (printed above; ``configs/overload.yaml`` uses it)."""
+    m = 0
+    p_budget = 0.005 / max(crit_share, 1e-9)
+    b = 1
+    for k in range(int(env.conc[m, a])):
+        tp = 1000.0 * (env.tpot_s[m, a] + env.tpot_growth_s[m, a] * k)
+        if float(violation_probability(tight / tp, float(env.sigma[m, a]))) <= p_budget:
+            b = k + 1
+    out_t, in_t = float(env.req_out[is_tight].mean()), float(env.req_in[is_tight].mean())
+    service = out_t * (env.tpot_s[m, a] + env.tpot_growth_s[m, a] * (b - 1)) + in_t * env.inv_prefill[m, a]
+    slack = float(env.req_ttft[is_tight].min()) / 1000.0 - in_t * env.inv_prefill[m, a]
+    lam = float(is_tight.sum() / (env.arrival.max() - env.arrival.min()))
+    by_c = {}
+    for c in range(1, int(env.replicas[m, a]) + 1):
+        s, mu = c * b, 1.0 / service
+        by_c[c] = erlang_c(s, lam / mu) * float(np.exp(-(s * mu - lam) * slack)) if lam < s * mu else 1.0
+    c = next((k for k, p in by_c.items() if p <= 0.01), int(env.replicas[m, a]))
+    return {"pool": env.catalog[a].offering_id, "p_budget": p_budget, "max_batch": b, "service_s": float(service),
+            "slack_s": slack, "lambda_rps": lam, "replicas": c, "p_late": by_c[c],
+            "by_c": {k: round(v, 4) for k, v in by_c.items()}}
 
 
 if __name__ == "__main__":
