@@ -5,6 +5,7 @@ saying which requests may use it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any
 
@@ -143,3 +144,41 @@ def test_the_policy_keeps_relaxed_requests_off_the_tier_and_lets_tight_ones_on(t
         if done:
             break
     assert seen[True] and seen[False]
+
+
+def test_a_live_router_serves_the_same_split_and_holds_tight_requests_to_the_tier(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The router (a real HTTP server on loopback) built from settings whose ``env`` names a tier and
+    the policies that use it: ``/v1/offerings`` lists the tier with its own slots, a tight request is
+    routed to the tier, a relaxed one never is."""
+    import httpx
+
+    from router.app.factory import create_app
+    from tests.servers import ServerThread
+    from tests.test_router_support import ROUTE, make_setup
+
+    tmp = tmp_path_factory.mktemp("tiers-router")
+    first = make_setup(tmp)  # (writes the tiny bundle and serving profile)
+    pool = next(o.offering_id for o in load_bundle(tmp / "bundle").catalog() if o.accelerator == "A10G" and not o.is_spot)
+    hot = tier_offering_id(pool, "hot")
+    env = {**first.settings.env, "tiers": [{"offering": pool, "name": "hot", "replicas": 1, "max_batch": 2}]}
+    policies = tmp / "tiers.yaml"  # (a router's policies come from its policy files or store, not its env)
+    # ("wide" after "tight" in name order too: the router's policy store keeps its documents with sorted keys,
+    # so its slo_tiers are tried in name order, not the file's -- a catch-all named "relaxed" would come first)
+    policies.write_text(json.dumps({
+        "slo_tiers": {"tight": {"max_tpot_ms": 40}, "wide": {}},
+        "policies": [{"name": "hot-tier-tight-only", "target": {"classes": ["wide"]}, "effect": "deny",
+                      "constraints": {"offering_ids": ["*#hot"]}},
+                     {"name": "tight-on-hot", "target": {"classes": ["tight"]}, "effect": "allow",
+                      "constraints": {"offering_ids": ["*#hot"]}}]}))
+    setup = make_setup(tmp, env=env, policy_files=[policies])
+    with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=10.0) as c:
+        rows = {r["offering"]["offering_id"]: r for r in c.get("/v1/offerings", headers=setup.auth("a")).json()["offerings"]}
+        assert hot in rows and pool in rows and len(rows) == 7
+        assert rows[hot]["slots"] == 2 and rows[pool]["slots"] == 7
+        tight = c.post("/v1/route", json={**ROUTE, "tpot_ms": 40}, headers=setup.auth("a"))
+        assert tight.status_code == 200, tight.text
+        assert tight.json()["offering"]["offering_id"] == hot
+        for _ in range(5):
+            r = c.post("/v1/route", json=ROUTE, headers=setup.auth("a"))
+            assert r.status_code == 200 and r.json()["offering"]["offering_id"] != hot
