@@ -120,6 +120,7 @@ from envs.serving import Placement, load_models, load_serving, place
 from xroute import admission_rules as ar
 from xroute import migration_rules as rules
 from xroute.bundle import Bundle, load_bundle, origins_reaching, prefix_arrays, throughput_lookup, to_seconds
+from xroute.catalog_tools import split_tiers
 from xroute.config import EnvConfig, load_policies, parse_config
 from xroute.errors import ConfigError
 from xroute.schema.policy_ir import PolicySet
@@ -187,7 +188,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         else:
             cfg = parse_config(EnvConfig, {**(config or {}), **overrides}, "env config")
         self.cfg = cfg
-        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+        self.bundle = self._tiered(bundle if isinstance(bundle, Bundle) else load_bundle(bundle))
         self.catalog = self.bundle.catalog()
         n = len(self.catalog)
         if n > cfg.max_offerings:
@@ -213,6 +214,16 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.action_space = spaces.Discrete(self.N)
         self._pos = 0
         self._end = 0
+
+    # ------------------------------------------------------------------ setup
+    def _tiered(self, bundle: Bundle) -> Bundle:
+        """``bundle`` with the settings' serving tiers split off its pools (``tiers``;
+        ``xroute.catalog_tools.split_tiers``): each tier is an offering of its own, so its requests
+        see its own batch. No tiers: the bundle as it is."""
+        if not self.cfg.tiers:
+            return bundle
+        serving = load_serving(self.cfg.serving_config)
+        return split_tiers(bundle, list(self.cfg.tiers), {k: a.max_concurrency for k, a in serving.accelerators.items()})
 
     # ------------------------------------------------------------------ setup
     def _init_static(self) -> None:
@@ -550,6 +561,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         ready without touching the environment (a live router builds it off its event loop);
         :meth:`apply_telemetry` swaps it in. Raises ``ConfigError`` when the catalog or the pool
         sizes differ (that needs a new environment)."""
+        bundle = self._tiered(bundle)
         if bundle.catalog() != self.catalog:
             raise ConfigError(f"{bundle.path}: the catalog changed (offerings added, removed or altered); "
                               "restart the router to serve the new catalog")

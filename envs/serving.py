@@ -98,6 +98,8 @@ def place(catalog: list[Offering], capacity: list[int], serving: ServingConfig, 
                 tp = acc.tpot_ms / 1000.0 * (spec.weights_gb / ref.weights_gb) / (g * models.tp_efficiency ** steps)
                 pf = acc.prefill_tok_s * (ref.params_b / spec.params_b) * g * models.prefill_tp_efficiency ** steps
                 gr = acc.tpot_growth if spec.tpot_growth is None else spec.tpot_growth
+            if o.max_batch:  # a serving tier held at a smaller batch (Offering.max_batch; its KV memory the same)
+                slots_per = min(slots_per, o.max_batch)
             fits[k, i] = True
             kv[k, i] = tokens
             gpus[k, i] = g

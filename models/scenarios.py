@@ -29,9 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from models.config import SplitConfig, TrainConfig
 from xroute.bundle import Bundle, bundle_root, load_bundle
-from xroute.config import EnvConfig, EvaluateConfig
+from xroute.config import EnvConfig, EvaluateConfig, ServingTier
 from xroute.errors import BundleError, ConfigError
 from xroute.resources import shipped_bundles
+from xroute.schema.policy_ir import PolicySet
 
 SPLITS = ("train", "validation", "test")
 
@@ -273,6 +274,10 @@ class OverloadConfig(BaseModel):
     rate_scale: float = Field(2.0, gt=0)
     seed: int = 0
     tenants: dict[str, OverloadTenant] = Field(min_length=1)
+    #: the operator's serving tiers of the pools (``EnvConfig.tiers``) and the policies saying which
+    #: requests may use them (``EnvConfig.policies``); tools/overload.py --tiers off runs without both
+    tiers: list[ServingTier] = Field(default_factory=list)
+    policies: PolicySet | None = None
 
 
 def relabel_tenants(bundle: Bundle, shares: dict[str, float], seed: int) -> Bundle:
@@ -329,9 +334,12 @@ def overload_scenario(path: str | Path, split: SplitConfig) -> tuple[Scenario, d
     oc = parse_config(OverloadConfig, read_yaml(path), str(path))
     adm = {"tenants": {k: {"band": t.band, "weight": t.weight} for k, t in oc.tenants.items()}}
     parse_config(EnvConfig, {"admission": adm}, str(path))  # (an unknown band named here, not mid-run)
+    tiered: dict[str, Any] = {"tiers": oc.tiers} if oc.tiers else {}
+    if oc.policies is not None:
+        tiered["policies"] = oc.policies
     b = select_offerings(resolve_bundle(oc.bundle, f"{path}: field 'bundle'"), oc.offerings)
     b = relabel_tenants(b, {k: t.share for k, t in oc.tenants.items()}, oc.seed)
     sp = split_bundle(b, split)
     sc = Scenario(f"{_label(oc.bundle)} overload x{oc.rate_scale:g}", sp.bundles[oc.window], sp.history(oc.window),
-                  oc.rate_scale, env={"tenants": {}, "admission": adm})
+                  oc.rate_scale, env={"tenants": {}, "admission": adm, **tiered})
     return sc, {"config": oc.model_dump()}

@@ -337,7 +337,10 @@ def _overload_env(overload: tuple[Any, EvaluateConfig], on: bool) -> CloudRouteE
     from models.scenarios import eval_env_config
 
     sc, ecfg = overload
-    env = {**sc.env, "admission": {**sc.env["admission"], "enabled": on}}
+    # (the pools whole, as tools/overload.py --tiers off: the scenario's serving tier and its policy are
+    # tests/test_tiers.py's; these figures are the admission's on the untiered pools)
+    env = {**{k: v for k, v in sc.env.items() if k not in ("tiers", "policies")},
+           "admission": {**sc.env["admission"], "enabled": on}}
     return CloudRouteEnv(sc.bundle, eval_env_config(ecfg, sc.rate, env), history=sc.history)
 
 

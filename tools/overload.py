@@ -1,9 +1,11 @@
 """The overload scenario (``configs/overload.yaml``; ``docs/results.md``, "Overload"), with the
-admission on and off (today's world) side by side, same seeds: per band and per tenant SLO
-attainment, goodput, shed and queued counts, queue wait p95, Jain's index.
+admission on and off (today's world) and the scenario's serving tiers on and off (``--tiers``: the
+tiers and the policies saying who may use them, or neither) side by side, same seeds: per band and
+per tenant SLO attainment, goodput, shed and queued counts, queue wait p95, Jain's index.
 
     .venv/bin/python tools/overload.py [--config overload.yaml] [--seeds 3] [--policies greedy ...]
         [--rates 1 2 4]   (the load; default the config's rate_scale)
+        [--tiers both|on|off] [--admission both|on|off]
 """
 
 from __future__ import annotations
@@ -24,12 +26,19 @@ KEYS = ("slo_attainment[band=critical]", "slo_attainment[band=standard]", "slo_a
         "queue_wait_p95_ms[band=standard]", "jain[band=standard]", "sla_attainment", "failed_requests")
 
 
+def _which(flag: str) -> tuple[bool, ...]:
+    return {"both": (False, True), "on": (True,), "off": (False,)}[flag]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/overload.yaml")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--policies", nargs="+", default=["greedy", "least-loaded", "lowest-latency", "cheapest"])
     ap.add_argument("--rates", type=float, nargs="+", default=None)
+    ap.add_argument("--tiers", choices=("both", "on", "off"), default="both",
+                    help="with the config's tiers and policies, without both, or each (default)")
+    ap.add_argument("--admission", choices=("both", "on", "off"), default="both")
     ap.add_argument("--out", default="reports/overload.json")
     args = ap.parse_args()
     ecfg = load_config(EvaluateConfig, config_path("configs/evaluate.yaml"))
@@ -37,13 +46,16 @@ def main() -> None:
     sc, meta = overload_scenario(config_path(args.config), tcfg.split)
     rows = []
     for rate in args.rates or [sc.rate]:
-        for on in (False, True):
+        for tiered, on in [(t, a) for t in _which(args.tiers) for a in _which(args.admission)]:
             env = {**(sc.env or {})}
             env["admission"] = {**env["admission"], "enabled": on}
+            if not tiered:
+                env.pop("tiers", None)
+                env.pop("policies", None)
             cfg = ecfg.model_copy(update={"env": eval_env_config(ecfg, rate, env)})
             for r in ev.evaluate(sc.bundle, args.policies, cfg, show_progress=False, seeds=args.seeds,
                                  history=sc.history):
-                row = {"policy": r.name, "rate": rate, "admission": on}
+                row = {"policy": r.name, "rate": rate, "tiers": tiered and bool(env.get("tiers")), "admission": on}
                 for k in KEYS:
                     if k in r.metrics:
                         lo, hi = r.ci.get(k, (float("nan"), float("nan")))

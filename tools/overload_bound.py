@@ -25,6 +25,7 @@ import json
 import os
 
 import numpy as np
+import pandas as pd
 
 from envs.cloud_route import CloudRouteEnv
 from envs.kernels import violation_probability
@@ -41,8 +42,9 @@ def main() -> None:
     args = ap.parse_args()
     ecfg = load_config(EvaluateConfig, config_path("configs/evaluate.yaml"))
     tcfg = load_config(TrainConfig, config_path("configs/train.yaml"))
-    sc, _ = overload_scenario(config_path(args.config), tcfg.split)
-    env = CloudRouteEnv(sc.bundle, eval_env_config(ecfg, sc.rate, sc.env), history=sc.history)
+    sc, meta = overload_scenario(config_path(args.config), tcfg.split)
+    whole = {k: v for k, v in (sc.env or {}).items() if k not in ("tiers", "policies")}  # (the pools whole)
+    env = CloudRouteEnv(sc.bundle, eval_env_config(ecfg, sc.rate, whole), history=sc.history)
     env.reset(seed=0)
     m = 0  # (the scenario serves one model)
     tight = float(env.req_tpot.min())
@@ -90,8 +92,44 @@ def main() -> None:
         print(f"| {r['pool']} | {r['k']} | {r['in_flight']:g} | {r['tpot_ms']} | {100 * r['p_miss']:.1f} % | "
               f"{100 * r['bound[critical]']:.1f} % | {100 * r[f'bound[{args.tenant}]']:.1f} % | "
               f"{r['goodput_bound_rps']} |")
-    print(json.dumps({"share_tight": share, "rows": rows}))
+    crit = {k for k, t in meta["config"]["tenants"].items() if t["band"] == "critical"}
+    sizing = [tier_size(env, a, tight, share["critical"], sc.history, sc.rate, crit)
+              for a in pools if 1000.0 * env.tpot_s[m, a] <= tight]
+    for z in sizing:
+        print(f"tier sizing rule for {z['pool']}: max_batch = the largest b whose fullest placement (b-1 running) "
+              f"misses the {tight:g} ms TPOT with P <= {z['p_budget']:.1%} (half the critical band's 1 % budget over "
+              f"its tight share) -> {z['max_batch']}; the tier serves the critical band's tight requests; replicas = "
+              f"their p95 arrival rate over 10 s windows in the history (the windows before the test one, x"
+              f"{sc.rate:g}: {z['p95_rps']:.2f} req/s; mean {z['mean_rps']:.2f}: they come in bursts) / one replica's "
+              f"completions at that batch ({z['per_replica_rps']:.2f} req/s, their mean lengths there), rounded up "
+              f"-> {z['replicas']}")
+    print(json.dumps({"share_tight": share, "rows": rows, "tier_sizing": sizing}))
 
+
+def tier_size(env: CloudRouteEnv, a: int, tight: float, crit_share: float, history: pd.DataFrame | None,
+              rate: float, critical: set[str]) -> dict:
+    """The tight tier of pool ``a`` the rule gives (printed above; ``configs/overload.yaml`` uses it):
+    sized on the history, never on the window it is judged on."""
+    m = 0
+    p_budget = 0.005 / max(crit_share, 1e-9)
+    b = 1
+    for k in range(int(env.conc[m, a])):
+        tp = 1000.0 * (env.tpot_s[m, a] + env.tpot_growth_s[m, a] * k)
+        if float(violation_probability(tight / tp, float(env.sigma[m, a]))) <= p_budget:
+            b = k + 1
+    if history is None or not len(history):
+        raise SystemExit("the scenario has no history to size the tier on")
+    h = history[(history["tpot_ms"] <= tight) & history["tenant"].isin(critical)]
+    t = pd.to_datetime(history["ts"])
+    ts = ((pd.to_datetime(h["ts"]) - t.min()).dt.total_seconds() / rate).to_numpy()
+    span = float((t.max() - t.min()).total_seconds() / rate)
+    counts, _ = np.histogram(ts, bins=np.arange(0.0, span + 10.0, 10.0))
+    p95 = float(np.quantile(counts, 0.95)) / 10.0
+    out, inp = float(h["output_tokens"].mean()), float(h["input_tokens"].mean())
+    per = b / (out * (env.tpot_s[m, a] + env.tpot_growth_s[m, a] * (b - 1)) + inp * env.inv_prefill[m, a])
+    return {"pool": env.catalog[a].offering_id, "p_budget": p_budget, "max_batch": b, "requests": len(h),
+            "mean_rps": len(h) / span, "p95_rps": p95, "per_replica_rps": float(per),
+            "replicas": int(np.ceil(p95 / per))}
 
 if __name__ == "__main__":
     main()

@@ -237,6 +237,7 @@ class Bundle:
         out = []
         has_cap = "capacity_replicas" in self.offerings.columns
         has_zone = "zone" in self.offerings.columns
+        has_tier = "tier" in self.offerings.columns  # (serving tiers: xroute.catalog_tools.split_tiers)
         for r in self.offerings.itertuples(index=False):
             cap = getattr(r, "capacity_replicas", 0) if has_cap else 0
             out.append(Offering(
@@ -246,6 +247,8 @@ class Bundle:
                 accelerator_count=int(r.accelerator_count), vcpus=float(r.vcpus), memory_gib=float(r.memory_gib),
                 zone=(r.zone or "") if has_zone else "",
                 capacity_replicas=0 if cap is None or (isinstance(cap, float) and np.isnan(cap)) else int(cap),
+                tier=(getattr(r, "tier", "") or "") if has_tier else "",
+                max_batch=int(getattr(r, "max_batch", 0) or 0) if has_tier else 0,
             ))
         return out
 

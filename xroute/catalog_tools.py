@@ -1,17 +1,23 @@
 """Derive bundles with another catalog from a real one — for scaling benchmarks and for testing that
 a policy copes with offerings it never saw (``perturb_catalog``). Locations, prices, availability
-and the request stream stay real; only the set of offerings changes."""
+and the request stream stay real; only the set of offerings changes. And split a pool into serving
+tiers (``split_tiers``: the env settings' ``tiers``)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from xroute.bundle import Bundle
+from xroute.bundle import Bundle, _suggest
 from xroute.errors import ConfigError
+from xroute.schema.offering import tier_offering_id
+
+if TYPE_CHECKING:
+    from xroute.config import ServingTier
 
 _PER_OFFERING = ("prices", "availability", "utilization")
 
@@ -37,6 +43,82 @@ def _clone(bundle: Bundle, picks: list[tuple[str, str]]) -> Bundle:
         tables[name] = m.sort_values(["offering_id", "ts"], kind="stable").reset_index(drop=True)
     return replace(bundle, offerings=offerings.reset_index(drop=True), content_hash=bundle.content_hash + "-derived",
                    **tables)  # type: ignore[arg-type]
+
+
+def split_tiers(bundle: Bundle, tiers: list[ServingTier], slots: dict[str, int], where: str = "env config") -> Bundle:
+    """The bundle with each of ``tiers`` split off its pool: a new offering ``<offering>#<name>``
+    right after its parent, with the parent's hardware and telemetry, ``capacity_replicas`` the
+    tier's replicas, its ``tier`` and ``max_batch``; the parent keeps the rest of its replicas (it
+    may keep none: then it is masked as an empty pool). ``slots``: request slots per replica by
+    accelerator (the serving profile's ``max_concurrency``), the most a tier's ``max_batch`` may be.
+    No tiers: the bundle itself. A ``ConfigError`` names the field (``tiers[i].<field>``) of an
+    unknown offering, a tier of a tier, a name twice on one pool, more replicas than the pool has, a
+    max batch above the profile's, or a pool sized by an inventory table (its replicas follow the
+    clouds' counts, which know no tiers)."""
+    if not tiers:
+        return bundle
+    off = bundle.offerings
+    ids = list(off["offering_id"])
+    known = set(ids)
+    col = off["capacity_replicas"] if "capacity_replicas" in off.columns else [np.nan] * len(ids)
+    caps = {o.offering_id: o.replicas_per_instance if c is None or c != c else int(c)  # (as the env reads it)
+            for o, c in zip(bundle.catalog(), col)}
+    acc = dict(zip(ids, off["accelerator"].astype(str) if "accelerator" in off.columns else [""] * len(ids)))
+    inv = set(bundle.inventory["offering_id"]) if bundle.inventory is not None and "offering_id" in \
+        bundle.inventory.columns else set()
+    left = dict(caps)
+    mine: dict[str, list[tuple[str, int, int]]] = {}
+    for i, t in enumerate(tiers):
+        f = f"{where}: field 'tiers[{i}]"
+        if t.offering not in known:
+            raise ConfigError(f"{f}.offering': '{t.offering}' is not an offering of {bundle.path}"
+                              f"{_suggest(t.offering, known)}")
+        if "tier" in off.columns and str(off.loc[ids.index(t.offering), "tier"] or ""):
+            raise ConfigError(f"{f}.offering': '{t.offering}' is a tier already; split its parent")
+        if t.offering in inv:
+            raise ConfigError(f"{f}.offering': '{t.offering}' is sized by the bundle's inventory table "
+                              "(the clouds' instance counts know no tiers); tier a pool of fixed capacity_replicas")
+        new = tier_offering_id(t.offering, t.name)
+        if new in known or any(new == tier_offering_id(t.offering, n) for n, _, _ in mine.get(t.offering, [])):
+            raise ConfigError(f"{f}.name': '{t.name}' is a tier of '{t.offering}' already")
+        if t.replicas > left[t.offering]:
+            raise ConfigError(f"{f}.replicas': {t.replicas} is more than the {left[t.offering]} replicas "
+                              f"'{t.offering}' has left (of {caps[t.offering]})")
+        top = slots.get(acc[t.offering])
+        if top is None:
+            raise ConfigError(f"{f}.offering': the serving profile has no accelerator '{acc[t.offering]}' "
+                              f"for '{t.offering}'")
+        if t.max_batch > top:
+            raise ConfigError(f"{f}.max_batch': {t.max_batch} is more than the serving profile's {top} slots "
+                              f"per replica of {acc[t.offering]}")
+        left[t.offering] -= t.replicas
+        mine.setdefault(t.offering, []).append((t.name, t.replicas, t.max_batch))
+    picks: list[tuple[str, str]] = []
+    extra: dict[str, tuple[str, int, int]] = {}
+    for o in ids:
+        picks.append((o, o))
+        for name, rep, mb in mine.get(o, []):
+            picks.append((o, tier_offering_id(o, name)))
+            extra[tier_offering_id(o, name)] = (name, rep, mb)
+    b = _clone(bundle, picks)
+    out = b.offerings.copy()
+    if "tier" not in out.columns:
+        out["tier"] = ""
+    if "max_batch" not in out.columns:
+        out["max_batch"] = 0
+    cap = out["capacity_replicas"].astype(float) if "capacity_replicas" in out.columns else \
+        pd.Series(np.nan, index=out.index)
+    for k, oid in enumerate(out["offering_id"]):
+        if oid in extra:
+            name, rep, mb = extra[oid]
+            out.loc[k, ["tier", "max_batch"]] = [name, mb]
+            cap.iloc[k] = rep
+        elif oid in mine:
+            cap.iloc[k] = left[oid]
+    out["capacity_replicas"] = cap
+    out["max_batch"] = out["max_batch"].astype(int)
+    tag = ",".join(f"{t.offering}#{t.name}={t.replicas}x{t.max_batch}" for t in tiers)
+    return replace(b, offerings=out, content_hash=bundle.content_hash + f"-tiers[{tag}]")
 
 
 def select_offerings(bundle: Bundle, ids: list[str]) -> Bundle:

@@ -117,6 +117,22 @@ class AdmissionConfig(Strict):
                                                 description="per tenant (the workload's tenant column): band, weight")
 
 
+class ServingTier(Strict):
+    """A serving tier: ``replicas`` of the pool of ``offering`` split off as their own offering
+    (``<offering>#<name>``), each held at ``max_batch`` request slots (vLLM's ``max_num_seqs``) --
+    a tight-TPOT tier of a few replicas at a small batch beside the rest of the pool at full batch.
+    The tier has its parent's hardware, price and telemetry; the parent keeps the other replicas.
+    Which requests may use it is a routing policy's business (``docs/policies.md``; e.g. deny the
+    tier to every SLO class but the tight one). ``xroute.catalog_tools.split_tiers`` applies it and
+    checks it against the catalog and the serving profile (errors name ``tiers[i].<field>``)."""
+
+    offering: str = Field(min_length=1, description="the offering (pool) to split, as in the catalog")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$", description="the tier's name (its id suffix)")
+    replicas: int = Field(ge=1, description="the pool's replicas (capacity_replicas units: one-GPU replicas) the "
+                                            "tier takes; at most what the pool has")
+    max_batch: int = Field(ge=1, description="request slots per replica of the tier; at most the serving profile's")
+
+
 class EnvConfig(Strict):
     """Settings of ``xroute/CloudRoute-v0``; see the env docstring for their meaning."""
 
@@ -153,6 +169,10 @@ class EnvConfig(Strict):
     prefix: PrefixConfig = PrefixConfig()
     migration: MigrationConfig = MigrationConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    tiers: list[ServingTier] = Field(
+        default_factory=list, max_length=64,
+        description="serving tiers split off the catalog's pools (ServingTier; docs/env.md 'Serving tiers'); "
+                    "empty = none, every pool whole")
 
 
 class OracleConfig(Strict):
