@@ -186,6 +186,29 @@ def test_policy_files_apply_once_keep_api_policies_and_drop_what_the_files_dropp
     store.close()
 
 
+def test_the_slo_tiers_keep_their_order_through_the_store(target: str | Path) -> None:
+    """First match wins among ``slo_tiers``: a catch-all named before the tight class in the
+    alphabet, but written after it, must stay after it in every stored version (it was stored with
+    sorted keys, and a live router then classed every request as the catch-all)."""
+    store = PolicyStore(target)
+    files = PolicySet.model_validate({"slo_tiers": {"tight": {"max_tpot_ms": 40}, "any": {}},
+                                      "policies": [deny("f1")]})
+    assert files.request_class(None, 1500.0, 30.0, None) == "tight"
+    new = store.apply_files("config:a.yaml", files, ["a.yaml"])
+    assert new is not None and list(new.slo_tiers) == ["tight", "any"]
+    for ps in (store.at(), store.change("key:1", create_policy(deny("api-made", providers=["gcp"])))):
+        assert list(ps.slo_tiers) == ["tight", "any"]
+        assert ps.request_class(None, 1500.0, 30.0, None) == "tight"
+        assert ps.request_class(None, 1500.0, 80.0, None) == "any"
+    # the same tiers in the other order are another set: applied as a change
+    swapped = PolicySet.model_validate({"slo_tiers": {"any": {}, "tight": {"max_tpot_ms": 40}},
+                                        "policies": [deny("f1")]})
+    new = store.apply_files("config:a.yaml", swapped, ["a.yaml"])
+    assert new is not None and list(new.slo_tiers) == ["any", "tight"]
+    assert store.at().request_class(None, 1500.0, 30.0, None) == "any"
+    store.close()
+
+
 def test_routers_starting_together_apply_the_files_once(target: str | Path) -> None:
     PolicyStore(target).close()
     files = PolicySet(policies=[deny("f1"), deny("f2", providers=["gcp"])])

@@ -76,8 +76,11 @@ class PolicyChangeError(Exception):
 
 
 def document(ps: Any, version: int) -> str:
-    return json.dumps({**ps.model_dump(mode="json", exclude_none=True), "version": version}, sort_keys=True,
-                      separators=(",", ":"))
+    """A set as stored: its fields in their model's order and every mapping in its own order --
+    not sorted: ``slo_tiers`` are tried first match first (``PolicySet.request_class``), so their
+    order is part of the set (sorted keys once made a catch-all named before a tight class catch
+    every request on a live router)."""
+    return json.dumps({**ps.model_dump(mode="json", exclude_none=True), "version": version}, separators=(",", ":"))
 
 
 def policy_json(p: Policy | None) -> dict[str, Any] | None:
