@@ -128,14 +128,16 @@ class WatchdogEstimator:
         return self._sr / self._n if self._n >= CALIBRATE_MIN else 0.0
 
     def observe(self, prior_c: float, prior_g: float, prior_a: float, served_c: bool, served_g: bool, p: float,
-                r: float) -> bool:
+                r: float, twin: float = 0.0) -> bool:
         """Add one decision's term (its q from the calibration *before* its own reward), then fold
-        its residual into the calibration. Returns True when this term
-        tripped the watchdog."""
+        its residual into the calibration. ``twin``: greedy's expected reward in its twin's state
+        minus in the real state (``envs.twin``), added to greedy's q (module docstring). Returns
+        True when this term tripped the watchdog."""
         if self.tripped:
             return False
         alpha = self.calibration()
-        self.terms.append(paired_term(prior_c + alpha, prior_g + alpha, prior_a + alpha, served_c, served_g, p, r))
+        self.terms.append(paired_term(prior_c + alpha, prior_g + alpha + twin, prior_a + alpha, served_c, served_g, p,
+                                      r))
         self._n += 1
         self._sr += r - prior_a
         if served_g:
