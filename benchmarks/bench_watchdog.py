@@ -10,6 +10,11 @@ by the champion in the simulator -- the environment with the router's own config
 champion's, greedy's and the served offering from the decision's rows (``RewardPrior``), greedy's
 choice the argmax of the expected rewards plus the policies' bias over the valid offerings (the
 router's ``watchdog`` stage), the realized reward of the step (the simulator's one definition).
+Two estimators are fed the same decisions side by side: ``before`` (greedy's side judged in the
+champion's state, the watchdog before its twin) and ``twin`` (greedy's side in greedy's twin,
+``envs.twin``, kept beside the simulation's router view exactly as the router keeps it: the
+router's watchdog now). A false alarm is a trip in a replay where the champion was not worse
+than greedy on-policy by more than the margin.
 The truth beside it: greedy routing the same window with the same seed, on-policy; the table's
 "true diff" is the champion's mean reward minus greedy's over the same requests. And what the
 estimator estimates: the hindsight difference in the states the champion's routing left
@@ -101,6 +106,7 @@ def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: i
     obs, info = env.reset(seed=seed, options={"start": start})
     if policy is not None:
         policy.reset(env, seed)
+    env.completion_listener = None  # (a previous replay's twin listens no more)
     twin = GreedyTwin(env) if ests else None
     rewards: list[float] = []
     hind: list[float] = []
