@@ -65,6 +65,8 @@ SHIPPED = REPO / "data" / "bundles" / "default"
 #: the estimators fed side by side: greedy's side in the champion's state (the watchdog before its
 #: twin), and in greedy's twin's state (``envs.twin``: the router's watchdog now)
 ESTIMATORS = ("before", "twin")
+#: CPU time (ns) of greedy's choice in the real state and of the twin's step, over the decisions fed
+CPU_NS = {"greedy": 0, "twin": 0, "n": 0}
 #: champion -> (weight on exp_cost, weight on exp_latency, whether the reward prior is added)
 FAMILIES: dict[str, tuple[float, float, bool]] = {
     "priciest": (1.0, 0.0, False),
@@ -111,9 +113,12 @@ def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: i
     rewards: list[float] = []
     hind: list[float] = []
     tripped: dict[str, int | None] = {k: None for k in ests}
+    cpu = CPU_NS
     for i in range(n):
         mask = np.asarray(info["action_mask"][: env.n], dtype=bool)
+        c0 = time.process_time_ns()
         g = greedy_choice(env, mask)
+        cpu["greedy"] += time.process_time_ns() - c0
         a = g if policy is None else int(policy.act(obs, info))
         if twin is None:
             obs, r, _, trunc, info = env.step(a)
@@ -124,7 +129,10 @@ def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: i
         hind.append(0.0 if a == g else float(env.exact_rewards()[a] - env.exact_rewards()[g]))
         bias = env.r_bias if getattr(env, "r_has_bias", False) else None
         ref = env._pos  # (the stream request's position: what its completion names)
+        c0 = time.process_time_ns()
         delta = twin.step(ref, mask, g, bias)[1]
+        cpu["twin"] += time.process_time_ns() - c0
+        cpu["n"] += 1
         failed = env.stats["failed"]
         idx = np.flatnonzero(mask)
         rows = np.asarray(obs["offerings"], dtype=np.float32).reshape(-1, N_OFFERING_FEATURES)[idx]
@@ -202,6 +210,11 @@ def main() -> None:
            "python": platform.python_version(), "bundle": "shipped (data/bundles/default)",
            "watchdog": cfg.model_dump(), "decisions": a.decisions, "stride": a.stride,
            "seconds": round(time.time() - t0, 1), "families": rows}
+    cpu = CPU_NS
+    if cpu["n"]:
+        # what the twin adds per decision, beside what greedy's choice costs already (CPU time, this process)
+        out["cpu_us_per_decision"] = {"greedy_choice": cpu["greedy"] / cpu["n"] / 1e3, "twin_step": cpu["twin"] / cpu["n"] / 1e3,
+                                      "decisions": cpu["n"]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"watchdog: window {cfg.window}, min_decisions {cfg.min_decisions}, confidence {cfg.confidence}, margin "
@@ -216,6 +229,10 @@ def main() -> None:
             print(f"| {r['champion']} | {r['true_diff_median']:+.5f} [{r['true_diff_min']:+.5f}, "
                   f"{r['true_diff_max']:+.5f}] | {r['worse_in']}/{r['replays']} | {name} | {x['tripped']}/{r['replays']} "
                   f"| {x['false_alarms']}/{x['not_worse']} | {delay} | {x['estimate_median']:+.5f} |")
+    if "cpu_us_per_decision" in out:
+        c = out["cpu_us_per_decision"]
+        print(f"CPU per decision: greedy's choice {c['greedy_choice']:.1f} us, the twin's step {c['twin_step']:.1f} us "
+              f"(mean over {c['decisions']} decisions)")
     print(f"({out['seconds']} s) -> {a.out}")
 
 
