@@ -90,6 +90,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
@@ -265,6 +266,10 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         self.view_service_s = np.zeros((self.M, self.n))
         #: ... and the requests running + waiting its inference servers report (-1: not reported)
         self.view_server_busy = np.full((self.M, self.n), -1.0)
+        #: told of every completion the router's view learns (``envs.twin``): called with the
+        #: request's reference (a stream request's position, a live request's ``admit_live`` ref), the
+        #: time it was seen complete and the end its view expected at admission; None: nobody listens
+        self.completion_listener: Callable[[Any, float, float], None] | None = None
         self.params_feat = np.minimum(np.log1p(pl.params_b) / 5.0, 2.0)
         self.is_spot = np.array([o.is_spot for o in self.catalog], dtype=float)
         self.on_demand_idx = np.flatnonzero(self.is_spot < 0.5)
@@ -763,6 +768,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 m, a, j, exp_end, shift0, key, tokens, pos, ran = d
                 kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now,
                                       exp_end, shift0)
+                if pos >= 0 and self.completion_listener is not None:
+                    self.completion_listener(pos, now, exp_end)
                 if j >= self.slots[m, a]:
                     self._retire(self.est_free, self.est_min, m, a, j, now)
                 if self._cache_fb:  # the server's cached-token count (its usage) corrects the view's retention
@@ -1704,6 +1711,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         m, a, j, exp_end, shift0 = live
         kernels.view_complete(self.est_free[m], self.est_min[m], self.inflight[m], self.shift[m], a, j, now, exp_end,
                               shift0)
+        if self.completion_listener is not None:
+            self.completion_listener(ref, now, exp_end)
         return True
 
     def shift_live_clock(self, dt: float) -> None:

@@ -172,6 +172,39 @@ def test_a_champion_as_good_as_greedy_does_not_trip(tmp_path: Path) -> None:
     assert wd["state"] == "ok" and wd["n"] == WATCH["window"] and wd["interval"][1] >= 0
 
 
+def test_the_routers_twin_routes_every_decision_as_greedy() -> None:
+    """The router keeps greedy's twin (``envs.twin``) beside its view: after a champion that takes
+    the priciest offering decided 150 requests (their outcomes posted), the twin holds greedy's
+    work -- none on the champion's pool, where the real view holds the champion's --, every
+    champion decision's term was made with its twin figure (none left out, none still pending)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        setup = _setup(Path(tmp), "expensive", watchdog={**WATCH, "min_decisions": 400})
+        app = create_app(setup.settings)
+        with ServerThread(app) as url:
+            got = replay(url, setup, 150, stop_on_trip=False)
+            engine = app.services.engine
+            wd = engine.watchdog
+            assert wd.twin is not None and set(got["kinds"]) == {"model"}
+            # five more without an outcome yet: the real view holds them on the champion's pool, the twin
+            # holds greedy's copies elsewhere
+            with httpx.Client(base_url=url, timeout=30) as http:
+                for _ in range(5):
+                    d = http.post("/v1/route", json={"origin": "aws:us-east-1", "input_tokens": 300,
+                                                     "max_output_tokens": 100, "ttft_ms": 2500, "tpot_ms": 100},
+                                  headers=setup.auth("a"))
+                    assert d.status_code == 200 and d.json()["policy"]["kind"] == "model"
+            rows = list(iter_decisions(setup.settings.log_target))
+            chosen = sorted({engine.offering_ids.index(r["offering_id"]) for r in rows})
+            greedy = {engine.offering_ids.index(r["greedy_offering_id"]) for r in rows}
+            assert greedy.isdisjoint(chosen)
+            real, twin = engine.env.inflight.sum(axis=0), wd.twin.inflight.sum(axis=0)
+            assert real[chosen].sum() >= 5 and twin[chosen].sum() == 0 and twin.sum() >= 5
+            # every outcome's term had its decision's twin figure; the five wait for theirs
+            assert wd.est.seen == 150 and len(wd._twin_delta) == 5
+
+
 def test_paired_term_is_zero_where_the_champion_agrees_and_doubly_robust_where_not() -> None:
     assert paired_term(-0.3, -0.3, -0.3, True, True, 1.0, -5.0) == 0.0  # c == g: exactly 0, whatever happened
     # c != g, the champion's choice served, no exploration: its realized reward against greedy's model value

@@ -182,6 +182,7 @@ class RoutingEngine:
         #: the champion's watchdog (``router.decision.watchdog``; the ``watchdog`` stage reads it)
         self.watchdog = Watchdog(settings.watchdog, self.offering_ids, self.catalog_key,
                                  RewardPrior.from_env_config(env_cfg), settings.log_features)
+        self.watchdog.attach(env)
         self._init_answers(env_cfg)
         self._init_buffers(settings)
         CLOCK.mark("engine")
@@ -501,7 +502,10 @@ class RoutingEngine:
         work in flight stays in flight, the output-length estimator keeps what it learned."""
         t, gen = self.source.telemetry_time(wall)
         if gen != self.generation:
-            self.env.shift_live_clock(-float(getattr(self.source, "span", 0.0)) * (gen - self.generation))
+            dt = -float(getattr(self.source, "span", 0.0)) * (gen - self.generation)
+            self.env.shift_live_clock(dt)
+            if self.watchdog.twin is not None:
+                self.watchdog.twin.shift_clock(dt)
             self.generation = gen
         return t
 
@@ -819,6 +823,8 @@ class RoutingEngine:
         nums = r.nums[3 * k:]
         env = self.env
         env.admit_live(r.m, a, r.t, r.service[k], r.decision_id)
+        if self.watchdog.twin is not None:  # (greedy's copy ends with it: envs.twin)
+            self.watchdog.twin.admitted(r.decision_id)
         if hold_s is not None:
             self._own_add(r.decision_id, r.m, a, hold_s)
         self.decisions += 1

@@ -28,7 +28,8 @@ stage              what it does                                                 
                    the request's SLO, else queue or shed (``xroute.admission_rules``)
 ``score``          the active model's (or the fallback's) ranking of the valid offerings;   429 no_capacity
                    the environment's reasons (``unavailable`` .. ``budget``) and ``not_preferred``
-``watchdog``       greedy's choice beside the policy's (the decision log's ``greedy_offering_id``); the
+``watchdog``       greedy's choice beside the policy's (the decision log's ``greedy_offering_id``), and
+                   in greedy's twin (``envs.twin``, with the watchdog enabled); the
                    model's departure rule (``models.policy.departs``: greedy's choice unless sure);
                    a tripped watchdog (``router.decision.watchdog``) makes the decision greedy's
 ``pin``            a session's first turn after a committed migration goes to its target
@@ -674,6 +675,13 @@ class Watchdog(Stage):
             wd.follow(d.pinfo.get("version"))
         if not model and d.pinfo.get("name") == "greedy":
             d.greedy = d.policy_choice
+            if wd.twin is not None and d.trace is None and d.decision_id is not None:  # (the twin routes every one)
+                valid = d.valid
+                if valid is None:  # (the fused greedy path: its action set, as the kernel made it)
+                    pref = d.compiled.preferred
+                    valid = kernels.combine(d.env_mask, d.allowed, d.allowed if pref is None else pref,
+                                            pref is not None, d.codes)[0]
+                wd.twin_step(d.decision_id, valid, d.greedy, d.bias if d.has_bias else None, d.allowed, False)
             return
         env = e.env
         valid = d.valid
@@ -685,6 +693,9 @@ class Watchdog(Stage):
             r = r + d.bias
         best, alt = env_kernels.rank(r, valid, e.k_alt)
         d.greedy = int(best)
+        if wd.twin is not None and d.trace is None and d.decision_id is not None:
+            wd.twin_step(d.decision_id, valid, d.greedy, d.bias if d.has_bias else None, d.allowed,
+                         model and d.pinfo.get("version") == wd.version)
         if not (model and wd.tripped):
             if model:
                 self._depart(d)

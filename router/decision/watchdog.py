@@ -17,6 +17,11 @@ action ``a`` with propensity ``p``::
 
     d = q(c) - q(g) + (1[a = c] - 1[a = g]) / p * (r - q(a))
 
+plus greedy's **twin** figure (below): ``q(g)`` is greedy's model value *in the state greedy would
+have built*, not in the champion's::
+
+    d = q(c) - (q(g) + delta) + (1[a = c] - 1[a = g]) / p * (r - q(a))
+
 ``q`` is the reward model ``xroute ope`` uses (``models.policy.RewardPrior`` on the logged rows:
 greedy's own expected reward), calibrated by an offset, ``q = prior + alpha``, learned only from
 *earlier* decisions (never the decision's own reward): ``alpha`` is the mean residual (realized
@@ -32,6 +37,27 @@ Where they differ and the champion's choice was served (no exploration: ``p = 1`
 ``r - q(g)``: the champion's *realized* reward against the model's counterfactual for greedy's.
 An explored decision adds the importance-weighted correction (``p`` < 1).
 
+**Greedy's twin** (``envs.twin``, :meth:`Watchdog.attach`). Judged in the queues the champion's
+routing left, greedy's choice looks better than greedy is: a champion that spreads load leaves
+greedy's favourite pools uncongested, and greedy routing everything itself would have crowded them
+(docs/ope.md, "The watchdog": the false alarms this caused). So this process keeps a twin of its
+router view in which greedy routed every request this process decided (``watchdog`` stage, every
+decision, whoever decided it): greedy's choice there takes a twin slot for its expected service
+time and ends when the real request is seen to end (feedback, or the real view's expected end),
+scaled to greedy's pool (``envs.twin``: the real request's realized duration is the only
+evidence of greedy's; greedy's own was never served). ``delta`` is the environment's one-step
+expected reward (``envs.kernels``: the same kernel greedy ranks by) of greedy's choice in the twin
+minus of its real choice in the real state: 0 where the twin's queues are the real ones. The
+champion's side is unchanged: realized where it departs (``r``), the model where it agrees with
+greedy in the real state (then ``d = q(c) - q(g) - delta``: the model's view of what greedy's own
+queues would have changed, the residual cancelling on both sides as before). The offset ``alpha``
+is learned in the real state (greedy-agreeing decisions' residuals) and carried to the twin's
+predictions: the prior's winner's curse at greedy's argmax is the same there; the queue model's
+error under greedy's heavier load is not measured by it (greedy's twin is never served) -- what
+is left of the bias (docs/ope.md). A decision's ``delta`` is kept in this process until its
+feedback (at most ``TWIN_PENDING``); a champion's decision whose feedback reaches a process that
+did not decide it (another router, or this one after a restart) has none and is left out.
+
 **The verdict.** Over the last ``window`` terms: the mean and a normal interval at
 ``confidence`` (``mean +- z * sd / sqrt(n)``). From ``min_decisions`` terms on, an upper bound
 below ``-margin`` *trips* the watchdog: the ``watchdog`` stage makes every later decision greedy's
@@ -43,7 +69,11 @@ until a new champion version is loaded (the window starts again for it) or an op
 gateway's own measurement of an attempt (``router.gateway.service``: for a champion's decision, one
 lookup of its logged record after the answer), each with the decision's first outcome.
 
-**Across routers.** A trip and a reset are audit entries every router process reads
+**Across routers.** The twin is per process: it is greedy routing *this* process's decisions; the
+work other routers hold on a pool enters the twin as it enters the real view (``view_others``),
+as the champion's load, never as greedy's -- so with several routers the twin is greedy on this
+router's share only, and the state it models is part greedy's, part the champion's.
+A trip and a reset are audit entries every router process reads
 (``router.service.watchdog_sync``): a trip anywhere makes greedy decide on every router within
 ``watchdog.sync_s``, a reset anywhere hands the decisions back everywhere. The estimates are per
 process (each from the outcomes it receives), in memory: a restart starts its window again (and
@@ -56,19 +86,22 @@ import math
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
+from envs.twin import GreedyTwin
 from models.policy import RewardPrior
 from router.core.logs import LOG, iso
 from router.decision import ope_log
 
 #: earlier residuals needed before the reward model is calibrated
 CALIBRATE_MIN = 30
+#: the champion's decisions whose twin figure waits for their feedback, at most (the oldest go first)
+TWIN_PENDING = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +114,8 @@ class Observation:
     propensity: float | None
     greedy_offering_id: str | None
     reward: float | None
+    #: the decision (its twin's figure is kept by it in this process: ``Watchdog.twin``)
+    decision_id: str | None = None
 
 
 def paired_term(q_c: float, q_g: float, q_a: float, served_c: bool, served_g: bool, p: float, r: float) -> float:
@@ -128,14 +163,16 @@ class WatchdogEstimator:
         return self._sr / self._n if self._n >= CALIBRATE_MIN else 0.0
 
     def observe(self, prior_c: float, prior_g: float, prior_a: float, served_c: bool, served_g: bool, p: float,
-                r: float) -> bool:
+                r: float, twin: float = 0.0) -> bool:
         """Add one decision's term (its q from the calibration *before* its own reward), then fold
-        its residual into the calibration. Returns True when this term
-        tripped the watchdog."""
+        its residual into the calibration. ``twin``: greedy's expected reward in its twin's state
+        minus in the real state (``envs.twin``), added to greedy's q (module docstring). Returns
+        True when this term tripped the watchdog."""
         if self.tripped:
             return False
         alpha = self.calibration()
-        self.terms.append(paired_term(prior_c + alpha, prior_g + alpha, prior_a + alpha, served_c, served_g, p, r))
+        self.terms.append(paired_term(prior_c + alpha, prior_g + alpha + twin, prior_a + alpha, served_c, served_g, p,
+                                      r))
         self._n += 1
         self._sr += r - prior_a
         if served_g:
@@ -179,6 +216,30 @@ class Watchdog:
         #: the last shared verdict per champion version: (trip or reset, the state it recorded)
         self.shared: dict[str, tuple[str, dict[str, Any]]] = {}
         self._lock = threading.Lock()
+        #: greedy's twin (``envs.twin``; :meth:`attach`): None until attached, and when off
+        self.twin: GreedyTwin | None = None
+        #: per champion decision of this process awaiting its feedback: its twin figure
+        self._twin_delta: OrderedDict[str, float] = OrderedDict()
+
+    def attach(self, env: Any) -> None:
+        """Keep greedy's twin of ``env``'s router view (``envs.twin``; only when enabled with the
+        features logged): the ``watchdog`` stage routes every decision of this process in it, the
+        engine tells it what it admits, the environment what completes."""
+        if self.enabled and self.log_features:
+            self.twin = GreedyTwin(env)
+
+    def twin_step(self, decision_id: str, valid: np.ndarray, greedy: int, bias: np.ndarray | None,
+                  allowed: np.ndarray | None, champion: bool) -> None:
+        """The current request routed by greedy in the twin (``GreedyTwin.step``); for a decision
+        of the champion watched (``champion``), its figure is kept for its feedback."""
+        if self.twin is None:
+            return
+        _, delta = self.twin.step(decision_id, valid, greedy, bias, allowed)
+        if champion and not self.tripped:
+            pend = self._twin_delta
+            pend[decision_id] = delta
+            if len(pend) > TWIN_PENDING:
+                pend.popitem(last=False)
 
     def follow(self, version: str | None) -> None:
         """The champion now loaded is ``version``: a new one starts the window again (and untrips),
@@ -227,6 +288,7 @@ class Watchdog:
 
     def _restart(self) -> None:
         self.est.reset()
+        self._twin_delta.clear()
         self.tripped = False
         self.since = time.time()
 
@@ -259,6 +321,12 @@ class Watchdog:
         g = self.index.get(ob.greedy_offering_id)
         if g is None or ob.propensity is None:  # (moved off the draw: the served offering's probability is unknown)
             return False
+        twin = 0.0
+        if self.twin is not None:  # (no figure: decided by another process, or before a restart -- left out)
+            got = self._twin_delta.pop(ob.decision_id, None) if ob.decision_id is not None else None
+            if got is None:
+                return False
+            twin = got
         p = float(ob.propensity)
         rec = ope_log.unpack(ob.features)
         if rec.catalog_key != self.catalog_key:
@@ -273,7 +341,7 @@ class Watchdog:
             if self.tripped or ob.policy_version != self.version:
                 return False
             if self.est.observe(float(prior[c]), float(prior[gi]), float(prior[a]), a == c, a == gi, p,
-                                float(ob.reward)):
+                                float(ob.reward), twin):
                 self.tripped = True  # (describe() below reads the estimate that tripped)
                 self._trip(self.describe(), shared=False)
                 return True

@@ -567,7 +567,7 @@ class Gateway:
                     # (the champion's decision: the watchdog reads its logged record, durable by now)
                     logged = await svc.store.lookup(att.decision_id)
                     if logged is not None:
-                        await watch(svc, logged, reward)
+                        await watch(svc, logged, reward, att.decision_id)
             if settles is not None and settles is not att:
                 await self._settle_quota(settles, o)
             measured = (o.tpot_ms, o.prompt_tokens, o.cached_tokens, call.request_id, att.number)

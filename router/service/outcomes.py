@@ -123,13 +123,13 @@ async def close_the_loop(svc: Services, body: FeedbackRequest, ref: DecisionRef,
         engine.env.observe_output(ref.model, ref.tenant, body.output_tokens)
 
 
-async def watch(svc: Services, ref: DecisionRef, reward: float | None) -> None:
+async def watch(svc: Services, ref: DecisionRef, reward: float | None, decision_id: str | None = None) -> None:
     """The champion's watchdog learns a decision's first outcome (``router.decision.watchdog``); a
     trip it makes is shared with the other routers (``router.service.watchdog_sync``). A failure
     here is logged, never the outcome's."""
     try:
         now = svc.engine.watchdog.observe(Observation(ref.policy_kind, ref.policy_version, ref.features,
-                                                      ref.propensity, ref.greedy_offering_id, reward))
+                                                      ref.propensity, ref.greedy_offering_id, reward, decision_id))
     except Exception as e:
         LOG.warning("the watchdog could not read a decision's outcome", extra={"fields": {
             "error": f"{type(e).__name__}: {e}"}})
@@ -179,7 +179,7 @@ async def record_feedback(svc: Services, body: FeedbackRequest, who: Principal, 
     answer = feedback_answer(fid, body.decision_id, now)
     await close_the_loop(svc, body, ref, missed)
     if ref.feedback == 0:  # (a decision's first outcome only, as the statistics count it)
-        await watch(svc, ref, reward)
+        await watch(svc, ref, reward, body.decision_id)
     if key is not None:
         assert digest is not None
         await remember(svc.state, key, digest + answer, svc.settings.idempotency_ttl_s)
