@@ -70,7 +70,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         WarmStartCallback,
         best_margin,
         calibrate_margin,
-        paired_gap,
+        score_gap,
     )
     from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy, SiblingPlay
 
@@ -146,9 +146,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
             **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
             "val_criterion": margins[margin], "margin": margin, "margin_best": mbest,
             "margins": {str(m): v for m, v in margins.items()},
-            # per margin and window: the 95 % interval of its paired Δ to the best margin's (pick_margin's step 3)
-            "margin_gaps": {str(m): [[lo, hi] for lo, hi in paired_gap(a, assessed[mbest])]
-                            for m, a in assessed.items()},
+            # per margin: the 95 % interval of its score minus the best margin's, paired (pick_margin's step 3)
+            "margin_gaps": {str(m): list(score_gap(a, assessed[mbest])) for m, a in assessed.items()},
             "margin_windows": {str(m): a.windows for m, a in assessed.items()},
             "departures": {w["window"]: w["departures"] for w in assessed[margin].windows},
             "val_criterion_no_margin": best.criterion, "warm_start_val_criterion": initial.criterion,
