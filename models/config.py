@@ -43,9 +43,11 @@ class NetConfig(Strict):
         default_factory=lambda: [0.0, 0.001, 0.002, 0.005, 0.01], min_length=1,
         description="departure margins (models.policy.departs) tried on the selection windows after training: the "
                     "router leaves greedy's choice only where its score of its own choice exceeds its score of "
-                    "greedy's by more than the margin; kept: the best worst-window Δ to greedy among the margins no "
-                    "selection window is significantly worse than greedy at (beyond the gate's margin); +inf "
-                    "(greedy itself) is always a candidate (models.callbacks.calibrate_margin; ties: the larger)")
+                    "greedy's by more than the margin; kept: the largest margin whose paired Δ to the best one "
+                    "(the best worst-window Δ to greedy among the margins no selection window is significantly "
+                    "worse than greedy at, beyond the gate's margin) is not significantly below minus the gate's "
+                    "margin on any selection window; +inf (greedy itself) is always a candidate "
+                    "(models.callbacks.pick_margin)")
     reward_prior: bool = Field(True, description="add the fixed one-step expected reward computed from the row's "
                                                  "exp_* features (models.policy.RewardPrior); the MLP learns the "
                                                  "correction and starts at zero")

@@ -141,6 +141,7 @@ def log_trial_artifacts(ctx: Any, validation: Any, best: Any, out: Path, result:
     bb = best_baseline(ctx.baseline_runs)
     # (the departure margin: +inf, greedy itself, is logged as the metric's largest value, 1e9)
     mlflow.log_metrics({"best_val_criterion": result["val_criterion"], "margin": min(float(result["margin"]), 1e9),
+                        "margin_best": min(float(result.get("margin_best", result["margin"])), 1e9),
                         "best_val_mean_reward": best.run.metrics["mean_reward"], "best_step": best.step,
                         "val_sla_attainment": best.run.metrics["sla_attainment"],
                         "baseline_val_mean_reward": bb.metrics["mean_reward"],

@@ -119,7 +119,8 @@ def run_training(cfg: TrainConfig, telemetry: str | Path | None = None, ray_addr
                 trials = [run_trial(p, ctx) for p in points]
         best = max(trials, key=lambda t: t["val_criterion"])
         echo(f"best trial: {best['trial']} (worst Δ reward vs greedy over the selection loads {best['val_criterion']:+.5f}"
-             f" with margin {best['margin']:g}; {best['val_criterion_no_margin']:+.5f} without; checkpoint at step "
+             f" with margin {best['margin']:g}, the best-scoring {best.get('margin_best', best['margin']):g};"
+             f" {best['val_criterion_no_margin']:+.5f} without; checkpoint at step "
              f"{best['best_step']}; its warm start alone {best['warm_start_val_criterion']:+.5f})")
 
         # the gate: test windows no selection saw, paired by seed

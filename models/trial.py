@@ -63,7 +63,15 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     import torch as th
 
     th.set_num_threads(1)
-    from models.callbacks import ProgressCallback, Selection, ValidationCallback, WarmStartCallback, calibrate_margin
+    from models.callbacks import (
+        ProgressCallback,
+        Selection,
+        ValidationCallback,
+        WarmStartCallback,
+        best_margin,
+        calibrate_margin,
+        score_gap,
+    )
     from models.qnet import FlatObservation, MaskedDQN, SharedScorerDQNPolicy, SiblingPlay
 
     cfg, seed = ctx.cfg, int(params["seed"])
@@ -127,14 +135,19 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         last_dir = save_router(validation.last.weights, out / "router" / "last") \
             if ctx.save_last and validation.last is not None else None
         # the departure rule around greedy's choice (models.policy.departs): the margin calibrated on the
-        # selection windows -- the best worst-case Δ among margins no window is significantly worse at
+        # selection windows -- the largest margin the selection cannot tell from the best worst-case Δ among
+        # margins no window is significantly worse at (models.callbacks.pick_margin)
         margin, assessed = calibrate_margin(selection, best.weights, list(cfg.net.margins))
         margins = {m: a.score for m, a in assessed.items()}
+        mbest = best_margin(assessed)
         router_dir = save_router(best.weights, out / "router")
         result = {
             "trial": name, **params, "best_step": best.step, "wall_s": round(wall, 1),
             **{f"val_{k}": v for k, v in best.run.metrics.items() if isinstance(v, (int, float))},
-            "val_criterion": margins[margin], "margin": margin, "margins": {str(m): v for m, v in margins.items()},
+            "val_criterion": margins[margin], "margin": margin, "margin_best": mbest,
+            "margins": {str(m): v for m, v in margins.items()},
+            # per margin: the 95 % interval of its score minus the best margin's, paired (pick_margin's step 3)
+            "margin_gaps": {str(m): list(score_gap(a, assessed[mbest])) for m, a in assessed.items()},
             "margin_windows": {str(m): a.windows for m, a in assessed.items()},
             "departures": {w["window"]: w["departures"] for w in assessed[margin].windows},
             "val_criterion_no_margin": best.criterion, "warm_start_val_criterion": initial.criterion,

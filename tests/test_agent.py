@@ -333,6 +333,12 @@ def test_the_main_jobs_fine_tuning_runs_and_serves_its_best_checkpoint(tmp_path:
     assert [s for s, _ in res["curve"]] == [0, 100, 200, 300, 400]
     assert res["val_criterion_no_margin"] == max(c for _, c in res["curve"])
     assert res["warm_start_val_criterion"] == res["curve"][0][1]
+    # the departure margin kept is never below the best-scoring non-inferior one (models.callbacks.pick_margin),
+    # the best's score interval to itself is [0, 0], and the export carries the kept one
+    assert res["margin"] >= res["margin_best"] and res["margin"] == read_router(res["router_dir"]).margin
+    assert set(res["margin_gaps"]) == set(res["margins"])
+    assert res["margin_gaps"][str(res["margin_best"])] == [0.0, 0.0]
+    assert all(lo <= hi for lo, hi in res["margin_gaps"].values())
     warm, last = read_router(res["warm_dir"]), read_router(res["last_dir"])
     assert any(not np.array_equal(a[0], b[0]) for a, b in zip(warm.layers, last.layers))  # DQN did train
 

@@ -66,6 +66,8 @@ def test_smoke_training_runs_tune_trials_and_tracks_them_in_mlflow(trained: dict
         assert r.data.params["bundle_hash"] and r.data.params["config.total_timesteps"] == "300"
         curve = client.get_metric_history(r.info.run_id, "val_mean_reward")
         assert len(curve) >= 2  # before training, during, after
+        # the departure margin kept and the best-scoring one it is calibrated from (models.callbacks.pick_margin)
+        assert r.data.metrics["margin"] >= r.data.metrics["margin_best"]
         names = {a.path for a in client.list_artifacts(r.info.run_id)}
         assert {"validation_table.md", "learning_curve.png", "cost_vs_p95_validation.png"} <= names
         table = (Path(client.download_artifacts(r.info.run_id, "validation_table.md"))).read_text()
