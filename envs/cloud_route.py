@@ -143,6 +143,19 @@ _NO_BUDGET_FEATURES = budget_features(NO_BUDGET)
 _NO_MIGRATION = {"migration": None, "tokens_recomputed": 0.0, "kv_bytes_moved": 0.0, "missed_window": False}
 
 
+def resize_slots(row: np.ndarray, old: int, new: int, t: float) -> float:
+    """A pool's slot release times ``row`` (one pool of ``free_at``/``est_free``) resized from ``old``
+    to ``new`` slots at ``t``: the slots dropped retire now when free (+inf: never free again; a busy
+    one retires when it frees), the slots added are free now (-inf). Returns the row's new minimum."""
+    if new < old:
+        seg = row[new:old]
+        seg[seg <= t] = np.inf
+    else:
+        seg = row[old:new]
+        seg[np.isposinf(seg)] = -np.inf
+    return float(row.min())
+
+
 class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
     """``xroute/CloudRoute-v0`` (the module docstring is the spec).
 
@@ -338,14 +351,7 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
         for m, a in zip(*np.nonzero(new_slots != self.slots)):
             old, new = int(self.slots[m, a]), int(new_slots[m, a])
             for arr, mins in ((self.free_at, self.tmin), (self.est_free, self.est_min)):
-                row = arr[m, a]
-                if new < old:
-                    seg = row[new:old]
-                    seg[seg <= t] = np.inf
-                else:
-                    seg = row[old:new]
-                    seg[np.isposinf(seg)] = -np.inf
-                mins[m, a] = row.min()
+                mins[m, a] = resize_slots(arr[m, a], old, new, t)
         self._set_sizes(rep)
 
     def _init_migration(self) -> None:

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from envs import kernels
+from envs.cloud_route import resize_slots
 
 
 class GreedyTwin:
@@ -143,15 +144,7 @@ class GreedyTwin:
         if np.array_equal(e.slots, self.slots):
             return
         for m, a in zip(*np.nonzero(e.slots != self.slots)):
-            old, new = int(self.slots[m, a]), int(e.slots[m, a])
-            row = self.est_free[m, a]
-            if new < old:
-                seg = row[new:old]
-                seg[seg <= t] = np.inf
-            else:
-                seg = row[old:new]
-                seg[np.isposinf(seg)] = -np.inf
-            self.est_min[m, a] = row.min()
+            self.est_min[m, a] = resize_slots(self.est_free[m, a], int(self.slots[m, a]), int(e.slots[m, a]), t)
         self.slots = e.slots.copy()
 
     def step(self, ref: Any, valid: np.ndarray, greedy: int, bias: np.ndarray | None = None,
