@@ -264,7 +264,7 @@ def test_the_gateways_own_outcomes_feed_the_watchdog(tmp_path: Path) -> None:
     standin = StandIn()
     with ServerThread(standin) as up:
         base: dict[str, Any] = {
-            "replay_speed": 1e-6, "watchdog": {"enabled": True, "window": 50, "min_decisions": 20},
+            "replay_speed": 1e-6, "watchdog": {"enabled": True, "horizon": 50, "min_decisions": 20},
             "upstreams": [{"offering_id": x, "base_urls": [f"{up}/v1"]}, {"offering_id": y, "base_urls": [f"{up}/v1"]}],
             "gateway": {"origin": "aws:us-east-1", "ejection": {"enabled": False},
                         "retry_budget": {"enabled": False}},
