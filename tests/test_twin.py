@@ -100,6 +100,6 @@ def test_a_champion_better_than_greedy_by_spreading_load_is_not_tripped_with_the
     greedy_rewards = replay(env, None, k * 1200, k, 2000, {}, prior)[0]
     rewards, tripped, _ = replay(env, champion("pricier", prior), k * 1200, k, 2000, ests(), prior)
     assert np.mean(rewards) > np.mean(greedy_rewards)  # better than greedy on-policy
-    assert tripped["before"] is not None and tripped["twin"] is None, tripped
+    assert tripped["before"] is not None and tripped["twin"] is None and tripped["cs"] is None, tripped
     _, tripped, _ = replay(env, champion("priciest", prior), k * 1200, k, 1000, ests(), prior)
     assert tripped == {"before": 500, "twin": 500, "cs": 500}
