@@ -10,10 +10,12 @@ by the champion in the simulator -- the environment with the router's own config
 champion's, greedy's and the served offering from the decision's rows (``RewardPrior``), greedy's
 choice the argmax of the expected rewards plus the policies' bias over the valid offerings (the
 router's ``watchdog`` stage), the realized reward of the step (the simulator's one definition).
-Two estimators are fed the same decisions side by side: ``before`` (greedy's side judged in the
-champion's state, the watchdog before its twin) and ``twin`` (greedy's side in greedy's twin,
-``envs.twin``, kept beside the simulation's router view exactly as the router keeps it: the
-router's watchdog now). A false alarm is a trip in a replay where the champion was not worse
+Three estimators are fed the same decisions side by side: ``before`` (greedy's side judged in
+the champion's state, the watchdog before its twin, with its old verdict: a fixed-level normal
+interval over a sliding window read after every term), ``twin`` (greedy's side in greedy's twin,
+``envs.twin``, kept beside the simulation's router view exactly as the router keeps it, the same
+old verdict) and ``cs`` (the twin with the router's verdict now: the confidence sequence over every
+term, ``WatchdogEstimator``). A false alarm is a trip in a replay where the champion was not worse
 than greedy on-policy by more than the margin.
 The truth beside it: greedy routing the same window with the same seed, on-policy; the table's
 "true diff" is the champion's mean reward minus greedy's over the same requests. And what the
@@ -32,6 +34,9 @@ Usage::
     .venv/bin/python benchmarks/bench_watchdog.py --replays 5 --decisions 1000   # quicker
     .venv/bin/python benchmarks/bench_watchdog.py --families '' --export champion=runs/trials/<stamp>/<trial>/router
 
+``--window`` is the old verdict's sliding window (``before`` and ``twin``; 1,000, what the router had),
+``--horizon`` the confidence sequence's (``cs``; the router's default).
+
 Writes ``benchmarks/results/watchdog.json`` and prints a table.
 """
 
@@ -43,6 +48,7 @@ import os
 import platform
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +64,44 @@ from envs.twin import GreedyTwin  # noqa: E402
 from models.policy import LearnedPolicy, RewardPrior, RouterWeights, read_router  # noqa: E402
 from router.core.settings import RouterSettings, WatchdogSettings  # noqa: E402
 from router.decision.engine import env_config  # noqa: E402
-from router.decision.watchdog import WatchdogEstimator  # noqa: E402
+from router.decision.watchdog import WatchdogEstimator, normal_interval  # noqa: E402
 from xroute.bundle import load_bundle  # noqa: E402
 
 SHIPPED = REPO / "data" / "bundles" / "default"
 #: the estimators fed side by side: greedy's side in the champion's state (the watchdog before its
-#: twin), and in greedy's twin's state (``envs.twin``: the router's watchdog now)
-ESTIMATORS = ("before", "twin")
+#: twin), in greedy's twin's state (``envs.twin``), both with the old verdict (a fixed-level interval
+#: over a sliding window: ``FixedIntervalEstimator``), and the twin with the router's verdict now (the
+#: confidence sequence: ``WatchdogEstimator``)
+ESTIMATORS = ("before", "twin", "cs")
+#: those fed greedy's twin figure
+TWINNED = ("twin", "cs")
+#: the old verdict's sliding window (what the router had: ``watchdog.window``, 1,000)
+WINDOW = 1000
+
+
+class FixedIntervalEstimator(WatchdogEstimator):
+    """The watchdog's verdict before its confidence sequence, for the comparison: the fixed-level
+    normal interval (``normal_interval``) over the last ``window`` terms, read after every term."""
+
+    def __init__(self, window: int, min_decisions: int, confidence: float, margin: float):
+        self.window = window
+        super().__init__(window, min_decisions, confidence, margin)
+
+    def reset(self) -> None:
+        super().reset()
+        self.terms: deque[float] = deque(maxlen=self.window)
+
+    def add(self, d: float) -> None:
+        self.terms.append(d)
+        self.n = len(self.terms)
+        if self.n >= 2:
+            self.estimate = normal_interval(np.fromiter(self.terms, float, self.n), self.confidence)
+
+
+def estimators(cfg: WatchdogSettings, window: int = WINDOW) -> dict[str, WatchdogEstimator]:
+    """The three estimators of one replay (``ESTIMATORS``), with ``cfg``'s settings."""
+    old = {k: FixedIntervalEstimator(window, cfg.min_decisions, cfg.confidence, cfg.margin) for k in ("before", "twin")}
+    return {**old, "cs": WatchdogEstimator(cfg.horizon, cfg.min_decisions, cfg.confidence, cfg.margin)}
 #: CPU time (ns) of greedy's choice in the real state and of the twin's step, over the decisions fed
 CPU_NS = {"greedy": 0, "twin": 0, "n": 0}
 #: champion -> (weight on exp_cost, weight on exp_latency, whether the reward prior is added)
@@ -143,7 +180,7 @@ def replay(env: CloudRouteEnv, policy: LearnedPolicy | None, start: int, seed: i
             twin.admitted(ref)
         for name, est in ests.items():
             if tripped[name] is None and est.observe(float(p[pos[a]]), float(p[pos[g]]), float(p[pos[a]]), True,
-                                                     a == g, 1.0, float(r), delta if name == "twin" else 0.0):
+                                                     a == g, 1.0, float(r), delta if name in TWINNED else 0.0):
                 tripped[name] = i + 1
         rewards.append(float(r))
         if trunc:
@@ -157,7 +194,8 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=2000, help="decisions per replay")
     ap.add_argument("--stride", type=int, default=1200, help="requests between the replays' starts")
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--window", type=int, default=None, help="the watchdog's window (default: the router's)")
+    ap.add_argument("--window", type=int, default=WINDOW, help="the old verdict's sliding window (before, twin)")
+    ap.add_argument("--horizon", type=int, default=None, help="the confidence sequence's horizon (default: the router's)")
     ap.add_argument("--min-decisions", type=int, default=None)
     ap.add_argument("--confidence", type=float, default=None)
     ap.add_argument("--margin", type=float, default=None)
@@ -165,7 +203,7 @@ def main() -> None:
                     help="also a trained router's export (xroute train's <trial>/router), named NAME; repeatable")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "watchdog.json")
     a = ap.parse_args()
-    cfg = WatchdogSettings(**{k: v for k, v in (("window", a.window), ("min_decisions", a.min_decisions),
+    cfg = WatchdogSettings(**{k: v for k, v in (("horizon", a.horizon), ("min_decisions", a.min_decisions),
                                                 ("confidence", a.confidence), ("margin", a.margin)) if v is not None})
     settings = RouterSettings(telemetry=SHIPPED, model_uri="")
     env_cfg = env_config(settings)
@@ -179,8 +217,7 @@ def main() -> None:
         pol = LearnedPolicy(read_router(exports[fam]), name=fam) if fam in exports else champion(fam, prior)
         runs = []
         for k in range(a.replays):
-            ests = {name: WatchdogEstimator(cfg.window, cfg.min_decisions, cfg.confidence, cfg.margin)
-                    for name in ESTIMATORS}
+            ests = estimators(cfg, a.window)
             rew, tripped, hind = replay(env, pol, k * a.stride, k, a.decisions, ests, prior)
             base = greedy_runs[k][: len(rew)]
             run: dict[str, Any] = {"start": k * a.stride, "seed": k, "true_diff": float(np.mean(rew) - np.mean(base))}
@@ -208,7 +245,7 @@ def main() -> None:
         rows.append(row)
     out = {"command": "python benchmarks/bench_watchdog.py " + " ".join(sys.argv[1:]), "nproc": os.cpu_count(),
            "python": platform.python_version(), "bundle": "shipped (data/bundles/default)",
-           "watchdog": cfg.model_dump(), "decisions": a.decisions, "stride": a.stride,
+           "watchdog": cfg.model_dump(), "old_window": a.window, "decisions": a.decisions, "stride": a.stride,
            "seconds": round(time.time() - t0, 1), "families": rows}
     cpu = CPU_NS
     if cpu["n"]:
@@ -217,7 +254,7 @@ def main() -> None:
                                       "decisions": cpu["n"]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"watchdog: window {cfg.window}, min_decisions {cfg.min_decisions}, confidence {cfg.confidence}, margin "
+    print(f"watchdog: horizon {cfg.horizon} (cs), window {a.window} (before, twin), min_decisions {cfg.min_decisions}, confidence {cfg.confidence}, margin "
           f"{cfg.margin}; {a.replays} replays x {a.decisions} decisions of the shipped bundle; nproc {os.cpu_count()}")
     print("| champion | true diff to greedy, median [min, max] | replays where worse | estimator | tripped "
           "| false alarms (tripped where not worse) | decisions to trip, median (max) | estimate at trip/end, median |")

@@ -83,22 +83,23 @@ def test_a_champion_better_than_greedy_by_spreading_load_is_not_tripped_with_the
     where it beats greedy on-policy): the router's estimator with greedy judged in the champion's
     state trips it; with greedy judged in its twin it does not, over 2,000 decisions. And
     ``priciest`` (plainly worse) still trips at the first verdict with the twin."""
-    from benchmarks.bench_watchdog import champion, replay
+    from benchmarks.bench_watchdog import champion, estimators, replay
     from models.policy import RewardPrior
     from router.core.settings import WatchdogSettings
-    from router.decision.watchdog import WatchdogEstimator
 
     (env,) = _envs(1)
     prior = RewardPrior.from_env_config(env.cfg)
-    cfg = WatchdogSettings()  # (the router's defaults: window 1000, verdict from 500, 99 %, margin 0.0002)
+    cfg = WatchdogSettings()  # (the router's defaults: verdict from 500, 99 %, margin 0.0002)
 
-    def ests() -> dict[str, WatchdogEstimator]:
-        return {k: WatchdogEstimator(cfg.window, cfg.min_decisions, cfg.confidence, cfg.margin) for k in ("before", "twin")}
+    def ests() -> dict:
+        # the watchdog's old verdict (a fixed-level interval over the last 1,000 terms) without and with
+        # the twin -- the twin's effect alone --, and the router's now (the twin, the confidence sequence)
+        return estimators(cfg)
 
     k = 19
     greedy_rewards = replay(env, None, k * 1200, k, 2000, {}, prior)[0]
     rewards, tripped, _ = replay(env, champion("pricier", prior), k * 1200, k, 2000, ests(), prior)
     assert np.mean(rewards) > np.mean(greedy_rewards)  # better than greedy on-policy
-    assert tripped["before"] is not None and tripped["twin"] is None, tripped
+    assert tripped["before"] is not None and tripped["twin"] is None and tripped["cs"] is None, tripped
     _, tripped, _ = replay(env, champion("priciest", prior), k * 1200, k, 1000, ests(), prior)
-    assert tripped == {"before": 500, "twin": 500}
+    assert tripped == {"before": 500, "twin": 500, "cs": 500}

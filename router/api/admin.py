@@ -72,7 +72,7 @@ class WatchdogReset(BaseModel):
     reason: str | None = Field(None, min_length=1, max_length=500, description="kept in the audit log")
 
 
-@router.post("/watchdog/reset", summary="The champion decides again: the watchdog's window starts anew (audited)",
+@router.post("/watchdog/reset", summary="The champion decides again: the watchdog's confidence sequence starts anew (audited)",
              responses={422: {"model": ErrorResponse, "description": BODY_NOT_JSON_422 + ", or `reason` is "
                               "invalid (named in `fields`)"},
                         503: {"model": ErrorResponse}})  # type: ignore[dict-item]
@@ -80,7 +80,7 @@ async def reset_watchdog(caller: WriteModel,
                          body: Annotated[WatchdogReset | None, Body()] = None) -> dict[str, object]:
     """An operator's word against the watchdog (``router.decision.watchdog``): the audit entry (kind
     ``watchdog``, action ``reset``, the state before and after, the reason) is durable before the
-    reset; then this process's window starts again and the champion decides -- on the other router
+    reset; then this process's confidence sequence starts again and the champion decides -- on the other router
     processes within ``watchdog.sync_s`` (``router.service.watchdog_sync``)."""
     svc = caller.svc
     wd = svc.engine.watchdog

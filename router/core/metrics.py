@@ -129,8 +129,8 @@ class Metrics:
         """Export the champion's watchdog (``router.decision.watchdog``), read from ``describe`` at
         each scrape: ``xroute_watchdog_tripped`` (1 while greedy decides instead of the champion),
         ``xroute_watchdog_estimate`` and ``xroute_watchdog_interval_{lower,upper}`` (champion minus
-        greedy, reward units per decision; NaN before an estimate), ``xroute_watchdog_decisions`` (the
-        window's paired terms)."""
+        greedy, reward units per decision; the confidence sequence's bounds; NaN before an estimate),
+        ``xroute_watchdog_decisions`` (the paired terms since the champion was loaded or reset)."""
         r = self.registry
 
         def read(key: str, k: int = -1) -> Callable[[], float]:
@@ -148,9 +148,10 @@ class Metrics:
                  "state", -1),
                 ("xroute_watchdog_estimate", "The watchdog's estimate of champion minus greedy (reward per decision)",
                  "estimate", -1),
-                ("xroute_watchdog_interval_lower", "The lower bound of the watchdog's interval", "interval", 0),
-                ("xroute_watchdog_interval_upper", "The upper bound of the watchdog's interval", "interval", 1),
-                ("xroute_watchdog_decisions", "Paired decisions in the watchdog's window", "n", -1)):
+                ("xroute_watchdog_interval_lower", "The lower bound of the watchdog's confidence sequence", "interval", 0),
+                ("xroute_watchdog_interval_upper", "The upper bound of the watchdog's confidence sequence", "interval", 1),
+                ("xroute_watchdog_decisions", "Paired decisions since the champion was loaded (or the watchdog reset)",
+                 "n", -1)):
             Gauge(name, doc, registry=r).set_function(read(key, k))
 
     def error(self, route: str, status: int) -> None:

@@ -58,12 +58,34 @@ is left of the bias (docs/ope.md). A decision's ``delta`` is kept in this proces
 feedback (at most ``TWIN_PENDING``); a champion's decision whose feedback reaches a process that
 did not decide it (another router, or this one after a restart) has none and is left out.
 
-**The verdict.** Over the last ``window`` terms: the mean and a normal interval at
-``confidence`` (``mean +- z * sd / sqrt(n)``). From ``min_decisions`` terms on, an upper bound
-below ``-margin`` *trips* the watchdog: the ``watchdog`` stage makes every later decision greedy's
-(the answer's ``policy`` says ``watchdog``), and it stays tripped -- no more terms are added --
-until a new champion version is loaded (the window starts again for it) or an operator resets it
-(``POST /v1/admin/watchdog/reset``, audited; the window starts again).
+**The verdict: a confidence sequence** (anytime-valid). The terms are averaged over *every*
+decision of the champion since it was loaded (or since the last reset): the running mean and a
+two-sided **asymptotic confidence sequence** at ``confidence`` around it (Waudby-Smith, Arbour,
+Sinha, Kennedy & Ramdas, "Time-uniform central limit theory and asymptotic confidence sequences",
+Annals of Statistics 2024, arXiv:2103.06476, Theorem 2.2; its boundary is Robbins' normal mixture
+with the variance estimated)::
+
+    mean +- sd * sqrt( 2 (n rho^2 + 1) / (n^2 rho^2) * log( sqrt(n rho^2 + 1) / alpha ) )
+
+with ``alpha = 1 - confidence``, ``sd`` the terms' sample standard deviation and ``rho`` chosen so
+the boundary is tightest at ``horizon`` terms (``rho^2 = (-W_-1(-alpha^2 / e) - 1) / horizon``, the
+paper's exact optimum; :func:`cs_rho2`). From ``min_decisions`` terms on, the verdict is read
+after every new term, and an upper bound below ``-margin`` *trips* the watchdog. Why a confidence
+sequence: the verdict is read after every term, and a fixed-level interval (``mean +- z * sd /
+sqrt(n)``, :func:`normal_interval`, what the watchdog used before) read that way is optional
+stopping -- its chance of *ever* lying wholly below the truth over 1,500 looks is several times
+``alpha`` (``tests/test_watchdog.py`` measures it); the confidence sequence holds the running mean
+of the terms' means at every ``n`` at once with probability about ``confidence`` (asymptotically:
+the normal approximation, as the fixed interval's), so reading it after every term is what it is
+for. Why every term since loading and not a sliding window: a confidence sequence restarted or
+slid over windows is no longer anytime-valid (each window is a fresh chance to cross). The cost: a
+champion that turns bad late is judged on its whole history, so its verdict comes later, the
+later the more good decisions it made first; an operator's reset (below) starts the sequence
+again. It keeps only the count, the mean and the sum of squared deviations (Welford), no terms.
+Tripped, the ``watchdog`` stage makes every later decision greedy's (the answer's ``policy`` says
+``watchdog``), and it stays tripped -- no more terms are added -- until a new champion version is
+loaded (the sequence starts again for it) or an operator resets it (``POST
+/v1/admin/watchdog/reset``, audited; the sequence starts again).
 
 **Who feeds it.** ``POST /v1/feedback`` (``router.service.outcomes.record_feedback``) and the
 gateway's own measurement of an attempt (``router.gateway.service``: for a champion's decision, one
@@ -76,7 +98,7 @@ router's share only, and the state it models is part greedy's, part the champion
 A trip and a reset are audit entries every router process reads
 (``router.service.watchdog_sync``): a trip anywhere makes greedy decide on every router within
 ``watchdog.sync_s``, a reset anywhere hands the decisions back everywhere. The estimates are per
-process (each from the outcomes it receives), in memory: a restart starts its window again (and
+process (each from the outcomes it receives), in memory: a restart starts its sequence again (and
 adopts the last shared verdict on the champion it loads).
 """
 
@@ -86,12 +108,13 @@ import math
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+from scipy.special import lambertw
 
 from envs.twin import GreedyTwin
 from models.policy import RewardPrior
@@ -126,7 +149,9 @@ def paired_term(q_c: float, q_g: float, q_a: float, served_c: bool, served_g: bo
 
 
 def normal_interval(terms: np.ndarray, confidence: float) -> tuple[float, float, float]:
-    """(mean, lower, upper) of the normal interval over ``terms`` at two-sided ``confidence``."""
+    """(mean, lower, upper) of the fixed-level normal interval over ``terms`` at two-sided
+    ``confidence``: valid read once, not after every term (the verdict's confidence sequence is;
+    module docstring). Kept as the comparison the tests and ``benchmarks/bench_watchdog.py`` make."""
     n = terms.size
     mean = float(terms.mean())
     if n < 2:
@@ -136,16 +161,39 @@ def normal_interval(terms: np.ndarray, confidence: float) -> tuple[float, float,
     return mean, mean - half, mean + half
 
 
-class WatchdogEstimator:
-    """The window of paired terms, the calibration and the verdict -- no router, no I/O: what the
-    router runs and what ``tools/watchdog_replay.py`` measures."""
+def cs_rho2(horizon: int, confidence: float) -> float:
+    """The confidence sequence's ``rho^2`` that makes its boundary tightest at ``horizon`` terms:
+    ``(-W_-1(-alpha^2 / e) - 1) / horizon``, ``alpha = 1 - confidence`` (Waudby-Smith et al. 2024,
+    the exact optimum of the normal-mixture boundary; ``W_-1`` the lower branch of Lambert's W)."""
+    alpha = 1.0 - confidence
+    return float(-lambertw(-alpha * alpha / math.e, -1).real - 1.0) / horizon
 
-    def __init__(self, window: int, min_decisions: int, confidence: float, margin: float):
-        self.window, self.min_decisions, self.confidence, self.margin = window, min_decisions, confidence, margin
+
+def cs_halfwidth(n: Any, sd: Any, confidence: float, rho2: float) -> Any:
+    """The two-sided asymptotic confidence sequence's half-width after ``n`` terms of sample
+    standard deviation ``sd`` (module docstring; Waudby-Smith et al. 2024, Theorem 2.2):
+    ``sd * sqrt(2 (n rho^2 + 1) / (n^2 rho^2) * log(sqrt(n rho^2 + 1) / alpha))``. Scalars or
+    numpy arrays (the tests evaluate it over many simulated sequences at once)."""
+    v = np.asarray(n, dtype=float) * rho2 + 1.0
+    return sd * np.sqrt(2.0 * v / (np.square(np.asarray(n, dtype=float)) * rho2)
+                        * np.log(np.sqrt(v) / (1.0 - confidence)))
+
+
+class WatchdogEstimator:
+    """The paired terms' running mean and confidence sequence since the champion was loaded, the
+    calibration and the verdict -- no router, no I/O: what the router runs and what
+    ``benchmarks/bench_watchdog.py`` measures. ``horizon``: the number of terms at which the
+    confidence sequence is tightest (:func:`cs_rho2`)."""
+
+    def __init__(self, horizon: int, min_decisions: int, confidence: float, margin: float):
+        self.horizon, self.min_decisions, self.confidence, self.margin = horizon, min_decisions, confidence, margin
+        self.rho2 = cs_rho2(horizon, confidence)
         self.reset()
 
     def reset(self) -> None:
-        self.terms: deque[float] = deque(maxlen=self.window)
+        # the terms since the start: their number, mean and sum of squared deviations (Welford)
+        self.n = 0
+        self._mean = self._m2 = 0.0
         # the residuals (reward - prior of the served) of the decisions seen so far, and of those
         # that served greedy's choice
         self._n = self._ng = 0
@@ -162,6 +210,18 @@ class WatchdogEstimator:
             return self._srg / self._ng
         return self._sr / self._n if self._n >= CALIBRATE_MIN else 0.0
 
+    def add(self, d: float) -> None:
+        """One term into the running mean and the estimate (mean, lower, upper): the confidence
+        sequence's bounds (module docstring)."""
+        self.n += 1
+        step = d - self._mean
+        self._mean += step / self.n
+        self._m2 += step * (d - self._mean)
+        if self.n < 2:
+            return
+        half = float(cs_halfwidth(self.n, math.sqrt(self._m2 / (self.n - 1)), self.confidence, self.rho2))
+        self.estimate = (self._mean, self._mean - half, self._mean + half)
+
     def observe(self, prior_c: float, prior_g: float, prior_a: float, served_c: bool, served_g: bool, p: float,
                 r: float, twin: float = 0.0) -> bool:
         """Add one decision's term (its q from the calibration *before* its own reward), then fold
@@ -171,19 +231,20 @@ class WatchdogEstimator:
         if self.tripped:
             return False
         alpha = self.calibration()
-        self.terms.append(paired_term(prior_c + alpha, prior_g + alpha + twin, prior_a + alpha, served_c, served_g, p,
-                                      r))
+        self.add(paired_term(prior_c + alpha, prior_g + alpha + twin, prior_a + alpha, served_c, served_g, p, r))
         self._n += 1
         self._sr += r - prior_a
         if served_g:
             self._ng += 1
             self._srg += r - prior_a
         self.seen += 1
-        n = len(self.terms)
-        if n < 2:
-            return False
-        self.estimate = normal_interval(np.fromiter(self.terms, float, n), self.confidence)
-        if n >= self.min_decisions and self.estimate[2] < -self.margin:
+        return self.judge()
+
+    def judge(self) -> bool:
+        """The verdict on the terms so far (read after every term): trips -- and says True -- from
+        ``min_decisions`` terms on when the confidence sequence's upper bound is below ``-margin``."""
+        if not self.tripped and self.estimate is not None and self.n >= self.min_decisions \
+                and self.estimate[2] < -self.margin:
             self.tripped = True
             return True
         return False
@@ -202,10 +263,10 @@ class Watchdog:
         self.prior = prior
         self.catalog_key = catalog_key
         self.index = {o: i for i, o in enumerate(offering_ids)}
-        self.est = WatchdogEstimator(settings.window, settings.min_decisions, settings.confidence, settings.margin)
-        #: the champion version the window is about (None: none yet)
+        self.est = WatchdogEstimator(settings.horizon, settings.min_decisions, settings.confidence, settings.margin)
+        #: the champion version the sequence is about (None: none yet)
         self.version: str | None = None
-        #: since when the state holds (wall seconds): the window's start, or the trip
+        #: since when the state holds (wall seconds): the sequence's start, or the trip
         self.since = time.time()
         self.tripped = False
         self.resets = 0
@@ -242,7 +303,7 @@ class Watchdog:
                 pend.popitem(last=False)
 
     def follow(self, version: str | None) -> None:
-        """The champion now loaded is ``version``: a new one starts the window again (and untrips),
+        """The champion now loaded is ``version``: a new one starts the sequence again (and untrips),
         tripped at once when another router's last verdict on it was a trip."""
         if version != self.version:
             with self._lock:
@@ -255,7 +316,7 @@ class Watchdog:
 
     def shared_verdict(self, version: str, action: str, after: dict[str, Any]) -> None:
         """Another router's verdict (``router.service.watchdog_sync``): kept for ``version``; a trip
-        of the champion watched here trips this process too, a reset of it starts the window again.
+        of the champion watched here trips this process too, a reset of it starts the sequence again.
         This process's own verdicts are only kept."""
         self.shared[version] = (action, after)
         if after.get("by") == self.token:
@@ -293,7 +354,7 @@ class Watchdog:
         self.since = time.time()
 
     def reset(self, principal: str) -> dict[str, Any]:
-        """An operator's reset: the window starts again and greedy is no longer forced. Returns the
+        """An operator's reset: the sequence starts again and greedy is no longer forced. Returns the
         state before and after (for the audit entry and the answer)."""
         with self._lock:
             before = self.describe()
@@ -356,7 +417,7 @@ class Watchdog:
             return "idle"
         if self.tripped:
             return "tripped"
-        return "ok" if len(self.est.terms) >= self.est.min_decisions else "watching"
+        return "ok" if self.est.n >= self.est.min_decisions else "watching"
 
     def describe(self) -> dict[str, Any]:
         """``/v1/offerings``' ``watchdog``: the state (off, unavailable: no features logged, idle: no
@@ -365,5 +426,5 @@ class Watchdog:
         est = self.est.estimate
         return {"state": self.state(), "estimate": None if est is None else est[0],
                 "interval": None if est is None or not math.isfinite(est[1]) else [est[1], est[2]],
-                "n": len(self.est.terms), "since": iso(self.since), "version": self.version,
-                "window": self.est.window, "confidence": self.est.confidence}
+                "n": self.est.n, "since": iso(self.since), "version": self.version,
+                "horizon": self.est.horizon, "confidence": self.est.confidence}

@@ -6,9 +6,9 @@ resource the champion version, ``after`` the state with the process that made it
 by the process that tripped or was reset -- durable before a reset is answered. Every process
 reads the new entries every ``watchdog.sync_s`` (:func:`follow`) and applies the others': a trip of
 the champion it serves trips it too (greedy decides on every router within about ``sync_s``), a
-reset of it starts its window again. Each process keeps the last verdict per version, so a process
-that loads that version later (a new worker, a restart) starts from it. The estimates themselves
-stay per process.
+reset of it starts its confidence sequence again. Each process keeps the last verdict per version,
+so a process that loads that version later (a new worker, a restart) starts from it. The estimates
+themselves stay per process.
 """
 
 from __future__ import annotations

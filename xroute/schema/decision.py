@@ -315,12 +315,14 @@ class WatchdogState(BaseModel):
         description="off: disabled; unavailable: log_features false; idle: no champion loaded; watching: fewer "
                     "decisions with feedback than min_decisions; ok: the champion decides; tripped: greedy decides")
     estimate: float | None = Field(None, description="the mean paired doubly robust difference champion - greedy "
-                                                     "(reward units per decision) over the window")
-    interval: list[float] | None = Field(None, description="its normal interval at the configured confidence")
-    n: int = Field(description="paired terms in the window")
-    since: str = Field(description="when the state began (the window's start, or the trip)")
+                                                     "(reward units per decision) over every term since the champion "
+                                                     "was loaded (or the watchdog reset)")
+    interval: list[float] | None = Field(None, description="its confidence sequence's bounds now at the configured "
+                                                           "confidence (time-uniform: valid read after every term)")
+    n: int = Field(description="paired terms since the champion was loaded (or the watchdog reset)")
+    since: str = Field(description="when the state began (the sequence's start, or the trip)")
     version: str | None = Field(None, description="the champion version watched")
-    window: int
+    horizon: int = Field(description="the number of terms at which the confidence sequence is tightest")
     confidence: float
 
 
