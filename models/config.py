@@ -238,6 +238,12 @@ class DataConfig(Strict):
         default_factory=lambda: [1.0, 4.0], min_length=1,
         description="loads each selection window is replayed at; a candidate's score is its worst paired difference "
                     "to greedy over every window and load (robust to the one it was not selected for)")
+    selection_families: list[GateFamily] = Field(
+        default_factory=list,
+        description="more selection windows, by family: the *validation* windows of the family's bundles (default: "
+                    "data.selection) relabelled into its tenants (SLO scales, capacity_scale) at its rates, so the "
+                    "margin's calibration and the trial choice see a shift in what requests ask for; never a gate "
+                    "family's recipe (the gate's families stay unseen); none by default (configs/train.yaml sets one)")
     gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
     gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
     gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
@@ -286,7 +292,19 @@ class DataConfig(Strict):
                     raise ValueError(f"train_families[{i}].bundles[{k}]: '{b}' is not one of data.train")
         return self
 
-    @field_validator("gate_families", "train_families")
+    @model_validator(mode="after")
+    def _selection_families_unlike_the_gates(self) -> DataConfig:
+        def recipe(f: GateFamily) -> Any:
+            return ({k: (t.share, t.slo_scale) for k, t in f.tenants.items()}, f.capacity_scale, f.seed)
+
+        for i, fam in enumerate(self.selection_families):
+            for j, g in enumerate(self.gate_families):
+                if recipe(fam) == recipe(g):
+                    raise ValueError(f"selection_families[{i}]: the recipe of gate_families[{j}] '{g.name}' (the "
+                                     "gate's families stay unseen by the selection)")
+        return self
+
+    @field_validator("gate_families", "train_families", "selection_families")
     @classmethod
     def _family_names(cls, v: list[GateFamily]) -> list[GateFamily]:
         names = [f.name for f in v]

@@ -9,7 +9,10 @@
 * **Selection** (warm-start epoch, DQN checkpoint, margin, trial): the validation windows of the
   ``data.selection`` bundles (never trained on: the training mix holds train windows only), each at
   each of ``data.selection_rates``; a candidate's score is its worst paired difference in mean
-  reward to greedy over those windows and loads.
+  reward to greedy over those windows and loads. ``data.selection_families`` add the validation
+  windows of their bundles relabelled into their tenants (SLO scales; :func:`family_bundle`, the
+  gate families' one definition) at their rates: a shift in what requests ask for that the
+  margin's calibration and the trial choice see -- validation windows only, never a test window.
 * **Gate and report**: the test windows of the ``data.gate`` bundles at each of ``data.gate_rates``,
   which no selection saw; the routers start from the outputs of the windows before (``history``).
 * **Episodes**: the environment config a training episode runs with (:func:`train_env_config`)
@@ -190,6 +193,14 @@ def build_scenarios(cfg: TrainConfig, telemetry: str | Path | None = None) -> Sc
         sp = splits(ref, f"train config: field 'data.selection[{k}]'")
         for r in d.selection_rates:
             selection.append(Scenario(f"{_label(ref)} x{r:g}", sp.bundles["validation"], sp.history("validation"), r))
+    for i, fam in enumerate(d.selection_families if one is None else []):  # validation windows only
+        for k, ref in enumerate(fam.bundles or d.selection):
+            b = family_bundle(bundle(ref, f"train config: field 'data.selection_families[{i}].bundles[{k}]'"), fam)
+            sp = split_bundle(b, cfg.split)
+            hashes[f"selection:{fam.name}/{_label(ref)}"] = b.content_hash
+            for r in fam.rates:
+                selection.append(Scenario(f"{fam.name}:{_label(ref)} x{r:g}", sp.bundles["validation"],
+                                          sp.history("validation"), r, family=fam.name))
     gate = []
     for k, ref in enumerate([names["gate"]] if one is not None else d.gate):
         sp = splits(ref, f"train config: field 'data.gate[{k}]'")

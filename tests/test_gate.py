@@ -164,3 +164,72 @@ def test_training_families_add_randomized_copies_of_the_train_windows_and_key_th
     assert label_key(plain, "h", env_cfg) != label_key(cfg, "h", env_cfg)
     with pytest.raises(ConfigError, match=r"data.*train_families\[0\].bundles\[0\]: 'nope' is not one of data.train"):
         parse_config(TrainConfig, {"data": {"train_families": [{**mix, "bundles": ["nope"]}]}}, "t")
+
+
+def _selection_family_cfg(setup: dict[str, Any], families: list[dict[str, Any]],
+                          gate_families: list[dict[str, Any]] | None = None) -> TrainConfig:
+    raw = yaml.safe_load(Path(setup["train_yaml"]).read_text())
+    raw.pop("telemetry")
+    raw["data"] = {**raw["data"], "train": [str(setup["bundle"])], "selection": [str(setup["bundle"])],
+                   "selection_rates": [1.0], "gate": [str(setup["bundle"])], "gate_rates": [1.0],
+                   "gate_overload": None, "gate_families": gate_families or [], "train_families": [],
+                   "selection_families": families}
+    return parse_config(TrainConfig, raw, "test")
+
+
+def test_selection_families_are_validation_windows_relabelled_never_a_test_window(tmp_path: Path) -> None:
+    """``data.selection_families``: the selection also sees its bundles' *validation* windows with the
+    requests relabelled into the family's tenants (SLOs rescaled) -- the same requests at the same
+    times as the plain validation window, none of the test window's (which the gate judges on)."""
+    from models.scenarios import build_scenarios, split_bundle
+    from xroute.bundle import load_bundle
+
+    setup = write_agent_setup(tmp_path)
+    mix = {"name": "slo-mix", "rates": [1.0, 2.0],
+           "tenants": {"strict": {"share": 0.5, "slo_scale": 0.6}, "relaxed": {"share": 0.5, "slo_scale": 1.6}}}
+    cfg = _selection_family_cfg(setup, [mix])
+    sc = build_scenarios(cfg)
+    assert [(s.label, s.family, s.rate) for s in sc.selection] == [
+        ("bundle x1", "bundle", 1.0), ("slo-mix:bundle x1", "slo-mix", 1.0), ("slo-mix:bundle x2", "slo-mix", 2.0)]
+    windows = split_bundle(load_bundle(setup["bundle"]), cfg.split).bundles
+    val, test = windows["validation"].workload, windows["test"].workload
+    for s in sc.selection[1:]:
+        w = s.bundle.workload
+        assert w["request_id"].tolist() == val["request_id"].tolist()  # the validation window, whole
+        assert w["ts"].tolist() == val["ts"].tolist()
+        assert not set(w["request_id"]) & set(test["request_id"])  # and nothing of the test window
+        assert w["ts"].max() < test["ts"].min()
+        assert set(w["tenant"]) == {"strict", "relaxed"}
+        ratio = (w["ttft_ms"] / val["ttft_ms"]).round(6)
+        assert set(ratio[w["tenant"] == "strict"]) == {0.6} and set(ratio[w["tenant"] == "relaxed"]) == {1.6}
+    assert "selection:slo-mix/bundle" in sc.bundle_hashes
+    assert sc.bundle_hashes["selection:slo-mix/bundle"] != sc.bundle_hashes["bundle"]
+    assert [s.label for s in sc.gate] == ["bundle x1"]  # the gate unchanged
+
+
+@pytest.mark.parametrize(("families", "gate_families", "field"), [
+    ([{"name": "a"}, {"name": "a"}], None, "data.selection_families.*'a' repeats"),
+    ([{"name": "overload"}], None, "data.selection_families.*reserved"),
+    ([{"name": "a", "rates": [0]}], None, r"data.selection_families.0.rates"),
+    ([{"name": "a", "tenants": {"t": {"share": 0}}}], None, r"data.selection_families.0.tenants.t.share"),
+    ([{"name": "a", "window": "test"}], None, r"data.selection_families.0.window"),
+    ([{"name": "b", "tenants": {"s": {"share": 0.5, "slo_scale": 0.5}, "r": {"share": 0.5, "slo_scale": 2.0}}}],
+     [{"name": "sr", "tenants": {"s": {"share": 0.5, "slo_scale": 0.5}, "r": {"share": 0.5, "slo_scale": 2.0}}}],
+     r"data.*selection_families\[0\]: the recipe of gate_families\[0\] 'sr'"),
+])
+def test_a_bad_selection_family_is_a_config_error_naming_the_field(
+        tmp_path: Path, families: list[dict[str, Any]], gate_families: list[dict[str, Any]] | None,
+        field: str) -> None:
+    setup = write_agent_setup(tmp_path)
+    with pytest.raises(ConfigError, match=field) as e:
+        _selection_family_cfg(setup, families, gate_families)
+    assert "\n" not in str(e.value)
+
+
+def test_a_selection_family_naming_a_missing_bundle_says_which_field(tmp_path: Path) -> None:
+    from models.scenarios import build_scenarios
+
+    setup = write_agent_setup(tmp_path)
+    cfg = _selection_family_cfg(setup, [{"name": "x", "bundles": [str(tmp_path / "nowhere")]}])
+    with pytest.raises(ConfigError, match=r"data.selection_families\[0\].bundles\[0\]"):
+        build_scenarios(cfg)
