@@ -132,12 +132,14 @@ def test_a_bad_family_is_a_config_error_naming_the_field(tmp_path: Path, familie
     assert "\n" not in str(e.value)
 
 
-def test_a_family_naming_a_missing_bundle_says_which_field(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["gate_families", "selection_families"])
+def test_a_family_naming_a_missing_bundle_says_which_field(tmp_path: Path, kind: str) -> None:
     from models.scenarios import build_scenarios
 
     setup = write_agent_setup(tmp_path)
-    cfg = _family_cfg(setup, [{"name": "x", "bundles": [str(tmp_path / "nowhere")]}])
-    with pytest.raises(ConfigError, match=r"data.gate_families\[0\].bundles\[0\]"):
+    family = [{"name": "x", "bundles": [str(tmp_path / "nowhere")]}]
+    cfg = _family_cfg(setup, family) if kind == "gate_families" else _selection_family_cfg(setup, family)
+    with pytest.raises(ConfigError, match=rf"data.{kind}\[0\].bundles\[0\]"):
         build_scenarios(cfg)
 
 
@@ -226,10 +228,3 @@ def test_a_bad_selection_family_is_a_config_error_naming_the_field(
     assert "\n" not in str(e.value)
 
 
-def test_a_selection_family_naming_a_missing_bundle_says_which_field(tmp_path: Path) -> None:
-    from models.scenarios import build_scenarios
-
-    setup = write_agent_setup(tmp_path)
-    cfg = _selection_family_cfg(setup, [{"name": "x", "bundles": [str(tmp_path / "nowhere")]}])
-    with pytest.raises(ConfigError, match=r"data.selection_families\[0\].bundles\[0\]"):
-        build_scenarios(cfg)
