@@ -1118,12 +1118,8 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.C = np.zeros((kernels.N_OUT, self.n))
             self.c_mask = np.zeros(self.n, dtype=bool)
         m = model
-        busy_valid, slots_valid = kernels.candidate_outcomes_into(
-            self.C, self.c_mask, self.est_min[m], self.inflight[m], self.inv_replicas[m], self.conc_m1[m],
-            self.ext_util_conc[m], self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt,
-            self.cost_rate[m], self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, est_out, self.r_max_out,
-            self.r_ttft, self.r_tpot, dl, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s, self.view_others[m],
-            self.view_service_s[m], self.view_server_busy[m], self.r_cached, self.r_sess_here)
+        busy_valid, slots_valid = self.outcomes_into(self.C, self.c_mask, self.est_min[m], self.inflight[m],
+                                                     self.view_server_busy[m], rtt)
         self.c_load = min(busy_valid / max(slots_valid, 1.0), 1.0)
         self.c_rtt = rtt
         self.r_excl_quota = int((self.quota_blocked & self.fits[m] & (self.slots[m] > 0)).sum()) \
@@ -1157,6 +1153,21 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self._recent.append(t)
         while self._recent and self._recent[0] < t - 10.0:
             self._recent.popleft()
+
+    def outcomes_into(self, C: np.ndarray, mask: np.ndarray, est_min: np.ndarray, inflight: np.ndarray,
+                      server_busy: np.ndarray, rtt: float) -> tuple[float, float]:
+        """The current request's expectations on every offering (``kernels.candidate_outcomes_into``
+        into ``C`` and ``mask``) on a view of the router's own work -- its pools' expected first
+        releases ``est_min``, its requests in flight ``inflight`` and the servers' reported load
+        ``server_busy`` (the real view's, or greedy's twin's: ``envs.twin``) -- with everything
+        else the request's and the telemetry's. Returns the busy and total slots of the valid."""
+        m, t = self.r_m, self.t
+        return kernels.candidate_outcomes_into(  # type: ignore[no-any-return]
+            C, mask, est_min, inflight, self.inv_replicas[m], self.conc_m1[m], self.ext_util_conc[m],
+            self.inv_prefill[m], self.tpot_s[m], self.tpot_growth_s[m], self.sigma[m], rtt, self.cost_rate[m],
+            self.static_ok[m], self.hazard, self.slots[m], t, self.r_in, self.r_est_out, self.r_max_out, self.r_ttft,
+            self.r_tpot, self.r_deadline, self.cfg.queue_timeout_s, 0.5 * self.cfg.spot_lag_s, self.view_others[m],
+            self.view_service_s[m], server_busy, self.r_cached, self.r_sess_here)
 
     def _apply_budget(self, budget: LiveBudget, refuse: int) -> None:
         """The current request's budget: its features, and the offerings it cannot afford masked

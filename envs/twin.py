@@ -25,7 +25,7 @@ its favourite pools. The twin is that counterfactual state, kept beside the real
   (refused after ranking, failed) ends in the twin at its expected end. No foresight: each
   release uses only what the router knew by then;
 * **greedy's choice and value there** are the environment's own expectations for the current
-  request (``envs.kernels.candidate_outcomes_into``, ``expected_rewards``, ``rank``), with the
+  request (``CloudRouteEnv.outcomes_into``, ``expected_rewards``, ``rank``), with the
   same inputs as the real decision's -- telemetry, the request, the prefix view, other routers'
   work, the pools' observed service times -- except this router's in-flight counts and expected
   slot releases, which are the twin's (and a pool's scraped load, where its servers report it,
@@ -170,12 +170,7 @@ class GreedyTwin:
         if (sb >= 0.0).any():
             sb = np.where(sb >= 0.0, np.maximum(sb - e.inflight[m] + self.inflight[m], 0.0), sb)
         C, mask = self.C, self.mask
-        kernels.candidate_outcomes_into(
-            C, mask, self.est_min[m], self.inflight[m], e.inv_replicas[m], e.conc_m1[m], e.ext_util_conc[m],
-            e.inv_prefill[m], e.tpot_s[m], e.tpot_growth_s[m], e.sigma[m], e.c_rtt, e.cost_rate[m], e.static_ok[m],
-            e.hazard, e.slots[m], t, e.r_in, e.r_est_out, e.r_max_out, e.r_ttft, e.r_tpot, e.r_deadline,
-            e.cfg.queue_timeout_s, 0.5 * e.cfg.spot_lag_s, e.view_others[m], e.view_service_s[m], sb, e.r_cached,
-            e.r_sess_here)
+        e.outcomes_into(C, mask, self.est_min[m], self.inflight[m], sb, e.c_rtt)
         # the real valid set, with each pool's wait judged on the twin's queue: a pool the real queue
         # timed out comes back when everything else allows it
         timed_out = e.static_ok[m] & (e.C[kernels.WAIT] > e.cfg.queue_timeout_s) & e.r_allowed

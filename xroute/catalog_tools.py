@@ -117,7 +117,7 @@ def split_tiers(bundle: Bundle, tiers: list[ServingTier], slots: dict[str, int],
             cap.iloc[k] = left[oid]
     out["capacity_replicas"] = cap
     out["max_batch"] = out["max_batch"].astype(int)
-    tag = ",".join(f"{t.offering}#{t.name}={t.replicas}x{t.max_batch}" for t in tiers)
+    tag = ",".join(f"{tier_offering_id(t.offering, t.name)}={t.replicas}x{t.max_batch}" for t in tiers)
     return replace(b, offerings=out, content_hash=bundle.content_hash + f"-tiers[{tag}]")
 
 
