@@ -335,10 +335,29 @@ def family_bundle(bundle: Bundle, fam: Any) -> Bundle:
     return bundle
 
 
-def overload_scenario(path: str | Path, split: SplitConfig) -> tuple[Scenario, dict[str, Any]]:
+def thin_tenants(bundle: Bundle, keep: dict[str, float], seed: int) -> Bundle:
+    """The bundle with a share ``keep[t]`` (0..1) of tenant ``t``'s requests kept, drawn by a hash of
+    the request id and ``seed`` (another draw than :func:`relabel_tenants`'), the rest dropped: the
+    other tenants' requests are the same ones at the same times. ``tools/overload.py --share`` runs
+    the overload scenario with the noisy tenant at its fair share this way."""
+    from dataclasses import replace
+
+    w = bundle.workload
+    ids = w["request_id"].astype(str)
+    u = (pd.util.hash_pandas_object(ids + f"#thin{seed}", index=False).to_numpy() % 1_000_003) / 1_000_003.0
+    frac = w["tenant"].map(keep).fillna(1.0).to_numpy(dtype=float)
+    w = w[u < frac].reset_index(drop=True)
+    tag = "-".join(f"{k}{v:g}" for k, v in sorted(keep.items()))
+    return replace(bundle, workload=w, content_hash=bundle.content_hash + f"-thin{seed}-{tag}")
+
+
+def overload_scenario(path: str | Path, split: SplitConfig,
+                      shares: dict[str, float] | None = None) -> tuple[Scenario, dict[str, Any]]:
     """The overload scenario of ``path`` (``configs/overload.yaml``): its window's bundle on the
     named offerings with the tenants relabelled, and the env settings it runs under (no tenant
-    budgets; the admission's tenants). A ConfigError names a bad field."""
+    budgets; the admission's tenants). ``shares`` sends a tenant at a lower share of the stream than
+    the config's by dropping the rest of its requests (:func:`thin_tenants`; the isolation check: the
+    noisy tenant at its fair share against at 10x it). A ConfigError names a bad field."""
     from xroute.catalog_tools import select_offerings
     from xroute.config import parse_config, read_yaml
 
@@ -350,6 +369,15 @@ def overload_scenario(path: str | Path, split: SplitConfig) -> tuple[Scenario, d
         tiered["policies"] = oc.policies
     b = select_offerings(resolve_bundle(oc.bundle, f"{path}: field 'bundle'"), oc.offerings)
     b = relabel_tenants(b, {k: t.share for k, t in oc.tenants.items()}, oc.seed)
+    for name, share in (shares or {}).items():
+        if name not in oc.tenants:
+            raise ConfigError(f"{path}: share for tenant '{name}': no such tenant (the config's: "
+                              f"{', '.join(oc.tenants)})")
+        if not 0 < share <= oc.tenants[name].share:
+            raise ConfigError(f"{path}: share for tenant '{name}': {share:g} must be in (0, "
+                              f"{oc.tenants[name].share:g}], its share in the config (requests are only dropped)")
+    if shares:
+        b = thin_tenants(b, {k: v / oc.tenants[k].share for k, v in shares.items()}, oc.seed)
     sp = split_bundle(b, split)
     sc = Scenario(f"{_label(oc.bundle)} overload x{oc.rate_scale:g}", sp.bundles[oc.window], sp.history(oc.window),
                   oc.rate_scale, env={"tenants": {}, "admission": adm, **tiered})

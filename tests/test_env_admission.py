@@ -4,6 +4,7 @@ the router's rules (``xroute.admission_rules``) applied before each placement.""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -410,3 +411,29 @@ def test_under_overload_the_critical_band_starts_in_time_and_sheddable_takes_the
     shed = {b: np.mean([r["admission"] == ar.SHED for r in by[b]]) for b in ar.BANDS}
     assert in_time["critical"] >= 0.97, in_time
     assert shed["sheddable"] > shed["standard"] > shed["critical"], shed
+
+
+def test_a_tenant_at_a_lower_share_drops_only_its_own_requests(overload: tuple[Any, EvaluateConfig]) -> None:
+    """``overload_scenario(..., shares=)`` (``tools/overload.py --share``, the isolation check): the
+    noisy tenant at the quiet one's share keeps about a tenth of its requests; every other tenant's
+    requests are the same ones at the same times. A share above the config's or an unknown tenant is a
+    config error naming it."""
+    from models.config import TrainConfig
+    from models.scenarios import overload_scenario
+    from xroute.config import config_path, load_config
+    from xroute.errors import ConfigError
+
+    split = load_config(TrainConfig, config_path("configs/train.yaml")).split
+    full = overload[0].bundle.workload
+    thin = overload_scenario(config_path("configs/overload.yaml"), split, {"noisy": 0.05})[0].bundle.workload
+    cols = ["request_id", "ts", "tenant"]
+    for tenant in ("checkout", "quiet", "batch"):
+        a, b = full[full.tenant == tenant][cols], thin[thin.tenant == tenant][cols]
+        assert len(a) > 50 and a.reset_index(drop=True).equals(b.reset_index(drop=True)), tenant
+    n_full, n_thin = int((full.tenant == "noisy").sum()), int((thin.tenant == "noisy").sum())
+    assert n_full > 1000 and 0.07 < n_thin / n_full < 0.13, (n_thin, n_full)
+    assert set(thin[thin.tenant == "noisy"].request_id) < set(full[full.tenant == "noisy"].request_id)
+    for bad, field in [({"noisy": 0.6}, "must be in (0, 0.5]"), ({"noisy": 0.0}, "must be in"),
+                       ({"nobody": 0.1}, "no such tenant")]:
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            overload_scenario(config_path("configs/overload.yaml"), split, bad)

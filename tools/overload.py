@@ -6,6 +6,8 @@ per tenant SLO attainment, goodput, shed and queued counts, queue wait p95, Jain
     .venv/bin/python tools/overload.py [--config overload.yaml] [--seeds 3] [--policies greedy ...]
         [--rates 1 2 4]   (the load; default the config's rate_scale)
         [--tiers both|on|off] [--admission both|on|off]
+        [--share noisy=0.05 ...]   (a tenant at a lower share: its other requests dropped; the
+                                    isolation check, the noisy tenant at the quiet one's share)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from models import evaluate as ev
 from models.config import TrainConfig
 from models.scenarios import eval_env_config, overload_scenario
 from xroute.config import EvaluateConfig, config_path, load_config
+from xroute.errors import ConfigError
 
 KEYS = ("slo_attainment[band=critical]", "slo_attainment[band=standard]", "slo_attainment[band=sheddable]",
         "slo_attainment[tenant=quiet]", "slo_attainment[tenant=noisy]", "goodput_rps", "shed[band=critical]",
@@ -39,11 +42,23 @@ def main() -> None:
     ap.add_argument("--tiers", choices=("both", "on", "off"), default="both",
                     help="with the config's tiers and policies, without both, or each (default)")
     ap.add_argument("--admission", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--share", nargs="+", default=[], metavar="TENANT=SHARE",
+                    help="run with these tenants at a lower share of the stream (their other requests dropped)")
     ap.add_argument("--out", default="reports/overload.json")
     args = ap.parse_args()
+    shares = {}
+    for item in args.share:
+        name, _, value = item.partition("=")
+        try:
+            shares[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"overload: --share {item!r}: expected TENANT=SHARE with a number") from None
     ecfg = load_config(EvaluateConfig, config_path("configs/evaluate.yaml"))
     tcfg = load_config(TrainConfig, config_path("configs/train.yaml"))
-    sc, meta = overload_scenario(config_path(args.config), tcfg.split)
+    try:
+        sc, meta = overload_scenario(config_path(args.config), tcfg.split, shares)
+    except ConfigError as e:
+        raise SystemExit(f"overload: {e}") from None
     rows = []
     for rate in args.rates or [sc.rate]:
         for tiered, on in [(t, a) for t in _which(args.tiers) for a in _which(args.admission)]:
@@ -55,7 +70,7 @@ def main() -> None:
             cfg = ecfg.model_copy(update={"env": eval_env_config(ecfg, rate, env)})
             for r in ev.evaluate(sc.bundle, args.policies, cfg, show_progress=False, seeds=args.seeds,
                                  history=sc.history):
-                row = {"policy": r.name, "rate": rate, "tiers": tiered and bool(env.get("tiers")), "admission": on}
+                row = {"policy": r.name, "rate": rate, "shares": shares, "tiers": tiered and bool(env.get("tiers")), "admission": on}
                 for k in KEYS:
                     if k in r.metrics:
                         lo, hi = r.ci.get(k, (float("nan"), float("nan")))
