@@ -23,6 +23,7 @@ stage              what it does                                                 
 ``prepare``        the tenant's USD budget and the prefix affinity, as the environment takes them
 ``environment``    the request made current: expectations on every offering, its mask       422 unknown_model
 ``policies``       the routing policies' mask (``policy:<name>``) and bias; a notice's region bias  422 no_offering
+                   (what they allow is masked by ``pool_events`` / ``ejected`` only)        429 no_capacity
 ``feasibility``    the model held somewhere allowed; the budget pays for something          422 model_unavailable, 429
 ``predict``        admission on: the best predicted TTFT over the feasible pools within     429 slo_unattainable
                    the request's SLO, else queue or shed (``xroute.admission_rules``)
@@ -174,6 +175,8 @@ class Decision:
     #: (ms) predicted over the feasible pools
     waited_ms: float = 0.0
     best_ttft_ms: float = float("inf")
+    #: the offerings a transient stage (``pool_events``, ``ejected``) hid from the request, each with its stage
+    held: list[tuple[np.ndarray, Any]] | None = None
 
     def exclude(self, mask: np.ndarray, reason: str) -> None:
         """Record ``reason`` for the offerings of ``mask`` that no earlier stage excluded (a trace)."""
@@ -182,6 +185,20 @@ class Decision:
             for i in np.flatnonzero(mask).tolist():
                 if trace[i] is None:
                     trace[i] = reason
+
+    def hold(self, keep: np.ndarray, stage: Any) -> None:
+        """``stage`` (``pool_events``, ``ejected``: a mask that lifts by itself) hides the offerings
+        allowed but not in ``keep``: remembered, so that a later stage that finds nothing left (the
+        policies) fails as ``stage`` would -- a 429 to retry, not a 422 for a valid request."""
+        hidden = self.allowed & ~keep
+        self.held = [*(self.held or []), (hidden, stage)]
+
+    def held_by(self, allowed: np.ndarray) -> Any:
+        """The transient stage that hid some of ``allowed`` (the first; None: none did)."""
+        for hidden, stage in self.held or []:
+            if (hidden & allowed).any():
+                return stage
+        return None
 
     def narrow(self, keep: np.ndarray, reason: str, count: int) -> None:
         """``allowed &= keep``, counted under ``reason`` (and traced)."""
@@ -291,11 +308,17 @@ class PoolEvents(Stage):
         hidden = int((d.allowed & ~keep).sum())
         if not hidden:
             return
+        d.hold(keep, self)
         d.narrow(keep, "pool_event", hidden)
         if not d.allowed.any() and d.strict:
-            raise RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
-                               "(a preemption, a drain or a degradation: docs/migration.md)",
-                               headers={"Retry-After": "5"}, extra={"excluded": d.ccounts})
+            raise self.failure(d)
+
+    def failure(self, d: Decision, excluded: dict[str, int] | None = None) -> RouteFailure:
+        """Nothing left to the request but pools a pool event masked (for now); ``excluded``: the
+        counts (default: the constraint layers')."""
+        return RouteFailure(429, "no_capacity", "every allowed offering is masked by a pool event "
+                            "(a preemption, a drain or a degradation: docs/migration.md)",
+                            headers={"Retry-After": "5"}, extra={"excluded": excluded or d.ccounts})
 
 
 class Ejected(Stage):
@@ -321,12 +344,20 @@ class Ejected(Stage):
         hidden = int((d.allowed & ~keep).sum())
         if not hidden:
             return
+        d.hold(keep, self)
         d.narrow(keep, "upstream_ejected", hidden)
         if not d.allowed.any() and d.strict:
-            raise RouteFailure(429, "no_capacity", "every allowed offering's pool is ejected: its servers failed "
-                               "requests in a row (docs/gateway.md, \"Outlier ejection\")",
-                               headers={"Retry-After": str(math.ceil(ej.retry_after_s(m)))},
-                               extra={"excluded": d.ccounts})
+            raise self.failure(d)
+
+    def failure(self, d: Decision, excluded: dict[str, int] | None = None) -> RouteFailure:
+        """Nothing left to the request but pools the outlier ejection took out (for now); ``excluded``:
+        the counts (default: the constraint layers')."""
+        e = self.engine
+        m = e.env.default_model if d.req.model is None else e.env.model_index.get(d.req.model, -1)
+        return RouteFailure(429, "no_capacity", "every allowed offering's pool is ejected: its servers failed "
+                            "requests in a row (docs/gateway.md, \"Outlier ejection\")",
+                            headers={"Retry-After": str(math.ceil(e.ejection.retry_after_s(m)))},
+                            extra={"excluded": excluded or d.ccounts})
 
 
 class Prepare(Stage):
@@ -429,6 +460,9 @@ class Policies(Stage):
                 d.ctext = f"{d.ctext},{ptext}" if d.ctext else ptext
                 d.pcounts = (pol, pout.counts.copy())
                 if not d.allowed.any() and d.strict:
+                    held = d.held_by(pout.allowed)
+                    if held is not None:  # (what the policies allow is there, but masked for now: a 429)
+                        raise held.failure(d, e._all_counts(d.ccounts, d.pcounts))
                     raise RouteFailure(422, "no_offering", "the routing policies, the tenant's defaults and the "
                                        "request's constraints exclude every offering",
                                        [{"field": "body", "message": "excludes every offering (see excluded.by_reason "

@@ -30,6 +30,7 @@ import aiohttp
 from router.core.settings import read_secret
 from router.decision.ejections import SERVER, EjectionView
 from xroute.errors import ConfigError
+from xroute.schema.offering import TIER_SEP, parent_offering_id
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +62,7 @@ def upstream_pools(settings: Any, offering_ids: list[str], models: list[str]) ->
     import difflib
 
     pools: dict[tuple[str, str], list[Endpoint]] = {}
+    seen: dict[str, set[str]] = {}
     default_model = models[0]
     for i, up in enumerate(settings.upstreams):
         where = f"router settings: field 'upstreams[{i}]"
@@ -77,10 +79,24 @@ def upstream_pools(settings: Any, offering_ids: list[str], models: list[str]) ->
             headers["authorization"] = f"Bearer {key}"
         pool = pools.setdefault((model, up.offering_id), [])
         for base in up.base_urls:
+            _own_replicas(base, up.offering_id, f"{where}.base_urls'", seen)
             pool.append(Endpoint(base, up.served_model or model, headers, up.offering_id,
                                  urls={"chat": f"{base}/chat/completions", "completion": f"{base}/completions"},
                                  target=SERVER + base))
     return pools
+
+
+def _own_replicas(base: str, offering_id: str, where: str, seen: dict[str, set[str]]) -> None:
+    """A serving tier's servers are its own replicas (``env.tiers``): a base URL that is also a
+    server of the tier's parent (or of a tier of the same parent: its other replicas) is a
+    ``ConfigError`` naming ``where`` -- the tier's batch would be the parent's, and one ejection of
+    the server would take out both."""
+    parent = parent_offering_id(offering_id)
+    for other in seen.setdefault(base, set()):
+        if other != offering_id and parent_offering_id(other) == parent and TIER_SEP in other + offering_id:
+            raise ConfigError(f"{where}: '{base}' is a server of '{other}' too; a serving tier's replicas are "
+                              "its own (give each tier and its parent their own servers)")
+    seen[base].add(offering_id)
 
 
 class Upstreams:
