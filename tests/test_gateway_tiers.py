@@ -129,24 +129,34 @@ def test_a_tight_request_goes_to_the_tiers_server_and_a_wide_one_to_the_parents(
     assert [m["offerings"] for m in models if m["id"] == MODEL] == [sorted([t.pool, t.tier])]
 
 
+def _eject(t: Tiered, tight: bool) -> None:
+    """The server of the tier (``tight``) or of its parent answers 503: three requests sent there fail,
+    which ejects that server and pool only -- ``/v1/offerings`` and ``/v1/explain`` show it on that
+    offering and not on the other."""
+    bad, good = (t.hot, t.cold) if tight else (t.cold, t.hot)
+    bad_off, good_off = (t.tier, t.pool) if tight else (t.pool, t.tier)
+    bad_url, good_url = (t.hot_url, t.cold_url) if tight else (t.cold_url, t.hot_url)
+    bad.config.fail_status = 503
+    for i in range(3):
+        with pytest.raises(openai.APIStatusError) as e:
+            t.chat(tight=tight, i=i)
+        assert e.value.status_code == 502 and e.value.code == "upstream_unavailable"
+    assert len(bad.requests) == 3 and not good.requests
+    rows, targets = t.rows(), t.targets()
+    assert rows[bad_off]["ejected"] and 100 < rows[bad_off]["ejected_for_s"] <= 120
+    assert not rows[good_off]["ejected"] and rows[good_off]["ejected_for_s"] is None
+    assert targets[f"pool:{MODEL}|{bad_off}"]["ejected"] and targets[f"server:{bad_url}/v1"]["ejected"]
+    assert f"pool:{MODEL}|{good_off}" not in targets and f"server:{good_url}/v1" not in targets
+    why = t.explain(tight=not tight)
+    assert why[bad_off] == "upstream_ejected" and why[good_off] is None
+
+
 def test_ejecting_the_tiers_server_masks_the_tier_only(tiered: Tiered) -> None:
     """The tier's server answers 503: three tight requests fail (nowhere else may take them), which
     ejects the tier's server and pool -- the tier is masked (``upstream_ejected``), its parent is not
     and keeps serving the wide requests; ``/v1/offerings`` shows it."""
     t = tiered
-    t.hot.config.fail_status = 503
-    for i in range(3):
-        with pytest.raises(openai.APIStatusError) as e:
-            t.chat(tight=True, i=i)
-        assert e.value.status_code == 502 and e.value.code == "upstream_unavailable"
-    assert len(t.hot.requests) == 3
-    rows, targets = t.rows(), t.targets()
-    assert rows[t.tier]["ejected"] and 100 < rows[t.tier]["ejected_for_s"] <= 120
-    assert not rows[t.pool]["ejected"] and rows[t.pool]["ejected_for_s"] is None
-    assert targets[f"pool:{MODEL}|{t.tier}"]["ejected"] and targets[f"server:{t.hot_url}/v1"]["ejected"]
-    assert f"pool:{MODEL}|{t.pool}" not in targets and f"server:{t.cold_url}/v1" not in targets
-    why = t.explain(tight=False)
-    assert why[t.tier] == "upstream_ejected" and why[t.pool] is None
+    _eject(t, tight=True)
     # a tight request is no longer sent to the tier: the only pool its policies allow is ejected, so it
     # is a 429 to retry after the ejection (not a 422: the request is valid); wide ones go on to the parent
     with pytest.raises(openai.APIStatusError) as e:
@@ -184,20 +194,10 @@ def test_a_pool_event_on_the_tier_leaves_its_requests_a_429_not_a_422(tiered: Ti
 
 
 def test_ejecting_the_parents_server_masks_the_parent_only(tiered: Tiered) -> None:
+    """The mirror: the parent's server fails, the parent alone is masked, the tight requests go on to
+    the tier."""
     t = tiered
-    t.cold.config.fail_status = 503
-    for i in range(3):
-        with pytest.raises(openai.APIStatusError) as e:
-            t.chat(tight=False, i=i)
-        assert e.value.status_code == 502 and e.value.code == "upstream_unavailable"
-    assert len(t.cold.requests) == 3
-    rows, targets = t.rows(), t.targets()
-    assert rows[t.pool]["ejected"] and 100 < rows[t.pool]["ejected_for_s"] <= 120
-    assert not rows[t.tier]["ejected"] and rows[t.tier]["ejected_for_s"] is None
-    assert targets[f"pool:{MODEL}|{t.pool}"]["ejected"] and targets[f"server:{t.cold_url}/v1"]["ejected"]
-    assert f"pool:{MODEL}|{t.tier}" not in targets and f"server:{t.hot_url}/v1" not in targets
-    why = t.explain(tight=True)
-    assert why[t.pool] == "upstream_ejected" and why[t.tier] is None
+    _eject(t, tight=False)
     for i in range(5):
         assert t.chat(tight=True, i=i) == ("tok0 tok1 tok2", t.tier)
     assert len(t.hot.requests) == 5 and len(t.cold.requests) == 3
