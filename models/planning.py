@@ -97,7 +97,7 @@ def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, steps: int | None = 
         best_total = sum(cont_rewards)
         won: tuple[CloudRouteEnv, list[float], bool] | None = None
         if cand.size > 1:
-            snap = env.save_state()
+            snap = env.save_state(share=True)  # (restored into the spares before env steps)
             for a in cand[1:]:
                 sim = spare.pop()
                 sim.restore_state(snap)
