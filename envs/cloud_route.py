@@ -856,11 +856,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             d["_admission"] = self.admission.save()
         return d
 
-    def restore_state(self, d: dict[str, Any]) -> None:
-        # this environment's own arrays of _COPIED_STATE (never shared: save_state copies them, or
-        # hands them to a snapshot that this call then must not outlive) take the snapshot's values
-        # in place, where they match, sparing an allocation per array and restore
-        own = {k: getattr(self, k, None) for k in self._COPIED_STATE}
+    def restore_state(self, d: dict[str, Any], in_place: bool = True) -> None:
+        """Back to the state ``d`` (``save_state``), which stays reusable. ``in_place``: this
+        environment's own arrays of ``_COPIED_STATE`` (never shared: ``save_state`` copies them, or
+        hands them to a snapshot that this call then must not outlive) take the snapshot's values in
+        place where shapes match, sparing an allocation per array and restore; False: fresh copies
+        (as before issue 39; ``benchmarks/bench_oracle.py --ab`` times the two)."""
+        own = {k: getattr(self, k, None) if in_place else None for k in self._COPIED_STATE}
         for k, v in d.items():
             if k not in ("_budget", "_admission"):
                 setattr(self, k, v)
