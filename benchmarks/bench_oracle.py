@@ -7,7 +7,13 @@ availability trace shifted by k periods (the hour's span rounded up to the minut
 request ids made unique, prices unchanged -- cut at ``--requests`` (100,000: three hours and a
 half). Written as a bundle and loaded (validated) like any other. It repeats the same hour, so
 it is a scale test, not a realistic day; the oracle's dominance is also checked on the shipped
-bundles' own whole streams with ``--shipped``.
+bundles' own whole streams with ``--shipped``. With ``--bundle mooncake`` (issue 39's stream: 3,993
+requests of the Mooncake trace, 17 minutes, tiled 24 times to 96,000) the rows carry KV-prefix
+blocks (``prefix_hashes``) and sessions, so the servers' prefix caches and the router's prefix view
+(``envs.prefix``) are on -- as in ``xroute evaluate`` on that bundle, with the same ``cfg.env``:
+nothing switches them on but the rows (the run prints whether they are on, and the JSON records
+``prefix_caches`` and each policy's ``prefix_hit_rate``); the tiled hours repeat the same prefix
+and session ids, so a later hour may find an earlier one's blocks still cached.
 
 Every policy is run with ``models.evaluate.run_policy`` on one environment, back to back in this
 process, as ``models.evaluate.evaluate`` runs them (the oracle last, handed the baselines' runs so
@@ -20,6 +26,8 @@ heuristic. The machine's core count and load average are recorded: on a shared m
 
     .venv/bin/python benchmarks/bench_oracle.py                       # 100k requests, 1 seed
     .venv/bin/python benchmarks/bench_oracle.py --shipped --rates 1 4 # + each shipped bundle's whole stream
+    .venv/bin/python benchmarks/bench_oracle.py --bundle mooncake --requests 96000 \
+        --out benchmarks/results/oracle_mooncake.json                # prefix caches on (issue 39's target)
 
 Prints a table and writes ``benchmarks/results/oracle.json``.
 """
@@ -94,6 +102,9 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
     t0, c0 = time.perf_counter(), cpu_s()
     env = CloudRouteEnv(bundle, cfg.env.model_copy(update={"rate_scale": rate}))
     build = {"wall_s": round(time.perf_counter() - t0, 2), "cpu_s": round(cpu_s() - c0, 2)}
+    # prefix caching (envs.prefix) is on wherever the stream's rows carry prefix_hashes (the mooncake
+    # bundle), with the same settings as `xroute evaluate` (cfg.env): nothing to switch on
+    print(f"  {label}: prefix caches {'ON' if env.has_prefix else 'off (no prefix_hashes)'}", flush=True)
     rows = []
     runs = []
     oracle: Oracle | None = None
@@ -108,7 +119,9 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
         wall, cpu = time.perf_counter() - t0, cpu_s() - c0
         shown = getattr(pol, "display_name", name)
         rows.append({"policy": shown, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
-                     "mean_reward": run.metrics["mean_reward"], "sla_attainment": run.metrics["sla_attainment"]})
+                     "mean_reward": run.metrics["mean_reward"], "sla_attainment": run.metrics["sla_attainment"],
+                     **({"prefix_hit_rate": run.metrics["prefix_hit_rate"]} if "prefix_hit_rate" in run.metrics
+                        else {})})
         print(f"  {label:22s} {shown:22s} {wall:7.1f} s wall {cpu:7.1f} s CPU  reward {run.metrics['mean_reward']:.6f}",
               flush=True)
         if isinstance(pol, Oracle):
@@ -118,7 +131,8 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
     n = env.n_requests
     best_heuristic = max((r for r in rows if r["policy"] != rows[-1]["policy"]), key=lambda r: r["mean_reward"])
     return {
-        "stream": label, "requests": n, "rate_scale": rate, "seed": seed, "env_build": build, "policies": rows,
+        "stream": label, "requests": n, "rate_scale": rate, "seed": seed, "prefix_caches": env.has_prefix,
+        "env_build": build, "policies": rows,
         "total_wall_s": round(build["wall_s"] + sum(r["wall_s"] for r in rows), 1),
         "total_cpu_s": round(build["cpu_s"] + sum(r["cpu_s"] for r in rows), 1),
         "oracle": {"name": rows[-1]["policy"], "follows": p.name, "segments": p.segments, "replaced": p.replaced,
@@ -129,6 +143,8 @@ def run_stream(label: str, bundle: Bundle, cfg: EvaluateConfig, rate: float, see
                                                             if "hindsight-rollout" in p.totals else None)},
         "best_heuristic": best_heuristic["policy"],
         "oracle_minus_best_heuristic": round(rows[-1]["mean_reward"] - best_heuristic["mean_reward"], 6),
+        "oracle_minus_greedy": round(rows[-1]["mean_reward"]
+                                     - next(r["mean_reward"] for r in rows if r["policy"] == "greedy"), 6),
         "oracle_dominates": all(rows[-1]["mean_reward"] >= r["mean_reward"] for r in rows[:-1]),
     }
 
@@ -170,6 +186,39 @@ def tradeoff(requests: int) -> list[dict[str, Any]]:
     return out
 
 
+def snapshot_ab(bundle: str, requests: int, repeats: int = 3) -> dict[str, Any]:
+    """The lookahead alone (one process, ``EvaluateConfig.oracle``'s top_k, horizon, max_regret) on
+    ``bundle``'s first ``requests`` tiled requests, its snapshots copied (before issue 39) and shared
+    with in-place restores (now), alternately ``repeats`` times: median wall and CPU seconds of each,
+    and whether the two took the same decisions (they must)."""
+    import copy
+    import statistics
+
+    from models import planning
+
+    cfg = EvaluateConfig()
+    oc = cfg.oracle
+    with tempfile.TemporaryDirectory() as tmp:
+        env = CloudRouteEnv(tiled_bundle(bundle, Path(tmp) / "ab", requests), cfg.env)
+    env.reset(seed=cfg.seed)
+    times: dict[str, list[tuple[float, float]]] = {"copied": [], "shared": []}
+    plans: dict[str, list[int]] = {}
+    for rep in range(repeats):
+        for mode in (("copied", "shared") if rep % 2 == 0 else ("shared", "copied")):
+            sim = copy.deepcopy(env)
+            t0, c0 = time.perf_counter(), time.process_time()
+            plans[mode] = planning.lookahead(sim, oc.top_k, oc.horizon, max_regret=oc.max_regret,
+                                             share_snapshots=mode == "shared")
+            times[mode].append((time.perf_counter() - t0, time.process_time() - c0))
+            print(f"  lookahead, snapshots {mode}: {times[mode][-1][0]:.1f} s wall {times[mode][-1][1]:.1f} s CPU",
+                  flush=True)
+    med = {m: {"wall_s": round(statistics.median(w for w, _ in v), 2),
+               "cpu_s": round(statistics.median(c for _, c in v), 2)} for m, v in times.items()}
+    return {"bundle": bundle, "requests": env.n_requests, "prefix_caches": env.has_prefix, "repeats": repeats,
+            "median": med, "cpu_ratio_copied_over_shared": round(med["copied"]["cpu_s"] / med["shared"]["cpu_s"], 2),
+            "same_decisions": plans["copied"] == plans["shared"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100_000, help="requests of the tiled stream")
@@ -182,15 +231,21 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--horizon", type=int, default=None)
     ap.add_argument("--max-regret", default=None, help="oracle.max_regret (a number, or 'none')")
+    ap.add_argument("--segment-requests", type=int, default=None, help="oracle.segment_requests")
+    ap.add_argument("--burn-in-requests", type=int, default=None, help="oracle.burn_in_requests")
     ap.add_argument("--tradeoff", type=int, default=0, metavar="N",
                     help="also the lookahead's quality and cost per (top_k, horizon, max_regret) on N-request windows")
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="also the lookahead alone on N requests of --bundle's tiled stream, snapshots copied vs "
+                         "shared (issue 39), 3 times each alternately")
     ap.add_argument("--out", default="benchmarks/results/oracle.json")
     args = ap.parse_args()
     if args.requests < 1000:
         ap.error(f"--requests must be at least 1000 (got {args.requests})")
     cfg = EvaluateConfig()
     upd: dict[str, Any] = {k: v for k, v in (("workers", args.workers), ("top_k", args.top_k),
-                                             ("horizon", args.horizon)) if v is not None}
+                                             ("horizon", args.horizon), ("segment_requests", args.segment_requests),
+                                             ("burn_in_requests", args.burn_in_requests)) if v is not None}
     if args.max_regret is not None:
         upd["max_regret"] = None if args.max_regret.lower() == "none" else float(args.max_regret)
     cfg = cfg.model_copy(update={"oracle": cfg.oracle.model_copy(update=upd)})
@@ -216,6 +271,12 @@ def main() -> None:
     if args.tradeoff:
         print(f"lookahead quality and cost on {args.tradeoff}-request windows (one process):")
         trade = tradeoff(args.tradeoff)
+    ab = None
+    if args.ab:
+        print(f"the lookahead's snapshots, copied vs shared, on {args.ab:,} requests of {args.bundle} (one process):")
+        ab = snapshot_ab(args.bundle, args.ab)
+        print(f"  median CPU s: copied {ab['median']['copied']['cpu_s']}, shared {ab['median']['shared']['cpu_s']} "
+              f"({ab['cpu_ratio_copied_over_shared']}x); same decisions: {ab['same_decisions']}", flush=True)
     load1 = os.getloadavg()
     print()
     n_pol = len(streams[0]["policies"]) if streams else 0
@@ -233,7 +294,7 @@ def main() -> None:
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                        "load_average_before": [round(x, 2) for x in load0],
                        "load_average_after": [round(x, 2) for x in load1]},
-           "oracle_config": cfg.oracle.model_dump(), "streams": streams, "tradeoff": trade,
+           "oracle_config": cfg.oracle.model_dump(), "streams": streams, "tradeoff": trade, "snapshot_ab": ab,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))

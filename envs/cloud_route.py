@@ -837,10 +837,15 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                      "view_service_s",
                      "C", "c_mask", "seen_down_at", "pv_ent", "pv_sent", "pv_ret", "ps_pool", "ps_time", "_pol")
 
-    def save_state(self) -> dict[str, Any]:
-        """Everything a step changes, so a planner can look ahead and come back (``restore_state``)."""
+    def save_state(self, share: bool = False) -> dict[str, Any]:
+        """Everything a step changes, so a planner can look ahead and come back (``restore_state``).
+        ``share``: the arrays a step writes in place (``_COPIED_STATE``: ~10 MB on the Mooncake
+        bundle, its prefix view and slots) go into the snapshot uncopied -- it holds this
+        environment's own arrays, so it is valid only until this environment steps or is restored
+        again; for a snapshot restored into other environments at once (``restore_state`` copies
+        them; ``models.planning.lookahead``)."""
         d = {k: getattr(self, k) for k in self._SHARED_STATE if hasattr(self, k)}
-        d.update({k: getattr(self, k).copy() for k in self._COPIED_STATE})
+        d.update({k: getattr(self, k) if share else getattr(self, k).copy() for k in self._COPIED_STATE})
         d.update(_tevents=list(self._tevents), _events=list(self._events), stats=dict(self.stats),
                  _recent=deque(self._recent), _live=dict(self._live), _kv=dict(self._kv),
                  _cache_fb=dict(self._cache_fb))
@@ -851,7 +856,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             d["_admission"] = self.admission.save()
         return d
 
-    def restore_state(self, d: dict[str, Any]) -> None:
+    def restore_state(self, d: dict[str, Any], in_place: bool = True) -> None:
+        """Back to the state ``d`` (``save_state``), which stays reusable. ``in_place``: this
+        environment's own arrays of ``_COPIED_STATE`` (never shared: ``save_state`` copies them, or
+        hands them to a snapshot that this call then must not outlive) take the snapshot's values in
+        place where shapes match, sparing an allocation per array and restore; False: fresh copies
+        (as before issue 39; ``benchmarks/bench_oracle.py --ab`` times the two)."""
+        own = {k: getattr(self, k, None) if in_place else None for k in self._COPIED_STATE}
         for k, v in d.items():
             if k not in ("_budget", "_admission"):
                 setattr(self, k, v)
@@ -861,7 +872,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
             self.admission.restore(d["_admission"])
         # the snapshot stays reusable: give the environment its own copies of what it mutates
         for k in self._COPIED_STATE:
-            setattr(self, k, d[k].copy())
+            src, cur = d[k], own[k]
+            if (isinstance(src, np.ndarray) and isinstance(cur, np.ndarray) and cur is not src
+                    and cur.shape == src.shape and cur.dtype == src.dtype):
+                np.copyto(cur, src)
+                setattr(self, k, cur)
+            else:
+                setattr(self, k, src.copy())
         self._tevents, self._events = list(d["_tevents"]), list(d["_events"])
         self.stats, self._recent = dict(d["stats"]), deque(d["_recent"])
         self._live = dict(d.get("_live", {}))

@@ -76,12 +76,16 @@ def _play_out(env: CloudRouteEnv, first: int, horizon: int) -> tuple[list[float]
 
 
 def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, steps: int | None = None,
-              progress: Callable[[int], None] | None = None, max_regret: float | None = None) -> list[int]:
+              progress: Callable[[int], None] | None = None, max_regret: float | None = None,
+              share_snapshots: bool = True) -> list[int]:
     """The lookahead plan for ``env``'s next ``steps`` decisions (default: to the episode's end):
     the decisions ``HindsightRollout(top_k, horizon, max_regret).act`` takes at each of them (module
     docstring). Steps ``env`` that far. Plans count decisions (steps), not stream positions: under
     admission (``envs.admission``) a queued request's decision comes after later arrivals'.
-    ``progress(k)`` is called every 500 decisions with the number made."""
+    ``progress(k)`` is called every 500 decisions with the number made. ``share_snapshots`` (the
+    default): each request's snapshot holds ``env``'s arrays uncopied and the spares are restored
+    in place (``CloudRouteEnv.save_state(share=True)``); False: copied snapshots and fresh copies on
+    restore, as before issue 39 -- the same decisions (``benchmarks/bench_oracle.py --ab`` times both)."""
     stop = env.steps_left if steps is None else min(steps, env.steps_left)
     cont = copy.deepcopy(env)  # the greedy continuation's frontier ...
     cont_rewards: deque[float] = deque()  # ... and its rewards, from env's current request on
@@ -97,10 +101,10 @@ def lookahead(env: CloudRouteEnv, top_k: int, horizon: int, steps: int | None = 
         best_total = sum(cont_rewards)
         won: tuple[CloudRouteEnv, list[float], bool] | None = None
         if cand.size > 1:
-            snap = env.save_state()
+            snap = env.save_state(share=share_snapshots)  # (restored into the spares before env steps)
             for a in cand[1:]:
                 sim = spare.pop()
-                sim.restore_state(snap)
+                sim.restore_state(snap, in_place=share_snapshots)
                 rewards, done = _play_out(sim, int(a), horizon)
                 total = sum(rewards)
                 if total > best_total:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.bench_migration as bench_migration
+import benchmarks.bench_oracle as bench_oracle
 import benchmarks.bench_policies as bench_policies
 import benchmarks.bench_prefix as bench_prefix
 import benchmarks.bench_quotas as bench_quotas
@@ -33,6 +34,21 @@ def test_bench_prefix_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert res[k]["p50_us"] > 0, (k, res[k])
     # the prompts share blocks with the index's history: some lookups must find a pool
     assert 0 < res["lookups_with_a_match"] <= 1
+
+
+def test_bench_oracle_mooncake_stream_keeps_its_prefixes_and_the_snapshot_ab_agrees(tmp_path: Path) -> None:
+    """Issue 39's stream: the tiled Mooncake hour keeps its KV-prefix blocks past the first tile (the
+    prefix caches stay on), and ``--ab``'s two ways of snapshotting take the same decisions."""
+    import numpy as np
+    import pandas as pd
+
+    b = bench_oracle.tiled_bundle("mooncake", tmp_path / "tiled", 4100)
+    w = pd.read_csv(tmp_path / "tiled" / "workload.csv.gz", dtype=str, keep_default_na=False)
+    assert len(w) == 4100 and (w["prefix_hashes"].iloc[4000:] != "").all()
+    assert b.meta.prefix_block_tokens == 512
+    res = bench_oracle.snapshot_ab("mooncake", 300, repeats=1)
+    assert res["prefix_caches"] and res["same_decisions"] and res["requests"] == 300, res
+    assert np.isfinite(res["cpu_ratio_copied_over_shared"]) and res["median"]["shared"]["cpu_s"] > 0, res
 
 
 def test_bench_quotas_decide() -> None:

@@ -52,7 +52,52 @@ def test_step_outcome_advances_the_environment_like_step(shipped_bundle) -> None
 def test_the_incremental_lookahead_decides_exactly_as_hindsight_rollout(shipped_bundle, start: int, rate: float,
                                                                       top_k: int, horizon: int,
                                                                       max_regret: float | None) -> None:
-    env = _env(shipped_bundle, start, 250, rate)
+    _lookahead_is_hindsight_rollout(_env(shipped_bundle, start, 250, rate), top_k, horizon, max_regret)
+
+
+@pytest.mark.parametrize(("start", "rate"), [(500, 1.0), (1500, 2.0)])
+def test_with_prefix_caches_the_lookahead_decides_exactly_as_hindsight_rollout(start: int, rate: float) -> None:
+    """The Mooncake bundle (the servers' prefix caches, the router's prefix view and sessions in
+    play): the lookahead's snapshots share the environment's arrays (``save_state(share=True)``) and
+    its spares are restored in place, ``HindsightRollout`` restores copied snapshots into itself --
+    both take the decisions of the same rule played out on deep copies (no snapshot at all)."""
+    from xroute.bundle import load_bundle
+
+    env = _env(load_bundle("mooncake"), start, 150, rate)
+    assert env.has_prefix
+    _lookahead_is_hindsight_rollout(env, 3, 12, 0.008)
+    got = planning.lookahead(copy.deepcopy(env), 3, 12, max_regret=0.008)
+    assert got == _rollout_on_deep_copies(env, 3, 12, 0.008)
+    # and the copying path (before issue 39; benchmarks/bench_oracle.py --ab times the two) decides the same
+    assert got == planning.lookahead(copy.deepcopy(env), 3, 12, max_regret=0.008, share_snapshots=False)
+
+
+def _rollout_on_deep_copies(env: CloudRouteEnv, top_k: int, horizon: int, max_regret: float | None) -> list[int]:
+    """``HindsightRollout``'s decisions with every play-out on a deep copy of the environment."""
+    env = copy.deepcopy(env)
+    actions, done = [], env.steps_left <= 0
+    while not done:
+        cand = planning.candidates(planning.exact_scores(env), top_k, max_regret)
+        best = int(cand[0]) if cand.size else 0
+        if cand.size > 1:
+            best_total = -np.inf
+            for a in cand:
+                sim = copy.deepcopy(env)
+                out, over = sim.step_outcome(int(a))
+                total = float(out["reward"])
+                for _ in range(horizon):
+                    if over:
+                        break
+                    out, over = sim.step_outcome(planning.hindsight_greedy_action(sim))
+                    total += float(out["reward"])
+                if total > best_total:
+                    best, best_total = int(a), total
+        actions.append(best)
+        _, done = env.step_outcome(best)
+    return actions
+
+
+def _lookahead_is_hindsight_rollout(env: CloudRouteEnv, top_k: int, horizon: int, max_regret: float | None) -> None:
     ref_env = copy.deepcopy(env)
     pol = HindsightRollout(top_k, horizon, max_regret)
     pol.reset(ref_env, 2)
