@@ -216,3 +216,21 @@ def test_under_admission_queueing_the_plans_count_decisions_not_stream_positions
     oracle = Oracle(_cfg(workers=2, segment_requests=100, burn_in_requests=30, horizon=4))
     got = run_policy(env, oracle, seed=2)
     assert got.total_reward == pytest.approx(oracle.total, abs=1e-9) and len(oracle.plan) == 300
+
+
+def test_a_stream_with_prefix_blocks_is_planned_in_one_segment(shipped_bundle) -> None:
+    """The lookahead is cut into parallel segments only where the stream has no KV-prefix blocks:
+    on the Mooncake bundle the pools' caches outlive any burn-in, so a segment started from
+    hindsight-greedy's caches plans for caches the stitched plan does not have (measured on the 96k
+    stream: stitched below hindsight-greedy, one segment above it). The default bundle (no prefix
+    blocks) with the same settings is still cut in 3."""
+    from xroute.bundle import load_bundle
+
+    moon, plain = _env(load_bundle("mooncake"), 0, 300, 4.0), _env(shipped_bundle, 500, 300, 4.0)
+    assert moon.has_prefix and not plain.has_prefix
+    one = planning.best_plan(copy.deepcopy(moon), 2, [], 3, 4, True, workers=2, segment_requests=100,
+                             burn_in_requests=30)
+    assert one.segments == 1 and len(one.actions) == 300
+    assert one.actions == planning.best_plan(copy.deepcopy(moon), 2, [], 3, 4, True, workers=1).actions
+    assert planning.best_plan(copy.deepcopy(plain), 2, [], 3, 4, True, workers=2, segment_requests=100,
+                              burn_in_requests=30).segments == 3
