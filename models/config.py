@@ -244,7 +244,7 @@ class DataConfig(Strict):
                     "data.selection) relabelled into its tenants (SLO scales, capacity_scale) at its rates, so the "
                     "margin's calibration and the trial choice see a shift in what requests ask for; never a gate "
                     "family's recipe (the gate's families stay unseen); none by default (configs/train.yaml sets one)")
-    gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024"], min_length=1)
+    gate: list[str] = Field(default_factory=lambda: ["default", "feb2024", "mar2024", "mooncake"], min_length=1)
     gate_rates: list[float] = Field(default_factory=lambda: [1.0, 4.0], min_length=1)
     gate_seeds: int = Field(3, ge=2, le=50, description="seeds per gate scenario (paired intervals need two)")
     gate_families: list[GateFamily] = Field(
