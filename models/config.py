@@ -231,7 +231,7 @@ class DataConfig(Strict):
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: list[str] = Field(
-        default_factory=lambda: ["mar2024", "feb2024", "default"], min_length=1,
+        default_factory=lambda: ["mar2024", "feb2024", "default", "mooncake"], min_length=1,
         description="bundles whose validation windows select warm-start epochs, checkpoints, margins and trials (one "
                     "name or a list)")
     selection_rates: list[float] = Field(

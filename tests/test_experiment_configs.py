@@ -33,14 +33,14 @@ def test_every_experiment_config_validates() -> None:
         assert cfg["data"]["gate"], p
 
 
-def test_leave_out_mooncake_takes_mooncake_out_of_training_and_nothing_else(
+def test_leave_out_mooncake_takes_mooncake_out_of_training_and_selection_and_nothing_else(
         shipped: dict[str, Any]) -> None:
     got = _dump(EXPERIMENTS / "leave-out-mooncake.yaml")
-    assert "mooncake" in shipped["data"]["train"]
+    assert "mooncake" in shipped["data"]["train"] and "mooncake" in shipped["data"]["selection"]
     assert got["data"]["train"] == [b for b in shipped["data"]["train"] if b != "mooncake"]
-    assert "mooncake" not in got["data"]["selection"]
+    assert got["data"]["selection"] == [b for b in shipped["data"]["selection"] if b != "mooncake"]
     assert not any("mooncake" in (f["bundles"] or []) for f in got["data"]["selection_families"])
     assert "mooncake" in got["data"]["gate"]  # (the shipped gate judges it: the run is the control)
-    rest = {k: v for k, v in got["data"].items() if k != "train"}
-    assert rest == {k: v for k, v in shipped["data"].items() if k != "train"}
+    rest = {k: v for k, v in got["data"].items() if k not in ("train", "selection")}
+    assert rest == {k: v for k, v in shipped["data"].items() if k not in ("train", "selection")}
     assert {k: v for k, v in got.items() if k != "data"} == {k: v for k, v in shipped.items() if k != "data"}
