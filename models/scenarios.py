@@ -291,14 +291,20 @@ class OverloadConfig(BaseModel):
     policies: PolicySet | None = None
 
 
+def _request_draw(workload: pd.DataFrame, salt: str) -> np.ndarray:
+    """One uniform draw in [0, 1) per request, a hash of its request id and ``salt``: the same request,
+    the same draw, whatever the window (what :func:`relabel_tenants` and :func:`thin_tenants` draw on)."""
+    ids = workload["request_id"].astype(str)
+    return (pd.util.hash_pandas_object(ids + f"#{salt}", index=False).to_numpy() % 1_000_003) / 1_000_003.0
+
+
 def relabel_tenants(bundle: Bundle, shares: dict[str, float], seed: int) -> Bundle:
     """The bundle with each request's ``tenant`` drawn from ``shares`` (normalized) by a hash of its
     request id and ``seed``: the same request, the same tenant, whatever the window."""
     names = list(shares)
     cum = np.cumsum([shares[n] for n in names])
     cum = cum / cum[-1]
-    ids = bundle.workload["request_id"].astype(str)
-    u = (pd.util.hash_pandas_object(ids + f"#{seed}", index=False).to_numpy() % 1_000_003) / 1_000_003.0
+    u = _request_draw(bundle.workload, str(seed))
     w = bundle.workload.copy()
     w["tenant"] = [names[int(k)] for k in np.searchsorted(cum, u, side="right").clip(0, len(names) - 1)]
     from dataclasses import replace
@@ -343,8 +349,7 @@ def thin_tenants(bundle: Bundle, keep: dict[str, float], seed: int) -> Bundle:
     from dataclasses import replace
 
     w = bundle.workload
-    ids = w["request_id"].astype(str)
-    u = (pd.util.hash_pandas_object(ids + f"#thin{seed}", index=False).to_numpy() % 1_000_003) / 1_000_003.0
+    u = _request_draw(w, f"thin{seed}")
     frac = w["tenant"].map(keep).fillna(1.0).to_numpy(dtype=float)
     w = w[u < frac].reset_index(drop=True)
     tag = "-".join(f"{k}{v:g}" for k, v in sorted(keep.items()))
