@@ -1209,6 +1209,13 @@ class CloudRouteEnv(gym.Env):  # type: ignore[type-arg]
                 if not self.c_mask.any():
                     self.r_refused = REFUSED_BUDGET
 
+    @property
+    def carries_affinity(self) -> bool:
+        """Whether the current request carries KV-prefix blocks or a session -- what a live router's
+        request does with ``prefix_hashes`` or ``session_id`` (``RoutingEngine.wants_affinity``);
+        the learned router's affinity guard reads it (``models.policy.holds``)."""
+        return bool(self.r_blocks.size > 0 or self.r_session >= 0)
+
     def _prefix_view(self, t: float, m: int, n_in: float, pos: int,
                      live: tuple[np.ndarray, np.ndarray, int, int] | None) -> None:
         """The current request's prefix as the router sees it: ``r_view_tokens`` (the prompt tokens

@@ -98,10 +98,12 @@ class Selection:
     margin's calibration (:func:`calibrate_margin`)."""
 
     def __init__(self, envs: list[tuple[str, Any]], seed: int, greedy: Any, margin: float = 0.0002,
-                 margin_rel: float = 0.0025):
+                 margin_rel: float = 0.0025, affinity_guard: bool = False):
         from models.evaluate import run_policy
 
         self.envs, self.seed = envs, seed
+        #: every candidate is scored with this affinity guard (``net.affinity_guard``), as it will serve
+        self.affinity_guard = bool(affinity_guard)
         self.margin, self.margin_rel = float(margin), float(margin_rel)
         runs = [run_policy(env, greedy, seed) for _, env in envs]
         self.greedy = [float(r.metrics["mean_reward"]) for r in runs]
@@ -112,6 +114,7 @@ class Selection:
         from models.policy import LearnedPolicy
 
         # (only the reward is compared: no per-step greedy comparison, run_policy's default for a learned policy)
+        weights.affinity_guard = self.affinity_guard
         runs = [run_policy(env, LearnedPolicy(weights), self.seed, compare_greedy=False) for _, env in self.envs]
         return min(float(r.metrics["mean_reward"]) - g for r, g in zip(runs, self.greedy)), runs
 
@@ -127,6 +130,7 @@ class Selection:
         from models.evaluate import run_policy
         from models.policy import LearnedPolicy
 
+        weights.affinity_guard = self.affinity_guard
         runs = [run_policy(env, LearnedPolicy(weights), self.seed, compare_greedy=True) for _, env in self.envs]
         out = Assessment(score=float("inf"))
         for (label, _), r, g, gr in zip(self.envs, runs, self.greedy, self.greedy_rewards):

@@ -48,6 +48,11 @@ class NetConfig(Strict):
                     "worse than greedy at, beyond the gate's margin) is not significantly below minus the gate's "
                     "margin on any selection window; +inf (greedy itself) is always a candidate "
                     "(models.callbacks.pick_margin)")
+    affinity_guard: bool = Field(
+        True, description="a request that carries KV-prefix blocks or a session is served greedy's choice "
+                          "(models.policy.holds): what its placement is worth depends on the requests that reuse "
+                          "the prefix or session later, far beyond the labels' horizon, so the router cannot be "
+                          "sure of a departure there")
     reward_prior: bool = Field(True, description="add the fixed one-step expected reward computed from the row's "
                                                  "exp_* features (models.policy.RewardPrior); the MLP learns the "
                                                  "correction and starts at zero")
@@ -231,7 +236,7 @@ class DataConfig(Strict):
     perturbed_copies: int = Field(1, ge=0, le=10, description="each training bundle also with its catalog perturbed "
                                                              "this many times (20 % dropped, as many copies added)")
     selection: list[str] = Field(
-        default_factory=lambda: ["mar2024", "feb2024", "default", "mooncake"], min_length=1,
+        default_factory=lambda: ["mar2024", "feb2024", "default"], min_length=1,
         description="bundles whose validation windows select warm-start epochs, checkpoints, margins and trials (one "
                     "name or a list)")
     selection_rates: list[float] = Field(

@@ -190,6 +190,13 @@ class RouterWeights:
     #: by more than this; +inf is greedy, -inf the network's argmax (calibrated on the selection
     #: windows at training: ``models.callbacks.calibrate_margin``)
     margin: float = 0.0
+    #: the affinity guard (``router.json`` key ``affinity_guard``, ``net.affinity_guard``): a request
+    #: that carries KV-prefix blocks or a session is greedy's (:func:`choose`'s ``hold``). Why: what a
+    #: placement of such a request is worth depends on the requests that reuse its prefix or session
+    #: later, thousands of requests on (the oracle's segments: docs/results.md), while the scorer's
+    #: labels look ``warm_start.horizon`` requests ahead -- so there the router cannot be sure of a
+    #: departure's worth, and "never worse where unsure" keeps greedy's choice
+    affinity_guard: bool = False
 
     def scores(self, rows: np.ndarray, request: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Scores of a batch: ``rows`` (B, N, F), ``request`` (B, R), ``mask`` (B, N) -> (B, N).
@@ -284,10 +291,11 @@ def departs(q_model: float, q_greedy: float, margin: float) -> bool:
     return bool(float(q_model) - float(q_greedy) > margin)
 
 
-def choose(scores: np.ndarray, idx: np.ndarray, greedy: int, margin: float) -> int:
+def choose(scores: np.ndarray, idx: np.ndarray, greedy: int, margin: float, hold: bool = False) -> int:
     """The offering served among the valid offerings ``idx`` (ascending) with the network's
     ``scores`` of them (the routing policies' bias added): its argmax, unless :func:`departs` says
-    greedy's choice ``greedy`` (an offering index; -1 or outside ``idx``: unknown) stays."""
+    greedy's choice ``greedy`` (an offering index; -1 or outside ``idx``: unknown) stays, or
+    ``hold`` (:func:`holds`: the affinity guard on a request with a prefix or a session) keeps it."""
     j = int(np.argmax(scores))
     model = int(idx[j])
     if greedy < 0 or greedy == model or margin == -math.inf:
@@ -295,7 +303,17 @@ def choose(scores: np.ndarray, idx: np.ndarray, greedy: int, margin: float) -> i
     g = int(np.searchsorted(idx, greedy))
     if g >= idx.shape[0] or int(idx[g]) != greedy:
         return model
+    if hold:
+        return int(greedy)
     return model if departs(scores[j], scores[g], margin) else int(greedy)
+
+
+def holds(weights: RouterWeights, affinity: bool) -> bool:
+    """Whether the affinity guard keeps greedy's choice for a request: the weights have it
+    (:attr:`RouterWeights.affinity_guard`) and the request carries KV-prefix blocks or a session
+    (``affinity``: the environment's ``CloudRouteEnv.carries_affinity``, the router's
+    ``RoutingEngine.wants_affinity``)."""
+    return bool(weights.affinity_guard) and bool(affinity)
 
 
 class LearnedPolicy:
@@ -324,11 +342,12 @@ class LearnedPolicy:
         greedy = -1
         if float(self.weights.margin) != -math.inf and self.env is not None:
             greedy = greedy_choice(self.env.expected_rewards()[:n], None if bias is None else np.asarray(bias)[:n])
+        hold = holds(self.weights, getattr(self.env, "carries_affinity", False))
         return self.choose_among(rows[idx], np.asarray(obs["request"]), idx, greedy,
-                                 None if bias is None else np.asarray(bias)[idx])
+                                 None if bias is None else np.asarray(bias)[idx], hold)
 
     def choose_among(self, rows: np.ndarray, request: np.ndarray, idx: np.ndarray, greedy: int,
-                     bias: np.ndarray | None = None) -> int:
+                     bias: np.ndarray | None = None, hold: bool = False) -> int:
         """The decision on one state: the valid offerings ``idx`` (ascending) with their ``rows``
         (k, F), the ``request`` vector, greedy's choice there and the policies' ``bias`` of the
         valid offerings: the network scores them (the context over them alone), then
@@ -338,7 +357,7 @@ class LearnedPolicy:
                                 np.ones((1, idx.size)))[0]
         if bias is not None:
             s = s + bias
-        return choose(s, idx, greedy, float(self.weights.margin))
+        return choose(s, idx, greedy, float(self.weights.margin), hold)
 
 
 # ---------------------------------------------------------------------------------------- files
@@ -359,7 +378,9 @@ def save_router(weights: RouterWeights, directory: str | Path) -> Path:
         "context_dim": 0 if weights.ctx is None else int(weights.ctx[0].shape[1]),
         "prior": None if weights.prior is None else asdict(weights.prior),
         "margin": _number(weights.margin),
-        **{k: v for k, v in weights.meta.items() if k not in ("format", "n_layers", "context_dim", "prior", "margin")},
+        "affinity_guard": bool(weights.affinity_guard),
+        **{k: v for k, v in weights.meta.items()
+           if k not in ("format", "n_layers", "context_dim", "prior", "margin", "affinity_guard")},
     }
     (d / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
     return d
@@ -419,5 +440,8 @@ def read_router(directory: str | Path) -> RouterWeights:
             raise ValueError
     except (TypeError, ValueError):
         raise ConfigError(f"{d / META_FILE}: field 'margin': not a number") from None
-    return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta, margin=margin)
+    guard = meta.get("affinity_guard", False)  # (an export from before the guard: none)
+    if not isinstance(guard, bool):
+        raise ConfigError(f"{d / META_FILE}: field 'affinity_guard': expected true or false, got {guard!r}")
+    return RouterWeights(layers=layers, ctx=ctx, prior=prior, meta=meta, margin=margin, affinity_guard=guard)
 

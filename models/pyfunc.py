@@ -10,6 +10,9 @@ column          type                meaning
                                     (``n * len(envs.features.OFFERING_FEATURES)``; any n)
 ``request``     array of double     the request features (``envs.features.REQUEST_FEATURES``)
 ``mask``        array of double     1 = the offering may take the request (length n)
+``affinity``    boolean (optional)  the request carries KV-prefix blocks or a session:
+                                    the model's affinity guard serves greedy's choice
+                                    (``models.policy.holds``); absent = false
 ==============  ==================  ====================================================
 
 Output: a DataFrame with ``request_id`` (when given), ``offering_index`` (the chosen row; -1
@@ -46,7 +49,7 @@ from mlflow.types.schema import Array
 from packaging.requirements import Requirement
 
 from envs.features import N_OFFERING_FEATURES, N_REQUEST_FEATURES
-from models.policy import RouterWeights, choose, read_router
+from models.policy import RouterWeights, choose, holds, read_router
 
 ARTIFACT_KEY = "router"
 #: every module of ours that loading and scoring the model imports: this one (:data:`MODEL_CODE`
@@ -86,7 +89,8 @@ def predict_frame(weights: RouterWeights, model_input: pd.DataFrame) -> pd.DataF
             # the reward prior's best valid offering (the router has greedy's own, from its live state)
             idx = np.flatnonzero(valid)
             p = weights.prior.scores(rows.reshape(1, n, N_OFFERING_FEATURES)[:, idx], req[None])[0]
-            best = choose(s[idx], idx, int(idx[int(np.argmax(p))]), weights.margin)
+            hold = holds(weights, bool(getattr(row, "affinity", False)))  # (optional column: the affinity guard)
+            best = choose(s[idx], idx, int(idx[int(np.argmax(p))]), weights.margin, hold)
         out["offering_index"].append(best)
         out["score"].append(float(s[best]) if best >= 0 else float("nan"))
         out["scores"].append(np.where(valid, s, np.nan).tolist())
@@ -122,7 +126,7 @@ def signature() -> ModelSignature:
     vec = Array("double")
     return ModelSignature(
         inputs=Schema([ColSpec("string", "request_id", required=False), ColSpec(vec, "offerings"),
-                       ColSpec(vec, "request"), ColSpec(vec, "mask")]),
+                       ColSpec(vec, "request"), ColSpec(vec, "mask"), ColSpec("boolean", "affinity", required=False)]),
         outputs=Schema([ColSpec("string", "request_id", required=False), ColSpec("long", "offering_index"),
                         ColSpec("double", "score"), ColSpec(vec, "scores")]))
 

@@ -108,7 +108,7 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
     selection = Selection([(sc.label, CloudRouteEnv(sc.bundle, eval_env_config(ctx.eval_cfg, sc.rate),
                                                     history=sc.history)) for sc in ctx.selection],
                           ctx.eval_cfg.seed, make_baseline("greedy", ctx.eval_cfg), cfg.data.gate_margin,
-                          cfg.data.gate_margin_rel)
+                          cfg.data.gate_margin_rel, cfg.net.affinity_guard)
     meta = {"bundle_hash": ctx.bundle_hash, "trial": name, "params": params,
             "mlflow_run_id": mlrun.info.run_id if mlrun is not None else None}
     validation = ValidationCallback(selection, cfg.eval_every, meta, report=report, log_mlflow=mlrun is not None)
@@ -131,6 +131,8 @@ def run_trial(params: dict[str, Any], ctx: TrialContext, report: Report | None =
         best = validation.best
         assert best is not None
         initial = validation.initial if validation.initial is not None else best
+        for w in (best.weights, initial.weights):  # (the guard serves with them: models.policy.holds)
+            w.affinity_guard = cfg.net.affinity_guard
         warm_dir = save_router(initial.weights, out / "router" / "warm_start_only")
         last_dir = save_router(validation.last.weights, out / "router" / "last") \
             if ctx.save_last and validation.last is not None else None

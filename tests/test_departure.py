@@ -309,3 +309,142 @@ def test_a_rare_large_gain_does_not_make_a_window_look_unsure() -> None:
     lo, hi = block_interval(rng.normal(-0.0004, 0.002, 5000))
     assert lo < hi < 0
     assert block_interval(d) == block_interval(d)  # deterministic
+
+
+MOONCAKE = REPO_ROOT / "data" / "bundles" / "mooncake"
+
+
+class _Watched:
+    """A policy that records, at each decision, whether the request carried a prefix or a session
+    (``CloudRouteEnv.carries_affinity``) and greedy's choice there (``models.policy.greedy_choice``,
+    with the routing policies' bias, as ``run_policy`` counts departures)."""
+
+    def __init__(self, inner: LearnedPolicy):
+        self.inner, self.name = inner, inner.name
+        self.weights = inner.weights
+        self.affinity: list[bool] = []
+        self.greedy: list[int] = []
+        self.env: Any = None
+
+    def reset(self, env: Any, seed: int) -> None:
+        self.env = env
+        self.inner.reset(env, seed)
+
+    def act(self, obs: dict[str, np.ndarray], info: dict[str, Any]) -> int:
+        from models.evaluate import policy_bias
+        from models.policy import greedy_choice
+
+        self.affinity.append(self.env.carries_affinity)
+        self.greedy.append(greedy_choice(self.env.expected_rewards(), policy_bias(info, self.env.n)))
+        return self.inner.act(obs, info)
+
+
+def test_the_affinity_guard_serves_greedy_to_every_request_with_a_prefix_or_session() -> None:
+    """On Mooncake's bundle (KV-prefix blocks and sessions): with the guard, every request that
+    carries a prefix or a session gets greedy's choice; without it, the same network departs on
+    some of them -- so the guard, not the margin, is what holds them."""
+    cfg = EvaluateConfig()
+    env = CloudRouteEnv(load_bundle(MOONCAKE), cfg.env)
+    w = random_weights(1, 0.2, RewardPrior.from_env_config(cfg.env), margin=0.0)
+    departed = {}
+    for guard in (False, True):
+        w.affinity_guard = guard
+        pol = _Watched(LearnedPolicy(w))
+        run = run_policy(env, pol, 0)
+        aff = np.array(pol.affinity)
+        dep = run.actions != np.array(pol.greedy)
+        assert aff.sum() > 100  # (the bundle's requests carry prefixes)
+        departed[guard] = int((dep & aff).sum())
+    assert departed[False] > 0 and departed[True] == 0, departed
+
+
+def test_the_guard_changes_nothing_where_no_request_carries_a_prefix_or_session(tmp_path: Path) -> None:
+    """On the shipped default bundle (no prefix blocks, no sessions) the guarded and the unguarded
+    network play the same actions request by request; the flag is saved with the export, and a bad
+    one is a config error naming the field."""
+    setup = write_agent_setup(tmp_path, n_requests=300)
+    eval_cfg = setup["cfg"].evaluate_settings()
+    env = CloudRouteEnv(load_bundle(setup["bundle"]), eval_cfg.env)
+    w = random_weights(1, 0.2, RewardPrior.from_env_config(eval_cfg.env), margin=0.0)
+    runs = {}
+    for guard in (False, True):
+        w.affinity_guard = guard
+        runs[guard] = run_policy(env, LearnedPolicy(w), 0, compare_greedy=True)
+        assert read_router(save_router(w, tmp_path / f"g{guard}")).affinity_guard is guard
+    assert runs[False].metrics["differs_from_greedy"] > 0
+    assert np.array_equal(runs[False].actions, runs[True].actions)
+    meta = tmp_path / "gTrue" / "router.json"
+    import json
+
+    m = json.loads(meta.read_text())
+    m["affinity_guard"] = "yes"
+    meta.write_text(json.dumps(m))
+    from xroute.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="affinity_guard"):
+        read_router(tmp_path / "gTrue")
+
+
+def test_the_router_holds_greedy_for_a_request_with_a_session_when_the_guard_is_on(tmp_path: Path) -> None:
+    """A real router (uvicorn) on the shipped bundle serving a guarded model that departs: a request
+    that carries a ``session_id`` is served greedy's choice (the decision log's
+    ``greedy_offering_id``), every time; the same requests without a session depart on some."""
+    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0)
+    prior = RewardPrior.from_env_config(env_config(setup.settings))
+    w = random_weights(3, 0.01, prior, margin=0.0)
+    w.affinity_guard = True
+    export = save_router(w, tmp_path / "model")
+    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0, model_uri=str(export),
+                       model_load_timeout_s=60)
+    twin = CloudRouteEnv(load_bundle(SHIPPED), env_config(setup.settings), all_models=True)
+    twin.reset(seed=0)
+    n = 120
+    with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as http:
+        for i in range(n):  # alternately with and without a session (each its own, so no affinity pulls it)
+            body = route_body(twin)
+            if i % 2:
+                body["session_id"] = f"s{i}"
+            r = http.post("/v1/route", json=body, headers=setup.auth("a"))
+            assert r.status_code == 200, r.text
+            assert r.json()["policy"]["kind"] == "model"
+            twin.step(int(twin.expected_rewards().argmax()))
+    rows = list(iter_decisions(setup.settings.log_target))
+    assert len(rows) == n
+    with_session = [d for i, d in enumerate(rows) if i % 2]
+    without = [d for i, d in enumerate(rows) if not i % 2]
+    assert all(d["offering_id"] == d["greedy_offering_id"] for d in with_session)
+    assert any(d["offering_id"] != d["greedy_offering_id"] for d in without)
+
+
+def test_the_pyfunc_model_holds_greedy_where_a_row_says_affinity() -> None:
+    """The MLflow pyfunc's ``predict`` (``models.pyfunc.predict_frame``): a row with ``affinity``
+    true gets greedy's choice as the features give it (the reward prior's best valid row) under a
+    guarded model; the same row without the column, or unguarded, gets the network's departure."""
+    import pandas as pd
+
+    from models.pyfunc import predict_frame
+
+    cfg = EvaluateConfig()
+    env = CloudRouteEnv(load_bundle(MOONCAKE), cfg.env)
+    w = random_weights(1, 0.2, RewardPrior.from_env_config(cfg.env), margin=0.0)
+    obs, _ = env.reset(seed=0)
+    frames, greedy = [], []
+    for _ in range(40):  # the bundle's first requests, each routed to greedy's choice
+        mask = np.asarray(obs["mask"], dtype=float)
+        rows = np.asarray(obs["offerings"], dtype=float)
+        frames.append({"offerings": rows.tolist(), "request": np.asarray(obs["request"], dtype=float).tolist(),
+                       "mask": mask.tolist()})
+        idx = np.flatnonzero(mask > 0.5)
+        assert w.prior is not None
+        p = w.prior.scores(rows.reshape(1, -1, NF)[:, idx], np.asarray(obs["request"])[None])[0]
+        greedy.append(int(idx[int(np.argmax(p))]))
+        obs, *_ = env.step(int(env.expected_rewards().argmax()))
+    plain = pd.DataFrame(frames)
+    marked = plain.assign(affinity=True)
+    w.affinity_guard = True
+    held = predict_frame(w, marked)["offering_index"].tolist()
+    free = predict_frame(w, plain)["offering_index"].tolist()
+    assert held == greedy
+    assert free != greedy  # (the network departs on some: the guard is what held them)
+    w.affinity_guard = False
+    assert predict_frame(w, marked)["offering_index"].tolist() == free

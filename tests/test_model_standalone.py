@@ -184,7 +184,7 @@ def test_a_registered_model_loads_and_scores_where_xroute_is_not_installed(store
         + ["envs/__init__.py", "models/__init__.py", "xroute/__init__.py"])
     meta = mlflow.models.get_model_info(f"models:/xroute-standalone/{version}")
     assert meta.signature is not None
-    assert [c.name for c in meta.signature.inputs.inputs] == ["request_id", "offerings", "request", "mask"]
+    assert [c.name for c in meta.signature.inputs.inputs] == ["request_id", "offerings", "request", "mask", "affinity"]
     assert not any(local.rglob("*.pkl"))  # built from code at load, nothing unpickled
 
     # a fresh venv with exactly the model's requirements

@@ -167,6 +167,9 @@ class Decision:
     #: the deciding model's departure margin (``models.policy.departs``; set by the ``score`` stage,
     #: -inf: no rule -- a fallback, or a policy without one)
     margin: float = -math.inf
+    #: the model's affinity guard holds greedy's choice for this request (``models.policy.holds``:
+    #: it carries prefix hashes or a session; set by the ``score`` stage)
+    guarded: bool = False
     pinned: bool = False
     epsilon: float = 0.0
     ope: tuple[bytes, int, int, int] | None = None
@@ -606,6 +609,8 @@ class Score(Stage):
         active, d.pinfo = e.slot.current(d.age > e.max_age)
         d.margin = float(getattr(getattr(active.policy, "weights", None), "margin", -math.inf)) \
             if active.kind == "model" else -math.inf
+        w = getattr(active.policy, "weights", None) if active.kind == "model" else None
+        d.guarded = w is not None and policy_rule.holds(w, e.wants_affinity(d.req))
         n_alt = self._fused(d, active)
         if n_alt >= 0:
             # ints: [chosen, valid, not preferred, 4 env reason counts, alternatives...]; floats: (score,
@@ -747,7 +752,8 @@ class Watchdog(Stage):
     def _depart(self, d: Decision) -> None:
         """The departure rule on the model's scores of the valid offerings (the fused path's, over
         the engine's ``_idx[:fused_m]``; the general path's ``full``): greedy's choice first unless
-        the model's own beats it by more than the margin."""
+        the model's own beats it by more than the margin, and always where the affinity guard holds
+        (``d.guarded``)."""
         if d.margin == -math.inf or d.greedy < 0 or d.greedy == d.policy_choice:
             return
         e = self.engine
@@ -759,7 +765,7 @@ class Watchdog(Stage):
             s = np.asarray(d.full)[idx]
         else:
             return
-        if policy_rule.choose(s, idx, d.greedy, d.margin) != d.greedy:
+        if policy_rule.choose(s, idx, d.greedy, d.margin, d.guarded) != d.greedy:
             return
         d.cands, d.nums = e._first(d.greedy, d.cands, d.nums, d.scores if fused else None, d.fused_m, d.full, d.bias,
                                    d.has_bias)
