@@ -247,6 +247,21 @@ def test_calibration_on_selection_windows_picks_what_its_rule_says(tmp_path: Pat
 
 
 @pytest.mark.slow
+def _served(tmp_path: Path, margin: float, guard: bool) -> tuple[Any, RouterWeights, Path, CloudRouteEnv]:
+    """A router setup on the shipped bundle serving a random network with the reward prior (it
+    departs from greedy) at ``margin``, with or without the affinity guard; its weights, export and
+    a twin environment at the bundle's first request."""
+    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0)
+    w = random_weights(3, 0.01, RewardPrior.from_env_config(env_config(setup.settings)), margin=margin)
+    w.affinity_guard = guard
+    export = save_router(w, tmp_path / "model")
+    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0, model_uri=str(export),
+                       model_load_timeout_s=60)
+    twin = CloudRouteEnv(load_bundle(SHIPPED), env_config(setup.settings), all_models=True)
+    twin.reset(seed=0)
+    return setup, w, export, twin
+
+
 def test_the_router_serves_what_the_rollouts_rule_chooses_on_the_same_state(tmp_path: Path) -> None:
     """A real router (uvicorn) on the shipped bundle serves a model exported with a departure
     margin. For every decision, the decision log's record has the state the model saw (the action
@@ -254,14 +269,7 @@ def test_the_router_serves_what_the_rollouts_rule_chooses_on_the_same_state(tmp_
     that state (``LearnedPolicy.choose_among``, what ``act`` runs in the environment) gives the
     offering served -- including decisions where the network's argmax differs from greedy's but
     not by enough, which the router hands to greedy."""
-    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0)
-    prior = RewardPrior.from_env_config(env_config(setup.settings))
-    w = random_weights(3, 0.01, prior, margin=0.003)
-    export = save_router(w, tmp_path / "model")
-    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0, model_uri=str(export),
-                       model_load_timeout_s=60)
-    twin = CloudRouteEnv(load_bundle(SHIPPED), env_config(setup.settings), all_models=True)
-    twin.reset(seed=0)
+    setup, w, export, twin = _served(tmp_path, margin=0.003, guard=False)
     n = 300
     with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as http:
         for _ in range(n):  # the bundle's own requests, one after another (no feedback: pools fill as they go)
@@ -389,15 +397,7 @@ def test_the_router_holds_greedy_for_a_request_with_a_session_when_the_guard_is_
     """A real router (uvicorn) on the shipped bundle serving a guarded model that departs: a request
     that carries a ``session_id`` is served greedy's choice (the decision log's
     ``greedy_offering_id``), every time; the same requests without a session depart on some."""
-    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0)
-    prior = RewardPrior.from_env_config(env_config(setup.settings))
-    w = random_weights(3, 0.01, prior, margin=0.0)
-    w.affinity_guard = True
-    export = save_router(w, tmp_path / "model")
-    setup = make_setup(tmp_path, telemetry=SHIPPED, env={}, replay_speed=1.0, model_uri=str(export),
-                       model_load_timeout_s=60)
-    twin = CloudRouteEnv(load_bundle(SHIPPED), env_config(setup.settings), all_models=True)
-    twin.reset(seed=0)
+    setup, _, _, twin = _served(tmp_path, margin=0.0, guard=True)
     n = 120
     with ServerThread(create_app(setup.settings)) as url, httpx.Client(base_url=url, timeout=30) as http:
         for i in range(n):  # alternately with and without a session (each its own, so no affinity pulls it)
