@@ -308,12 +308,13 @@ def choose(scores: np.ndarray, idx: np.ndarray, greedy: int, margin: float, hold
     return model if departs(scores[j], scores[g], margin) else int(greedy)
 
 
-def holds(weights: RouterWeights, affinity: bool) -> bool:
+def holds(weights: Any, affinity: bool) -> bool:
     """Whether the affinity guard keeps greedy's choice for a request: the weights have it
     (:attr:`RouterWeights.affinity_guard`) and the request carries KV-prefix blocks or a session
     (``affinity``: the environment's ``CloudRouteEnv.carries_affinity``, the router's
-    ``RoutingEngine.wants_affinity``)."""
-    return bool(weights.affinity_guard) and bool(affinity)
+    ``RoutingEngine.wants_affinity``). Weights without the attribute (a policy of another kind, an
+    export from before the guard) have no guard."""
+    return bool(getattr(weights, "affinity_guard", False)) and bool(affinity)
 
 
 class LearnedPolicy:
