@@ -607,9 +607,8 @@ class Score(Stage):
         e = self.engine
         d.age = e.freshness.age(d.wall)
         active, d.pinfo = e.slot.current(d.age > e.max_age)
-        d.margin = float(getattr(getattr(active.policy, "weights", None), "margin", -math.inf)) \
-            if active.kind == "model" else -math.inf
         w = getattr(active.policy, "weights", None) if active.kind == "model" else None
+        d.margin = float(getattr(w, "margin", -math.inf))
         d.guarded = w is not None and policy_rule.holds(w, e.wants_affinity(d.req))
         n_alt = self._fused(d, active)
         if n_alt >= 0:
